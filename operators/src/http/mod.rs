@@ -1,0 +1,244 @@
+//! HTTP ingresses and the plumbing they share: binding, OpenAI-style error objects, API keys,
+//! health endpoints, body limits and graceful shutdown.
+//!
+//! Errors that reach a client are OpenAI error objects
+//! (`{"error": {"message", "type", "param", "code"}}`) with a stable `type` and `code`; detail
+//! meant for operators goes to the log.
+
+pub mod text;
+
+use std::net::SocketAddr;
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use dyn_pipeline::{BuildError, ErrorKind, Invalid, OpError, ShutdownSignal};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+/// Settings every HTTP ingress accepts (flattened into its config).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to listen on. Loopback by default: exposing a server is a deliberate choice.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Largest request body accepted; bigger ones get 413.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    /// When non-empty, requests must carry `Authorization: Bearer <one of these>`.
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8000".to_owned()
+}
+
+fn default_max_body() -> usize {
+    4 << 20
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        if self.listen.parse::<SocketAddr>().is_err() {
+            out.push(Invalid::field(
+                "listen",
+                format!("`{}` is not an address like 127.0.0.1:8000", self.listen),
+            ));
+        }
+        if self.max_body_bytes == 0 {
+            out.push(Invalid::field("max_body_bytes", "must be at least 1"));
+        }
+        if self.api_keys.iter().any(String::is_empty) {
+            out.push(Invalid::field("api_keys", "keys must not be empty"));
+        }
+        out
+    }
+
+    /// Bind at build time so a taken port fails start-up with a clear message.
+    pub async fn bind(&self, node: &str) -> Result<TcpListener, BuildError> {
+        let listener = TcpListener::bind(&self.listen)
+            .await
+            .map_err(|e| BuildError::new(format!("cannot listen on {}: {e}", self.listen)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| BuildError::new(format!("cannot read the bound address: {e}")))?;
+        tracing::info!(node, addr = %addr, "HTTP ingress listening");
+        Ok(listener)
+    }
+}
+
+/// An error response in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl From<OpError> for ApiError {
+    fn from(e: OpError) -> Self {
+        match e.kind {
+            ErrorKind::InvalidRequest => ApiError::invalid("invalid_request", e.message),
+            ErrorKind::Unavailable => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "no_worker_available",
+                e.message,
+            ),
+            ErrorKind::Cancelled => ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_cancelled",
+                "cancelled",
+                e.message,
+            ),
+            ErrorKind::Internal => {
+                tracing::error!(error = %e.message, "Internal error answered as 500");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "internal_error",
+                    "internal error",
+                )
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// Turn an axum body rejection (too large, unreadable) into an OpenAI error.
+pub fn body_error(rejection: axum::extract::rejection::BytesRejection) -> ApiError {
+    let status = rejection.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            "request_too_large",
+            "request body is too large",
+        )
+    } else {
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            "invalid_body",
+            rejection.body_text(),
+        )
+    }
+}
+
+/// Parse a JSON body with serde's message (line, column, field) as the client's error.
+pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
+}
+
+/// The `x-request-id` a client sent, if it is usable as ours.
+pub fn request_id(headers: &HeaderMap) -> Option<dyn_pipeline::RequestId> {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(dyn_pipeline::RequestId::from)
+}
+
+/// Middleware: require `Authorization: Bearer KEY` when keys are configured.
+pub async fn require_api_key(
+    State(keys): State<std::sync::Arc<Vec<String>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if keys.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(k) if keys.iter().any(|key| key == k) => next.run(req).await,
+        _ => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            "missing or invalid API key",
+        )
+        .into_response(),
+    }
+}
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "healthy"}))
+}
+
+pub async fn live() -> Json<serde_json::Value> {
+    Json(json!({"status": "live"}))
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        "no such route",
+    )
+}
+
+/// Serve `app` until shutdown, then let open requests finish (the runtime bounds how long).
+pub async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: ShutdownSignal,
+) -> Result<(), OpError> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
+}

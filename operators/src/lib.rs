@@ -1,0 +1,17 @@
+//! dyn-operators: every operator kind a graph can name, and the registry that lists them.
+//!
+//! One module per kind. Kinds are registered explicitly in [`registry`]; a kind missing from
+//! that list cannot be used in a graph.
+
+pub mod echo;
+pub mod http;
+pub mod types;
+
+use dyn_pipeline::Registry;
+
+/// The kinds this build of dyn knows.
+pub fn registry() -> Registry {
+    Registry::new()
+        .ingress::<http::text::HttpTextConfig>()
+        .operator::<echo::EchoConfig>()
+}

@@ -1,0 +1,320 @@
+//! The per-request context every operator receives.
+//!
+//! A [`Ctx`] names the request, carries its tracing span and optional deadline, and tells the
+//! operators working on it when to wind down. There are two ways to end a request, and they are
+//! kept apart because engines treat them differently (as Dynamo's `AsyncEngineContext` does):
+//!
+//! - [`Ctx::stop`] asks for a clean finish: an engine may emit what it already computed and a
+//!   final chunk with a finish reason;
+//! - [`Ctx::kill`] aborts: nobody is listening any more (the client went away, the deadline
+//!   passed, shutdown ran out of grace), so work and memory should be released at once.
+//!
+//! Contexts form a tree: a child created with [`Ctx::child`] observes its parent's stop and kill,
+//! so cancelling an HTTP request reaches every sub-request it fanned out to. The tree is built on
+//! `tokio_util`'s `CancellationToken`, which already unlinks dropped children.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+/// A request identifier, unique per request and carried into every log line as `request_id`.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct RequestId(Arc<str>);
+
+impl RequestId {
+    /// A fresh random identifier.
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4().simple().to_string().into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        Self(s.into())
+    }
+}
+
+impl From<String> for RequestId {
+    fn from(s: String) -> Self {
+        Self(s.into())
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+/// Cheap-to-clone request context. See the module docs.
+#[derive(Clone)]
+pub struct Ctx {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    id: RequestId,
+    /// Cancelled by `stop()` and by `kill()`: "finish soon".
+    stop: CancellationToken,
+    /// Cancelled by `kill()` only: "abort now".
+    kill: CancellationToken,
+    deadline: Option<Instant>,
+    span: tracing::Span,
+}
+
+impl fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ctx")
+            .field("id", &self.inner.id)
+            .field("stopped", &self.is_stopped())
+            .field("killed", &self.is_killed())
+            .field("deadline", &self.inner.deadline)
+            .finish()
+    }
+}
+
+impl Ctx {
+    /// A root context with a fresh random id.
+    pub fn new() -> Self {
+        Self::with_id(RequestId::random())
+    }
+
+    /// A root context with the given id (for example a client-supplied `x-request-id`).
+    pub fn with_id(id: impl Into<RequestId>) -> Self {
+        let id = id.into();
+        let span = tracing::info_span!("request", request_id = %id);
+        Self::from_parts(
+            id,
+            CancellationToken::new(),
+            CancellationToken::new(),
+            None,
+            span,
+        )
+    }
+
+    fn from_parts(
+        id: RequestId,
+        stop: CancellationToken,
+        kill: CancellationToken,
+        deadline: Option<Instant>,
+        span: tracing::Span,
+    ) -> Self {
+        // A kill always implies a stop; doing it by a watcher task would need a runtime, so
+        // `stop` is instead checked together with `kill` everywhere it is read.
+        Self {
+            inner: Arc::new(Inner {
+                id,
+                stop,
+                kill,
+                deadline,
+                span,
+            }),
+        }
+    }
+
+    /// A linked child: it observes this context's stop, kill and deadline, and can be stopped or
+    /// killed on its own without touching the parent.
+    pub fn child(&self, id: impl Into<RequestId>) -> Self {
+        let id = id.into();
+        let span = tracing::info_span!(parent: &self.inner.span, "request", request_id = %id);
+        Self::from_parts(
+            id,
+            self.inner.stop.child_token(),
+            self.inner.kill.child_token(),
+            self.inner.deadline,
+            span,
+        )
+    }
+
+    /// The same request with a deadline; an earlier deadline already in force is kept.
+    pub fn with_deadline(&self, deadline: Instant) -> Self {
+        let deadline = Some(self.inner.deadline.map_or(deadline, |d| d.min(deadline)));
+        Self::from_parts(
+            self.inner.id.clone(),
+            self.inner.stop.child_token(),
+            self.inner.kill.child_token(),
+            deadline,
+            self.inner.span.clone(),
+        )
+    }
+
+    /// The same request with a deadline `timeout` from now.
+    pub fn with_timeout(&self, timeout: Duration) -> Self {
+        self.with_deadline(Instant::now() + timeout)
+    }
+
+    pub fn id(&self) -> &RequestId {
+        &self.inner.id
+    }
+
+    pub fn span(&self) -> &tracing::Span {
+        &self.inner.span
+    }
+
+    pub fn deadline(&self) -> Option<Instant> {
+        self.inner.deadline
+    }
+
+    /// Ask for a clean finish of this request and its children.
+    pub fn stop(&self) {
+        self.inner.stop.cancel();
+    }
+
+    /// Abort this request and its children.
+    pub fn kill(&self) {
+        self.inner.kill.cancel();
+        self.inner.stop.cancel();
+    }
+
+    /// True once `stop()` or `kill()` reached this context, or its deadline passed.
+    pub fn is_stopped(&self) -> bool {
+        self.inner.stop.is_cancelled() || self.is_killed()
+    }
+
+    /// True once `kill()` reached this context, or its deadline passed.
+    pub fn is_killed(&self) -> bool {
+        self.inner.kill.is_cancelled() || self.deadline_passed()
+    }
+
+    fn deadline_passed(&self) -> bool {
+        self.inner.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Resolves when the request should finish: stopped, killed, or past its deadline.
+    pub async fn stopped(&self) {
+        tokio::select! {
+            _ = self.inner.stop.cancelled() => {}
+            _ = self.killed() => {}
+        }
+    }
+
+    /// Resolves when the request is aborted: killed, or past its deadline.
+    pub async fn killed(&self) {
+        match self.inner.deadline {
+            Some(deadline) => {
+                tokio::select! {
+                    _ = self.inner.kill.cancelled() => {}
+                    _ = tokio::time::sleep_until(deadline.into()) => {}
+                }
+            }
+            None => self.inner.kill.cancelled().await,
+        }
+    }
+
+    /// A guard that kills this context when dropped, unless disarmed. Ingresses hold one per
+    /// response so that a client hanging up reaches the engine.
+    pub fn kill_on_drop(&self) -> KillOnDrop {
+        KillOnDrop(Some(self.clone()))
+    }
+}
+
+impl Default for Ctx {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// See [`Ctx::kill_on_drop`].
+#[must_use]
+pub struct KillOnDrop(Option<Ctx>);
+
+impl KillOnDrop {
+    /// The request finished normally: dropping the guard no longer kills it.
+    pub fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0.take() {
+            ctx.kill();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_parent_reaches_children_and_grandchildren() {
+        let root = Ctx::with_id("root");
+        let child = root.child("child");
+        let grandchild = child.child("grandchild");
+        assert!(!grandchild.is_stopped());
+        root.kill();
+        assert!(child.is_killed() && child.is_stopped());
+        assert!(grandchild.is_killed() && grandchild.is_stopped());
+    }
+
+    #[test]
+    fn stop_is_not_kill() {
+        let root = Ctx::new();
+        let child = root.child("c");
+        root.stop();
+        assert!(child.is_stopped());
+        assert!(!child.is_killed());
+    }
+
+    #[test]
+    fn cancelling_a_child_leaves_the_parent_alone() {
+        let root = Ctx::new();
+        let child = root.child("c");
+        let sibling = root.child("s");
+        child.kill();
+        assert!(!root.is_stopped());
+        assert!(!sibling.is_stopped());
+    }
+
+    #[test]
+    fn child_created_after_kill_is_killed() {
+        let root = Ctx::new();
+        root.kill();
+        assert!(root.child("late").is_killed());
+    }
+
+    #[tokio::test]
+    async fn killed_future_resolves_for_linked_child() {
+        let root = Ctx::new();
+        let child = root.child("c");
+        let waiter = tokio::spawn(async move { child.killed().await });
+        root.kill();
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("child observed the kill")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn deadline_counts_as_kill() {
+        let ctx = Ctx::new().with_timeout(Duration::from_millis(10));
+        let child = ctx.child("c");
+        tokio::time::timeout(Duration::from_secs(5), child.killed())
+            .await
+            .expect("deadline reached");
+        assert!(child.is_killed());
+    }
+
+    #[test]
+    fn kill_on_drop_guard() {
+        let ctx = Ctx::new();
+        drop(ctx.kill_on_drop());
+        assert!(ctx.is_killed());
+        let ctx = Ctx::new();
+        ctx.kill_on_drop().disarm();
+        assert!(!ctx.is_stopped());
+    }
+}

@@ -1,0 +1,30 @@
+//! dyn-pipeline: the small core every dyn graph is built on.
+//!
+//! It owns the operator abstraction ([`Operator`], one typed stream in and one out per request,
+//! with a [`Ctx`]), the registry of operator kinds, the graph spec and its compiler (every
+//! error at once, with `FILE:LINE:COL`), the planner, the three planes (discovery, events,
+//! requests) and the embedded runtime. It knows nothing about LLMs: those operators live in
+//! `dyn-operators`.
+
+pub mod compile;
+pub mod ctx;
+pub mod diag;
+pub mod operator;
+pub mod payload;
+pub mod plan;
+pub mod planes;
+pub mod registry;
+pub mod runtime;
+pub mod spec;
+
+pub use compile::{CompiledGraph, compile, load_and_compile};
+pub use ctx::{Ctx, RequestId};
+pub use diag::{Diagnostic, Diagnostics, Pos, Severity};
+pub use operator::{Chain, ErrorKind, Ingress, Input, OpError, Operator, Output, ShutdownSignal};
+pub use payload::{Codec, Payload, PayloadType};
+pub use plan::{Format, Plan};
+pub use registry::{BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Registry};
+pub use runtime::{RunOptions, run};
+
+/// Exit code for configuration errors (`EX_CONFIG` from sysexits.h).
+pub const EXIT_CONFIG: i32 = 78;

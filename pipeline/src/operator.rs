@@ -1,0 +1,209 @@
+//! The operator abstraction: one request is a typed stream in and a typed stream out.
+//!
+//! [`Operator`] is the one trait every processing kind implements (preprocess, route, decode,
+//! postprocess, echo, ...). A unary step is simply a stream of one item. Kinds that bring
+//! requests into the graph from the outside (HTTP) implement [`Ingress`] instead: they receive a
+//! [`Chain`] that runs the rest of the graph for one request and hands back the response stream.
+//!
+//! Types stay generic inside operators; [`erase`] turns an operator into a [`DynOperator`] over
+//! [`AnyPayload`] once the compiler has checked every edge.
+
+use std::fmt;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::stream::{BoxStream, StreamExt};
+
+use crate::ctx::{Ctx, RequestId};
+use crate::payload::{AnyPayload, Payload, downcast};
+
+/// The input side of one request.
+pub type Input<T> = BoxStream<'static, T>;
+/// The output side of one request; an `Err` item ends the response.
+pub type Output<T> = BoxStream<'static, Result<T, OpError>>;
+
+/// A streaming operator. See the module docs.
+pub trait Operator: Send + Sync + 'static {
+    type In: Payload;
+    type Out: Payload;
+
+    /// Serve one request. The returned stream is polled by the caller; dropping it abandons
+    /// the request, and implementations should also watch `ctx` for stop and kill.
+    fn call(&self, ctx: Ctx, input: Input<Self::In>) -> Output<Self::Out>;
+}
+
+/// An error produced while serving a request. `kind` decides what a client is told (an HTTP
+/// ingress maps it to a status code); `message` is safe to show to the client, and detail for
+/// operators goes to the log.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct OpError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The request itself is wrong (4xx).
+    InvalidRequest,
+    /// No replica can take the request now (503).
+    Unavailable,
+    /// The request was cancelled or passed its deadline.
+    Cancelled,
+    /// A bug or an unexpected failure (500).
+    Internal,
+}
+
+impl OpError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidRequest, message)
+    }
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unavailable, message)
+    }
+    pub fn cancelled() -> Self {
+        Self::new(ErrorKind::Cancelled, "request cancelled")
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+}
+
+/// The type-erased operator the runtime holds.
+pub trait DynOperator: Send + Sync + 'static {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload>;
+}
+
+struct Erased<O>(O);
+
+/// Erase an operator's types; only done after the compiler checked the edges.
+pub fn erase<O: Operator>(op: O) -> Arc<dyn DynOperator> {
+    Arc::new(Erased(op))
+}
+
+impl<O: Operator> DynOperator for Erased<O> {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let input = input
+            .filter_map(|item| async move {
+                match downcast::<O::In>(item) {
+                    Ok(v) => Some(v),
+                    Err(other) => {
+                        // The compiler rules this out; if it ever happens it is our bug, so
+                        // log it loudly instead of taking the process down.
+                        tracing::error!(
+                            expected = O::In::NAME,
+                            found = other.type_name(),
+                            "payload type mismatch dropped an item"
+                        );
+                        None
+                    }
+                }
+            })
+            .boxed();
+        self.0
+            .call(ctx, input)
+            .map(|r| r.map(|v| Box::new(v) as AnyPayload))
+            .boxed()
+    }
+}
+
+/// Runs the rest of the graph for requests an [`Ingress`] accepted.
+#[derive(Clone)]
+pub struct Chain<Req, Resp> {
+    inner: Arc<dyn DynChain>,
+    _types: std::marker::PhantomData<fn(Req) -> Resp>,
+}
+
+/// Object-safe chain the runtime provides.
+pub trait DynChain: Send + Sync + 'static {
+    /// A context for a new request, linked to the runtime so shutdown can reach it.
+    fn new_ctx(&self, id: RequestId) -> Ctx;
+    fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload>;
+}
+
+impl<Req: Payload, Resp: Payload> Chain<Req, Resp> {
+    pub fn new(inner: Arc<dyn DynChain>) -> Self {
+        Self {
+            inner,
+            _types: std::marker::PhantomData,
+        }
+    }
+
+    /// A context for a new request (`id` from the client, or random).
+    pub fn ctx(&self, id: Option<RequestId>) -> Ctx {
+        self.inner.new_ctx(id.unwrap_or_else(RequestId::random))
+    }
+
+    /// Send one request down the graph; the stream yields the last node's outputs.
+    pub fn call(&self, ctx: Ctx, request: Req) -> Output<Resp> {
+        self.inner
+            .call(ctx, Box::new(request))
+            .map(|item| {
+                item.and_then(|v| {
+                    downcast::<Resp>(v).map_err(|other| {
+                        OpError::internal(format!(
+                            "graph returned `{}` where `{}` was expected",
+                            other.type_name(),
+                            Resp::NAME
+                        ))
+                    })
+                })
+            })
+            .boxed()
+    }
+}
+
+impl<Req, Resp> fmt::Debug for Chain<Req, Resp> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Chain")
+    }
+}
+
+/// Resolves when the runtime asks ingresses to stop accepting new work.
+pub type ShutdownSignal = futures::future::Shared<BoxFuture<'static, ()>>;
+
+/// A kind that brings requests into the graph (HTTP and friends).
+pub trait Ingress: Send + Sync + 'static {
+    /// What it sends down the graph.
+    type Request: Payload;
+    /// What it expects back from the last node.
+    type Response: Payload;
+
+    /// Accept requests until `shutdown` resolves, then finish in-flight ones and return.
+    fn serve(
+        self: Box<Self>,
+        chain: Chain<Self::Request, Self::Response>,
+        shutdown: ShutdownSignal,
+    ) -> BoxFuture<'static, Result<(), OpError>>;
+}
+
+/// The type-erased ingress the runtime holds.
+pub trait DynIngress: Send + 'static {
+    fn serve(
+        self: Box<Self>,
+        chain: Arc<dyn DynChain>,
+        shutdown: ShutdownSignal,
+    ) -> BoxFuture<'static, Result<(), OpError>>;
+}
+
+struct ErasedIngress<I>(Box<I>);
+
+pub fn erase_ingress<I: Ingress>(ingress: I) -> Box<dyn DynIngress> {
+    Box::new(ErasedIngress(Box::new(ingress)))
+}
+
+impl<I: Ingress> DynIngress for ErasedIngress<I> {
+    fn serve(
+        self: Box<Self>,
+        chain: Arc<dyn DynChain>,
+        shutdown: ShutdownSignal,
+    ) -> BoxFuture<'static, Result<(), OpError>> {
+        self.0.serve(Chain::new(chain), shutdown)
+    }
+}

@@ -1,0 +1,210 @@
+//! Payload types: what flows along an edge, and whether it can leave the process.
+//!
+//! Operators are generic over their input and output types; the compiler compares those types
+//! by [`PayloadType`] and, once a graph has type-checked, the runtime moves values around as
+//! [`AnyPayload`] boxes (erasing the type once, as axum does at its router). A payload that has
+//! a [`Codec`] may cross a process boundary; one without must stay in the process that made it,
+//! and the planner says so when a placement would need it to travel.
+
+use std::any::{Any, TypeId};
+use std::fmt;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A value that travels along an edge of a graph.
+pub trait Payload: Send + 'static {
+    /// Short type name used in diagnostics and plans, e.g. `Text` or `ChatRequest`.
+    const NAME: &'static str;
+
+    /// How the value crosses a process boundary; `None` keeps it in-process.
+    fn codec() -> Option<Codec> {
+        None
+    }
+
+    /// The replica that must serve this value, when an upstream operator (a router) chose one.
+    fn target_instance(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The type-erased form the runtime moves between operators.
+pub type AnyPayload = Box<dyn ErasedPayload>;
+
+/// Object-safe face of [`Payload`].
+pub trait ErasedPayload: Any + Send {
+    fn type_name(&self) -> &'static str;
+    fn target_instance(&self) -> Option<u64>;
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<T: Payload> ErasedPayload for T {
+    fn type_name(&self) -> &'static str {
+        T::NAME
+    }
+    fn target_instance(&self) -> Option<u64> {
+        Payload::target_instance(self)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl fmt::Debug for dyn ErasedPayload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "<{}>", self.type_name())
+    }
+}
+
+/// Recover the concrete value; `Err` gives the box back when the type is not `T`.
+pub fn downcast<T: Payload>(value: AnyPayload) -> Result<T, AnyPayload> {
+    if value.as_any().is::<T>() {
+        match value.into_any().downcast::<T>() {
+            Ok(v) => Ok(*v),
+            // Unreachable after the `is` check; there is no way back into an `AnyPayload`.
+            Err(_) => unreachable_mismatch::<T>(),
+        }
+    } else {
+        Err(value)
+    }
+}
+
+#[cold]
+fn unreachable_mismatch<T: Payload>() -> Result<T, AnyPayload> {
+    unreachable!("type id of {} changed between checks", T::NAME)
+}
+
+/// Encoding of a payload for the wire.
+#[derive(Clone, Copy)]
+pub struct Codec {
+    pub format: &'static str,
+    pub encode: fn(&dyn ErasedPayload) -> Result<Vec<u8>, CodecError>,
+    pub decode: fn(&[u8]) -> Result<AnyPayload, CodecError>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("cannot encode `{found}` with the codec of `{expected}`")]
+    WrongType {
+        expected: &'static str,
+        found: &'static str,
+    },
+    #[error("{type_name}: {source}")]
+    Json {
+        type_name: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl Codec {
+    /// JSON through serde: the default codec, readable on the wire and in captures.
+    pub fn json<T: Payload + Serialize + DeserializeOwned>() -> Codec {
+        Codec {
+            format: "json",
+            encode: |value| {
+                let v = value
+                    .as_any()
+                    .downcast_ref::<T>()
+                    .ok_or(CodecError::WrongType {
+                        expected: T::NAME,
+                        found: value.type_name(),
+                    })?;
+                serde_json::to_vec(v).map_err(|source| CodecError::Json {
+                    type_name: T::NAME,
+                    source,
+                })
+            },
+            decode: |bytes| {
+                serde_json::from_slice::<T>(bytes)
+                    .map(|v| Box::new(v) as AnyPayload)
+                    .map_err(|source| CodecError::Json {
+                        type_name: T::NAME,
+                        source,
+                    })
+            },
+        }
+    }
+}
+
+/// A payload type as the compiler sees it.
+#[derive(Clone, Copy)]
+pub struct PayloadType {
+    pub name: &'static str,
+    pub id: TypeId,
+    pub codec: Option<Codec>,
+}
+
+impl PayloadType {
+    pub fn of<T: Payload>() -> Self {
+        Self {
+            name: T::NAME,
+            id: TypeId::of::<T>(),
+            codec: T::codec(),
+        }
+    }
+}
+
+impl PartialEq for PayloadType {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+impl fmt::Debug for PayloadType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+impl fmt::Display for PayloadType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`", self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Wired(String);
+    impl Payload for Wired {
+        const NAME: &'static str = "Wired";
+        fn codec() -> Option<Codec> {
+            Some(Codec::json::<Self>())
+        }
+    }
+
+    struct Local;
+    impl Payload for Local {
+        const NAME: &'static str = "Local";
+    }
+
+    #[test]
+    fn downcast_roundtrip_and_mismatch() {
+        let any: AnyPayload = Box::new(Wired("x".into()));
+        assert_eq!(any.type_name(), "Wired");
+        let back = downcast::<Local>(any).expect_err("not a Local");
+        assert_eq!(downcast::<Wired>(back).unwrap(), Wired("x".into()));
+    }
+
+    #[test]
+    fn json_codec_roundtrip_and_wrong_type() {
+        let codec = PayloadType::of::<Wired>().codec.unwrap();
+        let bytes = (codec.encode)(&Wired("hé".into())).unwrap();
+        let back = downcast::<Wired>((codec.decode)(&bytes).unwrap()).unwrap();
+        assert_eq!(back, Wired("hé".into()));
+        assert!(matches!(
+            (codec.encode)(&Local),
+            Err(CodecError::WrongType { .. })
+        ));
+        assert!((codec.decode)(b"{not json").is_err());
+        assert!(PayloadType::of::<Local>().codec.is_none());
+    }
+}

@@ -1,0 +1,51 @@
+//! The three planes every graph runs on, as traits with swappable implementations.
+//!
+//! - control ([`Discovery`]): which instances of which node exist and how to reach them;
+//! - events ([`EventBus`]): fire-and-forget messages such as KV-cache events and load metrics;
+//! - requests ([`RequestPlane`]): one request's input stream to an instance and its output
+//!   stream back.
+//!
+//! The embedded implementations here run everything inside one process with no set-up. The
+//! etcd, NATS and TCP implementations implement the same traits, so operators never know which
+//! they run on.
+
+pub mod discovery;
+pub mod events;
+pub mod request;
+
+use std::sync::Arc;
+
+pub use discovery::{Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, Transport};
+pub use events::{EmbeddedEventBus, Event, EventBus};
+pub use request::{EmbeddedRequestPlane, RequestPlane};
+
+/// Errors from any plane implementation.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaneError {
+    #[error("{plane} plane: {message}")]
+    Backend {
+        plane: &'static str,
+        message: String,
+    },
+    #[error("invalid subject `{0}`")]
+    InvalidSubject(String),
+}
+
+/// The planes one graph runs on, cheap to clone into every node.
+#[derive(Clone)]
+pub struct Planes {
+    pub discovery: Arc<dyn Discovery>,
+    pub events: Arc<dyn EventBus>,
+    pub requests: Arc<dyn RequestPlane>,
+}
+
+impl Planes {
+    /// All three planes in-process.
+    pub fn embedded() -> Self {
+        Self {
+            discovery: Arc::new(EmbeddedDiscovery::default()),
+            events: Arc::new(EmbeddedEventBus::default()),
+            requests: Arc::new(EmbeddedRequestPlane::default()),
+        }
+    }
+}

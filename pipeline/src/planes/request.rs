@@ -1,0 +1,89 @@
+//! The request plane: carry one request's input stream to an instance and its outputs back.
+//!
+//! The embedded plane calls the instance's operator directly: no copy, no serialization, no
+//! task hop, so a one-process graph costs little more than the operators themselves. A remote
+//! plane encodes with the payload types' wire codecs, which is why `call` is told the types.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures::stream::{self, StreamExt};
+use parking_lot::RwLock;
+
+use super::{Instance, PlaneError, Transport};
+use crate::ctx::Ctx;
+use crate::operator::{DynOperator, Input, OpError, Output};
+use crate::payload::{AnyPayload, PayloadType};
+
+/// The payload types of an endpoint, for planes that must encode them.
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointTypes {
+    pub input: PayloadType,
+    pub output: PayloadType,
+}
+
+#[async_trait]
+pub trait RequestPlane: Send + Sync + 'static {
+    /// Start serving `handler` as `instance`; returns how peers reach it.
+    async fn serve(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        handler: Arc<dyn DynOperator>,
+    ) -> Result<Transport, PlaneError>;
+
+    /// Stop serving an instance (new calls fail; calls in flight go on).
+    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError>;
+
+    /// Send one request to an instance.
+    fn call(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> Output<AnyPayload>;
+}
+
+/// In-process request plane.
+#[derive(Default)]
+pub struct EmbeddedRequestPlane {
+    handlers: RwLock<HashMap<u64, Arc<dyn DynOperator>>>,
+}
+
+#[async_trait]
+impl RequestPlane for EmbeddedRequestPlane {
+    async fn serve(
+        &self,
+        instance: &Instance,
+        _types: EndpointTypes,
+        handler: Arc<dyn DynOperator>,
+    ) -> Result<Transport, PlaneError> {
+        self.handlers.write().insert(instance.instance_id, handler);
+        Ok(Transport::InProcess)
+    }
+
+    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError> {
+        self.handlers.write().remove(&instance_id);
+        Ok(())
+    }
+
+    fn call(
+        &self,
+        instance: &Instance,
+        _types: EndpointTypes,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> Output<AnyPayload> {
+        let handler = self.handlers.read().get(&instance.instance_id).cloned();
+        match handler {
+            Some(h) => h.call(ctx, input),
+            None => stream::once(futures::future::ready(Err(OpError::unavailable(format!(
+                "instance {:x} of '{}' is gone",
+                instance.instance_id, instance.component
+            )))))
+            .boxed(),
+        }
+    }
+}

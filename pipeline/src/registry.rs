@@ -1,0 +1,230 @@
+//! The registry of operator kinds.
+//!
+//! A kind is a serde config type (`deny_unknown_fields`) that validates itself and builds the
+//! runtime object: [`OperatorConfig`] builds an [`Operator`], [`IngressConfig`] an [`Ingress`].
+//! The config type is kept apart from what it builds (vector's `FilterConfig` / `Filter`), so the
+//! compiler can check a graph without building anything. Registration is an explicit list
+//! (`Registry::new().operator::<EchoConfig>()…`): no inventory, no macros, and a test can
+//! register extra kinds of its own.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+
+use crate::operator::{DynIngress, DynOperator, Ingress, Operator, erase, erase_ingress};
+use crate::payload::PayloadType;
+use crate::planes::Planes;
+
+/// A problem `validate()` found in a config; `field` points the diagnostic at that key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Invalid {
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl Invalid {
+    pub fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+    pub fn general(message: impl Into<String>) -> Self {
+        Self {
+            field: None,
+            message: message.into(),
+        }
+    }
+}
+
+/// Failure to build a node at start-up (bind a port, load a model, ...).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct BuildError {
+    pub message: String,
+}
+
+impl BuildError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+}
+
+/// What a kind gets to build one replica.
+#[derive(Clone)]
+pub struct BuildCx {
+    pub graph: String,
+    pub namespace: String,
+    pub node: String,
+    pub replica: u32,
+    pub instance_id: u64,
+    /// The model named in the graph, if any.
+    pub model: Option<crate::spec::ModelSpec>,
+    /// Directory of the graph file: relative paths in configs are resolved against it.
+    pub base_dir: PathBuf,
+    pub planes: Planes,
+}
+
+/// A config for a processing kind.
+pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
+    const KIND: &'static str;
+    /// One line for `dyn graph kinds` and the docs.
+    const SUMMARY: &'static str;
+    type Op: Operator;
+
+    /// Semantic checks serde cannot express; every problem is reported, not just the first.
+    fn validate(&self) -> Vec<Invalid> {
+        Vec::new()
+    }
+
+    fn build(&self, cx: &BuildCx) -> impl Future<Output = Result<Self::Op, BuildError>> + Send;
+}
+
+/// A config for an ingress kind.
+pub trait IngressConfig: DeserializeOwned + Send + Sync + 'static {
+    const KIND: &'static str;
+    const SUMMARY: &'static str;
+    type Ingress: Ingress;
+
+    fn validate(&self) -> Vec<Invalid> {
+        Vec::new()
+    }
+
+    fn build(&self, cx: &BuildCx)
+    -> impl Future<Output = Result<Self::Ingress, BuildError>> + Send;
+}
+
+/// The two roles a node can have, with the payload types it declares.
+#[derive(Debug, Clone, Copy)]
+pub enum Role {
+    Operator {
+        input: PayloadType,
+        output: PayloadType,
+    },
+    Ingress {
+        request: PayloadType,
+        response: PayloadType,
+    },
+}
+
+/// A built node replica.
+pub enum Built {
+    Operator(Arc<dyn DynOperator>),
+    Ingress(Box<dyn DynIngress>),
+}
+
+/// A parsed config with its kind erased.
+pub trait DynConfig: Send + Sync {
+    fn validate(&self) -> Vec<Invalid>;
+    fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>>;
+}
+
+struct OpConfig<C>(C);
+struct InConfig<C>(C);
+
+impl<C: OperatorConfig> DynConfig for OpConfig<C> {
+    fn validate(&self) -> Vec<Invalid> {
+        self.0.validate()
+    }
+    fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>> {
+        async move { Ok(Built::Operator(erase(self.0.build(&cx).await?))) }.boxed()
+    }
+}
+
+impl<C: IngressConfig> DynConfig for InConfig<C> {
+    fn validate(&self) -> Vec<Invalid> {
+        self.0.validate()
+    }
+    fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>> {
+        async move { Ok(Built::Ingress(erase_ingress(self.0.build(&cx).await?))) }.boxed()
+    }
+}
+
+type ParseFn = fn(&marked_yaml::Node) -> Result<Arc<dyn DynConfig>, marked_yaml::FromNodeError>;
+
+/// One registered kind.
+#[derive(Clone)]
+pub struct Kind {
+    pub name: &'static str,
+    pub summary: &'static str,
+    pub role: Role,
+    parse: ParseFn,
+}
+
+impl Kind {
+    pub(crate) fn parse(
+        &self,
+        config: &marked_yaml::Node,
+    ) -> Result<Arc<dyn DynConfig>, marked_yaml::FromNodeError> {
+        (self.parse)(config)
+    }
+
+    pub fn is_ingress(&self) -> bool {
+        matches!(self.role, Role::Ingress { .. })
+    }
+}
+
+/// The explicit list of kinds a graph may use.
+#[derive(Clone, Default)]
+pub struct Registry {
+    kinds: BTreeMap<&'static str, Kind>,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn operator<C: OperatorConfig>(mut self) -> Self {
+        self.kinds.insert(
+            C::KIND,
+            Kind {
+                name: C::KIND,
+                summary: C::SUMMARY,
+                role: Role::Operator {
+                    input: PayloadType::of::<<C::Op as Operator>::In>(),
+                    output: PayloadType::of::<<C::Op as Operator>::Out>(),
+                },
+                parse: |node| {
+                    marked_yaml::from_node::<C>(node)
+                        .map(|c| Arc::new(OpConfig(c)) as Arc<dyn DynConfig>)
+                },
+            },
+        );
+        self
+    }
+
+    pub fn ingress<C: IngressConfig>(mut self) -> Self {
+        self.kinds.insert(
+            C::KIND,
+            Kind {
+                name: C::KIND,
+                summary: C::SUMMARY,
+                role: Role::Ingress {
+                    request: PayloadType::of::<<C::Ingress as Ingress>::Request>(),
+                    response: PayloadType::of::<<C::Ingress as Ingress>::Response>(),
+                },
+                parse: |node| {
+                    marked_yaml::from_node::<C>(node)
+                        .map(|c| Arc::new(InConfig(c)) as Arc<dyn DynConfig>)
+                },
+            },
+        );
+        self
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Kind> {
+        self.kinds.get(name)
+    }
+
+    pub fn kinds(&self) -> impl Iterator<Item = &Kind> {
+        self.kinds.values()
+    }
+}

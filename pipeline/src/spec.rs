@@ -1,0 +1,434 @@
+//! The graph spec: the YAML a user writes, loaded with the position of every value.
+//!
+//! All YAML parsing of the project goes through [`load`] (and [`load_str`]), so the YAML library
+//! can be swapped in one place. We use `marked-yaml` rather than `serde_yaml`: it keeps a line and
+//! column on every node and reports serde errors at the offending value, which the compiler
+//! needs for `FILE:LINE:COL` diagnostics; `serde_yaml` only locates syntax errors.
+//!
+//! ```yaml
+//! name: echo
+//! namespace: dev
+//! planes: {control: embedded, events: embedded}
+//! nodes:
+//!   ingress: {kind: http_text, config: {listen: "127.0.0.1:8000"}}
+//!   echo:    {kind: echo, inputs: [ingress], replicas: 2}
+//! ```
+
+use std::path::Path;
+
+use marked_yaml::{LoaderOptions, Node, Spanned};
+use serde::{Deserialize, Serialize};
+
+use crate::diag::{Diagnostic, Diagnostics, Pos};
+
+/// A loaded graph, not yet checked against the registry.
+#[derive(Debug, Clone)]
+pub struct GraphSpec {
+    pub name: String,
+    pub namespace: String,
+    pub planes: PlanesSpec,
+    pub model: Option<ModelSpec>,
+    pub nodes: Vec<NodeSpec>,
+}
+
+/// Where the control and event planes live, as written (`embedded`, `etcd://…`, `nats://…`).
+#[derive(Debug, Clone)]
+pub struct PlanesSpec {
+    pub control: (String, Option<Pos>),
+    pub events: (String, Option<Pos>),
+}
+
+/// The model a graph serves: a name for clients and a Hugging Face-style directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub name: String,
+    pub path: String,
+}
+
+/// One node as written.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    pub id: String,
+    pub pos: Option<Pos>,
+    pub kind: String,
+    pub kind_pos: Option<Pos>,
+    pub inputs: Vec<(String, Option<Pos>)>,
+    pub inputs_pos: Option<Pos>,
+    pub replicas: u32,
+    pub replicas_pos: Option<Pos>,
+    /// Process group; nodes sharing one run in the same OS process. Defaults to the node id.
+    pub process: String,
+    pub process_pos: Option<Pos>,
+    pub device: Device,
+    pub device_pos: Option<Pos>,
+    /// The kind's own config; an empty mapping when absent.
+    pub config: Node,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HeaderRaw {
+    name: Spanned<String>,
+    #[serde(default)]
+    namespace: Option<Spanned<String>>,
+    #[serde(default)]
+    planes: Option<PlanesRaw>,
+    #[serde(default)]
+    model: Option<ModelSpec>,
+    #[allow(dead_code)] // walked by hand below, to keep each node's config as a marked node
+    nodes: serde::de::IgnoredAny,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanesRaw {
+    #[serde(default)]
+    control: Option<Spanned<String>>,
+    #[serde(default)]
+    events: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeRaw {
+    kind: Spanned<String>,
+    #[serde(default)]
+    inputs: Option<Spanned<Vec<Spanned<String>>>>,
+    #[serde(default)]
+    replicas: Option<Spanned<u32>>,
+    #[serde(default)]
+    process: Option<Spanned<String>>,
+    #[serde(default)]
+    device: Option<Spanned<Device>>,
+    #[allow(dead_code)] // taken as a marked node, parsed later by the node's kind
+    #[serde(default)]
+    config: Option<serde::de::IgnoredAny>,
+}
+
+/// Names of the node-level fields; `--set NODE.KEY=V` with any other key edits the config.
+pub const NODE_FIELDS: &[&str] = &["kind", "inputs", "replicas", "process", "device", "config"];
+
+fn pos_of<T>(s: &Spanned<T>) -> Option<Pos> {
+    Pos::of_span(s.span())
+}
+
+/// Turn a serde error from `marked-yaml` into a diagnostic at the value it names.
+pub(crate) fn from_node_diag(
+    err: &marked_yaml::FromNodeError,
+    fallback: Option<Pos>,
+) -> (Option<Pos>, String) {
+    let pos = err.start_mark().map(|m| Pos::of_marker(&m)).or(fallback);
+    // The path prefix (`replicas: …`) repeats what the position already says; keep the
+    // message, lower-cased first letter for consistency with serde's own messages.
+    let mut msg = err.to_string();
+    if let Some(path) = err.path() {
+        if let Some(rest) = msg.strip_prefix(&format!("{path}: ")) {
+            msg = format!("field `{path}`: {rest}");
+        }
+    }
+    if let Some(first) = msg.get(..1) {
+        msg = first.to_lowercase() + &msg[1..];
+    }
+    (pos, msg)
+}
+
+/// An override given on the command line as `NODE.KEY=VALUE` (KEY may be dotted for nested
+/// config keys; `replicas`, `process`, `device` and `inputs` set the node's own fields).
+#[derive(Debug, Clone)]
+pub struct Override {
+    pub node: String,
+    pub path: Vec<String>,
+    pub value: String,
+}
+
+impl std::str::FromStr for Override {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (lhs, value) = s
+            .split_once('=')
+            .ok_or_else(|| format!("`{s}`: expected NODE.KEY=VALUE"))?;
+        let mut parts = lhs.split('.').map(str::to_owned);
+        let node = parts.next().unwrap_or_default();
+        let path: Vec<String> = parts.collect();
+        if node.is_empty() || path.is_empty() || path.iter().any(String::is_empty) {
+            return Err(format!("`{s}`: expected NODE.KEY=VALUE"));
+        }
+        Ok(Override {
+            node,
+            path,
+            value: value.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for Override {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "--set {}.{}={}",
+            self.node,
+            self.path.join("."),
+            self.value
+        )
+    }
+}
+
+/// Read and load a graph file. Errors come back as diagnostics naming the file.
+/// On success also returns the source names (the file, then each override) for diagnostics.
+pub fn load(path: &Path, overrides: &[Override]) -> Result<(GraphSpec, Vec<String>), Diagnostics> {
+    let name = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => load_str(&name, &text, overrides),
+        Err(e) => {
+            let mut d = Diagnostics::new(name);
+            d.push(Diagnostic::error(
+                None,
+                None,
+                format!("cannot read graph: {e}"),
+            ));
+            Err(d)
+        }
+    }
+}
+
+fn loader_options() -> LoaderOptions {
+    LoaderOptions::default().error_on_duplicate_keys(true)
+}
+
+fn parse(source: usize, text: &str) -> Result<Node, Diagnostic> {
+    marked_yaml::parse_yaml_with_options(source, text, loader_options()).map_err(|e| {
+        let (pos, msg) = load_error(&e);
+        Diagnostic::error(pos, None, msg)
+    })
+}
+
+fn load_error(e: &marked_yaml::LoadError) -> (Option<Pos>, String) {
+    use marked_yaml::LoadError as E;
+    match e {
+        E::TopLevelMustBeMapping(m) => (
+            Some(Pos::of_marker(m)),
+            "a graph file must be a YAML mapping".into(),
+        ),
+        E::TopLevelMustBeSequence(m) => {
+            (Some(Pos::of_marker(m)), "expected a YAML sequence".into())
+        }
+        E::UnexpectedAnchor(m) => (
+            Some(Pos::of_marker(m)),
+            "YAML anchors and aliases are not supported".into(),
+        ),
+        E::MappingKeyMustBeScalar(m) => (
+            Some(Pos::of_marker(m)),
+            "mapping keys must be plain scalars".into(),
+        ),
+        E::UnexpectedTag(m) => (
+            Some(Pos::of_marker(m)),
+            "YAML tags are not supported".into(),
+        ),
+        E::ScanError(m, err) => (
+            Some(Pos::of_marker(m)),
+            format!("YAML syntax error: {}", err.info()),
+        ),
+        E::DuplicateKey(inner) => (
+            inner.key.span().start().map(Pos::of_marker),
+            format!("duplicate key `{}`", inner.key.as_str()),
+        ),
+        // `LoadError` is non-exhaustive upstream.
+        #[allow(unreachable_patterns)]
+        other => (None, other.to_string()),
+    }
+}
+
+/// Load a graph from text; `file` is only used to name it in diagnostics.
+pub fn load_str(
+    file: &str,
+    text: &str,
+    overrides: &[Override],
+) -> Result<(GraphSpec, Vec<String>), Diagnostics> {
+    let mut diags = Diagnostics::new(file);
+    for o in overrides {
+        diags.sources.push(o.to_string());
+    }
+    let mut root = match parse(0, text) {
+        Ok(root) => root,
+        Err(d) => {
+            diags.push(d);
+            return Err(diags);
+        }
+    };
+    for (i, o) in overrides.iter().enumerate() {
+        if let Err(d) = apply_override(&mut root, i + 1, o) {
+            diags.push(d);
+        }
+    }
+    if diags.has_errors() {
+        return Err(diags);
+    }
+
+    let root_pos = Pos::of_span(root.span());
+    let header = match marked_yaml::from_node::<HeaderRaw>(&root) {
+        Ok(h) => h,
+        Err(e) => {
+            let (pos, msg) = from_node_diag(&e, root_pos);
+            diags.push(Diagnostic::error(pos, None, msg));
+            return Err(diags);
+        }
+    };
+    let planes = header.planes.unwrap_or(PlanesRaw {
+        control: None,
+        events: None,
+    });
+    let plane = |p: Option<Spanned<String>>| match p {
+        Some(s) => (s.to_string(), pos_of(&s)),
+        None => ("embedded".to_owned(), None),
+    };
+    let mut spec = GraphSpec {
+        name: header.name.to_string(),
+        namespace: header
+            .namespace
+            .map(|n| n.to_string())
+            .unwrap_or_else(|| "dyn".to_owned()),
+        planes: PlanesSpec {
+            control: plane(planes.control),
+            events: plane(planes.events),
+        },
+        model: header.model,
+        nodes: Vec::new(),
+    };
+
+    let Some(nodes) = root.as_mapping().and_then(|m| m.get_node("nodes")) else {
+        return Err(diags);
+    };
+    let Some(nodes) = nodes.as_mapping() else {
+        diags.push(Diagnostic::error(
+            Pos::of_span(nodes.span()),
+            None,
+            "`nodes` must be a mapping from node id to node",
+        ));
+        return Err(diags);
+    };
+    for (key, value) in nodes.iter() {
+        let id = key.as_str().to_owned();
+        let pos = Pos::of_span(key.span());
+        if id.is_empty()
+            || !id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            diags.push(Diagnostic::error(
+                pos,
+                Some(&id),
+                "node ids may use only letters, digits, `_` and `-`",
+            ));
+        }
+        let raw = match marked_yaml::from_node::<NodeRaw>(value) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let (p, msg) = from_node_diag(&e, pos);
+                diags.push(Diagnostic::error(p, Some(&id), msg));
+                continue;
+            }
+        };
+        let config = value
+            .as_mapping()
+            .and_then(|m| m.get_node("config"))
+            .cloned()
+            .unwrap_or_else(|| {
+                Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(
+                    value.span().clone(),
+                ))
+            });
+        let (inputs, inputs_pos) = match raw.inputs {
+            Some(list) => {
+                let p = pos_of(&list);
+                (list.iter().map(|i| (i.to_string(), pos_of(i))).collect(), p)
+            }
+            None => (Vec::new(), None),
+        };
+        spec.nodes.push(NodeSpec {
+            pos,
+            kind: raw.kind.to_string(),
+            kind_pos: pos_of(&raw.kind),
+            inputs,
+            inputs_pos,
+            replicas: raw.replicas.as_ref().map_or(1, |r| **r),
+            replicas_pos: raw.replicas.as_ref().and_then(pos_of),
+            process: raw
+                .process
+                .as_ref()
+                .map_or_else(|| id.clone(), |p| p.to_string()),
+            process_pos: raw.process.as_ref().and_then(pos_of),
+            device: raw.device.as_ref().map_or(Device::Cpu, |d| **d),
+            device_pos: raw.device.as_ref().and_then(pos_of),
+            config,
+            id,
+        });
+    }
+    if diags.has_errors() {
+        Err(diags)
+    } else {
+        Ok((spec, diags.sources))
+    }
+}
+
+/// Write one `--set` into the YAML tree before anything reads it, so the value is checked
+/// exactly as if it had been in the file (and diagnostics point at the `--set`).
+fn apply_override(root: &mut Node, source: usize, o: &Override) -> Result<(), Diagnostic> {
+    let err = |msg: String| {
+        Diagnostic::error(
+            Some(Pos {
+                source,
+                line: 1,
+                col: 1,
+            }),
+            Some(&o.node),
+            msg,
+        )
+    };
+    // Parse the value as YAML so `--set echo.delay_ms=5` is a number and `[a, b]` a list.
+    let doc = parse(source, &format!("v: {}", o.value)).map_err(|d| Diagnostic {
+        node: Some(o.node.clone()),
+        ..d
+    })?;
+    let value = doc
+        .as_mapping()
+        .and_then(|m| m.get_node("v"))
+        .cloned()
+        .ok_or_else(|| err("empty value".into()))?;
+    let node = root
+        .as_mapping_mut()
+        .and_then(|m| m.get_mut("nodes"))
+        .and_then(Node::as_mapping_mut)
+        .and_then(|m| m.get_mut(o.node.as_str()))
+        .and_then(Node::as_mapping_mut)
+        .ok_or_else(|| err(format!("no node '{}' to override", o.node)))?;
+    let mut path: Vec<&str> = o.path.iter().map(String::as_str).collect();
+    if !NODE_FIELDS.contains(&path[0]) {
+        path.insert(0, "config");
+    }
+    let mut map = node;
+    let last = path.len() - 1;
+    for (i, key) in path.iter().enumerate() {
+        let span = marked_yaml::Span::new_start(marked_yaml::Marker::new(source, 0, 1, 1));
+        let k = marked_yaml::types::MarkedScalarNode::new(span.clone(), *key);
+        if i == last {
+            map.insert(k, value);
+            return Ok(());
+        }
+        let entry = map.entry(k).or_insert_with(|| {
+            Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(span))
+        });
+        map = entry
+            .as_mapping_mut()
+            .ok_or_else(|| err(format!("`{key}` is not a mapping")))?;
+    }
+    Ok(())
+}
