@@ -102,9 +102,9 @@ pub fn load_and_compile(
     overrides: &[Override],
     registry: &Registry,
 ) -> Result<CompiledGraph, Diagnostics> {
-    let (spec, sources) = spec::load(path, overrides)?;
+    let (spec, diags) = spec::load(path, overrides)?;
     let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    compile(&spec, sources, base_dir, registry)
+    compile(&spec, diags, base_dir, registry)
 }
 
 fn parse_plane(
@@ -155,17 +155,13 @@ fn field_pos(config: &Node, field: &str) -> Option<Pos> {
     Pos::of_span(node.span())
 }
 
-/// Compile a loaded spec. `sources` names the file and overrides for diagnostics.
+/// Compile a loaded spec, adding to the diagnostics its loading produced.
 pub fn compile(
     spec: &GraphSpec,
-    sources: Vec<String>,
+    mut diags: Diagnostics,
     base_dir: PathBuf,
     registry: &Registry,
 ) -> Result<CompiledGraph, Diagnostics> {
-    let mut diags = Diagnostics {
-        sources,
-        items: Vec::new(),
-    };
     let control = parse_plane(&spec.planes.control, "etcd", "control", &mut diags);
     let events = parse_plane(&spec.planes.events, "nats", "events", &mut diags);
 
@@ -251,6 +247,9 @@ pub fn compile(
         let id = Some(n.id.as_str());
         for (input, pos) in &n.inputs {
             let Some(&i) = index.get(input.as_str()) else {
+                if spec.broken.contains(input) {
+                    continue;
+                }
                 diags.push(Diagnostic::error(
                     *pos,
                     id,
@@ -270,9 +269,10 @@ pub fn compile(
             consumers[i].push((j, *pos));
             if let (Some((up, _)), Some((down, _))) = (&parsed[i], &parsed[j]) {
                 let produced = output_type(up);
-                if let Some(expected) = input_type(down) {
-                    if produced != expected {
-                        diags.push(Diagnostic::error(
+                if let Some(expected) = input_type(down)
+                    && produced != expected
+                {
+                    diags.push(Diagnostic::error(
                             *pos,
                             id,
                             format!(
@@ -280,7 +280,6 @@ pub fn compile(
                                 n.id, up.name, n.id, down.name
                             ),
                         ));
-                    }
                 }
             }
         }
@@ -352,7 +351,7 @@ pub fn compile(
         chains.push(ChainPath { ingress: i, path });
     }
     for (i, n) in spec.nodes.iter().enumerate() {
-        if !on_chain[i] && parsed[i].is_some() && consumers[i].is_empty() && inputs[i].is_empty() {
+        if !on_chain[i] && parsed[i].is_some() && consumers[i].is_empty() && n.inputs.is_empty() {
             diags.push(Diagnostic::warning(
                 n.pos,
                 Some(&n.id),
@@ -376,14 +375,15 @@ pub fn compile(
                 ),
             ));
         }
-        if let Some((kind, _)) = &parsed[i] {
-            if kind.is_ingress() && n.replicas > 1 {
-                diags.push(Diagnostic::error(
+        if let Some((kind, _)) = &parsed[i]
+            && kind.is_ingress()
+            && n.replicas > 1
+        {
+            diags.push(Diagnostic::error(
                     n.replicas_pos,
                     Some(&n.id),
                     "an ingress cannot have replicas (each would bind the same address); run another graph instead",
                 ));
-            }
         }
     }
     for chain in &chains {

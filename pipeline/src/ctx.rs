@@ -240,6 +240,7 @@ impl KillOnDrop {
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
         if let Some(ctx) = self.0.take() {
+            tracing::debug!(request_id = %ctx.id(), "Request killed: its consumer went away");
             ctx.kill();
         }
     }

@@ -181,6 +181,7 @@ mod tests {
         }
     }
 
+    #[derive(Debug)]
     struct Local;
     impl Payload for Local {
         const NAME: &'static str = "Local";

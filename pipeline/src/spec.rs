@@ -29,6 +29,9 @@ pub struct GraphSpec {
     pub planes: PlanesSpec,
     pub model: Option<ModelSpec>,
     pub nodes: Vec<NodeSpec>,
+    /// Ids of nodes whose own fields did not parse (already reported); edges to them are not
+    /// reported again as dangling.
+    pub broken: Vec<String>,
 }
 
 /// Where the control and event planes live, as written (`embedded`, `etcd://…`, `nats://…`).
@@ -127,18 +130,21 @@ pub(crate) fn from_node_diag(
     fallback: Option<Pos>,
 ) -> (Option<Pos>, String) {
     let pos = err.start_mark().map(|m| Pos::of_marker(&m)).or(fallback);
-    // The path prefix (`replicas: …`) repeats what the position already says; keep the
-    // message, lower-cased first letter for consistency with serde's own messages.
-    let mut msg = err.to_string();
-    if let Some(path) = err.path() {
-        if let Some(rest) = msg.strip_prefix(&format!("{path}: ")) {
-            msg = format!("field `{path}`: {rest}");
-        }
-    }
-    if let Some(first) = msg.get(..1) {
-        msg = first.to_lowercase() + &msg[1..];
-    }
+    let inner = lower_first(&(**err).to_string());
+    let msg = match (&**err, err.path()) {
+        // The message already names the field.
+        (marked_yaml::Error::UnknownFieldError(..), _) | (_, None) => inner,
+        (_, Some(path)) => format!("field `{path}`: {inner}"),
+    };
     (pos, msg)
+}
+
+fn lower_first(s: &str) -> String {
+    let mut chars = s.chars();
+    match chars.next() {
+        Some(c) => c.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
 }
 
 /// An override given on the command line as `NODE.KEY=VALUE` (KEY may be dotted for nested
@@ -183,8 +189,10 @@ impl std::fmt::Display for Override {
 }
 
 /// Read and load a graph file. Errors come back as diagnostics naming the file.
-/// On success also returns the source names (the file, then each override) for diagnostics.
-pub fn load(path: &Path, overrides: &[Override]) -> Result<(GraphSpec, Vec<String>), Diagnostics> {
+/// `Err` when nothing more can be checked (unreadable file, YAML syntax, bad top level).
+/// Otherwise the spec comes with the diagnostics found so far (naming the file and each
+/// override), for the compiler to add to: a broken node does not hide errors elsewhere.
+pub fn load(path: &Path, overrides: &[Override]) -> Result<(GraphSpec, Diagnostics), Diagnostics> {
     let name = path.display().to_string();
     match std::fs::read_to_string(path) {
         Ok(text) => load_str(&name, &text, overrides),
@@ -252,7 +260,7 @@ pub fn load_str(
     file: &str,
     text: &str,
     overrides: &[Override],
-) -> Result<(GraphSpec, Vec<String>), Diagnostics> {
+) -> Result<(GraphSpec, Diagnostics), Diagnostics> {
     let mut diags = Diagnostics::new(file);
     for o in overrides {
         diags.sources.push(o.to_string());
@@ -268,9 +276,6 @@ pub fn load_str(
         if let Err(d) = apply_override(&mut root, i + 1, o) {
             diags.push(d);
         }
-    }
-    if diags.has_errors() {
-        return Err(diags);
     }
 
     let root_pos = Pos::of_span(root.span());
@@ -302,10 +307,11 @@ pub fn load_str(
         },
         model: header.model,
         nodes: Vec::new(),
+        broken: Vec::new(),
     };
 
     let Some(nodes) = root.as_mapping().and_then(|m| m.get_node("nodes")) else {
-        return Err(diags);
+        return Ok((spec, diags));
     };
     let Some(nodes) = nodes.as_mapping() else {
         diags.push(Diagnostic::error(
@@ -334,6 +340,7 @@ pub fn load_str(
             Err(e) => {
                 let (p, msg) = from_node_diag(&e, pos);
                 diags.push(Diagnostic::error(p, Some(&id), msg));
+                spec.broken.push(id);
                 continue;
             }
         };
@@ -343,7 +350,7 @@ pub fn load_str(
             .cloned()
             .unwrap_or_else(|| {
                 Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(
-                    value.span().clone(),
+                    *value.span(),
                 ))
             });
         let (inputs, inputs_pos) = match raw.inputs {
@@ -372,11 +379,7 @@ pub fn load_str(
             id,
         });
     }
-    if diags.has_errors() {
-        Err(diags)
-    } else {
-        Ok((spec, diags.sources))
-    }
+    Ok((spec, diags))
 }
 
 /// Write one `--set` into the YAML tree before anything reads it, so the value is checked
@@ -418,7 +421,7 @@ fn apply_override(root: &mut Node, source: usize, o: &Override) -> Result<(), Di
     let last = path.len() - 1;
     for (i, key) in path.iter().enumerate() {
         let span = marked_yaml::Span::new_start(marked_yaml::Marker::new(source, 0, 1, 1));
-        let k = marked_yaml::types::MarkedScalarNode::new(span.clone(), *key);
+        let k = marked_yaml::types::MarkedScalarNode::new(span, *key);
         if i == last {
             map.insert(k, value);
             return Ok(());

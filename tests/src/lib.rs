@@ -1,1 +1,142 @@
-//! placeholder
+//! Helpers for integration tests that drive the real `dyn` binary, in the manner of
+//! ripgrep's `TestCommand`: find the binary, run it, and for `dyn graph up` wait until the
+//! graph is serving and learn the address it bound.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers: a failure is a test failure
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The `dyn` binary under test: `$DYN_BIN`, or the one next to this test executable.
+pub fn dyn_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("DYN_BIN") {
+        return p.into();
+    }
+    // target/<profile>/deps/<test> → target/<profile>/dyn
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().unwrap().parent().unwrap().join("dyn");
+    assert!(
+        bin.exists(),
+        "{} not found: build it first (`cargo build -p dyn-cli`) or set DYN_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// A `dyn` command run from the repository root.
+pub fn dyn_cmd() -> Command {
+    let mut c = Command::new(dyn_bin());
+    c.current_dir(root());
+    c
+}
+
+/// Run `dyn ARGS…` to completion.
+pub fn run(args: &[&str]) -> Output {
+    dyn_cmd().args(args).output().unwrap()
+}
+
+/// A running `dyn graph up`, killed on drop.
+pub struct Graph {
+    child: Option<Child>,
+    /// The address the HTTP ingress bound (from its "listening" log line).
+    pub addr: String,
+    logs: Arc<Mutex<Vec<String>>>,
+}
+
+impl Graph {
+    /// Start `dyn graph up GRAPH --set ingress.listen=127.0.0.1:0 EXTRA…` with JSON logs and
+    /// wait until the ingress listens.
+    pub fn up(graph: &str, extra: &[&str]) -> Graph {
+        let mut child = dyn_cmd()
+            .args(["--log-format", "json", "graph", "up", graph])
+            .args(["--set", "ingress.listen=127.0.0.1:0"])
+            .args(extra)
+            .env("RUST_LOG", "info,dyn_operators=debug,dyn_pipeline=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                    && v["message"] == "HTTP ingress listening"
+                {
+                    let _ = tx.send(v["addr"].as_str().unwrap_or_default().to_owned());
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(addr) => addr,
+            Err(_) => panic!(
+                "graph did not start; logs:\n{}",
+                logs.lock().unwrap().join("\n")
+            ),
+        };
+        Graph {
+            child: Some(child),
+            addr,
+            logs,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Log lines so far (JSON, one per line).
+    pub fn logs(&self) -> Vec<String> {
+        self.logs.lock().unwrap().clone()
+    }
+
+    /// Send SIGTERM.
+    pub fn terminate(&self) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        let ok = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(ok.success());
+    }
+
+    /// Wait for exit (up to `timeout`) and return the exit code.
+    pub fn wait(mut self, timeout: Duration) -> Option<i32> {
+        let mut child = self.child.take().unwrap();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status.code();
+            }
+            if start.elapsed() > timeout {
+                let _ = child.kill();
+                panic!(
+                    "dyn did not exit in {timeout:?}; logs:\n{}",
+                    self.logs().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Compiler tests: one per error class, on small kinds defined here, with snapshots of the
+//! rendered diagnostics (their text and `FILE:LINE:COL` are part of the interface).
+
+use dyn_pipeline::registry::Invalid;
+use dyn_pipeline::spec::{Override, load_str};
+use dyn_pipeline::{
+    BuildCx, BuildError, Chain, Codec, Ctx, Diagnostics, Ingress, IngressConfig, Input, OpError,
+    Operator, OperatorConfig, Output, Payload, Plan, Registry, ShutdownSignal, compile,
+};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use serde::{Deserialize, Serialize};
+
+macro_rules! payload {
+    ($t:ident, wire) => {
+        #[derive(Serialize, Deserialize)]
+        struct $t;
+        impl Payload for $t {
+            const NAME: &'static str = stringify!($t);
+            fn codec() -> Option<Codec> {
+                Some(Codec::json::<Self>())
+            }
+        }
+    };
+    ($t:ident, local) => {
+        struct $t;
+        impl Payload for $t {
+            const NAME: &'static str = stringify!($t);
+        }
+    };
+}
+payload!(A, wire);
+payload!(B, wire);
+payload!(L, local);
+
+/// Operator kinds `A → B`, `B → B`, `A → L`, `L → B`, all with an optional bounded `factor`.
+macro_rules! op_kind {
+    ($cfg:ident, $op:ident, $name:literal, $in:ty, $out:ty) => {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $cfg {
+            #[serde(default)]
+            factor: u32,
+        }
+        struct $op;
+        impl Operator for $op {
+            type In = $in;
+            type Out = $out;
+            fn call(&self, _ctx: Ctx, _input: Input<$in>) -> Output<$out> {
+                futures::stream::empty().boxed()
+            }
+        }
+        impl OperatorConfig for $cfg {
+            const KIND: &'static str = $name;
+            const SUMMARY: &'static str = "test kind";
+            type Op = $op;
+            fn validate(&self) -> Vec<Invalid> {
+                if self.factor > 10 {
+                    vec![Invalid::field("factor", "must be at most 10")]
+                } else {
+                    vec![]
+                }
+            }
+            async fn build(&self, _cx: &BuildCx) -> Result<$op, BuildError> {
+                Ok($op)
+            }
+        }
+    };
+}
+op_kind!(A2BConfig, A2B, "a2b", A, B);
+op_kind!(B2BConfig, B2B, "b2b", B, B);
+op_kind!(A2LConfig, A2L, "a2l", A, L);
+op_kind!(L2BConfig, L2B, "l2b", L, B);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SrcConfig {
+    #[serde(default)]
+    #[allow(dead_code)]
+    port: u16,
+}
+struct Src;
+impl Ingress for Src {
+    type Request = A;
+    type Response = B;
+    fn serve(
+        self: Box<Self>,
+        _chain: Chain<A, B>,
+        _shutdown: ShutdownSignal,
+    ) -> BoxFuture<'static, Result<(), OpError>> {
+        async { Ok(()) }.boxed()
+    }
+}
+impl IngressConfig for SrcConfig {
+    const KIND: &'static str = "src";
+    const SUMMARY: &'static str = "test ingress";
+    type Ingress = Src;
+    async fn build(&self, _cx: &BuildCx) -> Result<Src, BuildError> {
+        Ok(Src)
+    }
+}
+
+fn registry() -> Registry {
+    Registry::new()
+        .ingress::<SrcConfig>()
+        .operator::<A2BConfig>()
+        .operator::<B2BConfig>()
+        .operator::<A2LConfig>()
+        .operator::<L2BConfig>()
+}
+
+fn check_with(
+    yaml: &str,
+    overrides: &[Override],
+) -> Result<dyn_pipeline::CompiledGraph, Diagnostics> {
+    let (spec, diags) = load_str("g.yaml", yaml, overrides)?;
+    compile(&spec, diags, ".".into(), &registry())
+}
+
+/// Compile and return the rendered errors (panics if the graph is valid).
+fn errors(yaml: &str) -> String {
+    match check_with(yaml, &[]) {
+        Ok(_) => panic!("graph unexpectedly valid:\n{yaml}"),
+        Err(d) => d.to_string(),
+    }
+}
+
+const HEADER: &str = "name: t\nnodes:\n";
+
+#[test]
+fn valid_graph_compiles_with_its_path() {
+    let g = check_with(
+        &format!("{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in], replicas: 2}}\n  y: {{kind: b2b, inputs: [x], process: x, replicas: 2}}\n"),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(g.chains.len(), 1);
+    let path: Vec<&str> = g.chains[0]
+        .path
+        .iter()
+        .map(|&i| g.nodes[i].id.as_str())
+        .collect();
+    assert_eq!(path, ["x", "y"]);
+    let plan = Plan::new(&g);
+    assert_eq!(plan.processes.len(), 2);
+    assert!(
+        plan.edges
+            .iter()
+            .any(|e| e.from == "in" && e.crosses_process)
+    );
+    assert!(
+        plan.edges
+            .iter()
+            .any(|e| e.from == "x" && !e.crosses_process)
+    );
+}
+
+#[test]
+fn yaml_syntax_error_has_position() {
+    insta::assert_snapshot!(errors("name: t\nnodes:\n  in: {kind: src\n  x: 1\n"));
+}
+
+#[test]
+fn duplicate_key() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  in: {{kind: src}}\n"
+    )));
+}
+
+#[test]
+fn top_level_unknown_field_and_missing_name() {
+    insta::assert_snapshot!(errors("nme: t\nnodes: {}\n"));
+}
+
+#[test]
+fn bad_plane_addresses() {
+    insta::assert_snapshot!(errors(
+        "name: t\nplanes:\n  control: etcd:/nope\n  events: redis://x:1\nnodes:\n  in: {kind: src}\n  x: {kind: a2b, inputs: [in]}\n"
+    ));
+}
+
+#[test]
+fn distributed_plane_addresses_are_accepted() {
+    let g = check_with(
+        "name: t\nplanes: {control: 'etcd://127.0.0.1:2379,10.0.0.2:2379', events: 'nats://127.0.0.1:4222'}\nnodes:\n  in: {kind: src}\n  x: {kind: a2b, inputs: [in]}\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(g.control.to_string(), "etcd://127.0.0.1:2379,10.0.0.2:2379");
+}
+
+#[test]
+fn unknown_kind() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x:\n    kind: a2c\n    inputs: [in]\n"
+    )));
+}
+
+#[test]
+fn unknown_config_field_and_ill_typed_field() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x:\n    kind: a2b\n    inputs: [in]\n    config:\n      factr: 2\n  y:\n    kind: b2b\n    inputs: [x]\n    config:\n      factor: lots\n"
+    )));
+}
+
+#[test]
+fn unknown_node_field_and_bad_replicas() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x:\n    kind: a2b\n    input: [in]\n  y:\n    kind: a2b\n    inputs: [in]\n    replicas: 0\n"
+    )));
+}
+
+#[test]
+fn kind_validate_points_at_the_field() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x:\n    kind: a2b\n    inputs: [in]\n    config:\n      factor: 11\n"
+    )));
+}
+
+#[test]
+fn dangling_input() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x:\n    kind: a2b\n    inputs: [in, nowhere]\n"
+    )));
+}
+
+#[test]
+fn edge_type_mismatch_names_both_types() {
+    let e = errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: b2b, inputs: [in]}}\n"
+    ));
+    assert!(e.contains("`A`") && e.contains("`B`"), "{e}");
+    insta::assert_snapshot!(e);
+}
+
+#[test]
+fn cycle() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  y: {{kind: b2b, inputs: [x, z]}}\n  z: {{kind: b2b, inputs: [y]}}\n"
+    )));
+}
+
+#[test]
+fn fan_out() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  y: {{kind: a2b, inputs: [in]}}\n"
+    )));
+}
+
+#[test]
+fn ingress_taking_inputs_and_ingress_without_consumer() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  in2: {{kind: src, inputs: [x]}}\n"
+    )));
+}
+
+#[test]
+fn path_must_end_in_the_ingress_response_type() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2l, inputs: [in]}}\n"
+    )));
+}
+
+#[test]
+fn placement_errors() {
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src, replicas: 2}}\n  x: {{kind: a2l, inputs: [in], process: workers, replicas: 2}}\n  y: {{kind: l2b, inputs: [x], process: workers, replicas: 3}}\n"
+    )));
+}
+
+#[test]
+fn local_types_are_fine_inside_the_ingress_process() {
+    check_with(
+        &format!("{HEADER}  in: {{kind: src, process: front}}\n  x: {{kind: a2l, inputs: [in], process: front}}\n  y: {{kind: l2b, inputs: [x], process: front}}\n"),
+        &[],
+    )
+    .unwrap();
+}
+
+#[test]
+fn every_error_is_reported_at_once() {
+    let e = errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: nope, inputs: [in]}}\n  y: {{kind: b2b, inputs: [ghost]}}\n  z: {{kind: a2b, inputs: [in], config: {{factor: 99}}}}\n"
+    ));
+    for needle in [
+        "unknown kind `nope`",
+        "'ghost'",
+        "at most 10",
+        "feeds 2 nodes",
+    ] {
+        assert!(e.contains(needle), "missing {needle:?} in:\n{e}");
+    }
+    insta::assert_snapshot!(e);
+}
+
+#[test]
+fn overrides_apply_and_are_checked() {
+    let yaml = format!("{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n");
+    let ok: Vec<Override> = vec![
+        "x.factor=3".parse().unwrap(),
+        "x.replicas=4".parse().unwrap(),
+    ];
+    let g = check_with(&yaml, &ok).unwrap();
+    assert_eq!(g.node("x").unwrap().replicas, 4);
+    let bad: Vec<Override> = vec![
+        "x.factor=50".parse().unwrap(),
+        "ghost.factor=1".parse().unwrap(),
+    ];
+    insta::assert_snapshot!(check_with(&yaml, &bad).err().unwrap().to_string());
+    assert!("nodot=1".parse::<Override>().is_err());
+    assert!("x.factor".parse::<Override>().is_err());
+}
+
+#[test]
+fn unreached_service_node_is_a_warning() {
+    let g = check_with(
+        &format!(
+            "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  svc: {{kind: b2b}}\n"
+        ),
+        &[],
+    )
+    .unwrap();
+    insta::assert_snapshot!(g.warnings.to_string());
+}
+
+#[test]
+fn plan_renderings() {
+    let g = check_with(
+        &format!("{HEADER}  in: {{kind: src, process: front}}\n  x: {{kind: a2b, inputs: [in], process: front}}\n  y: {{kind: b2b, inputs: [x], replicas: 2}}\n"),
+        &[],
+    )
+    .unwrap();
+    let plan = Plan::new(&g);
+    insta::assert_snapshot!("plan_text", plan.render(dyn_pipeline::Format::Text));
+    insta::assert_snapshot!("plan_dot", plan.render(dyn_pipeline::Format::Dot));
+    insta::assert_snapshot!("plan_mermaid", plan.render(dyn_pipeline::Format::Mermaid));
+    let json: serde_json::Value =
+        serde_json::from_str(&plan.render(dyn_pipeline::Format::Json)).unwrap();
+    assert_eq!(json["processes"][1]["replicas"], 2);
+}

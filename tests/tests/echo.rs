@@ -1,0 +1,230 @@
+//! `dyn graph up graphs/echo.yaml` end to end over loopback HTTP: requests go through the
+//! graph and back, errors are OpenAI error objects, a client hanging up kills its request, and
+//! SIGTERM drains in-flight work before exiting 0.
+
+use std::time::Duration;
+
+use dyn_tests::Graph;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+#[tokio::test]
+async fn request_goes_through_and_comes_back() {
+    let g = Graph::up("graphs/echo.yaml", &["--set", "echo.delay_ms=0"]);
+    let resp = client()
+        .post(g.url("/v1/text"))
+        .header("x-request-id", "req-1")
+        .json(&json!({"text": "hello dataflow world"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body, json!({"id": "req-1", "text": "hello dataflow world"}));
+
+    // Streaming: one SSE event per word, then [DONE].
+    let text = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": "a b c", "stream": true}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.len(), 4, "{text}");
+    let words: Vec<String> = data[..3]
+        .iter()
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(words, ["a ", "b ", "c"]);
+    assert_eq!(data[3], "[DONE]");
+
+    let health: Value = client()
+        .get(g.url("/health"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["status"], "healthy");
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors_and_the_server_stays_up() {
+    let g = Graph::up(
+        "graphs/echo.yaml",
+        &["--set", "ingress.max_body_bytes=1024"],
+    );
+    let cases: [(reqwest::RequestBuilder, u16, &str); 4] = [
+        (
+            client().post(g.url("/v1/text")).body("{not json"),
+            400,
+            "invalid_json",
+        ),
+        (
+            client().post(g.url("/v1/text")).json(&json!({"text": 7})),
+            400,
+            "invalid_json",
+        ),
+        (
+            client()
+                .post(g.url("/v1/text"))
+                .json(&json!({"text": "x".repeat(4096)})),
+            413,
+            "request_too_large",
+        ),
+        (client().get(g.url("/v2/nothing")), 404, "not_found"),
+    ];
+    for (req, status, code) in cases {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status);
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], code, "{body}");
+        assert!(body["error"]["message"].is_string());
+        assert!(body["error"]["type"].is_string());
+    }
+    let ok = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": "still up"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+}
+
+#[tokio::test]
+async fn api_keys_are_enforced() {
+    let g = Graph::up("graphs/echo.yaml", &["--set", "ingress.api_keys=[sekret]"]);
+    let denied = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), 401);
+    let allowed = client()
+        .post(g.url("/v1/text"))
+        .bearer_auth("sekret")
+        .json(&json!({"text": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(allowed.status(), 200);
+    // Health stays open for probes.
+    assert_eq!(
+        client()
+            .get(g.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn client_disconnect_kills_the_request() {
+    let g = Graph::up("graphs/echo.yaml", &["--set", "echo.delay_ms=200"]);
+    let resp = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": "one two three four five six seven eight nine ten", "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("one"));
+    drop(body);
+    // The ingress's guard kills the context, which reaches every operator on the path (an
+    // engine in its own task watches `ctx.killed()`; echo's stream is dropped with it).
+    // Wait without blocking this runtime: the client's connection task must run to hang up.
+    let mut seen = false;
+    for _ in 0..500 {
+        if g.logs()
+            .iter()
+            .any(|l| l.contains("Request killed: its consumer went away"))
+        {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen,
+        "the operator did not observe the cancellation:\n{}",
+        g.logs().join("\n")
+    );
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests_then_exits_zero() {
+    let g = Graph::up(
+        "graphs/echo.yaml",
+        &["--set", "echo.delay_ms=100", "--grace-period", "20"],
+    );
+    let url = g.url("/v1/text");
+    // A request that takes about a second, started before the signal.
+    let slow = tokio::spawn(async move {
+        client()
+            .post(url)
+            .json(&json!({"text": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"}))
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    g.terminate();
+    let body = slow.await.unwrap();
+    assert_eq!(
+        body["text"], "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10",
+        "in-flight request finished"
+    );
+    let code = tokio::task::spawn_blocking(move || g.wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(code, Some(0));
+}
+
+#[tokio::test]
+async fn sigterm_after_grace_period_kills_and_still_exits_zero() {
+    let g = Graph::up(
+        "graphs/echo.yaml",
+        &["--set", "echo.delay_ms=500", "--grace-period", "0.5"],
+    );
+    let url = g.url("/v1/text");
+    let slow = tokio::spawn(async move {
+        client()
+            .post(url)
+            .json(&json!({"text": "a b c d e f g h i j k l m n o p", "stream": true}))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    g.terminate();
+    let _ = slow.await.unwrap();
+    let code = tokio::task::spawn_blocking(move || g.wait(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(code, Some(0));
+}
