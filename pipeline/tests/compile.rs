@@ -1,5 +1,6 @@
 //! Compiler tests: one per error class, on small kinds defined here, with snapshots of the
 //! rendered diagnostics (their text and `FILE:LINE:COL` are part of the interface).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_pipeline::registry::Invalid;
 use dyn_pipeline::spec::{Override, load_str};

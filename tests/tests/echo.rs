@@ -1,6 +1,7 @@
 //! `dyn graph up graphs/echo.yaml` end to end over loopback HTTP: requests go through the
 //! graph and back, errors are OpenAI error objects, a client hanging up kills its request, and
 //! SIGTERM drains in-flight work before exiting 0.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use std::time::Duration;
 

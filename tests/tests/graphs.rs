@@ -1,5 +1,6 @@
 //! Every graph in `graphs/` validates through the real binary; every graph in
 //! `graphs/invalid/` fails with exit code 78 and the error its first line announces.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{root, run};
 
