@@ -219,11 +219,8 @@ fn up(graph: CompiledGraph, opts: RunOptions) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(async move {
-        dyn_pipeline::run(&graph, opts, shutdown_signal())
-            .await
-            .with_context(|| format!("graph '{}'", graph.name))
-    })
+    rt.block_on(dyn_pipeline::run(&graph, opts, shutdown_signal()))
+        .map_err(Into::into)
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -365,3 +365,108 @@ impl DynChain for ChainRunner {
         .boxed()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::{Operator, erase};
+    use crate::payload::{Payload, downcast};
+
+    struct N(u32);
+    impl Payload for N {
+        const NAME: &'static str = "N";
+    }
+
+    /// Emits each input, then fails if `fail` is set.
+    struct Step {
+        fail: bool,
+    }
+    impl Operator for Step {
+        type In = N;
+        type Out = N;
+        fn call(&self, _ctx: Ctx, input: Input<N>) -> Output<N> {
+            let fail = self.fail;
+            input
+                .map(Ok)
+                .chain(stream::iter(
+                    fail.then(|| Err(OpError::invalid("step failed"))),
+                ))
+                .boxed()
+        }
+    }
+
+    async fn serve(planes: &Planes, node: &str, op: Step) -> Arc<EdgeClient> {
+        let types = EndpointTypes {
+            input: crate::PayloadType::of::<N>(),
+            output: crate::PayloadType::of::<N>(),
+        };
+        let instance = Instance {
+            namespace: "t".into(),
+            component: node.into(),
+            endpoint: ENDPOINT.into(),
+            instance_id: random_instance_id(),
+            transport: Transport::InProcess,
+        };
+        planes
+            .requests
+            .serve(&instance, types, erase(op))
+            .await
+            .unwrap();
+        planes.discovery.register(instance).await.unwrap();
+        Arc::new(EdgeClient::start(planes, "t", node, types).await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn error_in_the_middle_of_a_path_reaches_the_ingress_last() {
+        let planes = Planes::embedded();
+        let runner = ChainRunner {
+            steps: vec![
+                serve(&planes, "a", Step { fail: true }).await,
+                serve(&planes, "b", Step { fail: false }).await,
+            ],
+            root: Ctx::new(),
+        };
+        let ctx = runner.new_ctx("r".into());
+        let out: Vec<_> = runner.call(ctx, Box::new(N(7))).collect().await;
+        assert_eq!(out.len(), 2);
+        let mut out = out.into_iter();
+        let first = out.next().unwrap().unwrap();
+        assert_eq!(downcast::<N>(first).ok().map(|n| n.0), Some(7));
+        let err = out.next().unwrap().err().unwrap();
+        assert_eq!(err.message, "step failed");
+    }
+
+    #[tokio::test]
+    async fn runtime_root_kill_reaches_request_contexts() {
+        let planes = Planes::embedded();
+        let runner = ChainRunner {
+            steps: vec![serve(&planes, "a", Step { fail: false }).await],
+            root: Ctx::new(),
+        };
+        let ctx = runner.new_ctx("r".into());
+        runner.root.kill();
+        assert!(ctx.is_killed());
+    }
+
+    #[tokio::test]
+    async fn no_live_instance_is_unavailable() {
+        let planes = Planes::embedded();
+        let types = EndpointTypes {
+            input: crate::PayloadType::of::<N>(),
+            output: crate::PayloadType::of::<N>(),
+        };
+        let edge = Arc::new(
+            EdgeClient::start(&planes, "t", "ghost", types)
+                .await
+                .unwrap(),
+        );
+        let out: Vec<_> = edge
+            .call(
+                Ctx::new(),
+                stream::iter([Box::new(N(1)) as AnyPayload]).boxed(),
+            )
+            .collect()
+            .await;
+        assert!(matches!(&out[..], [Err(e)] if e.kind == crate::ErrorKind::Unavailable));
+    }
+}
