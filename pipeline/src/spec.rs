@@ -414,7 +414,10 @@ fn apply_override(root: &mut Node, source: usize, o: &Override) -> Result<(), Di
         .and_then(Node::as_mapping_mut)
         .ok_or_else(|| err(format!("no node '{}' to override", o.node)))?;
     let mut path: Vec<&str> = o.path.iter().map(String::as_str).collect();
-    if !NODE_FIELDS.contains(&path[0]) {
+    let Some(first) = path.first() else {
+        return Err(err("expected NODE.KEY=VALUE".into()));
+    };
+    if !NODE_FIELDS.contains(first) {
         path.insert(0, "config");
     }
     let mut map = node;
