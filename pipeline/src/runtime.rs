@@ -395,11 +395,15 @@ mod tests {
         }
     }
 
-    async fn serve(planes: &Planes, node: &str, op: Step) -> Arc<EdgeClient> {
-        let types = EndpointTypes {
+    fn n_types() -> EndpointTypes {
+        EndpointTypes {
             input: crate::PayloadType::of::<N>(),
             output: crate::PayloadType::of::<N>(),
-        };
+        }
+    }
+
+    async fn serve(planes: &Planes, node: &str, op: Step) -> Arc<EdgeClient> {
+        let types = n_types();
         let instance = Instance {
             namespace: "t".into(),
             component: node.into(),
@@ -451,10 +455,7 @@ mod tests {
     #[tokio::test]
     async fn no_live_instance_is_unavailable() {
         let planes = Planes::embedded();
-        let types = EndpointTypes {
-            input: crate::PayloadType::of::<N>(),
-            output: crate::PayloadType::of::<N>(),
-        };
+        let types = n_types();
         let edge = Arc::new(
             EdgeClient::start(&planes, "t", "ghost", types)
                 .await

@@ -172,35 +172,38 @@ async fn client_disconnect_kills_the_request() {
     );
 }
 
+/// Start a request in the background; resolves to the whole response body.
+fn send_in_background(g: &Graph, body: Value) -> tokio::task::JoinHandle<String> {
+    let url = g.url("/v1/text");
+    tokio::spawn(async move {
+        let resp = client().post(url).json(&body).send().await.unwrap();
+        resp.text().await.unwrap_or_default()
+    })
+}
+
+/// Send SIGTERM and return the exit code (waiting off the async runtime).
+async fn terminate_and_wait(g: Graph) -> Option<i32> {
+    g.terminate();
+    tokio::task::spawn_blocking(move || g.wait(Duration::from_secs(30)))
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let g = Graph::up(
         "graphs/echo.yaml",
         &["--set", "echo.delay_ms=100", "--grace-period", "20"],
     );
-    let url = g.url("/v1/text");
     // A request that takes about a second, started before the signal.
-    let slow = tokio::spawn(async move {
-        client()
-            .post(url)
-            .json(&json!({"text": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"}))
-            .send()
-            .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
-    });
+    let slow = send_in_background(&g, json!({"text": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"}));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    g.terminate();
-    let body = slow.await.unwrap();
+    let code = terminate_and_wait(g).await;
+    let body: Value = serde_json::from_str(&slow.await.unwrap()).unwrap();
     assert_eq!(
         body["text"], "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10",
         "in-flight request finished"
     );
-    let code = tokio::task::spawn_blocking(move || g.wait(Duration::from_secs(30)))
-        .await
-        .unwrap();
     assert_eq!(code, Some(0));
 }
 
@@ -210,22 +213,11 @@ async fn sigterm_after_grace_period_kills_and_still_exits_zero() {
         "graphs/echo.yaml",
         &["--set", "echo.delay_ms=500", "--grace-period", "0.5"],
     );
-    let url = g.url("/v1/text");
-    let slow = tokio::spawn(async move {
-        client()
-            .post(url)
-            .json(&json!({"text": "a b c d e f g h i j k l m n o p", "stream": true}))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-    });
+    let slow = send_in_background(
+        &g,
+        json!({"text": "a b c d e f g h i j k l m n o p", "stream": true}),
+    );
     tokio::time::sleep(Duration::from_millis(700)).await;
-    g.terminate();
-    let _ = slow.await.unwrap();
-    let code = tokio::task::spawn_blocking(move || g.wait(Duration::from_secs(30)))
-        .await
-        .unwrap();
-    assert_eq!(code, Some(0));
+    assert_eq!(terminate_and_wait(g).await, Some(0));
+    let _ = slow.await;
 }
