@@ -3,8 +3,12 @@
 //! One module per kind. Kinds are registered explicitly in [`registry`]; a kind missing from
 //! that list cannot be used in a graph.
 
+pub mod decode;
 pub mod echo;
 pub mod http;
+pub mod llm;
+pub mod metrics;
+pub mod mocker;
 pub mod types;
 
 use dyn_pipeline::Registry;
@@ -12,6 +16,11 @@ use dyn_pipeline::Registry;
 /// The kinds this build of dyn knows.
 pub fn registry() -> Registry {
     Registry::new()
+        .ingress::<http::openai::HttpConfig>()
         .ingress::<http::text::HttpTextConfig>()
         .operator::<echo::EchoConfig>()
+        .operator::<llm::preprocess::PreprocessConfig>()
+        .operator::<llm::route::RouteConfig>()
+        .operator::<decode::DecodeConfig>()
+        .operator::<llm::postprocess::PostprocessConfig>()
 }

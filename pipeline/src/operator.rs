@@ -40,6 +40,10 @@ pub trait Operator: Send + Sync + 'static {
 pub struct OpError {
     pub kind: ErrorKind,
     pub message: String,
+    /// A stable machine-readable code (OpenAI's `code`, e.g. `context_length_exceeded`).
+    pub code: Option<&'static str>,
+    /// The request field at fault (OpenAI's `param`).
+    pub param: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +63,19 @@ impl OpError {
         Self {
             kind,
             message: message.into(),
+            code: None,
+            param: None,
         }
+    }
+    /// Attach a stable error code.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+    /// Name the request field at fault.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidRequest, message)

@@ -65,6 +65,8 @@ pub struct BuildCx {
     pub node: String,
     pub replica: u32,
     pub instance_id: u64,
+    /// Ids of the nodes that take this node's output (a router watches their instances).
+    pub consumers: Vec<String>,
     /// The model named in the graph, if any.
     pub model: Option<crate::spec::ModelSpec>,
     /// Directory of the graph file: relative paths in configs are resolved against it.

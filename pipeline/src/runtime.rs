@@ -14,16 +14,15 @@ use std::time::Duration;
 
 use futures::future::FutureExt;
 use futures::stream::{self, StreamExt};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use tokio::task::JoinSet;
-use tokio_util::task::AbortOnDropHandle;
 
 use crate::compile::{CompiledGraph, PlaneAddr};
 use crate::ctx::{Ctx, RequestId};
 use crate::operator::{DynChain, Input, OpError, Output, ShutdownSignal};
 use crate::payload::AnyPayload;
 use crate::planes::request::EndpointTypes;
-use crate::planes::{DiscoveryEvent, Instance, PlaneError, Planes, Transport};
+use crate::planes::{Instance, LiveInstances, PlaneError, Planes, Transport};
 use crate::registry::{BuildCx, BuildError, Built, Role};
 
 /// The endpoint name every node serves its requests on.
@@ -88,6 +87,12 @@ pub async fn run(
         node: node.to_owned(),
         replica,
         instance_id,
+        consumers: graph
+            .nodes
+            .iter()
+            .filter(|c| c.inputs.iter().any(|&i| graph.nodes[i].id == node))
+            .map(|c| c.id.clone())
+            .collect(),
         model: graph.model.clone(),
         base_dir: graph.base_dir.clone(),
         planes: planes.clone(),
@@ -230,9 +235,8 @@ struct EdgeClient {
     node: String,
     types: EndpointTypes,
     planes: Planes,
-    instances: Arc<RwLock<Vec<Instance>>>,
+    instances: LiveInstances,
     next: AtomicUsize,
-    _watch: AbortOnDropHandle<()>,
 }
 
 impl EdgeClient {
@@ -242,31 +246,13 @@ impl EdgeClient {
         node: &str,
         types: EndpointTypes,
     ) -> Result<Self, PlaneError> {
-        let (snapshot, mut changes) = planes
-            .discovery
-            .watch(&Instance::prefix(namespace, node, ENDPOINT))
-            .await?;
-        let instances = Arc::new(RwLock::new(snapshot));
-        let shared = instances.clone();
-        let watch = tokio::spawn(async move {
-            while let Some(ev) = changes.next().await {
-                let mut list = shared.write();
-                match ev {
-                    DiscoveryEvent::Put(i) => {
-                        list.retain(|x| x.instance_id != i.instance_id);
-                        list.push(i);
-                    }
-                    DiscoveryEvent::Delete { key } => list.retain(|x| x.key() != key),
-                }
-            }
-        });
+        let prefix = Instance::prefix(namespace, node, ENDPOINT);
         Ok(Self {
             node: node.to_owned(),
             types,
             planes: planes.clone(),
-            instances,
+            instances: LiveInstances::watch(planes.discovery.as_ref(), &prefix).await?,
             next: AtomicUsize::new(0),
-            _watch: AbortOnDropHandle::new(watch),
         })
     }
 

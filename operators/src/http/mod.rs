@@ -5,6 +5,7 @@
 //! (`{"error": {"message", "type", "param", "code"}}`) with a stable `type` and `code`; detail
 //! meant for operators goes to the log.
 
+pub mod openai;
 pub mod text;
 
 use std::net::SocketAddr;
@@ -120,12 +121,15 @@ impl ApiError {
 
 impl From<OpError> for ApiError {
     fn from(e: OpError) -> Self {
-        match e.kind {
-            ErrorKind::InvalidRequest => ApiError::invalid("invalid_request", e.message),
+        let param = e.param;
+        let mut api = match e.kind {
+            ErrorKind::InvalidRequest => {
+                ApiError::invalid(e.code.unwrap_or("invalid_request"), e.message)
+            }
             ErrorKind::Unavailable => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
-                "no_worker_available",
+                e.code.unwrap_or("no_worker_available"),
                 e.message,
             ),
             ErrorKind::Cancelled => ApiError::new(
@@ -143,7 +147,9 @@ impl From<OpError> for ApiError {
                     "internal error",
                 )
             }
-        }
+        };
+        api.param = param;
+        api
     }
 }
 

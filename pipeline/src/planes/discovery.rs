@@ -70,6 +70,42 @@ pub trait Discovery: Send + Sync + 'static {
     ) -> Result<(Vec<Instance>, BoxStream<'static, DiscoveryEvent>), PlaneError>;
 }
 
+/// The live instances under one prefix, kept current by a background watch. Edge clients
+/// and routers hold one per node they send to.
+pub struct LiveInstances {
+    list: std::sync::Arc<parking_lot::RwLock<Vec<Instance>>>,
+    _watch: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl LiveInstances {
+    pub async fn watch(discovery: &dyn Discovery, prefix: &str) -> Result<Self, PlaneError> {
+        let (snapshot, mut changes) = discovery.watch(prefix).await?;
+        let list = std::sync::Arc::new(parking_lot::RwLock::new(snapshot));
+        let shared = list.clone();
+        let task = tokio::spawn(async move {
+            while let Some(ev) = changes.next().await {
+                let mut list = shared.write();
+                match ev {
+                    DiscoveryEvent::Put(i) => {
+                        list.retain(|x| x.instance_id != i.instance_id);
+                        list.push(i);
+                    }
+                    DiscoveryEvent::Delete { key } => list.retain(|x| x.key() != key),
+                }
+            }
+        });
+        Ok(Self {
+            list,
+            _watch: tokio_util::task::AbortOnDropHandle::new(task),
+        })
+    }
+
+    /// A read guard over the current list (keep it short: the watch waits on it).
+    pub fn read(&self) -> parking_lot::RwLockReadGuard<'_, Vec<Instance>> {
+        self.list.read()
+    }
+}
+
 /// In-process discovery.
 pub struct EmbeddedDiscovery {
     state: Mutex<BTreeMap<String, Instance>>,

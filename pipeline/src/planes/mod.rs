@@ -15,7 +15,9 @@ pub mod request;
 
 use std::sync::Arc;
 
-pub use discovery::{Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, Transport};
+pub use discovery::{
+    Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
+};
 pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use request::{EmbeddedRequestPlane, RequestPlane};
 

@@ -1,0 +1,155 @@
+//! KV-cache block identity and KV events, shared by engines (which publish them) and routers
+//! (which index them).
+//!
+//! Hashing follows Dynamo so indexes and events interoperate: only full blocks are hashed; a
+//! block's local hash is XXH3-64 (seed 1337) over its token ids as little-endian `u32`; its
+//! sequence hash is the local hash for the first block and, after that, XXH3-64 (seed 1337)
+//! over the parent's sequence hash and the local hash as little-endian `u64`s. The sequence
+//! hash therefore names the whole prefix up to and including the block.
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub const HASH_SEED: u64 = 1337;
+
+/// Local hash of one block's tokens.
+pub fn local_hash(tokens: &[u32]) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, HASH_SEED)
+}
+
+/// Sequence hash of a block given its parent's sequence hash.
+pub fn chain_hash(parent: Option<u64>, local: u64) -> u64 {
+    match parent {
+        None => local,
+        Some(p) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&p.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.to_le_bytes());
+            xxh3_64_with_seed(&bytes, HASH_SEED)
+        }
+    }
+}
+
+/// `(local, sequence)` hashes of every full block of `tokens`.
+pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size.max(1)) {
+        let local = local_hash(block);
+        let seq = chain_hash(parent, local);
+        out.push(BlockHash {
+            tokens_hash: local,
+            block_hash: seq,
+        });
+        parent = Some(seq);
+    }
+    out
+}
+
+/// One stored block in a KV event: `block_hash` is the sequence hash, `tokens_hash` the
+/// local one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockHash {
+    pub block_hash: u64,
+    pub tokens_hash: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvEventData {
+    /// Blocks that became reusable, a chain starting after `parent_hash`.
+    Stored {
+        parent_hash: Option<u64>,
+        blocks: Vec<BlockHash>,
+    },
+    /// Blocks evicted from the cache.
+    Removed { block_hashes: Vec<u64> },
+    /// The whole cache was dropped.
+    Cleared,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheEvent {
+    /// Increases by one per event of a worker; a gap means events were lost.
+    pub event_id: u64,
+    pub dp_rank: u32,
+    pub data: KvEventData,
+}
+
+/// A KV event as published on the event plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouterEvent {
+    pub worker_id: u64,
+    pub event: KvCacheEvent,
+}
+
+/// A worker's load, published on the event plane after scheduling steps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadMetrics {
+    pub worker_id: u64,
+    pub requests_running: u32,
+    pub requests_waiting: u32,
+    pub kv_active_blocks: u32,
+    pub kv_total_blocks: u32,
+    /// Fraction of prompt blocks found in the prefix cache, over the worker's lifetime.
+    pub prefix_cache_hit_rate: f64,
+}
+
+/// Event-plane subject of a node's KV events.
+pub fn kv_events_subject(namespace: &str, component: &str) -> String {
+    format!("dyn.{namespace}.{component}.kv_events")
+}
+
+/// Event-plane subject of a node's load metrics.
+pub fn load_metrics_subject(namespace: &str, component: &str) -> String {
+    format!("dyn.{namespace}.{component}.load_metrics")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_full_blocks_are_hashed_and_hashes_chain() {
+        let h = block_hashes(&[1, 2, 3, 4, 5], 2);
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[0].block_hash, h[0].tokens_hash);
+        assert_eq!(h[1].tokens_hash, local_hash(&[3, 4]));
+        assert_eq!(
+            h[1].block_hash,
+            chain_hash(Some(h[0].block_hash), h[1].tokens_hash)
+        );
+        // Same tokens after a different prefix: same local hash, different sequence hash.
+        let g = block_hashes(&[9, 9, 3, 4], 2);
+        assert_eq!(g[1].tokens_hash, h[1].tokens_hash);
+        assert_ne!(g[1].block_hash, h[1].block_hash);
+    }
+
+    #[test]
+    fn events_use_the_brief_wire_format() {
+        let e = RouterEvent {
+            worker_id: 7,
+            event: KvCacheEvent {
+                event_id: 3,
+                dp_rank: 0,
+                data: KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: vec![BlockHash {
+                        block_hash: 1,
+                        tokens_hash: 2,
+                    }],
+                },
+            },
+        };
+        assert_eq!(
+            serde_json::to_string(&e).expect("json"),
+            r#"{"worker_id":7,"event":{"event_id":3,"dp_rank":0,"data":{"stored":{"parent_hash":null,"blocks":[{"block_hash":1,"tokens_hash":2}]}}}}"#
+        );
+        let cleared = serde_json::to_string(&KvEventData::Cleared).expect("json");
+        assert_eq!(cleared, r#""cleared""#);
+    }
+}

@@ -1,0 +1,372 @@
+//! `preprocess`: turns an [`LlmRequest`] into token ids an engine can run.
+//!
+//! Chat messages go through the model's chat template (minijinja, with Python string methods
+//! and `raise_exception` as Hugging Face templates expect) and are tokenized without adding
+//! special tokens again; completion prompts are tokenized with them. Tokenizing a long prompt
+//! takes a while, so it runs on tokio's blocking pool, never on a runtime worker. Sampling
+//! parameters and lengths are checked here, so every later node can trust them.
+//!
+//! ```yaml
+//! preprocess: {kind: preprocess, inputs: [http]}
+//! ```
+
+use std::sync::Arc;
+
+use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use futures::StreamExt;
+use minijinja::{Environment, context};
+use serde::Deserialize;
+
+use super::model::ModelDir;
+use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions};
+
+/// Longest accepted stop string, and most stop strings per request (vLLM has no limit; a cap
+/// keeps the matcher's cost per token bounded).
+const MAX_STOP_LEN: usize = 256;
+const MAX_STOPS: usize = 16;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreprocessConfig {}
+
+impl OperatorConfig for PreprocessConfig {
+    const KIND: &'static str = "preprocess";
+    const SUMMARY: &'static str =
+        "Renders the chat template and tokenizes (Hugging Face tokenizer.json); checks parameters";
+    type Op = Preprocess;
+
+    async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
+        let model = ModelDir::from_graph(cx)?;
+        Preprocess::new(Arc::new(model))
+    }
+}
+
+pub struct Preprocess {
+    model: Arc<ModelDir>,
+    env: Option<Arc<Environment<'static>>>,
+}
+
+const TEMPLATE: &str = "chat";
+
+fn template_env(source: String) -> Result<Environment<'static>, minijinja::Error> {
+    let mut env = Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned(TEMPLATE, source)?;
+    Ok(env)
+}
+
+impl Preprocess {
+    pub fn new(model: Arc<ModelDir>) -> Result<Self, BuildError> {
+        let env = match &model.chat_template {
+            Some(src) => Some(Arc::new(template_env(src.clone()).map_err(|e| {
+                BuildError::new(format!(
+                    "{}: chat template does not compile: {e}",
+                    model.path.join("tokenizer_config.json").display()
+                ))
+            })?)),
+            None => None,
+        };
+        Ok(Self { model, env })
+    }
+
+    /// Everything up to tokenization; pure and fast.
+    fn check(&self, req: &LlmRequest) -> Result<(), OpError> {
+        let s = &req.sampling;
+        if let Some(t) = s.temperature
+            && !(0.0..=2.0).contains(&t)
+        {
+            return Err(invalid(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {t}"),
+            ));
+        }
+        if let Some(p) = s.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {p}"),
+            ));
+        }
+        let l = &req.limits;
+        if l.max_tokens == Some(0) {
+            return Err(invalid("max_tokens", "max_tokens must be at least 1"));
+        }
+        if let (Some(min), Some(max)) = (l.min_tokens, l.max_tokens)
+            && min > max
+        {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({min}) is more than max_tokens ({max})"),
+            ));
+        }
+        if l.stop.len() > MAX_STOPS {
+            return Err(invalid(
+                "stop",
+                format!("at most {MAX_STOPS} stop strings, got {}", l.stop.len()),
+            ));
+        }
+        if let Some(bad) = l
+            .stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
+        {
+            return Err(invalid(
+                "stop",
+                format!(
+                    "stop strings must have 1 to {MAX_STOP_LEN} bytes, got {}",
+                    bad.len()
+                ),
+            ));
+        }
+        match &req.prompt {
+            Prompt::Messages(m) if m.is_empty() => {
+                Err(invalid("messages", "messages must not be empty"))
+            }
+            Prompt::Tokens(t) if t.is_empty() => Err(invalid("prompt", "prompt must not be empty")),
+            Prompt::Tokens(t) => match t.iter().find(|&&id| id >= self.model.vocab_size) {
+                Some(id) => Err(invalid(
+                    "prompt",
+                    format!(
+                        "token id {id} is outside the vocabulary (size {})",
+                        self.model.vocab_size
+                    ),
+                )),
+                None => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    fn render(&self, messages: &[super::types::ChatMessage]) -> Result<String, OpError> {
+        let env = self.env.as_ref().ok_or_else(|| {
+            invalid(
+                "messages",
+                format!(
+                    "model '{}' has no chat template; use /v1/completions",
+                    self.model.name
+                ),
+            )
+        })?;
+        let tmpl = env
+            .get_template(TEMPLATE)
+            .map_err(|e| OpError::internal(format!("chat template: {e}")))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.model.bos_token,
+            eos_token => self.model.eos_token,
+        })
+        .map_err(|e| {
+            invalid(
+                "messages",
+                format!("chat template rejected the messages: {e}"),
+            )
+        })
+    }
+
+    async fn preprocess(&self, req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
+        self.check(&req)?;
+        let (text, add_special) = match &req.prompt {
+            Prompt::Messages(m) => (Some(self.render(m)?), false),
+            Prompt::Text(t) => (Some(t.clone()), true),
+            Prompt::Tokens(_) => (None, false),
+        };
+        let token_ids = match (text, req.prompt) {
+            (Some(text), _) => {
+                let tok = self.model.tokenizer.clone();
+                tokio::task::spawn_blocking(move || tok.encode_fast(text, add_special))
+                    .await
+                    .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
+                    .map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
+                    .get_ids()
+                    .to_vec()
+            }
+            (None, Prompt::Tokens(t)) => t,
+            (None, _) => Vec::new(),
+        };
+        let ctx_len = self.model.context_length;
+        let prompt = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
+        let param = if matches!(req.endpoint, super::types::Endpoint::Chat) {
+            "messages"
+        } else {
+            "prompt"
+        };
+        if prompt >= ctx_len {
+            return Err(invalid(param, format!(
+                "This model's maximum context length is {ctx_len} tokens; the prompt has {prompt} tokens"
+            ))
+            .with_code("context_length_exceeded"));
+        }
+        let room = ctx_len - prompt;
+        let max_tokens = match req.limits.max_tokens {
+            Some(m) if m > room => {
+                return Err(invalid("max_tokens", format!(
+                    "This model's maximum context length is {ctx_len} tokens; you asked for {} tokens ({prompt} in the prompt, {m} to generate)",
+                    u64::from(prompt) + u64::from(m)
+                ))
+                .with_code("context_length_exceeded"));
+            }
+            Some(m) => m,
+            None => room,
+        };
+        let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
+        Ok(PreprocessedRequest {
+            model: req.model,
+            token_ids,
+            sampling: req.sampling,
+            stop: StopConditions {
+                max_tokens,
+                min_tokens,
+                ignore_eos: req.limits.ignore_eos,
+                eos_token_ids: self.model.eos_token_ids.clone(),
+            },
+            output: OutputSpec {
+                prompt_tokens: prompt,
+                min_tokens,
+                stop: req.limits.stop,
+            },
+            target: None,
+        })
+    }
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> OpError {
+    OpError::invalid(message).with_param(param)
+}
+
+impl Operator for Preprocess {
+    type In = LlmRequest;
+    type Out = PreprocessedRequest;
+
+    fn call(&self, _ctx: Ctx, mut input: Input<LlmRequest>) -> Output<PreprocessedRequest> {
+        let this = Preprocess {
+            model: self.model.clone(),
+            env: self.env.clone(),
+        };
+        async_stream::stream! {
+            while let Some(req) = input.next().await {
+                yield this.preprocess(req).await;
+            }
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::types::{ChatMessage, Endpoint, Limits, Sampling};
+
+    fn pre() -> Preprocess {
+        Preprocess::new(Arc::new(crate::llm::model::tests::tiny())).expect("builds")
+    }
+
+    fn chat(content: &str) -> LlmRequest {
+        LlmRequest {
+            endpoint: Endpoint::Chat,
+            model: "tiny".into(),
+            prompt: Prompt::Messages(vec![ChatMessage {
+                role: "user".into(),
+                content: content.into(),
+            }]),
+            sampling: Sampling::default(),
+            limits: Limits::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn chat_template_renders_headers_and_generation_prompt() {
+        let p = pre();
+        let text = p
+            .render(&[ChatMessage {
+                role: "user".into(),
+                content: " hi ".into(),
+            }])
+            .expect("render");
+        assert_eq!(
+            text,
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let out = p.preprocess(chat(" hi ")).await.expect("ok");
+        let bos = p.model.tokenizer.token_to_id("<|begin_of_text|>");
+        // One bos from the template, none added by the tokenizer.
+        assert_eq!(out.token_ids.first().copied(), bos);
+        assert_eq!(out.token_ids.iter().filter(|&&t| Some(t) == bos).count(), 1);
+        assert_eq!(out.stop.max_tokens, 4096 - out.output.prompt_tokens);
+    }
+
+    #[tokio::test]
+    async fn completions_get_bos_from_the_tokenizer() {
+        let p = pre();
+        let mut req = chat("");
+        req.endpoint = Endpoint::Completion;
+        req.prompt = Prompt::Text("Hello".into());
+        let out = p.preprocess(req).await.expect("ok");
+        assert_eq!(
+            out.token_ids.first().copied(),
+            p.model.tokenizer.token_to_id("<|begin_of_text|>")
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_parameters_name_their_field() {
+        let p = pre();
+        type Edit = Box<dyn Fn(&mut LlmRequest)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|r| r.sampling.temperature = Some(3.0)),
+                "temperature",
+            ),
+            (Box::new(|r| r.sampling.top_p = Some(0.0)), "top_p"),
+            (Box::new(|r| r.limits.max_tokens = Some(0)), "max_tokens"),
+            (Box::new(|r| r.limits.max_tokens = Some(5000)), "max_tokens"),
+            (
+                Box::new(|r| {
+                    r.limits.min_tokens = Some(9);
+                    r.limits.max_tokens = Some(3)
+                }),
+                "min_tokens",
+            ),
+            (Box::new(|r| r.limits.stop = vec![String::new()]), "stop"),
+            (
+                Box::new(|r| r.prompt = Prompt::Messages(vec![])),
+                "messages",
+            ),
+            (
+                Box::new(|r| r.prompt = Prompt::Tokens(vec![1, 999_999])),
+                "prompt",
+            ),
+            (
+                Box::new(|r| {
+                    r.prompt = Prompt::Messages(vec![ChatMessage {
+                        role: "user".into(),
+                        content: "word ".repeat(5000),
+                    }])
+                }),
+                "messages",
+            ),
+        ];
+        for (edit, param) in cases {
+            let mut req = chat("hi");
+            edit(&mut req);
+            let e = p.preprocess(req).await.expect_err(param);
+            assert_eq!(
+                e.kind,
+                dyn_pipeline::ErrorKind::InvalidRequest,
+                "{param}: {e}"
+            );
+            assert_eq!(e.param.as_deref(), Some(param), "{e}");
+        }
+    }
+}

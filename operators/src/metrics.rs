@@ -1,0 +1,206 @@
+//! Prometheus metrics, served by the `http` ingress at `GET /metrics`.
+//!
+//! Everything registers in the process's default registry, so one scrape of a process shows
+//! its frontend and every worker it runs. Names follow Prometheus conventions (`_total` for
+//! counters, base units in seconds) under `dyn_frontend_` and `dyn_worker_`.
+
+use std::sync::LazyLock;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, TextEncoder,
+    register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
+};
+
+fn or_unregistered<T>(r: prometheus::Result<T>, make: impl FnOnce() -> T) -> T {
+    // Registration only fails for a duplicate name, which these statics rule out; fall back to
+    // an unregistered metric rather than panic.
+    r.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "Metric registration failed");
+        make()
+    })
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    or_unregistered(register_int_counter_vec!(name, help, labels), || {
+        IntCounterVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+/// Latency buckets (seconds) from 1 ms to 60 s.
+const LATENCY: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+fn histogram(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(LATENCY.to_vec());
+    or_unregistered(register_histogram_vec!(opts.clone(), labels), || {
+        HistogramVec::new(opts, labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+fn gauge(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    or_unregistered(register_int_gauge_vec!(name, help, labels), || {
+        IntGaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+pub struct Frontend {
+    pub requests: IntCounterVec,
+    pub inflight: IntGaugeVec,
+    pub ttft: HistogramVec,
+    pub itl: HistogramVec,
+    pub duration: HistogramVec,
+    pub input_tokens: IntCounterVec,
+    pub output_tokens: IntCounterVec,
+}
+
+pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
+    requests: counter_vec(
+        "dyn_frontend_requests_total",
+        "Requests by model, endpoint, request type (stream|unary) and status (success|error|cancelled)",
+        &["model", "endpoint", "request_type", "status"],
+    ),
+    inflight: gauge(
+        "dyn_frontend_inflight_requests",
+        "Requests being served",
+        &["model"],
+    ),
+    ttft: histogram(
+        "dyn_frontend_time_to_first_token_seconds",
+        "Time from request arrival to the first token",
+        &["model"],
+    ),
+    itl: histogram(
+        "dyn_frontend_inter_token_latency_seconds",
+        "Time between consecutive output tokens",
+        &["model"],
+    ),
+    duration: histogram(
+        "dyn_frontend_request_duration_seconds",
+        "Time from request arrival to the last token",
+        &["model"],
+    ),
+    input_tokens: counter_vec(
+        "dyn_frontend_input_tokens_total",
+        "Prompt tokens",
+        &["model"],
+    ),
+    output_tokens: counter_vec(
+        "dyn_frontend_output_tokens_total",
+        "Generated tokens",
+        &["model"],
+    ),
+});
+
+struct Worker {
+    running: IntGaugeVec,
+    waiting: IntGaugeVec,
+    active_blocks: IntGaugeVec,
+    total_blocks: IntGaugeVec,
+    prompt_blocks: IntCounterVec,
+    prompt_blocks_hit: IntCounterVec,
+    preemptions: IntCounterVec,
+}
+
+static WORKER: LazyLock<Worker> = LazyLock::new(|| {
+    let l: &[&str] = &["node", "worker_id"];
+    Worker {
+        running: gauge(
+            "dyn_worker_requests_running",
+            "Sequences in the running batch",
+            l,
+        ),
+        waiting: gauge(
+            "dyn_worker_requests_waiting",
+            "Sequences waiting to be scheduled",
+            l,
+        ),
+        active_blocks: gauge(
+            "dyn_worker_kv_active_blocks",
+            "KV blocks held by sequences",
+            l,
+        ),
+        total_blocks: gauge("dyn_worker_kv_total_blocks", "KV blocks in the pool", l),
+        prompt_blocks: counter_vec(
+            "dyn_worker_prompt_blocks_total",
+            "Full prompt blocks looked up in the prefix cache",
+            l,
+        ),
+        prompt_blocks_hit: counter_vec(
+            "dyn_worker_prefix_cache_hit_blocks_total",
+            "Full prompt blocks found in the prefix cache",
+            l,
+        ),
+        preemptions: counter_vec("dyn_worker_preemptions_total", "Sequences preempted", l),
+    }
+});
+
+/// One worker's series, bound to its labels once.
+#[derive(Clone)]
+pub struct WorkerGauges {
+    running: prometheus::IntGauge,
+    waiting: prometheus::IntGauge,
+    active: prometheus::IntGauge,
+    total: prometheus::IntGauge,
+    prompt: prometheus::IntCounter,
+    hit: prometheus::IntCounter,
+    preempt: prometheus::IntCounter,
+}
+
+impl WorkerGauges {
+    pub fn new(node: &str, worker_id: u64) -> Self {
+        let id = format!("{worker_id:x}");
+        let l = [node, id.as_str()];
+        let w = &*WORKER;
+        Self {
+            running: w.running.with_label_values(&l),
+            waiting: w.waiting.with_label_values(&l),
+            active: w.active_blocks.with_label_values(&l),
+            total: w.total_blocks.with_label_values(&l),
+            prompt: w.prompt_blocks.with_label_values(&l),
+            hit: w.prompt_blocks_hit.with_label_values(&l),
+            preempt: w.preemptions.with_label_values(&l),
+        }
+    }
+
+    /// Update from the engine's absolute numbers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn set(
+        &self,
+        running: u32,
+        waiting: u32,
+        active: u32,
+        total: u32,
+        prompt: u64,
+        hit: u64,
+        preempt: u64,
+    ) {
+        self.running.set(i64::from(running));
+        self.waiting.set(i64::from(waiting));
+        self.active.set(i64::from(active));
+        self.total.set(i64::from(total));
+        for (c, v) in [
+            (&self.prompt, prompt),
+            (&self.hit, hit),
+            (&self.preempt, preempt),
+        ] {
+            let d = v.saturating_sub(c.get());
+            if d > 0 {
+                c.inc_by(d);
+            }
+        }
+    }
+
+    pub fn active_blocks(&self) -> i64 {
+        self.active.get()
+    }
+}
+
+/// The default registry in Prometheus text format.
+pub fn render() -> String {
+    let mut buf = Vec::new();
+    if let Err(e) = TextEncoder::new().encode(&prometheus::gather(), &mut buf) {
+        tracing::error!(error = %e, "Cannot encode metrics");
+    }
+    String::from_utf8(buf).unwrap_or_default()
+}

@@ -1,0 +1,489 @@
+//! The `mocker` engine: a simulated vLLM-style engine for routing, scale and framework tests
+//! without GPUs.
+//!
+//! Each worker runs its scheduler loop on a dedicated OS thread, as a real engine's busy loop
+//! would: it takes new requests from a bounded queue, runs a [`scheduler`] step, sleeps for
+//! the step's simulated duration ([`Timing`], divided by `speedup`) and hands each sequence's
+//! new tokens to its request. A request whose consumer went away (client disconnect, stop
+//! string, kill) is noticed at the next step and its blocks are freed. KV events and load
+//! metrics go to the event plane; block and request gauges go to `/metrics`.
+
+pub mod pool;
+pub mod scheduler;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dyn_pipeline::{BuildCx, BuildError, Invalid, OpError};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+
+use crate::llm::kv::{
+    KvCacheEvent, LoadMetrics, RouterEvent, kv_events_subject, load_metrics_subject,
+};
+use crate::llm::model::ModelDir;
+use crate::llm::types::{Generated, PreprocessedRequest};
+use crate::metrics::WorkerGauges;
+use scheduler::{Limits, Scheduler, SeqId, SeqSpec};
+
+/// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker serving
+/// an 8B model on one large GPU.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockerConfig {
+    #[serde(default = "d_num_blocks")]
+    pub num_blocks: u32,
+    #[serde(default = "d_block_size")]
+    pub block_size: u32,
+    #[serde(default = "d_max_num_seqs")]
+    pub max_num_seqs: u32,
+    #[serde(default = "d_max_num_batched_tokens")]
+    pub max_num_batched_tokens: u32,
+    /// Simulated time is divided by this; large values make the framework the bottleneck.
+    #[serde(default = "d_speedup")]
+    pub speedup: f64,
+    /// Requests that may wait for the engine thread before new ones are refused (503).
+    #[serde(default = "d_queue")]
+    pub max_queued_requests: u32,
+    #[serde(default)]
+    pub timing: Timing,
+}
+
+fn d_num_blocks() -> u32 {
+    16384
+}
+fn d_block_size() -> u32 {
+    16
+}
+fn d_max_num_seqs() -> u32 {
+    256
+}
+fn d_max_num_batched_tokens() -> u32 {
+    8192
+}
+fn d_speedup() -> f64 {
+    1.0
+}
+fn d_queue() -> u32 {
+    4096
+}
+
+/// The timing model, in milliseconds: a step costs `step_ms`, plus `prefill_ms_per_token` per
+/// prompt token computed, plus `decode_ms_per_seq` per decoding sequence, plus
+/// `ms_per_1k_context` per thousand tokens of context the batch attends over.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timing {
+    pub step_ms: f64,
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_seq: f64,
+    pub ms_per_1k_context: f64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            step_ms: 5.0,
+            prefill_ms_per_token: 0.02,
+            decode_ms_per_seq: 0.05,
+            ms_per_1k_context: 0.02,
+        }
+    }
+}
+
+impl Timing {
+    pub fn step(&self, prefill_tokens: usize, decode_seqs: usize, context: usize) -> f64 {
+        self.step_ms
+            + self.prefill_ms_per_token * prefill_tokens as f64
+            + self.decode_ms_per_seq * decode_seqs as f64
+            + self.ms_per_1k_context * context as f64 / 1000.0
+    }
+}
+
+impl Default for MockerConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: d_num_blocks(),
+            block_size: d_block_size(),
+            max_num_seqs: d_max_num_seqs(),
+            max_num_batched_tokens: d_max_num_batched_tokens(),
+            speedup: d_speedup(),
+            max_queued_requests: d_queue(),
+            timing: Timing::default(),
+        }
+    }
+}
+
+impl MockerConfig {
+    pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        let mut positive = |name: &str, v: u32| {
+            if v == 0 {
+                out.push(Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be at least 1",
+                ));
+            }
+        };
+        positive("num_blocks", self.num_blocks);
+        positive("block_size", self.block_size);
+        positive("max_num_seqs", self.max_num_seqs);
+        positive("max_num_batched_tokens", self.max_num_batched_tokens);
+        positive("max_queued_requests", self.max_queued_requests);
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            out.push(Invalid::field(
+                format!("{prefix}speedup"),
+                "must be a positive number",
+            ));
+        }
+        let t = &self.timing;
+        if [
+            t.step_ms,
+            t.prefill_ms_per_token,
+            t.decode_ms_per_seq,
+            t.ms_per_1k_context,
+        ]
+        .iter()
+        .any(|v| !(v.is_finite() && *v >= 0.0))
+        {
+            out.push(Invalid::field(
+                format!("{prefix}timing"),
+                "times must be zero or positive",
+            ));
+        }
+        out
+    }
+}
+
+enum Command {
+    Add {
+        id: SeqId,
+        spec: SeqSpec,
+        tx: mpsc::Sender<Generated>,
+    },
+}
+
+/// A running mocker worker; dropping the last handle stops its thread.
+pub struct Mocker {
+    commands: std_mpsc::SyncSender<Command>,
+    vocab: Arc<[u32]>,
+    next_id: std::sync::atomic::AtomicU64,
+    /// Gauges of this worker (also on `/metrics`).
+    pub gauges: WorkerGauges,
+}
+
+/// Tokens a sequence produced that its consumer has not taken yet.
+struct Outbox {
+    tx: mpsc::Sender<Generated>,
+    pending: Vec<u32>,
+    finish: Option<crate::llm::types::FinishReason>,
+}
+
+impl Outbox {
+    /// Hand over what is pending; `false` when the consumer is gone.
+    fn flush(&mut self) -> bool {
+        if self.pending.is_empty() && self.finish.is_none() {
+            return !self.tx.is_closed();
+        }
+        let item = Generated::Tokens {
+            ids: std::mem::take(&mut self.pending),
+            finish: self.finish,
+        };
+        match self.tx.try_send(item) {
+            Ok(()) => {
+                self.finish = None;
+                true
+            }
+            Err(mpsc::error::TrySendError::Full(Generated::Tokens { ids, .. })) => {
+                // The consumer lags: keep the tokens and send them together later.
+                self.pending = ids;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+impl Mocker {
+    pub fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Mocker>, BuildError> {
+        let model = ModelDir::from_graph(cx)?;
+        let (commands, rx) = std_mpsc::sync_channel(config.max_queued_requests as usize);
+        let worker_id = cx.instance_id;
+        let gauges = WorkerGauges::new(&cx.node, worker_id);
+        // Events leave the engine thread through a bounded queue; if the plane cannot keep
+        // up they are dropped, and consumers see the gap in event ids.
+        let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
+        let planes = cx.planes.clone();
+        tokio::spawn(async move {
+            while let Some((subject, payload)) = events_rx.recv().await {
+                if let Err(e) = planes.events.publish(&subject, payload).await {
+                    tracing::warn!(error = %e, subject, "Cannot publish an engine event");
+                }
+            }
+        });
+        let engine = Engine {
+            sched: Scheduler::new(
+                Limits {
+                    block_size: config.block_size as usize,
+                    max_num_seqs: config.max_num_seqs as usize,
+                    max_num_batched_tokens: config.max_num_batched_tokens as usize,
+                },
+                config.num_blocks,
+            ),
+            outboxes: HashMap::new(),
+            timing: config.timing.clone(),
+            speedup: config.speedup,
+            worker_id,
+            event_id: 0,
+            kv_subject: kv_events_subject(&cx.namespace, &cx.node),
+            load_subject: load_metrics_subject(&cx.namespace, &cx.node),
+            events: events_tx,
+            gauges: gauges.clone(),
+            last_load: None,
+        };
+        std::thread::Builder::new()
+            .name(format!("mocker-{}", cx.replica))
+            .spawn(move || engine.run(rx))
+            .map_err(|e| BuildError::new(format!("cannot start the mocker thread: {e}")))?;
+        Ok(Arc::new(Mocker {
+            commands,
+            vocab: text_tokens(&model),
+            next_id: std::sync::atomic::AtomicU64::new(1),
+            gauges,
+        }))
+    }
+
+    /// Queue a request; its tokens arrive on the returned channel.
+    pub fn submit(&self, req: &PreprocessedRequest) -> Result<mpsc::Receiver<Generated>, OpError> {
+        let (tx, rx) = mpsc::channel(64);
+        let seed = req
+            .sampling
+            .seed
+            .unwrap_or_else(|| crate::llm::kv::local_hash(&req.token_ids));
+        let spec = SeqSpec {
+            prompt: req.token_ids.clone(),
+            max_tokens: req.stop.max_tokens,
+            seed,
+            vocab: self.vocab.clone(),
+        };
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.commands.try_send(Command::Add { id, spec, tx }) {
+            Ok(()) => Ok(rx),
+            Err(std_mpsc::TrySendError::Full(_)) => {
+                Err(OpError::unavailable("the engine's request queue is full"))
+            }
+            Err(std_mpsc::TrySendError::Disconnected(_)) => {
+                Err(OpError::unavailable("the engine has stopped"))
+            }
+        }
+    }
+}
+
+/// The ids the mocker draws output from: tokens that decode to visible text on their own (no
+/// special, control or partial-character tokens), so simulated answers read as words and
+/// never contain eos. Falls back to every id when a tokenizer has none.
+fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
+    let ids: Vec<u32> = (0..model.vocab_size)
+        .filter(|&id| {
+            model.tokenizer.decode(&[id], true).is_ok_and(|s| {
+                !s.trim().is_empty() && s.chars().all(|c| c != '\u{FFFD}' && !c.is_control())
+            })
+        })
+        .collect();
+    if ids.is_empty() {
+        (0..model.vocab_size).collect()
+    } else {
+        ids.into()
+    }
+}
+
+struct Engine {
+    sched: Scheduler,
+    outboxes: HashMap<SeqId, Outbox>,
+    timing: Timing,
+    speedup: f64,
+    worker_id: u64,
+    event_id: u64,
+    kv_subject: String,
+    load_subject: String,
+    events: mpsc::Sender<(String, Bytes)>,
+    gauges: WorkerGauges,
+    last_load: Option<((u32, u32, u32), Instant)>,
+}
+
+/// Load metrics are published when they change, at most this often (and always on idle).
+const LOAD_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Below this a simulated step is not slept (the OS would oversleep it anyway).
+const MIN_SLEEP: Duration = Duration::from_micros(50);
+
+impl Engine {
+    fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        tracing::debug!(
+            worker_id = format_args!("{:x}", self.worker_id),
+            "Mocker engine started"
+        );
+        loop {
+            // Idle: block until work arrives (or every handle is gone).
+            if self.sched.is_idle() && self.outboxes.is_empty() {
+                match rx.recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.command(cmd);
+            }
+            let started = Instant::now();
+            self.reap_cancelled();
+            let out = self.sched.step();
+            let busy = out.prefill_tokens > 0 || out.decode_seqs > 0;
+            for (id, token, finish) in out.tokens {
+                if let Some(o) = self.outboxes.get_mut(&id) {
+                    o.pending.push(token);
+                    o.finish = finish;
+                }
+            }
+            self.deliver();
+            self.publish();
+            let simulated = if busy {
+                let ms = self
+                    .timing
+                    .step(out.prefill_tokens, out.decode_seqs, out.context_tokens);
+                Duration::from_secs_f64(ms / 1000.0 / self.speedup)
+            } else {
+                // Nothing could run (waiting for blocks, or only undelivered output).
+                Duration::from_millis(1)
+            };
+            let left = simulated.saturating_sub(started.elapsed());
+            if left >= MIN_SLEEP {
+                std::thread::sleep(left);
+            }
+        }
+        tracing::debug!(
+            worker_id = format_args!("{:x}", self.worker_id),
+            "Mocker engine stopped"
+        );
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add { id, spec, tx } => {
+                self.sched.add(id, spec);
+                self.outboxes.insert(
+                    id,
+                    Outbox {
+                        tx,
+                        pending: Vec::new(),
+                        finish: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Requests whose consumer went away: free their blocks.
+    fn reap_cancelled(&mut self) {
+        let gone: Vec<SeqId> = self
+            .outboxes
+            .iter()
+            .filter(|(_, o)| o.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.outboxes.remove(&id);
+            if self.sched.remove(id) {
+                tracing::debug!(
+                    worker_id = format_args!("{:x}", self.worker_id),
+                    seq = id,
+                    "Request cancelled; its blocks are freed"
+                );
+            }
+        }
+    }
+
+    fn deliver(&mut self) {
+        let mut done = Vec::new();
+        for (id, o) in &mut self.outboxes {
+            let finishing = o.finish.is_some();
+            let ok = o.flush();
+            if !ok {
+                done.push((*id, true));
+            } else if finishing && o.finish.is_none() {
+                done.push((*id, false));
+            }
+        }
+        for (id, cancelled) in done {
+            self.outboxes.remove(&id);
+            if cancelled {
+                self.sched.remove(id);
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        for data in self.sched.pool.take_events() {
+            let ev = RouterEvent {
+                worker_id: self.worker_id,
+                event: KvCacheEvent {
+                    event_id: self.event_id,
+                    dp_rank: 0,
+                    data,
+                },
+            };
+            self.event_id += 1;
+            self.send(self.kv_subject.clone(), &ev);
+        }
+        let (running, waiting) = (self.sched.running() as u32, self.sched.waiting() as u32);
+        let active = self.sched.pool.active();
+        let c = self.sched.counters;
+        self.gauges.set(
+            running,
+            waiting,
+            active,
+            self.sched.pool.total(),
+            c.prompt_blocks,
+            c.prompt_blocks_hit,
+            c.preemptions,
+        );
+        let now = (running, waiting, active);
+        let due = match self.last_load {
+            None => true,
+            Some((last, at)) => {
+                last != now && (at.elapsed() >= LOAD_INTERVAL || running + waiting == 0)
+            }
+        };
+        if due {
+            self.last_load = Some((now, Instant::now()));
+            let m = LoadMetrics {
+                worker_id: self.worker_id,
+                requests_running: running,
+                requests_waiting: waiting,
+                kv_active_blocks: active,
+                kv_total_blocks: self.sched.pool.total(),
+                prefix_cache_hit_rate: if c.prompt_blocks == 0 {
+                    0.0
+                } else {
+                    c.prompt_blocks_hit as f64 / c.prompt_blocks as f64
+                },
+            };
+            self.send(self.load_subject.clone(), &m);
+        }
+    }
+
+    fn send(&self, subject: String, value: &impl serde::Serialize) {
+        match serde_json::to_vec(value) {
+            Ok(bytes) => {
+                if self.events.try_send((subject, Bytes::from(bytes))).is_err() {
+                    tracing::warn!("Engine event queue is full; dropping an event");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "Cannot encode an engine event"),
+        }
+    }
+}
