@@ -58,9 +58,14 @@ impl Graph {
     /// Start `dyn graph up GRAPH --set ingress.listen=127.0.0.1:0 EXTRA…` with JSON logs and
     /// wait until the ingress listens.
     pub fn up(graph: &str, extra: &[&str]) -> Graph {
+        Self::up_with_ingress(graph, "ingress", extra)
+    }
+
+    /// [`Graph::up`] for a graph whose ingress node is called `ingress`.
+    pub fn up_with_ingress(graph: &str, ingress: &str, extra: &[&str]) -> Graph {
         let mut child = dyn_cmd()
             .args(["--log-format", "json", "graph", "up", graph])
-            .args(["--set", "ingress.listen=127.0.0.1:0"])
+            .args(["--set", &format!("{ingress}.listen=127.0.0.1:0")])
             .args(extra)
             .env("RUST_LOG", "info,dyn_operators=debug,dyn_pipeline=debug")
             .stdin(Stdio::null())

@@ -13,6 +13,7 @@ pub mod scheduler;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,7 @@ pub struct MockerConfig {
     /// Simulated time is divided by this; large values make the framework the bottleneck.
     #[serde(default = "d_speedup")]
     pub speedup: f64,
-    /// Requests that may wait for the engine thread before new ones are refused (503).
+    /// Requests that may wait to start before new ones are refused with 503 (load shedding).
     #[serde(default = "d_queue")]
     pub max_queued_requests: u32,
     #[serde(default)]
@@ -169,8 +170,11 @@ enum Command {
 /// A running mocker worker; dropping the last handle stops its thread.
 pub struct Mocker {
     commands: std_mpsc::SyncSender<Command>,
+    /// Requests submitted but not yet running: in the command queue or the scheduler's.
+    queued: Arc<AtomicUsize>,
+    max_queued: usize,
     vocab: Arc<[u32]>,
-    next_id: std::sync::atomic::AtomicU64,
+    next_id: AtomicU64,
     /// Gauges of this worker (also on `/metrics`).
     pub gauges: WorkerGauges,
 }
@@ -213,6 +217,8 @@ impl Mocker {
         let (commands, rx) = std_mpsc::sync_channel(config.max_queued_requests as usize);
         let worker_id = cx.instance_id;
         let gauges = WorkerGauges::new(&cx.node, worker_id);
+        // Visible on /metrics from the start, not only after the first request.
+        gauges.set(0, 0, 0, config.num_blocks, 0, 0, 0);
         // Events leave the engine thread through a bounded queue; if the plane cannot keep
         // up they are dropped, and consumers see the gap in event ids.
         let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
@@ -224,7 +230,10 @@ impl Mocker {
                 }
             }
         });
+        let queued = Arc::new(AtomicUsize::new(0));
         let engine = Engine {
+            queued: queued.clone(),
+            received_unadmitted: 0,
             sched: Scheduler::new(
                 Limits {
                     block_size: config.block_size as usize,
@@ -250,8 +259,10 @@ impl Mocker {
             .map_err(|e| BuildError::new(format!("cannot start the mocker thread: {e}")))?;
         Ok(Arc::new(Mocker {
             commands,
+            queued,
+            max_queued: config.max_queued_requests as usize,
             vocab: text_tokens(&model),
-            next_id: std::sync::atomic::AtomicU64::new(1),
+            next_id: AtomicU64::new(1),
             gauges,
         }))
     }
@@ -269,16 +280,23 @@ impl Mocker {
             seed,
             vocab: self.vocab.clone(),
         };
-        let id = self
-            .next_id
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(OpError::unavailable(format!(
+                "the worker is busy: {} requests are already waiting",
+                self.max_queued
+            ))
+            .with_code("worker_busy"));
+        }
         match self.commands.try_send(Command::Add { id, spec, tx }) {
             Ok(()) => Ok(rx),
-            Err(std_mpsc::TrySendError::Full(_)) => {
-                Err(OpError::unavailable("the engine's request queue is full"))
-            }
-            Err(std_mpsc::TrySendError::Disconnected(_)) => {
-                Err(OpError::unavailable("the engine has stopped"))
+            Err(e) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                Err(OpError::unavailable(match e {
+                    std_mpsc::TrySendError::Full(_) => "the engine's request queue is full",
+                    std_mpsc::TrySendError::Disconnected(_) => "the engine has stopped",
+                }))
             }
         }
     }
@@ -303,6 +321,9 @@ fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
 }
 
 struct Engine {
+    queued: Arc<AtomicUsize>,
+    /// What this thread last counted in `queued` for requests it received.
+    received_unadmitted: usize,
     sched: Scheduler,
     outboxes: HashMap<SeqId, Outbox>,
     timing: Timing,
@@ -350,6 +371,7 @@ impl Engine {
                 }
             }
             self.deliver();
+            self.account();
             self.publish();
             let simulated = if busy {
                 let ms = self
@@ -374,6 +396,9 @@ impl Engine {
     fn command(&mut self, cmd: Command) {
         match cmd {
             Command::Add { id, spec, tx } => {
+                // Counted in `queued` by `submit`; it stays counted while the scheduler holds
+                // it unadmitted, and is released in `account`.
+                self.received_unadmitted += 1;
                 self.sched.add(id, spec);
                 self.outboxes.insert(
                     id,
@@ -385,6 +410,16 @@ impl Engine {
                 );
             }
         }
+    }
+
+    /// Release from `queued` the requests that started running (or left) since last time.
+    fn account(&mut self) {
+        let now = self.sched.unadmitted();
+        if now < self.received_unadmitted {
+            self.queued
+                .fetch_sub(self.received_unadmitted - now, Ordering::AcqRel);
+        }
+        self.received_unadmitted = now;
     }
 
     /// Requests whose consumer went away: free their blocks.

@@ -76,6 +76,8 @@ pub struct Scheduler {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     pub counters: Counters,
+    /// Sequences added but never admitted to the batch yet (the engine's queue depth).
+    unadmitted: usize,
 }
 
 /// Deterministic output: splitmix64 over seed and position.
@@ -99,10 +101,12 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             counters: Counters::default(),
+            unadmitted: 0,
         }
     }
 
     pub fn add(&mut self, id: SeqId, spec: SeqSpec) {
+        self.unadmitted += 1;
         self.waiting.push_back(Seq {
             id,
             tokens: spec.prompt.clone(),
@@ -123,6 +127,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Requests that have not started running yet.
+    pub fn unadmitted(&self) -> usize {
+        self.unadmitted
+    }
+
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()
     }
@@ -135,6 +144,9 @@ impl Scheduler {
             true
         } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             if let Some(seq) = self.waiting.remove(i) {
+                if seq.preemptions == 0 {
+                    self.unadmitted -= 1;
+                }
                 self.free(seq);
             }
             true
@@ -266,6 +278,9 @@ impl Scheduler {
                 break;
             }
             budget -= want;
+            if seq.preemptions == 0 {
+                self.unadmitted -= 1;
+            }
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, want));
         }

@@ -1,0 +1,567 @@
+//! `dyn graph up graphs/agg.yaml` end to end over loopback: the OpenAI endpoints, SSE framing,
+//! usage, stop strings, finish reasons, every bad input's 4xx, load shedding, and a client
+//! that hangs up freeing its KV blocks in the engine.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::time::{Duration, Instant};
+
+use dyn_tests::Graph;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+const GRAPH: &str = "graphs/agg.yaml";
+
+/// The aggregated graph with a fast mocker, plus `extra` overrides.
+fn up(extra: &[&str]) -> Graph {
+    let mut args = vec!["--set", "decode.mocker.speedup=100"];
+    args.extend_from_slice(extra);
+    Graph::up_with_ingress(GRAPH, "http", &args)
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(g: &Graph, path: &str, body: Value) -> (u16, Value) {
+    let r = client().post(g.url(path)).json(&body).send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// The `data:` payloads of an SSE response.
+async fn sse(g: &Graph, path: &str, body: Value) -> Vec<String> {
+    let r = client().post(g.url(path)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let text = r.text().await.unwrap();
+    // Every event is one `data:` line followed by a blank line.
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad event {e:?}"))
+                .to_owned()
+        })
+        .collect()
+}
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+#[tokio::test]
+async fn chat_unary_and_streaming_agree_and_report_usage() {
+    let g = up(&[]);
+    let (status, full) = post(
+        &g,
+        "/v1/chat/completions",
+        chat("Tell me a story", json!({"max_tokens": 12, "seed": 7})),
+    )
+    .await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "chat.completion");
+    assert!(full["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(full["model"], "tiny");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let text = choice["message"]["content"].as_str().unwrap();
+    assert!(!text.is_empty());
+    let usage = &full["usage"];
+    assert_eq!(usage["completion_tokens"], 12);
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 5);
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + 12);
+
+    // Same request, streamed with usage: same text, OpenAI chunk framing.
+    let events = sse(&g, "/v1/chat/completions", chat("Tell me a story", json!({"max_tokens": 12, "seed": 7, "stream": true, "stream_options": {"include_usage": true}}))).await;
+    let (done, events) = events.split_last().unwrap();
+    assert_eq!(done, "[DONE]");
+    let chunks: Vec<Value> = events
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let (usage_chunk, content) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], *usage);
+    let streamed: String = content
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    for c in content {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"]);
+        assert!(c["usage"].is_null());
+    }
+    let finishes: Vec<&Value> = content
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finishes, [&json!("length")]);
+    assert_eq!(
+        content.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+
+    // A different seed gives a different answer; no seed is still deterministic per prompt.
+    let (_, other) = post(
+        &g,
+        "/v1/chat/completions",
+        chat("Tell me a story", json!({"max_tokens": 12, "seed": 8})),
+    )
+    .await;
+    assert_ne!(other["choices"][0]["message"]["content"], text);
+}
+
+#[tokio::test]
+async fn completions_unary_streaming_and_token_prompts() {
+    let g = up(&[]);
+    let body = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "seed": 1});
+    let (status, full) = post(&g, "/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "text_completion");
+    assert_eq!(full["choices"][0]["finish_reason"], "length");
+    assert_eq!(full["usage"]["completion_tokens"], 6);
+    let text = full["choices"][0]["text"].as_str().unwrap();
+
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let events = sse(&g, "/v1/completions", streaming).await;
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .map(|c| c["choices"][0]["text"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(streamed, text);
+
+    let (status, tokens) = post(
+        &g,
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": [0, 40, 41, 42], "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{tokens}");
+    assert_eq!(tokens["usage"]["prompt_tokens"], 4);
+}
+
+#[tokio::test]
+async fn stop_strings_end_the_answer_and_are_not_sent() {
+    let g = up(&[]);
+    let req = |extra: Value| {
+        let mut b =
+            json!({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "seed": 3});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let (_, full) = post(&g, "/v1/completions", req(json!({}))).await;
+    let text = full["choices"][0]["text"].as_str().unwrap().to_owned();
+    // Stop at a piece from the middle of the known answer.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let body = req(json!({"stop": [stop.clone(), "\u{1F600}never"], "stream": stream}));
+        let (got, finish) = if stream {
+            let events = sse(&g, "/v1/completions", body).await;
+            let chunks: Vec<Value> = events[..events.len() - 1]
+                .iter()
+                .map(|e| serde_json::from_str(e).unwrap())
+                .collect();
+            let text: String = chunks
+                .iter()
+                .map(|c| c["choices"][0]["text"].as_str().unwrap().to_owned())
+                .collect();
+            (
+                text,
+                chunks.last().unwrap()["choices"][0]["finish_reason"].clone(),
+            )
+        } else {
+            let (_, v) = post(&g, "/v1/completions", body).await;
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_owned(),
+                v["choices"][0]["finish_reason"].clone(),
+            )
+        };
+        assert_eq!(got, expected, "stop {stop:?} in {text:?}");
+        assert_eq!(finish, "stop");
+    }
+    // A single string works too.
+    let (_, v) = post(&g, "/v1/completions", req(json!({"stop": stop}))).await;
+    assert_eq!(v["choices"][0]["text"], expected);
+}
+
+#[tokio::test]
+async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
+    let g = up(&["--set", "http.max_body_bytes=65536"]);
+    let long = "word ".repeat(5000);
+    let cases: Vec<(reqwest::RequestBuilder, u16, &str, Option<&str>)> = vec![
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .body("{not json"),
+            400,
+            "invalid_json",
+            None,
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"max_tokens": "ten"}))),
+            400,
+            "invalid_json",
+            None,
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&json!({"model": "tiny"})),
+            400,
+            "invalid_json",
+            None,
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"stop": 5}))),
+            400,
+            "invalid_json",
+            None,
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&json!({"model": "gpt-9", "messages": []})),
+            400,
+            "model_not_found",
+            Some("model"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"n": 2}))),
+            400,
+            "invalid_value",
+            Some("n"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"temperature": 5.0}))),
+            400,
+            "invalid_request",
+            Some("temperature"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"top_p": 0}))),
+            400,
+            "invalid_request",
+            Some("top_p"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"max_tokens": 0}))),
+            400,
+            "invalid_request",
+            Some("max_tokens"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat("hi", json!({"max_tokens": 100000}))),
+            400,
+            "context_length_exceeded",
+            Some("max_tokens"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat(&long, json!({}))),
+            400,
+            "context_length_exceeded",
+            Some("messages"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .json(&json!({"model": "tiny", "messages": []})),
+            400,
+            "invalid_request",
+            Some("messages"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/completions"))
+                .json(&json!({"model": "tiny", "prompt": [1, 99999999]})),
+            400,
+            "invalid_request",
+            Some("prompt"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/completions"))
+                .json(&json!({"model": "tiny", "prompt": ["a", "b"]})),
+            400,
+            "invalid_value",
+            Some("prompt"),
+        ),
+        (
+            client().post(g.url("/v1/chat/completions")).json(&chat(
+                "hi",
+                json!({"stream_options": {"include_usage": true}}),
+            )),
+            400,
+            "invalid_value",
+            Some("stream_options"),
+        ),
+        (
+            client()
+                .post(g.url("/v1/chat/completions"))
+                .body(" ".repeat(70_000)),
+            413,
+            "request_too_large",
+            None,
+        ),
+        (client().get(g.url("/v1/nope")), 404, "not_found", None),
+    ];
+    for (i, (req, status, code, param)) in cases.into_iter().enumerate() {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "case {i}");
+        let body: Value = resp.json().await.unwrap();
+        let err = &body["error"];
+        assert_eq!(err["code"], code, "case {i}: {body}");
+        assert!(
+            err["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "case {i}: {body}"
+        );
+        assert!(err["type"].is_string(), "case {i}: {body}");
+        if let Some(p) = param {
+            assert_eq!(err["param"], p, "case {i}: {body}");
+        }
+    }
+    // Streaming requests that fail early get the status code, not a 200 stream.
+    let resp = client()
+        .post(g.url("/v1/chat/completions"))
+        .json(&chat("hi", json!({"stream": true, "temperature": 9})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+
+    // Still serving, and no panic in the logs.
+    let (status, _) = post(
+        &g,
+        "/v1/chat/completions",
+        chat("hi", json!({"max_tokens": 2})),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(!g.logs().iter().any(|l| l.contains("panicked")));
+}
+
+#[tokio::test]
+async fn api_keys_are_required_when_configured() {
+    let g = up(&["--set", "http.api_keys=[sekret]"]);
+    let body = chat("hi", json!({"max_tokens": 2}));
+    let resp = client()
+        .post(g.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    let resp = client()
+        .post(g.url("/v1/chat/completions"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // Health and metrics stay open for probes and scrapers.
+    assert_eq!(
+        client()
+            .get(g.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        client()
+            .get(g.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+/// Sum of a metric's samples across label sets.
+async fn metric(g: &Graph, name: &str) -> f64 {
+    let text = client()
+        .get(g.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn wait_for_metric(g: &Graph, name: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = metric(g, name).await;
+        if ok(v) || Instant::now() > deadline {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_frees_its_blocks_in_the_engine() {
+    // Slow engine: a step every ~50 ms, so the request is mid-stream when we leave.
+    let g = Graph::up_with_ingress(GRAPH, "http", &["--set", "decode.mocker.speedup=0.1"]);
+    let body = chat(
+        &"a long prompt ".repeat(40),
+        json!({"max_tokens": 1000, "stream": true}),
+    );
+    let resp = client()
+        .post(g.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        seen += stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count()
+            / 2;
+    }
+    let active = metric(&g, "dyn_worker_kv_active_blocks").await;
+    assert!(active > 0.0, "the request holds blocks while it streams");
+    assert_eq!(metric(&g, "dyn_worker_requests_running").await, 1.0);
+    drop(stream);
+
+    let active = wait_for_metric(&g, "dyn_worker_kv_active_blocks", |v| v == 0.0).await;
+    assert_eq!(active, 0.0, "blocks are freed after the client left");
+    assert_eq!(metric(&g, "dyn_worker_requests_running").await, 0.0);
+    let cancelled = wait_for_metric(&g, "dyn_frontend_requests_total{endpoint=\"chat_completions\",model=\"tiny\",request_type=\"stream\",status=\"cancelled\"}", |v| v >= 1.0).await;
+    assert_eq!(cancelled, 1.0);
+    assert_eq!(metric(&g, "dyn_frontend_inflight_requests").await, 0.0);
+}
+
+#[tokio::test]
+async fn a_busy_worker_sheds_load_with_503() {
+    // One worker that runs one sequence at a time and lets one more wait.
+    let g = Graph::up_with_ingress(
+        GRAPH,
+        "http",
+        &[
+            "--set",
+            "decode.replicas=1",
+            "--set",
+            "decode.mocker.speedup=0.1",
+            "--set",
+            "decode.mocker.max_num_seqs=1",
+            "--set",
+            "decode.mocker.max_queued_requests=1",
+        ],
+    );
+    let body = chat("hi", json!({"max_tokens": 200, "stream": true}));
+    let running = client()
+        .post(g.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(running.status(), 200);
+    let waiting = tokio::spawn(
+        client()
+            .post(g.url("/v1/chat/completions"))
+            .json(&body)
+            .send(),
+    );
+    let waiting_now = wait_for_metric(&g, "dyn_worker_requests_waiting", |v| v == 1.0).await;
+    assert_eq!(waiting_now, 1.0);
+    let resp = client()
+        .post(g.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let err: Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap_or_default();
+    assert_eq!(status, 503, "{err}");
+    assert_eq!(err["error"]["code"], "worker_busy");
+    drop(running);
+    assert_eq!(waiting.await.unwrap().unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn models_health_and_metrics() {
+    let g = up(&[]);
+    let models: Value = client()
+        .get(g.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "tiny");
+    sse(
+        &g,
+        "/v1/chat/completions",
+        chat("hi", json!({"max_tokens": 4, "stream": true})),
+    )
+    .await;
+    let health: Value = client()
+        .get(g.url("/health"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["status"], "healthy");
+    for name in [
+        "dyn_frontend_requests_total",
+        "dyn_frontend_time_to_first_token_seconds_count",
+        "dyn_frontend_inter_token_latency_seconds_count",
+        "dyn_frontend_input_tokens_total",
+        "dyn_frontend_output_tokens_total",
+    ] {
+        assert!(metric(&g, name).await > 0.0, "{name}");
+    }
+    assert_eq!(metric(&g, "dyn_frontend_output_tokens_total").await, 4.0);
+    assert_eq!(metric(&g, "dyn_worker_kv_total_blocks").await, 2.0 * 4096.0);
+}
