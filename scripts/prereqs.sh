@@ -10,15 +10,17 @@ install_prereqs() {
     cmd=${pkg#*:}; pkg=${pkg%%:*}
     command -v "$cmd" >/dev/null || [ -x "/usr/sbin/$cmd" ] || need+=("$pkg")
   done
-  if [ ${#need[@]} -gt 0 ]; then
-    echo "==> Installing ${need[*]}"
-    local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
-  fi
+  [ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
   if ! command -v cargo >/dev/null; then
     echo "Rust is not installed: install it with rustup (https://rustup.rs), then run this again." >&2
     exit 1
   fi
   export PATH="$PATH:/usr/sbin"
+}
+
+apt_install() {
+  echo "==> Installing $*"
+  local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@"
 }
