@@ -522,3 +522,123 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::kv::KvEventData;
+    use crate::llm::types::{OutputSpec, Sampling, StopConditions};
+    use dyn_pipeline::planes::Planes;
+    use futures::StreamExt;
+
+    fn cx(planes: &Planes) -> BuildCx {
+        BuildCx {
+            graph: "g".into(),
+            namespace: "ns".into(),
+            node: "decode".into(),
+            replica: 0,
+            instance_id: 0xabc,
+            consumers: vec![],
+            model: Some(dyn_pipeline::spec::ModelSpec {
+                name: "tiny".into(),
+                path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
+            }),
+            base_dir: ".".into(),
+            planes: planes.clone(),
+        }
+    }
+
+    fn request(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
+        PreprocessedRequest {
+            model: "tiny".into(),
+            token_ids: tokens,
+            sampling: Sampling {
+                seed: Some(5),
+                ..Sampling::default()
+            },
+            stop: StopConditions {
+                max_tokens,
+                min_tokens: 0,
+                ignore_eos: false,
+                eos_token_ids: vec![],
+            },
+            output: OutputSpec::default(),
+            target: None,
+        }
+    }
+
+    async fn run(m: &Mocker, req: &PreprocessedRequest) -> Vec<u32> {
+        let mut rx = m.submit(req).expect("submitted");
+        let mut out = Vec::new();
+        while let Some(Generated::Tokens { ids, finish }) = rx.recv().await {
+            out.extend(ids);
+            if finish.is_some() {
+                break;
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn publishes_kv_events_with_consecutive_ids_and_load_metrics() {
+        let planes = Planes::embedded();
+        let mut events = planes
+            .events
+            .subscribe("dyn.ns.decode.kv_events")
+            .await
+            .expect("sub");
+        let mut load = planes
+            .events
+            .subscribe("dyn.ns.decode.load_metrics")
+            .await
+            .expect("sub");
+        // Two blocks of 16: a 40-token prompt fills two and the answer fills more.
+        let config = MockerConfig {
+            num_blocks: 4,
+            speedup: 1000.0,
+            ..MockerConfig::default()
+        };
+        let m = Mocker::start(&config, &cx(&planes)).expect("starts");
+        let a = run(&m, &request((0..40).collect(), 10)).await;
+        assert_eq!(a.len(), 10);
+        // Same seed and prompt again: same output, and the prompt's blocks come from the cache.
+        assert_eq!(run(&m, &request((0..40).collect(), 10)).await, a);
+        // A different prompt needs the blocks back: the cached ones are evicted.
+        run(&m, &request((100..140).collect(), 10)).await;
+
+        let mut seen = Vec::new();
+        while seen.len() < 3 {
+            let e = tokio::time::timeout(Duration::from_secs(5), events.next())
+                .await
+                .expect("event")
+                .expect("open");
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            assert_eq!(ev.worker_id, 0xabc);
+            seen.push(ev.event);
+        }
+        let ids: Vec<u64> = seen.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, [0, 1, 2]);
+        let KvEventData::Stored {
+            parent_hash: None,
+            blocks,
+        } = &seen[0].data
+        else {
+            panic!("first event stores the prompt's blocks: {:?}", seen[0]);
+        };
+        let expected = crate::llm::kv::block_hashes(&(0..40).collect::<Vec<_>>(), 16);
+        assert_eq!(blocks[..2], expected[..]);
+        assert!(
+            seen.iter()
+                .any(|e| matches!(e.data, KvEventData::Removed { .. })),
+            "{seen:?}"
+        );
+
+        let l = tokio::time::timeout(Duration::from_secs(5), load.next())
+            .await
+            .expect("metrics")
+            .expect("open");
+        let l: LoadMetrics = serde_json::from_slice(&l.payload).expect("json");
+        assert_eq!((l.worker_id, l.kv_total_blocks), (0xabc, 4));
+        assert!(m.gauges.active_blocks() == 0);
+    }
+}
