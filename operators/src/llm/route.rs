@@ -99,3 +99,95 @@ impl Operator for Route {
             .boxed()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::types::{OutputSpec, Sampling, StopConditions};
+    use dyn_pipeline::planes::{Planes, Transport};
+    use futures::stream;
+
+    fn cx(planes: &Planes) -> BuildCx {
+        BuildCx {
+            graph: "g".into(),
+            namespace: "ns".into(),
+            node: "route".into(),
+            replica: 0,
+            instance_id: 1,
+            consumers: vec!["decode".into()],
+            model: None,
+            base_dir: ".".into(),
+            planes: planes.clone(),
+        }
+    }
+
+    fn req() -> PreprocessedRequest {
+        PreprocessedRequest {
+            model: "m".into(),
+            token_ids: vec![1],
+            sampling: Sampling::default(),
+            stop: StopConditions {
+                max_tokens: 1,
+                min_tokens: 0,
+                ignore_eos: false,
+                eos_token_ids: vec![],
+            },
+            output: OutputSpec::default(),
+            target: None,
+        }
+    }
+
+    async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
+        let mut out = r.call(Ctx::new(), stream::iter([req()]).boxed());
+        out.next().await.expect("one item")
+    }
+
+    #[tokio::test]
+    async fn cycles_through_live_workers_and_is_unavailable_without_any() {
+        let planes = Planes::embedded();
+        let r = RouteConfig::default()
+            .build(&cx(&planes))
+            .await
+            .expect("builds");
+        let e = route_once(&r).await.expect_err("no workers");
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Unavailable);
+
+        for id in [10, 11] {
+            let i = Instance {
+                namespace: "ns".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+            };
+            planes.discovery.register(i).await.expect("register");
+        }
+        // The watch applies registrations asynchronously.
+        for _ in 0..100 {
+            if r.inner.workers.read().len() == 2 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let mut picked = Vec::new();
+        for _ in 0..4 {
+            picked.push(
+                route_once(&r)
+                    .await
+                    .expect("routed")
+                    .target
+                    .expect("target"),
+            );
+        }
+        picked.sort_unstable();
+        assert_eq!(picked, [10, 10, 11, 11]);
+    }
+
+    #[tokio::test]
+    async fn needs_exactly_one_consumer() {
+        let planes = Planes::embedded();
+        let mut c = cx(&planes);
+        c.consumers.clear();
+        assert!(RouteConfig::default().build(&c).await.is_err());
+    }
+}
