@@ -13,8 +13,8 @@ use dyn_pipeline::{CompiledGraph, Diagnostics, EXIT_CONFIG, Plan, RunOptions, lo
 const EXAMPLES: &str = "\
 Examples:
   dyn graph validate graphs/*.yaml          check graphs; exit 78 on configuration errors
-  dyn graph plan graphs/echo.yaml --format mermaid
-  dyn graph up graphs/echo.yaml --set ingress.listen=127.0.0.1:9000
+  dyn graph plan graphs/agg.yaml --format mermaid
+  dyn graph up graphs/agg.yaml --set http.listen=127.0.0.1:9000 --set decode.replicas=4
   dyn graph kinds                           list the operator kinds this build knows";
 
 #[derive(Parser)]
