@@ -58,7 +58,7 @@ impl OperatorConfig for DecodeConfig {
 
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {
         let engine = match self.engine {
-            Engine::Mocker => Mocker::start(&self.mocker(), cx)?,
+            Engine::Mocker => Mocker::start(&self.mocker(), cx).await?,
         };
         Ok(Decode { engine })
     }
@@ -66,12 +66,6 @@ impl OperatorConfig for DecodeConfig {
 
 pub struct Decode {
     engine: Arc<Mocker>,
-}
-
-impl Decode {
-    pub fn engine(&self) -> &Arc<Mocker> {
-        &self.engine
-    }
 }
 
 impl Operator for Decode {

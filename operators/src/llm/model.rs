@@ -4,9 +4,14 @@
 //! Only what serving needs is kept: the tokenizer, the chat template with its bos/eos
 //! strings, the eos token ids (from all three places HF keeps them), the context length and
 //! the vocabulary size. Missing optional files fall back to what the others say.
+//!
+//! Several nodes of a graph need the same directory (preprocess, postprocess, every decode
+//! replica), so [`ModelDir::shared`] loads it once per process, on the blocking thread pool,
+//! and hands out the same `Arc` while anyone holds it.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock, Weak};
 
 use dyn_pipeline::{BuildCx, BuildError};
 use serde_json::Value;
@@ -73,15 +78,35 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
+/// Loaded directories by (name, path), kept only while some node holds them.
+type Loaded = HashMap<(String, PathBuf), Weak<ModelDir>>;
+static LOADED: LazyLock<parking_lot::Mutex<Loaded>> = LazyLock::new(Default::default);
+
 impl ModelDir {
-    /// The graph's model, resolved against the graph file's directory.
-    pub fn from_graph(cx: &BuildCx) -> Result<ModelDir, BuildError> {
+    /// The graph's model, resolved against the graph file's directory: loaded once per
+    /// process (file reads and tokenizer parsing on the blocking pool), then shared.
+    pub async fn shared(cx: &BuildCx) -> Result<Arc<ModelDir>, BuildError> {
         let spec = cx.model.as_ref().ok_or_else(|| {
             BuildError::new(
                 "this kind needs a model: add `model: {name: ..., path: ...}` to the graph",
             )
         })?;
-        ModelDir::load(&spec.name, &cx.base_dir.join(&spec.path))
+        let key = (spec.name.clone(), cx.base_dir.join(&spec.path));
+        if let Some(m) = LOADED.lock().get(&key).and_then(Weak::upgrade) {
+            return Ok(m);
+        }
+        let (name, path) = key.clone();
+        let model = tokio::task::spawn_blocking(move || ModelDir::load(&name, &path))
+            .await
+            .map_err(|e| BuildError::new(format!("model loading task failed: {e}")))??;
+        // Two nodes may have loaded it at once; keep the first so all share one copy.
+        let mut loaded = LOADED.lock();
+        if let Some(m) = loaded.get(&key).and_then(Weak::upgrade) {
+            return Ok(m);
+        }
+        let model = Arc::new(model);
+        loaded.insert(key, Arc::downgrade(&model));
+        Ok(model)
     }
 
     pub fn load(name: &str, path: &Path) -> Result<ModelDir, BuildError> {

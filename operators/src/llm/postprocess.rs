@@ -33,7 +33,7 @@ impl OperatorConfig for PostprocessConfig {
 
     async fn build(&self, cx: &BuildCx) -> Result<Postprocess, BuildError> {
         Ok(Postprocess {
-            tokenizer: ModelDir::from_graph(cx)?.tokenizer,
+            tokenizer: ModelDir::shared(cx).await?.tokenizer.clone(),
         })
     }
 }

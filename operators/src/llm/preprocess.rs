@@ -36,8 +36,7 @@ impl OperatorConfig for PreprocessConfig {
     type Op = Preprocess;
 
     async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
-        let model = ModelDir::from_graph(cx)?;
-        Preprocess::new(Arc::new(model))
+        Preprocess::new(ModelDir::shared(cx).await?)
     }
 }
 

@@ -212,8 +212,12 @@ impl Outbox {
 }
 
 impl Mocker {
-    pub fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Mocker>, BuildError> {
-        let model = ModelDir::from_graph(cx)?;
+    pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Mocker>, BuildError> {
+        let model = ModelDir::shared(cx).await?;
+        // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
+        let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
+            .await
+            .map_err(|e| BuildError::new(format!("vocabulary scan failed: {e}")))?;
         let (commands, rx) = std_mpsc::sync_channel(config.max_queued_requests as usize);
         let worker_id = cx.instance_id;
         let gauges = WorkerGauges::new(&cx.node, worker_id);
@@ -261,7 +265,7 @@ impl Mocker {
             commands,
             queued,
             max_queued: config.max_queued_requests as usize,
-            vocab: text_tokens(&model),
+            vocab,
             next_id: AtomicU64::new(1),
             gauges,
         }))
@@ -598,7 +602,7 @@ mod tests {
             speedup: 1000.0,
             ..MockerConfig::default()
         };
-        let m = Mocker::start(&config, &cx(&planes)).expect("starts");
+        let m = Mocker::start(&config, &cx(&planes)).await.expect("starts");
         let a = run(&m, &request((0..40).collect(), 10)).await;
         assert_eq!(a.len(), 10);
         // Same seed and prompt again: same output, and the prompt's blocks come from the cache.
@@ -639,6 +643,13 @@ mod tests {
             .expect("open");
         let l: LoadMetrics = serde_json::from_slice(&l.payload).expect("json");
         assert_eq!((l.worker_id, l.kv_total_blocks), (0xabc, 4));
+        // The gauges are set after the last token is handed out: give the engine a moment.
+        for _ in 0..500 {
+            if m.gauges.active_blocks() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(m.gauges.active_blocks() == 0);
     }
 }
