@@ -9,7 +9,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::future::FutureExt;
@@ -236,7 +235,6 @@ struct EdgeClient {
     types: EndpointTypes,
     planes: Planes,
     instances: LiveInstances,
-    next: AtomicUsize,
 }
 
 impl EdgeClient {
@@ -252,30 +250,23 @@ impl EdgeClient {
             types,
             planes: planes.clone(),
             instances: LiveInstances::watch(planes.discovery.as_ref(), &prefix).await?,
-            next: AtomicUsize::new(0),
         })
     }
 
     fn pick(&self, target: Option<u64>) -> Result<Instance, OpError> {
-        let list = self.instances.read();
-        if list.is_empty() {
-            return Err(OpError::unavailable(format!(
-                "no live instance of '{}'",
-                self.node
-            )));
-        }
         match target {
-            Some(t) => list
+            Some(t) => self
+                .instances
+                .read()
                 .iter()
                 .find(|i| i.instance_id == t)
                 .cloned()
                 .ok_or_else(|| {
                     OpError::unavailable(format!("instance {t:x} of '{}' is gone", self.node))
                 }),
-            None => {
-                let n = self.next.fetch_add(1, Ordering::Relaxed);
-                Ok(list[n % list.len()].clone())
-            }
+            None => self.instances.round_robin().ok_or_else(|| {
+                OpError::unavailable(format!("no live instance of '{}'", self.node))
+            }),
         }
     }
 

@@ -10,7 +10,6 @@
 //! ```
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dyn_pipeline::planes::{Instance, LiveInstances};
 use dyn_pipeline::runtime::ENDPOINT;
@@ -53,7 +52,6 @@ impl OperatorConfig for RouteConfig {
             inner: Arc::new(Inner {
                 target: target.clone(),
                 workers,
-                next: AtomicUsize::new(0),
             }),
         })
     }
@@ -66,20 +64,17 @@ pub struct Route {
 struct Inner {
     target: String,
     workers: LiveInstances,
-    next: AtomicUsize,
 }
 
 impl Inner {
     fn pick(&self) -> Result<u64, OpError> {
-        let list = self.workers.read();
-        if list.is_empty() {
-            return Err(OpError::unavailable(format!(
+        match self.workers.round_robin() {
+            Some(i) => Ok(i.instance_id),
+            None => Err(OpError::unavailable(format!(
                 "no worker of '{}' is available",
                 self.target
-            )));
+            ))),
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        Ok(list[n % list.len()].instance_id)
     }
 }
 

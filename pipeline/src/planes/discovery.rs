@@ -74,6 +74,7 @@ pub trait Discovery: Send + Sync + 'static {
 /// and routers hold one per node they send to.
 pub struct LiveInstances {
     list: std::sync::Arc<parking_lot::RwLock<Vec<Instance>>>,
+    next: std::sync::atomic::AtomicUsize,
     _watch: tokio_util::task::AbortOnDropHandle<()>,
 }
 
@@ -96,8 +97,19 @@ impl LiveInstances {
         });
         Ok(Self {
             list,
+            next: std::sync::atomic::AtomicUsize::new(0),
             _watch: tokio_util::task::AbortOnDropHandle::new(task),
         })
+    }
+
+    /// The next instance in round-robin order; `None` while there are none.
+    pub fn round_robin(&self) -> Option<Instance> {
+        let list = self.list.read();
+        if list.is_empty() {
+            return None;
+        }
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(list[n % list.len()].clone())
     }
 
     /// A read guard over the current list (keep it short: the watch waits on it).
