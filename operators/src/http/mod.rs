@@ -237,6 +237,19 @@ pub async fn not_found() -> ApiError {
     )
 }
 
+/// The whole app of an HTTP ingress: its `api` routes behind the API-key check, its `open`
+/// routes (metrics and the like) and the probes without it, a JSON 404 and the body limit.
+pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum::Router {
+    let keys = std::sync::Arc::new(config.api_keys.clone());
+    axum::Router::new()
+        .merge(api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)))
+        .merge(open)
+        .route("/health", axum::routing::get(health))
+        .route("/live", axum::routing::get(live))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
+}
+
 /// Serve `app` until shutdown, then let open requests finish (the runtime bounds how long).
 pub async fn serve(
     listener: TcpListener,

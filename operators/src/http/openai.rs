@@ -87,7 +87,6 @@ impl Ingress for Http {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
-        let keys = Arc::new(self.config.api_keys.clone());
         let state = App {
             chain,
             model: self.model.into(),
@@ -97,20 +96,9 @@ impl Ingress for Http {
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/v1/models", get(models))
-            .route_layer(axum::middleware::from_fn_with_state(
-                keys,
-                super::require_api_key,
-            ))
             .with_state(state);
-        let app = axum::Router::new()
-            .merge(api)
-            .route("/health", get(super::health))
-            .route("/live", get(super::live))
-            .route("/metrics", get(metrics))
-            .fallback(super::not_found)
-            .layer(axum::extract::DefaultBodyLimit::max(
-                self.config.max_body_bytes,
-            ));
+        let open = axum::Router::new().route("/metrics", get(metrics));
+        let app = super::app(&self.config, api, open);
         super::serve(self.listener, app, shutdown).boxed()
     }
 }

@@ -5,7 +5,6 @@
 //! `data: [DONE]`. `GET /health` and `GET /live` report readiness and liveness.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
@@ -14,7 +13,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::post;
 use dyn_pipeline::{
     BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
@@ -76,22 +75,10 @@ impl Ingress for HttpText {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
-        let keys = Arc::new(self.config.api_keys.clone());
         let api = axum::Router::new()
             .route("/v1/text", post(text))
-            .route_layer(axum::middleware::from_fn_with_state(
-                keys,
-                super::require_api_key,
-            ))
             .with_state(chain);
-        let app = axum::Router::new()
-            .merge(api)
-            .route("/health", get(super::health))
-            .route("/live", get(super::live))
-            .fallback(super::not_found)
-            .layer(axum::extract::DefaultBodyLimit::max(
-                self.config.max_body_bytes,
-            ));
+        let app = super::app(&self.config, api, axum::Router::new());
         super::serve(self.listener, app, shutdown).boxed()
     }
 }
