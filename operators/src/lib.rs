@@ -11,6 +11,9 @@ pub mod metrics;
 pub mod mocker;
 pub mod types;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 use dyn_pipeline::Registry;
 
 /// The kinds this build of dyn knows.

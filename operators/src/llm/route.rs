@@ -98,42 +98,18 @@ impl Operator for Route {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::types::{OutputSpec, Sampling, StopConditions};
     use dyn_pipeline::planes::{Planes, Transport};
     use futures::stream;
 
     fn cx(planes: &Planes) -> BuildCx {
-        BuildCx {
-            graph: "g".into(),
-            namespace: "ns".into(),
-            node: "route".into(),
-            replica: 0,
-            instance_id: 1,
-            consumers: vec!["decode".into()],
-            model: None,
-            base_dir: ".".into(),
-            planes: planes.clone(),
-        }
-    }
-
-    fn req() -> PreprocessedRequest {
-        PreprocessedRequest {
-            model: "m".into(),
-            token_ids: vec![1],
-            sampling: Sampling::default(),
-            stop: StopConditions {
-                max_tokens: 1,
-                min_tokens: 0,
-                ignore_eos: false,
-                eos_token_ids: vec![],
-            },
-            output: OutputSpec::default(),
-            target: None,
-        }
+        crate::testing::cx("route", 1, &["decode"], planes)
     }
 
     async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
-        let mut out = r.call(Ctx::new(), stream::iter([req()]).boxed());
+        let mut out = r.call(
+            Ctx::new(),
+            stream::iter([crate::testing::preprocessed(vec![1], 1)]).boxed(),
+        );
         out.next().await.expect("one item")
     }
 

@@ -531,45 +531,8 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::llm::kv::KvEventData;
-    use crate::llm::types::{OutputSpec, Sampling, StopConditions};
     use dyn_pipeline::planes::Planes;
     use futures::StreamExt;
-
-    fn cx(planes: &Planes) -> BuildCx {
-        BuildCx {
-            graph: "g".into(),
-            namespace: "ns".into(),
-            node: "decode".into(),
-            replica: 0,
-            instance_id: 0xabc,
-            consumers: vec![],
-            model: Some(dyn_pipeline::spec::ModelSpec {
-                name: "tiny".into(),
-                path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
-            }),
-            base_dir: ".".into(),
-            planes: planes.clone(),
-        }
-    }
-
-    fn request(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
-        PreprocessedRequest {
-            model: "tiny".into(),
-            token_ids: tokens,
-            sampling: Sampling {
-                seed: Some(5),
-                ..Sampling::default()
-            },
-            stop: StopConditions {
-                max_tokens,
-                min_tokens: 0,
-                ignore_eos: false,
-                eos_token_ids: vec![],
-            },
-            output: OutputSpec::default(),
-            target: None,
-        }
-    }
 
     async fn run(m: &Mocker, req: &PreprocessedRequest) -> Vec<u32> {
         let mut rx = m.submit(req).expect("submitted");
@@ -602,13 +565,18 @@ mod tests {
             speedup: 1000.0,
             ..MockerConfig::default()
         };
-        let m = Mocker::start(&config, &cx(&planes)).await.expect("starts");
-        let a = run(&m, &request((0..40).collect(), 10)).await;
+        let m = Mocker::start(&config, &crate::testing::cx("decode", 0xabc, &[], &planes))
+            .await
+            .expect("starts");
+        let a = run(&m, &crate::testing::preprocessed((0..40).collect(), 10)).await;
         assert_eq!(a.len(), 10);
         // Same seed and prompt again: same output, and the prompt's blocks come from the cache.
-        assert_eq!(run(&m, &request((0..40).collect(), 10)).await, a);
+        assert_eq!(
+            run(&m, &crate::testing::preprocessed((0..40).collect(), 10)).await,
+            a
+        );
         // A different prompt needs the blocks back: the cached ones are evicted.
-        run(&m, &request((100..140).collect(), 10)).await;
+        run(&m, &crate::testing::preprocessed((100..140).collect(), 10)).await;
 
         let mut seen = Vec::new();
         while seen.len() < 3 {
