@@ -84,6 +84,9 @@ impl Operator for Decode {
                 }
             };
             yield Ok::<_, OpError>(Generated::Start(req.output));
+            // One kill future for the whole stream, not one (with its deadline timer) per batch.
+            let killed = ctx.killed();
+            tokio::pin!(killed);
             loop {
                 tokio::select! {
                     item = rx.recv() => match item {
@@ -91,7 +94,7 @@ impl Operator for Decode {
                         None => break,
                     },
                     // Dropping `rx` is how the engine learns the request is gone.
-                    _ = ctx.killed() => {
+                    _ = &mut killed => {
                         tracing::debug!(request_id = %ctx.id(), "Decode killed");
                         break;
                     }
