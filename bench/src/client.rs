@@ -1,0 +1,301 @@
+//! One streaming request against an OpenAI-compatible server, timed.
+//!
+//! The request body is serialized before the run starts, so the send path does no formatting.
+//! Response bytes go through [`SseParser`]; every network read is stamped once with the
+//! monotonic clock and every content-bearing chunk in it gets that stamp. Output tokens come
+//! from the server's `usage` when it sends one (`stream_options.include_usage`), else from the
+//! tokenizer over the streamed text, else from the number of content chunks.
+//!
+//! Failures become error classes (`connect`, `timeout`, `http 503 worker_busy`,
+//! `stream error …`, `incomplete stream`, `bad response`) rather than Rust errors: a
+//! benchmark counts them and goes on.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::Deserialize;
+use tokenizers::Tokenizer;
+
+use crate::metrics::Record;
+use crate::sse::{Event, SseParser};
+
+/// Sends requests to one endpoint URL.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    url: String,
+    api_key: Option<String>,
+    /// Counts output tokens when the server sends no usage.
+    tokenizer: Option<Arc<Tokenizer>>,
+    timeout: Duration,
+}
+
+/// One request to send: its pre-serialized body and what the dataset knows of it.
+pub struct Job {
+    pub index: usize,
+    pub body: Bytes,
+    pub input_tokens: Option<usize>,
+    /// Intended send time (offset from `t0`); `None` in a closed loop, where it is the send
+    /// time.
+    pub intended: Option<Duration>,
+}
+
+/// Counters shared with the progress display.
+#[derive(Default)]
+pub struct Live {
+    pub tokens: AtomicU64,
+    pub done: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(default, borrow)]
+    choices: Vec<Choice<'a>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<ErrorBody>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: Option<Delta<'a>>,
+    /// Completions put the text here.
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    /// Reasoning models stream thoughts here before `content`; they are output tokens too.
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Option<usize>,
+    #[serde(default)]
+    completion_tokens: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct ErrorBody {
+    #[serde(default)]
+    code: Option<serde_json::Value>,
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ErrorEnvelope {
+    error: ErrorBody,
+}
+
+impl ErrorBody {
+    /// `code` when it is a string or number, else `type`.
+    fn label(&self) -> Option<String> {
+        match &self.code {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+            _ => self.kind.clone(),
+        }
+    }
+}
+
+impl Client {
+    pub fn new(
+        url: String,
+        api_key: Option<String>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        timeout: Duration,
+    ) -> Result<Self, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()?;
+        Ok(Self {
+            http,
+            url,
+            api_key,
+            tokenizer,
+            timeout,
+        })
+    }
+
+    /// Send `job` now and follow its stream to the end.
+    pub async fn send(&self, job: Job, t0: Instant, live: &Live) -> Record {
+        let sent = t0.elapsed();
+        let mut rec = Record {
+            index: job.index,
+            intended: job.intended.unwrap_or(sent),
+            sent,
+            input_tokens: job.input_tokens,
+            ..Default::default()
+        };
+        let outcome = tokio::time::timeout(self.timeout, self.stream(job.body, t0, &mut rec, live))
+            .await
+            .unwrap_or_else(|_| Err("timeout".into()));
+        rec.end = t0
+            .elapsed()
+            .max(rec.chunks.last().copied().unwrap_or_default());
+        if let Err(class) = outcome {
+            rec.error = Some(class);
+            live.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        live.done.fetch_add(1, Ordering::Relaxed);
+        rec
+    }
+
+    async fn stream(
+        &self,
+        body: Bytes,
+        t0: Instant,
+        rec: &mut Record,
+        live: &Live,
+    ) -> Result<(), String> {
+        let mut req = self
+            .http
+            .post(&self.url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.send().await.map_err(|e| {
+            if e.is_connect() {
+                "connect".to_owned()
+            } else if e.is_timeout() {
+                "timeout".to_owned()
+            } else {
+                "request failed".to_owned()
+            }
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let code = resp
+                .bytes()
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice::<ErrorEnvelope>(&b).ok())
+                .and_then(|e| e.error.label());
+            return Err(match code {
+                Some(code) => format!("http {} {code}", status.as_u16()),
+                None => format!("http {}", status.as_u16()),
+            });
+        }
+        let mut parser = SseParser::new();
+        let mut events = Vec::new();
+        let mut text = String::new();
+        let mut usage_tokens = None;
+        let mut done = false;
+        let mut body = resp.bytes_stream();
+        loop {
+            let next = body.next().await;
+            let now = t0.elapsed();
+            let end = match next {
+                Some(Ok(bytes)) => {
+                    parser.push(&bytes, &mut events);
+                    false
+                }
+                Some(Err(_)) => return Err("stream interrupted".into()),
+                None => {
+                    parser.finish(&mut events);
+                    true
+                }
+            };
+            for ev in events.drain(..) {
+                let seen = self.event(&ev, &mut text)?;
+                done |= seen.done;
+                if seen.content {
+                    rec.chunks.push(now);
+                    live.tokens.fetch_add(1, Ordering::Relaxed);
+                }
+                usage_tokens = seen.completion.or(usage_tokens);
+                rec.input_tokens = rec.input_tokens.or(seen.prompt);
+            }
+            if done || end {
+                break;
+            }
+        }
+        if !done {
+            return Err("incomplete stream".into());
+        }
+        rec.output_tokens = usage_tokens
+            .or_else(|| {
+                let tok = self.tokenizer.as_ref()?;
+                tok.encode_fast(text.as_str(), false).ok().map(|e| e.len())
+            })
+            .unwrap_or(rec.chunks.len());
+        // The live counter assumed one token per chunk; settle the difference.
+        let counted = rec.chunks.len() as u64;
+        let real = rec.output_tokens as u64;
+        if real > counted {
+            live.tokens.fetch_add(real - counted, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn event(&self, ev: &Event, text: &mut String) -> Result<Seen, String> {
+        let mut seen = Seen::default();
+        if ev.data == "[DONE]" {
+            seen.done = true;
+            return Ok(seen);
+        }
+        let chunk: Chunk<'_> = match serde_json::from_str(&ev.data) {
+            Ok(c) => c,
+            Err(_) if ev.event.as_deref() == Some("error") => {
+                return Err("stream error".into());
+            }
+            Err(_) => return Err("bad response".into()),
+        };
+        if let Some(e) = chunk.error {
+            return Err(match e.label() {
+                Some(code) => format!("stream error {code}"),
+                None => "stream error".into(),
+            });
+        }
+        if ev.event.as_deref() == Some("error") {
+            return Err("stream error".into());
+        }
+        for c in &chunk.choices {
+            let parts = [
+                c.text.as_deref(),
+                c.delta
+                    .as_ref()
+                    .and_then(|d| d.reasoning_content.as_deref()),
+                c.delta.as_ref().and_then(|d| d.content.as_deref()),
+            ];
+            for s in parts.into_iter().flatten().filter(|s| !s.is_empty()) {
+                seen.content = true;
+                if self.tokenizer.is_some() {
+                    text.push_str(s);
+                }
+            }
+        }
+        if let Some(u) = chunk.usage {
+            seen.prompt = u.prompt_tokens;
+            seen.completion = u.completion_tokens;
+        }
+        Ok(seen)
+    }
+}
+
+/// What one event carried.
+#[derive(Default)]
+struct Seen {
+    done: bool,
+    content: bool,
+    prompt: Option<usize>,
+    completion: Option<usize>,
+}

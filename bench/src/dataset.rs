@@ -1,0 +1,543 @@
+//! What the benchmark sends: synthetic prompts of a chosen length (optionally in shared-prefix
+//! groups), a Mooncake trace replayed on its own timestamps, or a JSONL file of chat messages.
+//!
+//! Synthetic text is a sequence of " word" pieces. With `--tokenizer`, the pieces are the
+//! tokenizer's own vocabulary entries that are one token each and never merge with a
+//! neighbour (byte-level BPE and SentencePiece split before every space), so a prompt of N
+//! pieces is N tokens; every prompt is still encoded once and trimmed or padded until its
+//! length is exact. Without a tokenizer a built-in list of common English words stands in and
+//! lengths are approximate (about one token per word).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+use serde::Deserialize;
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use crate::Error;
+
+/// The prompt of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Plain text: the user message of a chat request, or a completion prompt.
+    Text(String),
+    /// A full chat message list (from a prompts file); chat endpoint only.
+    Messages(Vec<Value>),
+}
+
+/// One request to send.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub prompt: Prompt,
+    /// Prompt length in tokens when the dataset knows it exactly.
+    pub input_tokens: Option<usize>,
+    /// `max_tokens` for this request.
+    pub output_tokens: u32,
+    /// Send time relative to the start of the run (trace replay only).
+    pub at: Option<Duration>,
+}
+
+/// Synthetic prompt settings.
+#[derive(Debug, Clone)]
+pub struct Synthetic {
+    pub isl: usize,
+    pub isl_stddev: f64,
+    pub osl: u32,
+    pub osl_stddev: f64,
+    /// Requests are spread round-robin over this many groups; each group's prompts share
+    /// their first `prefix_len` tokens. 0 = no shared prefixes.
+    pub prefix_groups: usize,
+    pub prefix_len: usize,
+    pub seed: u64,
+}
+
+/// Builds text of an exact token length from single-token " word" pieces.
+pub struct Words {
+    pieces: Vec<String>,
+    tokenizer: Option<Tokenizer>,
+}
+
+/// Common English words, each usually one token: the stand-in vocabulary without a tokenizer.
+const FALLBACK_WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "out", "up", "into",
+    "some", "could", "them", "other", "than", "then", "only", "its", "two", "first", "new", "made",
+    "work", "way", "many", "may", "like", "over", "such", "also", "most", "after",
+];
+
+impl Words {
+    /// The built-in word list; lengths are approximate.
+    pub fn approximate() -> Self {
+        Self {
+            pieces: FALLBACK_WORDS.iter().map(|w| format!(" {w}")).collect(),
+            tokenizer: None,
+        }
+    }
+
+    /// Pieces from `DIR/tokenizer.json` (or a tokenizer.json path); lengths are exact.
+    pub fn from_tokenizer(path: &Path) -> Result<Self, Error> {
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
+        let tokenizer = Tokenizer::from_file(&file).map_err(|e| Error::Tokenizer {
+            path: file.clone(),
+            message: e.to_string(),
+        })?;
+        let mut pieces = Vec::new();
+        for id in 0..tokenizer.get_vocab_size(true) as u32 {
+            let Ok(s) = tokenizer.decode(&[id], true) else {
+                continue;
+            };
+            let Some(word) = s.strip_prefix(' ') else {
+                continue;
+            };
+            if !(2..=10).contains(&word.len()) || !word.bytes().all(|b| b.is_ascii_lowercase()) {
+                continue;
+            }
+            if let Ok(enc) = tokenizer.encode(s.as_str(), false)
+                && enc.get_ids() == [id]
+            {
+                pieces.push(s);
+            }
+        }
+        if pieces.len() < 16 {
+            return Err(Error::Tokenizer {
+                path: file,
+                message: format!(
+                    "only {} single-token words in its vocabulary; cannot build prompts",
+                    pieces.len()
+                ),
+            });
+        }
+        Ok(Self {
+            pieces,
+            tokenizer: Some(tokenizer),
+        })
+    }
+
+    /// Whether [`Words::exact`] really is exact.
+    pub fn is_exact(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// `n` random pieces.
+    pub fn random(&self, rng: &mut impl Rng, n: usize, out: &mut String) {
+        for _ in 0..n {
+            out.push_str(&self.pieces[rng.random_range(0..self.pieces.len())]);
+        }
+    }
+
+    /// Count tokens of `text` (None without a tokenizer).
+    pub fn count(&self, text: &str) -> Option<usize> {
+        let tok = self.tokenizer.as_ref()?;
+        tok.encode_fast(text, false).ok().map(|e| e.len())
+    }
+
+    /// Make `text` exactly `n` tokens by dropping or adding pieces at its end. Pieces never
+    /// merge in the tokenizers this is meant for, so one pass is enough; a few more guard
+    /// against one that does.
+    pub fn fix_length(&self, text: &mut String, n: usize, rng: &mut impl Rng) -> Result<(), Error> {
+        let Some(_) = &self.tokenizer else {
+            return Ok(());
+        };
+        for _ in 0..8 {
+            let have = self.count(text).unwrap_or(0);
+            if have == n {
+                return Ok(());
+            }
+            if have > n {
+                for _ in 0..have - n {
+                    match text.rfind(' ') {
+                        Some(i) => text.truncate(i),
+                        None => text.clear(),
+                    }
+                }
+            } else {
+                self.random(rng, n - have, text);
+            }
+        }
+        Err(Error::Invalid(format!(
+            "cannot build a prompt of exactly {n} tokens with this tokenizer"
+        )))
+    }
+}
+
+fn sample_len(rng: &mut StdRng, mean: f64, stddev: f64) -> usize {
+    if stddev <= 0.0 {
+        return mean.round().max(1.0) as usize;
+    }
+    let v = Normal::new(mean, stddev).map_or(mean, |d| d.sample(rng));
+    v.round().max(1.0) as usize
+}
+
+/// `count` synthetic entries. Entry `i` is drawn from a generator seeded by (seed, i), so the
+/// same arguments give the same prompts.
+pub fn synthetic(s: &Synthetic, words: &Words, count: usize) -> Result<Vec<Entry>, Error> {
+    if s.prefix_groups > 0 && s.prefix_len == 0 {
+        return Err(Error::Invalid(
+            "--prefix-groups needs --prefix-len (the shared prefix length in tokens)".into(),
+        ));
+    }
+    let prefixes: Vec<String> = (0..s.prefix_groups)
+        .map(|g| {
+            let mut rng = StdRng::seed_from_u64(s.seed ^ 0x9e37_79b9_7f4a_7c15 ^ g as u64);
+            let mut p = String::new();
+            words.random(&mut rng, s.prefix_len, &mut p);
+            p
+        })
+        .collect();
+    let mut out = Vec::with_capacity(count);
+    for i in 0..count {
+        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(i as u64));
+        let mut isl = sample_len(&mut rng, s.isl as f64, s.isl_stddev);
+        let osl = sample_len(&mut rng, s.osl as f64, s.osl_stddev) as u32;
+        let mut text = String::new();
+        if let Some(prefix) = prefixes.get(i % prefixes.len().max(1)) {
+            isl = isl.max(s.prefix_len);
+            text.push_str(prefix);
+            words.random(&mut rng, isl - s.prefix_len, &mut text);
+        } else {
+            words.random(&mut rng, isl, &mut text);
+        }
+        words.fix_length(&mut text, isl, &mut rng)?;
+        out.push(Entry {
+            prompt: Prompt::Text(text),
+            input_tokens: words.is_exact().then_some(isl),
+            output_tokens: osl.max(1),
+            at: None,
+        });
+    }
+    Ok(out)
+}
+
+/// One line of a Mooncake trace.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TraceLine {
+    /// Milliseconds from the start of the trace.
+    timestamp: f64,
+    input_length: usize,
+    output_length: u32,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+}
+
+/// Replay a Mooncake trace: each line is one request at `timestamp / speed` milliseconds;
+/// its prompt is the blocks named by `hash_ids` (each id maps to the same `block_size` tokens
+/// everywhere, so equal ids share a prefix), cut or extended to `input_length` tokens.
+pub fn trace(
+    path: &Path,
+    speed: f64,
+    block_size: usize,
+    words: &Words,
+    seed: u64,
+) -> Result<Vec<Entry>, Error> {
+    if !(speed.is_finite() && speed > 0.0) {
+        return Err(Error::Invalid(format!(
+            "--trace-speed must be a positive number, got {speed}"
+        )));
+    }
+    if block_size == 0 {
+        return Err(Error::Invalid(
+            "the trace block size must be positive".into(),
+        ));
+    }
+    let text = read(path)?;
+    let mut blocks: std::collections::HashMap<u64, String> = Default::default();
+    let mut out = Vec::new();
+    let mut first = None;
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |message: String| Error::Line {
+            path: path.to_path_buf(),
+            line: n + 1,
+            message,
+        };
+        let t: TraceLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if !(t.timestamp.is_finite() && t.timestamp >= 0.0) {
+            return Err(bad(format!("bad timestamp {}", t.timestamp)));
+        }
+        if t.input_length == 0 || t.output_length == 0 {
+            return Err(bad("input_length and output_length must be positive".into()));
+        }
+        let start = *first.get_or_insert(t.timestamp);
+        if t.timestamp < start {
+            return Err(bad(format!(
+                "timestamp {} is before the first line's {start}; the trace must be sorted",
+                t.timestamp
+            )));
+        }
+        let mut prompt = String::new();
+        for id in &t.hash_ids {
+            let block = blocks.entry(*id).or_insert_with(|| {
+                let mut rng = StdRng::seed_from_u64(seed ^ id.wrapping_mul(0x2545_f491_4f6c_dd1d));
+                let mut b = String::new();
+                words.random(&mut rng, block_size, &mut b);
+                b
+            });
+            prompt.push_str(block);
+        }
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(n as u64));
+        let covered = t.hash_ids.len() * block_size;
+        if covered > t.input_length {
+            // Cut the last block: drop whole pieces from the end.
+            for _ in 0..covered - t.input_length {
+                if let Some(i) = prompt.rfind(' ') {
+                    prompt.truncate(i);
+                }
+            }
+        } else {
+            words.random(&mut rng, t.input_length - covered, &mut prompt);
+        }
+        words.fix_length(&mut prompt, t.input_length, &mut rng)?;
+        let ms = (t.timestamp - start) / speed;
+        out.push(Entry {
+            prompt: Prompt::Text(prompt),
+            input_tokens: words.is_exact().then_some(t.input_length),
+            output_tokens: t.output_length,
+            at: Some(Duration::try_from_secs_f64(ms / 1000.0).unwrap_or(Duration::MAX)),
+        });
+    }
+    if out.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{}: the trace is empty",
+            path.display()
+        )));
+    }
+    Ok(out)
+}
+
+/// A prompts file: one JSON value per line, either `{"messages": [...], "max_tokens": N}`
+/// (`max_tokens` optional), a bare message list, or `{"text": "..."}`.
+pub fn prompts_file(path: &Path, osl: u32) -> Result<Vec<Entry>, Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Line {
+        Messages {
+            messages: Vec<Value>,
+            #[serde(default)]
+            max_tokens: Option<u32>,
+        },
+        Text {
+            text: String,
+            #[serde(default)]
+            max_tokens: Option<u32>,
+        },
+        Bare(Vec<Value>),
+    }
+    let text = read(path)?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |message: String| Error::Line {
+            path: path.to_path_buf(),
+            line: n + 1,
+            message,
+        };
+        let parsed: Line = serde_json::from_str(line).map_err(|e| {
+            bad(format!(
+                "expected {{\"messages\": [...]}}, {{\"text\": \"...\"}} or a message list ({e})"
+            ))
+        })?;
+        let (prompt, max) = match parsed {
+            Line::Messages {
+                messages,
+                max_tokens,
+            } => (Prompt::Messages(messages), max_tokens),
+            Line::Bare(messages) => (Prompt::Messages(messages), None),
+            Line::Text { text, max_tokens } => (Prompt::Text(text), max_tokens),
+        };
+        if let Prompt::Messages(m) = &prompt
+            && (m.is_empty() || !m.iter().all(|v| v.get("role").is_some()))
+        {
+            return Err(bad(
+                "every message needs a \"role\"; the list may not be empty".into(),
+            ));
+        }
+        out.push(Entry {
+            prompt,
+            input_tokens: None,
+            output_tokens: max.unwrap_or(osl).max(1),
+            at: None,
+        });
+    }
+    if out.is_empty() {
+        return Err(Error::Invalid(format!("{}: no prompts", path.display())));
+    }
+    Ok(out)
+}
+
+fn read(path: &Path) -> Result<String, Error> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: PathBuf::from(path),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn tiny_tokenizer() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny")
+    }
+
+    fn write(name: &str, body: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("dyn-bench-{}-{name}", std::process::id()));
+        std::fs::write(&dir, body).unwrap();
+        dir
+    }
+
+    fn synth(isl: usize, groups: usize, prefix: usize) -> Synthetic {
+        Synthetic {
+            isl,
+            isl_stddev: 0.0,
+            osl: 8,
+            osl_stddev: 0.0,
+            prefix_groups: groups,
+            prefix_len: prefix,
+            seed: 1,
+        }
+    }
+
+    fn text(e: &Entry) -> &str {
+        match &e.prompt {
+            Prompt::Text(t) => t,
+            Prompt::Messages(_) => panic!("messages"),
+        }
+    }
+
+    #[test]
+    fn synthetic_lengths_are_exact_with_a_tokenizer() {
+        let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
+        for isl in [1, 7, 64, 300] {
+            let entries = synthetic(&synth(isl, 0, 0), &words, 5).unwrap();
+            for e in &entries {
+                assert_eq!(words.count(text(e)), Some(isl));
+                assert_eq!(e.input_tokens, Some(isl));
+                assert_eq!(e.output_tokens, 8);
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_groups_share_exactly_their_prefix() {
+        let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
+        let e = synthetic(&synth(100, 2, 40), &words, 4).unwrap();
+        let tok = words.tokenizer.as_ref().unwrap();
+        let ids = |e: &Entry| tok.encode(text(e), false).unwrap().get_ids().to_vec();
+        let (a, b, c, d) = (ids(&e[0]), ids(&e[1]), ids(&e[2]), ids(&e[3]));
+        assert_eq!(a[..40], c[..40], "same group, same prefix");
+        assert_eq!(b[..40], d[..40]);
+        assert_ne!(a[..40], b[..40], "different groups");
+        assert_ne!(a[40..], c[40..], "suffixes differ");
+    }
+
+    #[test]
+    fn stddev_varies_lengths_and_stays_positive() {
+        let words = Words::approximate();
+        let mut s = synth(4, 0, 0);
+        s.isl_stddev = 10.0;
+        s.osl_stddev = 10.0;
+        let e = synthetic(&s, &words, 200).unwrap();
+        assert!(
+            e.iter()
+                .all(|e| e.output_tokens >= 1 && !text(e).is_empty())
+        );
+        let distinct: std::collections::HashSet<_> = e.iter().map(|e| e.output_tokens).collect();
+        assert!(distinct.len() > 5);
+    }
+
+    #[test]
+    fn trace_blocks_map_hash_ids_to_shared_prefixes() {
+        let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
+        let path = write(
+            "trace.jsonl",
+            r#"{"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}
+{"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [1, 9]}
+
+{"timestamp": 3000, "input_length": 20, "output_length": 1, "hash_ids": [4]}
+"#,
+        );
+        let e = trace(&path, 2.0, 512, &words, 0).unwrap();
+        assert_eq!(e.len(), 3);
+        assert_eq!(
+            e.iter()
+                .map(|e| e.at.unwrap().as_millis())
+                .collect::<Vec<_>>(),
+            [0, 250, 1000],
+            "timestamps relative to the first, divided by the speed"
+        );
+        let tok = words.tokenizer.as_ref().unwrap();
+        let ids: Vec<Vec<u32>> = e
+            .iter()
+            .map(|e| tok.encode(text(e), false).unwrap().get_ids().to_vec())
+            .collect();
+        assert_eq!(
+            ids.iter().map(Vec::len).collect::<Vec<_>>(),
+            [1100, 600, 20]
+        );
+        assert_eq!(ids[0][..512], ids[1][..512], "hash id 1 is the same block");
+        assert_ne!(ids[0][512..600], ids[1][512..600], "ids 2 and 9 differ");
+        assert_eq!(e[1].output_tokens, 7);
+    }
+
+    #[test]
+    fn bad_trace_line_names_the_line() {
+        let words = Words::approximate();
+        let path = write(
+            "bad-trace.jsonl",
+            "{\"timestamp\": 0, \"input_length\": 4, \"output_length\": 1}\n{\"timestamp\": 1, \"input_length\": \"x\"}\n",
+        );
+        let err = trace(&path, 1.0, 512, &words, 0).unwrap_err().to_string();
+        assert!(err.contains("bad-trace.jsonl:2: invalid type"), "{err}");
+        let path = write(
+            "unsorted.jsonl",
+            "{\"timestamp\": 5, \"input_length\": 4, \"output_length\": 1}\n{\"timestamp\": 1, \"input_length\": 4, \"output_length\": 1}\n",
+        );
+        let err = trace(&path, 1.0, 512, &words, 0).unwrap_err().to_string();
+        assert!(
+            err.contains("unsorted.jsonl:2: timestamp 1 is before"),
+            "{err}"
+        );
+        let err = trace(Path::new("/nonexistent.jsonl"), 1.0, 512, &words, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("/nonexistent.jsonl: "), "{err}");
+    }
+
+    #[test]
+    fn prompts_file_shapes_and_errors() {
+        let path = write(
+            "prompts.jsonl",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+{"text": "once upon"}
+"#,
+        );
+        let e = prompts_file(&path, 9).unwrap();
+        assert_eq!(e.len(), 3);
+        assert_eq!(e[0].output_tokens, 3);
+        assert_eq!(e[1].output_tokens, 9);
+        assert!(matches!(&e[1].prompt, Prompt::Messages(m) if m.len() == 2));
+        assert_eq!(e[2].prompt, Prompt::Text("once upon".into()));
+        let path = write(
+            "bad-prompts.jsonl",
+            "[{\"role\": \"user\"}]\n{\"messages\": 3}\n",
+        );
+        let err = prompts_file(&path, 1).unwrap_err().to_string();
+        assert!(err.contains("bad-prompts.jsonl:2: expected"), "{err}");
+    }
+}

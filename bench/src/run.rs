@@ -1,0 +1,446 @@
+//! Drives the load: warm-up, then a closed loop (N workers, each sending its next request when
+//! the previous one ends) or an open loop (requests sent on a schedule, whatever the server's
+//! state), collecting one [`Record`] per request sent.
+//!
+//! The open-loop schedule runs on its own OS thread and sleeps with `std::thread::sleep`:
+//! tokio's timer rounds every sleep up to the next millisecond, which alone would make a
+//! 2,000 requests/s schedule up to a millisecond late. Each request is then a task on the
+//! runtime; how late it really started (`sent − intended`) is recorded and reported as
+//! `schedule_lag_ms`, and latencies count from the intended time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::Error;
+use crate::arrival::{Arrival, Schedule};
+use crate::client::{Client, Job, Live};
+use crate::dataset::{Entry, Prompt};
+use crate::metrics::{Record, Slo, Summary, summarize};
+
+/// The API the requests go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completions,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// How requests are paced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Load {
+    /// Closed loop: this many requests in flight at all times.
+    Concurrency(usize),
+    /// Open loop at `rate` requests per second.
+    Rate {
+        rate: f64,
+        arrival: Arrival,
+        burstiness: f64,
+    },
+    /// Open loop on the dataset's own timestamps (trace replay).
+    Trace,
+}
+
+/// When the measured phase ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Stop {
+    /// After this many requests have been sent (and have finished).
+    Requests(usize),
+    /// No new request after this long; in-flight ones finish.
+    Duration(Duration),
+}
+
+/// A benchmark run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Server base URL, e.g. `http://127.0.0.1:8000`.
+    pub url: String,
+    /// Model name; `None` asks the server's `/v1/models` and takes the first.
+    pub model: Option<String>,
+    pub endpoint: Endpoint,
+    pub load: Load,
+    pub stop: Stop,
+    /// Requests sent (closed loop) and discarded before measuring.
+    pub warmup: usize,
+    /// Send `ignore_eos: true` so every answer is `max_tokens` long.
+    pub ignore_eos: bool,
+    pub api_key: Option<String>,
+    /// Per-request limit; a request over it counts as a `timeout` error.
+    pub timeout: Duration,
+    pub seed: u64,
+    pub slo: Option<Slo>,
+    /// Show a progress bar on stderr (hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+}
+
+/// A finished run.
+pub struct Outcome {
+    pub summary: Summary,
+    /// One per request sent in the measured phase, in send order.
+    pub records: Vec<Record>,
+}
+
+/// Run the benchmark over `entries` (cycled when more requests are asked for than there are
+/// entries). `tokenizer` counts output tokens when the server reports no usage.
+pub async fn run(
+    cfg: &Config,
+    entries: &[Entry],
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<Outcome, Error> {
+    if entries.is_empty() {
+        return Err(Error::Invalid("the dataset is empty".into()));
+    }
+    let base = cfg.url.trim_end_matches('/').to_owned();
+    let model = match &cfg.model {
+        Some(m) => m.clone(),
+        None => first_model(&base, cfg.api_key.as_deref()).await?,
+    };
+    let bodies = entries
+        .iter()
+        .map(|e| body(cfg, &model, e))
+        .collect::<Result<Vec<_>, _>>()?;
+    let client = Client::new(
+        format!("{base}{}", cfg.endpoint.path()),
+        cfg.api_key.clone(),
+        tokenizer,
+        cfg.timeout,
+    )
+    .map_err(|e| Error::Invalid(format!("cannot build the HTTP client: {e}")))?;
+    let dataset = Arc::new(Dataset {
+        bodies,
+        input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
+        at: entries.iter().map(|e| e.at).collect(),
+        // Measured requests start after the warm-up's entries, except in a trace replay,
+        // which must start at its first line.
+        offset: if cfg.load == Load::Trace {
+            0
+        } else {
+            cfg.warmup
+        },
+    });
+
+    if cfg.warmup > 0 {
+        let width = match cfg.load {
+            Load::Concurrency(n) => n,
+            _ => 8,
+        };
+        let warm = Arc::new(Dataset {
+            offset: 0,
+            ..(*dataset).clone()
+        });
+        let (records, _) = phase(
+            &client,
+            warm,
+            Pace::Closed(width.clamp(1, cfg.warmup)),
+            Stop::Requests(cfg.warmup),
+            ProgressBar::hidden(),
+        )
+        .await;
+        let failed = records.iter().filter(|r| r.error.is_some()).count();
+        if failed > 0 {
+            tracing::warn!(failed, warmup = cfg.warmup, "Warm-up requests failed");
+        }
+    }
+
+    let pace = match cfg.load {
+        Load::Concurrency(0) => {
+            return Err(Error::Invalid("--concurrency must be at least 1".into()));
+        }
+        Load::Concurrency(n) => Pace::Closed(n),
+        Load::Rate {
+            rate,
+            arrival,
+            burstiness,
+        } => Pace::Open(Box::new(
+            Schedule::new(rate, arrival, burstiness, cfg.seed).map_err(Error::Invalid)?,
+        )),
+        Load::Trace => {
+            let times: Vec<Duration> = dataset.at.iter().map(|t| t.unwrap_or_default()).collect();
+            Pace::Open(Box::new(times.into_iter()))
+        }
+    };
+    let stop = match (cfg.load, cfg.stop) {
+        // A trace replays once unless fewer requests are asked for.
+        (Load::Trace, Stop::Requests(n)) => Stop::Requests(n.min(entries.len())),
+        (_, s) => s,
+    };
+    let bar = progress_bar(cfg.progress, stop);
+    let cpu0 = cpu_seconds();
+    let (records, _t0) = phase(&client, dataset, pace, stop, bar).await;
+    let cpu = cpu_seconds().zip(cpu0).map_or(0.0, |(b, a)| b - a);
+
+    let mut summary = summarize(&records, cfg.slo.as_ref());
+    summary.client_cpu_s = cpu;
+    summary.config = describe(cfg, &model, entries.len());
+    Ok(Outcome { summary, records })
+}
+
+/// Request bodies and what the dataset knows, shared by the sending tasks.
+#[derive(Clone)]
+struct Dataset {
+    bodies: Vec<Bytes>,
+    input_tokens: Vec<Option<usize>>,
+    at: Vec<Option<Duration>>,
+    offset: usize,
+}
+
+impl Dataset {
+    fn job(&self, index: usize, intended: Option<Duration>) -> Job {
+        let i = (self.offset + index) % self.bodies.len();
+        Job {
+            index,
+            body: self.bodies[i].clone(),
+            input_tokens: self.input_tokens[i],
+            intended,
+        }
+    }
+}
+
+enum Pace {
+    Closed(usize),
+    /// Intended send offsets, in order.
+    Open(Box<dyn Iterator<Item = Duration> + Send>),
+}
+
+/// Run one phase to its stop condition and return its records sorted by index.
+async fn phase(
+    client: &Client,
+    dataset: Arc<Dataset>,
+    pace: Pace,
+    stop: Stop,
+    bar: ProgressBar,
+) -> (Vec<Record>, Instant) {
+    let live = Arc::new(Live::default());
+    // Bounded: the collector below drains it as fast as records arrive.
+    let (tx, mut rx) = mpsc::channel::<Record>(1024);
+    let t0 = Instant::now();
+    let (limit, deadline) = match stop {
+        Stop::Requests(n) => (n, None),
+        Stop::Duration(d) => (usize::MAX, Some(d)),
+    };
+    match pace {
+        Pace::Closed(n) => {
+            let next = Arc::new(AtomicUsize::new(0));
+            for _ in 0..n {
+                let (client, dataset, live, tx, next) = (
+                    client.clone(),
+                    dataset.clone(),
+                    live.clone(),
+                    tx.clone(),
+                    next.clone(),
+                );
+                tokio::spawn(async move {
+                    loop {
+                        if deadline.is_some_and(|d| t0.elapsed() >= d) {
+                            break;
+                        }
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= limit {
+                            break;
+                        }
+                        let rec = client.send(dataset.job(i, None), t0, &live).await;
+                        if tx.send(rec).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        }
+        Pace::Open(times) => {
+            let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
+            let rt = tokio::runtime::Handle::current();
+            let spawned = std::thread::Builder::new()
+                .name("bench-schedule".into())
+                .spawn(move || {
+                    for (i, at) in times.enumerate().take(limit) {
+                        if deadline.is_some_and(|d| at >= d) {
+                            break;
+                        }
+                        let target = t0 + at;
+                        let now = Instant::now();
+                        if target > now {
+                            std::thread::sleep(target - now);
+                        }
+                        let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
+                        let job = dataset.job(i, Some(at));
+                        rt.spawn(async move {
+                            let rec = client.send(job, t0, &live).await;
+                            let _ = tx.send(rec).await;
+                        });
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "Cannot start the schedule thread");
+            }
+        }
+    }
+    drop(tx);
+
+    let ticker = {
+        let (bar, live) = (bar.clone(), live.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            let mut window = std::collections::VecDeque::from([(Instant::now(), 0u64)]);
+            loop {
+                tick.tick().await;
+                let now = Instant::now();
+                let tokens = live.tokens.load(Ordering::Relaxed);
+                window.push_back((now, tokens));
+                // Tokens per second over the last two seconds.
+                while window.len() > 2 && now - window[0].0 > Duration::from_secs(2) {
+                    window.pop_front();
+                }
+                let (t, n) = window[0];
+                let rate = (tokens - n) as f64 / (now - t).as_secs_f64().max(1e-3);
+                match deadline {
+                    Some(_) => bar.set_position(t0.elapsed().as_secs()),
+                    None => bar.set_position(live.done.load(Ordering::Relaxed)),
+                }
+                bar.set_message(format!(
+                    "{} done, {} errors, {:.0} tokens/s",
+                    live.done.load(Ordering::Relaxed),
+                    live.errors.load(Ordering::Relaxed),
+                    rate
+                ));
+            }
+        })
+    };
+    let mut records = Vec::new();
+    while let Some(r) = rx.recv().await {
+        records.push(r);
+    }
+    ticker.abort();
+    bar.finish_and_clear();
+    records.sort_by_key(|r| r.index);
+    (records, t0)
+}
+
+fn progress_bar(show: bool, stop: Stop) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let (len, template) = match stop {
+        Stop::Requests(n) => (
+            n as u64,
+            "{elapsed_precise} [{bar:30}] {pos}/{len} requests, {msg}",
+        ),
+        Stop::Duration(d) => (
+            d.as_secs().max(1),
+            "{elapsed_precise} [{bar:30}] {pos}/{len} s, {msg}",
+        ),
+    };
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// The JSON body of one request, serialized once before the run.
+fn body(cfg: &Config, model: &str, e: &Entry) -> Result<Bytes, Error> {
+    let mut b = json!({
+        "model": model,
+        "max_tokens": e.output_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    match (cfg.endpoint, &e.prompt) {
+        (Endpoint::Chat, Prompt::Text(t)) => {
+            b["messages"] = json!([{"role": "user", "content": t}]);
+        }
+        (Endpoint::Chat, Prompt::Messages(m)) => b["messages"] = Value::from(m.clone()),
+        (Endpoint::Completions, Prompt::Text(t)) => b["prompt"] = Value::from(t.as_str()),
+        (Endpoint::Completions, Prompt::Messages(_)) => {
+            return Err(Error::Invalid(
+                "chat messages need --endpoint chat (the completions API takes text)".into(),
+            ));
+        }
+    }
+    if cfg.ignore_eos {
+        b["ignore_eos"] = Value::Bool(true);
+    }
+    serde_json::to_vec(&b)
+        .map(Bytes::from)
+        .map_err(|e| Error::Invalid(e.to_string()))
+}
+
+/// The first model the server lists.
+async fn first_model(base: &str, api_key: Option<&str>) -> Result<String, Error> {
+    let url = format!("{base}/v1/models");
+    let err = |message: String| Error::Server {
+        url: url.clone(),
+        message,
+    };
+    let mut req = reqwest::Client::new().get(&url);
+    if let Some(key) = api_key {
+        req = req.bearer_auth(key);
+    }
+    let resp = req.send().await.map_err(|e| err(e.to_string()))?;
+    if !resp.status().is_success() {
+        return Err(err(format!("answered {}", resp.status())));
+    }
+    let v: Value = resp.json().await.map_err(|e| err(e.to_string()))?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| err("lists no model; pass --model".into()))
+}
+
+fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
+    let load = match cfg.load {
+        Load::Concurrency(n) => json!({"mode": "concurrency", "concurrency": n}),
+        Load::Rate {
+            rate,
+            arrival,
+            burstiness,
+        } => json!({
+            "mode": "request_rate",
+            "request_rate": rate,
+            "arrival": format!("{arrival:?}").to_lowercase(),
+            "burstiness": burstiness,
+        }),
+        Load::Trace => json!({"mode": "trace"}),
+    };
+    let stop = match cfg.stop {
+        Stop::Requests(n) => json!({"requests": n}),
+        Stop::Duration(d) => json!({"duration_s": d.as_secs_f64()}),
+    };
+    json!({
+        "url": cfg.url,
+        "model": model,
+        "endpoint": match cfg.endpoint { Endpoint::Chat => "chat", Endpoint::Completions => "completions" },
+        "load": load,
+        "stop": stop,
+        "warmup": cfg.warmup,
+        "ignore_eos": cfg.ignore_eos,
+        "dataset_entries": entries,
+        "seed": cfg.seed,
+    })
+}
+
+/// CPU seconds (user + system) this process has used; Linux only.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesized command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(") ")?.1;
+    let f: Vec<&str> = rest.split(' ').collect();
+    let ticks = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // USER_HZ is 100 on every Linux architecture this runs on.
+    Some(ticks / 100.0)
+}
