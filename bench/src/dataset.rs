@@ -52,7 +52,38 @@ pub struct Synthetic {
     /// their first `prefix_len` tokens. 0 = no shared prefixes.
     pub prefix_groups: usize,
     pub prefix_len: usize,
-    pub seed: u64,
+}
+
+/// Where entries come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Synthetic(Synthetic),
+    /// A Mooncake trace, `speed` times faster than recorded, `block_size` tokens per hash id.
+    Trace {
+        path: PathBuf,
+        speed: f64,
+        block_size: usize,
+    },
+    /// A JSONL prompts file; `osl` where a line gives no `max_tokens`.
+    Prompts {
+        path: PathBuf,
+        osl: u32,
+    },
+}
+
+impl Source {
+    /// The entries: `count` synthetic ones, or every line of a file.
+    pub fn load(&self, words: &Words, count: usize, seed: u64) -> Result<Vec<Entry>, Error> {
+        match self {
+            Source::Synthetic(s) => synthetic(s, words, count, seed),
+            Source::Trace {
+                path,
+                speed,
+                block_size,
+            } => trace(path, *speed, *block_size, words, seed),
+            Source::Prompts { path, osl } => prompts_file(path, *osl),
+        }
+    }
 }
 
 /// Builds text of an exact token length from single-token " word" pieces.
@@ -123,7 +154,12 @@ impl Words {
         })
     }
 
-    /// Whether [`Words::exact`] really is exact.
+    /// The tokenizer, when there is one.
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// Whether lengths are exact (a tokenizer is loaded).
     pub fn is_exact(&self) -> bool {
         self.tokenizer.is_some()
     }
@@ -180,7 +216,12 @@ fn sample_len(rng: &mut StdRng, mean: f64, stddev: f64) -> usize {
 
 /// `count` synthetic entries. Entry `i` is drawn from a generator seeded by (seed, i), so the
 /// same arguments give the same prompts.
-pub fn synthetic(s: &Synthetic, words: &Words, count: usize) -> Result<Vec<Entry>, Error> {
+pub fn synthetic(
+    s: &Synthetic,
+    words: &Words,
+    count: usize,
+    seed: u64,
+) -> Result<Vec<Entry>, Error> {
     if s.prefix_groups > 0 && s.prefix_len == 0 {
         return Err(Error::Invalid(
             "--prefix-groups needs --prefix-len (the shared prefix length in tokens)".into(),
@@ -188,7 +229,7 @@ pub fn synthetic(s: &Synthetic, words: &Words, count: usize) -> Result<Vec<Entry
     }
     let prefixes: Vec<String> = (0..s.prefix_groups)
         .map(|g| {
-            let mut rng = StdRng::seed_from_u64(s.seed ^ 0x9e37_79b9_7f4a_7c15 ^ g as u64);
+            let mut rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15 ^ g as u64);
             let mut p = String::new();
             words.random(&mut rng, s.prefix_len, &mut p);
             p
@@ -196,7 +237,7 @@ pub fn synthetic(s: &Synthetic, words: &Words, count: usize) -> Result<Vec<Entry
         .collect();
     let mut out = Vec::with_capacity(count);
     for i in 0..count {
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(i as u64));
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
         let mut isl = sample_len(&mut rng, s.isl as f64, s.isl_stddev);
         let osl = sample_len(&mut rng, s.osl as f64, s.osl_stddev) as u32;
         let mut text = String::new();
@@ -408,7 +449,6 @@ mod tests {
             osl_stddev: 0.0,
             prefix_groups: groups,
             prefix_len: prefix,
-            seed: 1,
         }
     }
 
@@ -423,7 +463,7 @@ mod tests {
     fn synthetic_lengths_are_exact_with_a_tokenizer() {
         let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
         for isl in [1, 7, 64, 300] {
-            let entries = synthetic(&synth(isl, 0, 0), &words, 5).unwrap();
+            let entries = synthetic(&synth(isl, 0, 0), &words, 5, 1).unwrap();
             for e in &entries {
                 assert_eq!(words.count(text(e)), Some(isl));
                 assert_eq!(e.input_tokens, Some(isl));
@@ -435,7 +475,7 @@ mod tests {
     #[test]
     fn prefix_groups_share_exactly_their_prefix() {
         let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
-        let e = synthetic(&synth(100, 2, 40), &words, 4).unwrap();
+        let e = synthetic(&synth(100, 2, 40), &words, 4, 1).unwrap();
         let tok = words.tokenizer.as_ref().unwrap();
         let ids = |e: &Entry| tok.encode(text(e), false).unwrap().get_ids().to_vec();
         let (a, b, c, d) = (ids(&e[0]), ids(&e[1]), ids(&e[2]), ids(&e[3]));
@@ -451,7 +491,7 @@ mod tests {
         let mut s = synth(4, 0, 0);
         s.isl_stddev = 10.0;
         s.osl_stddev = 10.0;
-        let e = synthetic(&s, &words, 200).unwrap();
+        let e = synthetic(&s, &words, 200, 1).unwrap();
         assert!(
             e.iter()
                 .all(|e| e.output_tokens >= 1 && !text(e).is_empty())

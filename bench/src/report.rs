@@ -139,7 +139,7 @@ pub fn write(dir: &Path, summary: &Summary, records: &[Record]) -> Result<(), Er
     let ok: Vec<&Record> = records.iter().filter(|r| r.error.is_none()).collect();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft()).map(ms).collect();
     let itl: Vec<f64> = ok.iter().filter_map(|r| r.itl()).map(ms).collect();
-    let width = Duration::from_secs_f64((summary.duration_s / 60.0).clamp(0.1, 10.0));
+    let width = Duration::from_secs_f64((summary.duration_s / 40.0).clamp(0.25, 10.0));
     let series = throughput_over_time(records, width);
     plot::cdf(dir, "ttft_cdf", "Time to first token", "TTFT (ms)", &ttft)?;
     plot::cdf(dir, "itl_cdf", "Inter-token latency", "ITL (ms)", &itl)?;

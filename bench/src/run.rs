@@ -391,15 +391,27 @@ async fn first_model(base: &str, api_key: Option<&str>) -> Result<String, Error>
     if let Some(key) = api_key {
         req = req.bearer_auth(key);
     }
-    let resp = req.send().await.map_err(|e| err(e.to_string()))?;
+    let resp = req.send().await.map_err(|e| err(chain(&e)))?;
     if !resp.status().is_success() {
         return Err(err(format!("answered {}", resp.status())));
     }
-    let v: Value = resp.json().await.map_err(|e| err(e.to_string()))?;
+    let v: Value = resp.json().await.map_err(|e| err(chain(&e)))?;
     v["data"][0]["id"]
         .as_str()
         .map(str::to_owned)
         .ok_or_else(|| err("lists no model; pass --model".into()))
+}
+
+/// An error with its causes, as reqwest's own message leaves them out.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }
 
 fn describe(cfg: &Config, model: &str, entries: usize) -> Value {

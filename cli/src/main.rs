@@ -1,5 +1,8 @@
 //! The `dyn` command. Only argument parsing, output and exit codes live here; the work is done
-//! by `dyn-pipeline` (compile, plan, run) and `dyn-operators` (the kinds).
+//! by `dyn-pipeline` (compile, plan, run), `dyn-operators` (the kinds) and `dyn-bench` (the load
+//! generator).
+
+mod bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +18,8 @@ Examples:
   dyn graph validate graphs/*.yaml          check graphs; exit 78 on configuration errors
   dyn graph plan graphs/agg.yaml --format mermaid
   dyn graph up graphs/agg.yaml --set http.listen=127.0.0.1:9000 --set decode.replicas=4
-  dyn graph kinds                           list the operator kinds this build knows";
+  dyn graph kinds                           list the operator kinds this build knows
+  dyn bench --concurrency 8 --requests 200 --output out/";
 
 #[derive(Parser)]
 #[command(name = "dyn", version, about = "Serve LLMs as dataflow graphs", after_help = EXAMPLES)]
@@ -38,6 +42,8 @@ enum Command {
     /// Check, plan and run graphs
     #[command(subcommand, after_help = EXAMPLES)]
     Graph(GraphCommand),
+    /// Load-test an OpenAI-compatible server and report TTFT, ITL, throughput and goodput
+    Bench(Box<bench::BenchArgs>),
 }
 
 #[derive(Subcommand)]
@@ -127,7 +133,10 @@ fn init_tracing(format: LogFormat) {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let Command::Graph(cmd) = cli.command;
+    let cmd = match cli.command {
+        Command::Graph(cmd) => cmd,
+        Command::Bench(args) => return bench::bench(*args),
+    };
     let registry = dyn_operators::registry();
     match cmd {
         GraphCommand::Validate { files } => {

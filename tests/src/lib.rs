@@ -145,3 +145,11 @@ impl Drop for Graph {
         }
     }
 }
+
+/// A fresh empty directory under the system temp dir, unique to this test process and `name`.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dyn-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

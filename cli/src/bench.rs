@@ -1,0 +1,262 @@
+//! `dyn bench`: argument parsing and output for the load generator in `dyn-bench`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use dyn_bench::arrival::Arrival;
+use dyn_bench::dataset::{Source, Synthetic, Words};
+use dyn_bench::report::{self, SweepPoint};
+use dyn_bench::{Config, Endpoint, Load, Slo, Stop};
+
+pub const EXAMPLES: &str = "\
+Examples:
+  dyn bench --url http://127.0.0.1:8000 --concurrency 8 --requests 200 --isl 512 --osl 128
+  dyn bench --request-rate 50 --arrival gamma --burstiness 0.5 --duration 60 --output out/
+  dyn bench --tokenizer models/tiny --prefix-groups 4 --prefix-len 256 --isl 1024
+  dyn bench --trace mooncake.jsonl --trace-speed 2 --output out/
+  dyn bench --sweep-concurrency 1,8,32,128 --requests 200 --output sweep/
+  dyn bench compare before/summary.json after/summary.json";
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true, after_help = EXAMPLES)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
+
+    /// Server base URL (an OpenAI-compatible API)
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Model name [default: the first one the server lists]
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, value_enum, default_value_t = EndpointArg::Chat)]
+    endpoint: EndpointArg,
+    /// Bearer token for servers that check one
+    #[arg(long, env = "DYN_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+
+    /// Closed loop: keep this many requests in flight [default: 1]
+    #[arg(long, group = "load")]
+    concurrency: Option<usize>,
+    /// Open loop: send this many requests per second, whatever the server's state
+    #[arg(long, group = "load")]
+    request_rate: Option<f64>,
+    /// Gaps between open-loop requests
+    #[arg(long, value_enum, default_value_t = ArrivalArg::Poisson, requires = "request_rate")]
+    arrival: ArrivalArg,
+    /// Gamma shape of the gaps: < 1 burstier, > 1 steadier (needs --arrival gamma unless 1)
+    #[arg(long, default_value_t = 1.0, requires = "request_rate")]
+    burstiness: f64,
+    /// Run a closed loop at each of these concurrencies (e.g. 1,8,32,128) and plot
+    /// tokens/s/user against tokens/s
+    #[arg(long, value_delimiter = ',', group = "load")]
+    sweep_concurrency: Option<Vec<usize>>,
+
+    /// Measured requests [default: 100; a trace replays all its lines]
+    #[arg(long, conflicts_with = "duration")]
+    requests: Option<usize>,
+    /// Measure for this many seconds instead of a request count
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Requests sent and discarded before measuring
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Per-request timeout in seconds (a timed-out request counts as an error)
+    #[arg(long, default_value_t = 600.0)]
+    timeout: f64,
+
+    /// Input tokens per synthetic prompt (exact with --tokenizer)
+    #[arg(long, default_value_t = 512)]
+    isl: usize,
+    #[arg(long, default_value_t = 0.0)]
+    isl_stddev: f64,
+    /// Output tokens per request (`max_tokens`)
+    #[arg(long, default_value_t = 128)]
+    osl: u32,
+    #[arg(long, default_value_t = 0.0)]
+    osl_stddev: f64,
+    /// Model directory (or tokenizer.json) for exact prompt lengths and for counting output
+    /// tokens when the server sends no usage
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Spread prompts over this many groups sharing a prefix
+    #[arg(long, default_value_t = 0, requires = "prefix_len")]
+    prefix_groups: usize,
+    /// Tokens of the shared prefix (part of --isl)
+    #[arg(long, default_value_t = 0)]
+    prefix_len: usize,
+    /// Replay a Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids)
+    #[arg(long, group = "load", conflicts_with = "prompts")]
+    trace: Option<PathBuf>,
+    /// Replay the trace this many times faster
+    #[arg(long, default_value_t = 1.0, requires = "trace")]
+    trace_speed: f64,
+    /// Tokens per trace hash id
+    #[arg(long, default_value_t = 512, requires = "trace")]
+    trace_block_size: usize,
+    /// JSONL prompts: {"messages": [...], "max_tokens": N} or a message list per line
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Distinct synthetic prompts to cycle through in a --duration run
+    #[arg(long, default_value_t = 1000)]
+    dataset_size: usize,
+    /// Let the model stop at end-of-sequence instead of always generating --osl tokens
+    #[arg(long)]
+    no_ignore_eos: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+
+    /// Service-level objectives for goodput, e.g. ttft_ms=200,itl_ms=20
+    #[arg(long)]
+    slo: Option<Slo>,
+    /// Write summary.json, requests.csv and PNG/SVG plots here
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// No progress bar
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Print two summaries side by side with the ratio B/A
+    Compare { a: PathBuf, b: PathBuf },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum EndpointArg {
+    Chat,
+    Completions,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ArrivalArg {
+    Poisson,
+    Gamma,
+    Constant,
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(BenchCommand::Compare { a, b }) = &args.command {
+        let (a, b) = (report::load(a)?, report::load(b)?);
+        print!("{}", report::compare(&a, &b));
+        return Ok(());
+    }
+    let words = match &args.tokenizer {
+        Some(dir) => Words::from_tokenizer(dir)?,
+        None => Words::approximate(),
+    };
+    let tokenizer = words.tokenizer().cloned().map(Arc::new);
+    let source = if let Some(path) = &args.trace {
+        Source::Trace {
+            path: path.clone(),
+            speed: args.trace_speed,
+            block_size: args.trace_block_size,
+        }
+    } else if let Some(path) = &args.prompts {
+        Source::Prompts {
+            path: path.clone(),
+            osl: args.osl,
+        }
+    } else {
+        Source::Synthetic(Synthetic {
+            isl: args.isl,
+            isl_stddev: args.isl_stddev,
+            osl: args.osl,
+            osl_stddev: args.osl_stddev,
+            prefix_groups: args.prefix_groups,
+            prefix_len: args.prefix_len,
+        })
+    };
+    let stop = match (args.requests, args.duration) {
+        (_, Some(s)) => Stop::Duration(
+            Duration::try_from_secs_f64(s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .context("--duration must be a positive number of seconds")?,
+        ),
+        (Some(n), None) => Stop::Requests(n),
+        (None, None) if args.trace.is_some() => Stop::Requests(usize::MAX),
+        (None, None) => Stop::Requests(100),
+    };
+    let count = match stop {
+        Stop::Requests(n) if args.trace.is_none() => n + args.warmup,
+        _ => args.dataset_size.max(1),
+    };
+    let load = if args.trace.is_some() {
+        Load::Trace
+    } else if let Some(rate) = args.request_rate {
+        Load::Rate {
+            rate,
+            arrival: match args.arrival {
+                ArrivalArg::Poisson => Arrival::Poisson,
+                ArrivalArg::Gamma => Arrival::Gamma,
+                ArrivalArg::Constant => Arrival::Constant,
+            },
+            burstiness: args.burstiness,
+        }
+    } else {
+        Load::Concurrency(args.concurrency.unwrap_or(1))
+    };
+    let mut cfg = Config {
+        url: args.url.clone(),
+        model: args.model.clone(),
+        endpoint: match args.endpoint {
+            EndpointArg::Chat => Endpoint::Chat,
+            EndpointArg::Completions => Endpoint::Completions,
+        },
+        load,
+        stop,
+        warmup: args.warmup,
+        ignore_eos: !args.no_ignore_eos,
+        api_key: args.api_key.clone(),
+        timeout: Duration::try_from_secs_f64(args.timeout)
+            .context("--timeout must be a non-negative number of seconds")?,
+        seed: args.seed,
+        slo: args.slo.clone(),
+        progress: !args.no_progress,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+
+    let Some(levels) = &args.sweep_concurrency else {
+        let entries = source.load(&words, count, args.seed)?;
+        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer))?;
+        print!("{}", report::table(&out.summary));
+        if let Some(dir) = &args.output {
+            report::write(dir, &out.summary, &out.records)?;
+            println!("wrote {}", dir.display());
+        }
+        if out.summary.requests.ok == 0 {
+            bail!("every request failed");
+        }
+        return Ok(());
+    };
+    if levels.is_empty() || levels.contains(&0) {
+        bail!("--sweep-concurrency takes positive concurrencies, e.g. 1,8,32");
+    }
+    let mut points = Vec::new();
+    for (i, &c) in levels.iter().enumerate() {
+        cfg.load = Load::Concurrency(c);
+        // A fresh seed per level: repeated prompts would hit the prefix cache.
+        cfg.seed = args.seed.wrapping_add(i as u64 * 1_000_003);
+        let entries = source.load(&words, count, cfg.seed)?;
+        eprintln!("concurrency {c}");
+        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer.clone()))?;
+        if let Some(dir) = &args.output {
+            report::write(&dir.join(format!("c{c}")), &out.summary, &out.records)?;
+        }
+        points.push(SweepPoint::new(c, &out.summary));
+    }
+    print!("{}", report::sweep_table(&points));
+    if let Some(dir) = &args.output {
+        report::write_sweep(dir, &points)?;
+        println!("wrote {}", dir.display());
+    }
+    Ok(())
+}
