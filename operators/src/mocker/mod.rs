@@ -368,15 +368,6 @@ impl Engine {
             self.reap_cancelled();
             let out = self.sched.step();
             let busy = out.prefill_tokens > 0 || out.decode_seqs > 0;
-            for (id, token, finish) in out.tokens {
-                if let Some(o) = self.outboxes.get_mut(&id) {
-                    o.pending.push(token);
-                    o.finish = finish;
-                }
-            }
-            self.deliver();
-            self.account();
-            self.publish();
             let simulated = if busy {
                 let ms = self
                     .timing
@@ -390,6 +381,17 @@ impl Engine {
             if left >= MIN_SLEEP {
                 std::thread::sleep(left);
             }
+            // A step's tokens exist once its compute is done, as in a real engine: delivering
+            // them before the simulated time would hide the prefill from TTFT.
+            for (id, token, finish) in out.tokens {
+                if let Some(o) = self.outboxes.get_mut(&id) {
+                    o.pending.push(token);
+                    o.finish = finish;
+                }
+            }
+            self.deliver();
+            self.account();
+            self.publish();
         }
         tracing::debug!(
             worker_id = format_args!("{:x}", self.worker_id),
