@@ -431,7 +431,7 @@ fn read(path: &Path) -> Result<String, Error> {
 mod tests {
     use super::*;
 
-    pub(crate) fn tiny_tokenizer() -> PathBuf {
+    fn tiny_tokenizer() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny")
     }
 

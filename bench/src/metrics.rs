@@ -217,6 +217,9 @@ pub struct Summary {
     pub goodput: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo: Option<Slo>,
+    /// The run was stopped early with Ctrl-C; the figures cover what was sent.
+    #[serde(default)]
+    pub interrupted: bool,
     /// CPU seconds the benchmark client itself used during the measured run.
     #[serde(default)]
     pub client_cpu_s: f64,
@@ -302,6 +305,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         duration_s: duration,
         goodput: slo.map(|_| per_s(good)),
         slo: slo.cloned(),
+        interrupted: false,
         client_cpu_s: 0.0,
         config: serde_json::Value::Null,
     }

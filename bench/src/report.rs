@@ -59,6 +59,9 @@ pub fn table(s: &Summary) -> String {
         "\nrequests: {} sent, {} ok, {} failed in {:.2} s",
         s.requests.sent, s.requests.ok, s.requests.failed, s.duration_s
     );
+    if s.interrupted {
+        let _ = writeln!(out, "interrupted: the run was stopped early");
+    }
     let _ = writeln!(
         out,
         "request throughput: {:.2} requests/s",

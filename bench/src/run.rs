@@ -9,7 +9,7 @@
 //! `schedule_lag_ms`, and latencies count from the intended time.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -135,6 +135,7 @@ pub async fn run(
         },
     });
 
+    let interrupted = interrupt_on_ctrl_c();
     if cfg.warmup > 0 {
         let width = match cfg.load {
             Load::Concurrency(n) => n,
@@ -144,12 +145,13 @@ pub async fn run(
             offset: 0,
             ..(*dataset).clone()
         });
-        let (records, _) = phase(
+        let records = phase(
             &client,
             warm,
             Pace::Closed(width.clamp(1, cfg.warmup)),
             Stop::Requests(cfg.warmup),
             ProgressBar::hidden(),
+            &interrupted,
         )
         .await;
         let failed = records.iter().filter(|r| r.error.is_some()).count();
@@ -182,11 +184,12 @@ pub async fn run(
     };
     let bar = progress_bar(cfg.progress, stop);
     let cpu0 = cpu_seconds();
-    let (records, _t0) = phase(&client, dataset, pace, stop, bar).await;
+    let records = phase(&client, dataset, pace, stop, bar, &interrupted).await;
     let cpu = cpu_seconds().zip(cpu0).map_or(0.0, |(b, a)| b - a);
 
     let mut summary = summarize(&records, cfg.slo.as_ref());
     summary.client_cpu_s = cpu;
+    summary.interrupted = interrupted.load(Ordering::Relaxed);
     summary.config = describe(cfg, &model, entries.len());
     Ok(Outcome { summary, records })
 }
@@ -225,7 +228,8 @@ async fn phase(
     pace: Pace,
     stop: Stop,
     bar: ProgressBar,
-) -> (Vec<Record>, Instant) {
+    interrupted: &Arc<AtomicBool>,
+) -> Vec<Record> {
     let live = Arc::new(Live::default());
     // Bounded: the collector below drains it as fast as records arrive.
     let (tx, mut rx) = mpsc::channel::<Record>(1024);
@@ -238,16 +242,19 @@ async fn phase(
         Pace::Closed(n) => {
             let next = Arc::new(AtomicUsize::new(0));
             for _ in 0..n {
-                let (client, dataset, live, tx, next) = (
+                let (client, dataset, live, tx, next, stopped) = (
                     client.clone(),
                     dataset.clone(),
                     live.clone(),
                     tx.clone(),
                     next.clone(),
+                    interrupted.clone(),
                 );
                 tokio::spawn(async move {
                     loop {
-                        if deadline.is_some_and(|d| t0.elapsed() >= d) {
+                        if deadline.is_some_and(|d| t0.elapsed() >= d)
+                            || stopped.load(Ordering::Relaxed)
+                        {
                             break;
                         }
                         let i = next.fetch_add(1, Ordering::Relaxed);
@@ -264,6 +271,7 @@ async fn phase(
         }
         Pace::Open(times) => {
             let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
+            let stopped = interrupted.clone();
             let rt = tokio::runtime::Handle::current();
             let spawned = std::thread::Builder::new()
                 .name("bench-schedule".into())
@@ -272,10 +280,18 @@ async fn phase(
                         if deadline.is_some_and(|d| at >= d) {
                             break;
                         }
+                        // Sleep in slices so an interrupt is seen during a long gap in a trace;
+                        // the last slice ends exactly on time.
                         let target = t0 + at;
-                        let now = Instant::now();
-                        if target > now {
-                            std::thread::sleep(target - now);
+                        loop {
+                            let now = Instant::now();
+                            if stopped.load(Ordering::Relaxed) || now >= target {
+                                break;
+                            }
+                            std::thread::sleep((target - now).min(Duration::from_millis(50)));
+                        }
+                        if stopped.load(Ordering::Relaxed) {
+                            break;
                         }
                         let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
                         let job = dataset.job(i, Some(at));
@@ -328,7 +344,25 @@ async fn phase(
     ticker.abort();
     bar.finish_and_clear();
     records.sort_by_key(|r| r.index);
-    (records, t0)
+    records
+}
+
+/// The first Ctrl-C stops new requests (in-flight ones finish and the run is summarized);
+/// a second one exits at once.
+fn interrupt_on_ctrl_c() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let set = flag.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_err() {
+            return;
+        }
+        set.store(true, Ordering::Relaxed);
+        eprintln!("interrupted: waiting for requests in flight (Ctrl-C again to quit)");
+        if tokio::signal::ctrl_c().await.is_ok() {
+            std::process::exit(130);
+        }
+    });
+    flag
 }
 
 fn progress_bar(show: bool, stop: Stop) -> ProgressBar {

@@ -178,6 +178,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 .filter(|d| !d.is_zero())
                 .context("--duration must be a positive number of seconds")?,
         ),
+        (Some(0), None) => bail!("--requests must be at least 1"),
         (Some(n), None) => Stop::Requests(n),
         (None, None) if args.trace.is_some() => Stop::Requests(usize::MAX),
         (None, None) => Stop::Requests(100),

@@ -105,6 +105,18 @@ impl Graph {
         format!("http://{}{path}", self.addr)
     }
 
+    /// `GET path` over a plain HTTP/1.0 connection, for synchronous tests; the response body.
+    pub fn get(&self, path: &str) -> String {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(&self.addr).unwrap();
+        write!(conn, "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr).unwrap();
+        let mut resp = String::new();
+        conn.read_to_string(&mut resp).unwrap();
+        resp.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default()
+    }
+
     /// Log lines so far (JSON, one per line).
     pub fn logs(&self) -> Vec<String> {
         self.logs.lock().unwrap().clone()

@@ -286,3 +286,67 @@ fn bad_inputs_are_clear_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.json: No such file"));
 }
+
+/// Ctrl-C stops new requests, lets the ones in flight finish, and still writes the summary.
+#[test]
+fn interrupt_summarizes_what_was_sent() {
+    let g = up();
+    let dir = scratch_dir("bench-interrupt");
+    let mut child = dyn_cmd()
+        .args([
+            "bench",
+            "--url",
+            &g.url(""),
+            "--no-progress",
+            "--duration",
+            "600",
+        ])
+        .args([
+            "--concurrency",
+            "2",
+            "--isl",
+            "16",
+            "--osl",
+            "4",
+            "--output",
+        ])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the server has answered some requests, then interrupt.
+    let served = || {
+        g.get("/metrics")
+            .lines()
+            .filter(|l| l.starts_with("dyn_frontend_requests_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    while served() < 5.0 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = child.wait_with_output().unwrap();
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("interrupted: the run was stopped early"),
+        "{stdout}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["interrupted"], true);
+    let sent = s["requests"]["sent"].as_u64().unwrap();
+    assert!(sent >= 5, "{s}");
+    assert_eq!(
+        s["requests"]["ok"].as_u64().unwrap(),
+        sent,
+        "in-flight requests finished"
+    );
+}
