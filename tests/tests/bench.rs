@@ -292,7 +292,7 @@ fn bad_inputs_are_clear_errors() {
 fn interrupt_summarizes_what_was_sent() {
     let g = up();
     let dir = scratch_dir("bench-interrupt");
-    let mut child = dyn_cmd()
+    let child = dyn_cmd()
         .args([
             "bench",
             "--url",
