@@ -231,12 +231,7 @@ impl Client {
         if !done {
             return Err("incomplete stream".into());
         }
-        rec.output_tokens = usage_tokens
-            .or_else(|| {
-                let tok = self.tokenizer.as_ref()?;
-                tok.encode_fast(text.as_str(), false).ok().map(|e| e.len())
-            })
-            .unwrap_or(rec.chunks.len());
+        rec.output_tokens = self.output_tokens(usage_tokens, &text, rec.chunks.len());
         // The live counter assumed one token per chunk; settle the difference.
         let counted = rec.chunks.len() as u64;
         let real = rec.output_tokens as u64;
@@ -244,6 +239,16 @@ impl Client {
             live.tokens.fetch_add(real - counted, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// The server's count, else the tokenizer's over the streamed text, else one per chunk.
+    fn output_tokens(&self, usage: Option<usize>, text: &str, chunks: usize) -> usize {
+        usage
+            .or_else(|| {
+                let tok = self.tokenizer.as_ref()?;
+                tok.encode_fast(text, false).ok().map(|e| e.len())
+            })
+            .unwrap_or(chunks)
     }
 
     fn event(&self, ev: &Event, text: &mut String) -> Result<Seen, String> {
@@ -298,4 +303,112 @@ struct Seen {
     content: bool,
     prompt: Option<usize>,
     completion: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(with_tokenizer: bool) -> Client {
+        let tok = with_tokenizer.then(|| {
+            let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny/tokenizer.json");
+            Arc::new(Tokenizer::from_file(path).unwrap())
+        });
+        Client::new(
+            "http://127.0.0.1:1".into(),
+            None,
+            tok,
+            Duration::from_secs(1),
+        )
+        .unwrap()
+    }
+
+    fn ev(event: Option<&str>, data: &str) -> Event {
+        Event {
+            event: event.map(str::to_owned),
+            data: data.into(),
+        }
+    }
+
+    fn seen(
+        c: &Client,
+        e: Event,
+        text: &mut String,
+    ) -> Result<(bool, bool, Option<usize>), String> {
+        c.event(&e, text).map(|s| (s.done, s.content, s.completion))
+    }
+
+    #[test]
+    fn chunk_shapes() {
+        let c = client(true);
+        let mut text = String::new();
+        let chat = r#"{"choices":[{"index":0,"delta":{"content":"Hel"}}]}"#;
+        assert_eq!(seen(&c, ev(None, chat), &mut text), Ok((false, true, None)));
+        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        assert_eq!(
+            seen(&c, ev(None, role), &mut text),
+            Ok((false, false, None))
+        );
+        let completion = r#"{"choices":[{"index":0,"text":"lo","finish_reason":null}]}"#;
+        assert_eq!(
+            seen(&c, ev(None, completion), &mut text),
+            Ok((false, true, None))
+        );
+        let reasoning = r#"{"choices":[{"delta":{"reasoning_content":" th"}}]}"#;
+        assert_eq!(
+            seen(&c, ev(None, reasoning), &mut text),
+            Ok((false, true, None))
+        );
+        assert_eq!(text, "Hello th");
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3}}"#;
+        assert_eq!(
+            seen(&c, ev(None, usage), &mut text),
+            Ok((false, false, Some(3)))
+        );
+        assert_eq!(
+            seen(&c, ev(None, "[DONE]"), &mut text),
+            Ok((true, false, None))
+        );
+    }
+
+    #[test]
+    fn errors_become_classes() {
+        let c = client(false);
+        let mut text = String::new();
+        let err =
+            r#"{"error":{"message":"busy","type":"service_unavailable","code":"worker_busy"}}"#;
+        assert_eq!(
+            seen(&c, ev(None, err), &mut text),
+            Err("stream error worker_busy".into())
+        );
+        let typed = r#"{"error":{"message":"x","type":"internal_error"}}"#;
+        assert_eq!(
+            seen(&c, ev(None, typed), &mut text),
+            Err("stream error internal_error".into())
+        );
+        assert_eq!(
+            seen(&c, ev(Some("error"), "boom"), &mut text),
+            Err("stream error".into())
+        );
+        assert_eq!(
+            seen(&c, ev(None, "{not json"), &mut text),
+            Err("bad response".into())
+        );
+    }
+
+    #[test]
+    fn output_tokens_prefer_usage_then_tokenizer_then_chunks() {
+        let with = client(true);
+        assert_eq!(with.output_tokens(Some(7), "whatever", 2), 7);
+        let text = "the cat sat";
+        let want = with
+            .tokenizer
+            .as_ref()
+            .unwrap()
+            .encode(text, false)
+            .unwrap()
+            .len();
+        assert_eq!(with.output_tokens(None, text, 1), want);
+        assert_eq!(client(false).output_tokens(None, text, 2), 2);
+    }
 }

@@ -295,15 +295,8 @@ pub fn trace(
     let mut blocks: std::collections::HashMap<u64, String> = Default::default();
     let mut out = Vec::new();
     let mut first = None;
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |message: String| Error::Line {
-            path: path.to_path_buf(),
-            line: n + 1,
-            message,
-        };
+    for (n, line) in jsonl(&text) {
+        let bad = line_error(path, n);
         let t: TraceLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
         if !(t.timestamp.is_finite() && t.timestamp >= 0.0) {
             return Err(bad(format!("bad timestamp {}", t.timestamp)));
@@ -378,15 +371,8 @@ pub fn prompts_file(path: &Path, osl: u32) -> Result<Vec<Entry>, Error> {
     }
     let text = read(path)?;
     let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |message: String| Error::Line {
-            path: path.to_path_buf(),
-            line: n + 1,
-            message,
-        };
+    for (n, line) in jsonl(&text) {
+        let bad = line_error(path, n);
         let parsed: Line = serde_json::from_str(line).map_err(|e| {
             bad(format!(
                 "expected {{\"messages\": [...]}}, {{\"text\": \"...\"}} or a message list ({e})"
@@ -418,6 +404,23 @@ pub fn prompts_file(path: &Path, osl: u32) -> Result<Vec<Entry>, Error> {
         return Err(Error::Invalid(format!("{}: no prompts", path.display())));
     }
     Ok(out)
+}
+
+/// The non-blank lines of a JSONL file with their 1-based numbers.
+fn jsonl(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l))
+}
+
+/// Makes the error for line `line` of `path`.
+fn line_error(path: &Path, line: usize) -> impl Fn(String) -> Error + '_ {
+    move |message| Error::Line {
+        path: path.to_path_buf(),
+        line,
+        message,
+    }
 }
 
 fn read(path: &Path) -> Result<String, Error> {

@@ -97,11 +97,14 @@ pub struct Outcome {
 }
 
 /// Run the benchmark over `entries` (cycled when more requests are asked for than there are
-/// entries). `tokenizer` counts output tokens when the server reports no usage.
+/// entries). `tokenizer` counts output tokens when the server reports no usage. Setting
+/// `interrupted` (see [`interrupt_on_ctrl_c`]) stops new requests; those in flight finish and
+/// the run is summarized.
 pub async fn run(
     cfg: &Config,
     entries: &[Entry],
     tokenizer: Option<Arc<Tokenizer>>,
+    interrupted: &Arc<AtomicBool>,
 ) -> Result<Outcome, Error> {
     if entries.is_empty() {
         return Err(Error::Invalid("the dataset is empty".into()));
@@ -135,31 +138,6 @@ pub async fn run(
         },
     });
 
-    let interrupted = interrupt_on_ctrl_c();
-    if cfg.warmup > 0 {
-        let width = match cfg.load {
-            Load::Concurrency(n) => n,
-            _ => 8,
-        };
-        let warm = Arc::new(Dataset {
-            offset: 0,
-            ..(*dataset).clone()
-        });
-        let records = phase(
-            &client,
-            warm,
-            Pace::Closed(width.clamp(1, cfg.warmup)),
-            Stop::Requests(cfg.warmup),
-            ProgressBar::hidden(),
-            &interrupted,
-        )
-        .await;
-        let failed = records.iter().filter(|r| r.error.is_some()).count();
-        if failed > 0 {
-            tracing::warn!(failed, warmup = cfg.warmup, "Warm-up requests failed");
-        }
-    }
-
     let pace = match cfg.load {
         Load::Concurrency(0) => {
             return Err(Error::Invalid("--concurrency must be at least 1".into()));
@@ -177,6 +155,30 @@ pub async fn run(
             Pace::Open(Box::new(times.into_iter()))
         }
     };
+    if cfg.warmup > 0 {
+        let width = match cfg.load {
+            Load::Concurrency(n) => n,
+            _ => 8,
+        };
+        let warm = Arc::new(Dataset {
+            offset: 0,
+            ..(*dataset).clone()
+        });
+        let records = phase(
+            &client,
+            warm,
+            Pace::Closed(width.clamp(1, cfg.warmup)),
+            Stop::Requests(cfg.warmup),
+            ProgressBar::hidden(),
+            interrupted,
+        )
+        .await;
+        let failed = records.iter().filter(|r| r.error.is_some()).count();
+        if failed > 0 {
+            tracing::warn!(failed, warmup = cfg.warmup, "Warm-up requests failed");
+        }
+    }
+
     let stop = match (cfg.load, cfg.stop) {
         // A trace replays once unless fewer requests are asked for.
         (Load::Trace, Stop::Requests(n)) => Stop::Requests(n.min(entries.len())),
@@ -184,7 +186,7 @@ pub async fn run(
     };
     let bar = progress_bar(cfg.progress, stop);
     let cpu0 = cpu_seconds();
-    let records = phase(&client, dataset, pace, stop, bar, &interrupted).await;
+    let records = phase(&client, dataset, pace, stop, bar, interrupted).await;
     let cpu = cpu_seconds().zip(cpu0).map_or(0.0, |(b, a)| b - a);
 
     let mut summary = summarize(&records, cfg.slo.as_ref());
@@ -347,9 +349,9 @@ async fn phase(
     records
 }
 
-/// The first Ctrl-C stops new requests (in-flight ones finish and the run is summarized);
-/// a second one exits at once.
-fn interrupt_on_ctrl_c() -> Arc<AtomicBool> {
+/// A flag the first Ctrl-C sets (stop sending, summarize what was sent); a second Ctrl-C
+/// exits at once. Call inside a tokio runtime, once per process.
+pub fn interrupt_on_ctrl_c() -> Arc<AtomicBool> {
     let flag = Arc::new(AtomicBool::new(false));
     let set = flag.clone();
     tokio::spawn(async move {

@@ -224,10 +224,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    let interrupted = {
+        let _rt = rt.enter();
+        dyn_bench::run::interrupt_on_ctrl_c()
+    };
 
     let Some(levels) = &args.sweep_concurrency else {
         let entries = source.load(&words, count, args.seed)?;
-        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer))?;
+        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer, &interrupted))?;
         print!("{}", report::table(&out.summary));
         if let Some(dir) = &args.output {
             report::write(dir, &out.summary, &out.records)?;
@@ -248,11 +252,19 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         cfg.seed = args.seed.wrapping_add(i as u64 * 1_000_003);
         let entries = source.load(&words, count, cfg.seed)?;
         eprintln!("concurrency {c}");
-        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer.clone()))?;
+        let out = rt.block_on(dyn_bench::run::run(
+            &cfg,
+            &entries,
+            tokenizer.clone(),
+            &interrupted,
+        ))?;
         if let Some(dir) = &args.output {
             report::write(&dir.join(format!("c{c}")), &out.summary, &out.records)?;
         }
         points.push(SweepPoint::new(c, &out.summary));
+        if out.summary.interrupted {
+            break;
+        }
     }
     print!("{}", report::sweep_table(&points));
     if let Some(dir) = &args.output {
