@@ -326,16 +326,20 @@ async fn phase(
                 }
                 let (t, n) = window[0];
                 let rate = (tokens - n) as f64 / (now - t).as_secs_f64().max(1e-3);
+                let done = live.done.load(Ordering::Relaxed);
+                let errors = live.errors.load(Ordering::Relaxed);
                 match deadline {
-                    Some(_) => bar.set_position(t0.elapsed().as_secs()),
-                    None => bar.set_position(live.done.load(Ordering::Relaxed)),
+                    Some(_) => {
+                        bar.set_position(t0.elapsed().as_secs());
+                        bar.set_message(format!(
+                            "{done} done, {errors} errors, {rate:.0} tokens/s"
+                        ));
+                    }
+                    None => {
+                        bar.set_position(done);
+                        bar.set_message(format!("{errors} errors, {rate:.0} tokens/s"));
+                    }
                 }
-                bar.set_message(format!(
-                    "{} done, {} errors, {:.0} tokens/s",
-                    live.done.load(Ordering::Relaxed),
-                    live.errors.load(Ordering::Relaxed),
-                    rate
-                ));
             }
         })
     };
@@ -374,11 +378,11 @@ fn progress_bar(show: bool, stop: Stop) -> ProgressBar {
     let (len, template) = match stop {
         Stop::Requests(n) => (
             n as u64,
-            "{elapsed_precise} [{bar:30}] {pos}/{len} requests, {msg}",
+            "{elapsed_precise} [{bar:25}] {pos}/{len} done, {msg}",
         ),
         Stop::Duration(d) => (
             d.as_secs().max(1),
-            "{elapsed_precise} [{bar:30}] {pos}/{len} s, {msg}",
+            "{elapsed_precise} [{bar:25}] {pos}/{len} s, {msg}",
         ),
     };
     let bar = ProgressBar::new(len);
