@@ -129,6 +129,28 @@ mod tests {
         assert_ne!(g[1].block_hash, h[1].block_hash);
     }
 
+    /// Vectors computed independently with Python's `xxhash` (scripts/make-kv-hash-vectors).
+    #[test]
+    fn hashes_match_independent_vectors() {
+        #[derive(Deserialize)]
+        struct Case {
+            tokens: Vec<u32>,
+            block_size: usize,
+            hashes: Vec<BlockHash>,
+        }
+        #[derive(Deserialize)]
+        struct Vectors {
+            cases: Vec<Case>,
+        }
+        let v: Vectors =
+            serde_json::from_str(include_str!("../../tests/fixtures/kv_hash_vectors.json"))
+                .expect("fixture");
+        assert_eq!(v.cases.len(), 6);
+        for c in v.cases {
+            assert_eq!(block_hashes(&c.tokens, c.block_size), c.hashes, "{:?}", &c.tokens[..c.tokens.len().min(8)]);
+        }
+    }
+
     #[test]
     fn events_use_the_brief_wire_format() {
         let e = RouterEvent {
