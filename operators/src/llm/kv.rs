@@ -147,7 +147,12 @@ mod tests {
                 .expect("fixture");
         assert_eq!(v.cases.len(), 6);
         for c in v.cases {
-            assert_eq!(block_hashes(&c.tokens, c.block_size), c.hashes, "{:?}", &c.tokens[..c.tokens.len().min(8)]);
+            assert_eq!(
+                block_hashes(&c.tokens, c.block_size),
+                c.hashes,
+                "{:?}",
+                &c.tokens[..c.tokens.len().min(8)]
+            );
         }
     }
 

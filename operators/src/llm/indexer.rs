@@ -1,0 +1,651 @@
+//! The KV indexer: which worker holds which prefix, built from the workers' KV events, asked
+//! by the router how many leading blocks of a prompt each worker already has.
+//!
+//! It is a radix tree over blocks in which each node is one prefix, addressed by the
+//! router's own sequence hash of that prefix (the chain of local hashes, see [`super::kv`]).
+//! Addressing nodes by prefix hash instead of walking child maps means a lookup computes the
+//! prompt's sequence hashes once and then probes one flat table per block: the probes do not
+//! depend on each other, so the CPU overlaps their cache misses, which is what keeps a
+//! 512-block lookup in a million-block tree in the microseconds.
+//!
+//! Workers name their blocks with their own hashes (`block_hash`, opaque here) and give each
+//! block's local hash (`tokens_hash`), which the indexer chains onto the parent to find the
+//! node. Each worker keeps a map from its block hashes to nodes, so removals, clears and a
+//! worker's departure touch only that worker's blocks. Node membership is a bit set over
+//! worker slots ([`MAX_WORKERS`] of them). A node lives while a worker holds it or it has
+//! children; the last one out prunes it and any parent left empty.
+//!
+//! Event ids must increase by one per worker. A gap means events were lost: the worker's
+//! blocks are dropped and its events ignored until it sends a full dump, which starts with
+//! `cleared` (see [`Applied::Gap`]).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use super::kv::{KvCacheEvent, KvEventData, chain_hash};
+
+/// The most workers one indexer tracks (the width of the membership bit set).
+pub const MAX_WORKERS: usize = 128;
+
+const NONE: u32 = u32::MAX;
+
+/// Keys are xxh3 outputs already: hashing them again would only cost time.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are used; fold anything else in so it still works.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    /// Bit `s` set: the worker in slot `s` holds this prefix.
+    workers: u128,
+    /// The router's sequence hash of this prefix.
+    seq: u64,
+    parent: u32,
+    children: u32,
+}
+
+#[derive(Debug, Default)]
+struct Worker {
+    slot: usize,
+    /// The worker's own block hash → node.
+    blocks: IdMap<u32>,
+    last_event: Option<u64>,
+    /// Events were lost: ignore everything until a dump (starting with `cleared`) arrives.
+    awaiting_dump: bool,
+}
+
+/// What applying one event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    Ok,
+    /// Event ids jumped from `expected` to `got`. The worker's blocks were dropped; ask it for
+    /// a dump.
+    Gap {
+        expected: u64,
+        got: u64,
+    },
+    /// Ignored while waiting for a dump.
+    AwaitingDump,
+    /// A stored chain whose parent the worker does not hold (here); it was dropped.
+    Orphan,
+    /// No free worker slot.
+    Full,
+}
+
+/// Sizes, for `dyn inspect` and the memory figure.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct prefixes (tree nodes).
+    pub nodes: usize,
+    /// Blocks per worker, summed: a prefix held by two workers counts twice.
+    pub worker_blocks: usize,
+    /// Approximate heap bytes of the whole index.
+    pub bytes: usize,
+}
+
+#[derive(Default)]
+pub struct Indexer {
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    by_seq: IdMap<u32>,
+    workers: HashMap<u64, Worker>,
+    slots: Vec<Option<u64>>,
+}
+
+impl Indexer {
+    pub fn new() -> Self {
+        Self {
+            slots: vec![None; MAX_WORKERS],
+            ..Self::default()
+        }
+    }
+
+    fn worker(&mut self, id: u64) -> Option<&mut Worker> {
+        if !self.workers.contains_key(&id) {
+            let slot = self.slots.iter().position(Option::is_none)?;
+            self.slots[slot] = Some(id);
+            self.workers.insert(
+                id,
+                Worker {
+                    slot,
+                    ..Worker::default()
+                },
+            );
+        }
+        self.workers.get_mut(&id)
+    }
+
+    /// Apply one event of worker `worker_id`.
+    pub fn apply(&mut self, worker_id: u64, ev: &KvCacheEvent) -> Applied {
+        let Some(w) = self.worker(worker_id) else {
+            return Applied::Full;
+        };
+        let expected = w.last_event.map(|l| l.wrapping_add(1));
+        w.last_event = Some(ev.event_id);
+        if w.awaiting_dump {
+            if ev.data != KvEventData::Cleared {
+                return Applied::AwaitingDump;
+            }
+            w.awaiting_dump = false;
+        } else if let Some(expected) = expected
+            && ev.event_id != expected
+        {
+            self.clear(worker_id);
+            if let Some(w) = self.workers.get_mut(&worker_id) {
+                w.awaiting_dump = true;
+            }
+            return Applied::Gap {
+                expected,
+                got: ev.event_id,
+            };
+        }
+        match &ev.data {
+            KvEventData::Stored {
+                parent_hash,
+                blocks,
+            } => self.store(worker_id, *parent_hash, blocks),
+            KvEventData::Removed { block_hashes } => {
+                for h in block_hashes {
+                    self.remove_block(worker_id, *h);
+                }
+                Applied::Ok
+            }
+            KvEventData::Cleared => {
+                self.clear(worker_id);
+                Applied::Ok
+            }
+        }
+    }
+
+    fn store(
+        &mut self,
+        worker_id: u64,
+        parent_hash: Option<u64>,
+        blocks: &[super::kv::BlockHash],
+    ) -> Applied {
+        let Some(w) = self.workers.get_mut(&worker_id) else {
+            return Applied::Full;
+        };
+        let bit = 1u128 << w.slot;
+        let (mut parent, mut parent_seq) = match parent_hash {
+            None => (NONE, None),
+            Some(h) => match w.blocks.get(&h) {
+                Some(&n) => (n, Some(self.nodes[n as usize].seq)),
+                None => return Applied::Orphan,
+            },
+        };
+        for b in blocks {
+            let seq = chain_hash(parent_seq, b.tokens_hash);
+            let node = match self.by_seq.get(&seq) {
+                Some(&n) => n,
+                None => {
+                    let n = Node {
+                        workers: 0,
+                        seq,
+                        parent,
+                        children: 0,
+                    };
+                    let id = match self.free.pop() {
+                        Some(id) => {
+                            self.nodes[id as usize] = n;
+                            id
+                        }
+                        None => {
+                            self.nodes.push(n);
+                            (self.nodes.len() - 1) as u32
+                        }
+                    };
+                    if parent != NONE {
+                        self.nodes[parent as usize].children += 1;
+                    }
+                    self.by_seq.insert(seq, id);
+                    id
+                }
+            };
+            self.nodes[node as usize].workers |= bit;
+            if let Some(old) = w.blocks.insert(b.block_hash, node)
+                && old != node
+            {
+                // The worker reused a block hash for another prefix: the old one is gone.
+                Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, old, bit);
+            }
+            parent = node;
+            parent_seq = Some(seq);
+        }
+        Applied::Ok
+    }
+
+    fn remove_block(&mut self, worker_id: u64, hash: u64) {
+        let Some(w) = self.workers.get_mut(&worker_id) else {
+            return;
+        };
+        if let Some(node) = w.blocks.remove(&hash) {
+            let bit = 1u128 << w.slot;
+            Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, node, bit);
+        }
+    }
+
+    /// Clear `bit` on `node` and prune it and its ancestors while they are empty leaves.
+    fn drop_bit(
+        nodes: &mut [Node],
+        free: &mut Vec<u32>,
+        by_seq: &mut IdMap<u32>,
+        node: u32,
+        bit: u128,
+    ) {
+        nodes[node as usize].workers &= !bit;
+        let mut n = node;
+        while n != NONE {
+            let node = nodes[n as usize];
+            if node.workers != 0 || node.children != 0 {
+                break;
+            }
+            by_seq.remove(&node.seq);
+            free.push(n);
+            if node.parent != NONE {
+                nodes[node.parent as usize].children -= 1;
+            }
+            n = node.parent;
+        }
+    }
+
+    /// Drop every block of a worker (its cache was cleared).
+    pub fn clear(&mut self, worker_id: u64) {
+        let Some(w) = self.workers.get_mut(&worker_id) else {
+            return;
+        };
+        let bit = 1u128 << w.slot;
+        for (_, node) in w.blocks.drain() {
+            Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, node, bit);
+        }
+    }
+
+    /// A worker left: drop its blocks and free its slot.
+    pub fn remove_worker(&mut self, worker_id: u64) {
+        self.clear(worker_id);
+        if let Some(w) = self.workers.remove(&worker_id) {
+            self.slots[w.slot] = None;
+        }
+    }
+
+    /// Workers the index knows.
+    pub fn worker_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.workers.keys().copied()
+    }
+
+    /// Blocks the index holds for `worker_id`.
+    pub fn worker_blocks(&self, worker_id: u64) -> usize {
+        self.workers.get(&worker_id).map_or(0, |w| w.blocks.len())
+    }
+
+    /// For a prompt's sequence hashes, how many leading blocks each worker holds; workers
+    /// holding none are left out.
+    pub fn find_matches(&self, seq_hashes: &[u64]) -> Vec<(u64, usize)> {
+        let mut out = Vec::new();
+        let mut active = u128::MAX;
+        let mut depth = 0;
+        for h in seq_hashes {
+            let Some(&n) = self.by_seq.get(h) else { break };
+            let held = self.nodes[n as usize].workers & active;
+            if depth > 0 {
+                self.push_bits(active & !held, depth, &mut out);
+            }
+            active = held;
+            if active == 0 {
+                break;
+            }
+            depth += 1;
+        }
+        if depth > 0 {
+            self.push_bits(active, depth, &mut out);
+        }
+        out
+    }
+
+    fn push_bits(&self, mut bits: u128, depth: usize, out: &mut Vec<(u64, usize)>) {
+        while bits != 0 {
+            let slot = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(Some(id)) = self.slots.get(slot) {
+                out.push((*id, depth));
+            }
+        }
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        // hashbrown: one control byte per bucket besides the entry.
+        let map = |cap: usize, entry: usize| cap * (entry + 1);
+        let worker_blocks = self.workers.values().map(|w| w.blocks.len()).sum();
+        let bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.free.capacity() * 4
+            + map(self.by_seq.capacity(), 16)
+            + self
+                .workers
+                .values()
+                .map(|w| map(w.blocks.capacity(), 16))
+                .sum::<usize>();
+        IndexStats {
+            nodes: self.by_seq.len(),
+            worker_blocks,
+            bytes,
+        }
+    }
+
+    /// The most widely held prefixes: `(depth in blocks, sequence hash, workers holding it)`,
+    /// deepest first among those held by the most workers.
+    pub fn top_prefixes(&self, n: usize) -> Vec<(usize, u64, Vec<u64>)> {
+        let depth = |mut id: u32| {
+            let mut d = 0;
+            while id != NONE {
+                d += 1;
+                id = self.nodes[id as usize].parent;
+            }
+            d
+        };
+        // A prefix is interesting where it is shared by more workers than any child of it.
+        let mut best: Vec<(u32, usize, u32)> = self
+            .by_seq
+            .values()
+            .map(|&id| (self.nodes[id as usize].workers.count_ones(), id))
+            .filter(|(k, _)| *k > 1)
+            .map(|(k, id)| (k, depth(id), id))
+            .collect();
+        best.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+        let mut out: Vec<(usize, u64, Vec<u64>)> = Vec::new();
+        for (_, d, id) in best {
+            let node = self.nodes[id as usize];
+            let mut ws = Vec::new();
+            let mut bits = node.workers;
+            while bits != 0 {
+                let slot = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Some(Some(w)) = self.slots.get(slot) {
+                    ws.push(*w);
+                }
+            }
+            ws.sort_unstable();
+            // Skip ancestors of a prefix already listed with the same workers.
+            if out.iter().any(|(_, _, o)| *o == ws) {
+                continue;
+            }
+            out.push((d, node.seq, ws));
+            if out.len() == n {
+                break;
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::kv::{BlockHash, block_hashes};
+    use proptest::prelude::*;
+    use std::collections::{HashMap, HashSet};
+
+    fn ev(id: u64, data: KvEventData) -> KvCacheEvent {
+        KvCacheEvent {
+            event_id: id,
+            dp_rank: 0,
+            data,
+        }
+    }
+
+    fn stored(parent: Option<u64>, blocks: &[BlockHash]) -> KvEventData {
+        KvEventData::Stored {
+            parent_hash: parent,
+            blocks: blocks.to_vec(),
+        }
+    }
+
+    fn seqs(h: &[BlockHash]) -> Vec<u64> {
+        h.iter().map(|b| b.block_hash).collect()
+    }
+
+    #[test]
+    fn matches_shared_prefixes_per_worker() {
+        let mut ix = Indexer::new();
+        let a = block_hashes(&(0..64).collect::<Vec<_>>(), 16); // 4 blocks
+        let mut other: Vec<u32> = (0..32).collect();
+        other.extend(100..132);
+        let b = block_hashes(&other, 16); // shares 2 blocks with a
+        assert_eq!(ix.apply(1, &ev(0, stored(None, &a))), Applied::Ok);
+        assert_eq!(ix.apply(2, &ev(0, stored(None, &b[..2]))), Applied::Ok);
+        assert_eq!(
+            ix.apply(2, &ev(1, stored(Some(b[1].block_hash), &b[2..]))),
+            Applied::Ok
+        );
+        let mut m = ix.find_matches(&seqs(&a));
+        m.sort_unstable();
+        assert_eq!(m, vec![(1, 4), (2, 2)]);
+        let mut m = ix.find_matches(&seqs(&b));
+        m.sort_unstable();
+        assert_eq!(m, vec![(1, 2), (2, 4)]);
+        assert_eq!(ix.stats().nodes, 6);
+        assert_eq!(ix.stats().worker_blocks, 8);
+        assert_eq!(ix.top_prefixes(5), vec![(2, a[1].block_hash, vec![1, 2])]);
+
+        // Removing worker 1's second block cuts its match there.
+        ix.apply(
+            1,
+            &ev(
+                1,
+                KvEventData::Removed {
+                    block_hashes: vec![a[1].block_hash],
+                },
+            ),
+        );
+        let mut m = ix.find_matches(&seqs(&a));
+        m.sort_unstable();
+        assert_eq!(m, vec![(1, 1), (2, 2)]);
+        // A departed worker leaves nothing behind.
+        ix.remove_worker(2);
+        ix.remove_worker(1);
+        assert_eq!(ix.stats().nodes, 0);
+        assert!(ix.find_matches(&seqs(&b)).is_empty());
+    }
+
+    #[test]
+    fn opaque_engine_hashes_are_mapped_through_local_hashes() {
+        // An engine that names blocks with its own hashes: the index still finds the prefix.
+        let mut ix = Indexer::new();
+        let h = block_hashes(&(0..48).collect::<Vec<_>>(), 16);
+        let engine: Vec<BlockHash> = h
+            .iter()
+            .map(|b| BlockHash {
+                block_hash: b.block_hash ^ 0xdead,
+                tokens_hash: b.tokens_hash,
+            })
+            .collect();
+        ix.apply(7, &ev(0, stored(None, &engine[..1])));
+        ix.apply(7, &ev(1, stored(Some(engine[0].block_hash), &engine[1..])));
+        assert_eq!(ix.find_matches(&seqs(&h)), vec![(7, 3)]);
+        ix.apply(
+            7,
+            &ev(
+                2,
+                KvEventData::Removed {
+                    block_hashes: vec![engine[2].block_hash],
+                },
+            ),
+        );
+        assert_eq!(ix.find_matches(&seqs(&h)), vec![(7, 2)]);
+    }
+
+    #[test]
+    fn gap_drops_the_worker_until_a_dump() {
+        let mut ix = Indexer::new();
+        let h = block_hashes(&(0..32).collect::<Vec<_>>(), 16);
+        ix.apply(1, &ev(5, stored(None, &h[..1])));
+        assert_eq!(
+            ix.apply(1, &ev(7, stored(Some(h[0].block_hash), &h[1..]))),
+            Applied::Gap {
+                expected: 6,
+                got: 7
+            }
+        );
+        assert!(
+            ix.find_matches(&seqs(&h)).is_empty(),
+            "blocks dropped at the gap"
+        );
+        assert_eq!(
+            ix.apply(1, &ev(8, stored(None, &h[..1]))),
+            Applied::AwaitingDump
+        );
+        // The dump: cleared, then everything the worker holds.
+        assert_eq!(ix.apply(1, &ev(9, KvEventData::Cleared)), Applied::Ok);
+        assert_eq!(ix.apply(1, &ev(10, stored(None, &h))), Applied::Ok);
+        assert_eq!(ix.find_matches(&seqs(&h)), vec![(1, 2)]);
+    }
+
+    #[test]
+    fn orphans_and_full_slots() {
+        let mut ix = Indexer::new();
+        let h = block_hashes(&(0..32).collect::<Vec<_>>(), 16);
+        assert_eq!(
+            ix.apply(1, &ev(0, stored(Some(h[0].block_hash), &h[1..]))),
+            Applied::Orphan
+        );
+        // Worker 1 holds a slot already (it sent an event).
+        for w in 1..MAX_WORKERS as u64 {
+            assert_eq!(ix.apply(100 + w, &ev(0, KvEventData::Cleared)), Applied::Ok);
+        }
+        assert_eq!(ix.apply(1_000, &ev(0, KvEventData::Cleared)), Applied::Full);
+        ix.remove_worker(101);
+        assert_eq!(ix.apply(1_000, &ev(0, KvEventData::Cleared)), Applied::Ok);
+    }
+
+    /// The reference: per worker, the set of sequence hashes it holds.
+    #[derive(Default)]
+    struct Model {
+        held: HashMap<u64, HashSet<u64>>,
+    }
+
+    impl Model {
+        fn find(&self, hashes: &[u64]) -> Vec<(u64, usize)> {
+            let mut out: Vec<(u64, usize)> = self
+                .held
+                .iter()
+                .map(|(w, set)| (*w, hashes.iter().take_while(|h| set.contains(h)).count()))
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            out.sort_unstable();
+            out
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Worker stores blocks `from..to` of sequence `seq`.
+        Store {
+            worker: u64,
+            seq: usize,
+            from: usize,
+            to: usize,
+        },
+        Remove {
+            worker: u64,
+            seq: usize,
+            block: usize,
+        },
+        Clear {
+            worker: u64,
+        },
+        Leave {
+            worker: u64,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let w = 0u64..4;
+        prop_oneof![
+            6 => (w.clone(), 0usize..4, 0usize..6, 1usize..4).prop_map(|(worker, seq, from, len)| Op::Store { worker, seq, from, to: (from + len).min(6) }),
+            3 => (w.clone(), 0usize..4, 0usize..6).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
+            1 => w.clone().prop_map(|worker| Op::Clear { worker }),
+            1 => w.prop_map(|worker| Op::Leave { worker }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn agrees_with_a_naive_model(ops in proptest::collection::vec(op(), 1..60)) {
+            // Four token sequences sharing prefixes: 0 and 1 share 2 blocks, 2 shares 1 with 0.
+            let base: Vec<u32> = (0..96).collect();
+            let mut s1 = base.clone();
+            s1[40] = 999;
+            let mut s2 = base.clone();
+            s2[20] = 999;
+            let s3: Vec<u32> = (500..596).collect();
+            let seqs_h: Vec<Vec<BlockHash>> = [base, s1, s2, s3].iter().map(|t| block_hashes(t, 16)).collect();
+            let mut ix = Indexer::new();
+            let mut model = Model::default();
+            let mut next_id: HashMap<u64, u64> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Store { worker, seq, from, to } => {
+                        let h = &seqs_h[seq];
+                        let parent = from.checked_sub(1).map(|p| h[p].block_hash);
+                        let id = next_id.entry(worker).or_insert(0);
+                        let r = ix.apply(worker, &ev(*id, stored(parent, &h[from..to])));
+                        *id += 1;
+                        let set = model.held.entry(worker).or_default();
+                        if parent.is_none_or(|p| set.contains(&p)) {
+                            prop_assert_eq!(r, Applied::Ok);
+                            set.extend(h[from..to].iter().map(|b| b.block_hash));
+                        } else {
+                            prop_assert_eq!(r, Applied::Orphan);
+                        }
+                    }
+                    Op::Remove { worker, seq, block } => {
+                        let hash = seqs_h[seq][block].block_hash;
+                        let id = next_id.entry(worker).or_insert(0);
+                        ix.apply(worker, &ev(*id, KvEventData::Removed { block_hashes: vec![hash] }));
+                        *id += 1;
+                        model.held.entry(worker).or_default().remove(&hash);
+                    }
+                    Op::Clear { worker } => {
+                        let id = next_id.entry(worker).or_insert(0);
+                        ix.apply(worker, &ev(*id, KvEventData::Cleared));
+                        *id += 1;
+                        model.held.entry(worker).or_default().clear();
+                    }
+                    Op::Leave { worker } => {
+                        ix.remove_worker(worker);
+                        next_id.remove(&worker);
+                        model.held.remove(&worker);
+                    }
+                }
+                for h in &seqs_h {
+                    let mut got = ix.find_matches(&seqs(h));
+                    got.sort_unstable();
+                    prop_assert_eq!(got, model.find(&seqs(h)));
+                }
+                let held: usize = model.held.values().map(HashSet::len).sum();
+                prop_assert_eq!(ix.stats().worker_blocks, held);
+            }
+            // Everyone leaves: the tree is empty, nothing leaks.
+            for w in 0..4 {
+                ix.remove_worker(w);
+            }
+            prop_assert_eq!(ix.stats().nodes, 0);
+            prop_assert_eq!(ix.free.len(), ix.nodes.len());
+        }
+    }
+}
