@@ -50,14 +50,22 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
+/// A prefix in the tree (its membership lives in the [`Slot`] of `by_seq`).
 #[derive(Debug, Clone, Copy)]
 struct Node {
-    /// Bit `s` set: the worker in slot `s` holds this prefix.
-    workers: u128,
     /// The router's sequence hash of this prefix.
     seq: u64,
     parent: u32,
     children: u32,
+}
+
+/// What a lookup needs, kept in the hash table itself so a probe is the only memory access
+/// per block.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    /// Bit `s` set: the worker in slot `s` holds this prefix.
+    workers: u128,
+    node: u32,
 }
 
 #[derive(Debug, Default)]
@@ -103,7 +111,7 @@ pub struct IndexStats {
 pub struct Indexer {
     nodes: Vec<Node>,
     free: Vec<u32>,
-    by_seq: IdMap<u32>,
+    by_seq: IdMap<Slot>,
     workers: HashMap<u64, Worker>,
     slots: Vec<Option<u64>>,
 }
@@ -192,33 +200,33 @@ impl Indexer {
         };
         for b in blocks {
             let seq = chain_hash(parent_seq, b.tokens_hash);
-            let node = match self.by_seq.get(&seq) {
-                Some(&n) => n,
-                None => {
-                    let n = Node {
-                        workers: 0,
-                        seq,
-                        parent,
-                        children: 0,
-                    };
-                    let id = match self.free.pop() {
-                        Some(id) => {
-                            self.nodes[id as usize] = n;
-                            id
-                        }
-                        None => {
-                            self.nodes.push(n);
-                            (self.nodes.len() - 1) as u32
-                        }
-                    };
-                    if parent != NONE {
-                        self.nodes[parent as usize].children += 1;
+            let (nodes, free) = (&mut self.nodes, &mut self.free);
+            let slot = self.by_seq.entry(seq).or_insert_with(|| {
+                let n = Node {
+                    seq,
+                    parent,
+                    children: 0,
+                };
+                let id = match free.pop() {
+                    Some(id) => {
+                        nodes[id as usize] = n;
+                        id
                     }
-                    self.by_seq.insert(seq, id);
-                    id
+                    None => {
+                        nodes.push(n);
+                        (nodes.len() - 1) as u32
+                    }
+                };
+                if parent != NONE {
+                    nodes[parent as usize].children += 1;
                 }
-            };
-            self.nodes[node as usize].workers |= bit;
+                Slot {
+                    workers: 0,
+                    node: id,
+                }
+            });
+            slot.workers |= bit;
+            let node = slot.node;
             if let Some(old) = w.blocks.insert(b.block_hash, node)
                 && old != node
             {
@@ -245,15 +253,18 @@ impl Indexer {
     fn drop_bit(
         nodes: &mut [Node],
         free: &mut Vec<u32>,
-        by_seq: &mut IdMap<u32>,
+        by_seq: &mut IdMap<Slot>,
         node: u32,
         bit: u128,
     ) {
-        nodes[node as usize].workers &= !bit;
+        if let Some(slot) = by_seq.get_mut(&nodes[node as usize].seq) {
+            slot.workers &= !bit;
+        }
         let mut n = node;
         while n != NONE {
             let node = nodes[n as usize];
-            if node.workers != 0 || node.children != 0 {
+            let held = by_seq.get(&node.seq).is_some_and(|s| s.workers != 0);
+            if held || node.children != 0 {
                 break;
             }
             by_seq.remove(&node.seq);
@@ -301,8 +312,10 @@ impl Indexer {
         let mut active = u128::MAX;
         let mut depth = 0;
         for h in seq_hashes {
-            let Some(&n) = self.by_seq.get(h) else { break };
-            let held = self.nodes[n as usize].workers & active;
+            let Some(slot) = self.by_seq.get(h) else {
+                break;
+            };
+            let held = slot.workers & active;
             if depth > 0 {
                 self.push_bits(active & !held, depth, &mut out);
             }
@@ -334,7 +347,7 @@ impl Indexer {
         let worker_blocks = self.workers.values().map(|w| w.blocks.len()).sum();
         let bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free.capacity() * 4
-            + map(self.by_seq.capacity(), 16)
+            + map(self.by_seq.capacity(), 8 + std::mem::size_of::<Slot>())
             + self
                 .workers
                 .values()
@@ -359,19 +372,18 @@ impl Indexer {
             d
         };
         // A prefix is interesting where it is shared by more workers than any child of it.
-        let mut best: Vec<(u32, usize, u32)> = self
+        let mut best: Vec<(u32, usize, u32, u128)> = self
             .by_seq
             .values()
-            .map(|&id| (self.nodes[id as usize].workers.count_ones(), id))
-            .filter(|(k, _)| *k > 1)
-            .map(|(k, id)| (k, depth(id), id))
+            .filter(|s| s.workers.count_ones() > 1)
+            .map(|s| (s.workers.count_ones(), depth(s.node), s.node, s.workers))
             .collect();
         best.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
         let mut out: Vec<(usize, u64, Vec<u64>)> = Vec::new();
-        for (_, d, id) in best {
+        for (_, d, id, workers) in best {
             let node = self.nodes[id as usize];
             let mut ws = Vec::new();
-            let mut bits = node.workers;
+            let mut bits = workers;
             while bits != 0 {
                 let slot = bits.trailing_zeros() as usize;
                 bits &= bits - 1;

@@ -14,11 +14,23 @@ pub const HASH_SEED: u64 = 1337;
 
 /// Local hash of one block's tokens.
 pub fn local_hash(tokens: &[u32]) -> u64 {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
+    // Blocks are small (16–64 tokens): serialize on the stack, not the heap.
+    const STACK_TOKENS: usize = 64;
+    let fill = |bytes: &mut [u8]| {
+        for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&t.to_le_bytes());
+        }
+    };
+    if tokens.len() <= STACK_TOKENS {
+        let mut buf = [0u8; STACK_TOKENS * 4];
+        let bytes = &mut buf[..tokens.len() * 4];
+        fill(bytes);
+        xxh3_64_with_seed(bytes, HASH_SEED)
+    } else {
+        let mut bytes = vec![0u8; tokens.len() * 4];
+        fill(&mut bytes);
+        xxh3_64_with_seed(&bytes, HASH_SEED)
     }
-    xxh3_64_with_seed(&bytes, HASH_SEED)
 }
 
 /// Sequence hash of a block given its parent's sequence hash.
