@@ -110,7 +110,7 @@ fn benches(c: &mut Criterion) {
     let events: Vec<(u64, KvCacheEvent)> = (0..WORKERS)
         .flat_map(|w| (0..16u64).map(move |s| (w, stored(s, chain(s, 32, w * 100 + s, 64)))))
         .collect();
-    let blocks = (WORKERS * 16 * 64) as u64;
+    let blocks = WORKERS * 16 * 64;
     let mut g = c.benchmark_group("apply");
     g.throughput(Throughput::Elements(blocks));
     g.bench_function("store_65536_blocks", |b| {
