@@ -9,6 +9,11 @@
 //! - [`Ctx::kill`] aborts: nobody is listening any more (the client went away, the deadline
 //!   passed, shutdown ran out of grace), so work and memory should be released at once.
 //!
+//! Operators that keep per-request bookkeeping elsewhere (a router counting active requests
+//! per worker) register hooks: [`Ctx::on_first_output`] runs when the request path yields its
+//! first item, [`Ctx::on_done`] when the request is over in any way (finished, failed,
+//! cancelled), that is when its last context is dropped.
+//!
 //! Contexts form a tree: a child created with [`Ctx::child`] observes its parent's stop and kill,
 //! so cancelling an HTTP request reaches every sub-request it fanned out to. The tree is built on
 //! `tokio_util`'s `CancellationToken`, which already unlinks dropped children.
@@ -72,6 +77,30 @@ struct Inner {
     kill: CancellationToken,
     deadline: Option<Instant>,
     span: tracing::Span,
+    /// Shared by the contexts of one request (`with_deadline` keeps them), not by children.
+    hooks: Arc<Hooks>,
+}
+
+type Hook = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct Hooks {
+    state: parking_lot::Mutex<HookState>,
+}
+
+#[derive(Default)]
+struct HookState {
+    first_output_seen: bool,
+    first_output: Vec<Hook>,
+    done: Vec<Hook>,
+}
+
+impl Drop for Hooks {
+    fn drop(&mut self) {
+        for f in std::mem::take(&mut self.state.get_mut().done) {
+            f();
+        }
+    }
 }
 
 impl fmt::Debug for Ctx {
@@ -101,6 +130,7 @@ impl Ctx {
             CancellationToken::new(),
             None,
             span,
+            Arc::default(),
         )
     }
 
@@ -110,6 +140,7 @@ impl Ctx {
         kill: CancellationToken,
         deadline: Option<Instant>,
         span: tracing::Span,
+        hooks: Arc<Hooks>,
     ) -> Self {
         // A kill always implies a stop; doing it by a watcher task would need a runtime, so
         // `stop` is instead checked together with `kill` everywhere it is read.
@@ -120,6 +151,7 @@ impl Ctx {
                 kill,
                 deadline,
                 span,
+                hooks,
             }),
         }
     }
@@ -135,6 +167,7 @@ impl Ctx {
             self.inner.kill.child_token(),
             self.inner.deadline,
             span,
+            Arc::default(),
         )
     }
 
@@ -147,6 +180,7 @@ impl Ctx {
             self.inner.kill.child_token(),
             deadline,
             self.inner.span.clone(),
+            self.inner.hooks.clone(),
         )
     }
 
@@ -210,6 +244,37 @@ impl Ctx {
                 }
             }
             None => self.inner.kill.cancelled().await,
+        }
+    }
+
+    /// Run `f` when the request path yields its first item (at once if it already has).
+    pub fn on_first_output(&self, f: impl FnOnce() + Send + 'static) {
+        let mut st = self.inner.hooks.state.lock();
+        if st.first_output_seen {
+            drop(st);
+            f();
+        } else {
+            st.first_output.push(Box::new(f));
+        }
+    }
+
+    /// Run `f` once the request is over: when the last context of this request is dropped.
+    pub fn on_done(&self, f: impl FnOnce() + Send + 'static) {
+        self.inner.hooks.state.lock().done.push(Box::new(f));
+    }
+
+    /// The request path yielded its first item; the runtime calls this.
+    pub fn first_output(&self) {
+        let hooks = {
+            let mut st = self.inner.hooks.state.lock();
+            if st.first_output_seen {
+                return;
+            }
+            st.first_output_seen = true;
+            std::mem::take(&mut st.first_output)
+        };
+        for f in hooks {
+            f();
         }
     }
 
@@ -317,5 +382,28 @@ mod tests {
         let ctx = Ctx::new();
         ctx.kill_on_drop().disarm();
         assert!(!ctx.is_stopped());
+    }
+
+    #[test]
+    fn hooks_run_on_first_output_and_when_the_request_is_over() {
+        let log = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let push = |s: &'static str| {
+            let log = log.clone();
+            move || log.lock().push(s)
+        };
+        let ctx = Ctx::new();
+        let timed = ctx.with_timeout(Duration::from_secs(60));
+        timed.on_first_output(push("first"));
+        ctx.on_done(push("done"));
+        ctx.first_output();
+        ctx.first_output();
+        ctx.on_first_output(push("late first"));
+        // A child is another request: dropping it runs nothing of the parent's.
+        drop(ctx.child("sub"));
+        assert_eq!(*log.lock(), ["first", "late first"]);
+        drop(ctx);
+        assert_eq!(log.lock().len(), 2, "a context of the request is still alive");
+        drop(timed);
+        assert_eq!(*log.lock(), ["first", "late first", "done"]);
     }
 }

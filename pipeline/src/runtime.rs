@@ -324,13 +324,16 @@ impl DynChain for ChainRunner {
                 })
                 .boxed();
         }
-        let mut out = last.call(ctx, input);
+        let mut out = last.call(ctx.clone(), input);
         async_stream::stream! {
             while let Some(item) = out.next().await {
                 let upstream_error = failed.lock().take();
                 if let Some(e) = upstream_error {
                     yield Err(e);
                     return;
+                }
+                if item.is_ok() {
+                    ctx.first_output();
                 }
                 yield item;
             }
