@@ -402,7 +402,11 @@ mod tests {
         drop(ctx.child("sub"));
         assert_eq!(*log.lock(), ["first", "late first"]);
         drop(ctx);
-        assert_eq!(log.lock().len(), 2, "a context of the request is still alive");
+        assert_eq!(
+            log.lock().len(),
+            2,
+            "a context of the request is still alive"
+        );
         drop(timed);
         assert_eq!(*log.lock(), ["first", "late first", "done"]);
     }

@@ -109,11 +109,25 @@ pub struct LoadMetrics {
     pub kv_total_blocks: u32,
     /// Fraction of prompt blocks found in the prefix cache, over the worker's lifetime.
     pub prefix_cache_hit_rate: f64,
+    /// Tokens per KV block in the worker's engine: what routers hash prompts with.
+    #[serde(default)]
+    pub block_size: u32,
 }
 
 /// Event-plane subject of a node's KV events.
 pub fn kv_events_subject(namespace: &str, component: &str) -> String {
     format!("dyn.{namespace}.{component}.kv_events")
+}
+
+/// Event-plane subject on which routers ask a worker of a node for a full dump of its cache
+/// (payload: [`ResyncRequest`]), after they saw a gap in its event ids.
+pub fn kv_resync_subject(namespace: &str, component: &str) -> String {
+    format!("dyn.{namespace}.{component}.kv_resync")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    pub worker_id: u64,
 }
 
 /// Event-plane subject of a node's load metrics.

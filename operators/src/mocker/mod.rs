@@ -23,7 +23,8 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use crate::llm::kv::{
-    KvCacheEvent, LoadMetrics, RouterEvent, kv_events_subject, load_metrics_subject,
+    KvCacheEvent, KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject,
+    kv_resync_subject, load_metrics_subject,
 };
 use crate::llm::model::ModelDir;
 use crate::llm::types::{Generated, PreprocessedRequest};
@@ -165,6 +166,8 @@ enum Command {
         spec: SeqSpec,
         tx: mpsc::Sender<Generated>,
     },
+    /// Publish the whole cache (a router lost events).
+    Dump,
 }
 
 /// A running mocker worker; dropping the last handle stops its thread.
@@ -257,18 +260,44 @@ impl Mocker {
             gauges: gauges.clone(),
             last_load: None,
         };
+        // Routers that lost events ask for a full dump; the engine publishes it in order
+        // with its other events.
+        let mut resync = cx
+            .planes
+            .events
+            .subscribe(&kv_resync_subject(&cx.namespace, &cx.node))
+            .await
+            .map_err(|e| BuildError::new(format!("cannot subscribe to resync requests: {e}")))?;
         std::thread::Builder::new()
             .name(format!("mocker-{}", cx.replica))
             .spawn(move || engine.run(rx))
             .map_err(|e| BuildError::new(format!("cannot start the mocker thread: {e}")))?;
-        Ok(Arc::new(Mocker {
+        let mocker = Arc::new(Mocker {
             commands,
             queued,
             max_queued: config.max_queued_requests as usize,
             vocab,
             next_id: AtomicU64::new(1),
             gauges,
-        }))
+        });
+        // Weak: the engine thread stops when the last handle goes, and this task must not be
+        // one.
+        let weak = Arc::downgrade(&mocker);
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            while let Some(ev) = resync.next().await {
+                let Some(m) = weak.upgrade() else { break };
+                let Ok(req) = serde_json::from_slice::<ResyncRequest>(&ev.payload) else {
+                    tracing::warn!("Ignoring a malformed KV resync request");
+                    continue;
+                };
+                // A full command queue drops the request; the router asks again.
+                if req.worker_id == worker_id && m.commands.try_send(Command::Dump).is_err() {
+                    tracing::warn!("Engine busy; KV resync request dropped");
+                }
+            }
+        });
+        Ok(mocker)
     }
 
     /// Queue a request; its tokens arrive on the returned channel.
@@ -415,6 +444,15 @@ impl Engine {
                     },
                 );
             }
+            Command::Dump => {
+                let events = self.sched.pool.dump();
+                tracing::debug!(
+                    worker_id = format_args!("{:x}", self.worker_id),
+                    events = events.len(),
+                    "Publishing a full KV dump"
+                );
+                self.publish_kv(events);
+            }
         }
     }
 
@@ -467,8 +505,8 @@ impl Engine {
         }
     }
 
-    fn publish(&mut self) {
-        for data in self.sched.pool.take_events() {
+    fn publish_kv(&mut self, events: Vec<KvEventData>) {
+        for data in events {
             let ev = RouterEvent {
                 worker_id: self.worker_id,
                 event: KvCacheEvent {
@@ -480,6 +518,11 @@ impl Engine {
             self.event_id += 1;
             self.send(self.kv_subject.clone(), &ev);
         }
+    }
+
+    fn publish(&mut self) {
+        let events = self.sched.pool.take_events();
+        self.publish_kv(events);
         let (running, waiting) = (self.sched.running() as u32, self.sched.waiting() as u32);
         let active = self.sched.pool.active();
         let c = self.sched.counters;
@@ -512,6 +555,7 @@ impl Engine {
                 } else {
                     c.prompt_blocks_hit as f64 / c.prompt_blocks as f64
                 },
+                block_size: self.sched.block_size() as u32,
             };
             self.send(self.load_subject.clone(), &m);
         }
@@ -621,5 +665,45 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(m.gauges.active_blocks() == 0);
+        assert_eq!(l.block_size, 16);
+
+        // A router that lost events asks for a dump: cleared, then what the cache holds, with
+        // the event ids carrying on.
+        let req = serde_json::to_vec(&ResyncRequest { worker_id: 0xabc }).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_resync", req.into())
+            .await
+            .expect("publish");
+        let mut dump = Vec::new();
+        loop {
+            let e = tokio::time::timeout(Duration::from_secs(5), events.next())
+                .await
+                .expect("event")
+                .expect("open");
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            if ev.event.data == KvEventData::Cleared {
+                dump.push(ev.event);
+                break;
+            }
+        }
+        while let Ok(Some(e)) =
+            tokio::time::timeout(Duration::from_millis(200), events.next()).await
+        {
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            dump.push(ev.event);
+        }
+        assert!(dump.len() >= 2, "{dump:?}");
+        for w in dump.windows(2) {
+            assert_eq!(w[1].event_id, w[0].event_id + 1);
+        }
+        let mut ix = crate::llm::indexer::Indexer::new();
+        for e in &dump {
+            assert_eq!(ix.apply(0xabc, e), crate::llm::indexer::Applied::Ok);
+        }
+        // The last prompt's first two blocks are what the cache holds now.
+        let last = crate::llm::kv::block_hashes(&(100..140).collect::<Vec<_>>(), 16);
+        let seqs: Vec<u64> = last.iter().map(|b| b.block_hash).collect();
+        assert_eq!(ix.find_matches(&seqs), vec![(0xabc, 2)]);
     }
 }

@@ -17,6 +17,9 @@ struct Block {
     refs: u32,
     /// Sequence hash, once the block is full and registered.
     hash: Option<u64>,
+    /// The parent's sequence hash and this block's local hash, for a full dump.
+    parent: Option<u64>,
+    tokens_hash: u64,
     /// Position in the LRU while cached.
     lru_tick: Option<u64>,
 }
@@ -133,7 +136,10 @@ impl Pool {
         if self.by_hash.contains_key(&hash.block_hash) || self.blocks[id as usize].hash.is_some() {
             return;
         }
-        self.blocks[id as usize].hash = Some(hash.block_hash);
+        let b = &mut self.blocks[id as usize];
+        b.hash = Some(hash.block_hash);
+        b.parent = parent;
+        b.tokens_hash = hash.tokens_hash;
         self.by_hash.insert(hash.block_hash, id);
         match self.events.last_mut() {
             // Extend a chain stored in the same step.
@@ -147,6 +153,49 @@ impl Pool {
                 blocks: vec![hash],
             }),
         }
+    }
+
+    /// Everything the cache holds, as events a router can rebuild its view from: `cleared`,
+    /// then stored chains parents first. Blocks whose parent was evicted are left out, as no
+    /// prompt can reach them.
+    pub fn dump(&self) -> Vec<KvEventData> {
+        let mut children: HashMap<Option<u64>, Vec<BlockHash>> = HashMap::new();
+        for b in &self.blocks {
+            if let Some(h) = b.hash {
+                children.entry(b.parent).or_default().push(BlockHash {
+                    block_hash: h,
+                    tokens_hash: b.tokens_hash,
+                });
+            }
+        }
+        let mut out = vec![KvEventData::Cleared];
+        let mut queue: Vec<Option<u64>> = vec![None];
+        while let Some(parent) = queue.pop() {
+            if let Some(blocks) = children.remove(&parent) {
+                queue.extend(blocks.iter().map(|b| Some(b.block_hash)));
+                out.push(KvEventData::Stored {
+                    parent_hash: parent,
+                    blocks,
+                });
+            }
+        }
+        // Each event is a list of siblings, not a chain: split into one event per block so
+        // every block names its own parent.
+        out.into_iter()
+            .flat_map(|e| match e {
+                KvEventData::Stored {
+                    parent_hash,
+                    blocks,
+                } => blocks
+                    .into_iter()
+                    .map(|b| KvEventData::Stored {
+                        parent_hash,
+                        blocks: vec![b],
+                    })
+                    .collect::<Vec<_>>(),
+                other => vec![other],
+            })
+            .collect()
     }
 
     /// Events since the last call, removals first (a store may reuse a just-evicted block).
@@ -216,6 +265,25 @@ mod tests {
         assert_eq!(p.cached_prefix(&[100]), 0);
         assert!(p.allocate().is_some());
         assert_eq!(p.allocate(), None, "every block is active");
+    }
+
+    #[test]
+    fn dump_lists_reachable_blocks_parents_first() {
+        let mut p = Pool::new(4);
+        let ids: Vec<_> = (0..4).map(|_| p.allocate().expect("block")).collect();
+        p.register(ids[0], None, h(1));
+        p.register(ids[1], Some(1), h(2));
+        p.register(ids[2], Some(1), h(3));
+        p.register(ids[3], Some(99), h(4)); // parent long gone
+        let d = p.dump();
+        assert_eq!(d[0], KvEventData::Cleared);
+        let stored = |parent, n| KvEventData::Stored {
+            parent_hash: parent,
+            blocks: vec![h(n)],
+        };
+        assert_eq!(d[1], stored(None, 1));
+        assert_eq!(d.len(), 4);
+        assert!(d.contains(&stored(Some(1), 2)) && d.contains(&stored(Some(1), 3)));
     }
 
     #[test]

@@ -105,6 +105,10 @@ impl Scheduler {
         }
     }
 
+    pub fn block_size(&self) -> usize {
+        self.limits.block_size
+    }
+
     pub fn add(&mut self, id: SeqId, spec: SeqSpec) {
         self.unadmitted += 1;
         self.waiting.push_back(Seq {
