@@ -5,6 +5,7 @@
 pub mod detok;
 pub mod indexer;
 pub mod kv;
+pub mod kv_router;
 pub mod model;
 pub mod postprocess;
 pub mod preprocess;

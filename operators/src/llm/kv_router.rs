@@ -1,0 +1,269 @@
+//! The router's view of its workers, and the choice it makes from it.
+//!
+//! [`ActiveSequences`] counts, per worker, what the router has sent and not yet seen finish:
+//! requests, prompt tokens still to prefill (until the first token comes back), and KV
+//! blocks held by decoding sequences. It is updated on route, first token, finish and cancel
+//! through the request's context hooks, so it is exact and immediate where the workers' own
+//! load metrics are periodic.
+//!
+//! [`candidates`] prices each worker for one prompt as Dynamo's KV router does:
+//! `overlap_weight × (prompt blocks − blocks already cached there) + active decode blocks`,
+//! and [`choose`] takes the cheapest (ties: fewer active requests, then at random), or with
+//! `temperature > 0` samples from a softmax over the costs normalised to `0..=1`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use rand::Rng;
+use serde::Serialize;
+
+/// What the router has outstanding on one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Load {
+    pub requests: u32,
+    /// Prompt tokens not yet prefilled (not found in the cache, no first token yet).
+    pub prefill_tokens: u64,
+    /// KV blocks held by the router's active requests there.
+    pub decode_blocks: u64,
+}
+
+/// Per-worker [`Load`], shared by the router and its requests' hooks.
+#[derive(Debug, Default)]
+pub struct ActiveSequences {
+    per_worker: Mutex<HashMap<u64, Load>>,
+}
+
+impl ActiveSequences {
+    /// Count a request routed to `worker`; the returned handle settles it: call
+    /// [`ActiveRequest::first_token`] when output starts, and drop it when the request is over.
+    pub fn start(self: &Arc<Self>, worker: u64, prefill_tokens: u64, blocks: u64) -> ActiveRequest {
+        let mut m = self.per_worker.lock();
+        let l = m.entry(worker).or_default();
+        l.requests += 1;
+        l.prefill_tokens += prefill_tokens;
+        l.decode_blocks += blocks;
+        ActiveRequest {
+            seqs: self.clone(),
+            worker,
+            prefill: AtomicU64::new(prefill_tokens),
+            blocks,
+        }
+    }
+
+    pub fn load(&self, worker: u64) -> Load {
+        self.per_worker
+            .lock()
+            .get(&worker)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    pub fn snapshot(&self) -> HashMap<u64, Load> {
+        self.per_worker.lock().clone()
+    }
+
+    fn settle(&self, worker: u64, f: impl FnOnce(&mut Load)) {
+        let mut m = self.per_worker.lock();
+        if let Some(l) = m.get_mut(&worker) {
+            f(l);
+            if *l == Load::default() {
+                m.remove(&worker);
+            }
+        }
+    }
+}
+
+/// One routed request's share of [`ActiveSequences`].
+#[derive(Debug)]
+pub struct ActiveRequest {
+    seqs: Arc<ActiveSequences>,
+    worker: u64,
+    prefill: AtomicU64,
+    blocks: u64,
+}
+
+impl ActiveRequest {
+    /// The prompt is prefilled: its tokens no longer count as pending prefill.
+    pub fn first_token(&self) {
+        let p = self.prefill.swap(0, Ordering::AcqRel);
+        if p > 0 {
+            self.seqs.settle(self.worker, |l| {
+                l.prefill_tokens = l.prefill_tokens.saturating_sub(p)
+            });
+        }
+    }
+}
+
+impl Drop for ActiveRequest {
+    fn drop(&mut self) {
+        let p = *self.prefill.get_mut();
+        let blocks = self.blocks;
+        self.seqs.settle(self.worker, |l| {
+            l.requests = l.requests.saturating_sub(1);
+            l.prefill_tokens = l.prefill_tokens.saturating_sub(p);
+            l.decode_blocks = l.decode_blocks.saturating_sub(blocks);
+        });
+    }
+}
+
+/// One worker's terms for one prompt: the decision and what `dyn inspect route` shows.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    pub worker: u64,
+    /// Leading prompt blocks the worker already caches.
+    pub matched_blocks: usize,
+    /// Prompt blocks it would have to prefill.
+    pub prefill_blocks: usize,
+    pub load: Load,
+    pub cost: f64,
+}
+
+/// Price every live worker for a prompt of `prompt_blocks` blocks, given the indexer's
+/// matches (workers with none are absent) and the active sequences.
+pub fn candidates(
+    workers: &[u64],
+    matches: &[(u64, usize)],
+    prompt_blocks: usize,
+    overlap_weight: f64,
+    active: &ActiveSequences,
+) -> Vec<Candidate> {
+    let loads = active.snapshot();
+    workers
+        .iter()
+        .map(|&w| {
+            let matched = matches
+                .iter()
+                .find(|(id, _)| *id == w)
+                .map_or(0, |(_, n)| (*n).min(prompt_blocks));
+            let load = loads.get(&w).copied().unwrap_or_default();
+            let prefill_blocks = prompt_blocks - matched;
+            Candidate {
+                worker: w,
+                matched_blocks: matched,
+                prefill_blocks,
+                load,
+                cost: overlap_weight * prefill_blocks as f64 + load.decode_blocks as f64,
+            }
+        })
+        .collect()
+}
+
+/// The index of the chosen candidate; `None` without candidates.
+pub fn choose(c: &[Candidate], temperature: f64, rng: &mut impl Rng) -> Option<usize> {
+    if c.is_empty() {
+        return None;
+    }
+    if temperature > 0.0 {
+        let (lo, hi) = c.iter().fold((f64::MAX, f64::MIN), |(lo, hi), x| {
+            (lo.min(x.cost), hi.max(x.cost))
+        });
+        let span = if hi > lo { hi - lo } else { 1.0 };
+        let weights: Vec<f64> = c
+            .iter()
+            .map(|x| (-((x.cost - lo) / span) / temperature).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut r = rng.random::<f64>() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if r < *w {
+                return Some(i);
+            }
+            r -= w;
+        }
+        return Some(c.len() - 1);
+    }
+    let best = c.iter().map(|x| x.cost).fold(f64::MAX, f64::min);
+    let tied: Vec<usize> = (0..c.len()).filter(|&i| c[i].cost <= best).collect();
+    let fewest = tied.iter().map(|&i| c[i].load.requests).min()?;
+    let tied: Vec<usize> = tied
+        .into_iter()
+        .filter(|&i| c[i].load.requests == fewest)
+        .collect();
+    Some(tied[rng.random_range(0..tied.len())])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    #[test]
+    fn cost_is_uncached_prefill_plus_decode_blocks() {
+        let active = Arc::new(ActiveSequences::default());
+        let _busy = active.start(2, 0, 30);
+        let c = candidates(&[1, 2, 3], &[(1, 2), (2, 10)], 10, 1.5, &active);
+        let costs: Vec<f64> = c.iter().map(|c| c.cost).collect();
+        // w1: 1.5 × 8; w2: 1.5 × 0 + 30; w3: 1.5 × 10.
+        assert_eq!(costs, [12.0, 30.0, 15.0]);
+        assert_eq!(c[1].matched_blocks, 10);
+        let mut rng = StdRng::seed_from_u64(0);
+        assert_eq!(choose(&c, 0.0, &mut rng), Some(0));
+    }
+
+    #[test]
+    fn ties_go_to_fewer_requests_then_random() {
+        let active = Arc::new(ActiveSequences::default());
+        let _a = active.start(1, 0, 0);
+        let c = candidates(&[1, 2, 3], &[], 4, 1.0, &active);
+        assert!(c.iter().all(|c| c.cost == 4.0));
+        let mut rng = StdRng::seed_from_u64(1);
+        let mut picked = std::collections::HashSet::new();
+        for _ in 0..50 {
+            picked.insert(c[choose(&c, 0.0, &mut rng).unwrap()].worker);
+        }
+        assert_eq!(
+            picked,
+            [2, 3].into(),
+            "worker 1 has a request; 2 and 3 split the rest"
+        );
+        assert_eq!(choose(&[], 0.0, &mut rng), None);
+    }
+
+    #[test]
+    fn temperature_samples_cheaper_workers_more_often() {
+        let active = Arc::new(ActiveSequences::default());
+        let c = candidates(&[1, 2], &[(1, 8)], 8, 1.0, &active); // costs 0 and 8
+        let mut rng = StdRng::seed_from_u64(2);
+        let n = 10_000;
+        let first = (0..n)
+            .filter(|_| choose(&c, 0.5, &mut rng) == Some(0))
+            .count() as f64
+            / n as f64;
+        // Normalised costs 0 and 1: weights 1 and e^-2, so p = 1 / (1 + e^-2) ≈ 0.881.
+        assert!((first - 0.881).abs() < 0.02, "{first}");
+    }
+
+    #[test]
+    fn active_sequences_return_to_zero_after_finish_and_cancel() {
+        let active = Arc::new(ActiveSequences::default());
+        let done = active.start(7, 100, 8);
+        let cancelled = active.start(7, 50, 4);
+        assert_eq!(
+            active.load(7),
+            Load {
+                requests: 2,
+                prefill_tokens: 150,
+                decode_blocks: 12
+            }
+        );
+        done.first_token();
+        done.first_token();
+        assert_eq!(active.load(7).prefill_tokens, 50);
+        drop(done);
+        assert_eq!(
+            active.load(7),
+            Load {
+                requests: 1,
+                prefill_tokens: 50,
+                decode_blocks: 4
+            }
+        );
+        // Cancelled before its first token: its prefill goes too.
+        drop(cancelled);
+        assert_eq!(active.load(7), Load::default());
+        assert!(active.snapshot().is_empty());
+    }
+}
