@@ -15,9 +15,10 @@
 //! worker slots ([`MAX_WORKERS`] of them). A node lives while a worker holds it or it has
 //! children; the last one out prunes it and any parent left empty.
 //!
-//! Event ids must increase by one per worker. A gap means events were lost: the worker's
-//! blocks are dropped and its events ignored until it sends a full dump, which starts with
-//! `cleared` (see [`Applied::Gap`]).
+//! Event ids must start at 0 and increase by one per worker. A gap (or a first event that is
+//! not 0: a router that joined late) means events were lost: the worker's blocks are dropped
+//! and its events ignored until it sends a full dump, which starts with `cleared` (see
+//! [`Applied::Gap`]).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -144,13 +145,16 @@ impl Indexer {
         let Some(w) = self.worker(worker_id) else {
             return Applied::Full;
         };
-        let expected = w.last_event.map(|l| l.wrapping_add(1));
+        // A worker's first event must be its first ever: a router that starts (or forgot the
+        // worker) in the middle of its stream needs the dump too.
+        let expected = Some(w.last_event.map_or(0, |l| l.wrapping_add(1)));
         w.last_event = Some(ev.event_id);
-        if w.awaiting_dump {
-            if ev.data != KvEventData::Cleared {
-                return Applied::AwaitingDump;
-            }
+        if ev.data == KvEventData::Cleared {
+            // Whatever came before, `cleared` and what follows define the worker's cache: it
+            // is how a dump starts.
             w.awaiting_dump = false;
+        } else if w.awaiting_dump {
+            return Applied::AwaitingDump;
         } else if let Some(expected) = expected
             && ev.event_id != expected
         {
@@ -163,7 +167,16 @@ impl Indexer {
                 got: ev.event_id,
             };
         }
-        match &ev.data {
+        self.apply_data(worker_id, &ev.data)
+    }
+
+    /// Apply an event's data without event-id bookkeeping: for the router's own records in
+    /// approximate mode.
+    pub fn apply_data(&mut self, worker_id: u64, data: &KvEventData) -> Applied {
+        if self.worker(worker_id).is_none() {
+            return Applied::Full;
+        }
+        match data {
             KvEventData::Stored {
                 parent_hash,
                 blocks,
@@ -505,12 +518,20 @@ mod tests {
     fn gap_drops_the_worker_until_a_dump() {
         let mut ix = Indexer::new();
         let h = block_hashes(&(0..32).collect::<Vec<_>>(), 16);
-        ix.apply(1, &ev(5, stored(None, &h[..1])));
         assert_eq!(
-            ix.apply(1, &ev(7, stored(Some(h[0].block_hash), &h[1..]))),
+            ix.apply(9, &ev(5, stored(None, &h[..1]))),
             Applied::Gap {
-                expected: 6,
-                got: 7
+                expected: 0,
+                got: 5
+            },
+            "a router that joins late needs a dump"
+        );
+        ix.apply(1, &ev(0, stored(None, &h[..1])));
+        assert_eq!(
+            ix.apply(1, &ev(2, stored(Some(h[0].block_hash), &h[1..]))),
+            Applied::Gap {
+                expected: 1,
+                got: 2
             }
         );
         assert!(
@@ -518,12 +539,12 @@ mod tests {
             "blocks dropped at the gap"
         );
         assert_eq!(
-            ix.apply(1, &ev(8, stored(None, &h[..1]))),
+            ix.apply(1, &ev(3, stored(None, &h[..1]))),
             Applied::AwaitingDump
         );
         // The dump: cleared, then everything the worker holds.
-        assert_eq!(ix.apply(1, &ev(9, KvEventData::Cleared)), Applied::Ok);
-        assert_eq!(ix.apply(1, &ev(10, stored(None, &h))), Applied::Ok);
+        assert_eq!(ix.apply(1, &ev(4, KvEventData::Cleared)), Applied::Ok);
+        assert_eq!(ix.apply(1, &ev(5, stored(None, &h))), Applied::Ok);
         assert_eq!(ix.find_matches(&seqs(&h)), vec![(1, 2)]);
     }
 

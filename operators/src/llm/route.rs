@@ -2,21 +2,46 @@
 //! (`target`) so the runtime sends it there.
 //!
 //! The router watches discovery for the instances of the node that takes its output, so
-//! workers joining or leaving are seen at once. Policy `round_robin` cycles through them;
-//! KV-aware policies build on the same skeleton.
+//! workers joining or leaving are seen at once. Policies:
+//!
+//! - `kv` (KV-cache aware): hashes the prompt into blocks, asks the [`Indexer`] how much of it
+//!   each worker caches, and takes the cheapest worker by [`kv_router::candidates`]. The index
+//!   is fed by the workers' KV events on the event plane, applied by a background task (a gap
+//!   in a worker's event ids drops its blocks and asks it for a full dump). With
+//!   `kv_events: false` (engines that publish none) the router records its own decisions
+//!   instead and forgets them after `approx_ttl_s`.
+//! - `round_robin`, `random`, `least_loaded` (fewest active requests from this router),
+//!   `power_of_two` (the less loaded of two random workers).
+//!
+//! Every policy tracks its requests per worker ([`ActiveSequences`]) through the request's
+//! context hooks: on route, first token, and when the request is over for any reason.
 //!
 //! ```yaml
-//! route: {kind: route, inputs: [preprocess], config: {policy: round_robin}}
+//! route: {kind: route, inputs: [preprocess], config: {policy: kv, overlap_weight: 1.0}}
 //! ```
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
-use dyn_pipeline::planes::{Instance, LiveInstances};
+use dyn_pipeline::planes::{EventBus, Instance, LiveInstances};
 use dyn_pipeline::runtime::ENDPOINT;
-use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use dyn_pipeline::{
+    BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
+};
 use futures::StreamExt;
+use parking_lot::{Mutex, RwLock};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
+use super::indexer::{Applied, Indexer};
+use super::kv::{
+    BlockHash, KvEventData, LoadMetrics, ResyncRequest, RouterEvent, block_hashes,
+    kv_events_subject, kv_resync_subject, load_metrics_subject,
+};
+use super::kv_router::{self, ActiveSequences, Candidate};
 use super::types::PreprocessedRequest;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -24,19 +49,94 @@ use super::types::PreprocessedRequest;
 pub enum Policy {
     #[default]
     RoundRobin,
+    Random,
+    LeastLoaded,
+    PowerOfTwo,
+    Kv,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+fn one() -> f64 {
+    1.0
+}
+fn yes() -> bool {
+    true
+}
+fn ttl() -> f64 {
+    120.0
+}
+
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     #[serde(default)]
     pub policy: Policy,
+    /// `kv`: weight of the blocks a worker would have to prefill against its decode load.
+    #[serde(default = "one")]
+    pub overlap_weight: f64,
+    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
+    #[serde(default)]
+    pub temperature: f64,
+    /// `kv`: the workers publish KV events; `false` makes the router track its own decisions.
+    #[serde(default = "yes")]
+    pub kv_events: bool,
+    /// `kv` without events: how long a routed prompt counts as cached on its worker.
+    #[serde(default = "ttl")]
+    pub approx_ttl_s: f64,
+    /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
+    #[serde(default)]
+    pub block_size: Option<u32>,
 }
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            overlap_weight: one(),
+            temperature: 0.0,
+            kv_events: true,
+            approx_ttl_s: ttl(),
+            block_size: None,
+        }
+    }
+}
+
+/// Block size until the workers announce theirs (vLLM's default).
+const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 impl OperatorConfig for RouteConfig {
     const KIND: &'static str = "route";
-    const SUMMARY: &'static str = "Chooses the worker for each request (policy: round_robin)";
+    const SUMMARY: &'static str = "Chooses the worker for each request (policy: kv, round_robin, random, least_loaded, power_of_two)";
     type Op = Route;
+
+    fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, ok: bool, what: &str| {
+            if !ok {
+                out.push(Invalid::field(name, what));
+            }
+        };
+        check(
+            "overlap_weight",
+            self.overlap_weight.is_finite() && self.overlap_weight >= 0.0,
+            "must be a number ≥ 0",
+        );
+        check(
+            "temperature",
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "must be a number ≥ 0",
+        );
+        check(
+            "approx_ttl_s",
+            self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0,
+            "must be a positive number of seconds",
+        );
+        check(
+            "block_size",
+            self.block_size != Some(0),
+            "must be at least 1",
+        );
+        out
+    }
 
     async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
         let [target] = cx.consumers.as_slice() else {
@@ -48,33 +148,317 @@ impl OperatorConfig for RouteConfig {
         let workers = LiveInstances::watch(cx.planes.discovery.as_ref(), &prefix)
             .await
             .map_err(|e| BuildError::new(format!("cannot watch the workers of '{target}': {e}")))?;
-        Ok(Route {
-            inner: Arc::new(Inner {
-                target: target.clone(),
-                workers,
-            }),
-        })
+        let kv = (self.policy == Policy::Kv).then(|| KvState {
+            index: RwLock::new(Indexer::new()),
+            block_size: AtomicU32::new(self.block_size.unwrap_or(0)),
+            metrics: Mutex::new(HashMap::new()),
+            approx: Mutex::new(HashMap::new()),
+        });
+        let inner = Arc::new(Inner {
+            target: target.clone(),
+            workers,
+            config: self.clone(),
+            active: Arc::default(),
+            kv,
+            rng: Mutex::new(StdRng::from_os_rng()),
+        });
+        let task = match &inner.kv {
+            Some(_) => Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                follow_workers(
+                    inner.clone(),
+                    cx.planes.events.clone(),
+                    cx.namespace.clone(),
+                    self.kv_events,
+                )
+                .await
+                .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?,
+            ))),
+            None => None,
+        };
+        Ok(Route { inner, _task: task })
     }
 }
 
 pub struct Route {
     inner: Arc<Inner>,
+    _task: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 struct Inner {
     target: String,
     workers: LiveInstances,
+    config: RouteConfig,
+    active: Arc<ActiveSequences>,
+    kv: Option<KvState>,
+    rng: Mutex<StdRng>,
+}
+
+/// What the `kv` policy knows of the workers' caches.
+struct KvState {
+    index: RwLock<Indexer>,
+    /// 0 until configured or announced.
+    block_size: AtomicU32,
+    /// The latest load metrics per worker.
+    metrics: Mutex<HashMap<u64, LoadMetrics>>,
+    /// Approximate mode: when each (worker, block) the router sent there was last routed.
+    approx: Mutex<HashMap<(u64, u64), Instant>>,
+}
+
+impl KvState {
+    fn block_size(&self) -> usize {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => DEFAULT_BLOCK_SIZE as usize,
+            n => n as usize,
+        }
+    }
+}
+
+/// One routing decision, with what it was based on.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub worker: u64,
+    /// The `kv` policy's terms per worker (empty for other policies).
+    pub candidates: Vec<Candidate>,
+    pub prompt_blocks: usize,
+    pub block_size: usize,
 }
 
 impl Inner {
-    fn pick(&self) -> Result<u64, OpError> {
-        match self.workers.round_robin() {
-            Some(i) => Ok(i.instance_id),
-            None => Err(OpError::unavailable(format!(
-                "no worker of '{}' is available",
-                self.target
-            ))),
+    fn unavailable(&self) -> OpError {
+        OpError::unavailable(format!("no worker of '{}' is available", self.target))
+    }
+
+    fn live(&self) -> Vec<u64> {
+        self.workers.read().iter().map(|i| i.instance_id).collect()
+    }
+
+    /// Decide where `tokens` would go, without recording anything.
+    fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
+        let live = self.live();
+        if live.is_empty() {
+            return Err(self.unavailable());
         }
+        let mut rng = self.rng.lock();
+        let least = |ids: &[u64], rng: &mut StdRng| {
+            let loads: Vec<u32> = ids.iter().map(|w| self.active.load(*w).requests).collect();
+            let min = loads.iter().copied().min().unwrap_or(0);
+            let tied: Vec<u64> = ids
+                .iter()
+                .zip(&loads)
+                .filter(|(_, l)| **l == min)
+                .map(|(w, _)| *w)
+                .collect();
+            tied[rng.random_range(0..tied.len())]
+        };
+        let plain = |worker| Decision {
+            worker,
+            candidates: Vec::new(),
+            prompt_blocks: 0,
+            block_size: 0,
+        };
+        let worker = match self.config.policy {
+            Policy::RoundRobin => {
+                drop(rng);
+                return self
+                    .workers
+                    .round_robin()
+                    .map(|i| plain(i.instance_id))
+                    .ok_or_else(|| self.unavailable());
+            }
+            Policy::Random => live[rng.random_range(0..live.len())],
+            Policy::LeastLoaded => least(&live, &mut rng),
+            Policy::PowerOfTwo => {
+                let a = live[rng.random_range(0..live.len())];
+                let b = live[rng.random_range(0..live.len())];
+                least(&[a, b], &mut rng)
+            }
+            Policy::Kv => {
+                let Some(kv) = &self.kv else {
+                    return Err(OpError::internal("kv policy without KV state"));
+                };
+                let bs = kv.block_size();
+                let seqs: Vec<u64> = block_hashes(tokens, bs)
+                    .iter()
+                    .map(|b| b.block_hash)
+                    .collect();
+                let matches = kv.index.read().find_matches(&seqs);
+                let prompt_blocks = tokens.len().div_ceil(bs);
+                let candidates = kv_router::candidates(
+                    &live,
+                    &matches,
+                    prompt_blocks,
+                    self.config.overlap_weight,
+                    &self.active,
+                );
+                let i = kv_router::choose(&candidates, self.config.temperature, &mut *rng)
+                    .ok_or_else(|| self.unavailable())?;
+                return Ok(Decision {
+                    worker: candidates[i].worker,
+                    candidates,
+                    prompt_blocks,
+                    block_size: bs,
+                });
+            }
+        };
+        Ok(plain(worker))
+    }
+
+    /// Decide, and count the request against its worker until it is over.
+    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+        let d = self.decide(tokens)?;
+        let (prefill, blocks) = match d.candidates.iter().find(|c| c.worker == d.worker) {
+            Some(c) => (
+                (tokens.len() - (c.matched_blocks * d.block_size).min(tokens.len())) as u64,
+                d.prompt_blocks as u64,
+            ),
+            None => (tokens.len() as u64, 0),
+        };
+        if let Some(kv) = &self.kv
+            && !self.config.kv_events
+        {
+            self.record_own_decision(kv, d.worker, tokens, d.block_size);
+        }
+        let active = Arc::new(self.active.start(d.worker, prefill, blocks));
+        let first = active.clone();
+        ctx.on_first_output(move || first.first_token());
+        ctx.on_done(move || drop(active));
+        Ok(d.worker)
+    }
+
+    /// Approximate mode: the prompt's blocks now count as cached on `worker`.
+    fn record_own_decision(&self, kv: &KvState, worker: u64, tokens: &[u32], bs: usize) {
+        let blocks: Vec<BlockHash> = block_hashes(tokens, bs);
+        if blocks.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        {
+            let mut approx = kv.approx.lock();
+            for b in &blocks {
+                approx.insert((worker, b.block_hash), now);
+            }
+        }
+        kv.index.write().apply_data(
+            worker,
+            &KvEventData::Stored {
+                parent_hash: None,
+                blocks,
+            },
+        );
+    }
+}
+
+/// Apply the workers' KV events and load metrics to the index, and once a second drop
+/// departed workers, expire approximate records, and ask again for dumps still missing.
+async fn follow_workers(
+    inner: Arc<Inner>,
+    events: Arc<dyn EventBus>,
+    namespace: String,
+    kv_events: bool,
+) -> Result<impl std::future::Future<Output = ()>, dyn_pipeline::planes::PlaneError> {
+    let node = inner.target.clone();
+    let mut kv_sub = if kv_events {
+        Some(
+            events
+                .subscribe(&kv_events_subject(&namespace, &node))
+                .await?,
+        )
+    } else {
+        None
+    };
+    let mut load_sub = events
+        .subscribe(&load_metrics_subject(&namespace, &node))
+        .await?;
+    let resync_subject = kv_resync_subject(&namespace, &node);
+    Ok(async move {
+        let Some(kv) = &inner.kv else { return };
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut awaiting: HashMap<u64, Instant> = HashMap::new();
+        let ask = |worker_id: u64| {
+            let events = events.clone();
+            let subject = resync_subject.clone();
+            async move {
+                let Ok(payload) = serde_json::to_vec(&ResyncRequest { worker_id }) else {
+                    return;
+                };
+                if let Err(e) = events.publish(&subject, payload.into()).await {
+                    tracing::warn!(error = %e, "Cannot ask for a KV dump");
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                Some(ev) = async { match kv_sub.as_mut() { Some(s) => s.next().await, None => std::future::pending().await } } => {
+                    let Ok(ev) = serde_json::from_slice::<RouterEvent>(&ev.payload) else {
+                        tracing::warn!("Ignoring a malformed KV event");
+                        continue;
+                    };
+                    let applied = kv.index.write().apply(ev.worker_id, &ev.event);
+                    match applied {
+                        Applied::Gap { expected, got } => {
+                            tracing::warn!(worker_id = format_args!("{:x}", ev.worker_id), expected, got, "KV events lost; asking the worker for a dump");
+                            awaiting.insert(ev.worker_id, Instant::now());
+                            ask(ev.worker_id).await;
+                        }
+                        Applied::Ok if ev.event.data == KvEventData::Cleared => {
+                            awaiting.remove(&ev.worker_id);
+                        }
+                        Applied::Full => tracing::warn!(worker_id = format_args!("{:x}", ev.worker_id), "Too many workers for the KV index; ignoring this one"),
+                        _ => {}
+                    }
+                }
+                Some(ev) = load_sub.next() => {
+                    let Ok(m) = serde_json::from_slice::<LoadMetrics>(&ev.payload) else {
+                        tracing::warn!("Ignoring malformed load metrics");
+                        continue;
+                    };
+                    if m.block_size > 0 && inner.config.block_size.is_none() {
+                        kv.block_size.store(m.block_size, Ordering::Relaxed);
+                    }
+                    kv.metrics.lock().insert(m.worker_id, m);
+                }
+                _ = tick.tick() => {
+                    let live = inner.live();
+                    let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
+                    if !gone.is_empty() {
+                        let mut index = kv.index.write();
+                        for w in &gone {
+                            index.remove_worker(*w);
+                            kv.metrics.lock().remove(w);
+                            awaiting.remove(w);
+                        }
+                    }
+                    if !kv_events {
+                        expire(kv, Duration::from_secs_f64(inner.config.approx_ttl_s));
+                    }
+                    for (w, since) in awaiting.iter_mut() {
+                        if since.elapsed() >= Duration::from_secs(1) {
+                            *since = Instant::now();
+                            ask(*w).await;
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Approximate mode: forget blocks not routed again within `ttl`.
+fn expire(kv: &KvState, ttl: Duration) {
+    let mut by_worker: HashMap<u64, Vec<u64>> = HashMap::new();
+    kv.approx.lock().retain(|(w, h), at| {
+        let keep = at.elapsed() < ttl;
+        if !keep {
+            by_worker.entry(*w).or_default().push(*h);
+        }
+        keep
+    });
+    if by_worker.is_empty() {
+        return;
+    }
+    let mut index = kv.index.write();
+    for (w, block_hashes) in by_worker {
+        index.apply_data(w, &KvEventData::Removed { block_hashes });
     }
 }
 
@@ -86,7 +470,7 @@ impl Operator for Route {
         let inner = self.inner.clone();
         input
             .map(move |mut req| {
-                let worker = inner.pick()?;
+                let worker = inner.route(&ctx, &req.token_ids)?;
                 tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), "Routed");
                 req.target = Some(worker);
                 Ok(req)
@@ -152,6 +536,151 @@ mod tests {
         }
         picked.sort_unstable();
         assert_eq!(picked, [10, 10, 11, 11]);
+    }
+
+    async fn register(planes: &Planes, ids: &[u64]) {
+        for &id in ids {
+            let i = Instance {
+                namespace: "ns".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+            };
+            planes.discovery.register(i).await.expect("register");
+        }
+    }
+
+    /// Poll until `f` holds (the route's watch and event task run asynchronously).
+    async fn until(mut f: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("condition never held");
+    }
+
+    async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
+        let mut out = r.call(
+            ctx,
+            stream::iter([crate::testing::preprocessed(tokens, 1)]).boxed(),
+        );
+        out.next()
+            .await
+            .expect("item")
+            .expect("routed")
+            .target
+            .expect("target")
+    }
+
+    #[tokio::test]
+    async fn kv_policy_follows_the_cached_prefix() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = config.build(&cx(&planes)).await.expect("builds");
+        register(&planes, &[10, 11]).await;
+        until(|| r.inner.live().len() == 2).await;
+        let prompt: Vec<u32> = (0..64).collect();
+        let ev = RouterEvent {
+            worker_id: 11,
+            event: crate::llm::kv::KvCacheEvent {
+                event_id: 0,
+                dp_rank: 0,
+                data: KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: block_hashes(&prompt, 16),
+                },
+            },
+        };
+        let payload = serde_json::to_vec(&ev).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_events", payload.into())
+            .await
+            .expect("publish");
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 4).await;
+        let d = r.inner.decide(&prompt).expect("decides");
+        assert_eq!(d.worker, 11);
+        let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
+        assert_eq!(
+            (c11.matched_blocks, c11.prefill_blocks, c11.cost),
+            (4, 0, 0.0)
+        );
+        // While the request is active its blocks count against worker 11; once it is over
+        // they are released.
+        let ctx = Ctx::new();
+        assert_eq!(route_with(&r, ctx.clone(), prompt.clone()).await, 11);
+        assert_eq!(r.inner.active.load(11).decode_blocks, 4);
+        assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
+        drop(ctx);
+        until(|| r.inner.active.load(11) == kv_router::Load::default()).await;
+    }
+
+    #[tokio::test]
+    async fn least_loaded_counts_active_requests_until_they_finish() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::LeastLoaded,
+            ..RouteConfig::default()
+        };
+        let r = config.build(&cx(&planes)).await.expect("builds");
+        register(&planes, &[1, 2]).await;
+        until(|| r.inner.live().len() == 2).await;
+        let a = Ctx::new();
+        let first = route_with(&r, a.clone(), vec![1, 2, 3]).await;
+        let b = Ctx::new();
+        let second = route_with(&r, b.clone(), vec![1, 2, 3]).await;
+        assert_ne!(first, second, "the busy worker is avoided");
+        a.first_output();
+        assert_eq!(r.inner.active.load(first).prefill_tokens, 0);
+        assert_eq!(r.inner.active.load(first).requests, 1);
+        drop(a);
+        assert_eq!(r.inner.active.load(first).requests, 0);
+        assert_eq!(route_with(&r, Ctx::new(), vec![1]).await, first);
+        drop(b);
+        assert!(r.inner.active.snapshot().is_empty());
+    }
+
+    #[tokio::test]
+    async fn approximate_kv_remembers_its_own_decisions_until_the_ttl() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            kv_events: false,
+            ..RouteConfig::default()
+        };
+        let r = config.build(&cx(&planes)).await.expect("builds");
+        register(&planes, &[1, 2, 3]).await;
+        until(|| r.inner.live().len() == 3).await;
+        let prompt: Vec<u32> = (100..164).collect();
+        let w = route_with(&r, Ctx::new(), prompt.clone()).await;
+        let kv = r.inner.kv.as_ref().expect("kv");
+        assert_eq!(r.inner.decide(&prompt).expect("decides").worker, w);
+        // Not yet expired with a long TTL; gone with a zero one.
+        expire(kv, Duration::from_secs(3600));
+        assert_eq!(kv.index.read().worker_blocks(w), 4);
+        expire(kv, Duration::ZERO);
+        assert_eq!(kv.index.read().worker_blocks(w), 0);
+        assert!(kv.approx.lock().is_empty());
+    }
+
+    #[test]
+    fn bad_settings_are_reported() {
+        let c = RouteConfig {
+            overlap_weight: -1.0,
+            temperature: f64::NAN,
+            approx_ttl_s: 0.0,
+            block_size: Some(0),
+            ..RouteConfig::default()
+        };
+        assert_eq!(c.validate().len(), 4);
+        assert!(RouteConfig::default().validate().is_empty());
     }
 
     #[tokio::test]
