@@ -48,8 +48,8 @@ pub struct Synthetic {
     pub isl_stddev: f64,
     pub osl: u32,
     pub osl_stddev: f64,
-    /// Requests are spread round-robin over this many groups; each group's prompts share
-    /// their first `prefix_len` tokens. 0 = no shared prefixes.
+    /// Each request belongs to one of this many groups, drawn at random; a group's prompts
+    /// share their first `prefix_len` tokens. 0 = no shared prefixes.
     pub prefix_groups: usize,
     pub prefix_len: usize,
 }
@@ -238,10 +238,13 @@ pub fn synthetic(
     let mut out = Vec::with_capacity(count);
     for i in 0..count {
         let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+        // A random group, not `i % groups`: a fixed rotation would line up with a
+        // round-robin router over a divisor of the group count and fake perfect affinity.
+        let group = (!prefixes.is_empty()).then(|| rng.random_range(0..prefixes.len()));
         let mut isl = sample_len(&mut rng, s.isl as f64, s.isl_stddev);
         let osl = sample_len(&mut rng, s.osl as f64, s.osl_stddev) as u32;
         let mut text = String::new();
-        if let Some(prefix) = prefixes.get(i % prefixes.len().max(1)) {
+        if let Some(prefix) = group.map(|g| &prefixes[g]) {
             isl = isl.max(s.prefix_len);
             text.push_str(prefix);
             words.random(&mut rng, isl - s.prefix_len, &mut text);
@@ -478,14 +481,16 @@ mod tests {
     #[test]
     fn prefix_groups_share_exactly_their_prefix() {
         let words = Words::from_tokenizer(&tiny_tokenizer()).unwrap();
-        let e = synthetic(&synth(100, 2, 40), &words, 4, 1).unwrap();
+        let e = synthetic(&synth(100, 2, 40), &words, 20, 1).unwrap();
         let tok = words.tokenizer.as_ref().unwrap();
-        let ids = |e: &Entry| tok.encode(text(e), false).unwrap().get_ids().to_vec();
-        let (a, b, c, d) = (ids(&e[0]), ids(&e[1]), ids(&e[2]), ids(&e[3]));
-        assert_eq!(a[..40], c[..40], "same group, same prefix");
-        assert_eq!(b[..40], d[..40]);
-        assert_ne!(a[..40], b[..40], "different groups");
-        assert_ne!(a[40..], c[40..], "suffixes differ");
+        let ids: Vec<Vec<u32>> = e
+            .iter()
+            .map(|e| tok.encode(text(e), false).unwrap().get_ids().to_vec())
+            .collect();
+        let prefixes: std::collections::HashSet<&[u32]> = ids.iter().map(|i| &i[..40]).collect();
+        assert_eq!(prefixes.len(), 2, "two groups, both used");
+        let suffixes: std::collections::HashSet<&[u32]> = ids.iter().map(|i| &i[40..]).collect();
+        assert_eq!(suffixes.len(), 20, "suffixes differ");
     }
 
     #[test]

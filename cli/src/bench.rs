@@ -82,7 +82,7 @@ pub struct BenchArgs {
     /// tokens when the server sends no usage
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Spread prompts over this many groups sharing a prefix
+    /// Draw each prompt from one of this many groups sharing a prefix
     #[arg(long, default_value_t = 0, requires = "prefix_len")]
     prefix_groups: usize,
     /// Tokens of the shared prefix (part of --isl)

@@ -1,13 +1,15 @@
 //! The router's view of its workers, and the choice it makes from it.
 //!
 //! [`ActiveSequences`] counts, per worker, what the router has sent and not yet seen finish:
-//! requests, prompt tokens still to prefill (until the first token comes back), and KV
-//! blocks held by decoding sequences. It is updated on route, first token, finish and cancel
+//! requests, prompt tokens still to prefill (until the first token comes back), and the
+//! distinct KV blocks its active requests hold there (requests sharing a prefix share its
+//! blocks in the engine, so they count once, as in Dynamo). It is updated on route, first token, finish and cancel
 //! through the request's context hooks, so it is exact and immediate where the workers' own
 //! load metrics are periodic.
 //!
 //! [`candidates`] prices each worker for one prompt as Dynamo's KV router does:
-//! `overlap_weight × (prompt blocks − blocks already cached there) + active decode blocks`,
+//! `overlap_weight × (prompt blocks − blocks already cached there) + decode blocks`, the
+//! decode blocks being those active there plus the prompt's blocks not among them,
 //! and [`choose`] takes the cheapest (ties: fewer active requests, then at random), or with
 //! `temperature > 0` samples from a softmax over the costs normalised to `0..=1`.
 
@@ -25,30 +27,57 @@ pub struct Load {
     pub requests: u32,
     /// Prompt tokens not yet prefilled (not found in the cache, no first token yet).
     pub prefill_tokens: u64,
-    /// KV blocks held by the router's active requests there.
+    /// Distinct KV blocks the router's active requests hold there (in a [`Candidate`]: with
+    /// the new prompt's blocks added).
     pub decode_blocks: u64,
 }
 
 /// Per-worker [`Load`], shared by the router and its requests' hooks.
 #[derive(Debug, Default)]
 pub struct ActiveSequences {
-    per_worker: Mutex<HashMap<u64, Load>>,
+    per_worker: Mutex<HashMap<u64, Active>>,
+}
+
+#[derive(Debug, Default)]
+struct Active {
+    requests: u32,
+    prefill_tokens: u64,
+    /// Block hash → active requests holding it.
+    blocks: HashMap<u64, u32>,
+}
+
+impl Active {
+    fn load(&self) -> Load {
+        Load {
+            requests: self.requests,
+            prefill_tokens: self.prefill_tokens,
+            decode_blocks: self.blocks.len() as u64,
+        }
+    }
 }
 
 impl ActiveSequences {
-    /// Count a request routed to `worker`; the returned handle settles it: call
-    /// [`ActiveRequest::first_token`] when output starts, and drop it when the request is over.
-    pub fn start(self: &Arc<Self>, worker: u64, prefill_tokens: u64, blocks: u64) -> ActiveRequest {
+    /// Count a request routed to `worker` holding the blocks `hashes`; the returned handle
+    /// settles it: call [`ActiveRequest::first_token`] when output starts, and drop it when
+    /// the request is over.
+    pub fn start(
+        self: &Arc<Self>,
+        worker: u64,
+        prefill_tokens: u64,
+        hashes: Vec<u64>,
+    ) -> ActiveRequest {
         let mut m = self.per_worker.lock();
-        let l = m.entry(worker).or_default();
-        l.requests += 1;
-        l.prefill_tokens += prefill_tokens;
-        l.decode_blocks += blocks;
+        let a = m.entry(worker).or_default();
+        a.requests += 1;
+        a.prefill_tokens += prefill_tokens;
+        for h in &hashes {
+            *a.blocks.entry(*h).or_insert(0) += 1;
+        }
         ActiveRequest {
             seqs: self.clone(),
             worker,
             prefill: AtomicU64::new(prefill_tokens),
-            blocks,
+            hashes,
         }
     }
 
@@ -56,19 +85,31 @@ impl ActiveSequences {
         self.per_worker
             .lock()
             .get(&worker)
-            .copied()
+            .map(Active::load)
             .unwrap_or_default()
     }
 
     pub fn snapshot(&self) -> HashMap<u64, Load> {
-        self.per_worker.lock().clone()
+        self.per_worker
+            .lock()
+            .iter()
+            .map(|(w, a)| (*w, a.load()))
+            .collect()
     }
 
-    fn settle(&self, worker: u64, f: impl FnOnce(&mut Load)) {
+    /// How many of `hashes` no active request on `worker` holds.
+    fn new_blocks(&self, worker: u64, hashes: &[u64]) -> usize {
+        match self.per_worker.lock().get(&worker) {
+            Some(a) => hashes.iter().filter(|h| !a.blocks.contains_key(h)).count(),
+            None => hashes.len(),
+        }
+    }
+
+    fn settle(&self, worker: u64, f: impl FnOnce(&mut Active)) {
         let mut m = self.per_worker.lock();
-        if let Some(l) = m.get_mut(&worker) {
-            f(l);
-            if *l == Load::default() {
+        if let Some(a) = m.get_mut(&worker) {
+            f(a);
+            if a.requests == 0 && a.prefill_tokens == 0 && a.blocks.is_empty() {
                 m.remove(&worker);
             }
         }
@@ -81,7 +122,7 @@ pub struct ActiveRequest {
     seqs: Arc<ActiveSequences>,
     worker: u64,
     prefill: AtomicU64,
-    blocks: u64,
+    hashes: Vec<u64>,
 }
 
 impl ActiveRequest {
@@ -99,11 +140,18 @@ impl ActiveRequest {
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
         let p = *self.prefill.get_mut();
-        let blocks = self.blocks;
-        self.seqs.settle(self.worker, |l| {
-            l.requests = l.requests.saturating_sub(1);
-            l.prefill_tokens = l.prefill_tokens.saturating_sub(p);
-            l.decode_blocks = l.decode_blocks.saturating_sub(blocks);
+        let hashes = std::mem::take(&mut self.hashes);
+        self.seqs.settle(self.worker, |a| {
+            a.requests = a.requests.saturating_sub(1);
+            a.prefill_tokens = a.prefill_tokens.saturating_sub(p);
+            for h in hashes {
+                if let Some(n) = a.blocks.get_mut(&h) {
+                    *n -= 1;
+                    if *n == 0 {
+                        a.blocks.remove(&h);
+                    }
+                }
+            }
         });
     }
 }
@@ -120,16 +168,17 @@ pub struct Candidate {
     pub cost: f64,
 }
 
-/// Price every live worker for a prompt of `prompt_blocks` blocks, given the indexer's
-/// matches (workers with none are absent) and the active sequences.
+/// Price every live worker for a prompt whose block hashes are `hashes` (`prompt_blocks`
+/// blocks, counting a last partial one), given the indexer's matches (workers with none are
+/// absent) and the active sequences.
 pub fn candidates(
     workers: &[u64],
     matches: &[(u64, usize)],
+    hashes: &[u64],
     prompt_blocks: usize,
     overlap_weight: f64,
     active: &ActiveSequences,
 ) -> Vec<Candidate> {
-    let loads = active.snapshot();
     workers
         .iter()
         .map(|&w| {
@@ -137,7 +186,9 @@ pub fn candidates(
                 .iter()
                 .find(|(id, _)| *id == w)
                 .map_or(0, |(_, n)| (*n).min(prompt_blocks));
-            let load = loads.get(&w).copied().unwrap_or_default();
+            let mut load = active.load(w);
+            load.decode_blocks +=
+                (active.new_blocks(w, hashes) + prompt_blocks - hashes.len()) as u64;
             let prefill_blocks = prompt_blocks - matched;
             Candidate {
                 worker: w,
@@ -193,12 +244,17 @@ mod tests {
     #[test]
     fn cost_is_uncached_prefill_plus_decode_blocks() {
         let active = Arc::new(ActiveSequences::default());
-        let _busy = active.start(2, 0, 30);
-        let c = candidates(&[1, 2, 3], &[(1, 2), (2, 10)], 10, 1.5, &active);
+        // Worker 2 decodes a request holding blocks 100..130 and the prompt's first two.
+        let mut held: Vec<u64> = (100..130).collect();
+        held.extend([1, 2]);
+        let _busy = active.start(2, 0, held);
+        let prompt: Vec<u64> = (1..=10).collect();
+        let c = candidates(&[1, 2, 3], &[(1, 2), (2, 10)], &prompt, 10, 1.5, &active);
         let costs: Vec<f64> = c.iter().map(|c| c.cost).collect();
-        // w1: 1.5 × 8; w2: 1.5 × 0 + 30; w3: 1.5 × 10.
-        assert_eq!(costs, [12.0, 30.0, 15.0]);
+        // w1: 1.5 × 8 + 10 new; w2: 0 + 32 active + 8 new; w3: 1.5 × 10 + 10.
+        assert_eq!(costs, [22.0, 40.0, 25.0]);
         assert_eq!(c[1].matched_blocks, 10);
+        assert_eq!(c[1].load.decode_blocks, 40);
         let mut rng = StdRng::seed_from_u64(0);
         assert_eq!(choose(&c, 0.0, &mut rng), Some(0));
     }
@@ -206,9 +262,9 @@ mod tests {
     #[test]
     fn ties_go_to_fewer_requests_then_random() {
         let active = Arc::new(ActiveSequences::default());
-        let _a = active.start(1, 0, 0);
-        let c = candidates(&[1, 2, 3], &[], 4, 1.0, &active);
-        assert!(c.iter().all(|c| c.cost == 4.0));
+        let _a = active.start(1, 0, Vec::new());
+        let c = candidates(&[1, 2, 3], &[], &[7; 4], 4, 1.0, &active);
+        assert!(c.iter().all(|c| c.cost == 8.0), "{c:?}");
         let mut rng = StdRng::seed_from_u64(1);
         let mut picked = std::collections::HashSet::new();
         for _ in 0..50 {
@@ -225,7 +281,8 @@ mod tests {
     #[test]
     fn temperature_samples_cheaper_workers_more_often() {
         let active = Arc::new(ActiveSequences::default());
-        let c = candidates(&[1, 2], &[(1, 8)], 8, 1.0, &active); // costs 0 and 8
+        // Costs 0 + 8 and 8 + 8.
+        let c = candidates(&[1, 2], &[(1, 8)], &[0; 8], 8, 1.0, &active);
         let mut rng = StdRng::seed_from_u64(2);
         let n = 10_000;
         let first = (0..n)
@@ -239,14 +296,15 @@ mod tests {
     #[test]
     fn active_sequences_return_to_zero_after_finish_and_cancel() {
         let active = Arc::new(ActiveSequences::default());
-        let done = active.start(7, 100, 8);
-        let cancelled = active.start(7, 50, 4);
+        // Two requests sharing blocks 1 and 2: they count once.
+        let done = active.start(7, 100, vec![1, 2, 3]);
+        let cancelled = active.start(7, 50, vec![1, 2, 4]);
         assert_eq!(
             active.load(7),
             Load {
                 requests: 2,
                 prefill_tokens: 150,
-                decode_blocks: 12
+                decode_blocks: 4
             }
         );
         done.first_token();
@@ -258,7 +316,7 @@ mod tests {
             Load {
                 requests: 1,
                 prefill_tokens: 50,
-                decode_blocks: 4
+                decode_blocks: 3
             }
         );
         // Cancelled before its first token: its prefill goes too.

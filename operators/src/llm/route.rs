@@ -221,6 +221,8 @@ pub struct Decision {
     pub candidates: Vec<Candidate>,
     pub prompt_blocks: usize,
     pub block_size: usize,
+    /// The prompt's block hashes (`kv` only).
+    pub hashes: Vec<u64>,
 }
 
 impl Inner {
@@ -255,6 +257,7 @@ impl Inner {
             candidates: Vec::new(),
             prompt_blocks: 0,
             block_size: 0,
+            hashes: Vec::new(),
         };
         let worker = match self.config.policy {
             Policy::RoundRobin => {
@@ -286,6 +289,7 @@ impl Inner {
                 let candidates = kv_router::candidates(
                     &live,
                     &matches,
+                    &seqs,
                     prompt_blocks,
                     self.config.overlap_weight,
                     &self.active,
@@ -297,6 +301,7 @@ impl Inner {
                     candidates,
                     prompt_blocks,
                     block_size: bs,
+                    hashes: seqs,
                 });
             }
         };
@@ -306,19 +311,16 @@ impl Inner {
     /// Decide, and count the request against its worker until it is over.
     fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
         let d = self.decide(tokens)?;
-        let (prefill, blocks) = match d.candidates.iter().find(|c| c.worker == d.worker) {
-            Some(c) => (
-                (tokens.len() - (c.matched_blocks * d.block_size).min(tokens.len())) as u64,
-                d.prompt_blocks as u64,
-            ),
-            None => (tokens.len() as u64, 0),
+        let prefill = match d.candidates.iter().find(|c| c.worker == d.worker) {
+            Some(c) => (tokens.len() - (c.matched_blocks * d.block_size).min(tokens.len())) as u64,
+            None => tokens.len() as u64,
         };
         if let Some(kv) = &self.kv
             && !self.config.kv_events
         {
             self.record_own_decision(kv, d.worker, tokens, d.block_size);
         }
-        let active = Arc::new(self.active.start(d.worker, prefill, blocks));
+        let active = Arc::new(self.active.start(d.worker, prefill, d.hashes));
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
@@ -610,7 +612,7 @@ mod tests {
         let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
         assert_eq!(
             (c11.matched_blocks, c11.prefill_blocks, c11.cost),
-            (4, 0, 0.0)
+            (4, 0, 4.0)
         );
         // While the request is active its blocks count against worker 11; once it is over
         // they are released.
