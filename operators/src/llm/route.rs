@@ -509,23 +509,9 @@ mod tests {
         let e = route_once(&r).await.expect_err("no workers");
         assert_eq!(e.kind, dyn_pipeline::ErrorKind::Unavailable);
 
-        for id in [10, 11] {
-            let i = Instance {
-                namespace: "ns".into(),
-                component: "decode".into(),
-                endpoint: ENDPOINT.into(),
-                instance_id: id,
-                transport: Transport::InProcess,
-            };
-            planes.discovery.register(i).await.expect("register");
-        }
+        register(&planes, &[10, 11]).await;
         // The watch applies registrations asynchronously.
-        for _ in 0..100 {
-            if r.inner.workers.read().len() == 2 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        until(|| r.inner.live().len() == 2).await;
         let mut picked = Vec::new();
         for _ in 0..4 {
             picked.push(
@@ -564,6 +550,14 @@ mod tests {
         panic!("condition never held");
     }
 
+    /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
+    async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
+        let r = config.build(&cx(planes)).await.expect("builds");
+        register(planes, ids).await;
+        until(|| r.inner.live().len() == ids.len()).await;
+        r
+    }
+
     async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
         let mut out = r.call(
             ctx,
@@ -584,9 +578,7 @@ mod tests {
             policy: Policy::Kv,
             ..RouteConfig::default()
         };
-        let r = config.build(&cx(&planes)).await.expect("builds");
-        register(&planes, &[10, 11]).await;
-        until(|| r.inner.live().len() == 2).await;
+        let r = started(&planes, config, &[10, 11]).await;
         let prompt: Vec<u32> = (0..64).collect();
         let ev = RouterEvent {
             worker_id: 11,
@@ -631,9 +623,7 @@ mod tests {
             policy: Policy::LeastLoaded,
             ..RouteConfig::default()
         };
-        let r = config.build(&cx(&planes)).await.expect("builds");
-        register(&planes, &[1, 2]).await;
-        until(|| r.inner.live().len() == 2).await;
+        let r = started(&planes, config, &[1, 2]).await;
         let a = Ctx::new();
         let first = route_with(&r, a.clone(), vec![1, 2, 3]).await;
         let b = Ctx::new();
@@ -657,9 +647,7 @@ mod tests {
             kv_events: false,
             ..RouteConfig::default()
         };
-        let r = config.build(&cx(&planes)).await.expect("builds");
-        register(&planes, &[1, 2, 3]).await;
-        until(|| r.inner.live().len() == 3).await;
+        let r = started(&planes, config, &[1, 2, 3]).await;
         let prompt: Vec<u32> = (100..164).collect();
         let w = route_with(&r, Ctx::new(), prompt.clone()).await;
         let kv = r.inner.kv.as_ref().expect("kv");
