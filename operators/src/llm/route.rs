@@ -240,7 +240,7 @@ impl Inner {
         if live.is_empty() {
             return Err(self.unavailable());
         }
-        let mut rng = self.rng.lock();
+        // The generator is locked only to draw: hashing and index lookups run concurrently.
         let least = |ids: &[u64], rng: &mut StdRng| {
             let loads: Vec<u32> = ids.iter().map(|w| self.active.load(*w).requests).collect();
             let min = loads.iter().copied().min().unwrap_or(0);
@@ -261,16 +261,16 @@ impl Inner {
         };
         let worker = match self.config.policy {
             Policy::RoundRobin => {
-                drop(rng);
                 return self
                     .workers
                     .round_robin()
                     .map(|i| plain(i.instance_id))
                     .ok_or_else(|| self.unavailable());
             }
-            Policy::Random => live[rng.random_range(0..live.len())],
-            Policy::LeastLoaded => least(&live, &mut rng),
+            Policy::Random => live[self.rng.lock().random_range(0..live.len())],
+            Policy::LeastLoaded => least(&live, &mut self.rng.lock()),
             Policy::PowerOfTwo => {
+                let mut rng = self.rng.lock();
                 let a = live[rng.random_range(0..live.len())];
                 let b = live[rng.random_range(0..live.len())];
                 least(&[a, b], &mut rng)
@@ -294,8 +294,9 @@ impl Inner {
                     self.config.overlap_weight,
                     &self.active,
                 );
-                let i = kv_router::choose(&candidates, self.config.temperature, &mut *rng)
-                    .ok_or_else(|| self.unavailable())?;
+                let i =
+                    kv_router::choose(&candidates, self.config.temperature, &mut *self.rng.lock())
+                        .ok_or_else(|| self.unavailable())?;
                 return Ok(Decision {
                     worker: candidates[i].worker,
                     candidates,
