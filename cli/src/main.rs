@@ -3,6 +3,7 @@
 //! generator).
 
 mod bench;
+mod inspect;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,7 +20,8 @@ Examples:
   dyn graph plan graphs/agg.yaml --format mermaid
   dyn graph up graphs/agg.yaml --set http.listen=127.0.0.1:9000 --set decode.replicas=4
   dyn graph kinds                           list the operator kinds this build knows
-  dyn bench --concurrency 8 --requests 200 --output out/";
+  dyn bench --concurrency 8 --requests 200 --output out/
+  dyn inspect route --prompt 'Hello'        where a prompt would be routed, and why";
 
 #[derive(Parser)]
 #[command(name = "dyn", version, about = "Serve LLMs as dataflow graphs", after_help = EXAMPLES)]
@@ -44,6 +46,8 @@ enum Command {
     Graph(GraphCommand),
     /// Load-test an OpenAI-compatible server and report TTFT, ITL, throughput and goodput
     Bench(Box<bench::BenchArgs>),
+    /// Show a running graph's routing state: workers, routing decisions, KV index, KV events
+    Inspect(inspect::InspectArgs),
 }
 
 #[derive(Subcommand)]
@@ -136,6 +140,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let cmd = match cli.command {
         Command::Graph(cmd) => cmd,
         Command::Bench(args) => return bench::bench(*args),
+        Command::Inspect(args) => return inspect::inspect(args),
     };
     let registry = dyn_operators::registry();
     match cmd {

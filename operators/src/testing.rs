@@ -20,6 +20,7 @@ pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> 
         }),
         base_dir: ".".into(),
         planes: planes.clone(),
+        inspect: Default::default(),
     }
 }
 

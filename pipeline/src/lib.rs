@@ -9,6 +9,7 @@
 pub mod compile;
 pub mod ctx;
 pub mod diag;
+pub mod inspect;
 pub mod operator;
 pub mod payload;
 pub mod plan;
@@ -20,6 +21,7 @@ pub mod spec;
 pub use compile::{CompiledGraph, compile, load_and_compile};
 pub use ctx::{Ctx, RequestId};
 pub use diag::{Diagnostic, Diagnostics, Pos, Severity};
+pub use inspect::{Inspect, Inspectables};
 pub use operator::{Chain, ErrorKind, Ingress, Input, OpError, Operator, Output, ShutdownSignal};
 pub use payload::{Codec, Payload, PayloadType};
 pub use plan::{Format, Plan};

@@ -72,6 +72,8 @@ pub struct BuildCx {
     /// Directory of the graph file: relative paths in configs are resolved against it.
     pub base_dir: PathBuf,
     pub planes: Planes,
+    /// This process's introspection registry (`dyn inspect`).
+    pub inspect: std::sync::Arc<crate::Inspectables>,
 }
 
 /// A config for a processing kind.

@@ -79,6 +79,7 @@ pub async fn run(
         )));
     }
     let planes = Planes::embedded();
+    let inspect = Arc::new(crate::Inspectables::default());
     let root = Ctx::with_id("runtime");
     let cx = |node: &str, replica: u32, instance_id: u64| BuildCx {
         graph: graph.name.clone(),
@@ -95,6 +96,7 @@ pub async fn run(
         model: graph.model.clone(),
         base_dir: graph.base_dir.clone(),
         planes: planes.clone(),
+        inspect: inspect.clone(),
     };
     let build_err = |node: &str, replica: u32, source| RuntimeError::Build {
         node: node.to_owned(),

@@ -5,6 +5,7 @@
 //! (`{"error": {"message", "type", "param", "code"}}`) with a stable `type` and `code`; detail
 //! meant for operators goes to the log.
 
+pub mod admin;
 pub mod openai;
 pub mod text;
 
@@ -256,8 +257,12 @@ pub async fn serve(
     app: axum::Router,
     shutdown: ShutdownSignal,
 ) -> Result<(), OpError> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
+    // Peer addresses reach the handlers: the admin routes answer loopback clients only.
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
 }

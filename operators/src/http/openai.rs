@@ -29,7 +29,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
+use super::admin::Admin;
 use super::{ApiError, ServerConfig};
+use crate::llm::model::ModelDir;
+use crate::llm::preprocess::Preprocess;
 use crate::llm::types::{
     ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
 };
@@ -55,10 +58,18 @@ impl IngressConfig for HttpConfig {
         let model = cx.model.as_ref().ok_or_else(|| {
             BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
         })?;
+        let preprocess = Preprocess::new(ModelDir::shared(cx).await?)?;
         Ok(Http {
             listener: self.server.bind(&cx.node).await?,
             config: self.server.clone(),
             model: model.name.clone(),
+            admin: Admin {
+                inspect: cx.inspect.clone(),
+                events: cx.planes.events.clone(),
+                namespace: cx.namespace.clone(),
+                model: model.name.clone(),
+                preprocess: Arc::new(preprocess),
+            },
         })
     }
 }
@@ -67,6 +78,7 @@ pub struct Http {
     listener: TcpListener,
     config: ServerConfig,
     model: String,
+    admin: Admin,
 }
 
 type AppChain = Chain<LlmRequest, LlmDelta>;
@@ -97,7 +109,9 @@ impl Ingress for Http {
             .route("/v1/completions", post(completions))
             .route("/v1/models", get(models))
             .with_state(state);
-        let open = axum::Router::new().route("/metrics", get(metrics));
+        let open = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .merge(super::admin::router(self.admin));
         let app = super::app(&self.config, api, open);
         super::serve(self.listener, app, shutdown).boxed()
     }

@@ -174,7 +174,8 @@ impl Preprocess {
         })
     }
 
-    async fn preprocess(&self, req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
+    /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
+    pub async fn preprocess(&self, req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
         let (text, add_special) = match &req.prompt {
             Prompt::Messages(m) => (Some(self.render(m)?), false),

@@ -28,13 +28,14 @@ use std::time::{Duration, Instant};
 use dyn_pipeline::planes::{EventBus, Instance, LiveInstances};
 use dyn_pipeline::runtime::ENDPOINT;
 use dyn_pipeline::{
-    BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
+    BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
 };
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
+use serde_json::{Value, json};
 
 use super::indexer::{Applied, Indexer};
 use super::kv::{
@@ -151,7 +152,6 @@ impl OperatorConfig for RouteConfig {
         let kv = (self.policy == Policy::Kv).then(|| KvState {
             index: RwLock::new(Indexer::new()),
             block_size: AtomicU32::new(self.block_size.unwrap_or(0)),
-            metrics: Mutex::new(HashMap::new()),
             approx: Mutex::new(HashMap::new()),
         });
         let inner = Arc::new(Inner {
@@ -160,28 +160,27 @@ impl OperatorConfig for RouteConfig {
             config: self.clone(),
             active: Arc::default(),
             kv,
+            metrics: Mutex::new(HashMap::new()),
             rng: Mutex::new(StdRng::from_os_rng()),
         });
-        let task = match &inner.kv {
-            Some(_) => Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                follow_workers(
-                    inner.clone(),
-                    cx.planes.events.clone(),
-                    cx.namespace.clone(),
-                    self.kv_events,
-                )
-                .await
-                .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?,
-            ))),
-            None => None,
-        };
+        let follow = follow_workers(
+            inner.clone(),
+            cx.planes.events.clone(),
+            cx.namespace.clone(),
+            self.policy == Policy::Kv && self.kv_events,
+        )
+        .await
+        .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
+        let shown: Arc<dyn Inspect> = inner.clone();
+        cx.inspect.register(&cx.node, &shown);
         Ok(Route { inner, _task: task })
     }
 }
 
 pub struct Route {
     inner: Arc<Inner>,
-    _task: Option<tokio_util::task::AbortOnDropHandle<()>>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
 }
 
 struct Inner {
@@ -190,6 +189,8 @@ struct Inner {
     config: RouteConfig,
     active: Arc<ActiveSequences>,
     kv: Option<KvState>,
+    /// The latest load metrics per worker.
+    metrics: Mutex<HashMap<u64, LoadMetrics>>,
     rng: Mutex<StdRng>,
 }
 
@@ -198,8 +199,6 @@ struct KvState {
     index: RwLock<Indexer>,
     /// 0 until configured or announced.
     block_size: AtomicU32,
-    /// The latest load metrics per worker.
-    metrics: Mutex<HashMap<u64, LoadMetrics>>,
     /// Approximate mode: when each (worker, block) the router sent there was last routed.
     approx: Mutex<HashMap<(u64, u64), Instant>>,
 }
@@ -351,8 +350,9 @@ impl Inner {
     }
 }
 
-/// Apply the workers' KV events and load metrics to the index, and once a second drop
-/// departed workers, expire approximate records, and ask again for dumps still missing.
+/// Keep the workers' load metrics and (`kv`) apply their KV events to the index; once a
+/// second drop departed workers, expire approximate records, and ask again for dumps still
+/// missing.
 async fn follow_workers(
     inner: Arc<Inner>,
     events: Arc<dyn EventBus>,
@@ -374,7 +374,7 @@ async fn follow_workers(
         .await?;
     let resync_subject = kv_resync_subject(&namespace, &node);
     Ok(async move {
-        let Some(kv) = &inner.kv else { return };
+        let kv = inner.kv.as_ref();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut awaiting: HashMap<u64, Instant> = HashMap::new();
         let ask = |worker_id: u64| {
@@ -396,6 +396,7 @@ async fn follow_workers(
                         tracing::warn!("Ignoring a malformed KV event");
                         continue;
                     };
+                    let Some(kv) = kv else { continue };
                     let applied = kv.index.write().apply(ev.worker_id, &ev.event);
                     match applied {
                         Applied::Gap { expected, got } => {
@@ -415,19 +416,20 @@ async fn follow_workers(
                         tracing::warn!("Ignoring malformed load metrics");
                         continue;
                     };
-                    if m.block_size > 0 && inner.config.block_size.is_none() {
+                    if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.block_size.store(m.block_size, Ordering::Relaxed);
                     }
-                    kv.metrics.lock().insert(m.worker_id, m);
+                    inner.metrics.lock().insert(m.worker_id, m);
                 }
                 _ = tick.tick() => {
                     let live = inner.live();
+                    inner.metrics.lock().retain(|w, _| live.contains(w));
+                    let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
                     if !gone.is_empty() {
                         let mut index = kv.index.write();
                         for w in &gone {
                             index.remove_worker(*w);
-                            kv.metrics.lock().remove(w);
                             awaiting.remove(w);
                         }
                     }
@@ -444,6 +446,143 @@ async fn follow_workers(
             }
         }
     })
+}
+
+fn hex(id: u64) -> String {
+    format!("{id:x}")
+}
+
+/// `dyn inspect`: `workers`, `route` (`{"tokens": [..]}`) and `kv` (`{"worker": "hex id",
+/// "top": n}`).
+impl Inspect for Inner {
+    fn inspect(&self, query: &str, args: &Value) -> Result<Value, String> {
+        let policy = serde_json::to_value(policy_name(self.config.policy)).unwrap_or_default();
+        match query {
+            "workers" => {
+                let live = self.live();
+                let metrics = self.metrics.lock().clone();
+                let index = self.kv.as_ref().map(|kv| kv.index.read());
+                let mut ids: Vec<u64> = live.clone();
+                if let Some(ix) = &index {
+                    ids.extend(ix.worker_ids().filter(|w| !live.contains(w)));
+                }
+                ids.sort_unstable();
+                let workers: Vec<Value> = ids
+                    .iter()
+                    .map(|&w| {
+                        let load = self.active.load(w);
+                        let m = metrics.get(&w);
+                        json!({
+                            "worker_id": hex(w),
+                            "live": live.contains(&w),
+                            "active_requests": load.requests,
+                            "pending_prefill_tokens": load.prefill_tokens,
+                            "active_blocks_routed": load.decode_blocks,
+                            "indexed_blocks": index.as_ref().map(|ix| ix.worker_blocks(w)),
+                            "requests_running": m.map(|m| m.requests_running),
+                            "requests_waiting": m.map(|m| m.requests_waiting),
+                            "kv_active_blocks": m.map(|m| m.kv_active_blocks),
+                            "kv_total_blocks": m.map(|m| m.kv_total_blocks),
+                            "prefix_cache_hit_rate": m.map(|m| m.prefix_cache_hit_rate),
+                        })
+                    })
+                    .collect();
+                Ok(json!({"policy": policy, "target": self.target, "workers": workers}))
+            }
+            "route" => {
+                let tokens: Vec<u32> = serde_json::from_value(args["tokens"].clone())
+                    .map_err(|_| "route needs {\"tokens\": [token ids]}".to_owned())?;
+                let d = self.decide(&tokens).map_err(|e| e.message)?;
+                let candidates: Vec<Value> = d
+                    .candidates
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "worker_id": hex(c.worker),
+                            "matched_blocks": c.matched_blocks,
+                            "prefill_blocks": c.prefill_blocks,
+                            "active_requests": c.load.requests,
+                            "decode_blocks": c.load.decode_blocks,
+                            "cost": c.cost,
+                        })
+                    })
+                    .collect();
+                Ok(json!({
+                    "policy": policy,
+                    "worker_id": hex(d.worker),
+                    "prompt_tokens": tokens.len(),
+                    "block_size": d.block_size,
+                    "prompt_blocks": d.prompt_blocks,
+                    "overlap_weight": self.config.overlap_weight,
+                    "temperature": self.config.temperature,
+                    "candidates": candidates,
+                }))
+            }
+            "kv" => {
+                let Some(kv) = &self.kv else {
+                    return Err(format!(
+                        "policy {} keeps no KV index",
+                        policy_name(self.config.policy)
+                    ));
+                };
+                let only = match args.get("worker").and_then(Value::as_str) {
+                    Some(h) => Some(
+                        u64::from_str_radix(h, 16)
+                            .map_err(|_| format!("worker {h:?} is not a hex worker id"))?,
+                    ),
+                    None => None,
+                };
+                let top = args.get("top").and_then(Value::as_u64).unwrap_or(5) as usize;
+                let bs = kv.block_size();
+                let ix = kv.index.read();
+                let st = ix.stats();
+                let mut ids: Vec<u64> = ix
+                    .worker_ids()
+                    .filter(|w| only.is_none_or(|o| o == *w))
+                    .collect();
+                ids.sort_unstable();
+                let workers: Vec<Value> = ids
+                    .iter()
+                    .map(|&w| json!({"worker_id": hex(w), "blocks": ix.worker_blocks(w)}))
+                    .collect();
+                let prefixes: Vec<Value> = ix
+                    .top_prefixes(top)
+                    .into_iter()
+                    .filter(|(_, _, ws)| only.is_none_or(|o| ws.contains(&o)))
+                    .map(|(depth, hash, ws)| {
+                        json!({
+                            "blocks": depth,
+                            "tokens": depth * bs,
+                            "hash": hex(hash),
+                            "workers": ws.into_iter().map(hex).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                Ok(json!({
+                    "block_size": bs,
+                    "tree_nodes": st.nodes,
+                    "stored_blocks": st.worker_blocks,
+                    "bytes": st.bytes,
+                    "bytes_per_block": if st.worker_blocks > 0 { st.bytes as f64 / st.worker_blocks as f64 } else { 0.0 },
+                    "workers": workers,
+                    "top_shared_prefixes": prefixes,
+                }))
+            }
+            other => Err(format!(
+                "unknown query {other:?} for a route node; known: workers, route, kv"
+            )),
+        }
+    }
+}
+
+fn policy_name(p: Policy) -> &'static str {
+    match p {
+        Policy::RoundRobin => "round_robin",
+        Policy::Random => "random",
+        Policy::LeastLoaded => "least_loaded",
+        Policy::PowerOfTwo => "power_of_two",
+        Policy::Kv => "kv",
+    }
 }
 
 /// Approximate mode: forget blocks not routed again within `ttl`.

@@ -382,6 +382,8 @@ impl Engine {
             worker_id = format_args!("{:x}", self.worker_id),
             "Mocker engine started"
         );
+        // Routers and `dyn inspect` see the worker's capacity before its first request.
+        self.publish();
         loop {
             // Idle: block until work arrives (or every handle is gone).
             if self.sched.is_idle() && self.outboxes.is_empty() {

@@ -1,0 +1,398 @@
+//! `dyn inspect`: reads a running graph's routing state from the admin endpoint of its `http`
+//! ingress (`/admin/…`, loopback only) and prints it as tables, or as JSON with `--json`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Subcommand};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+pub const EXAMPLES: &str = "\
+Examples:
+  dyn inspect workers                       instances, active requests, KV blocks, hit rate
+  dyn inspect route --prompt 'Hello there'  where that prompt would go, and why (not sent)
+  dyn inspect route --messages chat.json    the same for a chat message list
+  dyn inspect kv --top 10                   the KV index: blocks per worker, shared prefixes
+  dyn inspect events --follow               KV events as the workers publish them";
+
+#[derive(Args)]
+#[command(after_help = EXAMPLES)]
+pub struct InspectArgs {
+    /// The graph's HTTP ingress
+    #[arg(long, global = true, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Print the admin endpoint's JSON instead of tables
+    #[arg(long, global = true)]
+    json: bool,
+    /// The route node to ask [default: the only one]
+    #[arg(long, global = true)]
+    node: Option<String>,
+    #[command(subcommand)]
+    command: InspectCommand,
+}
+
+#[derive(Subcommand)]
+enum InspectCommand {
+    /// Workers: live, active requests, pending prefill, KV blocks used / total, prefix hit rate
+    Workers,
+    /// Where a prompt would be routed: matched blocks, cost terms per worker, the choice
+    Route {
+        /// A plain prompt (tokenized as a completion prompt)
+        #[arg(
+            long,
+            conflicts_with = "messages",
+            required_unless_present = "messages"
+        )]
+        prompt: Option<String>,
+        /// A JSON file with a chat message list (or {"messages": [...]})
+        #[arg(long)]
+        messages: Option<PathBuf>,
+    },
+    /// The KV index: stored blocks per worker, tree size, memory, top shared prefixes
+    Kv {
+        /// Only this worker (hex id, as `workers` prints it)
+        #[arg(long)]
+        worker: Option<String>,
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+    },
+    /// KV events as they arrive
+    Events {
+        /// Keep printing until interrupted
+        #[arg(long)]
+        follow: bool,
+        /// Without --follow: how many seconds to listen
+        #[arg(long, default_value_t = 2.0)]
+        wait: f64,
+        /// Only this worker node's events (e.g. decode)
+        #[arg(long)]
+        worker_node: Option<String>,
+    },
+}
+
+pub fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(run(args))
+}
+
+async fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let base = format!("{}/admin", args.url.trim_end_matches('/'));
+    let http = reqwest::Client::new();
+    if let InspectCommand::Events {
+        follow,
+        wait,
+        worker_node,
+    } = &args.command
+    {
+        return events(
+            &http,
+            &base,
+            *follow,
+            *wait,
+            worker_node.as_deref(),
+            args.json,
+        )
+        .await;
+    }
+    let node = match &args.node {
+        Some(n) => n.clone(),
+        None => only_node(&http, &base).await?,
+    };
+    let (answer, printer): (Value, fn(&Value)) = match &args.command {
+        InspectCommand::Workers => (
+            post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?,
+            print_workers,
+        ),
+        InspectCommand::Route { prompt, messages } => {
+            let mut body = json!({"node": node});
+            if let Some(p) = prompt {
+                body["prompt"] = json!(p);
+            }
+            if let Some(path) = messages {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let v: Value = serde_json::from_str(&text)
+                    .with_context(|| format!("{}: not JSON", path.display()))?;
+                body["messages"] = match v {
+                    Value::Object(mut o) => o.remove("messages").unwrap_or(Value::Null),
+                    other => other,
+                };
+            }
+            (
+                post(&http, &format!("{base}/route"), &body).await?,
+                print_route,
+            )
+        }
+        InspectCommand::Kv { worker, top } => (
+            post(
+                &http,
+                &format!("{base}/nodes/{node}/kv"),
+                &json!({"worker": worker, "top": top}),
+            )
+            .await?,
+            print_kv,
+        ),
+        InspectCommand::Events { .. } => unreachable!("handled above"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        return Ok(());
+    }
+    for (i, replica) in answer["replicas"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        if i > 0 {
+            println!();
+        }
+        printer(replica);
+    }
+    Ok(())
+}
+
+/// The admin endpoint's answer, or its error message.
+async fn send(req: reqwest::RequestBuilder, url: &str) -> anyhow::Result<Value> {
+    let resp = req.send().await.with_context(|| {
+        format!("cannot reach {url} (is the graph up, and is this its http ingress?)")
+    })?;
+    let status = resp.status();
+    let v: Value = resp
+        .json()
+        .await
+        .with_context(|| format!("{url} did not answer JSON"))?;
+    if !status.is_success() {
+        bail!(
+            "{url}: {status}: {}",
+            v["error"]["message"].as_str().unwrap_or("error")
+        );
+    }
+    Ok(v)
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Value> {
+    let req = http.post(url).header("content-type", "application/json");
+    let req = if body.is_null() {
+        req
+    } else {
+        req.body(body.to_string())
+    };
+    send(req, url).await
+}
+
+async fn only_node(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    let url = format!("{base}/nodes");
+    let v = send(http.get(&url), &url).await?;
+    let nodes: Vec<String> = serde_json::from_value(v["nodes"].clone()).unwrap_or_default();
+    match nodes.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => bail!("the graph has no inspectable node (a route node)"),
+        many => bail!(
+            "several inspectable nodes ({}); pick one with --node",
+            many.join(", ")
+        ),
+    }
+}
+
+fn opt(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::Number(n) if n.is_f64() => format!("{:.3}", n.as_f64().unwrap_or_default()),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn print_workers(r: &Value) {
+    println!("policy {} over '{}'", opt(&r["policy"]), opt(&r["target"]));
+    println!(
+        "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
+        "worker",
+        "live",
+        "active",
+        "prefill tok",
+        "routed blocks",
+        "indexed",
+        "kv used/total",
+        "hit rate",
+        "running",
+        "waiting"
+    );
+    for w in r["workers"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        println!(
+            "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
+            opt(&w["worker_id"]),
+            opt(&w["live"]),
+            opt(&w["active_requests"]),
+            opt(&w["pending_prefill_tokens"]),
+            opt(&w["active_blocks_routed"]),
+            opt(&w["indexed_blocks"]),
+            format!(
+                "{}/{}",
+                opt(&w["kv_active_blocks"]),
+                opt(&w["kv_total_blocks"])
+            ),
+            opt(&w["prefix_cache_hit_rate"]),
+            opt(&w["requests_running"]),
+            opt(&w["requests_waiting"]),
+        );
+    }
+}
+
+fn print_route(r: &Value) {
+    println!(
+        "prompt: {} tokens, {} blocks of {}; policy {} (overlap_weight {}, temperature {}) → worker {}",
+        opt(&r["prompt_tokens"]),
+        opt(&r["prompt_blocks"]),
+        opt(&r["block_size"]),
+        opt(&r["policy"]),
+        opt(&r["overlap_weight"]),
+        opt(&r["temperature"]),
+        opt(&r["worker_id"]),
+    );
+    let chosen = r["worker_id"].clone();
+    let cands = r["candidates"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if cands.is_empty() {
+        return;
+    }
+    println!(
+        "  {:<18} {:>8} {:>13} {:>7} {:>13} {:>9}",
+        "worker", "matched", "prefill blks", "active", "decode blks", "cost"
+    );
+    for c in cands {
+        println!(
+            "{} {:<18} {:>8} {:>13} {:>7} {:>13} {:>9}",
+            if c["worker_id"] == chosen { "*" } else { " " },
+            opt(&c["worker_id"]),
+            opt(&c["matched_blocks"]),
+            opt(&c["prefill_blocks"]),
+            opt(&c["active_requests"]),
+            opt(&c["decode_blocks"]),
+            opt(&c["cost"]),
+        );
+    }
+}
+
+fn print_kv(r: &Value) {
+    println!(
+        "index: {} prefixes, {} stored blocks (block size {}), {} bytes ({} bytes/block)",
+        opt(&r["tree_nodes"]),
+        opt(&r["stored_blocks"]),
+        opt(&r["block_size"]),
+        opt(&r["bytes"]),
+        opt(&r["bytes_per_block"]),
+    );
+    println!("{:<18} {:>8}", "worker", "blocks");
+    for w in r["workers"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        println!("{:<18} {:>8}", opt(&w["worker_id"]), opt(&w["blocks"]));
+    }
+    let top = r["top_shared_prefixes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if !top.is_empty() {
+        println!("top shared prefixes:");
+        for p in top {
+            let workers: Vec<String> = p["workers"]
+                .as_array()
+                .map(|a| a.iter().map(opt).collect())
+                .unwrap_or_default();
+            println!(
+                "  {} blocks ({} tokens) {} on {}",
+                opt(&p["blocks"]),
+                opt(&p["tokens"]),
+                opt(&p["hash"]),
+                workers.join(", ")
+            );
+        }
+    }
+}
+
+/// One KV event as a line.
+fn describe_event(v: &Value) -> String {
+    let e = &v["event"];
+    let worker = e["worker_id"]
+        .as_u64()
+        .map_or_else(|| opt(&e["worker_id"]), |w| format!("{w:x}"));
+    let id = opt(&e["event"]["event_id"]);
+    let data = &e["event"]["data"];
+    let what = if let Some(s) = data.get("stored") {
+        let n = s["blocks"].as_array().map_or(0, Vec::len);
+        let parent = s["parent_hash"]
+            .as_u64()
+            .map_or_else(|| "root".to_owned(), |p| format!("{p:x}"));
+        format!("stored {n} blocks after {parent}")
+    } else if let Some(r) = data.get("removed") {
+        format!(
+            "removed {} blocks",
+            r["block_hashes"].as_array().map_or(0, Vec::len)
+        )
+    } else {
+        opt(data)
+    };
+    format!("worker {worker} #{id} {what}")
+}
+
+async fn events(
+    http: &reqwest::Client,
+    base: &str,
+    follow: bool,
+    wait: f64,
+    node: Option<&str>,
+    as_json: bool,
+) -> anyhow::Result<()> {
+    let mut url = format!("{base}/events");
+    if let Some(n) = node {
+        url.push_str(&format!("?node={n}"));
+    }
+    let resp = http
+        .get(&url)
+        .send()
+        .await
+        .with_context(|| format!("cannot reach {url}"))?;
+    if !resp.status().is_success() {
+        bail!("{url}: {}", resp.status());
+    }
+    let mut body = resp.bytes_stream();
+    let mut parser = dyn_bench::sse::SseParser::new();
+    let mut out = Vec::new();
+    let deadline = (!follow).then(|| {
+        tokio::time::Instant::now() + Duration::try_from_secs_f64(wait).unwrap_or_default()
+    });
+    loop {
+        let next = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, body.next()).await {
+                Ok(n) => n,
+                Err(_) => return Ok(()),
+            },
+            None => body.next().await,
+        };
+        let Some(chunk) = next else { return Ok(()) };
+        parser.push(&chunk.context("the event stream broke")?, &mut out);
+        for ev in out.drain(..) {
+            if as_json {
+                println!("{}", ev.data);
+            } else if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
+                println!("{}", describe_event(&v));
+            }
+        }
+    }
+}
