@@ -64,9 +64,19 @@ struct Node {
 /// per block.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    /// Bit `s` set: the worker in slot `s` holds this prefix.
-    workers: u128,
+    /// Bit `s` set: the worker in slot `s` holds this prefix. Two `u64`s rather than a
+    /// `u128`: 8-byte alignment keeps a table entry at 32 bytes, two to a cache line.
+    workers: [u64; 2],
     node: u32,
+}
+
+impl Slot {
+    fn workers(&self) -> u128 {
+        u128::from(self.workers[0]) | (u128::from(self.workers[1]) << 64)
+    }
+    fn set_workers(&mut self, w: u128) {
+        self.workers = [w as u64, (w >> 64) as u64];
+    }
 }
 
 #[derive(Debug, Default)]
@@ -234,11 +244,11 @@ impl Indexer {
                     nodes[parent as usize].children += 1;
                 }
                 Slot {
-                    workers: 0,
+                    workers: [0; 2],
                     node: id,
                 }
             });
-            slot.workers |= bit;
+            slot.set_workers(slot.workers() | bit);
             let node = slot.node;
             if let Some(old) = w.blocks.insert(b.block_hash, node)
                 && old != node
@@ -271,12 +281,12 @@ impl Indexer {
         bit: u128,
     ) {
         if let Some(slot) = by_seq.get_mut(&nodes[node as usize].seq) {
-            slot.workers &= !bit;
+            slot.set_workers(slot.workers() & !bit);
         }
         let mut n = node;
         while n != NONE {
             let node = nodes[n as usize];
-            let held = by_seq.get(&node.seq).is_some_and(|s| s.workers != 0);
+            let held = by_seq.get(&node.seq).is_some_and(|s| s.workers() != 0);
             if held || node.children != 0 {
                 break;
             }
@@ -328,7 +338,7 @@ impl Indexer {
             let Some(slot) = self.by_seq.get(h) else {
                 break;
             };
-            let held = slot.workers & active;
+            let held = slot.workers() & active;
             if depth > 0 {
                 self.push_bits(active & !held, depth, &mut out);
             }
@@ -388,8 +398,8 @@ impl Indexer {
         let mut best: Vec<(u32, usize, u32, u128)> = self
             .by_seq
             .values()
-            .filter(|s| s.workers.count_ones() > 1)
-            .map(|s| (s.workers.count_ones(), depth(s.node), s.node, s.workers))
+            .filter(|s| s.workers().count_ones() > 1)
+            .map(|s| (s.workers().count_ones(), depth(s.node), s.node, s.workers()))
             .collect();
         best.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
         let mut out: Vec<(usize, u64, Vec<u64>)> = Vec::new();
