@@ -698,6 +698,27 @@ mod tests {
         r
     }
 
+    /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
+    async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
+        let ev = RouterEvent {
+            worker_id: worker,
+            event: crate::llm::kv::KvCacheEvent {
+                event_id: 0,
+                dp_rank: 0,
+                data: KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: block_hashes(tokens, 16),
+                },
+            },
+        };
+        let payload = serde_json::to_vec(&ev).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_events", payload.into())
+            .await
+            .expect("publish");
+    }
+
     async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
         let mut out = r.call(
             ctx,
@@ -720,23 +741,7 @@ mod tests {
         };
         let r = started(&planes, config, &[10, 11]).await;
         let prompt: Vec<u32> = (0..64).collect();
-        let ev = RouterEvent {
-            worker_id: 11,
-            event: crate::llm::kv::KvCacheEvent {
-                event_id: 0,
-                dp_rank: 0,
-                data: KvEventData::Stored {
-                    parent_hash: None,
-                    blocks: block_hashes(&prompt, 16),
-                },
-            },
-        };
-        let payload = serde_json::to_vec(&ev).expect("json");
-        planes
-            .events
-            .publish("dyn.ns.decode.kv_events", payload.into())
-            .await
-            .expect("publish");
+        publish_stored(&planes, 11, &prompt).await;
         let kv = r.inner.kv.as_ref().expect("kv state");
         until(|| kv.index.read().worker_blocks(11) == 4).await;
         let d = r.inner.decide(&prompt).expect("decides");
@@ -754,6 +759,34 @@ mod tests {
         assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
         drop(ctx);
         until(|| r.inner.active.load(11) == kv_router::Load::default()).await;
+    }
+
+    #[tokio::test]
+    async fn a_departed_worker_leaves_the_index() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 2).await;
+        let key = Instance {
+            namespace: "ns".into(),
+            component: "decode".into(),
+            endpoint: ENDPOINT.into(),
+            instance_id: 11,
+            transport: Transport::InProcess,
+        }
+        .key();
+        planes.discovery.deregister(&key).await.expect("deregister");
+        // Reconciled on the router's once-a-second tick.
+        until(|| kv.index.read().stats().nodes == 0).await;
+        assert_eq!(
+            kv.index.read().worker_ids().collect::<Vec<_>>(),
+            Vec::<u64>::new()
+        );
     }
 
     #[tokio::test]
