@@ -10,6 +10,7 @@
 //! they run on.
 
 pub mod discovery;
+pub mod etcd;
 pub mod events;
 pub mod request;
 
@@ -18,6 +19,7 @@ use std::sync::Arc;
 pub use discovery::{
     Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
 };
+pub use etcd::EtcdDiscovery;
 pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use request::{EmbeddedRequestPlane, RequestPlane};
 

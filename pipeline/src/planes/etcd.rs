@@ -1,0 +1,288 @@
+//! Discovery on etcd v3: the control plane of a graph spread over processes and machines.
+//!
+//! Each instance is a key `v1/instances/{namespace}/{component}/{endpoint}/{id:x}` holding its
+//! [`Instance`] as JSON, attached to this process's lease. A background task keeps the lease
+//! alive (every third of its TTL); when the process dies the lease expires and etcd deletes
+//! its keys, which every watcher sees. If the lease is lost while the process lives (etcd was
+//! unreachable for longer than the TTL, or the lease was revoked), the task grants a new one
+//! and registers everything again, so a worker that was cut off comes back on its own.
+//!
+//! Watches start from a snapshot (`get` with prefix) and continue from the snapshot's
+//! revision, so no change falls between the two. When the watch breaks (etcd restarted) or
+//! its revision was compacted, the watcher lists again, reports the difference as puts and
+//! deletes, and watches on from there.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use futures::stream::{BoxStream, StreamExt};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::PlaneError;
+use super::discovery::{Discovery, DiscoveryEvent, Instance};
+
+fn err(e: impl std::fmt::Display) -> PlaneError {
+    PlaneError::Backend {
+        plane: "control (etcd)",
+        message: e.to_string(),
+    }
+}
+
+/// Registered instances and the lease they hang on.
+struct Registrations {
+    lease: i64,
+    instances: BTreeMap<String, Instance>,
+}
+
+pub struct EtcdDiscovery {
+    client: Client,
+    state: Arc<Mutex<Registrations>>,
+    _keepalive: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl EtcdDiscovery {
+    /// Connect to `endpoint` (`http://host:port`) and take a lease of `ttl` (etcd rounds up
+    /// to its minimum, 2 s for etcd 3.4).
+    pub async fn connect(endpoint: &str, ttl: Duration) -> Result<Self, PlaneError> {
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(5));
+        let mut client = Client::connect([endpoint], Some(opts)).await.map_err(err)?;
+        let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        // The first call reaches the server: a wrong address fails here, not later.
+        let lease = client.lease_grant(ttl_s, None).await.map_err(err)?.id();
+        let state = Arc::new(Mutex::new(Registrations {
+            lease,
+            instances: BTreeMap::new(),
+        }));
+        let task = tokio::spawn(keep_alive(client.clone(), state.clone(), ttl_s));
+        Ok(Self {
+            client,
+            state,
+            _keepalive: tokio_util::task::AbortOnDropHandle::new(task),
+        })
+    }
+
+    /// The lease this process's registrations hang on (changes if it had to be re-granted).
+    pub fn lease(&self) -> i64 {
+        self.state.lock().lease
+    }
+
+    async fn put(client: &mut Client, lease: i64, i: &Instance) -> Result<(), PlaneError> {
+        let value = serde_json::to_vec(i).map_err(err)?;
+        client
+            .put(i.key(), value, Some(PutOptions::new().with_lease(lease)))
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn snapshot(
+        client: &mut Client,
+        prefix: &str,
+    ) -> Result<(Vec<Instance>, i64), PlaneError> {
+        let resp = client
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(err)?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let instances = resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| match serde_json::from_slice::<Instance>(kv.value()) {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    tracing::warn!(key = %String::from_utf8_lossy(kv.key()), error = %e, "Ignoring a malformed instance record");
+                    None
+                }
+            })
+            .collect();
+        Ok((instances, revision))
+    }
+}
+
+/// Refresh the lease every third of its TTL; grant a new one and register again when it is
+/// gone; retry with backoff while etcd is unreachable.
+async fn keep_alive(mut client: Client, state: Arc<Mutex<Registrations>>, ttl_s: i64) {
+    let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(500));
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let lease = state.lock().lease;
+        let alive = match client.lease_keep_alive(lease).await {
+            Ok((mut keeper, mut stream)) => loop {
+                if let Err(e) = keeper.keep_alive().await {
+                    tracing::warn!(error = %e, "etcd lease keep-alive failed");
+                    break true;
+                }
+                match stream.message().await {
+                    Ok(Some(r)) if r.ttl() > 0 => {
+                        backoff = Duration::from_millis(200);
+                        tokio::time::sleep(period).await;
+                    }
+                    Ok(Some(_)) => break false, // TTL 0: the lease is gone
+                    Ok(None) => break true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "etcd lease keep-alive failed");
+                        break true;
+                    }
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot reach etcd to keep the lease alive");
+                true
+            }
+        };
+        if alive {
+            // Unreachable or a broken stream: try again; if the lease expired meanwhile the
+            // next keep-alive answers TTL 0 and it is replaced below.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        tracing::warn!(lease, "etcd lease lost; registering again under a new one");
+        match client.lease_grant(ttl_s, None).await {
+            Ok(g) => {
+                let instances: Vec<Instance> = {
+                    let mut st = state.lock();
+                    st.lease = g.id();
+                    st.instances.values().cloned().collect()
+                };
+                for i in &instances {
+                    if let Err(e) = EtcdDiscovery::put(&mut client, g.id(), i).await {
+                        tracing::warn!(key = %i.key(), error = %e, "Cannot register again");
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot grant a new etcd lease");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Discovery for EtcdDiscovery {
+    async fn register(&self, instance: Instance) -> Result<(), PlaneError> {
+        let lease = {
+            let mut st = self.state.lock();
+            st.instances.insert(instance.key(), instance.clone());
+            st.lease
+        };
+        Self::put(&mut self.client.clone(), lease, &instance).await
+    }
+
+    async fn deregister(&self, key: &str) -> Result<(), PlaneError> {
+        self.state.lock().instances.remove(key);
+        self.client.clone().delete(key, None).await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<Instance>, PlaneError> {
+        Ok(Self::snapshot(&mut self.client.clone(), prefix).await?.0)
+    }
+
+    async fn watch(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<Instance>, BoxStream<'static, DiscoveryEvent>), PlaneError> {
+        let mut client = self.client.clone();
+        let (snapshot, revision) = Self::snapshot(&mut client, prefix).await?;
+        let known: BTreeMap<String, Instance> =
+            snapshot.iter().map(|i| (i.key(), i.clone())).collect();
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(follow(client, prefix.to_owned(), known, revision, tx));
+        Ok((snapshot, ReceiverStream::new(rx).boxed()))
+    }
+}
+
+/// Turn etcd watch responses into discovery events until the receiver is dropped,
+/// re-listing and re-watching whenever the watch breaks.
+async fn follow(
+    mut client: Client,
+    prefix: String,
+    mut known: BTreeMap<String, Instance>,
+    mut revision: i64,
+    tx: mpsc::Sender<DiscoveryEvent>,
+) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        match client.watch(prefix.as_str(), Some(opts)).await {
+            Ok(mut stream) => loop {
+                let resp = match stream.message().await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, prefix, "etcd watch broke");
+                        break;
+                    }
+                };
+                if resp.canceled() || resp.compact_revision() > 0 {
+                    break; // compacted past us: list again below
+                }
+                backoff = Duration::from_millis(200);
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    revision = revision.max(kv.mod_revision());
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    let out = match ev.event_type() {
+                        EventType::Put => match serde_json::from_slice::<Instance>(kv.value()) {
+                            Ok(i) => {
+                                known.insert(key, i.clone());
+                                DiscoveryEvent::Put(i)
+                            }
+                            Err(e) => {
+                                tracing::warn!(key, error = %e, "Ignoring a malformed instance record");
+                                continue;
+                            }
+                        },
+                        EventType::Delete => {
+                            known.remove(&key);
+                            DiscoveryEvent::Delete { key }
+                        }
+                    };
+                    if tx.send(out).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            Err(e) => tracing::warn!(error = %e, prefix, "Cannot watch etcd"),
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+        // Catch up: whatever changed while the watch was down becomes puts and deletes.
+        let Ok((now, rev)) = EtcdDiscovery::snapshot(&mut client, &prefix).await else {
+            continue;
+        };
+        let now: BTreeMap<String, Instance> = now.into_iter().map(|i| (i.key(), i)).collect();
+        for key in known
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .cloned()
+            .collect::<Vec<_>>()
+        {
+            if tx.send(DiscoveryEvent::Delete { key }).await.is_err() {
+                return;
+            }
+        }
+        for (k, i) in &now {
+            if known.get(k) != Some(i) && tx.send(DiscoveryEvent::Put(i.clone())).await.is_err() {
+                return;
+            }
+        }
+        known = now;
+        revision = rev;
+    }
+}

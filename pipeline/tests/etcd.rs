@@ -1,0 +1,266 @@
+//! The etcd control plane against a real etcd server: registration, watches, lease expiry
+//! and re-registration after a lost lease.
+//!
+//! The test command (`scripts/test`) starts etcd on loopback and sets `DYN_TEST_ETCD`;
+//! without it these tests say so and skip.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::time::Duration;
+
+use dyn_pipeline::planes::{Discovery, DiscoveryEvent, EtcdDiscovery, Instance, Transport};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+fn etcd() -> Option<String> {
+    let e = std::env::var("DYN_TEST_ETCD").ok();
+    if e.is_none() {
+        eprintln!("SKIPPED: DYN_TEST_ETCD is not set (scripts/test starts etcd and sets it)");
+    }
+    e
+}
+
+/// An instance in a namespace of its own, so tests sharing one etcd do not see each other.
+fn instance(ns: &str, id: u64) -> Instance {
+    Instance {
+        namespace: ns.into(),
+        component: "decode".into(),
+        endpoint: "generate".into(),
+        instance_id: id,
+        transport: Transport::Tcp {
+            address: format!("127.0.0.1:{}", 9000 + id),
+        },
+    }
+}
+
+fn namespace() -> String {
+    format!("t{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn next(s: &mut BoxStream<'static, DiscoveryEvent>, within: Duration) -> DiscoveryEvent {
+    tokio::time::timeout(within, s.next())
+        .await
+        .expect("an event in time")
+        .expect("the watch is open")
+}
+
+const TTL: Duration = Duration::from_secs(2);
+
+#[tokio::test]
+async fn register_watch_list_and_deregister() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (snapshot, mut changes) = b.watch(&prefix).await.unwrap();
+    assert!(snapshot.is_empty());
+
+    let i = instance(&ns, 1);
+    a.register(i.clone()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    assert_eq!(b.list(&prefix).await.unwrap(), vec![i.clone()]);
+    // A second watcher starts from a snapshot that already has it.
+    let (snapshot, _) = b.watch(&prefix).await.unwrap();
+    assert_eq!(snapshot, vec![i.clone()]);
+
+    a.deregister(&i.key()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+    assert!(b.list(&prefix).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_dead_process_leaves_within_its_ttl() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let i = instance(&ns, 2);
+    a.register(i.clone()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    // Dropping the plane stops the keep-alive, as a killed process would: etcd expires the
+    // lease and deletes the key within the TTL (+ 1 s for etcd's expiry sweep).
+    drop(a);
+    assert_eq!(
+        next(&mut changes, TTL + Duration::from_secs(1)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+}
+
+#[tokio::test]
+async fn a_lost_lease_is_replaced_and_the_instance_comes_back() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let i = instance(&ns, 3);
+    a.register(i.clone()).await.unwrap();
+    next(&mut changes, Duration::from_secs(5)).await;
+    // Someone revokes the lease (as etcd does after a long partition).
+    let old = a.lease();
+    let mut raw = etcd_client::Client::connect([url.as_str()], None)
+        .await
+        .unwrap();
+    raw.lease_revoke(old).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+    // The keep-alive notices, takes a new lease and registers again.
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(10)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    assert_ne!(a.lease(), old);
+}
+
+#[tokio::test]
+async fn an_unreachable_etcd_is_a_clear_error() {
+    let e = EtcdDiscovery::connect("http://127.0.0.1:1", TTL)
+        .await
+        .err()
+        .expect("no server");
+    assert!(e.to_string().starts_with("control (etcd) plane: "), "{e}");
+}
+
+/// A private etcd on free loopback ports with its own data directory.
+struct PrivateEtcd {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl PrivateEtcd {
+    fn start(dir: std::path::PathBuf) -> Option<Self> {
+        let (client_port, peer_port) = (free_port(), free_port());
+        let child = Self::spawn(&dir, client_port, peer_port)?;
+        Some(Self {
+            child,
+            dir,
+            client_port,
+            peer_port,
+        })
+    }
+
+    fn spawn(
+        dir: &std::path::Path,
+        client_port: u16,
+        peer_port: u16,
+    ) -> Option<std::process::Child> {
+        let client = format!("http://127.0.0.1:{client_port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let child = std::process::Command::new("etcd")
+            .args(["--name", "p", "--data-dir"])
+            .arg(dir.join("data"))
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("p={peer}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", client_port)).is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(child)
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// SIGKILL it and start it again on the same ports and data.
+    fn restart(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        self.child =
+            Self::spawn(&self.dir, self.client_port, self.peer_port).expect("etcd restarts");
+    }
+}
+
+impl Drop for PrivateEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test]
+async fn watches_and_registrations_survive_an_etcd_restart() {
+    if etcd().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("dyn-etcd-{}", uuid::Uuid::new_v4().simple()));
+    let Some(mut server) = PrivateEtcd::start(dir) else {
+        eprintln!("SKIPPED: no etcd binary on PATH");
+        return;
+    };
+    let url = server.url();
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let first = instance(&ns, 4);
+    a.register(first.clone()).await.unwrap();
+    next(&mut changes, Duration::from_secs(5)).await;
+
+    server.restart();
+    // After the restart a new registration reaches the old watch, and the first one is
+    // still there (its lease survived, or was replaced and re-registered).
+    let second = instance(&ns, 5);
+    let mut registered = false;
+    for _ in 0..50 {
+        if a.register(second.clone()).await.is_ok() {
+            registered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(registered, "registering works again after the restart");
+    loop {
+        match next(&mut changes, Duration::from_secs(15)).await {
+            DiscoveryEvent::Put(i) if i == second => break,
+            _ => {}
+        }
+    }
+    let mut listed = b.list(&prefix).await.unwrap();
+    listed.sort_by_key(|i| i.instance_id);
+    assert_eq!(listed, vec![first, second]);
+    drop(server);
+}
