@@ -97,11 +97,14 @@ impl ActiveSequences {
             .collect()
     }
 
-    /// How many of `hashes` no active request on `worker` holds.
-    fn new_blocks(&self, worker: u64, hashes: &[u64]) -> usize {
+    /// `worker`'s load, and how many of `hashes` no active request there holds (one lock).
+    fn load_and_new_blocks(&self, worker: u64, hashes: &[u64]) -> (Load, usize) {
         match self.per_worker.lock().get(&worker) {
-            Some(a) => hashes.iter().filter(|h| !a.blocks.contains_key(h)).count(),
-            None => hashes.len(),
+            Some(a) => (
+                a.load(),
+                hashes.iter().filter(|h| !a.blocks.contains_key(h)).count(),
+            ),
+            None => (Load::default(), hashes.len()),
         }
     }
 
@@ -186,9 +189,8 @@ pub fn candidates(
                 .iter()
                 .find(|(id, _)| *id == w)
                 .map_or(0, |(_, n)| (*n).min(prompt_blocks));
-            let mut load = active.load(w);
-            load.decode_blocks +=
-                (active.new_blocks(w, hashes) + prompt_blocks - hashes.len()) as u64;
+            let (mut load, new_blocks) = active.load_and_new_blocks(w, hashes);
+            load.decode_blocks += (new_blocks + prompt_blocks - hashes.len()) as u64;
             let prefill_blocks = prompt_blocks - matched;
             Candidate {
                 worker: w,

@@ -220,8 +220,8 @@ pub struct Decision {
     pub candidates: Vec<Candidate>,
     pub prompt_blocks: usize,
     pub block_size: usize,
-    /// The prompt's block hashes (`kv` only).
-    pub hashes: Vec<u64>,
+    /// The prompt's full blocks (`kv` only).
+    pub blocks: Vec<BlockHash>,
 }
 
 impl Inner {
@@ -256,7 +256,7 @@ impl Inner {
             candidates: Vec::new(),
             prompt_blocks: 0,
             block_size: 0,
-            hashes: Vec::new(),
+            blocks: Vec::new(),
         };
         let worker = match self.config.policy {
             Policy::RoundRobin => {
@@ -279,10 +279,8 @@ impl Inner {
                     return Err(OpError::internal("kv policy without KV state"));
                 };
                 let bs = kv.block_size();
-                let seqs: Vec<u64> = block_hashes(tokens, bs)
-                    .iter()
-                    .map(|b| b.block_hash)
-                    .collect();
+                let blocks = block_hashes(tokens, bs);
+                let seqs: Vec<u64> = blocks.iter().map(|b| b.block_hash).collect();
                 let matches = kv.index.read().find_matches(&seqs);
                 let prompt_blocks = tokens.len().div_ceil(bs);
                 let candidates = kv_router::candidates(
@@ -301,7 +299,7 @@ impl Inner {
                     candidates,
                     prompt_blocks,
                     block_size: bs,
-                    hashes: seqs,
+                    blocks,
                 });
             }
         };
@@ -318,9 +316,10 @@ impl Inner {
         if let Some(kv) = &self.kv
             && !self.config.kv_events
         {
-            self.record_own_decision(kv, d.worker, tokens, d.block_size);
+            self.record_own_decision(kv, d.worker, &d.blocks);
         }
-        let active = Arc::new(self.active.start(d.worker, prefill, d.hashes));
+        let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
+        let active = Arc::new(self.active.start(d.worker, prefill, hashes));
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
@@ -328,15 +327,14 @@ impl Inner {
     }
 
     /// Approximate mode: the prompt's blocks now count as cached on `worker`.
-    fn record_own_decision(&self, kv: &KvState, worker: u64, tokens: &[u32], bs: usize) {
-        let blocks: Vec<BlockHash> = block_hashes(tokens, bs);
+    fn record_own_decision(&self, kv: &KvState, worker: u64, blocks: &[BlockHash]) {
         if blocks.is_empty() {
             return;
         }
         let now = Instant::now();
         {
             let mut approx = kv.approx.lock();
-            for b in &blocks {
+            for b in blocks {
                 approx.insert((worker, b.block_hash), now);
             }
         }
@@ -344,7 +342,7 @@ impl Inner {
             worker,
             &KvEventData::Stored {
                 parent_hash: None,
-                blocks,
+                blocks: blocks.to_vec(),
             },
         );
     }
