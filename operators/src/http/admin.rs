@@ -145,12 +145,8 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
     let node = match b.node {
         Some(n) => n,
         None => {
-            let routes: Vec<String> = a
-                .inspect
-                .nodes()
-                .into_iter()
-                .filter(|n| !a.inspect.get(n).is_empty())
-                .collect();
+            // `nodes()` lists only nodes with a live replica.
+            let routes = a.inspect.nodes();
             match routes.as_slice() {
                 [one] => one.clone(),
                 [] => return Err(not_found("(any)")),

@@ -354,14 +354,22 @@ impl Indexer {
         out
     }
 
-    fn push_bits(&self, mut bits: u128, depth: usize, out: &mut Vec<(u64, usize)>) {
-        while bits != 0 {
-            let slot = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if let Some(Some(id)) = self.slots.get(slot) {
-                out.push((*id, depth));
+    fn push_bits(&self, bits: u128, depth: usize, out: &mut Vec<(u64, usize)>) {
+        out.extend(self.ids(bits).map(|id| (id, depth)));
+    }
+
+    /// The workers whose slots are set in `bits`.
+    fn ids(&self, mut bits: u128) -> impl Iterator<Item = u64> + '_ {
+        std::iter::from_fn(move || {
+            while bits != 0 {
+                let slot = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Some(Some(id)) = self.slots.get(slot) {
+                    return Some(*id);
+                }
             }
-        }
+            None
+        })
     }
 
     pub fn stats(&self) -> IndexStats {
@@ -405,15 +413,7 @@ impl Indexer {
         let mut out: Vec<(usize, u64, Vec<u64>)> = Vec::new();
         for (_, d, id, workers) in best {
             let node = self.nodes[id as usize];
-            let mut ws = Vec::new();
-            let mut bits = workers;
-            while bits != 0 {
-                let slot = bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if let Some(Some(w)) = self.slots.get(slot) {
-                    ws.push(*w);
-                }
-            }
+            let mut ws: Vec<u64> = self.ids(workers).collect();
             ws.sort_unstable();
             // Skip ancestors of a prefix already listed with the same workers.
             if out.iter().any(|(_, _, o)| *o == ws) {
