@@ -45,14 +45,43 @@ async fn next(s: &mut BoxStream<'static, DiscoveryEvent>, within: Duration) -> D
 
 const TTL: Duration = Duration::from_secs(2);
 
+/// Two processes' planes on `url` in a fresh namespace: `a` registers, `b` watches.
+struct Pair {
+    ns: String,
+    a: EtcdDiscovery,
+    b: EtcdDiscovery,
+    prefix: String,
+    snapshot: Vec<Instance>,
+    changes: BoxStream<'static, DiscoveryEvent>,
+}
+
+async fn pair(url: &str) -> Pair {
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(url, TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(url, TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (snapshot, changes) = b.watch(&prefix).await.unwrap();
+    Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        snapshot,
+        changes,
+    }
+}
+
 #[tokio::test]
 async fn register_watch_list_and_deregister() {
     let Some(url) = etcd() else { return };
-    let ns = namespace();
-    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let prefix = Instance::prefix(&ns, "decode", "generate");
-    let (snapshot, mut changes) = b.watch(&prefix).await.unwrap();
+    let Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        snapshot,
+        mut changes,
+    } = pair(&url).await;
     assert!(snapshot.is_empty());
 
     let i = instance(&ns, 1);
@@ -77,11 +106,9 @@ async fn register_watch_list_and_deregister() {
 #[tokio::test]
 async fn a_dead_process_leaves_within_its_ttl() {
     let Some(url) = etcd() else { return };
-    let ns = namespace();
-    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let prefix = Instance::prefix(&ns, "decode", "generate");
-    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let Pair {
+        ns, a, mut changes, ..
+    } = pair(&url).await;
     let i = instance(&ns, 2);
     a.register(i.clone()).await.unwrap();
     assert_eq!(
@@ -100,11 +127,9 @@ async fn a_dead_process_leaves_within_its_ttl() {
 #[tokio::test]
 async fn a_lost_lease_is_replaced_and_the_instance_comes_back() {
     let Some(url) = etcd() else { return };
-    let ns = namespace();
-    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let prefix = Instance::prefix(&ns, "decode", "generate");
-    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let Pair {
+        ns, a, mut changes, ..
+    } = pair(&url).await;
     let i = instance(&ns, 3);
     a.register(i.clone()).await.unwrap();
     next(&mut changes, Duration::from_secs(5)).await;
@@ -231,11 +256,14 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
         return;
     };
     let url = server.url();
-    let ns = namespace();
-    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let b = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let prefix = Instance::prefix(&ns, "decode", "generate");
-    let (_, mut changes) = b.watch(&prefix).await.unwrap();
+    let Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        mut changes,
+        ..
+    } = pair(&url).await;
     let first = instance(&ns, 4);
     a.register(first.clone()).await.unwrap();
     next(&mut changes, Duration::from_secs(5)).await;
