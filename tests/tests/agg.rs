@@ -203,6 +203,7 @@ async fn stop_strings_end_the_answer_and_are_not_sent() {
 async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
     let g = up(&["--set", "http.max_body_bytes=65536"]);
     let long = "word ".repeat(5000);
+    let post_chat = |body: &Value| client().post(g.url("/v1/chat/completions")).json(body);
     let cases: Vec<(reqwest::RequestBuilder, u16, &str, Option<&str>)> = vec![
         (
             client()
@@ -213,89 +214,67 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
             None,
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"max_tokens": "ten"}))),
+            post_chat(&chat("hi", json!({"max_tokens": "ten"}))),
             400,
             "invalid_json",
             None,
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&json!({"model": "tiny"})),
+            post_chat(&json!({"model": "tiny"})),
             400,
             "invalid_json",
             None,
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"stop": 5}))),
+            post_chat(&chat("hi", json!({"stop": 5}))),
             400,
             "invalid_json",
             None,
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&json!({"model": "gpt-9", "messages": []})),
+            post_chat(&json!({"model": "gpt-9", "messages": []})),
             400,
             "model_not_found",
             Some("model"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"n": 2}))),
+            post_chat(&chat("hi", json!({"n": 2}))),
             400,
             "invalid_value",
             Some("n"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"temperature": 5.0}))),
+            post_chat(&chat("hi", json!({"temperature": 5.0}))),
             400,
             "invalid_request",
             Some("temperature"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"top_p": 0}))),
+            post_chat(&chat("hi", json!({"top_p": 0}))),
             400,
             "invalid_request",
             Some("top_p"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"max_tokens": 0}))),
+            post_chat(&chat("hi", json!({"max_tokens": 0}))),
             400,
             "invalid_request",
             Some("max_tokens"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat("hi", json!({"max_tokens": 100000}))),
+            post_chat(&chat("hi", json!({"max_tokens": 100000}))),
             400,
             "context_length_exceeded",
             Some("max_tokens"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&chat(&long, json!({}))),
+            post_chat(&chat(&long, json!({}))),
             400,
             "context_length_exceeded",
             Some("messages"),
         ),
         (
-            client()
-                .post(g.url("/v1/chat/completions"))
-                .json(&json!({"model": "tiny", "messages": []})),
+            post_chat(&json!({"model": "tiny", "messages": []})),
             400,
             "invalid_request",
             Some("messages"),
