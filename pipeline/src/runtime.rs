@@ -328,13 +328,16 @@ impl DynChain for ChainRunner {
         }
         let mut out = last.call(ctx.clone(), input);
         async_stream::stream! {
+            // Only the first item fires the hooks; later ones skip the context's lock.
+            let mut first = true;
             while let Some(item) = out.next().await {
                 let upstream_error = failed.lock().take();
                 if let Some(e) = upstream_error {
                     yield Err(e);
                     return;
                 }
-                if item.is_ok() {
+                if first && item.is_ok() {
+                    first = false;
                     ctx.first_output();
                 }
                 yield item;
