@@ -13,6 +13,7 @@ pub mod discovery;
 pub mod etcd;
 pub mod events;
 pub mod request;
+pub mod tcp;
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ pub use discovery::{
 pub use etcd::EtcdDiscovery;
 pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use request::{EmbeddedRequestPlane, RequestPlane};
+pub use tcp::{INSTANCE_LOST, InstanceHealth, TcpOptions, TcpRequestPlane};
 
 /// Errors from any plane implementation.
 #[derive(Debug, thiserror::Error)]

@@ -36,6 +36,16 @@ pub trait RequestPlane: Send + Sync + 'static {
     /// Stop serving an instance (new calls fail; calls in flight go on).
     async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError>;
 
+    /// Requests from other processes being served right now (graceful drain waits for 0).
+    fn in_flight(&self) -> usize {
+        0
+    }
+
+    /// What this plane learnt about unreachable instances, for routers to avoid them.
+    fn health(&self) -> Option<&super::tcp::InstanceHealth> {
+        None
+    }
+
     /// Send one request to an instance.
     fn call(
         &self,

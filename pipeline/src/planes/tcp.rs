@@ -1,0 +1,895 @@
+//! The request plane between processes: one TCP connection per request, length-delimited
+//! frames (tokio-util's codec), payloads in their types' wire codecs.
+//!
+//! A call opens a connection to the instance's address and writes a header (request id,
+//! instance, time left), the input items and an end-of-input mark, while it reads output items
+//! back until a done mark. TCP does the flow control: a slow reader stops the writer's socket
+//! buffer, and bounded channels carry that back to the operator on either side. Cancellation is
+//! the connection itself: a caller that drops the stream (or whose context is killed) closes
+//! the socket, and the serving side kills the request's context when its read returns end of
+//! file. One connection per request keeps cancellation that simple; a loopback connect costs
+//! tens of microseconds (BENCHMARKS.md, embedded vs multi-process). The server also accepts
+//! several requests one after another on a connection, so pooling can come later without a
+//! protocol change.
+//!
+//! Calls to an instance served by this same process skip the socket and the codecs. A failed
+//! connection marks the instance down in [`InstanceHealth`] so routers stop choosing it before
+//! its discovery lease runs out.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{BufMut, Bytes, BytesMut};
+use futures::stream::{self, StreamExt};
+use futures::{SinkExt, Stream};
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+
+use super::request::EndpointTypes;
+use super::{Instance, PlaneError, RequestPlane, Transport};
+use crate::ctx::Ctx;
+use crate::operator::{DynOperator, ErrorKind, Input, OpError, Output};
+use crate::payload::{AnyPayload, Codec, PayloadType};
+
+/// The error code of a call whose instance could not be reached or went away mid-stream.
+/// Callers may resend such a request elsewhere (see request migration in the runtime).
+pub const INSTANCE_LOST: &str = "instance_lost";
+
+/// Frame tags (first byte of every frame).
+const HEADER: u8 = b'H';
+const ITEM: u8 = b'I';
+const END_INPUT: u8 = b'E';
+const ERROR: u8 = b'X';
+const DONE: u8 = b'D';
+
+/// Limits and timeouts of the TCP plane.
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    /// Address the server binds to; port 0 picks a free one.
+    pub bind: String,
+    /// Host other processes use to reach this one (defaults to the bound IP).
+    pub advertise_host: Option<String>,
+    pub connect_timeout: Duration,
+    /// Largest frame either side accepts: one payload item plus a tag byte.
+    pub max_message_bytes: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            bind: "127.0.0.1:0".into(),
+            advertise_host: None,
+            connect_timeout: Duration::from_secs(3),
+            max_message_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Instances this process saw fail, so routing can avoid them until discovery catches up.
+#[derive(Default)]
+pub struct InstanceHealth {
+    down: RwLock<HashMap<u64, Instant>>,
+}
+
+impl InstanceHealth {
+    /// How long a failed instance is avoided; its lease expires well within this.
+    pub const AVOID_FOR: Duration = Duration::from_secs(30);
+
+    pub fn report_down(&self, instance_id: u64) {
+        tracing::warn!(
+            worker_id = format_args!("{instance_id:x}"),
+            "Instance unreachable; avoiding it"
+        );
+        self.down.write().insert(instance_id, Instant::now());
+    }
+
+    pub fn is_down(&self, instance_id: u64) -> bool {
+        let down = self.down.read();
+        match down.get(&instance_id) {
+            Some(at) => at.elapsed() < Self::AVOID_FOR,
+            None => false,
+        }
+    }
+
+    /// Forget instances reported long enough ago (and keep the map small).
+    pub fn expire(&self) {
+        self.down
+            .write()
+            .retain(|_, at| at.elapsed() < Self::AVOID_FOR);
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    instance_id: u64,
+    request_id: String,
+    /// Milliseconds left before the caller's deadline.
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct WireError {
+    kind: String,
+    message: String,
+    code: Option<String>,
+    param: Option<String>,
+}
+
+impl From<&OpError> for WireError {
+    fn from(e: &OpError) -> Self {
+        Self {
+            kind: match e.kind {
+                ErrorKind::InvalidRequest => "invalid_request",
+                ErrorKind::Unavailable => "unavailable",
+                ErrorKind::Cancelled => "cancelled",
+                ErrorKind::Internal => "internal",
+            }
+            .into(),
+            message: e.message.clone(),
+            code: e.code.map(str::to_owned),
+            param: e.param.clone(),
+        }
+    }
+}
+
+impl WireError {
+    fn into_op_error(self) -> OpError {
+        let kind = match self.kind.as_str() {
+            "invalid_request" => ErrorKind::InvalidRequest,
+            "unavailable" => ErrorKind::Unavailable,
+            "cancelled" => ErrorKind::Cancelled,
+            _ => ErrorKind::Internal,
+        };
+        let mut e = OpError::new(kind, self.message);
+        // Codes are `&'static str`; keep the ones this build knows, and say the rest in words.
+        e.code = self.code.as_deref().and_then(known_code);
+        e.param = self.param;
+        e
+    }
+}
+
+fn known_code(code: &str) -> Option<&'static str> {
+    const CODES: &[&str] = &[
+        INSTANCE_LOST,
+        "worker_busy",
+        "draining",
+        "context_length_exceeded",
+        "invalid_value",
+        "model_not_found",
+    ];
+    CODES.iter().copied().find(|c| *c == code)
+}
+
+fn frame(tag: u8, body: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(body.len() + 1);
+    b.put_u8(tag);
+    b.put_slice(body);
+    b.freeze()
+}
+
+fn codec_of(ty: PayloadType) -> Result<Codec, OpError> {
+    ty.codec.ok_or_else(|| {
+        OpError::internal(format!(
+            "payload `{}` has no wire codec and cannot leave its process",
+            ty.name
+        ))
+    })
+}
+
+fn length_codec(max: usize) -> LengthDelimitedCodec {
+    // Items are checked against `max` before they are sent, with a clear error; the frame
+    // limit adds the tag byte and leaves room for headers and errors under tiny limits.
+    LengthDelimitedCodec::builder()
+        .max_frame_length(max.max(4096) + 1)
+        .new_codec()
+}
+
+struct Served {
+    handler: Arc<dyn DynOperator>,
+    types: EndpointTypes,
+}
+
+struct Shared {
+    handlers: RwLock<HashMap<u64, Served>>,
+    in_flight: AtomicUsize,
+    opts: TcpOptions,
+}
+
+/// The TCP request plane. See the module docs.
+pub struct TcpRequestPlane {
+    shared: Arc<Shared>,
+    health: Arc<InstanceHealth>,
+    /// The address peers use, once the listener is up.
+    address: Mutex<Option<String>>,
+    listener: tokio::sync::Mutex<Option<tokio_util::task::AbortOnDropHandle<()>>>,
+}
+
+impl TcpRequestPlane {
+    pub fn new(opts: TcpOptions, health: Arc<InstanceHealth>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                handlers: RwLock::default(),
+                in_flight: AtomicUsize::new(0),
+                opts,
+            }),
+            health,
+            address: Mutex::new(None),
+            listener: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Bind the listener on first use; every instance of this process shares it.
+    async fn ensure_listening(&self) -> Result<String, PlaneError> {
+        let mut guard = self.listener.lock().await;
+        if guard.is_none() {
+            let err = |message: String| PlaneError::Backend {
+                plane: "request",
+                message,
+            };
+            let listener = TcpListener::bind(&self.shared.opts.bind)
+                .await
+                .map_err(|e| err(format!("cannot listen on {}: {e}", self.shared.opts.bind)))?;
+            let local = listener
+                .local_addr()
+                .map_err(|e| err(format!("listener address: {e}")))?;
+            let host = self
+                .shared
+                .opts
+                .advertise_host
+                .clone()
+                .unwrap_or_else(|| local.ip().to_string());
+            let address = if host.contains(':') {
+                format!("[{host}]:{}", local.port())
+            } else {
+                format!("{host}:{}", local.port())
+            };
+            tracing::info!(address = %address, "Request plane listening");
+            *self.address.lock() = Some(address);
+            let shared = self.shared.clone();
+            *guard = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                accept_loop(listener, shared),
+            )));
+        }
+        self.address
+            .lock()
+            .clone()
+            .ok_or_else(|| PlaneError::Backend {
+                plane: "request",
+                message: "listener has no address".into(),
+            })
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve_connection(stream, shared.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "Request plane accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// One request as the connection reader hands it to the writer side.
+struct Incoming {
+    header: Header,
+    input: mpsc::Receiver<Bytes>,
+}
+
+/// Serve requests on one connection, one after another.
+async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    let (r, w) = stream.into_split();
+    let max = shared.opts.max_message_bytes;
+    let mut reader = FramedRead::new(r, length_codec(max));
+    let mut writer = FramedWrite::new(w, length_codec(max));
+    // The request being served, so the reader can kill it when the caller goes away.
+    let current: Arc<Mutex<Option<Ctx>>> = Arc::default();
+    let (req_tx, mut req_rx) = mpsc::channel::<Incoming>(1);
+    let reader_current = current.clone();
+    let read_task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut input_tx: Option<mpsc::Sender<Bytes>> = None;
+        loop {
+            let frame = match reader.next().await {
+                Some(Ok(f)) => f,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "Request plane connection read failed");
+                    break;
+                }
+                None => break,
+            };
+            let (tag, body) = match frame.split_first() {
+                Some((t, b)) => (*t, Bytes::copy_from_slice(b)),
+                None => break,
+            };
+            match tag {
+                HEADER => {
+                    let Ok(header) = serde_json::from_slice::<Header>(&body) else {
+                        tracing::warn!("Request plane: bad header; closing the connection");
+                        break;
+                    };
+                    let (tx, rx) = mpsc::channel(16);
+                    input_tx = Some(tx);
+                    if req_tx.send(Incoming { header, input: rx }).await.is_err() {
+                        break;
+                    }
+                }
+                ITEM => {
+                    // Backpressure: a handler that does not read its input stops this read,
+                    // and TCP stops the caller.
+                    if let Some(tx) = &input_tx {
+                        let _ = tx.send(body).await;
+                    }
+                }
+                END_INPUT => input_tx = None,
+                _ => {
+                    tracing::warn!(tag, "Request plane: unknown frame; closing the connection");
+                    break;
+                }
+            }
+        }
+        // The caller closed the connection: whatever it asked for is no longer wanted.
+        if let Some(ctx) = reader_current.lock().take() {
+            ctx.kill();
+        }
+    }));
+
+    while let Some(Incoming { header, input }) = req_rx.recv().await {
+        let mut ctx = Ctx::with_id(header.request_id.clone());
+        if let Some(ms) = header.timeout_ms {
+            ctx = ctx.with_timeout(Duration::from_millis(ms));
+        }
+        *current.lock() = Some(ctx.clone());
+        shared.in_flight.fetch_add(1, Ordering::AcqRel);
+        let ok = serve_one(&shared, &header, ctx.clone(), input, &mut writer).await;
+        shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+        current.lock().take();
+        if !ok {
+            ctx.kill();
+            break;
+        }
+    }
+    drop(read_task);
+}
+
+/// Serve one request; false when the connection broke.
+async fn serve_one(
+    shared: &Shared,
+    header: &Header,
+    ctx: Ctx,
+    input: mpsc::Receiver<Bytes>,
+    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
+) -> bool {
+    let found = shared
+        .handlers
+        .read()
+        .get(&header.instance_id)
+        .map(|s| (s.handler.clone(), s.types));
+    let Some((handler, types)) = found else {
+        let e = OpError::unavailable(format!(
+            "instance {:x} is not served here",
+            header.instance_id
+        ))
+        .with_code(INSTANCE_LOST);
+        return send_error_and_done(writer, &e).await;
+    };
+    let (in_codec, out_codec) = match (codec_of(types.input), codec_of(types.output)) {
+        (Ok(i), Ok(o)) => (i, o),
+        (Err(e), _) | (_, Err(e)) => return send_error_and_done(writer, &e).await,
+    };
+    let decode_error: Arc<Mutex<Option<OpError>>> = Arc::default();
+    let slot = decode_error.clone();
+    let input = tokio_stream::wrappers::ReceiverStream::new(input)
+        .map(move |bytes| (in_codec.decode)(&bytes))
+        .take_while(move |r| {
+            let ok = r.is_ok();
+            if let Err(e) = r {
+                slot.lock()
+                    .get_or_insert(OpError::invalid(format!("cannot decode the request: {e}")));
+            }
+            futures::future::ready(ok)
+        })
+        .filter_map(|r| futures::future::ready(r.ok()))
+        .boxed();
+    let mut out = handler.call(ctx, input);
+    while let Some(item) = out.next().await {
+        let frame = match item {
+            Ok(v) => match (out_codec.encode)(v.as_ref()) {
+                Ok(bytes) if bytes.len() < shared.opts.max_message_bytes => frame(ITEM, &bytes),
+                Ok(bytes) => error_frame(&OpError::internal(format!(
+                    "response item of {} bytes exceeds the {}-byte message limit",
+                    bytes.len(),
+                    shared.opts.max_message_bytes
+                ))),
+                Err(e) => error_frame(&OpError::internal(format!("cannot encode a response: {e}"))),
+            },
+            Err(e) => error_frame(&e),
+        };
+        let last = frame.first() == Some(&ERROR);
+        if writer.send(frame).await.is_err() {
+            return false;
+        }
+        if last {
+            break;
+        }
+    }
+    drop(out);
+    let failed = decode_error.lock().take();
+    if let Some(e) = failed
+        && writer.send(error_frame(&e)).await.is_err()
+    {
+        return false;
+    }
+    writer.send(frame(DONE, b"")).await.is_ok()
+}
+
+fn error_frame(e: &OpError) -> Bytes {
+    frame(
+        ERROR,
+        &serde_json::to_vec(&WireError::from(e)).unwrap_or_default(),
+    )
+}
+
+async fn send_error_and_done(
+    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
+    e: &OpError,
+) -> bool {
+    writer.send(error_frame(e)).await.is_ok() && writer.send(frame(DONE, b"")).await.is_ok()
+}
+
+#[async_trait]
+impl RequestPlane for TcpRequestPlane {
+    async fn serve(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        handler: Arc<dyn DynOperator>,
+    ) -> Result<Transport, PlaneError> {
+        let address = self.ensure_listening().await?;
+        self.shared
+            .handlers
+            .write()
+            .insert(instance.instance_id, Served { handler, types });
+        Ok(Transport::Tcp { address })
+    }
+
+    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError> {
+        self.shared.handlers.write().remove(&instance_id);
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::Acquire)
+    }
+
+    fn health(&self) -> Option<&InstanceHealth> {
+        Some(&self.health)
+    }
+
+    fn call(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> Output<AnyPayload> {
+        // Served here: no socket, no codec.
+        let local = self
+            .shared
+            .handlers
+            .read()
+            .get(&instance.instance_id)
+            .map(|s| s.handler.clone());
+        if let Some(h) = local {
+            return h.call(ctx, input);
+        }
+        let address = match &instance.transport {
+            Transport::Tcp { address } => address.clone(),
+            Transport::InProcess => {
+                return error_stream(
+                    OpError::unavailable(format!(
+                        "instance {:x} of '{}' is in another process but has no address",
+                        instance.instance_id, instance.component
+                    ))
+                    .with_code(INSTANCE_LOST),
+                );
+            }
+        };
+        let call = RemoteCall {
+            address,
+            instance_id: instance.instance_id,
+            component: instance.component.clone(),
+            types,
+            opts: self.shared.opts.clone(),
+            health: self.health.clone(),
+        };
+        call.run(ctx, input).boxed()
+    }
+}
+
+fn error_stream(e: OpError) -> Output<AnyPayload> {
+    stream::once(futures::future::ready(Err(e))).boxed()
+}
+
+struct RemoteCall {
+    address: String,
+    instance_id: u64,
+    component: String,
+    types: EndpointTypes,
+    opts: TcpOptions,
+    health: Arc<InstanceHealth>,
+}
+
+impl RemoteCall {
+    fn lost(&self, what: impl std::fmt::Display) -> OpError {
+        OpError::unavailable(format!(
+            "instance {:x} of '{}' at {}: {what}",
+            self.instance_id, self.component, self.address
+        ))
+        .with_code(INSTANCE_LOST)
+    }
+
+    fn run(
+        self,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> impl Stream<Item = Result<AnyPayload, OpError>> + Send + 'static {
+        async_stream::stream! {
+            let (in_codec, out_codec) = match (codec_of(self.types.input), codec_of(self.types.output)) {
+                (Ok(i), Ok(o)) => (i, o),
+                (Err(e), _) | (_, Err(e)) => {
+                    yield Err(e);
+                    return;
+                }
+            };
+            let connect = tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&self.address));
+            let stream = match connect.await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    self.health.report_down(self.instance_id);
+                    yield Err(self.lost(format!("cannot connect: {e}")));
+                    return;
+                }
+                Err(_) => {
+                    self.health.report_down(self.instance_id);
+                    yield Err(self.lost(format!("no connection within {:?}", self.opts.connect_timeout)));
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let (r, w) = stream.into_split();
+            let max = self.opts.max_message_bytes;
+            let mut reader = FramedRead::new(r, length_codec(max));
+            let mut writer = FramedWrite::new(w, length_codec(max));
+            let header = Header {
+                instance_id: self.instance_id,
+                request_id: ctx.id().to_string(),
+                timeout_ms: ctx
+                    .deadline()
+                    .map(|d| d.saturating_duration_since(Instant::now()).as_millis() as u64),
+            };
+            let header = frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default());
+            // Input goes out while outputs come back; an input item that cannot be encoded
+            // fails the call.
+            let send_input = async move {
+                writer.send(header).await.map_err(|e| format!("send failed: {e}"))?;
+                let mut input = input;
+                while let Some(item) = input.next().await {
+                    let bytes = (in_codec.encode)(item.as_ref())
+                        .map_err(|e| format!("cannot encode the request: {e}"))?;
+                    if bytes.len() >= max {
+                        return Err(format!(
+                            "request item of {} bytes exceeds the {max}-byte message limit",
+                            bytes.len()
+                        ));
+                    }
+                    writer.send(frame(ITEM, &bytes)).await.map_err(|e| format!("send failed: {e}"))?;
+                }
+                writer.send(frame(END_INPUT, b"")).await.map_err(|e| format!("send failed: {e}"))?;
+                // Keep the write half open until the response is done: closing it would read
+                // as a cancellation on the other side.
+                Ok::<_, String>(writer)
+            };
+            tokio::pin!(send_input);
+            let mut sent = None;
+            let mut got_any = false;
+            loop {
+                tokio::select! {
+                    res = &mut send_input, if sent.is_none() => match res {
+                        Ok(w) => sent = Some(w),
+                        Err(msg) => {
+                            if msg.starts_with("send failed") {
+                                if !got_any { self.health.report_down(self.instance_id); }
+                                yield Err(self.lost(msg));
+                            } else {
+                                yield Err(OpError::invalid(msg));
+                            }
+                            return;
+                        }
+                    },
+                    frame = reader.next() => {
+                        let frame = match frame {
+                            Some(Ok(f)) => f,
+                            Some(Err(e)) => {
+                                self.health.report_down(self.instance_id);
+                                yield Err(self.lost(format!("connection failed: {e}")));
+                                return;
+                            }
+                            None => {
+                                self.health.report_down(self.instance_id);
+                                yield Err(self.lost("connection closed mid-response"));
+                                return;
+                            }
+                        };
+                        got_any = true;
+                        match frame.split_first() {
+                            Some((&ITEM, body)) => match (out_codec.decode)(body) {
+                                Ok(v) => yield Ok(v),
+                                Err(e) => {
+                                    yield Err(OpError::internal(format!("cannot decode a response from '{}': {e}", self.component)));
+                                    return;
+                                }
+                            },
+                            Some((&ERROR, body)) => {
+                                let e = serde_json::from_slice::<WireError>(body)
+                                    .map(WireError::into_op_error)
+                                    .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
+                                yield Err(e);
+                                return;
+                            }
+                            Some((&DONE, _)) => {
+                                // The serving side saw the deadline first and ended early.
+                                if ctx.is_killed() {
+                                    yield Err(OpError::cancelled());
+                                }
+                                return;
+                            }
+                            _ => {
+                                yield Err(OpError::internal(format!("unexpected frame from '{}'", self.component)));
+                                return;
+                            }
+                        }
+                    }
+                    _ = ctx.killed() => {
+                        // Dropping the socket tells the other side.
+                        yield Err(OpError::cancelled());
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::{Operator, erase};
+    use crate::payload::{Payload, downcast};
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct Num(u64);
+    impl Payload for Num {
+        const NAME: &'static str = "Num";
+        fn codec() -> Option<Codec> {
+            Some(Codec::json::<Self>())
+        }
+    }
+
+    /// For each input n, streams n, n+1, …, n+count-1, one per `delay`; counts drops.
+    struct Counter {
+        count: u64,
+        delay: Duration,
+        killed: Arc<AtomicUsize>,
+    }
+    impl Operator for Counter {
+        type In = Num;
+        type Out = Num;
+        fn call(&self, ctx: Ctx, input: Input<Num>) -> Output<Num> {
+            let (count, delay, killed) = (self.count, self.delay, self.killed.clone());
+            async_stream::stream! {
+                let mut input = input;
+                while let Some(Num(n)) = input.next().await {
+                    for i in 0..count {
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = ctx.killed() => {
+                                killed.fetch_add(1, Ordering::SeqCst);
+                                return;
+                            }
+                        }
+                        yield Ok(Num(n + i));
+                    }
+                }
+                if n_fail(&ctx) {
+                    yield Err(OpError::invalid("asked to fail").with_code("invalid_value"));
+                }
+            }
+            .boxed()
+        }
+    }
+
+    fn n_fail(ctx: &Ctx) -> bool {
+        ctx.id().as_str() == "fail"
+    }
+
+    fn types() -> EndpointTypes {
+        EndpointTypes {
+            input: PayloadType::of::<Num>(),
+            output: PayloadType::of::<Num>(),
+        }
+    }
+
+    async fn served(
+        count: u64,
+        delay: Duration,
+        opts: TcpOptions,
+    ) -> (TcpRequestPlane, Instance, Arc<AtomicUsize>) {
+        let plane = TcpRequestPlane::new(opts, Arc::default());
+        let killed = Arc::new(AtomicUsize::new(0));
+        let mut inst = Instance {
+            namespace: "t".into(),
+            component: "counter".into(),
+            endpoint: "generate".into(),
+            instance_id: 7,
+            transport: Transport::InProcess,
+        };
+        inst.transport = plane
+            .serve(
+                &inst,
+                types(),
+                erase(Counter {
+                    count,
+                    delay,
+                    killed: killed.clone(),
+                }),
+            )
+            .await
+            .unwrap();
+        (plane, inst, killed)
+    }
+
+    fn nums(v: &[u64]) -> Input<AnyPayload> {
+        stream::iter(
+            v.iter()
+                .map(|&n| Box::new(Num(n)) as AnyPayload)
+                .collect::<Vec<_>>(),
+        )
+        .boxed()
+    }
+
+    fn collect_nums(out: Vec<Result<AnyPayload, OpError>>) -> (Vec<u64>, Option<OpError>) {
+        let mut ok = Vec::new();
+        let mut err = None;
+        for item in out {
+            match item {
+                Ok(v) => ok.push(downcast::<Num>(v).map(|n| n.0).unwrap_or(u64::MAX)),
+                Err(e) => err = Some(e),
+            }
+        }
+        (ok, err)
+    }
+
+    #[tokio::test]
+    async fn streams_across_a_socket_and_carries_errors() {
+        let (server, inst, _) = served(3, Duration::ZERO, TcpOptions::default()).await;
+        // A second plane is "another process": it has no local handler for the instance.
+        let client = TcpRequestPlane::new(TcpOptions::default(), Arc::default());
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::new(), nums(&[10, 20]))
+            .collect()
+            .await;
+        let (ok, err) = collect_nums(out);
+        assert_eq!(ok, vec![10, 11, 12, 20, 21, 22]);
+        assert!(err.is_none());
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::with_id("fail"), nums(&[1]))
+            .collect()
+            .await;
+        let (ok, err) = collect_nums(out);
+        assert_eq!(ok, vec![1, 2, 3]);
+        let err = err.expect("an error");
+        assert_eq!(
+            (err.kind, err.code, err.message.as_str()),
+            (
+                ErrorKind::InvalidRequest,
+                Some("invalid_value"),
+                "asked to fail"
+            )
+        );
+        // Same process: the call skips the socket.
+        let out: Vec<_> = server
+            .call(&inst, types(), Ctx::new(), nums(&[5]))
+            .collect()
+            .await;
+        assert_eq!(collect_nums(out).0, vec![5, 6, 7]);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_call_kills_the_remote_request() {
+        let (server, inst, killed) =
+            served(1000, Duration::from_millis(5), TcpOptions::default()).await;
+        let client = TcpRequestPlane::new(TcpOptions::default(), Arc::default());
+        let mut out = client.call(&inst, types(), Ctx::new(), nums(&[0]));
+        assert!(out.next().await.is_some_and(|r| r.is_ok()));
+        assert_eq!(server.in_flight(), 1);
+        drop(out);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(killed.load(Ordering::SeqCst), 1);
+        while server.in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(server.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn unreachable_and_unserved_instances_are_lost_and_marked_down() {
+        let (server, inst, _) = served(1, Duration::ZERO, TcpOptions::default()).await;
+        let health = Arc::new(InstanceHealth::default());
+        let client = TcpRequestPlane::new(TcpOptions::default(), health.clone());
+        server.unserve(inst.instance_id).await.unwrap();
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::new(), nums(&[1]))
+            .collect()
+            .await;
+        let err = collect_nums(out).1.expect("error");
+        assert_eq!(
+            (err.kind, err.code),
+            (ErrorKind::Unavailable, Some(INSTANCE_LOST))
+        );
+        drop(server);
+        // Nothing listens there any more.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::new(), nums(&[1]))
+            .collect()
+            .await;
+        let err = collect_nums(out).1.expect("error");
+        assert_eq!(err.code, Some(INSTANCE_LOST), "{}", err.message);
+        assert!(health.is_down(inst.instance_id));
+    }
+
+    #[tokio::test]
+    async fn oversized_items_fail_cleanly_and_the_deadline_travels() {
+        let small = TcpOptions {
+            max_message_bytes: 8,
+            ..TcpOptions::default()
+        };
+        let (_server, inst, killed) =
+            served(1000, Duration::from_millis(5), TcpOptions::default()).await;
+        let client = TcpRequestPlane::new(small, Arc::default());
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::new(), nums(&[u64::MAX / 2]))
+            .collect()
+            .await;
+        let err = collect_nums(out).1.expect("too large");
+        assert_eq!(err.kind, ErrorKind::InvalidRequest, "{}", err.message);
+        assert!(err.message.contains("message limit"), "{}", err.message);
+        // The server kills the request at the deadline it was sent.
+        let client = TcpRequestPlane::new(TcpOptions::default(), Arc::default());
+        let ctx = Ctx::new().with_timeout(Duration::from_millis(50));
+        let out: Vec<_> = client.call(&inst, types(), ctx, nums(&[0])).collect().await;
+        let (ok, err) = collect_nums(out);
+        assert!(ok.len() < 1000);
+        assert_eq!(err.map(|e| e.kind), Some(ErrorKind::Cancelled));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(killed.load(Ordering::SeqCst) >= 1);
+    }
+}
