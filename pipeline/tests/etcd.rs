@@ -12,11 +12,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 fn etcd() -> Option<String> {
-    let e = std::env::var("DYN_TEST_ETCD").ok();
-    if e.is_none() {
-        eprintln!("SKIPPED: DYN_TEST_ETCD is not set (scripts/test starts etcd and sets it)");
-    }
-    e
+    dyn_tests::servers::test_server("DYN_TEST_ETCD")
 }
 
 /// An instance in a namespace of its own, so tests sharing one etcd do not see each other.
@@ -160,98 +156,12 @@ async fn an_unreachable_etcd_is_a_clear_error() {
     assert!(e.to_string().starts_with("control (etcd) plane: "), "{e}");
 }
 
-/// A private etcd on free loopback ports with its own data directory.
-struct PrivateEtcd {
-    child: std::process::Child,
-    dir: std::path::PathBuf,
-    client_port: u16,
-    peer_port: u16,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl PrivateEtcd {
-    fn start(dir: std::path::PathBuf) -> Option<Self> {
-        let (client_port, peer_port) = (free_port(), free_port());
-        let child = Self::spawn(&dir, client_port, peer_port)?;
-        Some(Self {
-            child,
-            dir,
-            client_port,
-            peer_port,
-        })
-    }
-
-    fn spawn(
-        dir: &std::path::Path,
-        client_port: u16,
-        peer_port: u16,
-    ) -> Option<std::process::Child> {
-        let client = format!("http://127.0.0.1:{client_port}");
-        let peer = format!("http://127.0.0.1:{peer_port}");
-        let child = std::process::Command::new("etcd")
-            .args(["--name", "p", "--data-dir"])
-            .arg(dir.join("data"))
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args(["--initial-cluster", &format!("p={peer}")])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .ok()?;
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", client_port)).is_ok() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(child)
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// SIGKILL it and start it again on the same ports and data.
-    fn restart(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-        self.child =
-            Self::spawn(&self.dir, self.client_port, self.peer_port).expect("etcd restarts");
-    }
-}
-
-impl Drop for PrivateEtcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 #[tokio::test]
 async fn watches_and_registrations_survive_an_etcd_restart() {
     if etcd().is_none() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("dyn-etcd-{}", uuid::Uuid::new_v4().simple()));
-    let Some(mut server) = PrivateEtcd::start(dir) else {
+    let Some(mut server) = dyn_tests::servers::Server::etcd() else {
         eprintln!("SKIPPED: no etcd binary on PATH");
         return;
     };
@@ -268,7 +178,7 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
     a.register(first.clone()).await.unwrap();
     next(&mut changes, Duration::from_secs(5)).await;
 
-    server.restart();
+    assert!(server.restart(), "etcd restarts");
     // After the restart a new registration reaches the old watch, and the first one is
     // still there (its lease survived, or was replaced and re-registered).
     let second = instance(&ns, 5);

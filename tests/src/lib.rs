@@ -3,6 +3,8 @@
 //! graph is serving and learn the address it bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers: a failure is a test failure
 
+pub mod servers;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

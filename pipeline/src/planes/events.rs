@@ -23,6 +23,12 @@ pub struct Event {
 pub trait EventBus: Send + Sync + 'static {
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), PlaneError>;
     async fn subscribe(&self, pattern: &str) -> Result<BoxStream<'static, Event>, PlaneError>;
+
+    /// False while events cannot flow (the server is unreachable); consumers that depend on
+    /// them, like a KV router, degrade until it is true again.
+    fn connected(&self) -> bool {
+        true
+    }
 }
 
 /// True when `subject` matches the NATS-style `pattern`.
@@ -40,7 +46,8 @@ pub fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
-fn valid(subject: &str, allow_wildcards: bool) -> bool {
+/// A NATS subject: dot-separated non-empty tokens without spaces; `*` and `>` only in patterns.
+pub(crate) fn valid_subject(subject: &str, allow_wildcards: bool) -> bool {
     !subject.is_empty()
         && subject.split('.').all(|t| {
             !t.is_empty()
@@ -71,7 +78,7 @@ impl EmbeddedEventBus {
 #[async_trait]
 impl EventBus for EmbeddedEventBus {
     async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), PlaneError> {
-        if !valid(subject, false) {
+        if !valid_subject(subject, false) {
             return Err(PlaneError::InvalidSubject(subject.to_owned()));
         }
         // No subscriber is not an error: events are best effort, as on NATS core.
@@ -83,7 +90,7 @@ impl EventBus for EmbeddedEventBus {
     }
 
     async fn subscribe(&self, pattern: &str) -> Result<BoxStream<'static, Event>, PlaneError> {
-        if !valid(pattern, true) {
+        if !valid_subject(pattern, true) {
             return Err(PlaneError::InvalidSubject(pattern.to_owned()));
         }
         let pattern = pattern.to_owned();

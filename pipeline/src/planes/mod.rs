@@ -12,6 +12,7 @@
 pub mod discovery;
 pub mod etcd;
 pub mod events;
+pub mod nats;
 pub mod request;
 pub mod tcp;
 
@@ -22,6 +23,7 @@ pub use discovery::{
 };
 pub use etcd::EtcdDiscovery;
 pub use events::{EmbeddedEventBus, Event, EventBus};
+pub use nats::NatsEventBus;
 pub use request::{EmbeddedRequestPlane, RequestPlane};
 pub use tcp::{INSTANCE_LOST, InstanceHealth, TcpOptions, TcpRequestPlane};
 

@@ -1,0 +1,139 @@
+//! Private etcd and NATS servers for tests that stop and restart them: loopback only, free
+//! ports, a temporary data directory, killed on drop. Tests that only need a server running
+//! use the shared ones `scripts/test` starts (`DYN_TEST_ETCD`, `DYN_TEST_NATS`).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A free loopback port (racy in principle, fine on a test machine).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+/// The value of a test-server variable, or `None` after saying the test skips.
+pub fn test_server(var: &str) -> Option<String> {
+    let v = std::env::var(var).ok();
+    if v.is_none() {
+        eprintln!("SKIPPED: {var} is not set (scripts/test starts etcd and NATS and sets it)");
+    }
+    v
+}
+
+/// One server process that can be killed and started again on the same port and data.
+pub struct Server {
+    child: Option<Child>,
+    command: Box<dyn Fn() -> Command + Send>,
+    port: u16,
+    scheme: &'static str,
+    dir: PathBuf,
+}
+
+impl Server {
+    /// etcd with one member; `None` when the binary is missing.
+    pub fn etcd() -> Option<Server> {
+        let (port, peer) = (free_port(), free_port());
+        let dir = crate::scratch_dir(&format!("etcd-{port}"));
+        let data = dir.join("data");
+        Self::start_new("http", port, dir, move || {
+            let client = format!("http://127.0.0.1:{port}");
+            let peer = format!("http://127.0.0.1:{peer}");
+            let mut c = Command::new("etcd");
+            c.args(["--name", "p", "--data-dir"]).arg(&data);
+            c.args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ]);
+            c.args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ]);
+            c.args(["--initial-cluster", &format!("p={peer}")]);
+            c
+        })
+    }
+
+    /// nats-server with JetStream; `None` when the binary is missing.
+    pub fn nats() -> Option<Server> {
+        let port = free_port();
+        let dir = crate::scratch_dir(&format!("nats-{port}"));
+        let data = dir.join("data");
+        Self::start_new("nats", port, dir, move || {
+            let mut c = Command::new("nats-server");
+            c.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(&data);
+            c
+        })
+    }
+
+    fn start_new(
+        scheme: &'static str,
+        port: u16,
+        dir: PathBuf,
+        command: impl Fn() -> Command + Send + 'static,
+    ) -> Option<Server> {
+        let mut s = Server {
+            child: None,
+            command: Box::new(command),
+            port,
+            scheme,
+            dir,
+        };
+        s.start().then_some(s)
+    }
+
+    /// `scheme://127.0.0.1:port`.
+    pub fn url(&self) -> String {
+        format!("{}://127.0.0.1:{}", self.scheme, self.port)
+    }
+
+    /// `127.0.0.1:port`.
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Start it (again) and wait until it accepts connections; false if it cannot start.
+    pub fn start(&mut self) -> bool {
+        let child = (self.command)()
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let Ok(child) = child else { return false };
+        self.child = Some(child);
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        false
+    }
+
+    /// SIGKILL it, as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Kill it and start it again on the same port and data.
+    pub fn restart(&mut self) -> bool {
+        self.kill();
+        self.start()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
