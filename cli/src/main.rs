@@ -4,6 +4,7 @@
 
 mod bench;
 mod inspect;
+mod procs;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,14 +12,20 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
+use dyn_pipeline::compile::PlaneAddr;
 use dyn_pipeline::spec::Override;
-use dyn_pipeline::{CompiledGraph, Diagnostics, EXIT_CONFIG, Plan, RunOptions, load_and_compile};
+use dyn_pipeline::{
+    CompiledGraph, Diagnostics, EXIT_CONFIG, Placement, Plan, RunOptions, load_and_compile,
+};
 
 const EXAMPLES: &str = "\
 Examples:
   dyn graph validate graphs/*.yaml          check graphs; exit 78 on configuration errors
   dyn graph plan graphs/agg.yaml --format mermaid
   dyn graph up graphs/agg.yaml --set http.listen=127.0.0.1:9000 --set decode.replicas=4
+  dyn graph up graphs/agg.yaml --control etcd://127.0.0.1:2379 --events nats://127.0.0.1:4222
+  dyn graph ps graphs/agg.yaml              processes and registered instances
+  dyn graph down graphs/agg.yaml            drain and stop
   dyn graph kinds                           list the operator kinds this build knows
   dyn bench --concurrency 8 --requests 200 --output out/
   dyn inspect route --prompt 'Hello'        where a prompt would be routed, and why";
@@ -66,18 +73,74 @@ enum GraphCommand {
         #[arg(long = "set", value_name = "NODE.KEY=VALUE")]
         set: Vec<Override>,
     },
-    /// Run a graph until SIGINT or SIGTERM, then drain in-flight requests and exit 0
-    Up {
+    /// Run a graph until SIGINT or SIGTERM, then drain in-flight requests and exit 0.
+    /// With embedded planes everything runs in this process; with etcd and NATS, one process
+    /// per process-group replica, supervised from this one.
+    Up(Box<UpArgs>),
+    /// List the processes of running graphs on this machine and the instances in etcd
+    Ps {
         file: PathBuf,
-        /// Override a value: NODE.KEY=VALUE (KEY may be dotted; VALUE is YAML)
-        #[arg(long = "set", value_name = "NODE.KEY=VALUE")]
-        set: Vec<Override>,
-        /// Seconds in-flight requests get to finish after a shutdown signal
-        #[arg(long, default_value_t = 30.0)]
-        grace_period: f64,
+        #[command(flatten)]
+        planes: PlaneArgs,
+        /// Print JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drain and stop a graph's processes on this machine (SIGTERM, then wait)
+    Down {
+        file: PathBuf,
+        /// Seconds to wait for the processes to finish draining
+        #[arg(long, default_value_t = 60.0)]
+        timeout: f64,
     },
     /// List the operator kinds this build knows, with their payload types
     Kinds,
+}
+
+#[derive(clap::Args)]
+struct UpArgs {
+    file: PathBuf,
+    /// Override a value: NODE.KEY=VALUE (KEY may be dotted; VALUE is YAML)
+    #[arg(long = "set", value_name = "NODE.KEY=VALUE")]
+    set: Vec<Override>,
+    /// Seconds in-flight requests get to finish after a shutdown signal
+    #[arg(long, default_value_t = 30.0)]
+    grace_period: f64,
+    #[command(flatten)]
+    planes: PlaneArgs,
+    /// Run only these nodes (comma-separated), e.g. more workers on another machine
+    #[arg(long, value_delimiter = ',', value_name = "NODE[,NODE]")]
+    only: Option<Vec<String>>,
+    /// Seconds a dead process stays registered at most (the etcd lease)
+    #[arg(long, default_value_t = 10)]
+    lease_ttl: u64,
+    /// Address other processes reach this machine's request plane at
+    #[arg(long, env = "DYN_REQUEST_HOST", default_value = "127.0.0.1")]
+    request_host: String,
+    /// Run one process-group replica (what the supervisor starts): NAME:REPLICA
+    #[arg(long, hide = true, value_name = "NAME:REPLICA")]
+    group: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct PlaneArgs {
+    /// Control plane, overriding the graph's `planes.control`: embedded or etcd://HOST:PORT
+    #[arg(long, env = "DYN_CONTROL", value_parser = |s: &str| PlaneAddr::parse(s, "etcd"))]
+    control: Option<PlaneAddr>,
+    /// Event plane, overriding the graph's `planes.events`: embedded or nats://HOST:PORT
+    #[arg(long, env = "DYN_EVENTS", value_parser = |s: &str| PlaneAddr::parse(s, "nats"))]
+    events: Option<PlaneAddr>,
+}
+
+impl PlaneArgs {
+    fn apply(&self, g: &mut CompiledGraph) {
+        if let Some(c) = &self.control {
+            g.control = c.clone();
+        }
+        if let Some(e) = &self.events {
+            g.events = e.clone();
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -127,8 +190,10 @@ fn main() -> ExitCode {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: a supervisor or a log collector reads these lines.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -175,15 +240,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", Plan::new(&g).render(format.into()));
             Ok(())
         }
-        GraphCommand::Up {
-            file,
-            set,
-            grace_period,
-        } => {
-            let g = compile(&file, &set, &registry)?;
-            let grace = Duration::try_from_secs_f64(grace_period)
-                .context("--grace-period must be a non-negative number of seconds")?;
-            up(g, RunOptions { grace })
+        GraphCommand::Up(args) => up(*args, &registry, cli.log_format),
+        GraphCommand::Ps { file, planes, json } => {
+            let mut g = compile(&file, &[], &registry)?;
+            planes.apply(&mut g);
+            runtime()?.block_on(procs::ps(&g.namespace, &g.name, &g.control, json))
+        }
+        GraphCommand::Down { file, timeout } => {
+            let g = compile(&file, &[], &registry)?;
+            let timeout = Duration::try_from_secs_f64(timeout)
+                .context("--timeout must be a non-negative number of seconds")?;
+            procs::down(&g.namespace, &g.name, timeout)
         }
         GraphCommand::Kinds => {
             for k in registry.kinds() {
@@ -228,13 +295,149 @@ fn compile(
     }
 }
 
-fn up(graph: CompiledGraph, opts: RunOptions) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(dyn_pipeline::run(&graph, opts, shutdown_signal()))
-        .map_err(Into::into)
+        .context("cannot start the async runtime")
+}
+
+fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow::Result<()> {
+    let mut graph = compile(&args.file, &args.set, registry)?;
+    args.planes.apply(&mut graph);
+    let grace = Duration::try_from_secs_f64(args.grace_period)
+        .context("--grace-period must be a non-negative number of seconds")?;
+    let embedded = graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded;
+    let placement = match &args.group {
+        Some(g) => {
+            let (process, replica) = g
+                .rsplit_once(':')
+                .and_then(|(p, r)| Some((p.to_owned(), r.parse().ok()?)))
+                .context("--group takes NAME:REPLICA")?;
+            Placement::Group { process, replica }
+        }
+        None => Placement::All,
+    };
+    let opts = RunOptions {
+        grace,
+        placement,
+        only: args.only.clone(),
+        tcp: dyn_pipeline::planes::TcpOptions {
+            bind: format!("{}:0", args.request_host),
+            ..Default::default()
+        },
+        lease_ttl: Duration::from_secs(args.lease_ttl.max(1)),
+    };
+    let rt = runtime()?;
+    let plan = Plan::new(&graph);
+    let state = |mode: &str, processes| procs::State {
+        graph: graph.name.clone(),
+        namespace: graph.namespace.clone(),
+        pid: std::process::id(),
+        mode: mode.into(),
+        control: graph.control.to_string(),
+        events: graph.events.to_string(),
+        started_unix: procs::now_unix(),
+        processes,
+    };
+    if args.group.is_some() || embedded {
+        // One process: the whole graph (embedded), or one replica the supervisor started.
+        let _state = if args.group.is_none() {
+            Some(procs::StateFile::create(state(
+                "embedded",
+                vec![procs::ProcState {
+                    process: "(all)".into(),
+                    replica: 0,
+                    pid: Some(std::process::id()),
+                    restarts: 0,
+                    status: "running".into(),
+                }],
+            ))?)
+        } else {
+            None
+        };
+        let supervised = args.group.is_some();
+        let stop = async move {
+            if supervised {
+                tokio::select! {
+                    _ = shutdown_signal() => {}
+                    _ = procs::parent_gone() => {}
+                }
+            } else {
+                shutdown_signal().await;
+            }
+        };
+        return rt
+            .block_on(dyn_pipeline::run(&graph, opts, stop))
+            .map_err(Into::into);
+    }
+    // Distributed: supervise one process per process-group replica (of the selected nodes).
+    let mut groups = Vec::new();
+    for p in &plan.processes {
+        if let Some(only) = &args.only
+            && !p.nodes.iter().any(|n| only.contains(n))
+        {
+            continue;
+        }
+        for replica in 0..p.replicas {
+            let mut a = vec![
+                "--log-format".to_owned(),
+                match log {
+                    LogFormat::Text => "text",
+                    LogFormat::Json => "json",
+                }
+                .to_owned(),
+                "graph".into(),
+                "up".into(),
+                args.file.display().to_string(),
+            ];
+            for o in &args.set {
+                a.push("--set".into());
+                a.push(format!("{}.{}={}", o.node, o.path.join("."), o.value));
+            }
+            a.extend([
+                "--grace-period".into(),
+                args.grace_period.to_string(),
+                "--control".into(),
+                graph.control.to_string(),
+                "--events".into(),
+                graph.events.to_string(),
+                "--lease-ttl".into(),
+                args.lease_ttl.to_string(),
+                "--request-host".into(),
+                args.request_host.clone(),
+                "--group".into(),
+                format!("{}:{replica}", p.name),
+            ]);
+            if let Some(only) = &args.only {
+                a.push("--only".into());
+                a.push(only.join(","));
+            }
+            groups.push(procs::Group {
+                process: p.name.clone(),
+                replica,
+                args: a,
+            });
+        }
+    }
+    if groups.is_empty() {
+        anyhow::bail!("--only selects no node of graph '{}'", graph.name);
+    }
+    let file = procs::StateFile::create(state(
+        "distributed",
+        groups
+            .iter()
+            .map(|g| procs::ProcState {
+                process: g.process.clone(),
+                replica: g.replica,
+                pid: None,
+                restarts: 0,
+                status: "starting".into(),
+            })
+            .collect(),
+    ))?;
+    tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
+    rt.block_on(procs::supervise(groups, file, grace, shutdown_signal()))
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -51,6 +51,8 @@ pub struct CompiledNode {
     pub replicas: u32,
     pub process: String,
     pub device: Device,
+    /// See [`crate::spec::NodeSpec::migration_limit`].
+    pub migration_limit: u32,
 }
 
 /// The path one ingress's requests take: `path` in call order, the last one answers.
@@ -114,34 +116,44 @@ fn parse_plane(
     diags: &mut Diagnostics,
 ) -> PlaneAddr {
     let (text, pos) = addr;
-    if text == "embedded" {
-        return PlaneAddr::Embedded;
-    }
-    let endpoints: Option<Vec<String>> = text
-        .strip_prefix(&format!("{scheme}://"))
-        .map(|rest| rest.split(',').map(str::to_owned).collect());
-    match endpoints {
-        Some(eps)
-            if eps.iter().all(|e| {
-                e.rsplit_once(':')
-                    .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-            }) =>
-        {
-            if scheme == "etcd" {
-                PlaneAddr::Etcd(eps)
-            } else {
-                PlaneAddr::Nats(eps)
-            }
-        }
-        _ => {
+    match PlaneAddr::parse(text, scheme) {
+        Ok(a) => a,
+        Err(message) => {
             diags.push(Diagnostic::error(
                 *pos,
                 None,
-                format!(
-                    "{which} plane `{text}`: expected `embedded` or `{scheme}://HOST:PORT[,HOST:PORT…]`"
-                ),
+                format!("{which} plane {message}"),
             ));
             PlaneAddr::Embedded
+        }
+    }
+}
+
+impl PlaneAddr {
+    /// `embedded`, or `SCHEME://HOST:PORT[,HOST:PORT…]` with `scheme` `etcd` or `nats`.
+    pub fn parse(text: &str, scheme: &str) -> Result<PlaneAddr, String> {
+        if text == "embedded" {
+            return Ok(PlaneAddr::Embedded);
+        }
+        let endpoints: Option<Vec<String>> = text
+            .strip_prefix(&format!("{scheme}://"))
+            .map(|rest| rest.split(',').map(str::to_owned).collect());
+        match endpoints {
+            Some(eps)
+                if eps.iter().all(|e| {
+                    e.rsplit_once(':')
+                        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+                }) =>
+            {
+                Ok(if scheme == "etcd" {
+                    PlaneAddr::Etcd(eps)
+                } else {
+                    PlaneAddr::Nats(eps)
+                })
+            }
+            _ => Err(format!(
+                "`{text}`: expected `embedded` or `{scheme}://HOST:PORT[,HOST:PORT…]`"
+            )),
         }
     }
 }
@@ -433,6 +445,7 @@ pub fn compile(
                 replicas: n.replicas,
                 process: n.process.clone(),
                 device: n.device,
+                migration_limit: n.migration_limit,
             })
         })
         .collect();

@@ -23,10 +23,10 @@ pub use ctx::{Ctx, RequestId};
 pub use diag::{Diagnostic, Diagnostics, Pos, Severity};
 pub use inspect::{Inspect, Inspectables};
 pub use operator::{Chain, ErrorKind, Ingress, Input, OpError, Operator, Output, ShutdownSignal};
-pub use payload::{Codec, Payload, PayloadType};
+pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
 pub use plan::{Format, Plan};
 pub use registry::{BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Registry};
-pub use runtime::{RunOptions, run};
+pub use runtime::{Placement, RunOptions, run};
 
 /// Exit code for configuration errors (`EX_CONFIG` from sysexits.h).
 pub const EXIT_CONFIG: i32 = 78;

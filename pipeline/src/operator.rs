@@ -141,6 +141,10 @@ pub trait DynChain: Send + Sync + 'static {
     /// A context for a new request, linked to the runtime so shutdown can reach it.
     fn new_ctx(&self, id: RequestId) -> Ctx;
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload>;
+    /// Requests whose response stream is still open (an ingress drains until this is 0).
+    fn in_flight(&self) -> usize {
+        0
+    }
 }
 
 impl<Req: Payload, Resp: Payload> Chain<Req, Resp> {
@@ -154,6 +158,11 @@ impl<Req: Payload, Resp: Payload> Chain<Req, Resp> {
     /// A context for a new request (`id` from the client, or random).
     pub fn ctx(&self, id: Option<RequestId>) -> Ctx {
         self.inner.new_ctx(id.unwrap_or_else(RequestId::random))
+    }
+
+    /// Requests sent down the graph whose responses are still open.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight()
     }
 
     /// Send one request down the graph; the stream yields the last node's outputs.

@@ -26,6 +26,65 @@ pub trait Payload: Send + 'static {
     fn target_instance(&self) -> Option<u64> {
         None
     }
+
+    /// How to resend this request after the replica serving it was lost (request migration);
+    /// `None`: it cannot be resent. Implement [`Resumable`] and return [`Resume::of`].
+    fn resume() -> Option<Resume> {
+        None
+    }
+}
+
+/// A request that can continue on another replica after part of its response was delivered:
+/// the runtime keeps a copy, folds every delivered output into it, and on losing the replica
+/// sends the copy again (through the router, when the path has one).
+pub trait Resumable: Payload + Clone {
+    /// What the replica streams back.
+    type Output: Payload;
+    /// Account for an output the caller received, so a resent request continues after it.
+    fn absorb(&mut self, output: &Self::Output);
+    /// True for outputs a resent request repeats and the caller already has (a header).
+    fn is_repeat(output: &Self::Output) -> bool;
+    /// Forget the replica a router chose, so the resent request is routed afresh.
+    fn clear_target(&mut self);
+}
+
+/// The type-erased face of [`Resumable`] the runtime uses.
+#[derive(Clone, Copy)]
+pub struct Resume {
+    pub copy: fn(&dyn ErasedPayload) -> Option<AnyPayload>,
+    pub absorb: fn(&mut dyn ErasedPayload, &dyn ErasedPayload),
+    pub is_repeat: fn(&dyn ErasedPayload) -> bool,
+    pub clear_target: fn(&mut dyn ErasedPayload),
+}
+
+impl Resume {
+    pub fn of<T: Resumable>() -> Resume {
+        Resume {
+            copy: |v| {
+                v.as_any()
+                    .downcast_ref::<T>()
+                    .map(|t| Box::new(t.clone()) as AnyPayload)
+            },
+            absorb: |req, out| {
+                if let (Some(r), Some(o)) = (
+                    req.as_any_mut().downcast_mut::<T>(),
+                    out.as_any().downcast_ref::<T::Output>(),
+                ) {
+                    r.absorb(o);
+                }
+            },
+            is_repeat: |out| {
+                out.as_any()
+                    .downcast_ref::<T::Output>()
+                    .is_some_and(T::is_repeat)
+            },
+            clear_target: |req| {
+                if let Some(r) = req.as_any_mut().downcast_mut::<T>() {
+                    r.clear_target();
+                }
+            },
+        }
+    }
 }
 
 /// The type-erased form the runtime moves between operators.
@@ -37,6 +96,7 @@ pub trait ErasedPayload: Any + Send {
     fn target_instance(&self) -> Option<u64>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 impl<T: Payload> ErasedPayload for T {
@@ -50,6 +110,9 @@ impl<T: Payload> ErasedPayload for T {
         self
     }
     fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
 }
@@ -137,6 +200,7 @@ pub struct PayloadType {
     pub name: &'static str,
     pub id: TypeId,
     pub codec: Option<Codec>,
+    pub resume: Option<Resume>,
 }
 
 impl PayloadType {
@@ -145,6 +209,7 @@ impl PayloadType {
             name: T::NAME,
             id: TypeId::of::<T>(),
             codec: T::codec(),
+            resume: T::resume(),
         }
     }
 }

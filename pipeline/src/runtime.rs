@@ -1,14 +1,22 @@
-//! The embedded runtime: run a compiled graph inside this process.
+//! The runtime: run a compiled graph, or this process's share of it.
 //!
-//! Start-up builds every replica of every operator node, serves it on the request plane and
-//! registers it in discovery; then each ingress is built and handed a [`ChainRunner`] that walks
-//! its request path. Shutdown is graceful: ingresses stop accepting, in-flight requests get a
-//! grace period to drain, whatever is left is killed through the root context, and the call
-//! returns `Ok` so the process can exit 0.
+//! Start-up builds every replica of every operator node placed here, serves it on the request
+//! plane and registers it in discovery; then each ingress placed here is built and handed a
+//! [`ChainRunner`] that walks its request path, calling each node through an [`EdgeClient`]
+//! wherever its replicas run. With embedded planes everything is in this process; with etcd and
+//! NATS the same code runs one process group replica per OS process ([`Placement::Group`]),
+//! and the planes carry the calls between them.
+//!
+//! Shutdown is a drain: leave discovery first (no router picks this process any more), let the
+//! ingresses answer 503 and finish their requests, wait for requests other processes sent
+//! here, and after the grace period kill whatever is left. A request whose replica is lost
+//! midway is resent elsewhere ([`Migrating`]), so the client never sees the loss.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::future::FutureExt;
@@ -16,12 +24,12 @@ use futures::stream::{self, StreamExt};
 use parking_lot::Mutex;
 use tokio::task::JoinSet;
 
-use crate::compile::{CompiledGraph, PlaneAddr};
+use crate::compile::{CompiledGraph, CompiledNode, PlaneAddr};
 use crate::ctx::{Ctx, RequestId};
-use crate::operator::{DynChain, Input, OpError, Output, ShutdownSignal};
-use crate::payload::AnyPayload;
+use crate::operator::{DynChain, ErrorKind, Input, OpError, Output, ShutdownSignal};
+use crate::payload::{AnyPayload, Resume};
 use crate::planes::request::EndpointTypes;
-use crate::planes::{Instance, LiveInstances, PlaneError, Planes, Transport};
+use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
 use crate::registry::{BuildCx, BuildError, Built, Role};
 
 /// The endpoint name every node serves its requests on.
@@ -48,16 +56,54 @@ pub enum RuntimeError {
     Unsupported(String),
 }
 
+/// Which part of the graph this process runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Every node, every replica.
+    #[default]
+    All,
+    /// One replica of one process group: what a supervised process runs.
+    Group { process: String, replica: u32 },
+}
+
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     /// How long in-flight requests may take to finish after a shutdown signal.
     pub grace: Duration,
+    pub placement: Placement,
+    /// Run only these nodes (another machine runs the rest).
+    pub only: Option<Vec<String>>,
+    /// The request plane's listener, when a plane leaves the process.
+    pub tcp: TcpOptions,
+    /// The discovery lease: how long a dead process stays listed at most.
+    pub lease_ttl: Duration,
 }
 
 impl Default for RunOptions {
     fn default() -> Self {
         Self {
             grace: Duration::from_secs(30),
+            placement: Placement::All,
+            only: None,
+            tcp: TcpOptions::default(),
+            lease_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RunOptions {
+    fn runs_node(&self, n: &CompiledNode) -> bool {
+        let group = match &self.placement {
+            Placement::All => true,
+            Placement::Group { process, .. } => &n.process == process,
+        };
+        group && self.only.as_ref().is_none_or(|o| o.contains(&n.id))
+    }
+
+    fn replicas(&self, n: &CompiledNode) -> std::ops::Range<u32> {
+        match &self.placement {
+            Placement::All => 0..n.replicas,
+            Placement::Group { replica, .. } => *replica..replica + 1,
         }
     }
 }
@@ -66,19 +112,48 @@ fn random_instance_id() -> u64 {
     uuid::Uuid::new_v4().as_u64_pair().0
 }
 
-/// Run `graph` until `shutdown` resolves (or an ingress fails), then drain and stop.
+/// Run `graph` (this process's part of it) until `shutdown` resolves or an ingress fails, then
+/// drain and stop.
 pub async fn run(
     graph: &CompiledGraph,
     opts: RunOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RuntimeError> {
-    if graph.control != PlaneAddr::Embedded || graph.events != PlaneAddr::Embedded {
+    let embedded = graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded;
+    if !embedded && graph.control == PlaneAddr::Embedded {
         return Err(RuntimeError::Unsupported(format!(
-            "graph '{}' asks for control={} events={}; this build runs embedded planes only (etcd and NATS planes are not implemented yet)",
-            graph.name, graph.control, graph.events
+            "graph '{}' sends events over {} but keeps discovery embedded; processes can only find each other through etcd (control: etcd://HOST:PORT)",
+            graph.name, graph.events
         )));
     }
-    let planes = Planes::embedded();
+    if graph.control != PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded {
+        tracing::warn!(
+            "Discovery is on etcd but events are embedded: KV events and load metrics stay inside each process"
+        );
+    }
+    if embedded && (opts.placement != Placement::All || opts.only.is_some()) {
+        return Err(RuntimeError::Unsupported(
+            "running part of a graph needs shared planes: give --control etcd://HOST:PORT and --events nats://HOST:PORT".into(),
+        ));
+    }
+    let here: Vec<&CompiledNode> = graph.nodes.iter().filter(|n| opts.runs_node(n)).collect();
+    if here.is_empty() {
+        return Err(RuntimeError::Unsupported(format!(
+            "nothing to run: no node of graph '{}' matches this process ({:?}, only {:?})",
+            graph.name, opts.placement, opts.only
+        )));
+    }
+    let planes = if embedded {
+        Planes::embedded()
+    } else {
+        Planes::connect(
+            &graph.control,
+            &graph.events,
+            opts.tcp.clone(),
+            opts.lease_ttl,
+        )
+        .await?
+    };
     let inspect = Arc::new(crate::Inspectables::default());
     let root = Ctx::with_id("runtime");
     let cx = |node: &str, replica: u32, instance_id: u64| BuildCx {
@@ -106,14 +181,12 @@ pub async fn run(
 
     // Operators first, so every path is servable before any ingress opens.
     let mut served = Vec::new();
-    let mut edges = Vec::with_capacity(graph.nodes.len());
-    for n in &graph.nodes {
+    for n in &here {
         let Role::Operator { input, output } = n.kind.role else {
-            edges.push(None);
             continue;
         };
         let types = EndpointTypes { input, output };
-        for replica in 0..n.replicas {
+        for replica in opts.replicas(n) {
             let instance_id = random_instance_id();
             let built = n
                 .config
@@ -140,10 +213,8 @@ pub async fn run(
             tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
             served.push(instance);
         }
-        edges.push(Some(Arc::new(
-            EdgeClient::start(&planes, &graph.namespace, &n.id, types).await?,
-        )));
     }
+    let local: Arc<HashSet<u64>> = Arc::new(served.iter().map(|i| i.instance_id).collect());
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let signal: ShutdownSignal = async move {
@@ -152,41 +223,78 @@ pub async fn run(
     .boxed()
     .shared();
     let mut ingresses = JoinSet::new();
+    let mut edges: Vec<Option<Arc<EdgeClient>>> = vec![None; graph.nodes.len()];
     for chain in &graph.chains {
         let n = &graph.nodes[chain.ingress];
+        if !opts.runs_node(n) {
+            continue;
+        }
+        let mut stages = Vec::new();
+        for &i in &chain.path {
+            let node = &graph.nodes[i];
+            let Role::Operator { input, output } = node.kind.role else {
+                continue;
+            };
+            let types = EndpointTypes { input, output };
+            let edge = match &edges[i] {
+                Some(e) => e.clone(),
+                None => {
+                    let e = Arc::new(
+                        EdgeClient::start(
+                            &planes,
+                            &graph.namespace,
+                            &node.id,
+                            types,
+                            local.clone(),
+                        )
+                        .await?,
+                    );
+                    edges[i] = Some(e.clone());
+                    e
+                }
+            };
+            let stage = Stage::for_node(edge, node, &mut stages);
+            stages.push(stage);
+        }
+        let replica = match &opts.placement {
+            Placement::All => 0,
+            Placement::Group { replica, .. } => *replica,
+        };
         let built = n
             .config
             .clone()
-            .build(cx(&n.id, 0, random_instance_id()))
+            .build(cx(&n.id, replica, random_instance_id()))
             .await
-            .map_err(|e| build_err(&n.id, 0, e))?;
+            .map_err(|e| build_err(&n.id, replica, e))?;
         let Built::Ingress(ingress) = built else {
             return Err(build_err(
                 &n.id,
-                0,
+                replica,
                 BuildError::new("kind built an operator"),
             ));
         };
-        let steps = chain
-            .path
-            .iter()
-            .filter_map(|&i| edges[i].clone())
-            .collect();
         let runner = Arc::new(ChainRunner {
-            steps,
+            stages,
             root: root.clone(),
+            in_flight: Arc::default(),
         });
         let id = n.id.clone();
         let serve = ingress.serve(runner, signal.clone());
         ingresses.spawn(async move { (id, serve.await) });
     }
-    tracing::info!(graph = %graph.name, nodes = graph.nodes.len(), "Graph is up");
+    tracing::info!(graph = %graph.name, nodes = here.len(), "Graph is up");
 
     let mut failure = None;
     tokio::select! {
         _ = shutdown => tracing::info!("Shutdown requested; draining in-flight requests"),
         Some(done) = ingresses.join_next() => {
             failure = ingress_result(done);
+        }
+    }
+    // Leave discovery first: routers stop choosing this process while it finishes its work.
+    for instance in &served {
+        if let Err(e) = planes.discovery.deregister(&instance.key()).await {
+            tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
         }
     }
     let _ = stop_tx.send(());
@@ -196,9 +304,12 @@ pub async fn run(
                 failure.get_or_insert(e);
             }
         }
+        while planes.requests.in_flight() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     };
     if tokio::time::timeout(opts.grace, drain).await.is_err() {
-        tracing::warn!(grace = ?opts.grace, "Grace period over; aborting requests still in flight");
+        tracing::warn!(grace = ?opts.grace, in_flight = planes.requests.in_flight(), "Grace period over; aborting requests still in flight");
         root.kill();
         if tokio::time::timeout(Duration::from_secs(5), async {
             while ingresses.join_next().await.is_some() {}
@@ -211,7 +322,6 @@ pub async fn run(
     }
     for instance in served {
         planes.requests.unserve(instance.instance_id).await?;
-        planes.discovery.deregister(&instance.key()).await?;
     }
     tracing::info!(graph = %graph.name, "Graph stopped");
     failure.map_or(Ok(()), Err)
@@ -231,12 +341,15 @@ fn ingress_result(
 }
 
 /// Calls one node: keeps its live instances from discovery and picks one per request, the
-/// one a router chose when the payload names it, round-robin otherwise.
+/// one a router chose when the payload names it; otherwise one in this process if there is
+/// one, else the next in round-robin order, skipping instances the request plane saw fail.
 struct EdgeClient {
     node: String,
     types: EndpointTypes,
     planes: Planes,
     instances: LiveInstances,
+    local: Arc<HashSet<u64>>,
+    next: AtomicUsize,
 }
 
 impl EdgeClient {
@@ -245,6 +358,7 @@ impl EdgeClient {
         namespace: &str,
         node: &str,
         types: EndpointTypes,
+        local: Arc<HashSet<u64>>,
     ) -> Result<Self, PlaneError> {
         let prefix = Instance::prefix(namespace, node, ENDPOINT);
         Ok(Self {
@@ -252,24 +366,47 @@ impl EdgeClient {
             types,
             planes: planes.clone(),
             instances: LiveInstances::watch(planes.discovery.as_ref(), &prefix).await?,
+            local,
+            next: AtomicUsize::new(0),
         })
     }
 
+    fn is_down(&self, id: u64) -> bool {
+        self.planes.requests.health().is_some_and(|h| h.is_down(id))
+    }
+
     fn pick(&self, target: Option<u64>) -> Result<Instance, OpError> {
-        match target {
-            Some(t) => self
-                .instances
-                .read()
+        let list = self.instances.read();
+        if let Some(t) = target {
+            return list
                 .iter()
-                .find(|i| i.instance_id == t)
+                .find(|i| i.instance_id == t && !self.is_down(t))
                 .cloned()
                 .ok_or_else(|| {
+                    tracing::debug!(node = %self.node, worker_id = format_args!("{t:x}"), known = ?list.iter().map(|i| format!("{:x}", i.instance_id)).collect::<Vec<_>>(), down = self.is_down(t), "Chosen instance not callable");
                     OpError::unavailable(format!("instance {t:x} of '{}' is gone", self.node))
-                }),
-            None => self.instances.round_robin().ok_or_else(|| {
-                OpError::unavailable(format!("no live instance of '{}'", self.node))
-            }),
+                        .with_code(crate::planes::INSTANCE_LOST)
+                });
         }
+        let local: Vec<&Instance> = list
+            .iter()
+            .filter(|i| self.local.contains(&i.instance_id))
+            .collect();
+        let candidates: Vec<&Instance> = if local.is_empty() {
+            list.iter()
+                .filter(|i| !self.is_down(i.instance_id))
+                .collect()
+        } else {
+            local
+        };
+        if candidates.is_empty() {
+            return Err(OpError::unavailable(format!(
+                "no live instance of '{}'",
+                self.node
+            )));
+        }
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        Ok(candidates[n % candidates.len()].clone())
     }
 
     fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
@@ -278,8 +415,19 @@ impl EdgeClient {
         async_stream::stream! {
             let mut input = input.peekable();
             let target = Pin::new(&mut input).peek().await.and_then(|p| p.target_instance());
-            match this.pick(target) {
+            let mut picked = this.pick(target);
+            // A router's discovery watch may see a new instance a moment before this one's:
+            // wait a little for the instance it chose before calling it lost.
+            if let Some(t) = target {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+                while picked.is_err() && !this.is_down(t) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    picked = this.pick(target);
+                }
+            }
+            match picked {
                 Ok(instance) => {
+                    tracing::debug!(request_id = %ctx.id(), node = %this.node, worker_id = format_args!("{:x}", instance.instance_id), "Calling");
                     let mut out = this.planes.requests.call(&instance, this.types, ctx, input.boxed());
                     while let Some(item) = out.next().await {
                         yield item;
@@ -292,12 +440,196 @@ impl EdgeClient {
     }
 }
 
-/// Walks one ingress's request path: the output stream of each node is the input stream of
-/// the next, and the last node's outputs go back to the ingress. An error from a node in the
-/// middle ends its downstream's input and is delivered to the ingress as the final item.
-struct ChainRunner {
+/// One step of a request path: a node, or a node with the router in front of it wrapped in
+/// request migration.
+enum Stage {
+    Node(Arc<EdgeClient>),
+    Migrating(Arc<Migrating>),
+}
+
+impl Stage {
+    /// The stage for `node`; a migrating node takes the router before it (the last stage, when
+    /// its input and output are this node's input type) into its segment, so a resent request
+    /// is routed afresh.
+    fn for_node(edge: Arc<EdgeClient>, node: &CompiledNode, stages: &mut Vec<Stage>) -> Stage {
+        let resume = match (node.migration_limit, edge.types.input.resume) {
+            (limit, Some(resume)) if limit > 0 => resume,
+            _ => return Stage::Node(edge),
+        };
+        let input = edge.types.input;
+        let router = match stages.last() {
+            Some(Stage::Node(prev)) if prev.types.input == input && prev.types.output == input => {
+                match stages.pop() {
+                    Some(Stage::Node(prev)) => Some(prev),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        Stage::Migrating(Arc::new(Migrating {
+            steps: router.into_iter().chain([edge]).collect(),
+            resume,
+            limit: node.migration_limit,
+        }))
+    }
+
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        match self {
+            Stage::Node(e) => e.call(ctx, input),
+            Stage::Migrating(m) => m.call(ctx, input),
+        }
+    }
+}
+
+/// Something a request path calls: a node, or a migrating segment.
+trait Step {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload>;
+}
+
+impl Step for Arc<EdgeClient> {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        EdgeClient::call(self, ctx, input)
+    }
+}
+
+impl Step for Stage {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        Stage::call(self, ctx, input)
+    }
+}
+
+/// Chain `steps` so each one's outputs are the next one's inputs. An error from a step in the
+/// middle ends its downstream's input and comes out last.
+fn run_path<S: Step>(steps: &[S], ctx: &Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+    let failed: Arc<Mutex<Option<OpError>>> = Arc::default();
+    let mut input = input;
+    let mut calls = steps.iter().peekable();
+    let mut last = None;
+    while let Some(step) = calls.next() {
+        let out = step.call(ctx.clone(), input);
+        if calls.peek().is_none() {
+            last = Some(out);
+            break;
+        }
+        let slot = failed.clone();
+        input = out
+            .scan((), move |_, item| {
+                futures::future::ready(match item {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        slot.lock().get_or_insert(e);
+                        None
+                    }
+                })
+            })
+            .boxed();
+    }
+    let Some(mut out) = last else {
+        return stream::iter([Err(OpError::internal("empty request path"))]).boxed();
+    };
+    async_stream::stream! {
+        while let Some(item) = out.next().await {
+            let upstream_error = failed.lock().take();
+            if let Some(e) = upstream_error {
+                yield Err(e);
+                return;
+            }
+            yield item;
+        }
+        let upstream_error = failed.lock().take();
+        if let Some(e) = upstream_error {
+            yield Err(e);
+        }
+    }
+    .boxed()
+}
+
+/// Request migration: the segment's (unary) request is kept, every output the caller gets is
+/// folded into it, and when the replica is lost (an `Unavailable` error: it died, was
+/// unreachable, or was draining) the request is sent again, up to `limit` times, continuing
+/// where the caller's stream stopped. The caller sees one stream.
+struct Migrating {
     steps: Vec<Arc<EdgeClient>>,
+    resume: Resume,
+    limit: u32,
+}
+
+impl Migrating {
+    fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let this = self.clone();
+        async_stream::stream! {
+            let mut input = input;
+            let Some(first) = input.next().await else { return };
+            let Some(mut kept) = (this.resume.copy)(first.as_ref()) else {
+                yield Err(OpError::internal("request cannot be copied for migration"));
+                return;
+            };
+            let mut request = Some(first);
+            let mut attempt = 0;
+            // A resent request repeats its header; the caller needs exactly one.
+            let mut header_sent = false;
+            loop {
+                let Some(req) = request.take() else { return };
+                let mut out = run_path(&this.steps, &ctx, stream::iter([req]).boxed());
+                let mut lost = None;
+                while let Some(item) = out.next().await {
+                    match item {
+                        Ok(v) => {
+                            if (this.resume.is_repeat)(v.as_ref()) {
+                                if header_sent {
+                                    continue;
+                                }
+                                header_sent = true;
+                            }
+                            (this.resume.absorb)(kept.as_mut(), v.as_ref());
+                            yield Ok(v);
+                        }
+                        Err(e) if e.kind == ErrorKind::Unavailable && attempt < this.limit && !ctx.is_stopped() => {
+                            lost = Some(e);
+                            break;
+                        }
+                        Err(e) => {
+                            yield Err(e);
+                            return;
+                        }
+                    }
+                }
+                let Some(e) = lost else { return };
+                attempt += 1;
+                tracing::warn!(request_id = %ctx.id(), attempt, limit = this.limit, error = %e.message, "Replica lost; migrating the request");
+                // Give discovery a moment when nothing else is left to pick.
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt))).await;
+                let Some(mut again) = (this.resume.copy)(kept.as_ref()) else { return };
+                (this.resume.clear_target)(again.as_mut());
+                request = Some(again);
+            }
+        }
+        .boxed()
+    }
+}
+
+/// Walks one ingress's request path: the output stream of each stage is the input stream of
+/// the next, and the last stage's outputs go back to the ingress.
+struct ChainRunner {
+    stages: Vec<Stage>,
     root: Ctx,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts a request as in flight until its response stream is dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(counter: &Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::AcqRel);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl DynChain for ChainRunner {
@@ -305,46 +637,23 @@ impl DynChain for ChainRunner {
         self.root.child(id)
     }
 
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload> {
-        let failed: Arc<Mutex<Option<OpError>>> = Arc::default();
-        let mut input: Input<AnyPayload> = stream::iter([request]).boxed();
-        let Some((last, middle)) = self.steps.split_last() else {
-            return stream::iter([Err(OpError::internal("empty request path"))]).boxed();
-        };
-        for step in middle {
-            let slot = failed.clone();
-            input = step
-                .call(ctx.clone(), input)
-                .scan((), move |_, item| {
-                    futures::future::ready(match item {
-                        Ok(v) => Some(v),
-                        Err(e) => {
-                            slot.lock().get_or_insert(e);
-                            None
-                        }
-                    })
-                })
-                .boxed();
-        }
-        let mut out = last.call(ctx.clone(), input);
+        let guard = InFlight::new(&self.in_flight);
+        let mut out = run_path(&self.stages, &ctx, stream::iter([request]).boxed());
         async_stream::stream! {
+            let _guard = guard;
             // Only the first item fires the hooks; later ones skip the context's lock.
             let mut first = true;
             while let Some(item) = out.next().await {
-                let upstream_error = failed.lock().take();
-                if let Some(e) = upstream_error {
-                    yield Err(e);
-                    return;
-                }
                 if first && item.is_ok() {
                     first = false;
                     ctx.first_output();
                 }
                 yield item;
-            }
-            let upstream_error = failed.lock().take();
-            if let Some(e) = upstream_error {
-                yield Err(e);
             }
         }
         .boxed()
@@ -402,18 +711,23 @@ mod tests {
             .await
             .unwrap();
         planes.discovery.register(instance).await.unwrap();
-        Arc::new(EdgeClient::start(planes, "t", node, types).await.unwrap())
+        Arc::new(
+            EdgeClient::start(planes, "t", node, types, Arc::default())
+                .await
+                .unwrap(),
+        )
     }
 
     #[tokio::test]
     async fn error_in_the_middle_of_a_path_reaches_the_ingress_last() {
         let planes = Planes::embedded();
         let runner = ChainRunner {
-            steps: vec![
-                serve(&planes, "a", Step { fail: true }).await,
-                serve(&planes, "b", Step { fail: false }).await,
+            stages: vec![
+                Stage::Node(serve(&planes, "a", Step { fail: true }).await),
+                Stage::Node(serve(&planes, "b", Step { fail: false }).await),
             ],
             root: Ctx::new(),
+            in_flight: Arc::default(),
         };
         let ctx = runner.new_ctx("r".into());
         let out: Vec<_> = runner.call(ctx, Box::new(N(7))).collect().await;
@@ -429,8 +743,9 @@ mod tests {
     async fn runtime_root_kill_reaches_request_contexts() {
         let planes = Planes::embedded();
         let runner = ChainRunner {
-            steps: vec![serve(&planes, "a", Step { fail: false }).await],
+            stages: vec![Stage::Node(serve(&planes, "a", Step { fail: false }).await)],
             root: Ctx::new(),
+            in_flight: Arc::default(),
         };
         let ctx = runner.new_ctx("r".into());
         runner.root.kill();
@@ -442,7 +757,7 @@ mod tests {
         let planes = Planes::embedded();
         let types = n_types();
         let edge = Arc::new(
-            EdgeClient::start(&planes, "t", "ghost", types)
+            EdgeClient::start(&planes, "t", "ghost", types, Arc::default())
                 .await
                 .unwrap(),
         );
@@ -454,5 +769,111 @@ mod tests {
             .collect()
             .await;
         assert!(matches!(&out[..], [Err(e)] if e.kind == crate::ErrorKind::Unavailable));
+    }
+    #[derive(Clone)]
+    struct Req {
+        pos: u32,
+        left: u32,
+    }
+    impl Payload for Req {
+        const NAME: &'static str = "Req";
+        fn resume() -> Option<Resume> {
+            Some(Resume::of::<Self>())
+        }
+    }
+    const HEADER: u32 = u32::MAX;
+    impl crate::payload::Resumable for Req {
+        type Output = N;
+        fn absorb(&mut self, out: &N) {
+            if out.0 != HEADER {
+                self.pos += 1;
+                self.left -= 1;
+            }
+        }
+        fn is_repeat(out: &N) -> bool {
+            out.0 == HEADER
+        }
+        fn clear_target(&mut self) {}
+    }
+
+    /// Streams a header, then positions `pos..pos+left`; the first call to get 3 tokens out
+    /// dies with `Unavailable`, as a lost replica does.
+    struct Flaky {
+        died: Arc<std::sync::atomic::AtomicBool>,
+    }
+    impl Operator for Flaky {
+        type In = Req;
+        type Out = N;
+        fn call(&self, _ctx: Ctx, input: Input<Req>) -> Output<N> {
+            let died = self.died.clone();
+            async_stream::stream! {
+                let mut input = input;
+                let Some(req) = input.next().await else { return };
+                yield Ok(N(HEADER));
+                for (i, p) in (req.pos..req.pos + req.left).enumerate() {
+                    if i == 3 && !died.swap(true, Ordering::SeqCst) {
+                        yield Err(OpError::unavailable("replica lost"));
+                        return;
+                    }
+                    yield Ok(N(p));
+                }
+            }
+            .boxed()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
+        let planes = Planes::embedded();
+        let types = EndpointTypes {
+            input: crate::PayloadType::of::<Req>(),
+            output: crate::PayloadType::of::<N>(),
+        };
+        let died = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for id in [1, 2] {
+            let instance = Instance {
+                namespace: "t".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+            };
+            let op = erase(Flaky { died: died.clone() });
+            planes.requests.serve(&instance, types, op).await.unwrap();
+            planes.discovery.register(instance).await.unwrap();
+        }
+        let edge = Arc::new(
+            EdgeClient::start(&planes, "t", "decode", types, Arc::default())
+                .await
+                .unwrap(),
+        );
+        let migrating = |limit| ChainRunner {
+            stages: vec![Stage::Migrating(Arc::new(Migrating {
+                steps: vec![edge.clone()],
+                resume: Resume::of::<Req>(),
+                limit,
+            }))],
+            root: Ctx::new(),
+            in_flight: Arc::default(),
+        };
+        let runner = migrating(3);
+        let out: Vec<u32> = runner
+            .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
+            .map(|r| downcast::<N>(r.unwrap()).ok().unwrap().0)
+            .collect()
+            .await;
+        assert!(died.load(Ordering::SeqCst), "a replica was lost");
+        let mut want = vec![HEADER];
+        want.extend(0..10);
+        assert_eq!(out, want);
+        assert_eq!(runner.in_flight(), 0);
+
+        // Without migration the loss reaches the caller.
+        died.store(false, Ordering::SeqCst);
+        let out: Vec<_> = migrating(0)
+            .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
+            .collect()
+            .await;
+        assert!(matches!(out.last(), Some(Err(e)) if e.kind == ErrorKind::Unavailable));
     }
 }

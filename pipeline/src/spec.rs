@@ -65,6 +65,9 @@ pub struct NodeSpec {
     pub process_pos: Option<Pos>,
     pub device: Device,
     pub device_pos: Option<Pos>,
+    /// How many times a request this node serves is resent to another replica after losing
+    /// one (when its input type can be resumed).
+    pub migration_limit: u32,
     /// The kind's own config; an empty mapping when absent.
     pub config: Node,
 }
@@ -112,13 +115,26 @@ struct NodeRaw {
     process: Option<Spanned<String>>,
     #[serde(default)]
     device: Option<Spanned<Device>>,
+    #[serde(default)]
+    migration_limit: Option<Spanned<u32>>,
     #[allow(dead_code)] // taken as a marked node, parsed later by the node's kind
     #[serde(default)]
     config: Option<serde::de::IgnoredAny>,
 }
 
 /// Names of the node-level fields; `--set NODE.KEY=V` with any other key edits the config.
-pub const NODE_FIELDS: &[&str] = &["kind", "inputs", "replicas", "process", "device", "config"];
+pub const NODE_FIELDS: &[&str] = &[
+    "kind",
+    "inputs",
+    "replicas",
+    "process",
+    "device",
+    "migration_limit",
+    "config",
+];
+
+/// Resends after a lost replica, unless a node says otherwise (Dynamo's default too).
+pub const DEFAULT_MIGRATION_LIMIT: u32 = 3;
 
 fn pos_of<T>(s: &Spanned<T>) -> Option<Pos> {
     Pos::of_span(s.span())
@@ -375,6 +391,10 @@ pub fn load_str(
             process_pos: raw.process.as_ref().and_then(pos_of),
             device: raw.device.as_ref().map_or(Device::Cpu, |d| **d),
             device_pos: raw.device.as_ref().and_then(pos_of),
+            migration_limit: raw
+                .migration_limit
+                .as_ref()
+                .map_or(DEFAULT_MIGRATION_LIMIT, |m| **m),
             config,
             id,
         });

@@ -202,3 +202,36 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
     assert_eq!(listed, vec![first, second]);
     drop(server);
 }
+
+#[tokio::test]
+async fn watches_started_during_registrations_miss_nothing() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
+    let b = std::sync::Arc::new(EtcdDiscovery::connect(&url, TTL).await.unwrap());
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    const N: u64 = 20;
+    let watchers: Vec<_> = (0..N)
+        .map(|i| {
+            let (b, prefix) = (b.clone(), prefix.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i * 3)).await;
+                let live = dyn_pipeline::planes::LiveInstances::watch(b.as_ref(), &prefix)
+                    .await
+                    .unwrap();
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while live.read().len() < N as usize && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                live.read().len()
+            })
+        })
+        .collect();
+    for i in 0..N {
+        a.register(instance(&ns, i)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    for w in watchers {
+        assert_eq!(w.await.unwrap(), N as usize);
+    }
+}

@@ -65,11 +65,17 @@ impl Graph {
 
     /// [`Graph::up`] for a graph whose ingress node is called `ingress`.
     pub fn up_with_ingress(graph: &str, ingress: &str, extra: &[&str]) -> Graph {
+        Self::start(graph, ingress, extra, &[])
+    }
+
+    /// [`Graph::up_with_ingress`] with extra environment variables.
+    pub fn start(graph: &str, ingress: &str, extra: &[&str], env: &[(&str, &str)]) -> Graph {
         let mut child = dyn_cmd()
             .args(["--log-format", "json", "graph", "up", graph])
             .args(["--set", &format!("{ingress}.listen=127.0.0.1:0")])
             .args(extra)
             .env("RUST_LOG", "info,dyn_operators=debug,dyn_pipeline=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -81,7 +87,7 @@ impl Graph {
         let sink = logs.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(unprefixed(&line))
                     && v["message"] == "HTTP ingress listening"
                 {
                     let _ = tx.send(v["addr"].as_str().unwrap_or_default().to_owned());
@@ -124,6 +130,11 @@ impl Graph {
         self.logs.lock().unwrap().clone()
     }
 
+    /// The `dyn graph up` process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     /// Send SIGTERM.
     pub fn terminate(&self) {
         let pid = self.child.as_ref().unwrap().id().to_string();
@@ -158,6 +169,23 @@ impl Drop for Graph {
             let _ = c.wait();
         }
     }
+}
+
+/// A log line without the `[PROCESS.REPLICA] ` prefix a supervisor adds to its processes'.
+pub fn unprefixed(line: &str) -> &str {
+    match line.strip_prefix('[').and_then(|l| l.split_once("] ")) {
+        Some((_, rest)) => rest,
+        None => line,
+    }
+}
+
+/// The log lines of one supervised process (`frontend.0`), prefix removed, parsed.
+pub fn process_logs(logs: &[String], process: &str) -> Vec<serde_json::Value> {
+    let prefix = format!("[{process}] ");
+    logs.iter()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 /// A fresh empty directory under the system temp dir, unique to this test process and `name`.

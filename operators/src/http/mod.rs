@@ -10,6 +10,8 @@ pub mod openai;
 pub mod text;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
 use axum::extract::{Request, State};
@@ -251,18 +253,64 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum
         .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
 }
 
-/// Serve `app` until shutdown, then let open requests finish (the runtime bounds how long).
+/// Serve `app` until shutdown, then drain: while requests sent down the graph are still
+/// streaming (`in_flight`), the listener stays open so load balancers can see `/health`
+/// answer 503 and new API requests get a 503 `draining` error; once nothing is in flight the
+/// server closes (the runtime bounds how long all this may take).
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
     shutdown: ShutdownSignal,
+    in_flight: impl Fn() -> usize + Send + 'static,
 ) -> Result<(), OpError> {
+    let draining = Arc::new(AtomicBool::new(false));
+    let app = app.layer(axum::middleware::from_fn_with_state(
+        draining.clone(),
+        refuse_while_draining,
+    ));
+    let closed = async move {
+        shutdown.await;
+        draining.store(true, Ordering::Release);
+        tracing::info!(
+            in_flight = in_flight(),
+            "Draining: /health answers 503, new requests are refused"
+        );
+        while in_flight() > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
     // Peer addresses reach the handlers: the admin routes answer loopback clients only.
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
-    .with_graceful_shutdown(shutdown)
+    .with_graceful_shutdown(closed)
     .await
     .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
+}
+
+async fn refuse_while_draining(
+    State(draining): State<Arc<AtomicBool>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if !draining.load(Ordering::Acquire) {
+        return next.run(req).await;
+    }
+    match req.uri().path() {
+        // Liveness and metrics still answer: the process is alive and finishing its work.
+        "/live" | "/metrics" => next.run(req).await,
+        "/health" => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response(),
+        _ => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "draining",
+            "the server is shutting down; retry on another replica",
+        )
+        .into_response(),
+    }
 }

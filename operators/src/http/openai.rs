@@ -99,6 +99,10 @@ impl Ingress for Http {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
+        let in_flight = {
+            let chain = chain.clone();
+            move || chain.in_flight()
+        };
         let state = App {
             chain,
             model: self.model.into(),
@@ -113,7 +117,7 @@ impl Ingress for Http {
             .route("/metrics", get(metrics))
             .merge(super::admin::router(self.admin));
         let app = super::app(&self.config, api, open);
-        super::serve(self.listener, app, shutdown).boxed()
+        super::serve(self.listener, app, shutdown, in_flight).boxed()
     }
 }
 

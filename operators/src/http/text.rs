@@ -75,11 +75,15 @@ impl Ingress for HttpText {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
+        let in_flight = {
+            let chain = chain.clone();
+            move || chain.in_flight()
+        };
         let api = axum::Router::new()
             .route("/v1/text", post(text))
             .with_state(chain);
         let app = super::app(&self.config, api, axum::Router::new());
-        super::serve(self.listener, app, shutdown).boxed()
+        super::serve(self.listener, app, shutdown, in_flight).boxed()
     }
 }
 

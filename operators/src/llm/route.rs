@@ -22,10 +22,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dyn_pipeline::planes::{EventBus, Instance, LiveInstances};
+use dyn_pipeline::planes::{EventBus, Instance, LiveInstances, Planes};
 use dyn_pipeline::runtime::ENDPOINT;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -162,6 +162,8 @@ impl OperatorConfig for RouteConfig {
             kv,
             metrics: Mutex::new(HashMap::new()),
             rng: Mutex::new(StdRng::from_os_rng()),
+            next: AtomicUsize::new(0),
+            planes: cx.planes.clone(),
         });
         let follow = follow_workers(
             inner.clone(),
@@ -192,6 +194,10 @@ struct Inner {
     /// The latest load metrics per worker.
     metrics: Mutex<HashMap<u64, LoadMetrics>>,
     rng: Mutex<StdRng>,
+    /// Round-robin position.
+    next: AtomicUsize,
+    /// For the request plane's view of unreachable workers and the event plane's health.
+    planes: Planes,
 }
 
 /// What the `kv` policy knows of the workers' caches.
@@ -229,8 +235,22 @@ impl Inner {
         OpError::unavailable(format!("no worker of '{}' is available", self.target))
     }
 
+    /// Workers in discovery, less those the request plane just saw fail (their lease has
+    /// not run out yet, but a request sent there would be lost).
     fn live(&self) -> Vec<u64> {
-        self.workers.read().iter().map(|i| i.instance_id).collect()
+        let health = self.planes.requests.health();
+        self.workers
+            .read()
+            .iter()
+            .map(|i| i.instance_id)
+            .filter(|id| health.is_none_or(|h| !h.is_down(*id)))
+            .collect()
+    }
+
+    /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
+    /// or while the event plane is down. The router then records its own decisions.
+    fn approximate(&self) -> bool {
+        !self.config.kv_events || !self.planes.events.connected()
     }
 
     /// Decide where `tokens` would go, without recording anything.
@@ -259,13 +279,7 @@ impl Inner {
             blocks: Vec::new(),
         };
         let worker = match self.config.policy {
-            Policy::RoundRobin => {
-                return self
-                    .workers
-                    .round_robin()
-                    .map(|i| plain(i.instance_id))
-                    .ok_or_else(|| self.unavailable());
-            }
+            Policy::RoundRobin => live[self.next.fetch_add(1, Ordering::Relaxed) % live.len()],
             Policy::Random => live[self.rng.lock().random_range(0..live.len())],
             Policy::LeastLoaded => least(&live, &mut self.rng.lock()),
             Policy::PowerOfTwo => {
@@ -314,7 +328,7 @@ impl Inner {
             None => tokens.len() as u64,
         };
         if let Some(kv) = &self.kv
-            && !self.config.kv_events
+            && self.approximate()
         {
             self.record_own_decision(kv, d.worker, &d.blocks);
         }
@@ -375,6 +389,7 @@ async fn follow_workers(
         let kv = inner.kv.as_ref();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut awaiting: HashMap<u64, Instant> = HashMap::new();
+        let mut events_up = true;
         let ask = |worker_id: u64| {
             let events = events.clone();
             let subject = resync_subject.clone();
@@ -431,7 +446,23 @@ async fn follow_workers(
                             awaiting.remove(w);
                         }
                     }
-                    if !kv_events {
+                    let up = events.connected();
+                    if kv_events && up != events_up {
+                        if up {
+                            // Events were lost meanwhile: rebuild every worker's blocks from a
+                            // dump, which replaces the decisions recorded during the outage.
+                            tracing::info!("Event plane is back; resyncing the KV index from every worker");
+                            kv.approx.lock().clear();
+                            let stale = Instant::now().checked_sub(Duration::from_secs(1)).unwrap_or_else(Instant::now);
+                            for w in &live {
+                                awaiting.insert(*w, stale);
+                            }
+                        } else {
+                            tracing::warn!("Event plane is down; routing on this router's own decisions until it is back");
+                        }
+                        events_up = up;
+                    }
+                    if !kv_events || !up {
                         expire(kv, Duration::from_secs_f64(inner.config.approx_ttl_s));
                     }
                     for (w, since) in awaiting.iter_mut() {

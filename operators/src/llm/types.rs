@@ -7,7 +7,7 @@
 //!
 //! All of them have a wire codec, so any edge may cross a process boundary.
 
-use dyn_pipeline::{Codec, Payload};
+use dyn_pipeline::{Codec, Payload, Resumable, Resume};
 use serde::{Deserialize, Serialize};
 
 /// Which OpenAI endpoint a request came in on; decides how the prompt is built.
@@ -171,5 +171,33 @@ impl Payload for PreprocessedRequest {
     }
     fn target_instance(&self) -> Option<u64> {
         self.target
+    }
+    fn resume() -> Option<Resume> {
+        Some(Resume::of::<Self>())
+    }
+}
+
+/// Migration: a request resent after losing its worker carries the tokens the client already
+/// has after its prompt (so the new worker continues from there, and reuses its prefix cache
+/// for the prompt), with that many fewer to generate. `output.prompt_tokens` keeps the
+/// original prompt length, for usage and for engines to know where the answer starts.
+impl Resumable for PreprocessedRequest {
+    type Output = Generated;
+
+    fn absorb(&mut self, output: &Generated) {
+        if let Generated::Tokens { ids, .. } = output {
+            self.token_ids.extend_from_slice(ids);
+            let n = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+            self.stop.max_tokens = self.stop.max_tokens.saturating_sub(n);
+            self.stop.min_tokens = self.stop.min_tokens.saturating_sub(n);
+        }
+    }
+
+    fn is_repeat(output: &Generated) -> bool {
+        matches!(output, Generated::Start(_))
+    }
+
+    fn clear_target(&mut self) {
+        self.target = None;
     }
 }

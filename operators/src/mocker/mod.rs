@@ -303,14 +303,23 @@ impl Mocker {
     /// Queue a request; its tokens arrive on the returned channel.
     pub fn submit(&self, req: &PreprocessedRequest) -> Result<mpsc::Receiver<Generated>, OpError> {
         let (tx, rx) = mpsc::channel(64);
+        // A migrated request carries the tokens already generated after its prompt; seeding
+        // by the original prompt and counting positions from it makes it continue exactly.
+        let prompt_len = (req.output.prompt_tokens as usize).min(req.token_ids.len());
+        let prompt_len = if prompt_len == 0 {
+            req.token_ids.len()
+        } else {
+            prompt_len
+        };
         let seed = req
             .sampling
             .seed
-            .unwrap_or_else(|| crate::llm::kv::local_hash(&req.token_ids));
+            .unwrap_or_else(|| crate::llm::kv::local_hash(&req.token_ids[..prompt_len]));
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
             seed,
+            offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             vocab: self.vocab.clone(),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

@@ -30,6 +30,9 @@ pub struct SeqSpec {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub seed: u64,
+    /// Output tokens generated before this request (a migrated request resumes at this
+    /// position, so its output continues the original one exactly).
+    pub offset: u32,
     /// The token ids output is drawn from.
     pub vocab: std::sync::Arc<[u32]>,
 }
@@ -302,7 +305,7 @@ impl Scheduler {
             out.context_tokens += seq.computed;
             Self::register_full(&mut self.pool, seq, block_size);
             if seq.computed == seq.tokens.len() {
-                let t = token_at(&seq.spec, seq.generated);
+                let t = token_at(&seq.spec, seq.spec.offset + seq.generated);
                 seq.tokens.push(t);
                 seq.generated += 1;
                 let finish = (seq.generated >= seq.spec.max_tokens).then_some(FinishReason::Length);
@@ -325,6 +328,7 @@ mod tests {
 
     fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         SeqSpec {
+            offset: 0,
             prompt,
             max_tokens,
             seed: 42,

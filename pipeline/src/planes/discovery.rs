@@ -88,10 +88,14 @@ impl LiveInstances {
                 let mut list = shared.write();
                 match ev {
                     DiscoveryEvent::Put(i) => {
+                        tracing::debug!(node = %i.component, worker_id = format_args!("{:x}", i.instance_id), "Instance joined");
                         list.retain(|x| x.instance_id != i.instance_id);
                         list.push(i);
                     }
-                    DiscoveryEvent::Delete { key } => list.retain(|x| x.key() != key),
+                    DiscoveryEvent::Delete { key } => {
+                        tracing::debug!(key, "Instance left");
+                        list.retain(|x| x.key() != key);
+                    }
                 }
             }
         });

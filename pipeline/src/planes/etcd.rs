@@ -45,6 +45,15 @@ pub struct EtcdDiscovery {
     _keepalive: tokio_util::task::AbortOnDropHandle<()>,
 }
 
+/// The instances under `prefix`, read without taking a lease (for `dyn graph ps`).
+pub async fn list_instances(endpoint: &str, prefix: &str) -> Result<Vec<Instance>, PlaneError> {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(3))
+        .with_timeout(Duration::from_secs(3));
+    let mut client = Client::connect([endpoint], Some(opts)).await.map_err(err)?;
+    Ok(EtcdDiscovery::snapshot(&mut client, prefix).await?.0)
+}
+
 impl EtcdDiscovery {
     /// Connect to `endpoint` (`http://host:port`) and take a lease of `ttl` (etcd rounds up
     /// to its minimum, 2 s for etcd 3.4).

@@ -48,6 +48,36 @@ pub struct Planes {
 }
 
 impl Planes {
+    /// The planes a graph's addresses name: etcd discovery, NATS events, and the TCP request
+    /// plane as soon as either leaves the process (another process may then call in).
+    pub async fn connect(
+        control: &crate::compile::PlaneAddr,
+        events: &crate::compile::PlaneAddr,
+        tcp: TcpOptions,
+        lease_ttl: std::time::Duration,
+    ) -> Result<Self, PlaneError> {
+        use crate::compile::PlaneAddr;
+        let mut planes = Self::embedded();
+        let mut distributed = false;
+        if let PlaneAddr::Etcd(endpoints) = control {
+            let first = endpoints.first().ok_or_else(|| PlaneError::Backend {
+                plane: "control",
+                message: "no etcd endpoint".into(),
+            })?;
+            planes.discovery =
+                Arc::new(EtcdDiscovery::connect(&format!("http://{first}"), lease_ttl).await?);
+            distributed = true;
+        }
+        if let PlaneAddr::Nats(endpoints) = events {
+            planes.events = Arc::new(NatsEventBus::connect(endpoints).await?);
+            distributed = true;
+        }
+        if distributed {
+            planes.requests = Arc::new(TcpRequestPlane::new(tcp, Arc::default()));
+        }
+        Ok(planes)
+    }
+
     /// All three planes in-process.
     pub fn embedded() -> Self {
         Self {

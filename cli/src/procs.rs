@@ -1,0 +1,425 @@
+//! Multi-process `dyn graph up`, and `dyn graph ps` / `dyn graph down`.
+//!
+//! With etcd and NATS planes, `dyn graph up` becomes a supervisor: it starts one `dyn` process
+//! per process-group replica (the same binary with `--group NAME:REPLICA`), prefixes their log
+//! lines with `[NAME.REPLICA]`, restarts a process that exits with a backoff (0.5 s doubling to
+//! 10 s, reset once it has run for 30 s), and on SIGINT/SIGTERM passes SIGTERM on so every
+//! process drains, then waits for them. It records itself and its processes in a state file
+//! (one per supervisor, so machines joining with `--only` on one host do not collide); `ps`
+//! reads those and asks etcd which instances are registered, `down` sends SIGTERM to the
+//! supervisors and waits for them to finish.
+//!
+//! A supervised process checks every second that its supervisor is still its parent, and
+//! drains and exits when it is not: a supervisor killed with SIGKILL leaves nothing behind.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::watch;
+
+/// What one supervisor (or one embedded `dyn graph up`) runs, as written to its state file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct State {
+    pub graph: String,
+    pub namespace: String,
+    pub pid: u32,
+    /// `embedded` or `distributed`.
+    pub mode: String,
+    pub control: String,
+    pub events: String,
+    pub started_unix: u64,
+    pub processes: Vec<ProcState>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcState {
+    pub process: String,
+    pub replica: u32,
+    pub pid: Option<u32>,
+    pub restarts: u32,
+    pub status: String,
+}
+
+/// Where state files live: `$DYN_RUN_DIR`, else `$XDG_RUNTIME_DIR/dyn`, else a per-user
+/// directory under the temp dir.
+pub fn run_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("DYN_RUN_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("dyn");
+    }
+    std::env::temp_dir().join(format!("dyn-{}", nix::unistd::getuid()))
+}
+
+fn state_path(namespace: &str, graph: &str, pid: u32) -> PathBuf {
+    run_dir().join(format!("{namespace}.{graph}.{pid}.json"))
+}
+
+/// The state file of a running `dyn graph up`, removed when dropped.
+pub struct StateFile {
+    path: PathBuf,
+    state: Mutex<State>,
+}
+
+impl StateFile {
+    pub fn create(state: State) -> anyhow::Result<Arc<Self>> {
+        let path = state_path(&state.namespace, &state.graph, state.pid);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+        }
+        let f = Arc::new(Self {
+            path,
+            state: Mutex::new(state),
+        });
+        f.write();
+        Ok(f)
+    }
+
+    fn update(&self, f: impl FnOnce(&mut State)) {
+        let mut state = self.state.lock();
+        f(&mut state);
+        self.write_locked(&state);
+    }
+
+    fn write(&self) {
+        self.write_locked(&self.state.lock());
+    }
+
+    /// Called with the state locked, so concurrent updates do not share the temporary file.
+    fn write_locked(&self, state: &State) {
+        let text = serde_json::to_string_pretty(state).unwrap_or_default();
+        // Write then rename, so `ps` never reads half a file.
+        let tmp = self.path.with_extension("tmp");
+        if std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &self.path))
+            .is_err()
+        {
+            tracing::warn!(path = %self.path.display(), "Cannot write the state file");
+        }
+    }
+}
+
+impl Drop for StateFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// True while `pid` runs; an exited process its parent has not reaped yet (a zombie) counts
+/// as gone.
+fn alive(pid: u32) -> bool {
+    let exists = i32::try_from(pid).is_ok_and(|p| kill(Pid::from_raw(p), None).is_ok());
+    let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // `pid (comm) S …`: the state follows the last `)` (comm may contain spaces).
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    });
+    exists && !zombie
+}
+
+fn signal(pid: u32, sig: Signal) {
+    if let Ok(p) = i32::try_from(pid) {
+        let _ = kill(Pid::from_raw(p), sig);
+    }
+}
+
+/// One process to supervise: its group, replica, and the arguments of its `dyn` command.
+pub struct Group {
+    pub process: String,
+    pub replica: u32,
+    pub args: Vec<String>,
+}
+
+/// Run `groups` as child processes until `shutdown`, restarting them when they exit.
+pub async fn supervise(
+    groups: Vec<Group>,
+    state: Arc<StateFile>,
+    grace: Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("cannot find the dyn binary")?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (slot, g) in groups.into_iter().enumerate() {
+        tasks.spawn(keep_running(
+            exe.clone(),
+            g,
+            slot,
+            state.clone(),
+            stop_rx.clone(),
+        ));
+    }
+    shutdown.await;
+    tracing::info!("Stopping: every process drains its requests (SIGTERM)");
+    let _ = stop_tx.send(true);
+    // Each task sends SIGTERM and waits for its process; past the grace, SIGKILL.
+    let all = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(grace + Duration::from_secs(10), all)
+        .await
+        .is_err()
+    {
+        tracing::warn!("Processes still running after the grace period; killing them");
+        let pids: Vec<u32> = state
+            .state
+            .lock()
+            .processes
+            .iter()
+            .filter_map(|p| p.pid)
+            .collect();
+        for pid in pids {
+            signal(pid, Signal::SIGKILL);
+        }
+        tasks.abort_all();
+    }
+    Ok(())
+}
+
+async fn keep_running(
+    exe: PathBuf,
+    g: Group,
+    slot: usize,
+    state: Arc<StateFile>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let name = format!("{}.{}", g.process, g.replica);
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let started = Instant::now();
+        let child = tokio::process::Command::new(&exe)
+            .args(&g.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(process = %name, error = %e, "Cannot start the process");
+                return;
+            }
+        };
+        let pid = child.id();
+        state.update(|s| {
+            s.processes[slot].pid = pid;
+            s.processes[slot].status = "running".into();
+        });
+        tracing::info!(process = %name, pid, "Process started");
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(prefix_lines(out, name.clone(), false));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(prefix_lines(err, name.clone(), true));
+        }
+        let status = tokio::select! {
+            s = child.wait() => s,
+            _ = stopped(&mut stop) => {
+                if let Some(pid) = pid {
+                    signal(pid, Signal::SIGTERM);
+                }
+                let s = child.wait().await;
+                state.update(|st| {
+                    st.processes[slot].status = "stopped".into();
+                    st.processes[slot].pid = None;
+                });
+                tracing::info!(process = %name, status = ?s.as_ref().ok(), "Process stopped");
+                return;
+            }
+        };
+        if *stop.borrow() {
+            return;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            backoff = Duration::from_millis(500);
+        }
+        let shown = status
+            .as_ref()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        tracing::warn!(process = %name, status = %shown, restart_in = ?backoff, "Process exited; restarting");
+        state.update(|s| {
+            s.processes[slot].pid = None;
+            s.processes[slot].restarts += 1;
+            s.processes[slot].status = format!("restarting ({shown})");
+        });
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stopped(&mut stop) => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// Resolves when this process's parent (the supervisor) has gone: the process was re-parented.
+pub async fn parent_gone() {
+    let parent = nix::unistd::getppid();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if nix::unistd::getppid() != parent {
+            tracing::warn!("The supervisor is gone; stopping");
+            return;
+        }
+    }
+}
+
+/// Resolves once the supervisor is stopping.
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+async fn prefix_lines(r: impl tokio::io::AsyncRead + Unpin, name: String, stderr: bool) {
+    let mut lines = BufReader::new(r).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if stderr {
+            eprintln!("[{name}] {line}");
+        } else {
+            println!("[{name}] {line}");
+        }
+    }
+}
+
+/// The state files of `graph` whose supervisor is alive; stale ones are removed.
+pub fn running(namespace: &str, graph: &str) -> Vec<State> {
+    let prefix = format!("{namespace}.{graph}.");
+    let Ok(dir) = std::fs::read_dir(run_dir()) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with(&prefix) || !name.ends_with(".json") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        match serde_json::from_str::<State>(&text) {
+            Ok(s) if alive(s.pid) => out.push(s),
+            _ => {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    out.sort_by_key(|s| s.pid);
+    out
+}
+
+/// `dyn graph ps`: processes from the state files, instances from etcd.
+pub async fn ps(
+    namespace: &str,
+    graph: &str,
+    control: &dyn_pipeline::compile::PlaneAddr,
+    json: bool,
+) -> anyhow::Result<()> {
+    let states = running(namespace, graph);
+    let instances = match control {
+        dyn_pipeline::compile::PlaneAddr::Etcd(eps) => {
+            let prefix = format!("v1/instances/{namespace}/");
+            let endpoint = format!("http://{}", eps.first().map_or("", String::as_str));
+            Some(
+                dyn_pipeline::planes::etcd::list_instances(&endpoint, &prefix)
+                    .await
+                    .with_context(|| format!("cannot list instances in etcd at {endpoint}"))?,
+            )
+        }
+        _ => None,
+    };
+    if json {
+        let v = serde_json::json!({"runs": states, "instances": instances});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if states.is_empty() {
+        println!(
+            "graph {graph} (namespace {namespace}): no `dyn graph up` running on this machine"
+        );
+    }
+    for s in &states {
+        println!(
+            "graph {} (namespace {}): {} run, pid {}, control {}, events {}, up {} s",
+            s.graph,
+            s.namespace,
+            s.mode,
+            s.pid,
+            s.control,
+            s.events,
+            now_unix().saturating_sub(s.started_unix)
+        );
+        println!(
+            "  {:<16} {:>7} {:>8} {:>8}  STATUS",
+            "PROCESS", "REPLICA", "PID", "RESTARTS"
+        );
+        for p in &s.processes {
+            let pid = p.pid.map_or("-".into(), |p| p.to_string());
+            println!(
+                "  {:<16} {:>7} {:>8} {:>8}  {}",
+                p.process, p.replica, pid, p.restarts, p.status
+            );
+        }
+    }
+    if let Some(list) = instances {
+        println!("\nregistered instances ({control}):");
+        println!("  {:<16} {:<18} ADDRESS", "NODE", "INSTANCE");
+        for i in list {
+            let addr = match &i.transport {
+                dyn_pipeline::planes::Transport::Tcp { address } => address.clone(),
+                dyn_pipeline::planes::Transport::InProcess => "in-process".into(),
+            };
+            println!("  {:<16} {:<18x} {addr}", i.component, i.instance_id);
+        }
+    }
+    Ok(())
+}
+
+/// `dyn graph down`: SIGTERM every supervisor of the graph on this machine and wait.
+pub fn down(namespace: &str, graph: &str, timeout: Duration) -> anyhow::Result<()> {
+    let states = running(namespace, graph);
+    if states.is_empty() {
+        println!("graph {graph} (namespace {namespace}) is not running on this machine");
+        return Ok(());
+    }
+    for s in &states {
+        signal(s.pid, Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + timeout;
+    let mut left: Vec<&State> = states.iter().collect();
+    while !left.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        left.retain(|s| alive(s.pid));
+    }
+    for s in &states {
+        if alive(s.pid) {
+            println!(
+                "graph {graph}: pid {} is still draining after {timeout:?}",
+                s.pid
+            );
+        } else {
+            println!("graph {graph}: stopped pid {} ({} run)", s.pid, s.mode);
+        }
+    }
+    if left.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!("{} run(s) of '{graph}' did not stop in time", left.len())
+    }
+}

@@ -1,0 +1,470 @@
+//! Multi-process `dyn graph up` on real etcd and NATS servers: serving, lease expiry of a
+//! killed worker, request migration when a worker dies mid-stream, event and control plane
+//! restarts under load, and graceful drain on SIGTERM.
+//!
+//! Every test starts its own etcd and nats-server (free loopback ports, temporary data) so it
+//! can kill and restart them, and gives its graph a run directory of its own for `ps`/`down`.
+//! They run when the test command has set the servers up (`DYN_TEST_ETCD`), and skip visibly
+//! otherwise.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use dyn_tests::servers::{Server, test_server};
+use dyn_tests::{Graph, dyn_cmd, scratch_dir};
+use serde_json::{Value, json};
+
+const AGG: &str = "graphs/agg.yaml";
+const AGG_KV: &str = "graphs/agg_kv.yaml";
+
+struct Cluster {
+    g: Graph,
+    etcd: Server,
+    nats: Server,
+    run_dir: PathBuf,
+    file: &'static str,
+}
+
+impl Cluster {
+    /// `dyn graph up FILE` across processes on private etcd and NATS servers, once every
+    /// decode replica has registered.
+    fn up(file: &'static str, decode: usize, extra: &[&str]) -> Option<Cluster> {
+        test_server("DYN_TEST_ETCD")?;
+        let (Some(etcd), Some(nats)) = (Server::etcd(), Server::nats()) else {
+            eprintln!("SKIPPED: etcd or nats-server is not on PATH");
+            return None;
+        };
+        let run_dir = scratch_dir(&format!("run-{}", etcd.address().replace(':', "-")));
+        let control = format!("etcd://{}", etcd.address());
+        let events = format!("nats://{}", nats.address());
+        let mut args = vec![
+            "--control",
+            &control,
+            "--events",
+            &events,
+            "--lease-ttl",
+            "2",
+            "--grace-period",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        let dir = run_dir.display().to_string();
+        let g = Graph::start(file, "http", &args, &[("DYN_RUN_DIR", &dir)]);
+        let c = Cluster {
+            g,
+            etcd,
+            nats,
+            run_dir,
+            file,
+        };
+        c.wait_for(
+            |c| c.instances("decode").len() == decode,
+            "decode replicas register",
+        );
+        Some(c)
+    }
+
+    fn dyn_graph(&self, args: &[&str]) -> Output {
+        dyn_cmd()
+            .args(["graph"])
+            .args(args)
+            .env("DYN_RUN_DIR", &self.run_dir)
+            .output()
+            .unwrap()
+    }
+
+    /// `dyn graph ps FILE --json`.
+    fn ps(&self) -> Value {
+        let control = format!("etcd://{}", self.etcd.address());
+        let out = self.dyn_graph(&["ps", self.file, "--control", &control, "--json"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// Registered instance ids (hex) of `node`.
+    fn instances(&self, node: &str) -> Vec<String> {
+        self.ps()["instances"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|i| i["component"] == node)
+                    .map(|i| format!("{:x}", i["instance_id"].as_u64().unwrap()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The pid of one supervised process, e.g. `("decode", 1)`.
+    fn pid(&self, process: &str, replica: u64) -> u32 {
+        let ps = self.ps();
+        let procs = ps["runs"][0]["processes"].as_array().unwrap().clone();
+        procs
+            .iter()
+            .find(|p| p["process"] == process && p["replica"] == replica)
+            .and_then(|p| p["pid"].as_u64())
+            .unwrap_or_else(|| panic!("no pid for {process}.{replica} in {ps}")) as u32
+    }
+
+    fn wait_for(&self, ok: impl Fn(&Cluster) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !ok(self) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting until {what}; logs:\n{}",
+                self.g.logs().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Log lines of the frontend process.
+    fn frontend_logs(&self) -> Vec<Value> {
+        dyn_tests::process_logs(&self.g.logs(), "frontend.0")
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+/// A streamed chat completion: its text and completion tokens, or why it failed.
+async fn stream_chat(url: &str, content: &str, max_tokens: u32) -> Result<(String, u64), String> {
+    let body = json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status();
+    let text = r.text().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("{status}: {text}"));
+    }
+    let mut out = String::new();
+    let mut tokens = None;
+    let mut done = false;
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let data = event
+            .strip_prefix("data: ")
+            .ok_or(format!("bad event {event:?}"))?;
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if v.get("error").is_some() {
+            return Err(v.to_string());
+        }
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            out.push_str(c);
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = Some(n);
+        }
+    }
+    match (done, tokens) {
+        (true, Some(n)) => Ok((out, n)),
+        _ => Err(format!("incomplete stream: {text}")),
+    }
+}
+
+/// Send `prompts` concurrently; results in order.
+async fn stream_all(
+    url: &str,
+    prompts: &[String],
+    max_tokens: u32,
+) -> Vec<Result<(String, u64), String>> {
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, p) = (url.to_owned(), p.clone());
+            tokio::spawn(async move { stream_chat(&url, &p, max_tokens).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn prompts(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("Tell me story number {i}, please."))
+        .collect()
+}
+
+/// Requests sent back to back by `workers` tasks until `stop`; (ok, failures).
+async fn load(
+    url: String,
+    workers: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> (usize, Vec<String>) {
+    let tasks: Vec<_> = (0..workers)
+        .map(|w| {
+            let (url, stop) = (url.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0, Vec::new());
+                let mut i = 0;
+                while !*stop.borrow() {
+                    match stream_chat(
+                        &url,
+                        &format!("load {w} {i} {}", "word ".repeat(i % 40)),
+                        16,
+                    )
+                    .await
+                    {
+                        Ok(_) => ok += 1,
+                        Err(e) => failed.push(e),
+                    }
+                    i += 1;
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    let (mut ok, mut failed) = (0, Vec::new());
+    for t in tasks {
+        let (o, f) = t.await.unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    (ok, failed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_process_graph_serves_and_a_killed_worker_leaves_within_its_ttl() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=20"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let (text, n) = stream_chat(&url, "Hello!", 8).await.unwrap();
+    assert_eq!(n, 8);
+    assert!(!text.is_empty());
+
+    // `ps`: three supervised processes, and every node's instances in etcd.
+    let ps = c.ps();
+    let procs = ps["runs"][0]["processes"].as_array().unwrap();
+    assert_eq!(procs.len(), 3, "{ps}");
+    assert!(procs.iter().all(|p| p["status"] == "running"), "{ps}");
+    for node in ["preprocess", "route", "decode", "postprocess"] {
+        assert!(!c.instances(node).is_empty(), "{node} registered: {ps}");
+    }
+
+    // SIGKILL one worker: its key leaves etcd within the lease TTL (2 s) + 1 s.
+    let before = c.instances("decode");
+    signal(c.pid("decode", 1), "-KILL");
+    let killed_at = Instant::now();
+    let dead = loop {
+        let now = c.instances("decode");
+        if let Some(gone) = before.iter().find(|id| !now.contains(id)) {
+            break gone.clone();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(10),
+            "the dead worker stays registered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let gone_after = killed_at.elapsed();
+    assert!(
+        gone_after <= Duration::from_secs(3),
+        "left after {gone_after:?}"
+    );
+
+    // Nothing is routed to it afterwards, and every request succeeds.
+    let mark = c.g.logs().len();
+    for r in stream_all(&url, &prompts(20), 4).await {
+        r.unwrap();
+    }
+    let routed_to_dead = dyn_tests::process_logs(&c.g.logs()[mark..], "frontend.0")
+        .iter()
+        .filter(|l| l["message"] == "Routed" && l["worker_id"] == dead.as_str())
+        .count();
+    assert_eq!(routed_to_dead, 0);
+    // The supervisor restarted the process: two workers again.
+    c.wait_for(
+        |c| c.instances("decode").len() == 2,
+        "the killed worker is restarted",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_survive_a_worker_killed_mid_stream() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let prompts = prompts(64);
+    // The mocker's output is a function of the prompt: the expected streams.
+    let t0 = Instant::now();
+    let expected: Vec<_> = stream_all(&url, &prompts, 48)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(expected.iter().all(|(_, n)| *n == 48));
+    eprintln!("64 streams took {:?}", t0.elapsed());
+
+    let run = tokio::spawn({
+        let (url, prompts) = (url.clone(), prompts.clone());
+        async move { stream_all(&url, &prompts, 48).await }
+    });
+    // Kill a worker once the streams are under way.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(c.pid("decode", 1), "-KILL");
+    let got = run.await.unwrap();
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.as_ref().unwrap(), e, "stream {i}");
+    }
+    let migrated = c
+        .frontend_logs()
+        .iter()
+        .filter(|l| l["message"] == "Replica lost; migrating the request")
+        .count();
+    assert!(migrated > 0, "some streams were cut and migrated");
+    eprintln!("{migrated} requests migrated");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_goes_on_through_nats_and_etcd_restarts() {
+    let Some(mut c) = Cluster::up(AGG_KV, 4, &["--set", "decode.mocker.speedup=20"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(load(url.clone(), 4, stop_rx));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // NATS down for 2 s: the router routes on its own decisions, then resyncs the index.
+    c.nats.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(c.nats.start());
+    c.wait_for(
+        |c| {
+            c.frontend_logs().iter().any(|l| {
+                l["message"] == "Event plane is back; resyncing the KV index from every worker"
+            })
+        },
+        "the router resyncs after NATS returns",
+    );
+    // etcd down and back: the frontend keeps its worker list meanwhile, and registrations
+    // come back.
+    c.etcd.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(c.etcd.start());
+    c.wait_for(
+        |c| c.instances("decode").len() == 4,
+        "registrations come back",
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_tx.send(true).unwrap();
+    let (ok, failed) = running.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} failed: {:?}",
+        failed.len(),
+        ok + failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    assert!(ok > 20, "{ok} requests");
+
+    // The index holds blocks again, from the workers' dumps and events.
+    let out = dyn_cmd()
+        .args(["inspect", "kv", "--url", &url, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kv: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        kv["replicas"][0]["stored_blocks"].as_u64().unwrap_or(0) > 0,
+        "{kv}"
+    );
+    eprintln!("{ok} requests through both restarts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_without_losing_a_request() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let prompts = prompts(16);
+
+    // A worker told to stop finishes what it has; new requests go to the other one.
+    let run = tokio::spawn({
+        let (url, prompts) = (url.clone(), prompts.clone());
+        async move { stream_all(&url, &prompts, 48).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    signal(c.pid("decode", 0), "-TERM");
+    for r in run.await.unwrap() {
+        assert_eq!(r.unwrap().1, 48);
+    }
+
+    // The whole graph: `dyn graph down` while streams run; /health says 503 meanwhile.
+    c.wait_for(
+        |c| c.instances("decode").len() == 2,
+        "the stopped worker is restarted",
+    );
+    let run = tokio::spawn({
+        let (url, prompts) = (url.clone(), prompts.clone());
+        async move { stream_all(&url, &prompts, 48).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let file = c.file;
+    let run_dir = c.run_dir.clone();
+    let down = std::thread::spawn(move || {
+        dyn_cmd()
+            .args(["graph", "down", file])
+            .env("DYN_RUN_DIR", run_dir)
+            .output()
+            .unwrap()
+    });
+    let health = format!("{url}/health");
+    let mut saw_503 = false;
+    for _ in 0..100 {
+        match reqwest::get(&health).await {
+            Ok(r) if r.status() == 503 => {
+                saw_503 = true;
+                break;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(_) => break,
+        }
+    }
+    for r in run.await.unwrap() {
+        assert_eq!(r.unwrap().1, 48);
+    }
+    assert!(saw_503, "/health answered 503 while draining");
+    let down = down.join().unwrap();
+    assert!(
+        down.status.success(),
+        "{}{}\nlogs:\n{}",
+        String::from_utf8_lossy(&down.stdout),
+        String::from_utf8_lossy(&down.stderr),
+        c.g.logs().join("\n")
+    );
+    assert_eq!(c.g.wait(Duration::from_secs(30)), Some(0));
+}
