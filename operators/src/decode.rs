@@ -56,6 +56,19 @@ impl OperatorConfig for DecodeConfig {
         }
     }
 
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        match self.engine {
+            Engine::Mocker => {
+                let c = self.mocker();
+                m.insert("engine".into(), "mocker".into());
+                m.insert("block_size".into(), c.block_size.into());
+                m.insert("kv_total_blocks".into(), c.num_blocks.into());
+            }
+        }
+        m
+    }
+
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {
         let engine = match self.engine {
             Engine::Mocker => Mocker::start(&self.mocker(), cx).await?,

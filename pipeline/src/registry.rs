@@ -89,6 +89,12 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
     }
 
     fn build(&self, cx: &BuildCx) -> impl Future<Output = Result<Self::Op, BuildError>> + Send;
+
+    /// What processes that join later need to know about this node's replicas (an engine's
+    /// KV block size, say); stored with each instance in discovery.
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
 }
 
 /// A config for an ingress kind.
@@ -127,6 +133,9 @@ pub enum Built {
 /// A parsed config with its kind erased.
 pub trait DynConfig: Send + Sync {
     fn validate(&self) -> Vec<Invalid>;
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>>;
 }
 
@@ -136,6 +145,9 @@ struct InConfig<C>(C);
 impl<C: OperatorConfig> DynConfig for OpConfig<C> {
     fn validate(&self) -> Vec<Invalid> {
         self.0.validate()
+    }
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.0.metadata()
     }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>> {
         async move { Ok(Built::Operator(erase(self.0.build(&cx).await?))) }.boxed()

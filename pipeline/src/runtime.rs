@@ -201,12 +201,18 @@ pub async fn run(
                     BuildError::new("kind built an ingress"),
                 ));
             };
+            let mut metadata = n.config.metadata();
+            metadata.insert("kind".into(), n.kind.name.into());
+            if let Some(m) = &graph.model {
+                metadata.insert("model".into(), m.name.clone().into());
+            }
             let mut instance = Instance {
                 namespace: graph.namespace.clone(),
                 component: n.id.clone(),
                 endpoint: ENDPOINT.to_owned(),
                 instance_id,
                 transport: Transport::InProcess,
+                metadata,
             };
             instance.transport = planes.requests.serve(&instance, types, op).await?;
             planes.discovery.register(instance.clone()).await?;
@@ -704,6 +710,7 @@ mod tests {
             endpoint: ENDPOINT.into(),
             instance_id: random_instance_id(),
             transport: Transport::InProcess,
+            metadata: Default::default(),
         };
         planes
             .requests
@@ -837,6 +844,7 @@ mod tests {
                 endpoint: ENDPOINT.into(),
                 instance_id: id,
                 transport: Transport::InProcess,
+                metadata: Default::default(),
             };
             let op = erase(Flaky { died: died.clone() });
             planes.requests.serve(&instance, types, op).await.unwrap();

@@ -25,6 +25,7 @@ fn instance(ns: &str, id: u64) -> Instance {
         transport: Transport::Tcp {
             address: format!("127.0.0.1:{}", 9000 + id),
         },
+        metadata: Default::default(),
     }
 }
 

@@ -267,6 +267,16 @@ async fn multi_process_graph_serves_and_a_killed_worker_leaves_within_its_ttl() 
     for node in ["preprocess", "route", "decode", "postprocess"] {
         assert!(!c.instances(node).is_empty(), "{node} registered: {ps}");
     }
+    // What late joiners need is in the records: the model, and the engine's block size.
+    let decode = ps["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["component"] == "decode")
+        .unwrap();
+    assert_eq!(decode["metadata"]["model"], "tiny", "{decode}");
+    assert_eq!(decode["metadata"]["block_size"], 16, "{decode}");
+    assert_eq!(decode["metadata"]["kind"], "decode", "{decode}");
 
     // SIGKILL one worker: its key leaves etcd within the lease TTL (2 s) + 1 s.
     let before = c.instances("decode");

@@ -149,9 +149,20 @@ impl OperatorConfig for RouteConfig {
         let workers = LiveInstances::watch(cx.planes.discovery.as_ref(), &prefix)
             .await
             .map_err(|e| BuildError::new(format!("cannot watch the workers of '{target}': {e}")))?;
+        // A router that starts after its workers learns their block size from discovery, before
+        // any load metrics arrive.
+        let announced = workers
+            .read()
+            .iter()
+            .find_map(|i| {
+                i.metadata
+                    .get("block_size")
+                    .and_then(serde_json::Value::as_u64)
+            })
+            .and_then(|b| u32::try_from(b).ok());
         let kv = (self.policy == Policy::Kv).then(|| KvState {
             index: RwLock::new(Indexer::new()),
-            block_size: AtomicU32::new(self.block_size.unwrap_or(0)),
+            block_size: AtomicU32::new(self.block_size.or(announced).unwrap_or(0)),
             approx: Mutex::new(HashMap::new()),
         });
         let inner = Arc::new(Inner {
@@ -703,6 +714,7 @@ mod tests {
                 endpoint: ENDPOINT.into(),
                 instance_id: id,
                 transport: Transport::InProcess,
+                metadata: Default::default(),
             };
             planes.discovery.register(i).await.expect("register");
         }
@@ -807,6 +819,7 @@ mod tests {
             endpoint: ENDPOINT.into(),
             instance_id: 11,
             transport: Transport::InProcess,
+            metadata: Default::default(),
         }
         .key();
         planes.discovery.deregister(&key).await.expect("deregister");

@@ -24,6 +24,10 @@ pub struct Instance {
     pub endpoint: String,
     pub instance_id: u64,
     pub transport: Transport,
+    /// What late joiners need to know about this replica: its kind, the model, and what the
+    /// kind adds (an engine's `block_size`, `kv_total_blocks`, …).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
 }
 
 /// How to reach an instance's request endpoint.
@@ -207,6 +211,7 @@ mod tests {
             endpoint: "generate".into(),
             instance_id: id,
             transport: Transport::InProcess,
+            metadata: Default::default(),
         }
     }
 

@@ -744,6 +744,7 @@ mod tests {
             endpoint: "generate".into(),
             instance_id: 7,
             transport: Transport::InProcess,
+            metadata: Default::default(),
         };
         inst.transport = plane
             .serve(
