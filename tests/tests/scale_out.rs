@@ -314,6 +314,36 @@ async fn multi_process_graph_serves_and_a_killed_worker_leaves_within_its_ttl() 
         |c| c.instances("decode").len() == 2,
         "the killed worker is restarted",
     );
+
+    // Another "machine" joins with `--only decode`: two more workers, then it leaves.
+    let mut joined = dyn_cmd()
+        .args(["graph", "up", AGG, "--only", "decode", "--lease-ttl", "2"])
+        .args(["--control", &format!("etcd://{}", c.etcd.address())])
+        .args(["--events", &format!("nats://{}", c.nats.address())])
+        .args(["--set", "decode.mocker.speedup=20"])
+        .env("DYN_RUN_DIR", &c.run_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    c.wait_for(
+        |c| c.instances("decode").len() == 4,
+        "the joining workers register",
+    );
+    for r in stream_all(&url, &prompts(8), 4).await {
+        r.unwrap();
+    }
+    assert_eq!(
+        c.ps()["runs"].as_array().unwrap().len(),
+        2,
+        "two runs on this machine"
+    );
+    signal(joined.id(), "-TERM");
+    assert!(joined.wait().unwrap().success());
+    c.wait_for(
+        |c| c.instances("decode").len() == 2,
+        "the joined workers leave",
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
