@@ -603,8 +603,8 @@ impl Migrating {
                 let Some(e) = lost else { return };
                 attempt += 1;
                 tracing::warn!(request_id = %ctx.id(), attempt, limit = this.limit, error = %e.message, "Replica lost; migrating the request");
-                // Give discovery a moment when nothing else is left to pick.
-                tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt))).await;
+                // Give discovery a moment when nothing else is left to pick (50, 100, 200 ms…).
+                tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(4))).await;
                 let Some(mut again) = (this.resume.copy)(kept.as_ref()) else { return };
                 (this.resume.clear_target)(again.as_mut());
                 request = Some(again);

@@ -63,6 +63,29 @@ impl Cluster {
             |c| c.instances("decode").len() == decode,
             "decode replicas register",
         );
+        // The frontend's own watch may be a moment behind etcd on a busy machine: ready once a
+        // request goes through.
+        let url = format!("http://{}", c.g.addr);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::thread::scope(|s| {
+            s.spawn(|| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(stream_chat(&url, "ready?", 1))
+            })
+            .join()
+            .unwrap()
+        })
+        .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the graph never served a request"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         Some(c)
     }
 
