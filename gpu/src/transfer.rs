@@ -1,0 +1,500 @@
+//! KV transfer: moving a request's KV-cache blocks from the worker that computed them (prefill)
+//! to the worker that continues the request (decode).
+//!
+//! The prefill side *offers* blocks: they stay pinned in the agent until the decode side pulls
+//! them or a time-to-live passes, and the offer is described by a [`TransferDescriptor`] (which
+//! agent, which blocks, their size, layout and dtype) that travels with the request through the
+//! control path. The decode side *pulls* with the descriptor. Two agents implement the trait:
+//!
+//! - [`InProcessAgent`]: both sides in one process; a pull hands over the same buffers.
+//! - [`TcpAgent`]: one listener per process; a pull is one connection that sends the transfer
+//!   id and reads a header and then every block's bytes back to back, so the transfer is one
+//!   pipelined stream limited by the socket, not by round trips. Pulls of offers made by the
+//!   same agent skip the socket.
+//!
+//! A CUDA agent (device↔host staging, peer copies) comes with the native engine's CUDA backend.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the decode side needs to pull an offer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferDescriptor {
+    /// The agent holding the blocks: `tcp://HOST:PORT` or `inproc://ID`.
+    pub agent: String,
+    pub transfer_id: u64,
+    /// The prefill worker's block ids, in sequence order.
+    pub block_ids: Vec<u32>,
+    /// Bytes per block (every block has the same size).
+    pub block_bytes: u32,
+    /// How a block's bytes are laid out, e.g. `layer,kv,token,head,dim`.
+    pub layout: String,
+    /// Element type, e.g. `bf16`.
+    pub dtype: String,
+}
+
+/// How the offered blocks are laid out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockFormat {
+    pub block_bytes: u32,
+    pub layout: String,
+    pub dtype: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("block {index} has {got} bytes, the format says {want}")]
+    BadBlock { index: usize, got: usize, want: u32 },
+    #[error("{0} block ids for {1} blocks")]
+    Mismatch(usize, usize),
+    #[error("transfer {0:x} is unknown: already pulled, expired, or never offered here")]
+    Unknown(u64),
+    #[error("agent {0} is not reachable from this one")]
+    Unreachable(String),
+    #[error("transfer from {agent}: {message}")]
+    Io { agent: String, message: String },
+}
+
+/// See the module docs.
+#[async_trait::async_trait]
+pub trait KvTransferAgent: Send + Sync + 'static {
+    /// Pin `blocks` until they are pulled or `ttl` passes.
+    fn offer(
+        &self,
+        block_ids: Vec<u32>,
+        blocks: Vec<Bytes>,
+        format: BlockFormat,
+        ttl: Duration,
+    ) -> Result<TransferDescriptor, TransferError>;
+
+    /// Fetch the blocks `desc` names, in order; the offer is released.
+    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError>;
+}
+
+struct Offer {
+    blocks: Vec<Bytes>,
+    block_bytes: u32,
+    expires: Instant,
+}
+
+/// Offers pinned by one agent.
+#[derive(Default)]
+struct Offers {
+    map: Mutex<HashMap<u64, Offer>>,
+    next: AtomicU64,
+}
+
+impl Offers {
+    fn add(
+        &self,
+        block_ids: &[u32],
+        blocks: Vec<Bytes>,
+        format: &BlockFormat,
+        ttl: Duration,
+    ) -> Result<u64, TransferError> {
+        if block_ids.len() != blocks.len() {
+            return Err(TransferError::Mismatch(block_ids.len(), blocks.len()));
+        }
+        if let Some((index, b)) = blocks
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.len() != format.block_bytes as usize)
+        {
+            return Err(TransferError::BadBlock {
+                index,
+                got: b.len(),
+                want: format.block_bytes,
+            });
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = Instant::now();
+        let mut map = self.map.lock();
+        // Offers nobody pulled in time are dropped here, so the map cannot grow without bound.
+        map.retain(|_, o| o.expires > now);
+        map.insert(
+            id,
+            Offer {
+                blocks,
+                block_bytes: format.block_bytes,
+                expires: now + ttl,
+            },
+        );
+        Ok(id)
+    }
+
+    fn take(&self, id: u64) -> Result<Offer, TransferError> {
+        match self.map.lock().remove(&id) {
+            Some(o) if o.expires > Instant::now() => Ok(o),
+            _ => Err(TransferError::Unknown(id)),
+        }
+    }
+}
+
+fn descriptor(agent: &str, id: u64, block_ids: Vec<u32>, f: BlockFormat) -> TransferDescriptor {
+    TransferDescriptor {
+        agent: agent.to_owned(),
+        transfer_id: id,
+        block_ids,
+        block_bytes: f.block_bytes,
+        layout: f.layout,
+        dtype: f.dtype,
+    }
+}
+
+/// Both sides in one process.
+pub struct InProcessAgent {
+    name: String,
+    offers: Offers,
+}
+
+impl Default for InProcessAgent {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            name: format!("inproc://{}", NEXT.fetch_add(1, Ordering::Relaxed)),
+            offers: Offers::default(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransferAgent for InProcessAgent {
+    fn offer(
+        &self,
+        block_ids: Vec<u32>,
+        blocks: Vec<Bytes>,
+        format: BlockFormat,
+        ttl: Duration,
+    ) -> Result<TransferDescriptor, TransferError> {
+        let id = self.offers.add(&block_ids, blocks, &format, ttl)?;
+        Ok(descriptor(&self.name, id, block_ids, format))
+    }
+
+    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
+        if desc.agent != self.name {
+            return Err(TransferError::Unreachable(desc.agent.clone()));
+        }
+        Ok(self.offers.take(desc.transfer_id)?.blocks)
+    }
+}
+
+/// The response header of a TCP pull; the blocks' bytes follow it.
+#[derive(Serialize, Deserialize)]
+struct PullHeader {
+    error: Option<String>,
+    blocks: u32,
+    block_bytes: u32,
+}
+
+/// Largest header or request accepted (they are small JSON objects).
+const MAX_CONTROL: u32 = 64 << 10;
+
+async fn write_control(
+    w: &mut (impl AsyncWriteExt + Unpin),
+    v: &impl Serialize,
+) -> std::io::Result<()> {
+    let body = serde_json::to_vec(v).map_err(std::io::Error::other)?;
+    w.write_u32(body.len() as u32).await?;
+    w.write_all(&body).await
+}
+
+async fn read_control<T: for<'de> Deserialize<'de>>(
+    r: &mut (impl AsyncReadExt + Unpin),
+) -> std::io::Result<T> {
+    let n = r.read_u32().await?;
+    if n > MAX_CONTROL {
+        return Err(std::io::Error::other(format!(
+            "control message of {n} bytes"
+        )));
+    }
+    let mut body = vec![0; n as usize];
+    r.read_exact(&mut body).await?;
+    serde_json::from_slice(&body).map_err(std::io::Error::other)
+}
+
+/// Blocks over TCP. See the module docs.
+pub struct TcpAgent {
+    name: String,
+    offers: Arc<Offers>,
+    _listener: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TcpAgent {
+    fn drop(&mut self) {
+        self._listener.abort();
+    }
+}
+
+impl TcpAgent {
+    /// Listen on `bind` (port 0: any); `advertise` is the host peers use (default: the bound IP).
+    pub async fn bind(bind: &str, advertise: Option<&str>) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(bind).await?;
+        let local = listener.local_addr()?;
+        let host = advertise.map_or_else(|| local.ip().to_string(), str::to_owned);
+        let offers = Arc::new(Offers::default());
+        let serving = offers.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((s, _)) => {
+                        tokio::spawn(serve_pull(s, serving.clone()));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "KV transfer accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            name: format!("tcp://{host}:{}", local.port()),
+            offers,
+            _listener: task,
+        })
+    }
+
+    /// `tcp://HOST:PORT`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+async fn serve_pull(stream: TcpStream, offers: Arc<Offers>) {
+    let _ = stream.set_nodelay(true);
+    let (mut r, w) = stream.into_split();
+    // Coalesce small blocks into large writes; large blocks go through in one call each.
+    let mut w = BufWriter::with_capacity(256 << 10, w);
+    let result = async {
+        let id: u64 = read_control(&mut r).await?;
+        match offers.take(id) {
+            Ok(offer) => {
+                let header = PullHeader {
+                    error: None,
+                    blocks: offer.blocks.len() as u32,
+                    block_bytes: offer.block_bytes,
+                };
+                write_control(&mut w, &header).await?;
+                for b in &offer.blocks {
+                    w.write_all(b).await?;
+                }
+            }
+            Err(e) => {
+                let header = PullHeader {
+                    error: Some(e.to_string()),
+                    blocks: 0,
+                    block_bytes: 0,
+                };
+                write_control(&mut w, &header).await?;
+            }
+        }
+        w.flush().await
+    };
+    if let Err(e) = result.await {
+        tracing::debug!(error = %e, "KV transfer pull failed");
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransferAgent for TcpAgent {
+    fn offer(
+        &self,
+        block_ids: Vec<u32>,
+        blocks: Vec<Bytes>,
+        format: BlockFormat,
+        ttl: Duration,
+    ) -> Result<TransferDescriptor, TransferError> {
+        let id = self.offers.add(&block_ids, blocks, &format, ttl)?;
+        Ok(descriptor(&self.name, id, block_ids, format))
+    }
+
+    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
+        if desc.agent == self.name {
+            return Ok(self.offers.take(desc.transfer_id)?.blocks);
+        }
+        let addr = desc
+            .agent
+            .strip_prefix("tcp://")
+            .ok_or_else(|| TransferError::Unreachable(desc.agent.clone()))?;
+        let io = |e: std::io::Error| TransferError::Io {
+            agent: desc.agent.clone(),
+            message: e.to_string(),
+        };
+        let mut s = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+            .await
+            .map_err(|_| TransferError::Unreachable(desc.agent.clone()))?
+            .map_err(io)?;
+        let _ = s.set_nodelay(true);
+        write_control(&mut s, &desc.transfer_id).await.map_err(io)?;
+        let header: PullHeader = read_control(&mut s).await.map_err(io)?;
+        if let Some(e) = header.error {
+            return Err(TransferError::Io {
+                agent: desc.agent.clone(),
+                message: e,
+            });
+        }
+        if header.blocks as usize != desc.block_ids.len() || header.block_bytes != desc.block_bytes
+        {
+            return Err(TransferError::Io {
+                agent: desc.agent.clone(),
+                message: format!(
+                    "sent {} blocks of {} bytes for a descriptor of {} blocks of {}",
+                    header.blocks,
+                    header.block_bytes,
+                    desc.block_ids.len(),
+                    desc.block_bytes
+                ),
+            });
+        }
+        // One buffer for everything, read straight from the socket, then split per block
+        // without copying.
+        let total = header.blocks as usize * header.block_bytes as usize;
+        let mut buf = BytesMut::zeroed(total);
+        s.read_exact(&mut buf).await.map_err(io)?;
+        let mut all = buf.freeze();
+        Ok((0..header.blocks)
+            .map(|_| all.split_to(header.block_bytes as usize))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn format(block_bytes: u32) -> BlockFormat {
+        BlockFormat {
+            block_bytes,
+            layout: "layer,kv,token,head,dim".into(),
+            dtype: "bf16".into(),
+        }
+    }
+
+    fn blocks(n: usize, size: usize, seed: u8) -> Vec<Bytes> {
+        (0..n)
+            .map(|i| {
+                Bytes::from(
+                    (0..size)
+                        .map(|j| (i * 31 + j * 7) as u8 ^ seed)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect()
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        #[test]
+        fn random_block_sets_arrive_byte_identical(n in 0usize..48, size in 1usize..9000, seed: u8) {
+            let rt = rt();
+            rt.block_on(async {
+                let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+                let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+                let sent = blocks(n, size, seed);
+                let ids: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
+                let desc = prefill.offer(ids.clone(), sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
+                assert_eq!(desc.block_ids, ids);
+                let got = decode.pull(&desc).await.unwrap();
+                assert_eq!(got, sent);
+                // In-process: the same buffers come back.
+                let local = InProcessAgent::default();
+                let desc = local.offer(ids, sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
+                assert_eq!(local.pull(&desc).await.unwrap(), sent);
+            });
+        }
+    }
+
+    #[tokio::test]
+    async fn an_offer_is_pulled_once_and_expires() {
+        let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let desc = prefill
+            .offer(
+                vec![1, 2],
+                blocks(2, 64, 1),
+                format(64),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        decode.pull(&desc).await.unwrap();
+        let again = decode.pull(&desc).await.unwrap_err();
+        assert!(again.to_string().contains("unknown"), "{again}");
+        let short = prefill
+            .offer(
+                vec![1],
+                blocks(1, 64, 2),
+                format(64),
+                Duration::from_millis(20),
+            )
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(decode.pull(&short).await.is_err());
+        // Pulling from the agent that made the offer skips the socket.
+        let own = prefill
+            .offer(vec![9], blocks(1, 8, 3), format(8), Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(prefill.pull(&own).await.unwrap(), blocks(1, 8, 3));
+    }
+
+    #[tokio::test]
+    async fn bad_offers_and_unreachable_agents_are_errors() {
+        let a = InProcessAgent::default();
+        assert!(matches!(
+            a.offer(
+                vec![1],
+                blocks(1, 10, 0),
+                format(16),
+                Duration::from_secs(1)
+            ),
+            Err(TransferError::BadBlock { .. })
+        ));
+        assert!(matches!(
+            a.offer(
+                vec![1, 2],
+                blocks(1, 16, 0),
+                format(16),
+                Duration::from_secs(1)
+            ),
+            Err(TransferError::Mismatch(2, 1))
+        ));
+        let b = InProcessAgent::default();
+        let desc = a
+            .offer(
+                vec![1],
+                blocks(1, 16, 0),
+                format(16),
+                Duration::from_secs(1),
+            )
+            .unwrap();
+        assert!(matches!(
+            b.pull(&desc).await,
+            Err(TransferError::Unreachable(_))
+        ));
+        let tcp = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let gone = TransferDescriptor {
+            agent: format!("tcp://127.0.0.1:{port}"),
+            ..desc
+        };
+        assert!(tcp.pull(&gone).await.is_err());
+    }
+}
