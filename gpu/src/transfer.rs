@@ -130,22 +130,31 @@ impl Offers {
         Ok(id)
     }
 
+    /// Pin the blocks and describe them as held by `agent`.
+    fn offer(
+        &self,
+        agent: &str,
+        block_ids: Vec<u32>,
+        blocks: Vec<Bytes>,
+        f: BlockFormat,
+        ttl: Duration,
+    ) -> Result<TransferDescriptor, TransferError> {
+        let transfer_id = self.add(&block_ids, blocks, &f, ttl)?;
+        Ok(TransferDescriptor {
+            agent: agent.to_owned(),
+            transfer_id,
+            block_ids,
+            block_bytes: f.block_bytes,
+            layout: f.layout,
+            dtype: f.dtype,
+        })
+    }
+
     fn take(&self, id: u64) -> Result<Offer, TransferError> {
         match self.map.lock().remove(&id) {
             Some(o) if o.expires > Instant::now() => Ok(o),
             _ => Err(TransferError::Unknown(id)),
         }
-    }
-}
-
-fn descriptor(agent: &str, id: u64, block_ids: Vec<u32>, f: BlockFormat) -> TransferDescriptor {
-    TransferDescriptor {
-        agent: agent.to_owned(),
-        transfer_id: id,
-        block_ids,
-        block_bytes: f.block_bytes,
-        layout: f.layout,
-        dtype: f.dtype,
     }
 }
 
@@ -174,8 +183,8 @@ impl KvTransferAgent for InProcessAgent {
         format: BlockFormat,
         ttl: Duration,
     ) -> Result<TransferDescriptor, TransferError> {
-        let id = self.offers.add(&block_ids, blocks, &format, ttl)?;
-        Ok(descriptor(&self.name, id, block_ids, format))
+        self.offers
+            .offer(&self.name, block_ids, blocks, format, ttl)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
@@ -311,8 +320,8 @@ impl KvTransferAgent for TcpAgent {
         format: BlockFormat,
         ttl: Duration,
     ) -> Result<TransferDescriptor, TransferError> {
-        let id = self.offers.add(&block_ids, blocks, &format, ttl)?;
-        Ok(descriptor(&self.name, id, block_ids, format))
+        self.offers
+            .offer(&self.name, block_ids, blocks, format, ttl)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
