@@ -309,10 +309,9 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
                 }
                 None => break,
             };
-            let (tag, body) = match frame.split_first() {
-                Some((t, b)) => (*t, Bytes::copy_from_slice(b)),
-                None => break,
-            };
+            // The body is the frame past its tag byte, without a copy.
+            let Some(&tag) = frame.first() else { break };
+            let body = frame.freeze().slice(1..);
             match tag {
                 HEADER => {
                     let Ok(header) = serde_json::from_slice::<Header>(&body) else {
@@ -577,7 +576,11 @@ impl RemoteCall {
                 request_id: ctx.id().to_string(),
                 timeout_ms: ctx
                     .deadline()
-                    .map(|d| d.saturating_duration_since(Instant::now()).as_millis() as u64),
+                    // Rounded up: the callee must not stop before the caller's deadline.
+                    .map(|d| {
+                        let left = d.saturating_duration_since(Instant::now()).as_micros();
+                        u64::try_from(left.div_ceil(1000)).unwrap_or(u64::MAX)
+                    }),
             };
             let header = frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default());
             // Input goes out while outputs come back; an input item that cannot be encoded
