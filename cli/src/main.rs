@@ -380,39 +380,7 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
             continue;
         }
         for replica in 0..p.replicas {
-            let mut a = vec![
-                "--log-format".to_owned(),
-                match log {
-                    LogFormat::Text => "text",
-                    LogFormat::Json => "json",
-                }
-                .to_owned(),
-                "graph".into(),
-                "up".into(),
-                args.file.display().to_string(),
-            ];
-            for o in &args.set {
-                a.push("--set".into());
-                a.push(format!("{}.{}={}", o.node, o.path.join("."), o.value));
-            }
-            a.extend([
-                "--grace-period".into(),
-                args.grace_period.to_string(),
-                "--control".into(),
-                graph.control.to_string(),
-                "--events".into(),
-                graph.events.to_string(),
-                "--lease-ttl".into(),
-                args.lease_ttl.to_string(),
-                "--request-host".into(),
-                args.request_host.clone(),
-                "--group".into(),
-                format!("{}:{replica}", p.name),
-            ]);
-            if let Some(only) = &args.only {
-                a.push("--only".into());
-                a.push(only.join(","));
-            }
+            let a = child_args(&args, &graph, log, &format!("{}:{replica}", p.name));
             groups.push(procs::Group {
                 process: p.name.clone(),
                 replica,
@@ -438,6 +406,44 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
     ))?;
     tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
     rt.block_on(procs::supervise(groups, file, grace, shutdown_signal()))
+}
+
+/// The arguments of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)
+/// of a supervised graph: this run's settings, with the planes resolved.
+fn child_args(args: &UpArgs, graph: &CompiledGraph, log: LogFormat, group: &str) -> Vec<String> {
+    let log = log
+        .to_possible_value()
+        .map_or_else(|| "text".to_owned(), |v| v.get_name().to_owned());
+    let mut a = vec![
+        "--log-format".to_owned(),
+        log,
+        "graph".into(),
+        "up".into(),
+        args.file.display().to_string(),
+    ];
+    for o in &args.set {
+        a.push("--set".into());
+        a.push(format!("{}.{}={}", o.node, o.path.join("."), o.value));
+    }
+    a.extend([
+        "--grace-period".into(),
+        args.grace_period.to_string(),
+        "--control".into(),
+        graph.control.to_string(),
+        "--events".into(),
+        graph.events.to_string(),
+        "--lease-ttl".into(),
+        args.lease_ttl.to_string(),
+        "--request-host".into(),
+        args.request_host.clone(),
+        "--group".into(),
+        group.to_owned(),
+    ]);
+    if let Some(only) = &args.only {
+        a.push("--only".into());
+        a.push(only.join(","));
+    }
+    a
 }
 
 /// Resolves on SIGINT or SIGTERM.

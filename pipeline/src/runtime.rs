@@ -353,9 +353,8 @@ struct EdgeClient {
     node: String,
     types: EndpointTypes,
     planes: Planes,
-    instances: LiveInstances,
+    instances: Arc<LiveInstances>,
     local: Arc<HashSet<u64>>,
-    next: AtomicUsize,
 }
 
 impl EdgeClient {
@@ -371,48 +370,31 @@ impl EdgeClient {
             node: node.to_owned(),
             types,
             planes: planes.clone(),
-            instances: LiveInstances::watch(planes.discovery.as_ref(), &prefix).await?,
+            instances: planes.live(&prefix).await?,
             local,
-            next: AtomicUsize::new(0),
         })
     }
 
-    fn is_down(&self, id: u64) -> bool {
-        self.planes.requests.health().is_some_and(|h| h.is_down(id))
-    }
-
     fn pick(&self, target: Option<u64>) -> Result<Instance, OpError> {
-        let list = self.instances.read();
         if let Some(t) = target {
-            return list
+            return self
+                .instances
+                .read()
                 .iter()
-                .find(|i| i.instance_id == t && !self.is_down(t))
+                .find(|i| i.instance_id == t && !self.planes.is_down(t))
                 .cloned()
                 .ok_or_else(|| {
-                    tracing::debug!(node = %self.node, worker_id = format_args!("{t:x}"), known = ?list.iter().map(|i| format!("{:x}", i.instance_id)).collect::<Vec<_>>(), down = self.is_down(t), "Chosen instance not callable");
                     OpError::unavailable(format!("instance {t:x} of '{}' is gone", self.node))
                         .with_code(crate::planes::INSTANCE_LOST)
                 });
         }
-        let local: Vec<&Instance> = list
-            .iter()
-            .filter(|i| self.local.contains(&i.instance_id))
-            .collect();
-        let candidates: Vec<&Instance> = if local.is_empty() {
-            list.iter()
-                .filter(|i| !self.is_down(i.instance_id))
-                .collect()
-        } else {
-            local
-        };
-        if candidates.is_empty() {
-            return Err(OpError::unavailable(format!(
-                "no live instance of '{}'",
-                self.node
-            )));
-        }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        Ok(candidates[n % candidates.len()].clone())
+        self.instances
+            .round_robin(|i| self.local.contains(&i.instance_id))
+            .or_else(|| {
+                self.instances
+                    .round_robin(|i| !self.planes.is_down(i.instance_id))
+            })
+            .ok_or_else(|| OpError::unavailable(format!("no live instance of '{}'", self.node)))
     }
 
     fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
@@ -421,16 +403,7 @@ impl EdgeClient {
         async_stream::stream! {
             let mut input = input.peekable();
             let target = Pin::new(&mut input).peek().await.and_then(|p| p.target_instance());
-            let mut picked = this.pick(target);
-            // A router's discovery watch may see a new instance a moment before this one's:
-            // wait a little for the instance it chose before calling it lost.
-            if let Some(t) = target {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-                while picked.is_err() && !this.is_down(t) && tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                    picked = this.pick(target);
-                }
-            }
+            let picked = this.pick(target);
             match picked {
                 Ok(instance) => {
                     tracing::debug!(request_id = %ctx.id(), node = %this.node, worker_id = format_args!("{:x}", instance.instance_id), "Calling");
@@ -465,13 +438,13 @@ impl Stage {
         let input = edge.types.input;
         let router = match stages.last() {
             Some(Stage::Node(prev)) if prev.types.input == input && prev.types.output == input => {
-                match stages.pop() {
-                    Some(Stage::Node(prev)) => Some(prev),
-                    _ => None,
-                }
+                Some(prev.clone())
             }
             _ => None,
         };
+        if router.is_some() {
+            stages.pop();
+        }
         Stage::Migrating(Arc::new(Migrating {
             steps: router.into_iter().chain([edge]).collect(),
             resume,

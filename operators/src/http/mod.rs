@@ -18,7 +18,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use dyn_pipeline::{BuildError, ErrorKind, Invalid, OpError, ShutdownSignal};
+use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -253,15 +253,15 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum
         .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
 }
 
-/// Serve `app` until shutdown, then drain: while requests sent down the graph are still
-/// streaming (`in_flight`), the listener stays open so load balancers can see `/health`
+/// Serve `app` until shutdown, then drain: while requests sent down `chain` are still
+/// streaming, the listener stays open so load balancers can see `/health`
 /// answer 503 and new API requests get a 503 `draining` error; once nothing is in flight the
 /// server closes (the runtime bounds how long all this may take).
-pub async fn serve(
+pub async fn serve<Req: Payload, Resp: Payload>(
     listener: TcpListener,
     app: axum::Router,
     shutdown: ShutdownSignal,
-    in_flight: impl Fn() -> usize + Send + 'static,
+    chain: Chain<Req, Resp>,
 ) -> Result<(), OpError> {
     let draining = Arc::new(AtomicBool::new(false));
     let app = app.layer(axum::middleware::from_fn_with_state(
@@ -272,10 +272,10 @@ pub async fn serve(
         shutdown.await;
         draining.store(true, Ordering::Release);
         tracing::info!(
-            in_flight = in_flight(),
+            in_flight = chain.in_flight(),
             "Draining: /health answers 503, new requests are refused"
         );
-        while in_flight() > 0 {
+        while chain.in_flight() > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     };

@@ -99,12 +99,8 @@ impl Ingress for Http {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
-        let in_flight = {
-            let chain = chain.clone();
-            move || chain.in_flight()
-        };
         let state = App {
-            chain,
+            chain: chain.clone(),
             model: self.model.into(),
             created: unix_now(),
         };
@@ -117,7 +113,7 @@ impl Ingress for Http {
             .route("/metrics", get(metrics))
             .merge(super::admin::router(self.admin));
         let app = super::app(&self.config, api, open);
-        super::serve(self.listener, app, shutdown, in_flight).boxed()
+        super::serve(self.listener, app, shutdown, chain).boxed()
     }
 }
 

@@ -75,15 +75,11 @@ impl Ingress for HttpText {
         chain: AppChain,
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
-        let in_flight = {
-            let chain = chain.clone();
-            move || chain.in_flight()
-        };
         let api = axum::Router::new()
             .route("/v1/text", post(text))
-            .with_state(chain);
+            .with_state(chain.clone());
         let app = super::app(&self.config, api, axum::Router::new());
-        super::serve(self.listener, app, shutdown, in_flight).boxed()
+        super::serve(self.listener, app, shutdown, chain).boxed()
     }
 }
 

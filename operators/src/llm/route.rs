@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use dyn_pipeline::planes::{EventBus, Instance, LiveInstances, Planes};
@@ -146,9 +146,10 @@ impl OperatorConfig for RouteConfig {
             ));
         };
         let prefix = Instance::prefix(&cx.namespace, target, ENDPOINT);
-        let workers = LiveInstances::watch(cx.planes.discovery.as_ref(), &prefix)
-            .await
-            .map_err(|e| BuildError::new(format!("cannot watch the workers of '{target}': {e}")))?;
+        let workers =
+            cx.planes.live(&prefix).await.map_err(|e| {
+                BuildError::new(format!("cannot watch the workers of '{target}': {e}"))
+            })?;
         // A router that starts after its workers learns their block size from discovery, before
         // any load metrics arrive.
         let announced = workers
@@ -173,7 +174,6 @@ impl OperatorConfig for RouteConfig {
             kv,
             metrics: Mutex::new(HashMap::new()),
             rng: Mutex::new(StdRng::from_os_rng()),
-            next: AtomicUsize::new(0),
             planes: cx.planes.clone(),
         });
         let follow = follow_workers(
@@ -198,15 +198,13 @@ pub struct Route {
 
 struct Inner {
     target: String,
-    workers: LiveInstances,
+    workers: Arc<LiveInstances>,
     config: RouteConfig,
     active: Arc<ActiveSequences>,
     kv: Option<KvState>,
     /// The latest load metrics per worker.
     metrics: Mutex<HashMap<u64, LoadMetrics>>,
     rng: Mutex<StdRng>,
-    /// Round-robin position.
-    next: AtomicUsize,
     /// For the request plane's view of unreachable workers and the event plane's health.
     planes: Planes,
 }
@@ -249,12 +247,11 @@ impl Inner {
     /// Workers in discovery, less those the request plane just saw fail (their lease has
     /// not run out yet, but a request sent there would be lost).
     fn live(&self) -> Vec<u64> {
-        let health = self.planes.requests.health();
         self.workers
             .read()
             .iter()
             .map(|i| i.instance_id)
-            .filter(|id| health.is_none_or(|h| !h.is_down(*id)))
+            .filter(|id| !self.planes.is_down(*id))
             .collect()
     }
 
@@ -290,7 +287,13 @@ impl Inner {
             blocks: Vec::new(),
         };
         let worker = match self.config.policy {
-            Policy::RoundRobin => live[self.next.fetch_add(1, Ordering::Relaxed) % live.len()],
+            Policy::RoundRobin => {
+                return self
+                    .workers
+                    .round_robin(|i| !self.planes.is_down(i.instance_id))
+                    .map(|i| plain(i.instance_id))
+                    .ok_or_else(|| self.unavailable());
+            }
             Policy::Random => live[self.rng.lock().random_range(0..live.len())],
             Policy::LeastLoaded => least(&live, &mut self.rng.lock()),
             Policy::PowerOfTwo => {

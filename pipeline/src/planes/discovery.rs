@@ -110,14 +110,15 @@ impl LiveInstances {
         })
     }
 
-    /// The next instance in round-robin order; `None` while there are none.
-    pub fn round_robin(&self) -> Option<Instance> {
+    /// The next instance `keep` accepts, in round-robin order; `None` while there is none.
+    pub fn round_robin(&self, keep: impl Fn(&Instance) -> bool) -> Option<Instance> {
         let list = self.list.read();
-        if list.is_empty() {
+        let count = list.iter().filter(|i| keep(i)).count();
+        if count == 0 {
             return None;
         }
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Some(list[n % list.len()].clone())
+        list.iter().filter(|i| keep(i)).nth(n % count).cloned()
     }
 
     /// A read guard over the current list (keep it short: the watch waits on it).

@@ -16,7 +16,8 @@ pub mod nats;
 pub mod request;
 pub mod tcp;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 
 pub use discovery::{
     Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
@@ -45,6 +46,8 @@ pub struct Planes {
     pub discovery: Arc<dyn Discovery>,
     pub events: Arc<dyn EventBus>,
     pub requests: Arc<dyn RequestPlane>,
+    /// One discovery watch per prefix in this process, shared by everyone who follows it.
+    watches: Arc<tokio::sync::Mutex<HashMap<String, Weak<LiveInstances>>>>,
 }
 
 impl Planes {
@@ -84,6 +87,29 @@ impl Planes {
             discovery: Arc::new(EmbeddedDiscovery::default()),
             events: Arc::new(EmbeddedEventBus::default()),
             requests: Arc::new(EmbeddedRequestPlane::default()),
+            watches: Arc::default(),
         }
+    }
+
+    /// True when the request plane just saw `instance_id` fail: route around it even though
+    /// discovery still lists it (its lease has not run out yet).
+    pub fn is_down(&self, instance_id: u64) -> bool {
+        self.requests
+            .health()
+            .is_some_and(|h| h.is_down(instance_id))
+    }
+
+    /// The live instances under `prefix`, from this process's one watch of it. A router and
+    /// the edge client calling the replica it chose read the same list, so neither can know
+    /// an instance the other does not.
+    pub async fn live(&self, prefix: &str) -> Result<Arc<LiveInstances>, PlaneError> {
+        let mut watches = self.watches.lock().await;
+        if let Some(live) = watches.get(prefix).and_then(Weak::upgrade) {
+            return Ok(live);
+        }
+        let live = Arc::new(LiveInstances::watch(self.discovery.as_ref(), prefix).await?);
+        watches.retain(|_, w| w.strong_count() > 0);
+        watches.insert(prefix.to_owned(), Arc::downgrade(&live));
+        Ok(live)
     }
 }

@@ -8,8 +8,6 @@
 //! index detects the gap by event id and asks for a resync. [`EventBus::connected`] lets a
 //! router fall back to approximate routing for as long as events are not flowing.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,7 +20,6 @@ use super::{Event, EventBus, PlaneError};
 /// An event bus on a NATS server.
 pub struct NatsEventBus {
     client: async_nats::Client,
-    connected: Arc<AtomicBool>,
 }
 
 fn err(message: String) -> PlaneError {
@@ -37,8 +34,6 @@ impl NatsEventBus {
     /// within a few seconds, so a wrong address is reported at start-up.
     pub async fn connect(endpoints: &[String]) -> Result<Self, PlaneError> {
         let urls: Vec<String> = endpoints.iter().map(|e| format!("nats://{e}")).collect();
-        let connected = Arc::new(AtomicBool::new(false));
-        let flag = connected.clone();
         let shown = urls.join(",");
         let opts = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(3))
@@ -47,32 +42,23 @@ impl NatsEventBus {
                 Duration::from_millis((50u64 << attempts.min(6)).min(2000))
             })
             .max_reconnects(None)
-            .event_callback(move |ev| {
-                let flag = flag.clone();
-                async move {
-                    match ev {
-                        async_nats::Event::Connected => {
-                            if !flag.swap(true, Ordering::AcqRel) {
-                                tracing::info!("Event plane connected");
-                            }
-                        }
-                        async_nats::Event::Disconnected => {
-                            flag.store(false, Ordering::Release);
-                            tracing::warn!("Event plane disconnected; reconnecting");
-                        }
-                        async_nats::Event::SlowConsumer(sid) => {
-                            tracing::warn!(sid, "Event subscriber fell behind; messages dropped")
-                        }
-                        other => tracing::debug!(event = %other, "Event plane"),
+            .event_callback(|ev| async move {
+                match ev {
+                    async_nats::Event::Connected => tracing::info!("Event plane connected"),
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!("Event plane disconnected; reconnecting")
                     }
+                    async_nats::Event::SlowConsumer(sid) => {
+                        tracing::warn!(sid, "Event subscriber fell behind; messages dropped")
+                    }
+                    other => tracing::debug!(event = %other, "Event plane"),
                 }
             });
         let client = tokio::time::timeout(Duration::from_secs(5), opts.connect(urls.clone()))
             .await
             .map_err(|_| err(format!("no NATS server answered at {shown} within 5 s")))?
             .map_err(|e| err(format!("cannot connect to NATS at {shown}: {e}")))?;
-        connected.store(true, Ordering::Release);
-        Ok(Self { client, connected })
+        Ok(Self { client })
     }
 }
 
@@ -110,7 +96,6 @@ impl EventBus for NatsEventBus {
     }
 
     fn connected(&self) -> bool {
-        self.connected.load(Ordering::Acquire)
-            && self.client.connection_state() == async_nats::connection::State::Connected
+        self.client.connection_state() == async_nats::connection::State::Connected
     }
 }
