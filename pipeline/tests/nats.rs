@@ -107,3 +107,57 @@ async fn subscriptions_come_back_after_a_server_restart() {
         .expect("events flow again");
     assert_eq!(ev.payload, Bytes::from_static(b"back"));
 }
+
+/// The JetStream work queue: jobs wait in their partition (also for a taker that starts
+/// late), each is taken once, and the depth counts what is not taken yet, across connections.
+#[tokio::test]
+async fn jetstream_work_queue_hands_each_job_to_its_partition_once() {
+    use dyn_pipeline::planes::WorkQueue;
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let queue = format!("q{}", uuid::Uuid::new_v4().simple());
+    let sender = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .work_queue();
+    let worker = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .work_queue();
+    for (p, job) in [("a", "1"), ("b", "2"), ("a", "3")] {
+        sender
+            .push(&queue, p, Bytes::from(job.to_owned()))
+            .await
+            .unwrap();
+    }
+    assert_eq!(sender.depth(&queue).await.unwrap(), 3);
+    let mut a = worker.take(&queue, "a").await.unwrap();
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"1"));
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"3"));
+    // Acknowledged on take: only b's job is left.
+    let mut depth = 0;
+    for _ in 0..50 {
+        depth = sender.depth(&queue).await.unwrap();
+        if depth == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(depth, 1);
+    sender
+        .push(&queue, "a", Bytes::from_static(b"4"))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"4"));
+    let mut b = worker.take(&queue, "b").await.unwrap();
+    assert_eq!(next(&mut b).await, Bytes::from_static(b"2"));
+    assert!(sender.push("bad.name", "a", Bytes::new()).await.is_err());
+}
+
+async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
+    tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .unwrap()
+        .unwrap()
+}

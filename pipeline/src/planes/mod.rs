@@ -3,7 +3,8 @@
 //! - control ([`Discovery`]): which instances of which node exist and how to reach them;
 //! - events ([`EventBus`]): fire-and-forget messages such as KV-cache events and load metrics;
 //! - requests ([`RequestPlane`]): one request's input stream to an instance and its output
-//!   stream back.
+//!   stream back;
+//! - work queues ([`WorkQueue`]): jobs one worker takes, on the event plane's server (JetStream).
 //!
 //! The embedded implementations here run everything inside one process with no set-up. The
 //! etcd, NATS and TCP implementations implement the same traits, so operators never know which
@@ -13,6 +14,7 @@ pub mod discovery;
 pub mod etcd;
 pub mod events;
 pub mod nats;
+pub mod queue;
 pub mod request;
 pub mod tcp;
 
@@ -24,7 +26,8 @@ pub use discovery::{
 };
 pub use etcd::EtcdDiscovery;
 pub use events::{EmbeddedEventBus, Event, EventBus};
-pub use nats::NatsEventBus;
+pub use nats::{NatsEventBus, NatsWorkQueue};
+pub use queue::{EmbeddedWorkQueue, WorkQueue};
 pub use request::{EmbeddedRequestPlane, RequestPlane};
 pub use tcp::{INSTANCE_LOST, InstanceHealth, TcpOptions, TcpRequestPlane};
 
@@ -46,6 +49,10 @@ pub struct Planes {
     pub discovery: Arc<dyn Discovery>,
     pub events: Arc<dyn EventBus>,
     pub requests: Arc<dyn RequestPlane>,
+    pub queue: Arc<dyn WorkQueue>,
+    /// How this process is reached from others (`None` when the graph runs in one process):
+    /// kinds that open their own listeners (the KV transfer agent) bind where the request plane does.
+    pub tcp: Option<TcpOptions>,
     /// One discovery watch per prefix in this process, shared by everyone who follows it.
     watches: Arc<tokio::sync::Mutex<HashMap<String, Weak<LiveInstances>>>>,
 }
@@ -72,11 +79,14 @@ impl Planes {
             distributed = true;
         }
         if let PlaneAddr::Nats(endpoints) = events {
-            planes.events = Arc::new(NatsEventBus::connect(endpoints).await?);
+            let bus = NatsEventBus::connect(endpoints).await?;
+            planes.queue = Arc::new(bus.work_queue());
+            planes.events = Arc::new(bus);
             distributed = true;
         }
         if distributed {
-            planes.requests = Arc::new(TcpRequestPlane::new(tcp, Arc::default()));
+            planes.requests = Arc::new(TcpRequestPlane::new(tcp.clone(), Arc::default()));
+            planes.tcp = Some(tcp);
         }
         Ok(planes)
     }
@@ -87,6 +97,8 @@ impl Planes {
             discovery: Arc::new(EmbeddedDiscovery::default()),
             events: Arc::new(EmbeddedEventBus::default()),
             requests: Arc::new(EmbeddedRequestPlane::default()),
+            queue: Arc::new(EmbeddedWorkQueue::default()),
+            tcp: None,
             watches: Arc::default(),
         }
     }

@@ -99,3 +99,143 @@ impl EventBus for NatsEventBus {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 }
+
+impl NatsEventBus {
+    /// Work queues on the same connection, in JetStream.
+    pub fn work_queue(&self) -> NatsWorkQueue {
+        NatsWorkQueue {
+            js: async_nats::jetstream::new(self.client.clone()),
+            ready: parking_lot::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+}
+
+/// [`WorkQueue`](super::WorkQueue) on NATS JetStream: one work-queue stream per queue
+/// (`DYN_Q_{queue}`, subjects `dyn.queue.{queue}.{partition}`, in memory), one durable pull
+/// consumer per partition filtered on its subject. A job is acknowledged as it is taken, which
+/// removes it from the stream, so the stream's message count is the queue's depth. Only
+/// features nats-server 2.9 has are used (no `filter_subjects`, no key-value buckets).
+pub struct NatsWorkQueue {
+    js: async_nats::jetstream::Context,
+    /// Streams known to exist.
+    ready: parking_lot::Mutex<std::collections::HashSet<String>>,
+}
+
+fn qerr(message: String) -> PlaneError {
+    PlaneError::Backend {
+        plane: "queue",
+        message,
+    }
+}
+
+/// Jobs older than this are dropped unread: whoever pushed them has given up long since.
+const JOB_MAX_AGE: Duration = Duration::from_secs(120);
+
+impl NatsWorkQueue {
+    fn stream_name(queue: &str) -> String {
+        format!("DYN_Q_{queue}")
+    }
+
+    fn subject(queue: &str, partition: &str) -> String {
+        format!("dyn.queue.{queue}.{partition}")
+    }
+
+    async fn stream(
+        &self,
+        queue: &str,
+    ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
+        use async_nats::jetstream::stream;
+        let name = Self::stream_name(queue);
+        if !self.ready.lock().contains(&name) {
+            self.js
+                .get_or_create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![format!("dyn.queue.{queue}.*")],
+                    retention: stream::RetentionPolicy::WorkQueue,
+                    storage: stream::StorageType::Memory,
+                    max_age: JOB_MAX_AGE,
+                    max_messages: 100_000,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| qerr(format!("cannot create stream {name}: {e}")))?;
+            self.ready.lock().insert(name.clone());
+        }
+        self.js
+            .get_stream_no_info(&name)
+            .await
+            .map_err(|e| qerr(format!("stream {name}: {e}")))
+    }
+}
+
+#[async_trait]
+impl super::WorkQueue for NatsWorkQueue {
+    async fn push(&self, queue: &str, partition: &str, job: Bytes) -> Result<(), PlaneError> {
+        super::queue::check(queue, Some(partition))?;
+        self.stream(queue).await?;
+        let subject = Self::subject(queue, partition);
+        // Wait for the server's acknowledgement: a job is only pushed once it is stored.
+        self.js
+            .publish(subject.clone(), job)
+            .await
+            .map_err(|e| qerr(format!("push to {subject}: {e}")))?
+            .await
+            .map_err(|e| qerr(format!("push to {subject}: {e}")))?;
+        Ok(())
+    }
+
+    async fn depth(&self, queue: &str) -> Result<u64, PlaneError> {
+        super::queue::check(queue, None)?;
+        let info = self
+            .stream(queue)
+            .await?
+            .get_info()
+            .await
+            .map_err(|e| qerr(format!("depth of {queue}: {e}")))?;
+        Ok(info.state.messages)
+    }
+
+    async fn take(
+        &self,
+        queue: &str,
+        partition: &str,
+    ) -> Result<BoxStream<'static, Bytes>, PlaneError> {
+        use async_nats::jetstream::consumer::{AckPolicy, pull};
+        super::queue::check(queue, Some(partition))?;
+        let s = self.stream(queue).await?;
+        let durable = format!("take_{partition}");
+        let consumer = s
+            .get_or_create_consumer(
+                &durable,
+                pull::Config {
+                    durable_name: Some(durable.clone()),
+                    filter_subject: Self::subject(queue, partition),
+                    ack_policy: AckPolicy::Explicit,
+                    // A partition whose worker is gone is cleaned up by the server.
+                    inactive_threshold: Duration::from_secs(300),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
+        Ok(async_stream::stream! {
+            while let Some(m) = messages.next().await {
+                match m {
+                    Ok(m) => {
+                        // Taken: acknowledged now, so the job leaves the stream and the depth.
+                        if let Err(e) = m.ack().await {
+                            tracing::warn!(error = %e, "Cannot acknowledge a queued job; it may be delivered again");
+                        }
+                        yield m.payload.clone();
+                    }
+                    Err(e) => tracing::debug!(error = %e, "Work queue consumer"),
+                }
+            }
+        }
+        .boxed())
+    }
+}
