@@ -26,7 +26,7 @@ pub struct InspectArgs {
     /// Print the admin endpoint's JSON instead of tables
     #[arg(long, global = true)]
     json: bool,
-    /// The route node to ask [default: the only one]
+    /// The node to ask [default: every inspectable node; for `route`, the request path]
     #[arg(long, global = true)]
     node: Option<String>,
     #[command(subcommand)]
@@ -99,50 +99,73 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         )
         .await;
     }
-    let node = match &args.node {
-        Some(n) => n.clone(),
-        None => only_node(&http, &base).await?,
-    };
-    let (answer, printer): (Value, fn(&Value)) = match &args.command {
-        InspectCommand::Workers => (
-            post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?,
-            print_workers,
-        ),
-        InspectCommand::Route { prompt, messages } => {
-            let mut body = json!({"node": node});
-            if let Some(p) = prompt {
-                body["prompt"] = json!(p);
-            }
-            if let Some(path) = messages {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
-                let v: Value = serde_json::from_str(&text)
-                    .with_context(|| format!("{}: not JSON", path.display()))?;
-                body["messages"] = match v {
-                    Value::Object(mut o) => o.remove("messages").unwrap_or(Value::Null),
-                    other => other,
-                };
-            }
-            (
-                post(&http, &format!("{base}/route"), &body).await?,
-                print_route,
-            )
+    if let InspectCommand::Route { prompt, messages } = &args.command {
+        // Without --node every node on the path explains its part (router, remote prefill).
+        let mut body = json!({"node": args.node});
+        if let Some(p) = prompt {
+            body["prompt"] = json!(p);
         }
-        InspectCommand::Kv { worker, top } => (
-            post(
-                &http,
-                &format!("{base}/nodes/{node}/kv"),
-                &json!({"worker": worker, "top": top}),
-            )
-            .await?,
-            print_kv,
-        ),
-        InspectCommand::Events { .. } => unreachable!("handled above"),
-    };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&answer)?);
+        if let Some(path) = messages {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let v: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not JSON", path.display()))?;
+            body["messages"] = match v {
+                Value::Object(mut o) => o.remove("messages").unwrap_or(Value::Null),
+                other => other,
+            };
+        }
+        let answer = post(&http, &format!("{base}/route"), &body).await?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+        } else {
+            print_replicas(&answer, print_route);
+            if answer["prefill"].is_object() {
+                print_replicas(&answer["prefill"], print_prefill_decision);
+            }
+        }
         return Ok(());
     }
+    let nodes = match &args.node {
+        Some(n) => vec![n.clone()],
+        None => all_nodes(&http, &base).await?,
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        let (answer, printer): (Value, fn(&Value)) = match &args.command {
+            InspectCommand::Workers => (
+                post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?,
+                print_workers,
+            ),
+            InspectCommand::Kv { worker, top } => (
+                post(
+                    &http,
+                    &format!("{base}/nodes/{node}/kv"),
+                    &json!({"worker": worker, "top": top}),
+                )
+                .await?,
+                print_kv,
+            ),
+            InspectCommand::Route { .. } | InspectCommand::Events { .. } => {
+                unreachable!("handled above")
+            }
+        };
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+            continue;
+        }
+        if nodes.len() > 1 {
+            if i > 0 {
+                println!();
+            }
+            println!("[{node}]");
+        }
+        print_replicas(&answer, printer);
+    }
+    Ok(())
+}
+
+/// Print each replica's answer, a blank line apart.
+fn print_replicas(answer: &Value, printer: fn(&Value)) {
     for (i, replica) in answer["replicas"]
         .as_array()
         .map(Vec::as_slice)
@@ -155,7 +178,25 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         }
         printer(replica);
     }
-    Ok(())
+}
+
+/// The remote prefill decision for the routed prompt.
+fn print_prefill_decision(r: &Value) {
+    println!(
+        "prefill: {} ({}) — {} of {} tokens not cached on the decode worker (remote above {}), {} prefill worker(s), queue limit {}{}",
+        opt(&r["decision"]),
+        opt(&r["reason"]),
+        opt(&r["uncached_tokens"]),
+        opt(&r["prompt_tokens"]),
+        opt(&r["min_remote_tokens"]),
+        opt(&r["prefill_workers"]),
+        opt(&r["max_queue"]),
+        match &r["prefill_worker"] {
+            Value::String(w) => format!(" → prefill worker {w}"),
+            _ => String::new(),
+        }
+    );
+    println!("decisions so far: {}", r["decisions"]);
 }
 
 /// The admin endpoint's answer, or its error message.
@@ -187,18 +228,14 @@ async fn post(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result
     send(req, url).await
 }
 
-async fn only_node(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+async fn all_nodes(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<String>> {
     let url = format!("{base}/nodes");
     let v = send(http.get(&url), &url).await?;
     let nodes: Vec<String> = serde_json::from_value(v["nodes"].clone()).unwrap_or_default();
-    match nodes.as_slice() {
-        [one] => Ok(one.clone()),
-        [] => bail!("the graph has no inspectable node (a route node)"),
-        many => bail!(
-            "several inspectable nodes ({}); pick one with --node",
-            many.join(", ")
-        ),
+    if nodes.is_empty() {
+        bail!("the graph has no inspectable node (a route or remote_prefill node)");
     }
+    Ok(nodes)
 }
 
 fn opt(v: &Value) -> String {
@@ -212,6 +249,9 @@ fn opt(v: &Value) -> String {
 
 fn print_workers(r: &Value) {
     println!("policy {} over '{}'", opt(&r["policy"]), opt(&r["target"]));
+    if r["decisions"].is_object() {
+        println!("prefill decisions: {}", r["decisions"]);
+    }
     println!(
         "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
         "worker",

@@ -63,6 +63,10 @@ pub enum TransferError {
     Io { agent: String, message: String },
 }
 
+/// Kept with an offer and dropped when the offer ends (pulled, expired, or its agent gone): an
+/// engine learns there when it may reuse the blocks it pinned for the transfer.
+pub type Hold = Box<dyn std::any::Any + Send + Sync>;
+
 /// See the module docs.
 #[async_trait::async_trait]
 pub trait KvTransferAgent: Send + Sync + 'static {
@@ -73,6 +77,18 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         blocks: Vec<Bytes>,
         format: BlockFormat,
         ttl: Duration,
+    ) -> Result<TransferDescriptor, TransferError> {
+        self.offer_held(block_ids, blocks, format, ttl, None)
+    }
+
+    /// [`offer`](Self::offer), with `hold` dropped when the offer ends.
+    fn offer_held(
+        &self,
+        block_ids: Vec<u32>,
+        blocks: Vec<Bytes>,
+        format: BlockFormat,
+        ttl: Duration,
+        hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError>;
 
     /// Fetch the blocks `desc` names, in order; the offer is released.
@@ -83,6 +99,7 @@ struct Offer {
     blocks: Vec<Bytes>,
     block_bytes: u32,
     expires: Instant,
+    _hold: Option<Hold>,
 }
 
 /// Offers pinned by one agent.
@@ -99,6 +116,7 @@ impl Offers {
         blocks: Vec<Bytes>,
         format: &BlockFormat,
         ttl: Duration,
+        hold: Option<Hold>,
     ) -> Result<u64, TransferError> {
         if block_ids.len() != blocks.len() {
             return Err(TransferError::Mismatch(block_ids.len(), blocks.len()));
@@ -125,6 +143,7 @@ impl Offers {
                 blocks,
                 block_bytes: format.block_bytes,
                 expires: now + ttl,
+                _hold: hold,
             },
         );
         Ok(id)
@@ -138,8 +157,9 @@ impl Offers {
         blocks: Vec<Bytes>,
         f: BlockFormat,
         ttl: Duration,
+        hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError> {
-        let transfer_id = self.add(&block_ids, blocks, &f, ttl)?;
+        let transfer_id = self.add(&block_ids, blocks, &f, ttl, hold)?;
         Ok(TransferDescriptor {
             agent: agent.to_owned(),
             transfer_id,
@@ -176,15 +196,16 @@ impl Default for InProcessAgent {
 
 #[async_trait::async_trait]
 impl KvTransferAgent for InProcessAgent {
-    fn offer(
+    fn offer_held(
         &self,
         block_ids: Vec<u32>,
         blocks: Vec<Bytes>,
         format: BlockFormat,
         ttl: Duration,
+        hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.offers
-            .offer(&self.name, block_ids, blocks, format, ttl)
+            .offer(&self.name, block_ids, blocks, format, ttl, hold)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
@@ -313,15 +334,16 @@ async fn serve_pull(stream: TcpStream, offers: Arc<Offers>) {
 
 #[async_trait::async_trait]
 impl KvTransferAgent for TcpAgent {
-    fn offer(
+    fn offer_held(
         &self,
         block_ids: Vec<u32>,
         blocks: Vec<Bytes>,
         format: BlockFormat,
         ttl: Duration,
+        hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.offers
-            .offer(&self.name, block_ids, blocks, format, ttl)
+            .offer(&self.name, block_ids, blocks, format, ttl, hold)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
@@ -459,6 +481,54 @@ mod tests {
             .offer(vec![9], blocks(1, 8, 3), format(8), Duration::from_secs(10))
             .unwrap();
         assert_eq!(prefill.pull(&own).await.unwrap(), blocks(1, 8, 3));
+    }
+
+    /// The engine learns through the hold when its pinned blocks are free again.
+    #[tokio::test]
+    async fn the_hold_is_dropped_when_the_offer_ends() {
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let held = |f: &Arc<std::sync::atomic::AtomicBool>| Some(Box::new(Flag(f.clone())) as Hold);
+        let pulled = Arc::default();
+        let desc = prefill
+            .offer_held(
+                vec![1],
+                blocks(1, 8, 1),
+                format(8),
+                Duration::from_secs(10),
+                held(&pulled),
+            )
+            .unwrap();
+        assert!(!pulled.load(Ordering::SeqCst));
+        decode.pull(&desc).await.unwrap();
+        for _ in 0..100 {
+            if pulled.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(pulled.load(Ordering::SeqCst), "released after the pull");
+        let expired = Arc::default();
+        prefill
+            .offer_held(
+                vec![1],
+                blocks(1, 8, 1),
+                format(8),
+                Duration::ZERO,
+                held(&expired),
+            )
+            .unwrap();
+        // Expired offers are swept when the next one is made.
+        prefill
+            .offer(vec![1], blocks(1, 8, 1), format(8), Duration::from_secs(1))
+            .unwrap();
+        assert!(expired.load(Ordering::SeqCst));
     }
 
     #[tokio::test]

@@ -20,6 +20,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::llm::types::{Generated, PreprocessedRequest};
+use crate::mocker::scheduler::SeqRole;
 use crate::mocker::{Mocker, MockerConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -45,6 +46,22 @@ impl DecodeConfig {
     }
 }
 
+/// What discovery shows about a worker's engine: its kind, KV block size and capacity.
+pub fn engine_metadata(
+    engine: Engine,
+    mocker: &MockerConfig,
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    match engine {
+        Engine::Mocker => {
+            m.insert("engine".into(), "mocker".into());
+            m.insert("block_size".into(), mocker.block_size.into());
+            m.insert("kv_total_blocks".into(), mocker.num_blocks.into());
+        }
+    }
+    m
+}
+
 impl OperatorConfig for DecodeConfig {
     const KIND: &'static str = "decode";
     const SUMMARY: &'static str = "Runs an engine on tokenized requests (engine: mocker)";
@@ -57,16 +74,7 @@ impl OperatorConfig for DecodeConfig {
     }
 
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        let mut m = serde_json::Map::new();
-        match self.engine {
-            Engine::Mocker => {
-                let c = self.mocker();
-                m.insert("engine".into(), "mocker".into());
-                m.insert("block_size".into(), c.block_size.into());
-                m.insert("kv_total_blocks".into(), c.num_blocks.into());
-            }
-        }
-        m
+        engine_metadata(self.engine, &self.mocker())
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {
@@ -88,8 +96,15 @@ impl Operator for Decode {
     fn call(&self, ctx: Ctx, mut input: Input<PreprocessedRequest>) -> Output<Generated> {
         let engine = self.engine.clone();
         async_stream::stream! {
-            let Some(req) = input.next().await else { return };
-            let mut rx = match engine.submit(&req) {
+            let Some(mut req) = input.next().await else { return };
+            let role = match req.prefilled.take() {
+                Some(p) => tokio::select! {
+                    role = engine.import(&req, &p) => role,
+                    _ = ctx.killed() => return,
+                },
+                None => SeqRole::Full,
+            };
+            let mut rx = match engine.submit(&req, role) {
                 Ok(rx) => rx,
                 Err(e) => {
                     yield Err(e);

@@ -9,6 +9,7 @@ pub mod http;
 pub mod llm;
 pub mod metrics;
 pub mod mocker;
+pub mod prefill;
 pub mod types;
 
 #[cfg(test)]
@@ -24,6 +25,8 @@ pub fn registry() -> Registry {
         .operator::<echo::EchoConfig>()
         .operator::<llm::preprocess::PreprocessConfig>()
         .operator::<llm::route::RouteConfig>()
+        .operator::<llm::remote_prefill::RemotePrefillConfig>()
+        .operator::<prefill::PrefillConfig>()
         .operator::<decode::DecodeConfig>()
         .operator::<llm::postprocess::PostprocessConfig>()
 }

@@ -196,6 +196,34 @@ impl WorkerGauges {
     }
 }
 
+/// Disaggregated serving: where prompts were prefilled, and how KV transfers went.
+pub struct Disagg {
+    /// `decision`: remote|local; `reason`: remote, below_threshold, queue_full,
+    /// no_prefill_worker, prefill_failed.
+    pub decisions: IntCounterVec,
+    /// `outcome`: pulled, failed (the prompt is then prefilled locally).
+    pub transfers: IntCounterVec,
+    pub transfer_seconds: HistogramVec,
+}
+
+pub static DISAGG: LazyLock<Disagg> = LazyLock::new(|| Disagg {
+    decisions: counter_vec(
+        "dyn_remote_prefill_decisions_total",
+        "Prefill decisions by node, decision (remote|local) and reason",
+        &["node", "decision", "reason"],
+    ),
+    transfers: counter_vec(
+        "dyn_worker_kv_transfers_total",
+        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed)",
+        &["node", "worker_id", "outcome"],
+    ),
+    transfer_seconds: histogram(
+        "dyn_worker_kv_transfer_seconds",
+        "Time to receive a prompt's KV from a prefill worker (modelled transfer included)",
+        &["node"],
+    ),
+});
+
 /// The default registry in Prometheus text format.
 pub fn render() -> String {
     let mut buf = Vec::new();

@@ -41,5 +41,7 @@ pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
         },
         output: OutputSpec::default(),
         target: None,
+        cached_tokens: 0,
+        prefilled: None,
     }
 }

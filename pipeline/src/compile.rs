@@ -297,6 +297,25 @@ pub fn compile(
         }
     }
 
+    // Nodes named in other nodes' configs (a remote prefill's pool).
+    let mut called = vec![false; spec.nodes.len()];
+    for (j, n) in spec.nodes.iter().enumerate() {
+        let Some((_, config)) = &parsed[j] else {
+            continue;
+        };
+        for name in config.calls() {
+            match index.get(name.as_str()) {
+                Some(&i) => called[i] = true,
+                None if spec.broken.contains(&name) => {}
+                None => diags.push(Diagnostic::error(
+                    Pos::of_span(n.config.span()).or(n.pos),
+                    Some(&n.id),
+                    format!("config names node '{name}', which is not in this graph"),
+                )),
+            }
+        }
+    }
+
     // Phase 3: shape.
     for (i, cs) in consumers.iter().enumerate() {
         if cs.len() > 1 {
@@ -363,7 +382,12 @@ pub fn compile(
         chains.push(ChainPath { ingress: i, path });
     }
     for (i, n) in spec.nodes.iter().enumerate() {
-        if !on_chain[i] && parsed[i].is_some() && consumers[i].is_empty() && n.inputs.is_empty() {
+        if !on_chain[i]
+            && !called[i]
+            && parsed[i].is_some()
+            && consumers[i].is_empty()
+            && n.inputs.is_empty()
+        {
             diags.push(Diagnostic::warning(
                 n.pos,
                 Some(&n.id),

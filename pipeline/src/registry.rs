@@ -65,7 +65,9 @@ pub struct BuildCx {
     pub node: String,
     pub replica: u32,
     pub instance_id: u64,
-    /// Ids of the nodes that take this node's output (a router watches their instances).
+    /// Ids of the nodes that take this node's output, looking through pass-through nodes
+    /// (input type = output type, like `remote_prefill`) to the workers behind them: a router
+    /// watches their instances.
     pub consumers: Vec<String>,
     /// The model named in the graph, if any.
     pub model: Option<crate::spec::ModelSpec>,
@@ -94,6 +96,12 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
     /// KV block size, say); stored with each instance in discovery.
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
+    }
+
+    /// Nodes this node sends work to outside the request path (a remote prefill pool): the
+    /// compiler checks they exist and counts them as reached.
+    fn calls(&self) -> Vec<String> {
+        Vec::new()
     }
 }
 
@@ -136,6 +144,9 @@ pub trait DynConfig: Send + Sync {
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
     }
+    fn calls(&self) -> Vec<String> {
+        Vec::new()
+    }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>>;
 }
 
@@ -148,6 +159,9 @@ impl<C: OperatorConfig> DynConfig for OpConfig<C> {
     }
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
         self.0.metadata()
+    }
+    fn calls(&self) -> Vec<String> {
+        self.0.calls()
     }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>> {
         async move { Ok(Built::Operator(erase(self.0.build(&cx).await?))) }.boxed()

@@ -162,12 +162,7 @@ pub async fn run(
         node: node.to_owned(),
         replica,
         instance_id,
-        consumers: graph
-            .nodes
-            .iter()
-            .filter(|c| c.inputs.iter().any(|&i| graph.nodes[i].id == node))
-            .map(|c| c.id.clone())
-            .collect(),
+        consumers: workers_after(graph, node),
         model: graph.model.clone(),
         base_dir: graph.base_dir.clone(),
         planes: planes.clone(),
@@ -333,6 +328,36 @@ pub async fn run(
     failure.map_or(Ok(()), Err)
 }
 
+/// The nodes taking `node`'s output, with pass-through nodes replaced by the nodes after them.
+fn workers_after(graph: &CompiledGraph, node: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![node.to_owned()];
+    let mut seen = HashSet::new();
+    while let Some(n) = stack.pop() {
+        for c in graph
+            .nodes
+            .iter()
+            .filter(|c| c.inputs.iter().any(|&i| graph.nodes[i].id == n))
+        {
+            if !seen.insert(c.id.clone()) {
+                continue;
+            }
+            if passes_through(c) {
+                stack.push(c.id.clone());
+            } else {
+                out.push(c.id.clone());
+            }
+        }
+    }
+    out
+}
+
+/// A node whose output is its input's type (a router, a remote prefill): it passes requests
+/// on rather than serving them, and a router's choice is not about it.
+fn passes_through(n: &CompiledNode) -> bool {
+    matches!(n.kind.role, Role::Operator { input, output } if input == output)
+}
+
 fn ingress_result(
     done: Result<(String, Result<(), OpError>), tokio::task::JoinError>,
 ) -> Option<RuntimeError> {
@@ -402,7 +427,12 @@ impl EdgeClient {
         // The target is a property of the first item (a routed request); peek at it.
         async_stream::stream! {
             let mut input = input.peekable();
-            let target = Pin::new(&mut input).peek().await.and_then(|p| p.target_instance());
+            // A router's choice is for the worker node behind any pass-through nodes.
+            let target = if this.types.input == this.types.output {
+                None
+            } else {
+                Pin::new(&mut input).peek().await.and_then(|p| p.target_instance())
+            };
             let picked = this.pick(target);
             match picked {
                 Ok(instance) => {
@@ -427,26 +457,25 @@ enum Stage {
 }
 
 impl Stage {
-    /// The stage for `node`; a migrating node takes the router before it (the last stage, when
-    /// its input and output are this node's input type) into its segment, so a resent request
-    /// is routed afresh.
+    /// The stage for `node`; a migrating node takes the nodes right before it whose input and
+    /// output are this node's input type (a router, a remote prefill) into its segment, so a
+    /// resent request is routed and prefilled afresh.
     fn for_node(edge: Arc<EdgeClient>, node: &CompiledNode, stages: &mut Vec<Stage>) -> Stage {
         let resume = match (node.migration_limit, edge.types.input.resume) {
             (limit, Some(resume)) if limit > 0 => resume,
             _ => return Stage::Node(edge),
         };
         let input = edge.types.input;
-        let router = match stages.last() {
-            Some(Stage::Node(prev)) if prev.types.input == input && prev.types.output == input => {
-                Some(prev.clone())
-            }
-            _ => None,
-        };
-        if router.is_some() {
+        let mut steps = vec![edge];
+        while let Some(Stage::Node(prev)) = stages.last()
+            && prev.types.input == input
+            && prev.types.output == input
+        {
+            steps.insert(0, prev.clone());
             stages.pop();
         }
         Stage::Migrating(Arc::new(Migrating {
-            steps: router.into_iter().chain([edge]).collect(),
+            steps,
             resume,
             limit: node.migration_limit,
         }))

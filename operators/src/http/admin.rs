@@ -142,27 +142,49 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         limits: Default::default(),
     };
     let pre = a.preprocess.preprocess(req).await.map_err(ApiError::from)?;
-    let node = match b.node {
-        Some(n) => n,
-        None => {
-            // `nodes()` lists only nodes with a live replica.
-            let routes = a.inspect.nodes();
-            match routes.as_slice() {
-                [one] => one.clone(),
-                [] => return Err(not_found("(any)")),
-                _ => {
-                    return Err(ApiError::invalid(
-                        "invalid_request",
-                        format!(
-                            "several inspectable nodes ({}); name one with \"node\"",
-                            routes.join(", ")
-                        ),
-                    ));
-                }
-            }
+    let tokens = json!({"tokens": pre.token_ids});
+    if let Some(node) = b.node {
+        return ask(&a, &node, "route", &tokens).map(Json);
+    }
+    // Every inspectable node on the path explains its part: the router its choice of worker,
+    // then a remote prefill node its decision, given what that worker caches.
+    // (`nodes()` lists only nodes with a live replica.)
+    let mut routers = Vec::new();
+    let mut prefills = Vec::new();
+    for node in a.inspect.nodes() {
+        let answer = ask(&a, &node, "route", &tokens)?;
+        if answer["replicas"][0]["prefill"] == json!(true) {
+            prefills.push(node);
+        } else {
+            routers.push(answer);
+        }
+    }
+    let mut answer = match routers.len() {
+        1 => routers.remove(0),
+        0 if prefills.is_empty() => return Err(not_found("(any)")),
+        _ => {
+            return Err(ApiError::invalid(
+                "invalid_request",
+                format!(
+                    "several inspectable nodes ({}); name one with \"node\"",
+                    a.inspect.nodes().join(", ")
+                ),
+            ));
         }
     };
-    ask(&a, &node, "route", &json!({"tokens": pre.token_ids})).map(Json)
+    let router = &answer["replicas"][0];
+    let cached = router["candidates"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["worker_id"] == router["worker_id"]))
+        .and_then(|c| c["matched_blocks"].as_u64())
+        .zip(router["block_size"].as_u64())
+        .map_or(0, |(m, bs)| m * bs);
+    if let Some(node) = prefills.first() {
+        let mut args = tokens.clone();
+        args["cached_tokens"] = json!(cached);
+        answer["prefill"] = ask(&a, node, "route", &args)?;
+    }
+    Ok(Json(answer))
 }
 
 #[derive(Deserialize)]

@@ -9,5 +9,6 @@ pub mod kv_router;
 pub mod model;
 pub mod postprocess;
 pub mod preprocess;
+pub mod remote_prefill;
 pub mod route;
 pub mod types;

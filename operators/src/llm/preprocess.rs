@@ -237,6 +237,8 @@ impl Preprocess {
                 stop: req.limits.stop,
             },
             target: None,
+            cached_tokens: 0,
+            prefilled: None,
         })
     }
 }

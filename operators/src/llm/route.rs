@@ -196,6 +196,25 @@ pub struct Route {
     _task: tokio_util::task::AbortOnDropHandle<()>,
 }
 
+impl Route {
+    /// Route `tokens` among the workers, as a request through this node would be (for kinds
+    /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
+    /// the request until `ctx` is done.
+    pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+        self.inner.route(ctx, tokens).map(|(w, _)| w)
+    }
+
+    /// Live workers, less those the request plane saw fail.
+    pub fn live(&self) -> Vec<u64> {
+        self.inner.live()
+    }
+
+    /// What `dyn inspect` asks a route node.
+    pub fn inspect(&self, query: &str, args: &Value) -> Result<Value, String> {
+        Inspect::inspect(&*self.inner, query, args)
+    }
+}
+
 struct Inner {
     target: String,
     workers: Arc<LiveInstances>,
@@ -334,13 +353,16 @@ impl Inner {
         Ok(plain(worker))
     }
 
-    /// Decide, and count the request against its worker until it is over.
-    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+    /// Decide, and count the request against its worker until it is over; the worker and
+    /// how many of the prompt's tokens it caches.
+    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<(u64, usize), OpError> {
         let d = self.decide(tokens)?;
-        let prefill = match d.candidates.iter().find(|c| c.worker == d.worker) {
-            Some(c) => (tokens.len() - (c.matched_blocks * d.block_size).min(tokens.len())) as u64,
-            None => tokens.len() as u64,
-        };
+        let cached = d
+            .candidates
+            .iter()
+            .find(|c| c.worker == d.worker)
+            .map_or(0, |c| (c.matched_blocks * d.block_size).min(tokens.len()));
+        let prefill = (tokens.len() - cached) as u64;
         if let Some(kv) = &self.kv
             && self.approximate()
         {
@@ -351,7 +373,7 @@ impl Inner {
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
-        Ok(d.worker)
+        Ok((d.worker, cached))
     }
 
     /// Approximate mode: the prompt's blocks now count as cached on `worker`.
@@ -655,9 +677,10 @@ impl Operator for Route {
         let inner = self.inner.clone();
         input
             .map(move |mut req| {
-                let worker = inner.route(&ctx, &req.token_ids)?;
-                tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), "Routed");
+                let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
+                tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
                 req.target = Some(worker);
+                req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
                 Ok(req)
             })
             .boxed()

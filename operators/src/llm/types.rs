@@ -95,6 +95,25 @@ pub struct PreprocessedRequest {
     pub output: OutputSpec,
     /// The worker (instance id) a router chose.
     pub target: Option<u64>,
+    /// Prompt tokens the chosen worker already caches, as far as the router knows (0 when it
+    /// does not track caches).
+    #[serde(default)]
+    pub cached_tokens: u32,
+    /// The prompt was prefilled on another worker: where its KV waits to be pulled.
+    #[serde(default)]
+    pub prefilled: Option<Prefilled>,
+}
+
+/// The result of a remote prefill: the first output token and the prompt's KV blocks,
+/// pinned on the prefill worker until the decode worker pulls them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prefilled {
+    /// The prefill worker (instance id).
+    pub worker_id: u64,
+    /// The token ids the KV covers (the decode worker checks its prompt against this count).
+    pub prompt_tokens: u32,
+    pub first_token: u32,
+    pub transfer: dyn_gpu::transfer::TransferDescriptor,
 }
 
 /// Why a response ended.
@@ -159,6 +178,7 @@ macro_rules! json_payload {
 }
 
 json_payload! {
+    Prefilled => "Prefilled",
     LlmRequest => "LlmRequest",
     Generated => "Generated",
     LlmDelta => "LlmDelta",
@@ -199,5 +219,8 @@ impl Resumable for PreprocessedRequest {
 
     fn clear_target(&mut self) {
         self.target = None;
+        self.cached_tokens = 0;
+        // The offer was for the lost worker (and is pulled or expired by now).
+        self.prefilled = None;
     }
 }

@@ -17,19 +17,21 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
+use dyn_gpu::transfer::{BlockFormat, KvTransferAgent, TransferDescriptor};
 use dyn_pipeline::{BuildCx, BuildError, Invalid, OpError};
 use serde::Deserialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::llm::kv::{
     KvCacheEvent, KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject,
     kv_resync_subject, load_metrics_subject,
 };
 use crate::llm::model::ModelDir;
-use crate::llm::types::{Generated, PreprocessedRequest};
+use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 use crate::metrics::WorkerGauges;
-use scheduler::{Limits, Scheduler, SeqId, SeqSpec};
+use pool::BlockId;
+use scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec};
 
 /// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker serving
 /// an 8B model on one large GPU.
@@ -52,6 +54,27 @@ pub struct MockerConfig {
     pub max_queued_requests: u32,
     #[serde(default)]
     pub timing: Timing,
+    /// Disaggregation: bytes of KV one token takes (the default is Llama-3-8B in bf16: 32
+    /// layers × K and V × 8 KV heads × 128 dims × 2 bytes). The simulated blocks that really
+    /// move are much smaller; this sizes the transfer the timing model charges.
+    #[serde(default = "d_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+    /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
+    #[serde(default = "d_transfer_gbps")]
+    pub transfer_gbps: f64,
+    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
+    #[serde(default = "d_pin_ttl_s")]
+    pub pin_ttl_s: f64,
+}
+
+fn d_kv_bytes_per_token() -> u64 {
+    32 * 2 * 8 * 128 * 2
+}
+fn d_transfer_gbps() -> f64 {
+    25.0
+}
+fn d_pin_ttl_s() -> f64 {
+    30.0
 }
 
 fn d_num_blocks() -> u32 {
@@ -115,6 +138,9 @@ impl Default for MockerConfig {
             speedup: d_speedup(),
             max_queued_requests: d_queue(),
             timing: Timing::default(),
+            kv_bytes_per_token: d_kv_bytes_per_token(),
+            transfer_gbps: d_transfer_gbps(),
+            pin_ttl_s: d_pin_ttl_s(),
         }
     }
 }
@@ -135,11 +161,17 @@ impl MockerConfig {
         positive("max_num_seqs", self.max_num_seqs);
         positive("max_num_batched_tokens", self.max_num_batched_tokens);
         positive("max_queued_requests", self.max_queued_requests);
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            out.push(Invalid::field(
-                format!("{prefix}speedup"),
-                "must be a positive number",
-            ));
+        for (name, v) in [
+            ("speedup", self.speedup),
+            ("transfer_gbps", self.transfer_gbps),
+            ("pin_ttl_s", self.pin_ttl_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                out.push(Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be a positive number",
+                ));
+            }
         }
         let t = &self.timing;
         if [
@@ -158,13 +190,24 @@ impl MockerConfig {
         }
         out
     }
+
+    /// Simulated time to move the KV of `tokens` tokens from a prefill worker.
+    pub fn transfer_time(&self, tokens: usize) -> Duration {
+        let secs = tokens as f64 * self.kv_bytes_per_token as f64 / (self.transfer_gbps * 1e9);
+        Duration::from_secs_f64(secs / self.speedup)
+    }
 }
+
+/// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
+pub type OfferResult = Result<TransferDescriptor, String>;
 
 enum Command {
     Add {
         id: SeqId,
         spec: SeqSpec,
         tx: mpsc::Sender<Generated>,
+        /// Prefill role: where to send the offer of the prompt's blocks.
+        offer: Option<oneshot::Sender<OfferResult>>,
     },
     /// Publish the whole cache (a router lost events).
     Dump,
@@ -180,6 +223,11 @@ pub struct Mocker {
     next_id: AtomicU64,
     /// Gauges of this worker (also on `/metrics`).
     pub gauges: WorkerGauges,
+    /// Pulls prompts' KV from prefill workers (and offers this worker's, in the prefill role).
+    agent: Arc<dyn KvTransferAgent>,
+    config: MockerConfig,
+    node: String,
+    worker_id: u64,
 }
 
 /// Tokens a sequence produced that its consumer has not taken yet.
@@ -238,7 +286,19 @@ impl Mocker {
             }
         });
         let queued = Arc::new(AtomicUsize::new(0));
+        let agent = cx
+            .planes
+            .transfer_agent()
+            .await
+            .map_err(|e| BuildError::new(e.to_string()))?;
+        let (unpin_tx, unpin_rx) = std_mpsc::channel();
         let engine = Engine {
+            agent: agent.clone(),
+            pin_ttl: Duration::from_secs_f64(config.pin_ttl_s),
+            pinned: HashMap::new(),
+            offers: HashMap::new(),
+            unpin_tx,
+            unpin_rx,
             queued: queued.clone(),
             received_unadmitted: 0,
             sched: Scheduler::new(
@@ -279,6 +339,10 @@ impl Mocker {
             vocab,
             next_id: AtomicU64::new(1),
             gauges,
+            agent,
+            config: config.clone(),
+            node: cx.node.clone(),
+            worker_id,
         });
         // Weak: the engine thread stops when the last handle goes, and this task must not be
         // one.
@@ -300,8 +364,84 @@ impl Mocker {
         Ok(mocker)
     }
 
-    /// Queue a request; its tokens arrive on the returned channel.
-    pub fn submit(&self, req: &PreprocessedRequest) -> Result<mpsc::Receiver<Generated>, OpError> {
+    /// Queue a request; its tokens arrive on the returned channel. `role`: aggregated, or
+    /// decode with the prompt's KV imported from a prefill worker.
+    pub fn submit(
+        &self,
+        req: &PreprocessedRequest,
+        role: SeqRole,
+    ) -> Result<mpsc::Receiver<Generated>, OpError> {
+        self.enqueue(req, role, None)
+    }
+
+    /// Receive the KV a prefill worker computed for `req`: the modelled transfer time passes
+    /// first and then the simulated blocks are pulled through the transfer agent, so a
+    /// prefill worker lost during the transfer fails the pull (as a read from a dead peer
+    /// would). The role to submit with: imported on success; aggregated (prefill here) when
+    /// the transfer failed or does not match the prompt.
+    pub async fn import(&self, req: &PreprocessedRequest, p: &Prefilled) -> SeqRole {
+        let started = Instant::now();
+        let bs = self.config.block_size as usize;
+        let result = async {
+            if p.prompt_tokens as usize != req.token_ids.len()
+                || p.transfer.block_bytes != block_format(bs).block_bytes
+            {
+                return Err(format!(
+                    "the offer covers {} tokens in blocks of {} bytes; this worker has a {}-token prompt and blocks of {} bytes",
+                    p.prompt_tokens,
+                    p.transfer.block_bytes,
+                    req.token_ids.len(),
+                    bs * 4
+                ));
+            }
+            tokio::time::sleep(self.config.transfer_time(req.token_ids.len())).await;
+            let blocks = self.agent.pull(&p.transfer).await.map_err(|e| e.to_string())?;
+            if blocks != block_payloads(&req.token_ids, bs) {
+                return Err("the pulled blocks do not hold this prompt".into());
+            }
+            Ok(())
+        }
+        .await;
+        let id = format!("{:x}", self.worker_id);
+        let m = &crate::metrics::DISAGG;
+        match result {
+            Ok(()) => {
+                m.transfers
+                    .with_label_values(&[self.node.as_str(), &id, "pulled"])
+                    .inc();
+                m.transfer_seconds
+                    .with_label_values(&[self.node.as_str()])
+                    .observe(started.elapsed().as_secs_f64());
+                SeqRole::Imported {
+                    first_token: p.first_token,
+                }
+            }
+            Err(e) => {
+                m.transfers
+                    .with_label_values(&[self.node.as_str(), &id, "failed"])
+                    .inc();
+                tracing::warn!(worker_id = %id, prefill_worker = format_args!("{:x}", p.worker_id), error = %e, "KV transfer failed; prefilling locally");
+                SeqRole::Full
+            }
+        }
+    }
+
+    /// Queue a prefill-only request: its first token arrives on the first channel, the offer
+    /// of its prompt's KV blocks on the second.
+    pub fn submit_prefill(
+        &self,
+        req: &PreprocessedRequest,
+    ) -> Result<(mpsc::Receiver<Generated>, oneshot::Receiver<OfferResult>), OpError> {
+        let (otx, orx) = oneshot::channel();
+        Ok((self.enqueue(req, SeqRole::Prefill, Some(otx))?, orx))
+    }
+
+    fn enqueue(
+        &self,
+        req: &PreprocessedRequest,
+        role: SeqRole,
+        offer: Option<oneshot::Sender<OfferResult>>,
+    ) -> Result<mpsc::Receiver<Generated>, OpError> {
         let (tx, rx) = mpsc::channel(64);
         // A migrated request carries the tokens already generated after its prompt; seeding
         // by the original prompt and counting positions from it makes it continue exactly.
@@ -321,6 +461,7 @@ impl Mocker {
             seed,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             vocab: self.vocab.clone(),
+            role,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
@@ -331,7 +472,12 @@ impl Mocker {
             ))
             .with_code("worker_busy"));
         }
-        match self.commands.try_send(Command::Add { id, spec, tx }) {
+        match self.commands.try_send(Command::Add {
+            id,
+            spec,
+            tx,
+            offer,
+        }) {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
@@ -362,7 +508,55 @@ fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
     }
 }
 
+/// How the mocker lays out a simulated KV block: the block's token ids, little-endian `u32`,
+/// padded with `u32::MAX`. Small, and checkable by the decode worker against its prompt.
+pub fn block_format(block_size: usize) -> BlockFormat {
+    BlockFormat {
+        block_bytes: (block_size * 4) as u32,
+        layout: "token_ids".into(),
+        dtype: "u32le".into(),
+    }
+}
+
+/// The simulated KV blocks of `tokens` (see [`block_format`]).
+pub fn block_payloads(tokens: &[u32], block_size: usize) -> Vec<Bytes> {
+    tokens
+        .chunks(block_size.max(1))
+        .map(|chunk| {
+            let mut b = BytesMut::with_capacity(block_size * 4);
+            for t in chunk {
+                b.put_u32_le(*t);
+            }
+            b.resize(block_size * 4, 0xff);
+            b.freeze()
+        })
+        .collect()
+}
+
+/// Sent back to the engine when an offer ends (pulled, expired or dropped).
+struct Unpin {
+    tx: std_mpsc::Sender<SeqId>,
+    id: SeqId,
+}
+
+impl Drop for Unpin {
+    fn drop(&mut self) {
+        let _ = self.tx.send(self.id);
+    }
+}
+
+/// While blocks are pinned an idle engine wakes this often to release them.
+const PIN_POLL: Duration = Duration::from_millis(5);
+
 struct Engine {
+    agent: Arc<dyn KvTransferAgent>,
+    pin_ttl: Duration,
+    /// Blocks of finished prefill-only requests, until pulled or the TTL passes.
+    pinned: HashMap<SeqId, (Vec<BlockId>, Instant)>,
+    /// Prefill-only requests waiting to offer their blocks.
+    offers: HashMap<SeqId, oneshot::Sender<OfferResult>>,
+    unpin_tx: std_mpsc::Sender<SeqId>,
+    unpin_rx: std_mpsc::Receiver<SeqId>,
     queued: Arc<AtomicUsize>,
     /// What this thread last counted in `queued` for requests it received.
     received_unadmitted: usize,
@@ -396,9 +590,17 @@ impl Engine {
         loop {
             // Idle: block until work arrives (or every handle is gone).
             if self.sched.is_idle() && self.outboxes.is_empty() {
-                match rx.recv() {
-                    Ok(cmd) => self.command(cmd),
-                    Err(_) => break,
+                if self.pinned.is_empty() {
+                    match rx.recv() {
+                        Ok(cmd) => self.command(cmd),
+                        Err(_) => break,
+                    }
+                } else {
+                    match rx.recv_timeout(PIN_POLL) {
+                        Ok(cmd) => self.command(cmd),
+                        Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                    }
                 }
             }
             while let Ok(cmd) = rx.try_recv() {
@@ -406,7 +608,8 @@ impl Engine {
             }
             let started = Instant::now();
             self.reap_cancelled();
-            let out = self.sched.step();
+            self.unpin();
+            let mut out = self.sched.step();
             let busy = out.prefill_tokens > 0 || out.decode_seqs > 0;
             let simulated = if busy {
                 let ms = self
@@ -429,6 +632,9 @@ impl Engine {
                     o.finish = finish;
                 }
             }
+            for (id, blocks, tokens) in std::mem::take(&mut out.pinned) {
+                self.offer(id, blocks, &tokens);
+            }
             self.deliver();
             self.account();
             self.publish();
@@ -441,7 +647,15 @@ impl Engine {
 
     fn command(&mut self, cmd: Command) {
         match cmd {
-            Command::Add { id, spec, tx } => {
+            Command::Add {
+                id,
+                spec,
+                tx,
+                offer,
+            } => {
+                if let Some(o) = offer {
+                    self.offers.insert(id, o);
+                }
                 // Counted in `queued` by `submit`; it stays counted while the scheduler holds
                 // it unadmitted, and is released in `account`.
                 self.received_unadmitted += 1;
@@ -467,6 +681,64 @@ impl Engine {
         }
     }
 
+    /// Offer a finished prefill's blocks to the transfer agent; they stay pinned until the
+    /// offer ends.
+    fn offer(&mut self, id: SeqId, blocks: Vec<BlockId>, tokens: &[u32]) {
+        let reply = match self.offers.remove(&id) {
+            Some(r) if !r.is_closed() => r,
+            _ => {
+                // Nobody waits for this offer any more.
+                self.release(&blocks);
+                return;
+            }
+        };
+        let bs = self.sched.block_size();
+        let hold = Unpin {
+            tx: self.unpin_tx.clone(),
+            id,
+        };
+        match self.agent.offer_held(
+            blocks.clone(),
+            block_payloads(tokens, bs),
+            block_format(bs),
+            self.pin_ttl,
+            Some(Box::new(hold)),
+        ) {
+            Ok(desc) => {
+                self.pinned
+                    .insert(id, (blocks, Instant::now() + self.pin_ttl));
+                let _ = reply.send(Ok(desc));
+            }
+            Err(e) => {
+                self.release(&blocks);
+                let _ = reply.send(Err(e.to_string()));
+            }
+        }
+    }
+
+    fn release(&mut self, blocks: &[BlockId]) {
+        for b in blocks {
+            self.sched.pool.release(*b);
+        }
+    }
+
+    /// Release the blocks of offers that ended, and of those past their TTL.
+    fn unpin(&mut self) {
+        let mut done: Vec<SeqId> = self.unpin_rx.try_iter().collect();
+        let now = Instant::now();
+        done.extend(
+            self.pinned
+                .iter()
+                .filter(|(_, (_, until))| *until <= now)
+                .map(|(id, _)| *id),
+        );
+        for id in done {
+            if let Some((blocks, _)) = self.pinned.remove(&id) {
+                self.release(&blocks);
+            }
+        }
+    }
+
     /// Release from `queued` the requests that started running (or left) since last time.
     fn account(&mut self) {
         let now = self.sched.unadmitted();
@@ -487,6 +759,7 @@ impl Engine {
             .collect();
         for id in gone {
             self.outboxes.remove(&id);
+            self.offers.remove(&id);
             if self.sched.remove(id) {
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
@@ -592,7 +865,7 @@ mod tests {
     use futures::StreamExt;
 
     async fn run(m: &Mocker, req: &PreprocessedRequest) -> Vec<u32> {
-        let mut rx = m.submit(req).expect("submitted");
+        let mut rx = m.submit(req, SeqRole::Full).expect("submitted");
         let mut out = Vec::new();
         while let Some(Generated::Tokens { ids, finish }) = rx.recv().await {
             out.extend(ids);

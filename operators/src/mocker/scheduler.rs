@@ -35,6 +35,21 @@ pub struct SeqSpec {
     pub offset: u32,
     /// The token ids output is drawn from.
     pub vocab: std::sync::Arc<[u32]>,
+    pub role: SeqRole,
+}
+
+/// What a worker does with a sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SeqRole {
+    /// Prefill and decode (aggregated serving).
+    #[default]
+    Full,
+    /// Prefill only: stop after the first token and keep the prompt's blocks (they are handed
+    /// over in [`StepOutcome::pinned`] for a decode worker to pull).
+    Prefill,
+    /// The prompt's KV was computed elsewhere and transferred: the sequence is admitted with
+    /// its prompt already computed, and `first_token` is its first output.
+    Imported { first_token: u32 },
 }
 
 pub type SeqId = u64;
@@ -64,6 +79,10 @@ pub struct StepOutcome {
     /// New tokens by sequence, with a finish reason for those that ended.
     pub tokens: Vec<(SeqId, u32, Option<FinishReason>)>,
     pub preempted: usize,
+    /// Prefill-only sequences that finished, with the blocks holding their prompt's KV (still
+    /// referenced: release them with [`Pool::release`] once they are transferred) and the
+    /// prompt tokens.
+    pub pinned: Vec<(SeqId, Vec<BlockId>, Vec<u32>)>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -202,6 +221,10 @@ impl Scheduler {
         seq.computed = 0;
         seq.hashes.clear();
         seq.preemptions += 1;
+        // Transferred KV is gone with the blocks: the prompt is computed here from now on.
+        if matches!(seq.spec.role, SeqRole::Imported { .. }) {
+            seq.spec.role = SeqRole::Full;
+        }
         self.counters.preemptions += 1;
         tracing::debug!(
             seq = seq.id,
@@ -260,8 +283,19 @@ impl Scheduler {
                 self.counters.prompt_blocks += full as u64;
                 self.counters.prompt_blocks_hit += hit as u64;
             }
-            let want = (seq.tokens.len() - hit * block_size).min(budget);
-            let new_blocks = (hit * block_size + want).div_ceil(block_size) - hit;
+            // Imported KV costs no compute, only blocks for the whole prompt.
+            let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
+            let want = if imported {
+                0
+            } else {
+                (seq.tokens.len() - hit * block_size).min(budget)
+            };
+            let reach = if imported {
+                seq.tokens.len()
+            } else {
+                hit * block_size + want
+            };
+            let new_blocks = reach.div_ceil(block_size) - hit;
             if new_blocks as u32 > self.pool.available() {
                 self.waiting.push_front(seq);
                 break;
@@ -273,8 +307,7 @@ impl Scheduler {
             }
             seq.hashes = hashes[..hit].to_vec();
             seq.computed = hit * block_size;
-            let target = seq.computed + want;
-            if !Self::grow(&mut self.pool, &mut seq, target, block_size) {
+            if !Self::grow(&mut self.pool, &mut seq, reach, block_size) {
                 // `available` said yes; only a bug gets here. Undo and wait.
                 for b in seq.blocks.drain(..) {
                     self.pool.release(b);
@@ -283,6 +316,10 @@ impl Scheduler {
                 seq.computed = 0;
                 self.waiting.push_front(seq);
                 break;
+            }
+            if imported {
+                seq.computed = reach;
+                Self::register_full(&mut self.pool, &mut seq, block_size);
             }
             budget -= want;
             if seq.preemptions == 0 {
@@ -305,10 +342,15 @@ impl Scheduler {
             out.context_tokens += seq.computed;
             Self::register_full(&mut self.pool, seq, block_size);
             if seq.computed == seq.tokens.len() {
-                let t = token_at(&seq.spec, seq.spec.offset + seq.generated);
+                let t = match seq.spec.role {
+                    SeqRole::Imported { first_token } if seq.generated == 0 => first_token,
+                    _ => token_at(&seq.spec, seq.spec.offset + seq.generated),
+                };
                 seq.tokens.push(t);
                 seq.generated += 1;
-                let finish = (seq.generated >= seq.spec.max_tokens).then_some(FinishReason::Length);
+                let finish = (seq.generated >= seq.spec.max_tokens
+                    || seq.spec.role == SeqRole::Prefill)
+                    .then_some(FinishReason::Length);
                 out.tokens.push((seq.id, t, finish));
                 if finish.is_some() {
                     finished.push(seq.id);
@@ -316,7 +358,19 @@ impl Scheduler {
             }
         }
         for id in finished {
-            self.remove(id);
+            if let Some(i) = self
+                .running
+                .iter()
+                .position(|s| s.id == id && s.spec.role == SeqRole::Prefill)
+            {
+                // The blocks stay referenced until the decode worker has pulled them.
+                let mut seq = self.running.remove(i);
+                seq.tokens.truncate(seq.computed);
+                out.pinned
+                    .push((id, std::mem::take(&mut seq.blocks), seq.tokens));
+            } else {
+                self.remove(id);
+            }
         }
         out
     }
@@ -333,6 +387,7 @@ mod tests {
             max_tokens,
             seed: 42,
             vocab: (0..1000).collect(),
+            role: SeqRole::Full,
         }
     }
 
@@ -447,5 +502,76 @@ mod tests {
         assert!(s.remove(1));
         assert_eq!(s.pool.active(), 0);
         assert!(!s.remove(1));
+    }
+
+    #[test]
+    fn prefill_then_import_gives_the_aggregated_output_and_moves_the_blocks() {
+        let prompt: Vec<u32> = (0..10).collect();
+        let full = spec(prompt.clone(), 4);
+        let expected: Vec<u32> = (0..4).map(|i| token_at(&full, i)).collect();
+
+        // Prefill worker: one token, and the prompt's 3 blocks (of 4 tokens) stay pinned.
+        let mut p = Scheduler::new(limits(8, 64), 16);
+        p.add(
+            1,
+            SeqSpec {
+                role: SeqRole::Prefill,
+                ..full.clone()
+            },
+        );
+        let out = p.step();
+        assert_eq!(
+            out.tokens,
+            vec![(1, expected[0], Some(FinishReason::Length))]
+        );
+        let [(1, blocks, tokens)] = out.pinned.as_slice() else {
+            panic!("one pinned sequence: {:?}", out.pinned);
+        };
+        assert_eq!((blocks.len(), tokens.as_slice()), (3, prompt.as_slice()));
+        assert!(p.is_idle());
+        assert_eq!(p.pool.active(), 3, "pinned until released");
+        for b in blocks {
+            p.pool.release(*b);
+        }
+        assert_eq!(p.pool.active(), 0);
+
+        // Decode worker: admitted with the prompt computed, no prefill work, same output.
+        let mut d = Scheduler::new(limits(8, 64), 16);
+        d.add(
+            2,
+            SeqSpec {
+                role: SeqRole::Imported {
+                    first_token: expected[0],
+                },
+                ..full
+            },
+        );
+        let first = d.step();
+        assert_eq!(first.prefill_tokens, 0);
+        assert_eq!(first.tokens, vec![(2, expected[0], None)]);
+        let mut got = vec![expected[0]];
+        got.extend(drain(&mut d)[&2].iter().copied());
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn a_preempted_import_recomputes_its_prompt() {
+        let mut s = Scheduler::new(limits(8, 64), 4);
+        s.add(1, spec(vec![1, 2, 3], 8));
+        s.add(
+            2,
+            SeqSpec {
+                role: SeqRole::Imported { first_token: 7 },
+                ..spec(vec![4, 5, 6], 8)
+            },
+        );
+        let got = drain(&mut s);
+        assert!(s.counters.preemptions > 0);
+        let sp = spec(vec![4, 5, 6], 8);
+        assert_eq!(got[&2][0], 7);
+        assert_eq!(
+            got[&2][1..],
+            (1..8).map(|i| token_at(&sp, i)).collect::<Vec<_>>()[..]
+        );
     }
 }
