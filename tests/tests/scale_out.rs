@@ -531,3 +531,122 @@ async fn sigterm_drains_without_losing_a_request() {
     );
     assert_eq!(c.g.wait(Duration::from_secs(30)), Some(0));
 }
+
+const DISAGG: &str = "graphs/disagg.yaml";
+
+/// About a thousand tokens with the tiny tokenizer, distinct per `i` (above the graph's
+/// `min_remote_tokens` of 512).
+fn long_prompt(i: usize) -> String {
+    (0..200)
+        .map(|w| format!("w{i}x{w}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Sum of the `/metrics` series whose line contains every one of `parts`.
+fn metric(text: &str, parts: &[&str]) -> u64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Log lines of every replica of process group `process` whose message contains `text`.
+fn logged(c: &Cluster, process: &str, replicas: u64, text: &str) -> usize {
+    (0..replicas)
+        .flat_map(|r| dyn_tests::process_logs(&c.g.logs(), &format!("{process}.{r}")))
+        .filter(|v| v["message"].as_str().is_some_and(|m| m.contains(text)))
+        .count()
+}
+
+impl Cluster {
+    /// Up, and the frontend sees the prefill worker (a long prompt is prefilled remotely).
+    fn disagg(extra: &[&str]) -> Option<Cluster> {
+        let c = Cluster::up(DISAGG, 2, extra)?;
+        let url = format!("http://{}", c.g.addr);
+        c.wait_for(
+            |_| {
+                let out = dyn_tests::run(&[
+                    "inspect", "--url", &url, "--node", "remote_prefill", "--json", "workers",
+                ]);
+                serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|v| {
+                    v["replicas"][0]["workers"]
+                        .as_array()
+                        .is_some_and(|w| w.len() == 1)
+                })
+            },
+            "the frontend sees the prefill worker",
+        );
+        Some(c)
+    }
+
+    fn remote_decisions(&self) -> u64 {
+        metric(
+            &self.g.get("/metrics"),
+            &["dyn_remote_prefill_decisions_total", "decision=\"remote\""],
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_across_processes_long_prompts_go_remote_short_stay_local() {
+    let Some(c) = Cluster::disagg(&[
+        "--set",
+        "decode.config.mocker.speedup=10",
+        "--set",
+        "prefill.config.mocker.speedup=10",
+    ]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let mut prompts: Vec<String> = (0..8).map(long_prompt).collect();
+    prompts.extend((0..8).map(|i| format!("short question {i}")));
+    let results = stream_all(&url, &prompts, 16).await;
+    for (p, r) in prompts.iter().zip(&results) {
+        let (_, n) = r.as_ref().unwrap_or_else(|e| panic!("{p:.40}: {e}"));
+        assert_eq!(*n, 16);
+    }
+    let m = c.g.get("/metrics");
+    assert_eq!(c.remote_decisions(), 8, "{m}");
+    assert!(
+        metric(&m, &["dyn_remote_prefill_decisions_total", "reason=\"below_threshold\""]) >= 8,
+        "{m}"
+    );
+    // The KV crossed processes: each decode worker pulled from the prefill process's agent.
+    assert_eq!(logged(&c, "decode", 2, "KV transfer failed"), 0);
+    assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 8);
+    // The same prompts again, one at a time (so load does not outweigh the cache): each goes
+    // to the decode worker caching it and is prefilled there, with the same answer.
+    for (p, r) in prompts.iter().zip(&results) {
+        assert_eq!(&stream_chat(&url, p, 16).await, r);
+    }
+    assert_eq!(c.remote_decisions(), 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_killed_mid_transfer_leaves_requests_to_local_prefill() {
+    // A slow link (~2.5 s per prompt's KV) leaves time to kill the prefill worker while the
+    // decode workers wait for their transfers.
+    let Some(c) = Cluster::disagg(&["--set", "decode.config.mocker.transfer_gbps=0.05"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let prompts: Vec<String> = (0..4).map(|i| long_prompt(100 + i)).collect();
+    let sent = {
+        let (url, prompts) = (url.clone(), prompts.clone());
+        tokio::spawn(async move { stream_all(&url, &prompts, 8).await })
+    };
+    c.wait_for(
+        |c| logged(c, "frontend", 1, "Prefilled remotely") == 4,
+        "all four prompts are prefilled and their transfers start",
+    );
+    signal(c.pid("prefill", 0), "-KILL");
+    let results = sent.await.unwrap();
+    for r in &results {
+        assert_eq!(r.as_ref().unwrap().1, 8, "{r:?}");
+    }
+    assert_eq!(logged(&c, "decode", 2, "KV transfer failed; prefilling locally"), 4);
+    // Recomputed locally, the answers are the ones a fresh run gives.
+    let again = stream_all(&url, &prompts, 8).await;
+    assert_eq!(results, again);
+}

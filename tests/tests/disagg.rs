@@ -1,0 +1,112 @@
+//! Disaggregated serving in one process (`graphs/disagg.yaml`, embedded planes): long prompts
+//! are prefilled on the prefill worker and their KV pulled by the decode worker, short ones
+//! stay local, every request completes, the output equals aggregated serving's token for
+//! token, and the decisions show in `/metrics` and `dyn inspect route`. The multi-process
+//! version (etcd, NATS JetStream, a prefill worker killed mid-transfer) is in `scale_out.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use dyn_tests::{Graph, run};
+use serde_json::{Value, json};
+
+/// A prompt of about a thousand tokens with the tiny tokenizer, distinct per `i`.
+pub fn long_prompt(i: usize) -> String {
+    let words: Vec<String> = (0..200).map(|w| format!("w{i}x{w}")).collect();
+    words.join(" ")
+}
+
+/// A completion's text and usage.
+async fn complete(url: &str, prompt: &str, max_tokens: u32) -> Value {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+async fn complete_all(url: &str, prompts: &[String]) -> Vec<String> {
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, p) = (url.to_owned(), p.clone());
+            tokio::spawn(async move { complete(&url, &p, 12).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        let v = t.await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+        out.push(v["choices"][0]["text"].as_str().unwrap().to_owned());
+    }
+    out
+}
+
+/// The value of the `/metrics` series whose line contains every one of `parts`.
+pub fn metric(text: &str, parts: &[&str]) -> u64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
+    let fast = [
+        "--set",
+        "decode.config.mocker.speedup=10",
+        "--set",
+        "prefill.config.mocker.speedup=10",
+    ];
+    let disagg = Graph::up_with_ingress("graphs/disagg.yaml", "http", &fast);
+    let agg = Graph::up_with_ingress("graphs/agg.yaml", "http", &[]);
+    let mut prompts: Vec<String> = (0..6).map(long_prompt).collect();
+    prompts.extend((0..6).map(|i| format!("a short question, number {i}")));
+
+    let got = complete_all(&disagg.url(""), &prompts).await;
+    let want = complete_all(&agg.url(""), &prompts).await;
+    assert_eq!(got, want, "disaggregated output differs from aggregated");
+
+    let m = disagg.get("/metrics");
+    let decisions = "dyn_remote_prefill_decisions_total";
+    assert_eq!(metric(&m, &[decisions, "decision=\"remote\""]), 6, "{m}");
+    assert_eq!(metric(&m, &[decisions, "reason=\"below_threshold\""]), 6, "{m}");
+    assert_eq!(
+        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"pulled\""]),
+        6
+    );
+    assert_eq!(
+        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"failed\""]),
+        0
+    );
+    // The prefill worker held the blocks only until they were pulled.
+    let prefill_blocks = |m: &str| metric(m, &["dyn_worker_kv_active_blocks", "node=\"prefill\""]);
+    for _ in 0..100 {
+        if prefill_blocks(&disagg.get("/metrics")) == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(prefill_blocks(&disagg.get("/metrics")), 0);
+
+    // `dyn inspect route` explains both steps: the decode worker, then the prefill decision.
+    let url = disagg.url("");
+    let ask = |prompt: String| {
+        let url = url.clone();
+        move || run(&["inspect", "--url", &url, "--json", "route", "--prompt", &prompt])
+    };
+    let out = tokio::task::spawn_blocking(ask(long_prompt(99))).await.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = &v["prefill"]["replicas"][0];
+    assert_eq!((p["decision"].as_str(), p["reason"].as_str()), (Some("remote"), Some("remote")), "{v}");
+    // A prompt the decode worker already caches stays local.
+    let out = tokio::task::spawn_blocking(ask(long_prompt(0))).await.unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let p = &v["prefill"]["replicas"][0];
+    assert_eq!(p["reason"], "below_threshold", "{v}");
+    let out = tokio::task::spawn_blocking(ask("hello".into())).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("\"decision\": \"local\""), "{text}");
+}
