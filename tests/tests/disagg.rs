@@ -71,7 +71,11 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     let m = disagg.get("/metrics");
     let decisions = "dyn_remote_prefill_decisions_total";
     assert_eq!(metric(&m, &[decisions, "decision=\"remote\""]), 6, "{m}");
-    assert_eq!(metric(&m, &[decisions, "reason=\"below_threshold\""]), 6, "{m}");
+    assert_eq!(
+        metric(&m, &[decisions, "reason=\"below_threshold\""]),
+        6,
+        "{m}"
+    );
     assert_eq!(
         metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"pulled\""]),
         6
@@ -94,19 +98,37 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     let url = disagg.url("");
     let ask = |prompt: String| {
         let url = url.clone();
-        move || run(&["inspect", "--url", &url, "--json", "route", "--prompt", &prompt])
+        move || {
+            run(&[
+                "inspect", "--url", &url, "--json", "route", "--prompt", &prompt,
+            ])
+        }
     };
-    let out = tokio::task::spawn_blocking(ask(long_prompt(99))).await.unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = tokio::task::spawn_blocking(ask(long_prompt(99)))
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let p = &v["prefill"]["replicas"][0];
-    assert_eq!((p["decision"].as_str(), p["reason"].as_str()), (Some("remote"), Some("remote")), "{v}");
+    assert_eq!(
+        (p["decision"].as_str(), p["reason"].as_str()),
+        (Some("remote"), Some("remote")),
+        "{v}"
+    );
     // A prompt the decode worker already caches stays local.
-    let out = tokio::task::spawn_blocking(ask(long_prompt(0))).await.unwrap();
+    let out = tokio::task::spawn_blocking(ask(long_prompt(0)))
+        .await
+        .unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let p = &v["prefill"]["replicas"][0];
     assert_eq!(p["reason"], "below_threshold", "{v}");
-    let out = tokio::task::spawn_blocking(ask("hello".into())).await.unwrap();
+    let out = tokio::task::spawn_blocking(ask("hello".into()))
+        .await
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(text.contains("\"decision\": \"local\""), "{text}");
 }

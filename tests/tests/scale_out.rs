@@ -567,7 +567,13 @@ impl Cluster {
         c.wait_for(
             |_| {
                 let out = dyn_tests::run(&[
-                    "inspect", "--url", &url, "--node", "remote_prefill", "--json", "workers",
+                    "inspect",
+                    "--url",
+                    &url,
+                    "--node",
+                    "remote_prefill",
+                    "--json",
+                    "workers",
                 ]);
                 serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|v| {
                     v["replicas"][0]["workers"]
@@ -609,7 +615,13 @@ async fn disaggregated_across_processes_long_prompts_go_remote_short_stay_local(
     let m = c.g.get("/metrics");
     assert_eq!(c.remote_decisions(), 8, "{m}");
     assert!(
-        metric(&m, &["dyn_remote_prefill_decisions_total", "reason=\"below_threshold\""]) >= 8,
+        metric(
+            &m,
+            &[
+                "dyn_remote_prefill_decisions_total",
+                "reason=\"below_threshold\""
+            ]
+        ) >= 8,
         "{m}"
     );
     // The KV crossed processes: each decode worker pulled from the prefill process's agent.
@@ -645,7 +657,10 @@ async fn a_prefill_worker_killed_mid_transfer_leaves_requests_to_local_prefill()
     for r in &results {
         assert_eq!(r.as_ref().unwrap().1, 8, "{r:?}");
     }
-    assert_eq!(logged(&c, "decode", 2, "KV transfer failed; prefilling locally"), 4);
+    assert_eq!(
+        logged(&c, "decode", 2, "KV transfer failed; prefilling locally"),
+        4
+    );
     // Recomputed locally, the answers are the ones a fresh run gives.
     let again = stream_all(&url, &prompts, 8).await;
     assert_eq!(results, again);

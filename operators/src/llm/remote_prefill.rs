@@ -59,7 +59,8 @@ pub struct RemotePrefillConfig {
     /// worker.
     #[serde(default = "d_min_remote_tokens")]
     pub min_remote_tokens: u32,
-    /// Prefill locally while the prefill queue holds this many jobs or more.
+    /// Prefill locally while this many remote prefills or more are outstanding: jobs in the
+    /// work queue plus prompts the prefill engines run or hold (from their load metrics).
     #[serde(default = "d_max_queue")]
     pub max_queue: u64,
     /// Give up on a remote prefill after this long and prefill locally.
@@ -286,8 +287,13 @@ impl Inner {
         if quick != Choice::Remote {
             return (quick, None);
         }
+        // Jobs not taken yet, plus those the prefill engines run or hold in their schedulers
+        // (a prefill engine batches prompts, so running ones are a backlog too).
         match self.planes.queue.depth(&self.queue).await {
-            Ok(depth) => (decide(&self.config, uncached, workers, depth), Some(depth)),
+            Ok(depth) => {
+                let depth = depth + self.pool.busy();
+                (decide(&self.config, uncached, workers, depth), Some(depth))
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "Cannot read the prefill queue's depth; prefilling locally");
                 (Choice::Local(Reason::QueueFull), None)

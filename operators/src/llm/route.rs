@@ -209,6 +209,23 @@ impl Route {
         self.inner.live()
     }
 
+    /// Requests on the live workers: per worker, what its load metrics last said (running +
+    /// waiting, from every router) or what this router has sent it and not seen finish,
+    /// whichever is more (metrics lag a burst by up to their publishing interval).
+    pub fn busy(&self) -> u64 {
+        let metrics = self.inner.metrics.lock();
+        self.inner
+            .live()
+            .into_iter()
+            .map(|w| {
+                let reported = metrics.get(&w).map_or(0, |m| {
+                    u64::from(m.requests_running) + u64::from(m.requests_waiting)
+                });
+                reported.max(u64::from(self.inner.active.load(w).requests))
+            })
+            .sum()
+    }
+
     /// What `dyn inspect` asks a route node.
     pub fn inspect(&self, query: &str, args: &Value) -> Result<Value, String> {
         Inspect::inspect(&*self.inner, query, args)
