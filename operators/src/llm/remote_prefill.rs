@@ -118,8 +118,7 @@ impl OperatorConfig for RemotePrefillConfig {
             .subscribe(&reply)
             .await
             .map_err(|e| BuildError::new(format!("cannot subscribe to {reply}: {e}")))?;
-        let waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, String>>>>> =
-            Arc::default();
+        let waiting: Arc<Waiting> = Arc::default();
         let demux = waiting.clone();
         let task = tokio::spawn(async move {
             while let Some(ev) = replies.next().await {
@@ -248,6 +247,9 @@ pub fn decide(
     }
 }
 
+/// Remote prefills waiting for their reply, by job id.
+type Waiting = Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, String>>>>;
+
 pub struct RemotePrefill {
     inner: Arc<Inner>,
     _replies: tokio_util::task::AbortOnDropHandle<()>,
@@ -262,7 +264,7 @@ struct Inner {
     planes: dyn_pipeline::planes::Planes,
     /// This replica's reply subject.
     reply: String,
-    waiting: Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, String>>>>>,
+    waiting: Arc<Waiting>,
     next_job: AtomicU64,
     /// Decisions so far, for `dyn inspect`.
     counts: Mutex<HashMap<&'static str, u64>>,
