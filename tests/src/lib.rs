@@ -195,3 +195,20 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// A prompt of about a thousand tokens with the tiny tokenizer (above `graphs/disagg.yaml`'s
+/// `min_remote_tokens` of 512), distinct per `i`.
+pub fn long_prompt(i: usize) -> String {
+    (0..200)
+        .map(|w| format!("w{i}x{w}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Sum of the Prometheus series in `text` whose line contains every one of `parts`.
+pub fn metric(text: &str, parts: &[&str]) -> u64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}

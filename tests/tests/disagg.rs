@@ -5,14 +5,8 @@
 //! version (etcd, NATS JetStream, a prefill worker killed mid-transfer) is in `scale_out.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use dyn_tests::{Graph, run};
+use dyn_tests::{Graph, long_prompt, metric, run};
 use serde_json::{Value, json};
-
-/// A prompt of about a thousand tokens with the tiny tokenizer, distinct per `i`.
-pub fn long_prompt(i: usize) -> String {
-    let words: Vec<String> = (0..200).map(|w| format!("w{i}x{w}")).collect();
-    words.join(" ")
-}
 
 /// A completion's text and usage.
 async fn complete(url: &str, prompt: &str, max_tokens: u32) -> Value {
@@ -43,14 +37,6 @@ async fn complete_all(url: &str, prompts: &[String]) -> Vec<String> {
     out
 }
 
-/// The value of the `/metrics` series whose line contains every one of `parts`.
-pub fn metric(text: &str, parts: &[&str]) -> u64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     let fast = [
@@ -58,6 +44,8 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
         "decode.config.mocker.speedup=10",
         "--set",
         "prefill.config.mocker.speedup=10",
+        "--set",
+        "remote_prefill.max_queue=1000",
     ];
     let disagg = Graph::up_with_ingress("graphs/disagg.yaml", "http", &fast);
     let agg = Graph::up_with_ingress("graphs/agg.yaml", "http", &[]);

@@ -13,7 +13,7 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use dyn_tests::servers::{Server, test_server};
-use dyn_tests::{Graph, dyn_cmd, scratch_dir};
+use dyn_tests::{Graph, dyn_cmd, long_prompt, metric, scratch_dir};
 use serde_json::{Value, json};
 
 const AGG: &str = "graphs/agg.yaml";
@@ -534,23 +534,6 @@ async fn sigterm_drains_without_losing_a_request() {
 
 const DISAGG: &str = "graphs/disagg.yaml";
 
-/// About a thousand tokens with the tiny tokenizer, distinct per `i` (above the graph's
-/// `min_remote_tokens` of 512).
-fn long_prompt(i: usize) -> String {
-    (0..200)
-        .map(|w| format!("w{i}x{w}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// Sum of the `/metrics` series whose line contains every one of `parts`.
-fn metric(text: &str, parts: &[&str]) -> u64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 /// Log lines of every replica of process group `process` whose message contains `text`.
 fn logged(c: &Cluster, process: &str, replicas: u64, text: &str) -> usize {
     (0..replicas)
@@ -596,11 +579,14 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_across_processes_long_prompts_go_remote_short_stay_local() {
+    // A queue limit no burst reaches: every long prompt must go remote.
     let Some(c) = Cluster::disagg(&[
         "--set",
         "decode.config.mocker.speedup=10",
         "--set",
         "prefill.config.mocker.speedup=10",
+        "--set",
+        "remote_prefill.max_queue=1000",
     ]) else {
         return;
     };
@@ -639,7 +625,12 @@ async fn disaggregated_across_processes_long_prompts_go_remote_short_stay_local(
 async fn a_prefill_worker_killed_mid_transfer_leaves_requests_to_local_prefill() {
     // A slow link (~2.5 s per prompt's KV) leaves time to kill the prefill worker while the
     // decode workers wait for their transfers.
-    let Some(c) = Cluster::disagg(&["--set", "decode.config.mocker.transfer_gbps=0.05"]) else {
+    let Some(c) = Cluster::disagg(&[
+        "--set",
+        "decode.config.mocker.transfer_gbps=0.05",
+        "--set",
+        "remote_prefill.max_queue=1000",
+    ]) else {
         return;
     };
     let url = format!("http://{}", c.g.addr);
