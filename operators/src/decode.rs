@@ -1,7 +1,9 @@
 //! `decode`: runs an engine. `config.engine` selects it; this build has `mocker` (a
 //! simulated vLLM-style engine). The engine's stream starts with the request's output spec
 //! (see [`Generated`]) and then carries token batches; when the consumer drops the stream or
-//! the request is killed, the engine frees the request.
+//! the request is killed, the engine frees the request. A request prefilled on a prefill
+//! worker (`prefilled`, from `remote_prefill`) has its KV pulled first and starts decoding at
+//! once; if the pull fails it is prefilled here.
 //!
 //! ```yaml
 //! decode:
