@@ -43,25 +43,9 @@ pub struct DecodeConfig {
 }
 
 impl DecodeConfig {
-    fn mocker(&self) -> MockerConfig {
+    pub(crate) fn mocker(&self) -> MockerConfig {
         self.mocker.clone().unwrap_or_default()
     }
-}
-
-/// What discovery shows about a worker's engine: its kind, KV block size and capacity.
-pub fn engine_metadata(
-    engine: Engine,
-    mocker: &MockerConfig,
-) -> serde_json::Map<String, serde_json::Value> {
-    let mut m = serde_json::Map::new();
-    match engine {
-        Engine::Mocker => {
-            m.insert("engine".into(), "mocker".into());
-            m.insert("block_size".into(), mocker.block_size.into());
-            m.insert("kv_total_blocks".into(), mocker.num_blocks.into());
-        }
-    }
-    m
 }
 
 impl OperatorConfig for DecodeConfig {
@@ -76,7 +60,16 @@ impl OperatorConfig for DecodeConfig {
     }
 
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        engine_metadata(self.engine, &self.mocker())
+        let mut m = serde_json::Map::new();
+        match self.engine {
+            Engine::Mocker => {
+                let c = self.mocker();
+                m.insert("engine".into(), "mocker".into());
+                m.insert("block_size".into(), c.block_size.into());
+                m.insert("kv_total_blocks".into(), c.num_blocks.into());
+            }
+        }
+        m
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {

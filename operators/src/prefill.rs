@@ -22,25 +22,15 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::decode::Engine;
+use crate::decode::{DecodeConfig, Engine};
 use crate::llm::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
 use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
-use crate::mocker::{Mocker, MockerConfig};
+use crate::mocker::Mocker;
 
-/// `{engine: mocker, mocker: {...}}`, as for `decode`.
+/// `{engine: mocker, mocker: {...}}`, exactly as for `decode`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PrefillConfig {
-    pub engine: Engine,
-    #[serde(default)]
-    pub mocker: Option<MockerConfig>,
-}
-
-impl PrefillConfig {
-    fn mocker(&self) -> MockerConfig {
-        self.mocker.clone().unwrap_or_default()
-    }
-}
+#[serde(transparent)]
+pub struct PrefillConfig(pub DecodeConfig);
 
 impl OperatorConfig for PrefillConfig {
     const KIND: &'static str = "prefill";
@@ -49,20 +39,18 @@ impl OperatorConfig for PrefillConfig {
     type Op = Prefill;
 
     fn validate(&self) -> Vec<Invalid> {
-        match self.engine {
-            Engine::Mocker => self.mocker().validate("mocker."),
-        }
+        self.0.validate()
     }
 
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        let mut m = crate::decode::engine_metadata(self.engine, &self.mocker());
+        let mut m = self.0.metadata();
         m.insert("role".into(), "prefill".into());
         m
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Prefill, BuildError> {
-        let engine = match self.engine {
-            Engine::Mocker => Mocker::start(&self.mocker(), cx).await?,
+        let engine = match self.0.engine {
+            Engine::Mocker => Mocker::start(&self.0.mocker(), cx).await?,
         };
         let worker_id = cx.instance_id;
         let queue = queue_name(&cx.namespace, &cx.node);

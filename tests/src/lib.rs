@@ -205,10 +205,21 @@ pub fn long_prompt(i: usize) -> String {
         .join(" ")
 }
 
-/// Sum of the Prometheus series in `text` whose line contains every one of `parts`.
-pub fn metric(text: &str, parts: &[&str]) -> u64 {
+/// Sum of the samples in Prometheus `text` of series `name` (a metric name, or a full series
+/// with its labels) whose line also contains every one of `labels`.
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
     text.lines()
-        .filter(|l| !l.starts_with('#') && parts.iter().all(|p| l.contains(p)))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|p| l.contains(p)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+        .sum()
+}
+
+/// [`metric_sum`] for counters and gauges counted in whole numbers; `parts` is the metric name
+/// and then label matches.
+pub fn metric(text: &str, parts: &[&str]) -> u64 {
+    match parts {
+        [name, labels @ ..] => metric_sum(text, name, labels) as u64,
+        [] => 0,
+    }
 }

@@ -399,10 +399,7 @@ async fn metric(g: &Graph, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    dyn_tests::metric_sum(&text, name, &[])
 }
 
 async fn wait_for_metric(g: &Graph, name: &str, ok: impl Fn(f64) -> bool) -> f64 {

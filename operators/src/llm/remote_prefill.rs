@@ -281,24 +281,21 @@ impl Inner {
     }
 
     /// The decision for a prompt of `tokens` tokens of which `cached` are cached on the decode
-    /// worker, with the queue depth it was based on (`None`: not looked at).
-    async fn choose(&self, tokens: usize, cached: usize) -> (Choice, Option<u64>) {
+    /// worker; the queue is only read when the other terms allow a remote prefill.
+    async fn choose(&self, tokens: usize, cached: usize) -> Choice {
         let uncached = tokens.saturating_sub(cached);
         let workers = self.pool.live().len();
         let quick = decide(&self.config, uncached, workers, 0);
         if quick != Choice::Remote {
-            return (quick, None);
+            return quick;
         }
         // Jobs not taken yet, plus those the prefill engines run or hold in their schedulers
         // (a prefill engine batches prompts, so running ones are a backlog too).
         match self.planes.queue.depth(&self.queue).await {
-            Ok(depth) => {
-                let depth = depth + self.pool.busy();
-                (decide(&self.config, uncached, workers, depth), Some(depth))
-            }
+            Ok(depth) => decide(&self.config, uncached, workers, depth + self.pool.busy()),
             Err(e) => {
                 tracing::warn!(error = %e, "Cannot read the prefill queue's depth; prefilling locally");
-                (Choice::Local(Reason::QueueFull), None)
+                Choice::Local(Reason::QueueFull)
             }
         }
     }
@@ -369,7 +366,7 @@ impl Operator for RemotePrefill {
                 let inner = inner.clone();
                 let ctx = ctx.clone();
                 async move {
-                    let (choice, _) = inner
+                    let choice = inner
                         .choose(req.token_ids.len(), req.cached_tokens as usize)
                         .await;
                     let choice = match choice {

@@ -235,6 +235,8 @@ struct Outbox {
     tx: mpsc::Sender<Generated>,
     pending: Vec<u32>,
     finish: Option<crate::llm::types::FinishReason>,
+    /// Prefill role: where the offer of the prompt's blocks goes.
+    offer: Option<oneshot::Sender<OfferResult>>,
 }
 
 impl Outbox {
@@ -296,7 +298,6 @@ impl Mocker {
             agent: agent.clone(),
             pin_ttl: Duration::from_secs_f64(config.pin_ttl_s),
             pinned: HashMap::new(),
-            offers: HashMap::new(),
             unpin_tx,
             unpin_rx,
             queued: queued.clone(),
@@ -553,8 +554,6 @@ struct Engine {
     pin_ttl: Duration,
     /// Blocks of finished prefill-only requests, until pulled or the TTL passes.
     pinned: HashMap<SeqId, (Vec<BlockId>, Instant)>,
-    /// Prefill-only requests waiting to offer their blocks.
-    offers: HashMap<SeqId, oneshot::Sender<OfferResult>>,
     unpin_tx: std_mpsc::Sender<SeqId>,
     unpin_rx: std_mpsc::Receiver<SeqId>,
     queued: Arc<AtomicUsize>,
@@ -653,9 +652,6 @@ impl Engine {
                 tx,
                 offer,
             } => {
-                if let Some(o) = offer {
-                    self.offers.insert(id, o);
-                }
                 // Counted in `queued` by `submit`; it stays counted while the scheduler holds
                 // it unadmitted, and is released in `account`.
                 self.received_unadmitted += 1;
@@ -666,6 +662,7 @@ impl Engine {
                         tx,
                         pending: Vec::new(),
                         finish: None,
+                        offer,
                     },
                 );
             }
@@ -684,7 +681,7 @@ impl Engine {
     /// Offer a finished prefill's blocks to the transfer agent; they stay pinned until the
     /// offer ends.
     fn offer(&mut self, id: SeqId, blocks: Vec<BlockId>, tokens: &[u32]) {
-        let reply = match self.offers.remove(&id) {
+        let reply = match self.outboxes.get_mut(&id).and_then(|o| o.offer.take()) {
             Some(r) if !r.is_closed() => r,
             _ => {
                 // Nobody waits for this offer any more.
@@ -759,7 +756,6 @@ impl Engine {
             .collect();
         for id in gone {
             self.outboxes.remove(&id);
-            self.offers.remove(&id);
             if self.sched.remove(id) {
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
