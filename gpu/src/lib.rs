@@ -1,11 +1,20 @@
-//! dyn-gpu: compute backends for the native engine and KV transfer.
+//! dyn-gpu: the native engine's compute, and KV transfer between workers.
 //!
-//! [`transfer`] moves KV-cache blocks between workers (disaggregated prefill). Besides, it
-//! answers one question the graph compiler asks: was this build made with CUDA support? A node placed with `device: cuda` in a build without it runs on CPU, with a
-//! warning at compile time. The CPU and CUDA backends (cudarc: cuBLAS + NVRTC kernels) land
-//! with the native-engine work and build and test without a GPU.
+//! - [`model`] reads a Llama-family checkpoint (Hugging Face `config.json` and safetensors)
+//!   into the weights every backend uses.
+//! - [`backend`] is the trait the engine drives: a batch of sequences through the model over
+//!   a paged KV cache. [`cpu`] implements it everywhere; `cuda` (feature `cuda`) on NVIDIA
+//!   GPUs through cudarc, loading the driver at run time.
+//! - [`sample`] picks tokens from logits.
+//! - [`transfer`] moves KV-cache blocks between workers (disaggregated prefill).
 
+pub mod backend;
+pub mod cpu;
+pub mod model;
+pub mod sample;
 pub mod transfer;
+
+pub use backend::{Backend, ComputeError, KvShape, SeqStep};
 
 /// True when the `cuda` feature was enabled at build time.
 pub const fn cuda_compiled() -> bool {

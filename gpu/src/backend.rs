@@ -1,0 +1,92 @@
+//! The one trait the native engine drives: run a batch of sequences through the model, reading
+//! and writing their KV in a paged cache the backend owns.
+//!
+//! The engine's scheduler decides *which* tokens run and *where* their KV lives (block
+//! tables); a backend only computes. Both backends keep the same block layout, so KV blocks
+//! can be exported from one worker and imported into another by the transfer agent.
+
+use crate::model::{DType, ModelConfig};
+
+/// One sequence's part of a step: `tokens` are new (their KV is computed and stored), at
+/// positions `start..start + tokens.len()`; positions `0..start` are already in the cache.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    pub tokens: &'a [u32],
+    pub start: usize,
+    /// Block ids covering positions `0..start + tokens.len()`, in order.
+    pub blocks: &'a [u32],
+    /// Return next-token logits after the last new token.
+    pub logits: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ComputeError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("device: {0}")]
+    Device(String),
+}
+
+/// Size of the paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+pub trait Backend: Send {
+    fn config(&self) -> &ModelConfig;
+
+    /// Run one step; logits (`vocab` floats) for each sequence that asked, in batch order.
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError>;
+
+    /// Bytes of one KV block ([`Backend::export_block`]'s length).
+    fn block_bytes(&self) -> usize;
+
+    /// A block's KV: for each layer, K then V, each `[kv_heads, block_size, head_dim]`, in
+    /// [`Backend::kv_dtype`], little-endian.
+    fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError>;
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ComputeError>;
+
+    fn kv_dtype(&self) -> DType;
+
+    /// For logs: `cpu f32`, `cuda:0 bf16`.
+    fn describe(&self) -> String;
+}
+
+/// Check a batch against the cache before running it (shared by the backends).
+pub fn check_batch(
+    batch: &[SeqStep<'_>],
+    kv: KvShape,
+    c: &ModelConfig,
+) -> Result<(), ComputeError> {
+    for (i, s) in batch.iter().enumerate() {
+        let end = s.start + s.tokens.len();
+        if s.blocks.len() * kv.block_size < end {
+            return Err(ComputeError::Invalid(format!(
+                "sequence {i}: {} blocks of {} cannot hold {end} positions",
+                s.blocks.len(),
+                kv.block_size
+            )));
+        }
+        if let Some(b) = s.blocks.iter().find(|b| **b as usize >= kv.num_blocks) {
+            return Err(ComputeError::Invalid(format!(
+                "sequence {i}: block {b} is outside the cache ({} blocks)",
+                kv.num_blocks
+            )));
+        }
+        if let Some(t) = s.tokens.iter().find(|t| **t as usize >= c.vocab) {
+            return Err(ComputeError::Invalid(format!(
+                "sequence {i}: token {t} is outside the vocabulary ({})",
+                c.vocab
+            )));
+        }
+        if s.tokens.is_empty() && s.logits {
+            return Err(ComputeError::Invalid(format!(
+                "sequence {i}: logits asked for with no new token"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,358 @@
+//! The CPU backend: the Llama-family forward pass over a paged KV cache, with every matrix
+//! product on the `gemm` crate's SIMD kernels and the work spread by rayon.
+//!
+//! A step flattens the new tokens of every sequence into one `[tokens, hidden]` activation, so
+//! the projections and the MLP are one matrix product each per layer for the whole batch
+//! (weights read once per step). Attention runs per (sequence, KV head) in parallel: the
+//! sequence's keys and values are gathered from its blocks, and the query heads sharing that
+//! KV head are multiplied against them in query tiles (two more matrix products), with the
+//! causal mask (and a sliding window, for mistral) applied between them.
+//!
+//! The cache is f32, laid out `[block][kv_head][slot][dim]` per layer for K and for V, so one
+//! block of one head is contiguous for the gather and a block's export is a few copies.
+
+pub mod gemm;
+pub mod linear;
+
+use rayon::prelude::*;
+
+use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
+use crate::model::{DType, Host, ModelConfig, ModelWeights};
+use gemm::{Strides, matmul};
+use linear::Linear;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Linear,
+    o: Linear,
+    mlp_norm: Vec<f32>,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// Buffers reused from step to step.
+#[derive(Default)]
+struct Buffers {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    tmp: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    linear: Vec<f32>,
+}
+
+pub struct CpuBackend {
+    cfg: ModelConfig,
+    embed: Host,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    lm_head: Linear,
+    inv_freq: Vec<f32>,
+    kv: KvShape,
+    /// Per layer, `[block][kv_head][slot][dim]`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    dtype: DType,
+    buf: Buffers,
+}
+
+/// Query tokens attended at once (bounds the score matrix for long chunks).
+const QUERY_TILE: usize = 64;
+
+impl CpuBackend {
+    pub fn new(w: ModelWeights, kv: KvShape) -> Result<Self, ComputeError> {
+        let c = w.config.clone();
+        let per_layer = kv
+            .num_blocks
+            .checked_mul(kv.block_size * c.kv_heads * c.head_dim)
+            .ok_or_else(|| ComputeError::Invalid("KV cache size overflows".into()))?;
+        let dtype = w.lm_head.data.dtype();
+        Ok(CpuBackend {
+            inv_freq: c.inv_freq(),
+            embed: w.embed,
+            layers: w
+                .layers
+                .into_iter()
+                .map(|l| Layer {
+                    attn_norm: l.attn_norm,
+                    qkv: Linear::new(l.qkv),
+                    o: Linear::new(l.o),
+                    mlp_norm: l.mlp_norm,
+                    gate_up: Linear::new(l.gate_up),
+                    down: Linear::new(l.down),
+                })
+                .collect(),
+            norm: w.norm,
+            lm_head: Linear::new(w.lm_head),
+            k: vec![vec![0.0; per_layer]; c.layers],
+            v: vec![vec![0.0; per_layer]; c.layers],
+            kv,
+            cfg: c,
+            dtype,
+            buf: Buffers::default(),
+        })
+    }
+
+    fn block_floats(&self) -> usize {
+        self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
+    }
+}
+
+fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = w.len();
+    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in o.iter_mut().zip(row).zip(w) {
+            *o = g * (v * r);
+        }
+    }
+}
+
+/// Rotate each head of `row` (heads of `d` dims back to back) by position `pos`, halves style.
+fn rope(row: &mut [f32], d: usize, pos: usize, inv_freq: &[f32]) {
+    let half = d / 2;
+    for head in row.chunks_exact_mut(d) {
+        let (a, b) = head.split_at_mut(half);
+        for ((x1, x2), f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
+            let (sin, cos) = (pos as f32 * f).sin_cos();
+            let (u, v) = (*x1, *x2);
+            *x1 = u * cos - v * sin;
+            *x2 = v * cos + u * sin;
+        }
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        check_batch(batch, self.kv, &self.cfg)?;
+        let c = self.cfg.clone();
+        let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
+        let (qd, kvd) = (c.heads * d, c.kv_heads * d);
+        let width = qd + 2 * kvd;
+        let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        // Token i of the flattened batch: its sequence and position.
+        let mut owner = Vec::with_capacity(t);
+        let mut offsets = Vec::with_capacity(batch.len());
+        for (si, s) in batch.iter().enumerate() {
+            offsets.push(owner.len());
+            owner.extend((0..s.tokens.len()).map(|j| (si, s.start + j)));
+        }
+        let b = &mut self.buf;
+        b.x.resize(t * h, 0.0);
+        for (row, tok) in b
+            .x
+            .chunks_exact_mut(h)
+            .zip(batch.iter().flat_map(|s| s.tokens))
+        {
+            let r = *tok as usize * h;
+            match &self.embed {
+                Host::F32(e) => row.copy_from_slice(&e[r..r + h]),
+                Host::Bf16(e) => row.iter_mut().zip(&e[r..r + h]).for_each(|(o, v)| *o = v.to_f32()),
+                Host::F16(e) => row.iter_mut().zip(&e[r..r + h]).for_each(|(o, v)| *o = v.to_f32()),
+            }
+        }
+        b.normed.resize(t * h, 0.0);
+        b.qkv.resize(t * width, 0.0);
+        b.attn.resize(t * qd, 0.0);
+        b.tmp.resize(t * h, 0.0);
+        b.gate_up.resize(t * 2 * c.intermediate, 0.0);
+        b.act.resize(t * c.intermediate, 0.0);
+        let block_floats = c.kv_heads * bs * d;
+        for (li, layer) in self.layers.iter().enumerate() {
+            rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.normed);
+            layer.qkv.forward(&b.normed, t, &mut b.qkv, &mut b.linear);
+            // Rope on q and k, then store k and v in the token's cache slot.
+            let (kc, vc) = (&mut self.k[li], &mut self.v[li]);
+            for (row, &(si, pos)) in b.qkv.chunks_exact_mut(width).zip(&owner) {
+                rope(&mut row[..qd + kvd], d, pos, &self.inv_freq);
+                let blk = batch[si].blocks[pos / bs] as usize;
+                for g in 0..c.kv_heads {
+                    let at = blk * block_floats + (g * bs + pos % bs) * d;
+                    kc[at..at + d].copy_from_slice(&row[qd + g * d..qd + (g + 1) * d]);
+                    vc[at..at + d].copy_from_slice(&row[qd + kvd + g * d..qd + kvd + (g + 1) * d]);
+                }
+            }
+            let (kc, vc) = (&self.k[li], &self.v[li]);
+            let tasks: Vec<(usize, usize)> = (0..batch.len())
+                .filter(|&s| !batch[s].tokens.is_empty())
+                .flat_map(|s| (0..c.kv_heads).map(move |g| (s, g)))
+                .collect();
+            let qkv = &b.qkv;
+            let outs: Vec<Vec<f32>> = tasks
+                .par_iter()
+                .map(|&(s, g)| attend(&c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
+                .collect();
+            let grp = c.group();
+            for (&(s, g), o) in tasks.iter().zip(&outs) {
+                for (r, row) in o.chunks_exact(d).enumerate() {
+                    let (i, hl) = (r / grp, r % grp);
+                    let at = (offsets[s] + i) * qd + (g * grp + hl) * d;
+                    b.attn[at..at + d].copy_from_slice(row);
+                }
+            }
+            layer.o.forward(&b.attn, t, &mut b.tmp, &mut b.linear);
+            add(&mut b.x, &b.tmp);
+            rmsnorm(&b.x, &layer.mlp_norm, c.rms_eps, &mut b.normed);
+            layer.gate_up.forward(&b.normed, t, &mut b.gate_up, &mut b.linear);
+            let i2 = 2 * c.intermediate;
+            for (a, gu) in b.act.chunks_exact_mut(c.intermediate).zip(b.gate_up.chunks_exact(i2)) {
+                let (g, u) = gu.split_at(c.intermediate);
+                for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            layer.down.forward(&b.act, t, &mut b.tmp, &mut b.linear);
+            add(&mut b.x, &b.tmp);
+        }
+        // Logits only for the last new token of the sequences that asked.
+        let rows: Vec<usize> = batch
+            .iter()
+            .zip(&offsets)
+            .filter(|(s, _)| s.logits)
+            .map(|(s, o)| o + s.tokens.len() - 1)
+            .collect();
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let last: Vec<f32> = rows.iter().flat_map(|r| b.x[r * h..(r + 1) * h].iter().copied()).collect();
+        let mut normed = vec![0.0; last.len()];
+        rmsnorm(&last, &self.norm, c.rms_eps, &mut normed);
+        let mut logits = vec![0.0; rows.len() * c.vocab];
+        self.lm_head.forward(&normed, rows.len(), &mut logits, &mut b.linear);
+        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.cfg.layers * 2 * self.block_floats() * 4
+    }
+
+    fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError> {
+        let n = self.block_floats();
+        let at = block as usize * n;
+        if block as usize >= self.kv.num_blocks {
+            return Err(ComputeError::Invalid(format!("no block {block}")));
+        }
+        let mut out = Vec::with_capacity(self.block_bytes());
+        for l in 0..self.cfg.layers {
+            for cache in [&self.k[l], &self.v[l]] {
+                out.extend(cache[at..at + n].iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ComputeError> {
+        let n = self.block_floats();
+        if block as usize >= self.kv.num_blocks || bytes.len() != self.block_bytes() {
+            return Err(ComputeError::Invalid(format!(
+                "block {block} with {} bytes: this cache has {} blocks of {} bytes",
+                bytes.len(),
+                self.kv.num_blocks,
+                self.block_bytes()
+            )));
+        }
+        let at = block as usize * n;
+        let mut floats = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        for l in 0..self.cfg.layers {
+            for cache in [&mut self.k[l], &mut self.v[l]] {
+                for (dst, src) in cache[at..at + n].iter_mut().zip(floats.by_ref()) {
+                    *dst = src;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads) {} weights", rayon::current_num_threads(), self.dtype.name())
+    }
+}
+
+/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
+/// `(token, head in group)`, each `head_dim` wide.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    c: &ModelConfig,
+    bs: usize,
+    s: &SeqStep<'_>,
+    offset: usize,
+    g: usize,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+) -> Vec<f32> {
+    let d = c.head_dim;
+    let grp = c.group();
+    let width = (c.heads + 2 * c.kv_heads) * d;
+    let n = s.tokens.len();
+    let ctx = s.start + n;
+    let block_floats = c.kv_heads * bs * d;
+    // Gather this head's keys and values into `[ctx, d]`.
+    let mut k = Vec::with_capacity(ctx * d);
+    let mut v = Vec::with_capacity(ctx * d);
+    for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
+        let len = bs.min(ctx - bi * bs);
+        let at = blk as usize * block_floats + g * bs * d;
+        k.extend_from_slice(&kc[at..at + len * d]);
+        v.extend_from_slice(&vc[at..at + len * d]);
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut out = vec![0.0; n * grp * d];
+    let mut q = Vec::new();
+    let mut scores = Vec::new();
+    for i0 in (0..n).step_by(QUERY_TILE) {
+        let qn = QUERY_TILE.min(n - i0);
+        let rows = qn * grp;
+        // The tile's last query sees positions up to `start + i0 + qn - 1`.
+        let seen = s.start + i0 + qn;
+        q.clear();
+        for i in i0..i0 + qn {
+            let at = (offset + i) * width + g * grp * d;
+            q.extend_from_slice(&qkv[at..at + grp * d]);
+        }
+        scores.resize(rows * seen, 0.0);
+        matmul(rows, seen, d, &mut scores, Strides::rows(seen), false, &q, Strides::rows(d), &k, Strides::cols(d));
+        for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
+            let pos = s.start + i0 + r / grp;
+            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let mut max = f32::NEG_INFINITY;
+            for (j, x) in row.iter_mut().enumerate() {
+                if j > pos || j < lo {
+                    *x = f32::NEG_INFINITY;
+                } else {
+                    *x *= scale;
+                    max = max.max(*x);
+                }
+            }
+            let mut sum = 0.0;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            row.iter_mut().for_each(|x| *x /= sum);
+        }
+        let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
+        matmul(rows, d, seen, dst, Strides::rows(d), false, &scores, Strides::rows(seen), &v, Strides::rows(d));
+    }
+    out
+}

@@ -1,0 +1,201 @@
+//! Loading a Llama-family checkpoint: its shape ([`config`]) and its weights
+//! ([`weights`]), gathered into [`ModelWeights`] in the layout every backend uses: q, k and v
+//! projections fused into one matrix, gate and up fused into another, so a layer is four
+//! matrix products.
+
+pub mod config;
+pub mod weights;
+
+use std::path::Path;
+
+pub use config::{Arch, ModelConfig, RopeScaling};
+pub use weights::{Checkpoint, DType, Host};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config: {0}")]
+    Config(String),
+    #[error("weights: {0}")]
+    Weights(String),
+}
+
+impl ModelError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+/// A matrix `[rows, cols]` (row-major, as `nn.Linear` stores `[out, in]`) with optional bias.
+#[derive(Debug, Clone)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Host,
+    pub bias: Option<Vec<f32>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    /// q, k, v stacked: `[(heads + 2 kv_heads) · head_dim, hidden]`.
+    pub qkv: Matrix,
+    pub o: Matrix,
+    pub mlp_norm: Vec<f32>,
+    /// gate, up stacked: `[2 · intermediate, hidden]`.
+    pub gate_up: Matrix,
+    pub down: Matrix,
+}
+
+/// Every weight of a model, in the kept dtype (norms and biases in f32).
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    pub config: ModelConfig,
+    /// `[vocab, hidden]`.
+    pub embed: Host,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    /// `[vocab, hidden]` (the embedding again when tied).
+    pub lm_head: Matrix,
+}
+
+impl ModelWeights {
+    /// Load `dir` (config.json and safetensors), keeping matrices as `dtype`.
+    pub fn load(dir: &Path, dtype: DType) -> Result<Self, ModelError> {
+        let config = ModelConfig::load(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &ck, dtype)
+    }
+
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        ck: &Checkpoint,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
+        let c = &config;
+        let (h, d) = (c.hidden, c.head_dim);
+        let (qd, kvd) = (c.heads * d, c.kv_heads * d);
+        let embed = ck.get("model.embed_tokens.weight", &[c.vocab, h], dtype)?;
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let p = format!("model.layers.{l}");
+            let get = |n: &str, shape: &[usize]| ck.get(&format!("{p}.{n}"), shape, dtype);
+            let qkv = Host::concat(&[
+                get("self_attn.q_proj.weight", &[qd, h])?,
+                get("self_attn.k_proj.weight", &[kvd, h])?,
+                get("self_attn.v_proj.weight", &[kvd, h])?,
+            ]);
+            let qkv_bias = if c.qkv_bias {
+                let mut b = ck.get_f32(&format!("{p}.self_attn.q_proj.bias"), &[qd])?;
+                b.extend(ck.get_f32(&format!("{p}.self_attn.k_proj.bias"), &[kvd])?);
+                b.extend(ck.get_f32(&format!("{p}.self_attn.v_proj.bias"), &[kvd])?);
+                Some(b)
+            } else {
+                None
+            };
+            let gate_up = Host::concat(&[
+                get("mlp.gate_proj.weight", &[c.intermediate, h])?,
+                get("mlp.up_proj.weight", &[c.intermediate, h])?,
+            ]);
+            layers.push(LayerWeights {
+                attn_norm: ck.get_f32(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv: Matrix {
+                    rows: qd + 2 * kvd,
+                    cols: h,
+                    data: qkv,
+                    bias: qkv_bias,
+                },
+                o: Matrix {
+                    rows: h,
+                    cols: qd,
+                    data: get("self_attn.o_proj.weight", &[h, qd])?,
+                    bias: None,
+                },
+                mlp_norm: ck.get_f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_up: Matrix {
+                    rows: 2 * c.intermediate,
+                    cols: h,
+                    data: gate_up,
+                    bias: None,
+                },
+                down: Matrix {
+                    rows: h,
+                    cols: c.intermediate,
+                    data: get("mlp.down_proj.weight", &[h, c.intermediate])?,
+                    bias: None,
+                },
+            });
+        }
+        // Some tied checkpoints still carry lm_head; others omit it.
+        let lm_head = if !c.tie_embeddings || ck.contains("lm_head.weight") {
+            ck.get("lm_head.weight", &[c.vocab, h], dtype)?
+        } else {
+            embed.clone()
+        };
+        Ok(ModelWeights {
+            norm: ck.get_f32("model.norm.weight", &[h])?,
+            embed,
+            layers,
+            lm_head: Matrix {
+                rows: c.vocab,
+                cols: h,
+                data: lm_head,
+                bias: None,
+            },
+            config,
+        })
+    }
+
+    /// Bytes of weights one decode step reads (every matrix once; one embedding row).
+    pub fn bytes_per_token(&self) -> usize {
+        let m = |x: &Matrix| x.data.len() * x.data.dtype().size();
+        self.layers
+            .iter()
+            .map(|l| m(&l.qkv) + m(&l.o) + m(&l.gate_up) + m(&l.down))
+            .sum::<usize>()
+            + m(&self.lm_head)
+    }
+}
+
+impl Host {
+    /// Stack tensors of one dtype end to end (rows of matrices with equal columns).
+    pub fn concat(parts: &[Host]) -> Host {
+        match parts.first() {
+            Some(Host::F32(_)) => Host::F32(
+                parts
+                    .iter()
+                    .flat_map(|p| match p {
+                        Host::F32(v) => v.clone(),
+                        other => other.to_f32(),
+                    })
+                    .collect(),
+            ),
+            Some(Host::Bf16(_)) => Host::Bf16(
+                parts
+                    .iter()
+                    .flat_map(|p| match p {
+                        Host::Bf16(v) => v.clone(),
+                        other => other.to_f32().into_iter().map(half::bf16::from_f32).collect(),
+                    })
+                    .collect(),
+            ),
+            Some(Host::F16(_)) => Host::F16(
+                parts
+                    .iter()
+                    .flat_map(|p| match p {
+                        Host::F16(v) => v.clone(),
+                        other => other.to_f32().into_iter().map(half::f16::from_f32).collect(),
+                    })
+                    .collect(),
+            ),
+            None => Host::F32(Vec::new()),
+        }
+    }
+}
