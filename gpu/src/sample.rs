@@ -132,18 +132,26 @@ mod tests {
             // The first two tokens hold ~0.68 of the mass: top_p 0.5 keeps the first two.
             assert!(sample(&logits, &params(1.0, 0, 0.5), pos) < 2);
         }
-        let seen: std::collections::BTreeSet<u32> =
-            (0..500).map(|pos| sample(&logits, &params(1.0, 3, 1.0), pos)).collect();
+        let seen: std::collections::BTreeSet<u32> = (0..500)
+            .map(|pos| sample(&logits, &params(1.0, 3, 1.0), pos))
+            .collect();
         assert_eq!(seen.into_iter().collect::<Vec<_>>(), [0, 1, 2]);
     }
 
     #[test]
     fn same_seed_and_position_give_the_same_token() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let a: Vec<u32> = (0..20).map(|pos| sample(&logits, &params(0.8, 0, 0.95), pos)).collect();
-        let b: Vec<u32> = (0..20).map(|pos| sample(&logits, &params(0.8, 0, 0.95), pos)).collect();
+        let a: Vec<u32> = (0..20)
+            .map(|pos| sample(&logits, &params(0.8, 0, 0.95), pos))
+            .collect();
+        let b: Vec<u32> = (0..20)
+            .map(|pos| sample(&logits, &params(0.8, 0, 0.95), pos))
+            .collect();
         assert_eq!(a, b);
-        let other = SamplingParams { seed: 8, ..params(0.8, 0, 0.95) };
+        let other = SamplingParams {
+            seed: 8,
+            ..params(0.8, 0, 0.95)
+        };
         let c: Vec<u32> = (0..20).map(|pos| sample(&logits, &other, pos)).collect();
         assert_ne!(a, c);
     }

@@ -1,6 +1,7 @@
 //! The CPU backend against Hugging Face transformers (reference logits and greedy tokens made
 //! by scripts/make-native-fixtures), and the invariances serving relies on: batching, block
 //! size, chunked prefill, prefix-cache hits and KV export/import change nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use std::path::PathBuf;
 
@@ -24,7 +25,9 @@ struct Case {
 const MODELS: [&str; 3] = ["tiny", "tiny-qwen2", "tiny-mistral"];
 
 fn dir(model: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models").join(model)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models")
+        .join(model)
 }
 
 fn reference(model: &str) -> Reference {
@@ -34,7 +37,14 @@ fn reference(model: &str) -> Reference {
 
 fn backend(model: &str, dtype: DType, block_size: usize) -> CpuBackend {
     let w = ModelWeights::load(&dir(model), dtype).unwrap();
-    CpuBackend::new(w, KvShape { num_blocks: 256, block_size }).unwrap()
+    CpuBackend::new(
+        w,
+        KvShape {
+            num_blocks: 256,
+            block_size,
+        },
+    )
+    .unwrap()
 }
 
 /// One sequence's state for driving a backend by hand.
@@ -60,10 +70,7 @@ impl Seq {
 /// Run `seqs` together until each has `steps` new tokens, prefilling `chunk` tokens a step.
 fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
     loop {
-        let want: Vec<bool> = seqs
-            .iter()
-            .map(|s| s.logits.len() < steps)
-            .collect();
+        let want: Vec<bool> = seqs.iter().map(|s| s.logits.len() < steps).collect();
         if !want.contains(&true) {
             return;
         }
@@ -101,7 +108,10 @@ fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -115,9 +125,16 @@ fn logits_and_greedy_tokens_match_transformers() {
             let [s] = s;
             for (step, want) in case.logits.iter().enumerate() {
                 let d = max_diff(&s.logits[step], want);
-                assert!(d < 1e-4, "{model} prompt {ci} step {step}: logits differ by {d}");
+                assert!(
+                    d < 1e-4,
+                    "{model} prompt {ci} step {step}: logits differ by {d}"
+                );
             }
-            assert_eq!(&s.tokens[case.prompt.len()..], &case.greedy[..], "{model} prompt {ci}");
+            assert_eq!(
+                &s.tokens[case.prompt.len()..],
+                &case.greedy[..],
+                "{model} prompt {ci}"
+            );
         }
     }
 }
@@ -150,7 +167,10 @@ fn batching_block_size_and_chunked_prefill_change_nothing() {
                 .collect();
             generate(&mut b, &mut seqs, steps, chunk);
             for (i, (s, a)) in seqs.iter().zip(&alone).enumerate() {
-                assert_eq!(s.tokens, a.tokens, "{model} prompt {i}, blocks of {block_size}, chunks of {chunk}");
+                assert_eq!(
+                    s.tokens, a.tokens,
+                    "{model} prompt {i}, blocks of {block_size}, chunks of {chunk}"
+                );
                 for (x, y) in s.logits.iter().zip(&a.logits) {
                     let d = max_diff(x, y);
                     assert!(d < 1e-4, "{model} prompt {i}: batched logits differ by {d}");
@@ -214,17 +234,35 @@ fn half_precision_weights_stay_close_to_the_reference() {
         generate(&mut b, &mut s, 1, usize::MAX);
         let d = max_diff(&s[0].logits[0], &case.logits[0]);
         let scale = case.logits[0].iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(d < 0.05 * scale.max(1.0), "{dtype:?}: logits differ by {d} (max |logit| {scale})");
+        assert!(
+            d < 0.05 * scale.max(1.0),
+            "{dtype:?}: logits differ by {d} (max |logit| {scale})"
+        );
     }
 }
 
 #[test]
 fn bad_batches_are_errors_not_panics() {
     let mut b = backend("tiny", DType::F32, 4);
-    let too_few_blocks = SeqStep { tokens: &[1, 2, 3, 4, 5], start: 0, blocks: &[0], logits: true };
+    let too_few_blocks = SeqStep {
+        tokens: &[1, 2, 3, 4, 5],
+        start: 0,
+        blocks: &[0],
+        logits: true,
+    };
     assert!(b.forward(&[too_few_blocks]).is_err());
-    let bad_token = SeqStep { tokens: &[100_000], start: 0, blocks: &[0], logits: true };
+    let bad_token = SeqStep {
+        tokens: &[100_000],
+        start: 0,
+        blocks: &[0],
+        logits: true,
+    };
     assert!(b.forward(&[bad_token]).is_err());
-    let bad_block = SeqStep { tokens: &[1], start: 0, blocks: &[9999], logits: true };
+    let bad_block = SeqStep {
+        tokens: &[1],
+        start: 0,
+        blocks: &[9999],
+        logits: true,
+    };
     assert!(b.forward(&[bad_block]).is_err());
 }

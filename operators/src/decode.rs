@@ -1,5 +1,6 @@
-//! `decode`: runs an engine. `config.engine` selects it; this build has `mocker` (a
-//! simulated vLLM-style engine). The engine's stream starts with the request's output spec
+//! `decode`: runs an engine. `config.engine` selects it: `mocker` (a simulated vLLM-style
+//! engine) or `native` (a Llama-family model on this project's CPU or CUDA backend); both run
+//! on the shared engine loop in [`crate::engine`]. The engine's stream starts with the request's output spec
 //! (see [`Generated`]) and then carries token batches; when the consumer drops the stream or
 //! the request is killed, the engine frees the request. A request prefilled on a prefill
 //! worker (`prefilled`, from `remote_prefill`) has its KV pulled first and starts decoding at
@@ -21,14 +22,16 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
+use crate::engine::Worker;
+use crate::engine::mocker::{self, MockerConfig};
+use crate::engine::native::{self, NativeConfig};
 use crate::llm::types::{Generated, PreprocessedRequest};
-use crate::mocker::scheduler::SeqRole;
-use crate::mocker::{Mocker, MockerConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Engine {
     Mocker,
+    Native,
 }
 
 /// The engine, and a section of settings per engine: `{engine: mocker, mocker: {...}}`.
@@ -40,23 +43,52 @@ pub struct DecodeConfig {
     pub engine: Engine,
     #[serde(default)]
     pub mocker: Option<MockerConfig>,
+    #[serde(default)]
+    pub native: Option<NativeConfig>,
 }
 
 impl DecodeConfig {
     pub(crate) fn mocker(&self) -> MockerConfig {
         self.mocker.clone().unwrap_or_default()
     }
+
+    pub(crate) fn native(&self) -> NativeConfig {
+        self.native.clone().unwrap_or_default()
+    }
+
+    /// Start the configured engine's worker.
+    pub(crate) async fn start(&self, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+        match self.engine {
+            Engine::Mocker => mocker::start(&self.mocker(), cx).await,
+            Engine::Native => native::start(&self.native(), cx).await,
+        }
+    }
 }
 
 impl OperatorConfig for DecodeConfig {
     const KIND: &'static str = "decode";
-    const SUMMARY: &'static str = "Runs an engine on tokenized requests (engine: mocker)";
+    const SUMMARY: &'static str = "Runs an engine on tokenized requests (engine: mocker, native)";
     type Op = Decode;
 
     fn validate(&self) -> Vec<Invalid> {
-        match self.engine {
+        let mut out = match self.engine {
             Engine::Mocker => self.mocker().validate("mocker."),
+            Engine::Native => self.native().validate("native."),
+        };
+        // A section for the engine not chosen is a mistake worth naming.
+        if self.engine != Engine::Mocker && self.mocker.is_some() {
+            out.push(Invalid::field(
+                "mocker",
+                "set, but the engine is not mocker",
+            ));
         }
+        if self.engine != Engine::Native && self.native.is_some() {
+            out.push(Invalid::field(
+                "native",
+                "set, but the engine is not native",
+            ));
+        }
+        out
     }
 
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
@@ -68,20 +100,25 @@ impl OperatorConfig for DecodeConfig {
                 m.insert("block_size".into(), c.block_size.into());
                 m.insert("kv_total_blocks".into(), c.num_blocks.into());
             }
+            Engine::Native => {
+                let c = self.native();
+                m.insert("engine".into(), "native".into());
+                m.insert("block_size".into(), c.block_size.into());
+                m.insert("kv_total_blocks".into(), c.num_blocks.into());
+            }
         }
         m
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {
-        let engine = match self.engine {
-            Engine::Mocker => Mocker::start(&self.mocker(), cx).await?,
-        };
-        Ok(Decode { engine })
+        Ok(Decode {
+            engine: self.start(cx).await?,
+        })
     }
 }
 
 pub struct Decode {
-    engine: Arc<Mocker>,
+    engine: Arc<Worker>,
 }
 
 impl Operator for Decode {
@@ -92,14 +129,14 @@ impl Operator for Decode {
         let engine = self.engine.clone();
         async_stream::stream! {
             let Some(mut req) = input.next().await else { return };
-            let role = match req.prefilled.take() {
+            let kv = match req.prefilled.take() {
                 Some(p) => tokio::select! {
-                    role = engine.import(&req, &p) => role,
+                    kv = engine.import(&req, &p) => kv,
                     _ = ctx.killed() => return,
                 },
-                None => SeqRole::Full,
+                None => None,
             };
-            let mut rx = match engine.submit(&req, role) {
+            let mut rx = match engine.submit(&req, kv) {
                 Ok(rx) => rx,
                 Err(e) => {
                     yield Err(e);
@@ -113,7 +150,7 @@ impl Operator for Decode {
             loop {
                 tokio::select! {
                     item = rx.recv() => match item {
-                        Some(g) => yield Ok(g),
+                        Some(g) => yield g,
                         None => break,
                     },
                     // Dropping `rx` is how the engine learns the request is gone.

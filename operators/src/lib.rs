@@ -5,10 +5,10 @@
 
 pub mod decode;
 pub mod echo;
+pub mod engine;
 pub mod http;
 pub mod llm;
 pub mod metrics;
-pub mod mocker;
 pub mod prefill;
 pub mod types;
 

@@ -22,12 +22,12 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::decode::{DecodeConfig, Engine};
+use crate::decode::DecodeConfig;
+use crate::engine::Worker;
 use crate::llm::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
 use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
-use crate::mocker::Mocker;
 
-/// `{engine: mocker, mocker: {...}}`, exactly as for `decode`.
+/// `{engine: mocker|native, mocker|native: {...}}`, exactly as for `decode`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(transparent)]
 pub struct PrefillConfig(pub DecodeConfig);
@@ -35,7 +35,7 @@ pub struct PrefillConfig(pub DecodeConfig);
 impl OperatorConfig for PrefillConfig {
     const KIND: &'static str = "prefill";
     const SUMMARY: &'static str =
-        "Prefill worker: computes prompts' KV for decode workers to pull (engine: mocker)";
+        "Prefill worker: computes prompts' KV for decode workers to pull (engine: mocker, native)";
     type Op = Prefill;
 
     fn validate(&self) -> Vec<Invalid> {
@@ -49,9 +49,7 @@ impl OperatorConfig for PrefillConfig {
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Prefill, BuildError> {
-        let engine = match self.0.engine {
-            Engine::Mocker => Mocker::start(&self.0.mocker(), cx).await?,
-        };
+        let engine = self.0.start(cx).await?;
         let worker_id = cx.instance_id;
         let queue = queue_name(&cx.namespace, &cx.node);
         let mut jobs = cx
@@ -104,14 +102,14 @@ impl OperatorConfig for PrefillConfig {
 }
 
 pub struct Prefill {
-    engine: Arc<Mocker>,
+    engine: Arc<Worker>,
     worker_id: u64,
     _jobs: tokio_util::task::AbortOnDropHandle<()>,
 }
 
 /// Run one prompt in the prefill role: its first token and the offer of its KV.
 async fn prefill(
-    engine: &Mocker,
+    engine: &Worker,
     ctx: &Ctx,
     req: &PreprocessedRequest,
     worker_id: u64,
@@ -120,7 +118,7 @@ async fn prefill(
     let work = async {
         let mut first = None;
         while let Some(g) = tokens.recv().await {
-            if let Generated::Tokens { ids, .. } = g {
+            if let Generated::Tokens { ids, .. } = g? {
                 first = ids.first().copied();
                 break;
             }

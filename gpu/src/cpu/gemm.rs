@@ -101,19 +101,52 @@ mod tests {
             }
         }
         let mut c = vec![0.0; m * n];
-        matmul(m, n, k, &mut c, Strides::rows(n), false, &a, Strides::rows(k), &b, Strides::rows(n));
+        matmul(
+            m,
+            n,
+            k,
+            &mut c,
+            Strides::rows(n),
+            false,
+            &a,
+            Strides::rows(k),
+            &b,
+            Strides::rows(n),
+        );
         assert_eq!(c, want);
         // b given transposed (n×k row-major), dst column-major.
         let bt: Vec<f32> = (0..n * k).map(|x| b[(x % k) * n + x / k]).collect();
         let mut ct = vec![0.0; m * n];
-        matmul(m, n, k, &mut ct, Strides::cols(m), false, &a, Strides::rows(k), &bt, Strides::cols(k));
+        matmul(
+            m,
+            n,
+            k,
+            &mut ct,
+            Strides::cols(m),
+            false,
+            &a,
+            Strides::rows(k),
+            &bt,
+            Strides::cols(k),
+        );
         for i in 0..m {
             for j in 0..n {
                 assert_eq!(ct[j * m + i], want[i * n + j]);
             }
         }
         // Accumulate adds.
-        matmul(m, n, k, &mut c, Strides::rows(n), true, &a, Strides::rows(k), &b, Strides::rows(n));
+        matmul(
+            m,
+            n,
+            k,
+            &mut c,
+            Strides::rows(n),
+            true,
+            &a,
+            Strides::rows(k),
+            &b,
+            Strides::rows(n),
+        );
         assert_eq!(c, want.iter().map(|x| 2.0 * x).collect::<Vec<_>>());
     }
 }

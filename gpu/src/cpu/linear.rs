@@ -109,7 +109,10 @@ mod tests {
         let mut y = vec![0.0; m * out];
         for i in 0..m {
             for o in 0..out {
-                y[i * out + o] = b[o] + (0..inp).map(|k| x[i * inp + k] * w[o * inp + k]).sum::<f32>();
+                y[i * out + o] = b[o]
+                    + (0..inp)
+                        .map(|k| x[i * inp + k] * w[o * inp + k])
+                        .sum::<f32>();
             }
         }
         y
@@ -118,10 +121,14 @@ mod tests {
     #[test]
     fn every_dtype_and_batch_matches_the_definition() {
         let (out, inp) = (203, 96);
-        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+            .collect();
         let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
         for m in [1, 3, 16] {
-            let x: Vec<f32> = (0..m * inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0).collect();
+            let x: Vec<f32> = (0..m * inp)
+                .map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0)
+                .collect();
             let want = reference(&x, m, &w, out, inp, &b);
             for data in [
                 Host::F32(w.clone()),
@@ -129,7 +136,12 @@ mod tests {
                 Host::F16(w.iter().map(|v| f16::from_f32(*v)).collect()),
             ] {
                 let dt = data.dtype();
-                let l = Linear::new(Matrix { rows: out, cols: inp, data, bias: Some(b.clone()) });
+                let l = Linear::new(Matrix {
+                    rows: out,
+                    cols: inp,
+                    data,
+                    bias: Some(b.clone()),
+                });
                 let mut y = vec![0.0; m * out];
                 l.forward(&x, m, &mut y, &mut Vec::new());
                 // These weights are exact in every dtype (multiples of 1/64 below 1).

@@ -153,16 +153,21 @@ impl Backend for CpuBackend {
         }
         let b = &mut self.buf;
         b.x.resize(t * h, 0.0);
-        for (row, tok) in b
-            .x
-            .chunks_exact_mut(h)
-            .zip(batch.iter().flat_map(|s| s.tokens))
+        for (row, tok) in
+            b.x.chunks_exact_mut(h)
+                .zip(batch.iter().flat_map(|s| s.tokens))
         {
             let r = *tok as usize * h;
             match &self.embed {
                 Host::F32(e) => row.copy_from_slice(&e[r..r + h]),
-                Host::Bf16(e) => row.iter_mut().zip(&e[r..r + h]).for_each(|(o, v)| *o = v.to_f32()),
-                Host::F16(e) => row.iter_mut().zip(&e[r..r + h]).for_each(|(o, v)| *o = v.to_f32()),
+                Host::Bf16(e) => row
+                    .iter_mut()
+                    .zip(&e[r..r + h])
+                    .for_each(|(o, v)| *o = v.to_f32()),
+                Host::F16(e) => row
+                    .iter_mut()
+                    .zip(&e[r..r + h])
+                    .for_each(|(o, v)| *o = v.to_f32()),
             }
         }
         b.normed.resize(t * h, 0.0);
@@ -207,9 +212,15 @@ impl Backend for CpuBackend {
             layer.o.forward(&b.attn, t, &mut b.tmp, &mut b.linear);
             add(&mut b.x, &b.tmp);
             rmsnorm(&b.x, &layer.mlp_norm, c.rms_eps, &mut b.normed);
-            layer.gate_up.forward(&b.normed, t, &mut b.gate_up, &mut b.linear);
+            layer
+                .gate_up
+                .forward(&b.normed, t, &mut b.gate_up, &mut b.linear);
             let i2 = 2 * c.intermediate;
-            for (a, gu) in b.act.chunks_exact_mut(c.intermediate).zip(b.gate_up.chunks_exact(i2)) {
+            for (a, gu) in b
+                .act
+                .chunks_exact_mut(c.intermediate)
+                .zip(b.gate_up.chunks_exact(i2))
+            {
                 let (g, u) = gu.split_at(c.intermediate);
                 for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
                     *a = g / (1.0 + (-g).exp()) * u;
@@ -228,11 +239,15 @@ impl Backend for CpuBackend {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
-        let last: Vec<f32> = rows.iter().flat_map(|r| b.x[r * h..(r + 1) * h].iter().copied()).collect();
+        let last: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| b.x[r * h..(r + 1) * h].iter().copied())
+            .collect();
         let mut normed = vec![0.0; last.len()];
         rmsnorm(&last, &self.norm, c.rms_eps, &mut normed);
         let mut logits = vec![0.0; rows.len() * c.vocab];
-        self.lm_head.forward(&normed, rows.len(), &mut logits, &mut b.linear);
+        self.lm_head
+            .forward(&normed, rows.len(), &mut logits, &mut b.linear);
         Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
 
@@ -284,7 +299,11 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({} threads) {} weights", rayon::current_num_threads(), self.dtype.name())
+        format!(
+            "cpu ({} threads) {} weights",
+            rayon::current_num_threads(),
+            self.dtype.name()
+        )
     }
 }
 
@@ -331,7 +350,18 @@ fn attend(
             q.extend_from_slice(&qkv[at..at + grp * d]);
         }
         scores.resize(rows * seen, 0.0);
-        matmul(rows, seen, d, &mut scores, Strides::rows(seen), false, &q, Strides::rows(d), &k, Strides::cols(d));
+        matmul(
+            rows,
+            seen,
+            d,
+            &mut scores,
+            Strides::rows(seen),
+            false,
+            &q,
+            Strides::rows(d),
+            &k,
+            Strides::cols(d),
+        );
         for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
             let pos = s.start + i0 + r / grp;
             let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -352,7 +382,18 @@ fn attend(
             row.iter_mut().for_each(|x| *x /= sum);
         }
         let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
-        matmul(rows, d, seen, dst, Strides::rows(d), false, &scores, Strides::rows(seen), &v, Strides::rows(d));
+        matmul(
+            rows,
+            d,
+            seen,
+            dst,
+            Strides::rows(d),
+            false,
+            &scores,
+            Strides::rows(seen),
+            &v,
+            Strides::rows(d),
+        );
     }
     out
 }

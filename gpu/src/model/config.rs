@@ -145,7 +145,7 @@ impl ModelConfig {
                 return Err(format!("{name} must be at least 1"));
             }
         }
-        if c.num_attention_heads % kv_heads != 0 {
+        if !c.num_attention_heads.is_multiple_of(kv_heads) {
             return Err(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({kv_heads})",
                 c.num_attention_heads
@@ -153,7 +153,7 @@ impl ModelConfig {
         }
         let head_dim = match c.head_dim {
             Some(d) => d,
-            None if c.hidden_size % c.num_attention_heads == 0 => {
+            None if c.hidden_size.is_multiple_of(c.num_attention_heads) => {
                 c.hidden_size / c.num_attention_heads
             }
             None => {
@@ -163,7 +163,7 @@ impl ModelConfig {
                 ));
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(format!("head_dim ({head_dim}) must be even and positive"));
         }
         if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0) {
@@ -231,8 +231,8 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth =
-                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth = (old / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -246,7 +246,11 @@ impl ModelConfig {
         let (h, i, d) = (self.hidden, self.intermediate, self.head_dim);
         let attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2;
         let layer = attn + 3 * h * i + 2 * h;
-        let head = if self.tie_embeddings { 0 } else { self.vocab * h };
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab * h
+        };
         self.layers * layer + self.vocab * h + head + h
     }
 }
@@ -312,9 +316,15 @@ mod tests {
     #[test]
     fn reads_llama_qwen2_and_mistral_shapes() {
         let l = hf(serde_json::json!({})).unwrap();
-        assert_eq!((l.arch, l.head_dim, l.group(), l.qkv_bias), (Arch::Llama, 16, 2, false));
+        assert_eq!(
+            (l.arch, l.head_dim, l.group(), l.qkv_bias),
+            (Arch::Llama, 16, 2, false)
+        );
         let q = hf(serde_json::json!({"model_type": "qwen2", "sliding_window": 4096})).unwrap();
-        assert_eq!((q.arch, q.qkv_bias, q.sliding_window), (Arch::Qwen2, true, None));
+        assert_eq!(
+            (q.arch, q.qkv_bias, q.sliding_window),
+            (Arch::Qwen2, true, None)
+        );
         let m = hf(serde_json::json!({"model_type": "mistral", "sliding_window": 4096})).unwrap();
         assert_eq!((m.arch, m.sliding_window), (Arch::Mistral, Some(4096)));
         let a = hf(serde_json::json!({"model_type": null, "architectures": ["Qwen2ForCausalLM"]}))
@@ -344,9 +354,11 @@ mod tests {
 
     #[test]
     fn llama3_scaling_keeps_high_frequencies_and_divides_low_ones() {
-        let c = hf(serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+        let c = hf(
+            serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}, "rope_theta": 500000.0}))
+            "original_max_position_embeddings": 8192}, "rope_theta": 500000.0}),
+        )
         .unwrap();
         let plain = ModelConfig {
             rope_scaling: None,

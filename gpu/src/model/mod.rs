@@ -182,7 +182,11 @@ impl Host {
                     .iter()
                     .flat_map(|p| match p {
                         Host::Bf16(v) => v.clone(),
-                        other => other.to_f32().into_iter().map(half::bf16::from_f32).collect(),
+                        other => other
+                            .to_f32()
+                            .into_iter()
+                            .map(half::bf16::from_f32)
+                            .collect(),
                     })
                     .collect(),
             ),
@@ -191,7 +195,11 @@ impl Host {
                     .iter()
                     .flat_map(|p| match p {
                         Host::F16(v) => v.clone(),
-                        other => other.to_f32().into_iter().map(half::f16::from_f32).collect(),
+                        other => other
+                            .to_f32()
+                            .into_iter()
+                            .map(half::f16::from_f32)
+                            .collect(),
                     })
                     .collect(),
             ),

@@ -114,13 +114,19 @@ impl Checkpoint {
                 std::fs::read_to_string(&sharded).map_err(|e| ModelError::io(&sharded, e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::Weights(format!("{}: {e}", sharded.display())))?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                ModelError::Weights(format!("{}: no weight_map object", sharded.display()))
-            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    ModelError::Weights(format!("{}: no weight_map object", sharded.display()))
+                })?;
             let mut files: Vec<PathBuf> = Vec::new();
             for f in map.values() {
                 let name = f.as_str().ok_or_else(|| {
-                    ModelError::Weights(format!("{}: a weight_map value is not a file name", sharded.display()))
+                    ModelError::Weights(format!(
+                        "{}: a weight_map value is not a file name",
+                        sharded.display()
+                    ))
                 })?;
                 // Shard names come from a file: keep them inside the model directory.
                 if name.contains('/') || name.contains('\\') || name.starts_with('.') {
@@ -198,7 +204,9 @@ impl Checkpoint {
             (Dtype::F32, DType::Bf16) => {
                 Host::Bf16(f32s(data).into_iter().map(bf16::from_f32).collect())
             }
-            (Dtype::F32, DType::F16) => Host::F16(f32s(data).into_iter().map(f16::from_f32).collect()),
+            (Dtype::F32, DType::F16) => {
+                Host::F16(f32s(data).into_iter().map(f16::from_f32).collect())
+            }
             (Dtype::BF16, want) => {
                 let v: Vec<bf16> = u16s(data).into_iter().map(bf16::from_bits).collect();
                 match want {
@@ -212,7 +220,9 @@ impl Checkpoint {
                 match want {
                     DType::F16 => Host::F16(v),
                     DType::F32 => Host::F32(v.iter().map(|x| x.to_f32()).collect()),
-                    DType::Bf16 => Host::Bf16(v.iter().map(|x| bf16::from_f32(x.to_f32())).collect()),
+                    DType::Bf16 => {
+                        Host::Bf16(v.iter().map(|x| bf16::from_f32(x.to_f32())).collect())
+                    }
                 }
             }
             (other, _) => {

@@ -164,6 +164,8 @@ struct Common {
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
+    /// vLLM's extension: keep the k most likely tokens; 0 or -1 keeps all.
+    top_k: Option<i64>,
     seed: Option<u64>,
     stop: Option<StopIn>,
     n: Option<u32>,
@@ -260,6 +262,15 @@ fn request(
             "stream_options is only allowed with stream: true",
         ));
     }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) => Some(u32::try_from(k).map_err(|_| {
+            invalid(
+                "top_k",
+                format!("top_k must be -1, 0 or a positive count, got {k}"),
+            )
+        })?),
+    };
     Ok((
         LlmRequest {
             endpoint,
@@ -268,6 +279,7 @@ fn request(
             sampling: Sampling {
                 temperature: c.temperature,
                 top_p: c.top_p,
+                top_k,
                 seed: c.seed,
             },
             limits: Limits {

@@ -42,6 +42,9 @@ pub enum Prompt {
 pub struct Sampling {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    /// Keep the k most likely tokens (vLLM's extension).
+    #[serde(default)]
+    pub top_k: Option<u32>,
     pub seed: Option<u64>,
 }
 

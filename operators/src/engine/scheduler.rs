@@ -1,14 +1,15 @@
-//! The mocker's scheduler: continuous batching with chunked prefill and preemption, in the
-//! manner of vLLM's v1 scheduler, minus the GPU.
+//! The engines' scheduler: continuous batching with chunked prefill and preemption, in the
+//! manner of vLLM's v1 scheduler. The mocker and the native engine share it; only what runs a
+//! step differs.
 //!
 //! Each [`Scheduler::step`] gives every running sequence its tokens for this step (one for a
 //! decoding sequence, up to the remaining token budget for one still in prefill), preempting
 //! the most recently admitted sequence when a block cannot be found, then admits waiting
 //! sequences first come first served while the batch has room (`max_num_seqs`), tokens are
 //! left in the budget (`max_num_batched_tokens`) and blocks can be found. Prompt blocks
-//! already in the prefix cache are not computed again. A sequence whose KV is complete gets a
-//! new token; output tokens are a pure function of the request's seed and position, so tests
-//! can predict them and preemption does not change them.
+//! already in the prefix cache are not computed again. The planned [`Work`] goes to the
+//! engine's executor, which computes it and samples a token for each sequence whose KV is
+//! complete; the scheduler then ends sequences on `max_tokens` or a stop token.
 
 use std::collections::VecDeque;
 
@@ -29,13 +30,35 @@ pub struct Limits {
 pub struct SeqSpec {
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
-    pub seed: u64,
+    /// Stop tokens (none end the output before `min_tokens`); empty with `ignore_eos`.
+    pub stop_tokens: std::sync::Arc<[u32]>,
+    pub min_tokens: u32,
+    pub sampling: dyn_gpu::sample::SamplingParams,
     /// Output tokens generated before this request (a migrated request resumes at this
     /// position, so its output continues the original one exactly).
     pub offset: u32,
-    /// The token ids output is drawn from.
-    pub vocab: std::sync::Arc<[u32]>,
     pub role: SeqRole,
+}
+
+/// One sequence's part of a step, for the executor.
+#[derive(Debug)]
+pub struct Work<'a> {
+    pub id: SeqId,
+    pub spec: &'a SeqSpec,
+    /// Prompt and generated tokens so far.
+    pub tokens: &'a [u32],
+    /// Compute the KV of `tokens[start..start + len]`.
+    pub start: usize,
+    pub len: usize,
+    /// The sequence's blocks, covering at least `start + len` positions.
+    pub blocks: &'a [BlockId],
+    /// Sample the next token (the KV is complete after this step).
+    pub sample: bool,
+    /// The first step of an imported sequence: its blocks are to be filled with the KV
+    /// pulled from the prefill worker.
+    pub import: bool,
+    /// Output tokens so far (the position, for the mocker's deterministic output).
+    pub generated: u32,
 }
 
 /// What a worker does with a sequence.
@@ -102,16 +125,16 @@ pub struct Scheduler {
     unadmitted: usize,
 }
 
-/// Deterministic output: splitmix64 over seed and position.
-pub fn token_at(spec: &SeqSpec, position: u32) -> u32 {
-    let mut z = spec.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+/// The mocker's deterministic output: splitmix64 over seed and position, into `vocab`.
+pub fn token_at(spec: &SeqSpec, vocab: &[u32], position: u32) -> u32 {
+    let mut z = spec.sampling.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
-    match spec.vocab.len() {
+    match vocab.len() {
         0 => 0,
-        n => spec.vocab[(z % n as u64) as usize],
+        n => vocab[(z % n as u64) as usize],
     }
 }
 
@@ -234,8 +257,13 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Plan and "run" one step.
-    pub fn step(&mut self) -> StepOutcome {
+    /// Plan one step, have `exec` compute it (it returns a token for each [`Work`] with
+    /// `sample` set, in order), and advance the sequences. When `exec` fails nothing
+    /// advances, and the error is returned with the ids of the sequences the step held.
+    pub fn step(
+        &mut self,
+        exec: impl FnOnce(&[Work<'_>]) -> Result<Vec<u32>, String>,
+    ) -> Result<StepOutcome, (String, Vec<SeqId>)> {
         let Limits {
             block_size,
             max_num_seqs,
@@ -329,7 +357,43 @@ impl Scheduler {
             scheduled.push((self.running.len() - 1, want));
         }
 
-        // Run: advance the KV, sample where a sequence's KV is complete.
+        // Run: the executor computes the KV and samples where a sequence's KV is complete.
+        let work: Vec<Work<'_>> = scheduled
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.running[i];
+                let import =
+                    matches!(seq.spec.role, SeqRole::Imported { .. }) && seq.generated == 0;
+                Work {
+                    id: seq.id,
+                    spec: &seq.spec,
+                    tokens: &seq.tokens,
+                    start: seq.computed,
+                    len: n,
+                    blocks: &seq.blocks,
+                    sample: seq.computed + n == seq.tokens.len() && !import,
+                    import,
+                    generated: seq.generated,
+                }
+            })
+            .collect();
+        let wanted = work.iter().filter(|w| w.sample).count();
+        let sampled = match exec(&work) {
+            Ok(t) if t.len() == wanted => t,
+            result => {
+                let e = match result {
+                    Err(e) => e,
+                    Ok(t) => format!(
+                        "the executor sampled {} tokens for {wanted} sequences",
+                        t.len()
+                    ),
+                };
+                let ids = work.iter().map(|w| w.id).collect();
+                return Err((e, ids));
+            }
+        };
+        drop(work);
+        let mut sampled = sampled.into_iter();
         let mut finished = Vec::new();
         for (i, n) in scheduled {
             let seq = &mut self.running[i];
@@ -344,13 +408,19 @@ impl Scheduler {
             if seq.computed == seq.tokens.len() {
                 let t = match seq.spec.role {
                     SeqRole::Imported { first_token } if seq.generated == 0 => first_token,
-                    _ => token_at(&seq.spec, seq.spec.offset + seq.generated),
+                    // Counted above: one per sampling entry.
+                    _ => sampled.next().unwrap_or_default(),
                 };
                 seq.tokens.push(t);
                 seq.generated += 1;
-                let finish = (seq.generated >= seq.spec.max_tokens
-                    || seq.spec.role == SeqRole::Prefill)
-                    .then_some(FinishReason::Length);
+                let stopped = seq.spec.stop_tokens.contains(&t)
+                    && seq.spec.offset + seq.generated > seq.spec.min_tokens;
+                let finish = if stopped {
+                    Some(FinishReason::Stop)
+                } else {
+                    (seq.generated >= seq.spec.max_tokens || seq.spec.role == SeqRole::Prefill)
+                        .then_some(FinishReason::Length)
+                };
                 out.tokens.push((seq.id, t, finish));
                 if finish.is_some() {
                     finished.push(seq.id);
@@ -372,7 +442,7 @@ impl Scheduler {
                 self.remove(id);
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -380,15 +450,38 @@ impl Scheduler {
 mod tests {
     use super::*;
 
+    const VOCAB: std::ops::Range<u32> = 0..1000;
+
+    fn vocab() -> Vec<u32> {
+        VOCAB.collect()
+    }
+
     fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         SeqSpec {
             offset: 0,
             prompt,
             max_tokens,
-            seed: 42,
-            vocab: (0..1000).collect(),
+            stop_tokens: Vec::new().into(),
+            min_tokens: 0,
+            sampling: dyn_gpu::sample::SamplingParams {
+                seed: 42,
+                ..Default::default()
+            },
             role: SeqRole::Full,
         }
+    }
+
+    /// A step with the mocker's output.
+    fn step(s: &mut Scheduler) -> StepOutcome {
+        let v = vocab();
+        s.step(|work| {
+            Ok(work
+                .iter()
+                .filter(|w| w.sample)
+                .map(|w| token_at(w.spec, &v, w.spec.offset + w.generated))
+                .collect())
+        })
+        .unwrap()
     }
 
     fn limits(max_num_seqs: usize, max_num_batched_tokens: usize) -> Limits {
@@ -406,7 +499,7 @@ mod tests {
             if s.is_idle() {
                 return out;
             }
-            for (id, t, _) in s.step().tokens {
+            for (id, t, _) in step(s).tokens {
                 out.entry(id).or_default().push(t);
             }
         }
@@ -416,21 +509,67 @@ mod tests {
     #[test]
     fn output_is_deterministic_and_depends_on_the_seed() {
         let a = spec(vec![1, 2, 3], 5);
-        let toks: Vec<u32> = (0..5).map(|i| token_at(&a, i)).collect();
+        let toks: Vec<u32> = (0..5).map(|i| token_at(&a, &vocab(), i)).collect();
         let mut s = Scheduler::new(limits(8, 64), 16);
         s.add(1, a.clone());
         assert_eq!(drain(&mut s)[&1], toks);
-        let b = SeqSpec { seed: 43, ..a };
-        assert_ne!((0..5).map(|i| token_at(&b, i)).collect::<Vec<_>>(), toks);
+        let b = SeqSpec {
+            sampling: dyn_gpu::sample::SamplingParams {
+                seed: 43,
+                ..a.sampling
+            },
+            ..a
+        };
+        assert_ne!(
+            (0..5)
+                .map(|i| token_at(&b, &vocab(), i))
+                .collect::<Vec<_>>(),
+            toks
+        );
     }
 
     #[test]
     fn output_comes_from_the_given_vocabulary() {
-        let s = SeqSpec {
-            vocab: vec![7, 9].into(),
-            ..spec(vec![1], 1)
+        let s = spec(vec![1], 1);
+        assert!((0..100).all(|i| [7, 9].contains(&token_at(&s, &[7, 9], i))));
+    }
+
+    #[test]
+    fn a_stop_token_ends_the_output_once_min_tokens_are_out() {
+        // Every token is 7 and 7 stops: the first ends it, unless min_tokens holds it open.
+        let run = |min_tokens| {
+            let mut s = Scheduler::new(limits(8, 64), 16);
+            s.add(
+                1,
+                SeqSpec {
+                    stop_tokens: vec![7].into(),
+                    min_tokens,
+                    ..spec(vec![1, 2], 10)
+                },
+            );
+            let mut got = Vec::new();
+            while !s.is_idle() {
+                let out = s
+                    .step(|w| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
+                    .unwrap();
+                got.extend(out.tokens.into_iter().map(|(_, _, f)| f));
+            }
+            got
         };
-        assert!((0..100).all(|i| [7, 9].contains(&token_at(&s, i))));
+        assert_eq!(run(0), [Some(FinishReason::Stop)]);
+        assert_eq!(run(2), [None, None, Some(FinishReason::Stop)]);
+    }
+
+    #[test]
+    fn a_failed_step_advances_nothing_and_names_its_sequences() {
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        s.add(1, spec(vec![1, 2, 3], 4));
+        let (e, ids) = s.step(|_| Err("boom".to_string())).unwrap_err();
+        assert_eq!((e.as_str(), ids), ("boom", vec![1]));
+        let (e, _) = s.step(|_| Ok(vec![])).unwrap_err();
+        assert!(e.contains("sampled 0 tokens for 1"), "{e}");
+        // Still in the batch with nothing computed: a good step runs it from the start.
+        assert_eq!(step(&mut s).prefill_tokens, 3);
     }
 
     #[test]
@@ -440,7 +579,7 @@ mod tests {
         s.add(1, spec(prompt.clone(), 2));
         drain(&mut s);
         s.add(2, spec(prompt, 2));
-        let first = s.step();
+        let first = step(&mut s);
         // Only the 2 tokens of the partial block are computed again.
         assert_eq!(first.prefill_tokens, 2);
         assert_eq!(
@@ -453,7 +592,7 @@ mod tests {
     fn long_prompts_are_prefilled_in_chunks() {
         let mut s = Scheduler::new(limits(8, 8), 16);
         s.add(1, spec((0..20).collect(), 1));
-        let steps: Vec<usize> = (0..3).map(|_| s.step().prefill_tokens).collect();
+        let steps: Vec<usize> = (0..3).map(|_| step(&mut s).prefill_tokens).collect();
         assert_eq!(steps, vec![8, 8, 4]);
         assert!(s.is_idle());
     }
@@ -464,13 +603,13 @@ mod tests {
         for id in 0..5 {
             s.add(id, spec(vec![1, 2, 3], 3));
         }
-        s.step();
+        step(&mut s);
         assert_eq!((s.running(), s.waiting()), (2, 3));
         let mut s = Scheduler::new(limits(8, 6), 64);
         for id in 0..3 {
             s.add(id, spec(vec![1, 2, 3], 3));
         }
-        let first = s.step();
+        let first = step(&mut s);
         assert_eq!(first.prefill_tokens, 6, "token budget caps the step");
         assert_eq!(s.running(), 2);
     }
@@ -487,7 +626,9 @@ mod tests {
             let sp = spec(prompt, 8);
             assert_eq!(
                 got[&id],
-                (0..8).map(|i| token_at(&sp, i)).collect::<Vec<_>>()
+                (0..8)
+                    .map(|i| token_at(&sp, &vocab(), i))
+                    .collect::<Vec<_>>()
             );
         }
         assert_eq!(s.pool.active(), 0);
@@ -497,7 +638,7 @@ mod tests {
     fn removing_a_sequence_frees_its_blocks() {
         let mut s = Scheduler::new(limits(8, 64), 16);
         s.add(1, spec((0..10).collect(), 100));
-        s.step();
+        step(&mut s);
         assert!(s.pool.active() > 0);
         assert!(s.remove(1));
         assert_eq!(s.pool.active(), 0);
@@ -508,7 +649,7 @@ mod tests {
     fn prefill_then_import_gives_the_aggregated_output_and_moves_the_blocks() {
         let prompt: Vec<u32> = (0..10).collect();
         let full = spec(prompt.clone(), 4);
-        let expected: Vec<u32> = (0..4).map(|i| token_at(&full, i)).collect();
+        let expected: Vec<u32> = (0..4).map(|i| token_at(&full, &vocab(), i)).collect();
 
         // Prefill worker: one token, and the prompt's 3 blocks (of 4 tokens) stay pinned.
         let mut p = Scheduler::new(limits(8, 64), 16);
@@ -519,7 +660,7 @@ mod tests {
                 ..full.clone()
             },
         );
-        let out = p.step();
+        let out = step(&mut p);
         assert_eq!(
             out.tokens,
             vec![(1, expected[0], Some(FinishReason::Length))]
@@ -546,7 +687,7 @@ mod tests {
                 ..full
             },
         );
-        let first = d.step();
+        let first = step(&mut d);
         assert_eq!(first.prefill_tokens, 0);
         assert_eq!(first.tokens, vec![(2, expected[0], None)]);
         let mut got = vec![expected[0]];
@@ -571,7 +712,9 @@ mod tests {
         assert_eq!(got[&2][0], 7);
         assert_eq!(
             got[&2][1..],
-            (1..8).map(|i| token_at(&sp, i)).collect::<Vec<_>>()[..]
+            (1..8)
+                .map(|i| token_at(&sp, &vocab(), i))
+                .collect::<Vec<_>>()[..]
         );
     }
 }

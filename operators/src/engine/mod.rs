@@ -1,13 +1,18 @@
-//! The `mocker` engine: a simulated vLLM-style engine for routing, scale and framework tests
-//! without GPUs.
+//! The engine loop the `decode` and `prefill` kinds run, shared by the engines: the
+//! simulated [`mocker`] and the [`native`] model.
 //!
 //! Each worker runs its scheduler loop on a dedicated OS thread, as a real engine's busy loop
-//! would: it takes new requests from a bounded queue, runs a [`scheduler`] step, sleeps for
-//! the step's simulated duration ([`Timing`], divided by `speedup`) and hands each sequence's
+//! would: it takes new requests from a bounded queue, plans a [`scheduler`] step over the
+//! paged block [`pool`], has the engine's [`Executor`] compute it, and hands each sequence's
 //! new tokens to its request. A request whose consumer went away (client disconnect, stop
-//! string, kill) is noticed at the next step and its blocks are freed. KV events and load
-//! metrics go to the event plane; block and request gauges go to `/metrics`.
+//! string, kill) is noticed at the next step and its blocks are freed — that is how
+//! cancellation reaches the engine. KV events and load metrics go to the event plane; block
+//! and request gauges go to `/metrics`. In the prefill role a finished prompt's blocks are
+//! exported by the executor and offered to the transfer agent; a decode worker pulls them,
+//! and its executor writes them into the blocks the scheduler gives the sequence.
 
+pub mod mocker;
+pub mod native;
 pub mod pool;
 pub mod scheduler;
 
@@ -17,186 +22,65 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use dyn_gpu::transfer::{BlockFormat, KvTransferAgent, TransferDescriptor};
-use dyn_pipeline::{BuildCx, BuildError, Invalid, OpError};
-use serde::Deserialize;
+use dyn_pipeline::{BuildCx, BuildError, OpError};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::llm::kv::{
     KvCacheEvent, KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject,
     kv_resync_subject, load_metrics_subject,
 };
-use crate::llm::model::ModelDir;
 use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 use crate::metrics::WorkerGauges;
 use pool::BlockId;
-use scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec};
+use scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec, Work};
 
-/// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker serving
-/// an 8B model on one large GPU.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MockerConfig {
-    #[serde(default = "d_num_blocks")]
+/// What computes a step: the mocker's timing model, or a model on a backend.
+pub trait Executor: Send + 'static {
+    /// Compute the planned work; one token per [`Work`] with `sample` set, in order.
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, String>;
+    /// The bytes of `blocks` (holding `tokens`' KV), for a prefill offer.
+    fn export(&mut self, blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, String>;
+    /// Write KV pulled from a prefill worker into `blocks`.
+    fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), String>;
+}
+
+/// The scheduler and queue settings every engine has.
+#[derive(Debug, Clone)]
+pub struct Settings {
     pub num_blocks: u32,
-    #[serde(default = "d_block_size")]
     pub block_size: u32,
-    #[serde(default = "d_max_num_seqs")]
     pub max_num_seqs: u32,
-    #[serde(default = "d_max_num_batched_tokens")]
     pub max_num_batched_tokens: u32,
-    /// Simulated time is divided by this; large values make the framework the bottleneck.
-    #[serde(default = "d_speedup")]
-    pub speedup: f64,
-    /// Requests that may wait to start before new ones are refused with 503 (load shedding).
-    #[serde(default = "d_queue")]
     pub max_queued_requests: u32,
-    #[serde(default)]
-    pub timing: Timing,
-    /// Disaggregation: bytes of KV one token takes (the default is Llama-3-8B in bf16: 32
-    /// layers × K and V × 8 KV heads × 128 dims × 2 bytes). The simulated blocks that really
-    /// move are much smaller; this sizes the transfer the timing model charges.
-    #[serde(default = "d_kv_bytes_per_token")]
-    pub kv_bytes_per_token: u64,
-    /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
-    #[serde(default = "d_transfer_gbps")]
-    pub transfer_gbps: f64,
-    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
-    #[serde(default = "d_pin_ttl_s")]
     pub pin_ttl_s: f64,
+    /// Token ids at or above this are refused (a real model's vocabulary).
+    pub vocab_size: Option<u32>,
+    /// Unseeded requests are seeded by their prompt (the mocker's reproducible output)
+    /// rather than at random.
+    pub seed_from_prompt: bool,
 }
 
-fn d_kv_bytes_per_token() -> u64 {
-    32 * 2 * 8 * 128 * 2
-}
-fn d_transfer_gbps() -> f64 {
-    25.0
-}
-fn d_pin_ttl_s() -> f64 {
-    30.0
+/// How a decode worker takes KV from a prefill worker: the block format it expects, the
+/// modelled delay before pulling (the mocker's), and a check of the pulled bytes.
+pub struct ImportCheck {
+    pub format: BlockFormat,
+    pub delay: Box<dyn Fn(usize) -> Duration + Send + Sync>,
+    pub verify: VerifyImport,
 }
 
-fn d_num_blocks() -> u32 {
-    16384
-}
-fn d_block_size() -> u32 {
-    16
-}
-fn d_max_num_seqs() -> u32 {
-    256
-}
-fn d_max_num_batched_tokens() -> u32 {
-    8192
-}
-fn d_speedup() -> f64 {
-    1.0
-}
-fn d_queue() -> u32 {
-    4096
+/// Checks pulled blocks against the prompt they should hold.
+pub type VerifyImport = Box<dyn Fn(&[Bytes], &[u32]) -> Result<(), String> + Send + Sync>;
+
+/// A prompt's KV, pulled from a prefill worker, and the first token the prefill sampled.
+pub struct ImportedKv {
+    pub first_token: u32,
+    pub blocks: Vec<Bytes>,
 }
 
-/// The timing model, in milliseconds: a step costs `step_ms`, plus `prefill_ms_per_token` per
-/// prompt token computed, plus `decode_ms_per_seq` per decoding sequence, plus
-/// `ms_per_1k_context` per thousand tokens of context the batch attends over.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Timing {
-    pub step_ms: f64,
-    pub prefill_ms_per_token: f64,
-    pub decode_ms_per_seq: f64,
-    pub ms_per_1k_context: f64,
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Self {
-            step_ms: 5.0,
-            prefill_ms_per_token: 0.02,
-            decode_ms_per_seq: 0.05,
-            ms_per_1k_context: 0.02,
-        }
-    }
-}
-
-impl Timing {
-    pub fn step(&self, prefill_tokens: usize, decode_seqs: usize, context: usize) -> f64 {
-        self.step_ms
-            + self.prefill_ms_per_token * prefill_tokens as f64
-            + self.decode_ms_per_seq * decode_seqs as f64
-            + self.ms_per_1k_context * context as f64 / 1000.0
-    }
-}
-
-impl Default for MockerConfig {
-    fn default() -> Self {
-        Self {
-            num_blocks: d_num_blocks(),
-            block_size: d_block_size(),
-            max_num_seqs: d_max_num_seqs(),
-            max_num_batched_tokens: d_max_num_batched_tokens(),
-            speedup: d_speedup(),
-            max_queued_requests: d_queue(),
-            timing: Timing::default(),
-            kv_bytes_per_token: d_kv_bytes_per_token(),
-            transfer_gbps: d_transfer_gbps(),
-            pin_ttl_s: d_pin_ttl_s(),
-        }
-    }
-}
-
-impl MockerConfig {
-    pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = Vec::new();
-        let mut positive = |name: &str, v: u32| {
-            if v == 0 {
-                out.push(Invalid::field(
-                    format!("{prefix}{name}"),
-                    "must be at least 1",
-                ));
-            }
-        };
-        positive("num_blocks", self.num_blocks);
-        positive("block_size", self.block_size);
-        positive("max_num_seqs", self.max_num_seqs);
-        positive("max_num_batched_tokens", self.max_num_batched_tokens);
-        positive("max_queued_requests", self.max_queued_requests);
-        for (name, v) in [
-            ("speedup", self.speedup),
-            ("transfer_gbps", self.transfer_gbps),
-            ("pin_ttl_s", self.pin_ttl_s),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                out.push(Invalid::field(
-                    format!("{prefix}{name}"),
-                    "must be a positive number",
-                ));
-            }
-        }
-        let t = &self.timing;
-        if [
-            t.step_ms,
-            t.prefill_ms_per_token,
-            t.decode_ms_per_seq,
-            t.ms_per_1k_context,
-        ]
-        .iter()
-        .any(|v| !(v.is_finite() && *v >= 0.0))
-        {
-            out.push(Invalid::field(
-                format!("{prefix}timing"),
-                "times must be zero or positive",
-            ));
-        }
-        out
-    }
-
-    /// Simulated time to move the KV of `tokens` tokens from a prefill worker.
-    pub fn transfer_time(&self, tokens: usize) -> Duration {
-        let secs = tokens as f64 * self.kv_bytes_per_token as f64 / (self.transfer_gbps * 1e9);
-        Duration::from_secs_f64(secs / self.speedup)
-    }
-}
+/// What a request's channel carries: tokens, or the engine's failure.
+pub type EngineItem = Result<Generated, OpError>;
 
 /// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
 pub type OfferResult = Result<TransferDescriptor, String>;
@@ -205,7 +89,9 @@ enum Command {
     Add {
         id: SeqId,
         spec: SeqSpec,
-        tx: mpsc::Sender<Generated>,
+        /// Imported KV for the sequence's blocks.
+        kv: Option<Vec<Bytes>>,
+        tx: mpsc::Sender<EngineItem>,
         /// Prefill role: where to send the offer of the prompt's blocks.
         offer: Option<oneshot::Sender<OfferResult>>,
     },
@@ -213,26 +99,25 @@ enum Command {
     Dump,
 }
 
-/// A running mocker worker; dropping the last handle stops its thread.
-pub struct Mocker {
+/// A running engine worker; dropping the last handle stops its thread.
+pub struct Worker {
     commands: std_mpsc::SyncSender<Command>,
     /// Requests submitted but not yet running: in the command queue or the scheduler's.
     queued: Arc<AtomicUsize>,
-    max_queued: usize,
-    vocab: Arc<[u32]>,
+    settings: Settings,
     next_id: AtomicU64,
     /// Gauges of this worker (also on `/metrics`).
     pub gauges: WorkerGauges,
     /// Pulls prompts' KV from prefill workers (and offers this worker's, in the prefill role).
     agent: Arc<dyn KvTransferAgent>,
-    config: MockerConfig,
+    import: ImportCheck,
     node: String,
     worker_id: u64,
 }
 
 /// Tokens a sequence produced that its consumer has not taken yet.
 struct Outbox {
-    tx: mpsc::Sender<Generated>,
+    tx: mpsc::Sender<EngineItem>,
     pending: Vec<u32>,
     finish: Option<crate::llm::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
@@ -249,12 +134,12 @@ impl Outbox {
             ids: std::mem::take(&mut self.pending),
             finish: self.finish,
         };
-        match self.tx.try_send(item) {
+        match self.tx.try_send(Ok(item)) {
             Ok(()) => {
                 self.finish = None;
                 true
             }
-            Err(mpsc::error::TrySendError::Full(Generated::Tokens { ids, .. })) => {
+            Err(mpsc::error::TrySendError::Full(Ok(Generated::Tokens { ids, .. }))) => {
                 // The consumer lags: keep the tokens and send them together later.
                 self.pending = ids;
                 true
@@ -264,13 +149,15 @@ impl Outbox {
     }
 }
 
-impl Mocker {
-    pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Mocker>, BuildError> {
-        let model = ModelDir::shared(cx).await?;
-        // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
-        let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
-            .await
-            .map_err(|e| BuildError::new(format!("vocabulary scan failed: {e}")))?;
+impl Worker {
+    /// Start the engine thread for `exec` and the tasks that carry its events.
+    pub async fn start(
+        config: Settings,
+        import: ImportCheck,
+        exec: Box<dyn Executor>,
+        cx: &BuildCx,
+        name: &str,
+    ) -> Result<Arc<Worker>, BuildError> {
         let (commands, rx) = std_mpsc::sync_channel(config.max_queued_requests as usize);
         let worker_id = cx.instance_id;
         let gauges = WorkerGauges::new(&cx.node, worker_id);
@@ -311,8 +198,9 @@ impl Mocker {
                 config.num_blocks,
             ),
             outboxes: HashMap::new(),
-            timing: config.timing.clone(),
-            speedup: config.speedup,
+            exec,
+            imports: HashMap::new(),
+            format: import.format.clone(),
             worker_id,
             event_id: 0,
             kv_subject: kv_events_subject(&cx.namespace, &cx.node),
@@ -330,18 +218,17 @@ impl Mocker {
             .await
             .map_err(|e| BuildError::new(format!("cannot subscribe to resync requests: {e}")))?;
         std::thread::Builder::new()
-            .name(format!("mocker-{}", cx.replica))
+            .name(format!("{name}-{}", cx.replica))
             .spawn(move || engine.run(rx))
-            .map_err(|e| BuildError::new(format!("cannot start the mocker thread: {e}")))?;
-        let mocker = Arc::new(Mocker {
+            .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))?;
+        let mocker = Arc::new(Worker {
             commands,
             queued,
-            max_queued: config.max_queued_requests as usize,
-            vocab,
+            settings: config,
             next_id: AtomicU64::new(1),
             gauges,
             agent,
-            config: config.clone(),
+            import,
             node: cx.node.clone(),
             worker_id,
         });
@@ -365,64 +252,87 @@ impl Mocker {
         Ok(mocker)
     }
 
-    /// Queue a request; its tokens arrive on the returned channel. `role`: aggregated, or
-    /// decode with the prompt's KV imported from a prefill worker.
+    /// Queue a request; its tokens arrive on the returned channel. `kv`: the prompt's KV
+    /// imported from a prefill worker (decode role), or none (aggregated).
     pub fn submit(
         &self,
         req: &PreprocessedRequest,
-        role: SeqRole,
-    ) -> Result<mpsc::Receiver<Generated>, OpError> {
-        self.enqueue(req, role, None)
+        kv: Option<ImportedKv>,
+    ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
+        match kv {
+            Some(kv) => self.enqueue(
+                req,
+                SeqRole::Imported {
+                    first_token: kv.first_token,
+                },
+                Some(kv.blocks),
+                None,
+            ),
+            None => self.enqueue(req, SeqRole::Full, None, None),
+        }
     }
 
-    /// Receive the KV a prefill worker computed for `req`: the modelled transfer time passes
-    /// first and then the simulated blocks are pulled through the transfer agent, so a
+    /// Receive the KV a prefill worker computed for `req`: the modelled transfer time (if
+    /// any) passes first and then the blocks are pulled through the transfer agent, so a
     /// prefill worker lost during the transfer fails the pull (as a read from a dead peer
-    /// would). The role to submit with: imported on success; aggregated (prefill here) when
-    /// the transfer failed or does not match the prompt.
-    pub async fn import(&self, req: &PreprocessedRequest, p: &Prefilled) -> SeqRole {
+    /// would). `None` when the transfer failed or does not match the prompt: the request is
+    /// then prefilled here.
+    pub async fn import(&self, req: &PreprocessedRequest, p: &Prefilled) -> Option<ImportedKv> {
         let started = Instant::now();
-        let bs = self.config.block_size as usize;
+        let want = &self.import.format;
         let result = async {
             if p.prompt_tokens as usize != req.token_ids.len()
-                || p.transfer.block_bytes != block_format(bs).block_bytes
+                || p.transfer.block_bytes != want.block_bytes
+                || p.transfer.layout != want.layout
+                || p.transfer.dtype != want.dtype
             {
                 return Err(format!(
-                    "the offer covers {} tokens in blocks of {} bytes; this worker has a {}-token prompt and blocks of {} bytes",
+                    "the offer covers {} tokens in blocks of {} bytes ({}, {}); this worker has a {}-token prompt and blocks of {} bytes ({}, {})",
                     p.prompt_tokens,
                     p.transfer.block_bytes,
+                    p.transfer.layout,
+                    p.transfer.dtype,
                     req.token_ids.len(),
-                    bs * 4
+                    want.block_bytes,
+                    want.layout,
+                    want.dtype,
                 ));
             }
-            tokio::time::sleep(self.config.transfer_time(req.token_ids.len())).await;
+            tokio::time::sleep((self.import.delay)(req.token_ids.len())).await;
             let blocks = self.agent.pull(&p.transfer).await.map_err(|e| e.to_string())?;
-            if blocks != block_payloads(&req.token_ids, bs) {
-                return Err("the pulled blocks do not hold this prompt".into());
+            let bs = self.settings.block_size as usize;
+            if blocks.len() != req.token_ids.len().div_ceil(bs) {
+                return Err(format!(
+                    "{} blocks pulled for a {}-token prompt",
+                    blocks.len(),
+                    req.token_ids.len()
+                ));
             }
-            Ok(())
+            (self.import.verify)(&blocks, &req.token_ids)?;
+            Ok(blocks)
         }
         .await;
         let id = format!("{:x}", self.worker_id);
         let m = &crate::metrics::DISAGG;
         match result {
-            Ok(()) => {
+            Ok(blocks) => {
                 m.transfers
                     .with_label_values(&[self.node.as_str(), &id, "pulled"])
                     .inc();
                 m.transfer_seconds
                     .with_label_values(&[self.node.as_str()])
                     .observe(started.elapsed().as_secs_f64());
-                SeqRole::Imported {
+                Some(ImportedKv {
                     first_token: p.first_token,
-                }
+                    blocks,
+                })
             }
             Err(e) => {
                 m.transfers
                     .with_label_values(&[self.node.as_str(), &id, "failed"])
                     .inc();
                 tracing::warn!(worker_id = %id, prefill_worker = format_args!("{:x}", p.worker_id), error = %e, "KV transfer failed; prefilling locally");
-                SeqRole::Full
+                None
             }
         }
     }
@@ -432,17 +342,38 @@ impl Mocker {
     pub fn submit_prefill(
         &self,
         req: &PreprocessedRequest,
-    ) -> Result<(mpsc::Receiver<Generated>, oneshot::Receiver<OfferResult>), OpError> {
+    ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
         let (otx, orx) = oneshot::channel();
-        Ok((self.enqueue(req, SeqRole::Prefill, Some(otx))?, orx))
+        Ok((self.enqueue(req, SeqRole::Prefill, None, Some(otx))?, orx))
     }
 
     fn enqueue(
         &self,
         req: &PreprocessedRequest,
         role: SeqRole,
+        kv: Option<Vec<Bytes>>,
         offer: Option<oneshot::Sender<OfferResult>>,
-    ) -> Result<mpsc::Receiver<Generated>, OpError> {
+    ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
+        if req.token_ids.is_empty() {
+            return Err(OpError::invalid("the prompt has no tokens"));
+        }
+        if let Some(vocab) = self.settings.vocab_size
+            && let Some(t) = req.token_ids.iter().find(|t| **t >= vocab)
+        {
+            return Err(OpError::invalid(format!(
+                "token id {t} is outside the model's vocabulary ({vocab} tokens)"
+            )));
+        }
+        let blocks = req
+            .token_ids
+            .len()
+            .div_ceil(self.settings.block_size as usize);
+        if blocks > self.settings.num_blocks as usize {
+            return Err(OpError::invalid(format!(
+                "the prompt needs {blocks} KV blocks; this worker has {}",
+                self.settings.num_blocks
+            )));
+        }
         let (tx, rx) = mpsc::channel(64);
         // A migrated request carries the tokens already generated after its prompt; seeding
         // by the original prompt and counting positions from it makes it continue exactly.
@@ -452,30 +383,45 @@ impl Mocker {
         } else {
             prompt_len
         };
-        let seed = req
-            .sampling
-            .seed
-            .unwrap_or_else(|| crate::llm::kv::local_hash(&req.token_ids[..prompt_len]));
+        let seed = req.sampling.seed.unwrap_or_else(|| {
+            if self.settings.seed_from_prompt {
+                crate::llm::kv::local_hash(&req.token_ids[..prompt_len])
+            } else {
+                rand::random()
+            }
+        });
+        let s = &req.sampling;
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
-            seed,
+            stop_tokens: if req.stop.ignore_eos {
+                Vec::new().into()
+            } else {
+                req.stop.eos_token_ids.clone().into()
+            },
+            min_tokens: req.stop.min_tokens,
+            sampling: dyn_gpu::sample::SamplingParams {
+                temperature: s.temperature.unwrap_or(1.0),
+                top_k: s.top_k.unwrap_or(0) as usize,
+                top_p: s.top_p.unwrap_or(1.0),
+                seed,
+            },
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
-            vocab: self.vocab.clone(),
             role,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
+        let max_queued = self.settings.max_queued_requests as usize;
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= max_queued {
             self.queued.fetch_sub(1, Ordering::AcqRel);
             return Err(OpError::unavailable(format!(
-                "the worker is busy: {} requests are already waiting",
-                self.max_queued
+                "the worker is busy: {max_queued} requests are already waiting"
             ))
             .with_code("worker_busy"));
         }
         match self.commands.try_send(Command::Add {
             id,
             spec,
+            kv,
             tx,
             offer,
         }) {
@@ -489,49 +435,6 @@ impl Mocker {
             }
         }
     }
-}
-
-/// The ids the mocker draws output from: tokens that decode to visible text on their own (no
-/// special, control or partial-character tokens), so simulated answers read as words and
-/// never contain eos. Falls back to every id when a tokenizer has none.
-fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
-    let ids: Vec<u32> = (0..model.vocab_size)
-        .filter(|&id| {
-            model.tokenizer.decode(&[id], true).is_ok_and(|s| {
-                !s.trim().is_empty() && s.chars().all(|c| c != '\u{FFFD}' && !c.is_control())
-            })
-        })
-        .collect();
-    if ids.is_empty() {
-        (0..model.vocab_size).collect()
-    } else {
-        ids.into()
-    }
-}
-
-/// How the mocker lays out a simulated KV block: the block's token ids, little-endian `u32`,
-/// padded with `u32::MAX`. Small, and checkable by the decode worker against its prompt.
-pub fn block_format(block_size: usize) -> BlockFormat {
-    BlockFormat {
-        block_bytes: (block_size * 4) as u32,
-        layout: "token_ids".into(),
-        dtype: "u32le".into(),
-    }
-}
-
-/// The simulated KV blocks of `tokens` (see [`block_format`]).
-pub fn block_payloads(tokens: &[u32], block_size: usize) -> Vec<Bytes> {
-    tokens
-        .chunks(block_size.max(1))
-        .map(|chunk| {
-            let mut b = BytesMut::with_capacity(block_size * 4);
-            for t in chunk {
-                b.put_u32_le(*t);
-            }
-            b.resize(block_size * 4, 0xff);
-            b.freeze()
-        })
-        .collect()
 }
 
 /// Sent back to the engine when an offer ends (pulled, expired or dropped).
@@ -561,8 +464,11 @@ struct Engine {
     received_unadmitted: usize,
     sched: Scheduler,
     outboxes: HashMap<SeqId, Outbox>,
-    timing: Timing,
-    speedup: f64,
+    exec: Box<dyn Executor>,
+    /// KV pulled for sequences not yet admitted.
+    imports: HashMap<SeqId, Vec<Bytes>>,
+    /// How exported blocks are described to the transfer agent.
+    format: BlockFormat,
     worker_id: u64,
     event_id: u64,
     kv_subject: String,
@@ -575,14 +481,11 @@ struct Engine {
 /// Load metrics are published when they change, at most this often (and always on idle).
 const LOAD_INTERVAL: Duration = Duration::from_millis(50);
 
-/// Below this a simulated step is not slept (the OS would oversleep it anyway).
-const MIN_SLEEP: Duration = Duration::from_micros(50);
-
 impl Engine {
     fn run(mut self, rx: std_mpsc::Receiver<Command>) {
         tracing::debug!(
             worker_id = format_args!("{:x}", self.worker_id),
-            "Mocker engine started"
+            "Engine started"
         );
         // Routers and `dyn inspect` see the worker's capacity before its first request.
         self.publish();
@@ -605,26 +508,28 @@ impl Engine {
             while let Ok(cmd) = rx.try_recv() {
                 self.command(cmd);
             }
-            let started = Instant::now();
             self.reap_cancelled();
             self.unpin();
-            let mut out = self.sched.step();
-            let busy = out.prefill_tokens > 0 || out.decode_seqs > 0;
-            let simulated = if busy {
-                let ms = self
-                    .timing
-                    .step(out.prefill_tokens, out.decode_seqs, out.context_tokens);
-                Duration::from_secs_f64(ms / 1000.0 / self.speedup)
-            } else {
-                // Nothing could run (waiting for blocks, or only undelivered output).
-                Duration::from_millis(1)
+            let (exec, imports) = (&mut self.exec, &mut self.imports);
+            let stepped = self.sched.step(|work| {
+                for w in work.iter().filter(|w| w.import) {
+                    if let Some(data) = imports.remove(&w.id) {
+                        exec.import(w.blocks, data)?;
+                    }
+                }
+                exec.execute(work)
+            });
+            let mut out = match stepped {
+                Ok(out) => out,
+                Err((e, ids)) => {
+                    self.fail(&e, &ids);
+                    continue;
+                }
             };
-            let left = simulated.saturating_sub(started.elapsed());
-            if left >= MIN_SLEEP {
-                std::thread::sleep(left);
+            if out.prefill_tokens == 0 && out.decode_seqs == 0 && out.tokens.is_empty() {
+                // Nothing could run (waiting for blocks, or only undelivered output).
+                std::thread::sleep(Duration::from_millis(1));
             }
-            // A step's tokens exist once its compute is done, as in a real engine: delivering
-            // them before the simulated time would hide the prefill from TTFT.
             for (id, token, finish) in out.tokens {
                 if let Some(o) = self.outboxes.get_mut(&id) {
                     o.pending.push(token);
@@ -640,7 +545,7 @@ impl Engine {
         }
         tracing::debug!(
             worker_id = format_args!("{:x}", self.worker_id),
-            "Mocker engine stopped"
+            "Engine stopped"
         );
     }
 
@@ -649,6 +554,7 @@ impl Engine {
             Command::Add {
                 id,
                 spec,
+                kv,
                 tx,
                 offer,
             } => {
@@ -656,6 +562,9 @@ impl Engine {
                 // it unadmitted, and is released in `account`.
                 self.received_unadmitted += 1;
                 self.sched.add(id, spec);
+                if let Some(kv) = kv {
+                    self.imports.insert(id, kv);
+                }
                 self.outboxes.insert(
                     id,
                     Outbox {
@@ -689,15 +598,22 @@ impl Engine {
                 return;
             }
         };
-        let bs = self.sched.block_size();
+        let payloads = match self.exec.export(&blocks, tokens) {
+            Ok(p) => p,
+            Err(e) => {
+                self.release(&blocks);
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
         let hold = Unpin {
             tx: self.unpin_tx.clone(),
             id,
         };
         match self.agent.offer_held(
             blocks.clone(),
-            block_payloads(tokens, bs),
-            block_format(bs),
+            payloads,
+            self.format.clone(),
             self.pin_ttl,
             Some(Box::new(hold)),
         ) {
@@ -746,6 +662,24 @@ impl Engine {
         self.received_unadmitted = now;
     }
 
+    /// A step failed (a backend error): end the requests it held with the error.
+    fn fail(&mut self, e: &str, ids: &[SeqId]) {
+        tracing::error!(
+            worker_id = format_args!("{:x}", self.worker_id),
+            error = %e,
+            requests = ids.len(),
+            "Engine step failed; ending its requests"
+        );
+        for id in ids {
+            self.sched.remove(*id);
+            self.imports.remove(id);
+            if let Some(o) = self.outboxes.remove(id) {
+                let _ =
+                    o.tx.try_send(Err(OpError::internal(format!("the engine failed: {e}"))));
+            }
+        }
+    }
+
     /// Requests whose consumer went away: free their blocks.
     fn reap_cancelled(&mut self) {
         let gone: Vec<SeqId> = self
@@ -756,6 +690,7 @@ impl Engine {
             .collect();
         for id in gone {
             self.outboxes.remove(&id);
+            self.imports.remove(&id);
             if self.sched.remove(id) {
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
@@ -860,10 +795,10 @@ mod tests {
     use dyn_pipeline::planes::Planes;
     use futures::StreamExt;
 
-    async fn run(m: &Mocker, req: &PreprocessedRequest) -> Vec<u32> {
-        let mut rx = m.submit(req, SeqRole::Full).expect("submitted");
+    async fn run(m: &Worker, req: &PreprocessedRequest) -> Vec<u32> {
+        let mut rx = m.submit(req, None).expect("submitted");
         let mut out = Vec::new();
-        while let Some(Generated::Tokens { ids, finish }) = rx.recv().await {
+        while let Some(Ok(Generated::Tokens { ids, finish })) = rx.recv().await {
             out.extend(ids);
             if finish.is_some() {
                 break;
@@ -886,12 +821,12 @@ mod tests {
             .await
             .expect("sub");
         // Two blocks of 16: a 40-token prompt fills two and the answer fills more.
-        let config = MockerConfig {
+        let config = mocker::MockerConfig {
             num_blocks: 4,
             speedup: 1000.0,
-            ..MockerConfig::default()
+            ..mocker::MockerConfig::default()
         };
-        let m = Mocker::start(&config, &crate::testing::cx("decode", 0xabc, &[], &planes))
+        let m = mocker::start(&config, &crate::testing::cx("decode", 0xabc, &[], &planes))
             .await
             .expect("starts");
         let a = run(&m, &crate::testing::preprocessed((0..40).collect(), 10)).await;

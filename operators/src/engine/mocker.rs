@@ -1,0 +1,318 @@
+//! The `mocker` engine: a simulated vLLM-style engine for routing, scale and framework tests
+//! without GPUs.
+//!
+//! It runs on the shared engine loop and scheduler ([`super`]); its executor computes
+//! nothing: it sleeps for the step's simulated duration ([`Timing`], divided by `speedup`)
+//! and answers with tokens that are a pure function of the request's seed and position
+//! (drawn from tokens that decode to visible text), so tests can predict them and
+//! preemption, batching and migration do not change them. Its simulated KV blocks hold the
+//! block's token ids, which really move through the transfer agent in disaggregated serving.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use dyn_gpu::transfer::BlockFormat;
+use dyn_pipeline::{BuildCx, BuildError, Invalid};
+use serde::Deserialize;
+
+use super::pool::BlockId;
+use super::scheduler::{Work, token_at};
+use super::{Executor, ImportCheck, Settings, Worker};
+use crate::llm::model::ModelDir;
+
+/// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker serving
+/// an 8B model on one large GPU.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockerConfig {
+    #[serde(default = "d_num_blocks")]
+    pub num_blocks: u32,
+    #[serde(default = "d_block_size")]
+    pub block_size: u32,
+    #[serde(default = "d_max_num_seqs")]
+    pub max_num_seqs: u32,
+    #[serde(default = "d_max_num_batched_tokens")]
+    pub max_num_batched_tokens: u32,
+    /// Simulated time is divided by this; large values make the framework the bottleneck.
+    #[serde(default = "d_speedup")]
+    pub speedup: f64,
+    /// Requests that may wait to start before new ones are refused with 503 (load shedding).
+    #[serde(default = "d_queue")]
+    pub max_queued_requests: u32,
+    #[serde(default)]
+    pub timing: Timing,
+    /// Disaggregation: bytes of KV one token takes (the default is Llama-3-8B in bf16: 32
+    /// layers × K and V × 8 KV heads × 128 dims × 2 bytes). The simulated blocks that really
+    /// move are much smaller; this sizes the transfer the timing model charges.
+    #[serde(default = "d_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+    /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
+    #[serde(default = "d_transfer_gbps")]
+    pub transfer_gbps: f64,
+    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
+    #[serde(default = "d_pin_ttl_s")]
+    pub pin_ttl_s: f64,
+}
+
+fn d_kv_bytes_per_token() -> u64 {
+    32 * 2 * 8 * 128 * 2
+}
+fn d_transfer_gbps() -> f64 {
+    25.0
+}
+fn d_pin_ttl_s() -> f64 {
+    30.0
+}
+
+fn d_num_blocks() -> u32 {
+    16384
+}
+fn d_block_size() -> u32 {
+    16
+}
+fn d_max_num_seqs() -> u32 {
+    256
+}
+fn d_max_num_batched_tokens() -> u32 {
+    8192
+}
+fn d_speedup() -> f64 {
+    1.0
+}
+fn d_queue() -> u32 {
+    4096
+}
+
+/// The timing model, in milliseconds: a step costs `step_ms`, plus `prefill_ms_per_token` per
+/// prompt token computed, plus `decode_ms_per_seq` per decoding sequence, plus
+/// `ms_per_1k_context` per thousand tokens of context the batch attends over.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timing {
+    pub step_ms: f64,
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_seq: f64,
+    pub ms_per_1k_context: f64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            step_ms: 5.0,
+            prefill_ms_per_token: 0.02,
+            decode_ms_per_seq: 0.05,
+            ms_per_1k_context: 0.02,
+        }
+    }
+}
+
+impl Timing {
+    pub fn step(&self, prefill_tokens: usize, decode_seqs: usize, context: usize) -> f64 {
+        self.step_ms
+            + self.prefill_ms_per_token * prefill_tokens as f64
+            + self.decode_ms_per_seq * decode_seqs as f64
+            + self.ms_per_1k_context * context as f64 / 1000.0
+    }
+}
+
+impl Default for MockerConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: d_num_blocks(),
+            block_size: d_block_size(),
+            max_num_seqs: d_max_num_seqs(),
+            max_num_batched_tokens: d_max_num_batched_tokens(),
+            speedup: d_speedup(),
+            max_queued_requests: d_queue(),
+            timing: Timing::default(),
+            kv_bytes_per_token: d_kv_bytes_per_token(),
+            transfer_gbps: d_transfer_gbps(),
+            pin_ttl_s: d_pin_ttl_s(),
+        }
+    }
+}
+
+impl MockerConfig {
+    pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        let mut positive = |name: &str, v: u32| {
+            if v == 0 {
+                out.push(Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be at least 1",
+                ));
+            }
+        };
+        positive("num_blocks", self.num_blocks);
+        positive("block_size", self.block_size);
+        positive("max_num_seqs", self.max_num_seqs);
+        positive("max_num_batched_tokens", self.max_num_batched_tokens);
+        positive("max_queued_requests", self.max_queued_requests);
+        for (name, v) in [
+            ("speedup", self.speedup),
+            ("transfer_gbps", self.transfer_gbps),
+            ("pin_ttl_s", self.pin_ttl_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                out.push(Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be a positive number",
+                ));
+            }
+        }
+        let t = &self.timing;
+        if [
+            t.step_ms,
+            t.prefill_ms_per_token,
+            t.decode_ms_per_seq,
+            t.ms_per_1k_context,
+        ]
+        .iter()
+        .any(|v| !(v.is_finite() && *v >= 0.0))
+        {
+            out.push(Invalid::field(
+                format!("{prefix}timing"),
+                "times must be zero or positive",
+            ));
+        }
+        out
+    }
+
+    /// Simulated time to move the KV of `tokens` tokens from a prefill worker.
+    pub fn transfer_time(&self, tokens: usize) -> Duration {
+        let secs = tokens as f64 * self.kv_bytes_per_token as f64 / (self.transfer_gbps * 1e9);
+        Duration::from_secs_f64(secs / self.speedup)
+    }
+}
+
+/// The ids the mocker draws output from: tokens that decode to visible text on their own (no
+/// special, control or partial-character tokens), so simulated answers read as words and
+/// never contain eos. Falls back to every id when a tokenizer has none.
+fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
+    let ids: Vec<u32> = (0..model.vocab_size)
+        .filter(|&id| {
+            model.tokenizer.decode(&[id], true).is_ok_and(|s| {
+                !s.trim().is_empty() && s.chars().all(|c| c != '\u{FFFD}' && !c.is_control())
+            })
+        })
+        .collect();
+    if ids.is_empty() {
+        (0..model.vocab_size).collect()
+    } else {
+        ids.into()
+    }
+}
+
+/// How the mocker lays out a simulated KV block: the block's token ids, little-endian `u32`,
+/// padded with `u32::MAX`. Small, and checkable by the decode worker against its prompt.
+pub fn block_format(block_size: usize) -> BlockFormat {
+    BlockFormat {
+        block_bytes: (block_size * 4) as u32,
+        layout: "token_ids".into(),
+        dtype: "u32le".into(),
+    }
+}
+
+/// The simulated KV blocks of `tokens` (see [`block_format`]).
+pub fn block_payloads(tokens: &[u32], block_size: usize) -> Vec<Bytes> {
+    tokens
+        .chunks(block_size.max(1))
+        .map(|chunk| {
+            let mut b = BytesMut::with_capacity(block_size * 4);
+            for t in chunk {
+                b.put_u32_le(*t);
+            }
+            b.resize(block_size * 4, 0xff);
+            b.freeze()
+        })
+        .collect()
+}
+
+/// Below this a simulated step is not slept (the OS would oversleep it anyway).
+const MIN_SLEEP: Duration = Duration::from_micros(50);
+
+/// Start a mocker worker.
+pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+    let model = ModelDir::shared(cx).await?;
+    // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
+    let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
+        .await
+        .map_err(|e| BuildError::new(format!("vocabulary scan failed: {e}")))?;
+    let bs = config.block_size as usize;
+    let exec = MockerExec {
+        vocab,
+        timing: config.timing.clone(),
+        speedup: config.speedup,
+        block_size: bs,
+    };
+    let c = config.clone();
+    let import = ImportCheck {
+        format: block_format(bs),
+        delay: Box::new(move |tokens| c.transfer_time(tokens)),
+        verify: Box::new(move |blocks, tokens| {
+            if blocks == block_payloads(tokens, bs).as_slice() {
+                Ok(())
+            } else {
+                Err("the pulled blocks do not hold this prompt".into())
+            }
+        }),
+    };
+    let settings = Settings {
+        num_blocks: config.num_blocks,
+        block_size: config.block_size,
+        max_num_seqs: config.max_num_seqs,
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_queued_requests: config.max_queued_requests,
+        pin_ttl_s: config.pin_ttl_s,
+        vocab_size: None,
+        seed_from_prompt: true,
+    };
+    Worker::start(settings, import, Box::new(exec), cx, "mocker").await
+}
+
+struct MockerExec {
+    vocab: Arc<[u32]>,
+    timing: Timing,
+    speedup: f64,
+    block_size: usize,
+}
+
+impl Executor for MockerExec {
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, String> {
+        let started = Instant::now();
+        let (mut prefill, mut decode, mut context) = (0, 0, 0);
+        for w in work {
+            if w.len == 1 && w.generated > 0 {
+                decode += 1;
+            } else {
+                prefill += w.len;
+            }
+            context += w.start + w.len;
+        }
+        if prefill + decode > 0 {
+            let ms = self.timing.step(prefill, decode, context);
+            let left = Duration::from_secs_f64(ms / 1000.0 / self.speedup)
+                .saturating_sub(started.elapsed());
+            // A step's tokens exist once its compute is done, as in a real engine: delivering
+            // them before the simulated time would hide the prefill from TTFT.
+            if left >= MIN_SLEEP {
+                std::thread::sleep(left);
+            }
+        }
+        Ok(work
+            .iter()
+            .filter(|w| w.sample)
+            .map(|w| token_at(w.spec, &self.vocab, w.spec.offset + w.generated))
+            .collect())
+    }
+
+    fn export(&mut self, _blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, String> {
+        Ok(block_payloads(tokens, self.block_size))
+    }
+
+    fn import(&mut self, _blocks: &[BlockId], _data: Vec<Bytes>) -> Result<(), String> {
+        // Checked against the prompt when pulled; nothing to store.
+        Ok(())
+    }
+}

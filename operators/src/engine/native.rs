@@ -1,0 +1,301 @@
+//! The `native` engine: a Llama-family model (llama, qwen2, mistral checkpoints in
+//! safetensors) computed by this project's own backends in `dyn-gpu` — CPU everywhere, CUDA
+//! where built with the `cuda` feature and a GPU is present.
+//!
+//! It runs on the shared engine loop and scheduler ([`super`]): the scheduler's blocks *are*
+//! the backend's KV-cache blocks, so the KV events routers index describe real cached KV,
+//! prefix-cache hits skip real compute, and a prefill worker's blocks are the bytes the
+//! transfer agent moves. The executor turns each planned step into one batched forward pass
+//! and samples with each request's parameters, seeded per position (see
+//! [`dyn_gpu::sample`]), so output does not depend on batching or preemption.
+//!
+//! ```yaml
+//! decode:
+//!   kind: decode
+//!   inputs: [route]
+//!   config: {engine: native, native: {device: auto, dtype: auto, num_blocks: 1024}}
+//! ```
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dyn_gpu::backend::{Backend, KvShape, SeqStep};
+use dyn_gpu::model::{DType, ModelConfig, ModelWeights};
+use dyn_gpu::transfer::BlockFormat;
+use dyn_pipeline::{BuildCx, BuildError, Invalid};
+use serde::Deserialize;
+
+use super::pool::BlockId;
+use super::scheduler::Work;
+use super::{Executor, ImportCheck, Settings, Worker};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA when this build has it and a GPU answers; otherwise CPU, with a warning.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// The element type weights are kept in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeChoice {
+    /// The checkpoint's own (`torch_dtype`), f32 when it does not say.
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+/// `config.native` of `decode` / `prefill` with `engine: native`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NativeConfig {
+    /// Checkpoint directory (config.json and safetensors), relative to the graph file;
+    /// the graph's `model.path` when absent.
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub device: DeviceChoice,
+    #[serde(default)]
+    pub dtype: DtypeChoice,
+    /// CUDA device ordinal.
+    #[serde(default)]
+    pub gpu: usize,
+    #[serde(default = "d_num_blocks")]
+    pub num_blocks: u32,
+    #[serde(default = "d_block_size")]
+    pub block_size: u32,
+    #[serde(default = "d_max_num_seqs")]
+    pub max_num_seqs: u32,
+    #[serde(default = "d_max_num_batched_tokens")]
+    pub max_num_batched_tokens: u32,
+    #[serde(default = "d_queue")]
+    pub max_queued_requests: u32,
+    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
+    #[serde(default = "d_pin_ttl_s")]
+    pub pin_ttl_s: f64,
+}
+
+fn d_num_blocks() -> u32 {
+    1024
+}
+fn d_block_size() -> u32 {
+    16
+}
+fn d_max_num_seqs() -> u32 {
+    64
+}
+fn d_max_num_batched_tokens() -> u32 {
+    2048
+}
+fn d_queue() -> u32 {
+    1024
+}
+fn d_pin_ttl_s() -> f64 {
+    30.0
+}
+
+impl Default for NativeConfig {
+    fn default() -> Self {
+        NativeConfig {
+            model: None,
+            device: DeviceChoice::Auto,
+            dtype: DtypeChoice::Auto,
+            gpu: 0,
+            num_blocks: d_num_blocks(),
+            block_size: d_block_size(),
+            max_num_seqs: d_max_num_seqs(),
+            max_num_batched_tokens: d_max_num_batched_tokens(),
+            max_queued_requests: d_queue(),
+            pin_ttl_s: d_pin_ttl_s(),
+        }
+    }
+}
+
+impl NativeConfig {
+    pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        for (name, v) in [
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_queued_requests", self.max_queued_requests),
+        ] {
+            if v == 0 {
+                out.push(Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be at least 1",
+                ));
+            }
+        }
+        if !(self.pin_ttl_s.is_finite() && self.pin_ttl_s > 0.0) {
+            out.push(Invalid::field(
+                format!("{prefix}pin_ttl_s"),
+                "must be a positive number",
+            ));
+        }
+        if self.device == DeviceChoice::Cuda && !dyn_gpu::cuda_compiled() {
+            out.push(Invalid::field(
+                format!("{prefix}device"),
+                "`cuda` needs a dyn built with `--features cuda` (or use `auto`)",
+            ));
+        }
+        out
+    }
+
+    fn model_dir(&self, cx: &BuildCx) -> Result<PathBuf, BuildError> {
+        match (&self.model, &cx.model) {
+            (Some(p), _) => Ok(cx.base_dir.join(p)),
+            (None, Some(m)) => Ok(cx.base_dir.join(&m.path)),
+            (None, None) => Err(BuildError::new(
+                "engine native needs a model: set `native.model` or the graph's `model.path`",
+            )),
+        }
+    }
+}
+
+/// Load the model (on the blocking pool: it reads and converts every weight) and start a
+/// worker on it.
+pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+    let dir = config.model_dir(cx)?;
+    let c = config.clone();
+    let backend = tokio::task::spawn_blocking(move || load(&c, &dir))
+        .await
+        .map_err(|e| BuildError::new(format!("model loading task failed: {e}")))??;
+    tracing::info!(node = %cx.node, backend = %backend.describe(), "Native engine loaded");
+    let format = BlockFormat {
+        block_bytes: u32::try_from(backend.block_bytes())
+            .map_err(|_| BuildError::new("a KV block is over 4 GiB: lower block_size"))?,
+        layout: "layer,kv,head,slot,dim".into(),
+        dtype: backend.kv_dtype().name().into(),
+    };
+    let settings = Settings {
+        num_blocks: config.num_blocks,
+        block_size: config.block_size,
+        max_num_seqs: config.max_num_seqs,
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_queued_requests: config.max_queued_requests,
+        pin_ttl_s: config.pin_ttl_s,
+        vocab_size: u32::try_from(backend.config().vocab).ok(),
+        seed_from_prompt: false,
+    };
+    let import = ImportCheck {
+        format,
+        delay: Box::new(|_| Duration::ZERO),
+        // Sizes, layout and dtype are checked against the offer; the bytes are KV.
+        verify: Box::new(|_, _| Ok(())),
+    };
+    let exec = NativeExec { backend };
+    Worker::start(settings, import, Box::new(exec), cx, "native").await
+}
+
+fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, BuildError> {
+    let shape = ModelConfig::load(dir).map_err(|e| BuildError::new(e.to_string()))?;
+    let dtype = match c.dtype {
+        DtypeChoice::F32 => DType::F32,
+        DtypeChoice::F16 => DType::F16,
+        DtypeChoice::Bf16 => DType::Bf16,
+        DtypeChoice::Auto => shape
+            .torch_dtype
+            .as_deref()
+            .and_then(DType::from_torch)
+            .unwrap_or(DType::F32),
+    };
+    let weights = ModelWeights::load(dir, dtype)
+        .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?;
+    let kv = KvShape {
+        num_blocks: c.num_blocks as usize,
+        block_size: c.block_size as usize,
+    };
+    let cpu = |weights| -> Result<Box<dyn Backend>, BuildError> {
+        Ok(Box::new(
+            dyn_gpu::cpu::CpuBackend::new(weights, kv)
+                .map_err(|e| BuildError::new(e.to_string()))?,
+        ))
+    };
+    match c.device {
+        DeviceChoice::Cpu => cpu(weights),
+        DeviceChoice::Cuda => cuda(weights, kv, c.gpu).map_err(BuildError::new),
+        DeviceChoice::Auto => {
+            if !dyn_gpu::cuda_compiled() {
+                return cpu(weights);
+            }
+            match cuda(weights.clone(), kv, c.gpu) {
+                Ok(b) => Ok(b),
+                Err(e) => {
+                    tracing::warn!(error = %e, "No usable CUDA device; the native engine runs on CPU");
+                    cpu(weights)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(weights: ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
+    dyn_gpu::cuda::CudaBackend::new(weights, kv, ordinal)
+        .map(|b| Box::new(b) as Box<dyn Backend>)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: ModelWeights, _: KvShape, _: usize) -> Result<Box<dyn Backend>, String> {
+    Err("this dyn was built without the `cuda` feature".into())
+}
+
+struct NativeExec {
+    backend: Box<dyn Backend>,
+}
+
+impl Executor for NativeExec {
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, String> {
+        let batch: Vec<SeqStep<'_>> = work
+            .iter()
+            .filter(|w| w.len > 0)
+            .map(|w| SeqStep {
+                tokens: &w.tokens[w.start..w.start + w.len],
+                start: w.start,
+                blocks: w.blocks,
+                logits: w.sample,
+            })
+            .collect();
+        let logits = self.backend.forward(&batch).map_err(|e| e.to_string())?;
+        // Logits come in batch order for the sampling entries, which all have new tokens.
+        Ok(work
+            .iter()
+            .filter(|w| w.sample)
+            .zip(&logits)
+            .map(|(w, l)| dyn_gpu::sample::sample(l, &w.spec.sampling, w.tokens.len() as u64))
+            .collect())
+    }
+
+    fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, String> {
+        blocks
+            .iter()
+            .map(|b| {
+                self.backend
+                    .export_block(*b)
+                    .map(Bytes::from)
+                    .map_err(|e| e.to_string())
+            })
+            .collect()
+    }
+
+    fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), String> {
+        for (b, d) in blocks.iter().zip(&data) {
+            self.backend
+                .import_block(*b, d)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}

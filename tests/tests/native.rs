@@ -1,0 +1,143 @@
+//! The native engine behind the real `dyn` binary and HTTP (`graphs/agg_native.yaml`):
+//! greedy completions of the tiny random-weight Llama equal Hugging Face transformers'
+//! reference tokens whether requests run alone or batched, a repeated prompt is served from
+//! the prefix cache with the same answer, seeded sampling repeats, and bad input is a 400.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use dyn_tests::{Graph, metric, root};
+use serde_json::{Value, json};
+
+struct Case {
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn reference() -> Vec<Case> {
+    let text = std::fs::read_to_string(root().join("models/tiny/reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ids = |x: &Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            prompt: ids(&c["prompt"]),
+            greedy: ids(&c["greedy"]),
+        })
+        .collect()
+}
+
+async fn complete(url: &str, body: Value) -> Value {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+fn greedy_body(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+           "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_equals_transformers_alone_batched_and_from_the_prefix_cache() {
+    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = g.url("");
+    let tok = tokenizers::Tokenizer::from_file(root().join("models/tiny/tokenizer.json")).unwrap();
+    let cases = reference();
+    let want: Vec<String> = cases
+        .iter()
+        .map(|c| tok.decode(&c.greedy, true).unwrap())
+        .collect();
+
+    // Alone, one after another.
+    for (c, w) in cases.iter().zip(&want) {
+        let v = complete(&url, greedy_body(&c.prompt, c.greedy.len())).await;
+        assert_eq!(v["choices"][0]["text"], w.as_str(), "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], c.greedy.len());
+        assert_eq!(v["usage"]["prompt_tokens"], c.prompt.len());
+    }
+    // All at once, three times over: batched together (and by now from the prefix cache).
+    let tasks: Vec<_> = (0..3)
+        .flat_map(|_| cases.iter())
+        .map(|c| {
+            let (url, body) = (url.clone(), greedy_body(&c.prompt, c.greedy.len()));
+            tokio::spawn(async move { complete(&url, body).await })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let v = t.await.unwrap();
+        assert_eq!(
+            v["choices"][0]["text"],
+            want[i % cases.len()].as_str(),
+            "{v}"
+        );
+    }
+    let m = g.get("/metrics");
+    let hits = metric(&m, &["dyn_worker_prefix_cache_hit_blocks_total"]);
+    assert!(hits > 0, "repeated prompts hit the prefix cache:\n{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_is_seeded_and_bad_input_is_refused() {
+    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = g.url("");
+    let case = &reference()[1];
+    let sampled = |seed: u64| {
+        json!({"model": "tiny", "prompt": case.prompt, "max_tokens": 12, "ignore_eos": true,
+               "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": seed})
+    };
+    let a = complete(&url, sampled(7)).await;
+    let b = complete(&url, sampled(7)).await;
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let runs = [8, 9, 10, 11].map(|seed| complete(&url, sampled(seed)));
+    let texts: std::collections::BTreeSet<String> = futures::future::join_all(runs)
+        .await
+        .iter()
+        .map(|v| v["choices"][0]["text"].to_string())
+        .collect();
+    assert!(
+        texts.len() > 1,
+        "different seeds, different samples: {texts:?}"
+    );
+    // top_k 1 is greedy.
+    let k1 = complete(
+        &url,
+        json!({"model": "tiny", "prompt": case.prompt, "max_tokens": 12, "ignore_eos": true,
+               "temperature": 1.0, "top_k": 1}),
+    )
+    .await;
+    let greedy = complete(&url, greedy_body(&case.prompt, 12)).await;
+    assert_eq!(k1["choices"][0]["text"], greedy["choices"][0]["text"]);
+
+    for (body, param) in [
+        (
+            json!({"model": "tiny", "prompt": [1, 100000], "max_tokens": 4}),
+            "prompt",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "top_k": -5}),
+            "top_k",
+        ),
+    ] {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}
