@@ -45,6 +45,9 @@ impl Linear {
 
     /// `y[m×out] = x[m×inp] · Wᵀ (+ b)`; `scratch` holds `m × out` floats between calls.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
+        if m <= DOT_ROWS {
+            return self.forward_dots(x, m, y);
+        }
         let (out, inp, tile) = (self.out, self.inp, self.tile);
         debug_assert_eq!(x.len(), m * inp);
         debug_assert_eq!(y.len(), m * out);
@@ -68,7 +71,7 @@ impl Linear {
                         let w = &w[o0 * inp..(o0 + n) * inp];
                         matmul(m, n, inp, dst, ds, false, x, a, w, Strides::cols(inp));
                     }
-                    Host::Bf16(w) => widened(&w[o0 * inp..(o0 + n) * inp], bf16::to_f32, |wt| {
+                    Host::Bf16(w) => widened(&w[o0 * inp..(o0 + n) * inp], bf16_to_f32, |wt| {
                         matmul(m, n, inp, dst, ds, false, x, a, wt, Strides::cols(inp))
                     }),
                     Host::F16(w) => widened(&w[o0 * inp..(o0 + n) * inp], f16::to_f32, |wt| {
@@ -91,8 +94,89 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// Few rows (decode): every output is a dot product of a weight row with each input row,
+    /// streaming W once at memory speed with no widening copy. Threads take large contiguous
+    /// runs of W's rows, so the per-task cost is paid a few times per matrix, not per tile.
+    fn forward_dots(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        let (out, inp) = (self.out, self.inp);
+        let run = out.div_ceil(4 * rayon::current_num_threads().max(1)).max(16);
+        // `yt` is `[out, m]`: a run of rows owns a contiguous slice of it.
+        let mut yt = vec![0.0f32; out * m];
+        yt.par_chunks_mut(run * m).enumerate().for_each(|(r, dst)| {
+            let (o0, rows) = (r * run, dst.len() / m);
+            let w = o0 * inp..(o0 + rows) * inp;
+            let mut dots = vec![0.0f32; rows];
+            for i in 0..m {
+                let xi = &x[i * inp..(i + 1) * inp];
+                match &self.w {
+                    Host::F32(v) => dots_f32(xi, &v[w.clone()], &mut dots),
+                    Host::Bf16(v) => dots_bf16(xi, &v[w.clone()], &mut dots),
+                    Host::F16(v) => dots_f16(xi, &v[w.clone()], &mut dots),
+                }
+                for (j, d) in dots.iter().enumerate() {
+                    let b = self.bias.as_ref().map_or(0.0, |b| b[o0 + j]);
+                    dst[j * m + i] = d + b;
+                }
+            }
+        });
+        for (o, col) in yt.chunks(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                y[i * out + o] = *v;
+            }
+        }
+    }
+}
+
+/// Up to this many input rows take the dot-product path.
+const DOT_ROWS: usize = 4;
+
+/// `out[r] = x · w[r]` for each row `r` of `w`, compiled for AVX-512, AVX2 and NEON and
+/// chosen at run time (once per run of rows: dispatching per row costs more than the row).
+/// Sixteen independent accumulators fill the vector registers and let the compiler
+/// vectorize without reassociating one float sum.
+macro_rules! dot_kernel {
+    ($name:ident, $t:ty, $widen:expr) => {
+        #[multiversion::multiversion(targets(
+            "x86_64+avx512f+avx512bw",
+            "x86_64+avx2+fma",
+            "aarch64+neon"
+        ))]
+        fn $name(x: &[f32], w: &[$t], out: &mut [f32]) {
+            let k = x.len();
+            for (row, o) in w.chunks_exact(k).zip(out.iter_mut()) {
+                let mut acc = [0.0f32; 16];
+                let (xc, wc) = (x.chunks_exact(16), row.chunks_exact(16));
+                let tail: f32 = xc
+                    .remainder()
+                    .iter()
+                    .zip(wc.remainder())
+                    .map(|(a, b)| a * ($widen)(*b))
+                    .sum();
+                for (a, b) in xc.zip(wc) {
+                    for j in 0..16 {
+                        acc[j] += a[j] * ($widen)(b[j]);
+                    }
+                }
+                *o = acc.iter().sum::<f32>() + tail;
+            }
+        }
+    };
+}
+
+dot_kernel!(dots_f32, f32, f32::from);
+dot_kernel!(dots_bf16, bf16, bf16_to_f32);
+dot_kernel!(dots_f16, f16, f16::to_f32);
+
+/// bf16 is the top half of an f32: a shift, which vectorizes (unlike a call per element).
+#[inline(always)]
+fn bf16_to_f32(x: bf16) -> f32 {
+    f32::from_bits(u32::from(x.to_bits()) << 16)
+}
+
 /// Run `f` on `w` widened to f32 in this thread's scratch tile.
-fn widened<T: Copy>(w: &[T], widen: fn(T) -> f32, f: impl FnOnce(&[f32])) {
+#[inline(always)]
+fn widened<T: Copy>(w: &[T], widen: impl Fn(T) -> f32, f: impl FnOnce(&[f32])) {
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
         s.clear();

@@ -1,0 +1,118 @@
+//! Decode throughput of the CPU backend against the machine's memory-bandwidth roofline, at
+//! batch 1 and with 16 sequences decoding together, measured in one run.
+//!
+//! ```text
+//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps]
+//! ```
+//! Prints one JSON line: measured read bandwidth (GB/s, all threads), weight bytes per token,
+//! roofline tokens/s (bandwidth ÷ bytes per token), and decode tokens/s at batch 1 and 16.
+
+use std::time::Instant;
+
+use dyn_gpu::backend::{Backend, KvShape, SeqStep};
+use dyn_gpu::cpu::CpuBackend;
+use dyn_gpu::model::{DType, ModelWeights};
+use dyn_gpu::sample::argmax;
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+
+const PROMPT: usize = 32;
+const BLOCK: usize = 16;
+
+/// Best of several multi-threaded passes over a buffer much larger than the caches. The sum
+/// is of integers (wrapping), which the compiler vectorizes freely, so the pass is limited by
+/// memory, not by a chain of float additions.
+fn read_bandwidth() -> f64 {
+    let n = 256 << 20; // 1 GiB of u32
+    let buf: Vec<u32> = (0..n).map(|i| i as u32).collect();
+    let mut best: f64 = 0.0;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: u32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |a, x| a.wrapping_add(*x)))
+            .reduce(|| 0, u32::wrapping_add);
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((n * 4) as f64 / secs / 1e9);
+    }
+    best
+}
+
+/// Decode `steps` tokens for `batch` sequences after a `PROMPT`-token prefill; tokens/s.
+fn decode(b: &mut CpuBackend, batch: usize, steps: usize, bar: &ProgressBar) -> f64 {
+    let per_seq = (PROMPT + steps + 1).div_ceil(BLOCK);
+    let mut seqs: Vec<(Vec<u32>, Vec<u32>)> = (0..batch)
+        .map(|i| {
+            let prompt = (0..PROMPT as u32).map(|t| (t * 31 + i as u32 * 7) % 1000).collect();
+            let blocks = ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect();
+            (prompt, blocks)
+        })
+        .collect();
+    let steps_in: Vec<SeqStep<'_>> = seqs
+        .iter()
+        .map(|(t, bl)| SeqStep { tokens: t, start: 0, blocks: bl, logits: true })
+        .collect();
+    let first: Vec<u32> = b.forward(&steps_in).map(|l| l.iter().map(|x| argmax(x)).collect()).unwrap_or_default();
+    for ((t, _), f) in seqs.iter_mut().zip(first) {
+        t.push(f);
+    }
+    bar.set_length(steps as u64);
+    bar.set_position(0);
+    let started = Instant::now();
+    for _ in 0..steps {
+        let batch: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .map(|(t, bl)| SeqStep { tokens: &t[t.len() - 1..], start: t.len() - 1, blocks: bl, logits: true })
+            .collect();
+        let logits = match b.forward(&batch) {
+            Ok(l) => l,
+            Err(e) => panic!("forward failed: {e}"),
+        };
+        let next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+        for ((t, _), n) in seqs.iter_mut().zip(next) {
+            t.push(n);
+        }
+        bar.inc(1);
+    }
+    (batch * steps) as f64 / started.elapsed().as_secs_f64()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let dir = std::path::PathBuf::from(args.first().ok_or("usage: native_bench MODEL_DIR [f32|bf16] [steps]")?);
+    let dtype = match args.get(1).map_or("f32", String::as_str) {
+        "bf16" => DType::Bf16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    };
+    let steps: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(64);
+    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:>14} {bar:30} {pos}/{len} steps")?);
+    bar.set_message("bandwidth");
+    let gbps = read_bandwidth();
+    bar.set_message("loading");
+    let w = ModelWeights::load(&dir, dtype)?;
+    let bytes = w.bytes_per_token();
+    let params = w.config.parameters();
+    let kv = KvShape { num_blocks: 16 * (PROMPT + steps + 1).div_ceil(BLOCK), block_size: BLOCK };
+    let mut b = CpuBackend::new(w, kv)?;
+    // Warm up (page in the weights, size the buffers).
+    bar.set_message("warm-up");
+    decode(&mut b, 1, 4, &bar);
+    bar.set_message("batch 1");
+    let b1 = decode(&mut b, 1, steps, &bar);
+    bar.set_message("batch 16");
+    let b16 = decode(&mut b, 16, steps, &bar);
+    bar.finish_and_clear();
+    let roofline = gbps * 1e9 / bytes as f64;
+    println!(
+        "{}",
+        serde_json::json!({
+            "backend": b.describe(), "parameters": params, "dtype": dtype.name(),
+            "read_gbps": gbps, "weight_bytes_per_token": bytes, "roofline_tok_s": roofline,
+            "batch1_tok_s": b1, "batch1_of_roofline": b1 / roofline, "batch16_tok_s": b16,
+            "steps": steps, "prompt": PROMPT,
+        })
+    );
+    Ok(())
+}
