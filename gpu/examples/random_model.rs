@@ -40,7 +40,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "tie_word_embeddings": false, "torch_dtype": torch, "bos_token_id": 0, "eos_token_id": 1,
         "hidden_act": "silu"
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     let d = h / heads;
     let mut shapes: Vec<(String, Vec<usize>)> = vec![
         ("model.embed_tokens.weight".into(), vec![vocab, h]),
@@ -79,7 +82,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             (3.0 / shape[1] as f32).sqrt()
         };
-        let vals = (0..n).map(|_| if shape.len() == 1 { 1.0 } else { next() * scale });
+        let vals = (0..n).map(|_| {
+            if shape.len() == 1 {
+                1.0
+            } else {
+                next() * scale
+            }
+        });
         let data: Vec<u8> = match st_dtype {
             Dtype::BF16 => vals.flat_map(|v| bf16::from_f32(v).to_le_bytes()).collect(),
             _ => vals.flat_map(f32::to_le_bytes).collect(),

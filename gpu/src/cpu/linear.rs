@@ -59,13 +59,22 @@ impl Linear {
             scratch.resize(m * out, 0.0);
             &mut scratch[..m * out]
         };
+        // x transposed (`[inp, m]`): gemm then uses it in place instead of packing a copy
+        // for every tile.
+        let mut xt = vec![0.0f32; m * inp];
+        for (i, row) in x.chunks_exact(inp).enumerate() {
+            for (k, v) in row.iter().enumerate() {
+                xt[k * m + i] = *v;
+            }
+        }
+        let x = &xt;
         yt.par_chunks_mut(tile * m)
             .enumerate()
             .for_each(|(t, dst)| {
                 let o0 = t * tile;
                 let n = dst.len() / m;
                 let ds = Strides::cols(m);
-                let a = Strides::rows(inp);
+                let a = Strides::cols(m);
                 match &self.w {
                     Host::F32(w) => {
                         let w = &w[o0 * inp..(o0 + n) * inp];
@@ -100,7 +109,9 @@ impl Linear {
     /// runs of W's rows, so the per-task cost is paid a few times per matrix, not per tile.
     fn forward_dots(&self, x: &[f32], m: usize, y: &mut [f32]) {
         let (out, inp) = (self.out, self.inp);
-        let run = out.div_ceil(4 * rayon::current_num_threads().max(1)).max(16);
+        let run = out
+            .div_ceil(4 * rayon::current_num_threads().max(1))
+            .max(16);
         // `yt` is `[out, m]`: a run of rows owns a contiguous slice of it.
         let mut yt = vec![0.0f32; out * m];
         yt.par_chunks_mut(run * m).enumerate().for_each(|(r, dst)| {

@@ -56,6 +56,9 @@ pub struct CpuBackend {
     v: Vec<Vec<f32>>,
     dtype: DType,
     buf: Buffers,
+    /// The step runs inside this pool: its parallel loops are then forks from a worker that
+    /// stays awake between them, not one wake-up of a sleeping pool per matrix product.
+    pool: std::sync::Arc<rayon::ThreadPool>,
 }
 
 /// Query tokens attended at once (bounds the score matrix for long chunks).
@@ -63,6 +66,20 @@ const QUERY_TILE: usize = 64;
 
 impl CpuBackend {
     pub fn new(w: ModelWeights, kv: KvShape) -> Result<Self, ComputeError> {
+        Self::with_threads(w, kv, 0)
+    }
+
+    /// `threads` 0: one per core.
+    pub fn with_threads(
+        w: ModelWeights,
+        kv: KvShape,
+        threads: usize,
+    ) -> Result<Self, ComputeError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dyn-cpu-{i}"))
+            .build()
+            .map_err(|e| ComputeError::Device(format!("cannot start compute threads: {e}")))?;
         let c = w.config.clone();
         let per_layer = kv
             .num_blocks
@@ -92,50 +109,12 @@ impl CpuBackend {
             cfg: c,
             dtype,
             buf: Buffers::default(),
+            pool: std::sync::Arc::new(pool),
         })
     }
 
-    fn block_floats(&self) -> usize {
-        self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
-    }
-}
-
-fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let h = w.len();
-    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((o, v), g) in o.iter_mut().zip(row).zip(w) {
-            *o = g * (v * r);
-        }
-    }
-}
-
-/// Rotate each head of `row` (heads of `d` dims back to back) by position `pos`, halves style.
-fn rope(row: &mut [f32], d: usize, pos: usize, inv_freq: &[f32]) {
-    let half = d / 2;
-    for head in row.chunks_exact_mut(d) {
-        let (a, b) = head.split_at_mut(half);
-        for ((x1, x2), f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
-            let (sin, cos) = (pos as f32 * f).sin_cos();
-            let (u, v) = (*x1, *x2);
-            *x1 = u * cos - v * sin;
-            *x2 = v * cos + u * sin;
-        }
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-}
-
-impl Backend for CpuBackend {
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
-        check_batch(batch, self.kv, &self.cfg)?;
+    /// One forward pass (on a pool thread).
+    fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
         let c = self.cfg.clone();
         let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
         let (qd, kvd) = (c.heads * d, c.kv_heads * d);
@@ -249,6 +228,51 @@ impl Backend for CpuBackend {
         self.lm_head
             .forward(&normed, rows.len(), &mut logits, &mut b.linear);
         Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn block_floats(&self) -> usize {
+        self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
+    }
+}
+
+fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = w.len();
+    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in o.iter_mut().zip(row).zip(w) {
+            *o = g * (v * r);
+        }
+    }
+}
+
+/// Rotate each head of `row` (heads of `d` dims back to back) by position `pos`, halves style.
+fn rope(row: &mut [f32], d: usize, pos: usize, inv_freq: &[f32]) {
+    let half = d / 2;
+    for head in row.chunks_exact_mut(d) {
+        let (a, b) = head.split_at_mut(half);
+        for ((x1, x2), f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
+            let (sin, cos) = (pos as f32 * f).sin_cos();
+            let (u, v) = (*x1, *x2);
+            *x1 = u * cos - v * sin;
+            *x2 = v * cos + u * sin;
+        }
+    }
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+impl Backend for CpuBackend {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        check_batch(batch, self.kv, &self.cfg)?;
+        let pool = self.pool.clone();
+        pool.install(|| self.step(batch))
     }
 
     fn block_bytes(&self) -> usize {
