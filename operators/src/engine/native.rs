@@ -69,6 +69,9 @@ pub struct NativeConfig {
     /// CUDA device ordinal.
     #[serde(default)]
     pub gpu: usize,
+    /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
+    #[serde(default)]
+    pub threads: usize,
     #[serde(default = "d_num_blocks")]
     pub num_blocks: u32,
     #[serde(default = "d_block_size")]
@@ -110,6 +113,7 @@ impl Default for NativeConfig {
             device: DeviceChoice::Auto,
             dtype: DtypeChoice::Auto,
             gpu: 0,
+            threads: 0,
             num_blocks: d_num_blocks(),
             block_size: d_block_size(),
             max_num_seqs: d_max_num_seqs(),
@@ -218,7 +222,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
     };
     let cpu = |weights| -> Result<Box<dyn Backend>, BuildError> {
         Ok(Box::new(
-            dyn_gpu::cpu::CpuBackend::new(weights, kv)
+            dyn_gpu::cpu::CpuBackend::with_threads(weights, kv, c.threads)
                 .map_err(|e| BuildError::new(e.to_string()))?,
         ))
     };
