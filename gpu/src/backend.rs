@@ -49,6 +49,25 @@ pub trait Backend: Send {
 
     fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ComputeError>;
 
+    /// Several blocks at once (a backend may batch the copies).
+    fn export_blocks(&mut self, blocks: &[u32]) -> Result<Vec<Vec<u8>>, ComputeError> {
+        blocks.iter().map(|b| self.export_block(*b)).collect()
+    }
+
+    fn import_blocks(&mut self, blocks: &[u32], data: &[&[u8]]) -> Result<(), ComputeError> {
+        if blocks.len() != data.len() {
+            return Err(ComputeError::Invalid(format!(
+                "{} blocks and {} payloads",
+                blocks.len(),
+                data.len()
+            )));
+        }
+        for (b, d) in blocks.iter().zip(data) {
+            self.import_block(*b, d)?;
+        }
+        Ok(())
+    }
+
     fn kv_dtype(&self) -> DType;
 
     /// For logs: `cpu f32`, `cuda:0 bf16`.

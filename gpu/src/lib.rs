@@ -10,6 +10,8 @@
 
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod model;
 pub mod sample;
 pub mod transfer;

@@ -246,9 +246,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
 
 #[cfg(feature = "cuda")]
 fn cuda(weights: ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    dyn_gpu::cuda::CudaBackend::new(weights, kv, ordinal)
-        .map(|b| Box::new(b) as Box<dyn Backend>)
-        .map_err(|e| e.to_string())
+    dyn_gpu::cuda::load(weights, kv, ordinal).map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]

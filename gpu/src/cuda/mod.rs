@@ -1,0 +1,653 @@
+//! The CUDA backend: the same forward pass as [`crate::cpu`], on an NVIDIA GPU through cudarc,
+//! which loads the driver, cuBLAS and NVRTC at run time — a build needs no CUDA toolkit, and a
+//! machine without a driver gets an error from [`load`], never a panic.
+//!
+//! Matrix products go to cuBLAS (fp32 products stay fp32: no TF32); everything else is a
+//! handful of kernels compiled by NVRTC from `kernels.cu` at start-up for the weights' storage
+//! type: embedding gather, RMSNorm, bias, rope plus the KV-cache write, paged attention over
+//! block tables, SiLU·mul, row gather, and the KV block copy that stages blocks for export and
+//! import. Activations and the KV cache are kept in the weights' type (f32, bf16 or f16); all
+//! arithmetic inside kernels is f32. The residual additions ride on cuBLAS's `beta = 1`.
+
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use half::{bf16, f16};
+
+use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
+use crate::model::{DType, Host, Matrix, ModelConfig, ModelWeights};
+
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// Scores scratch for attention is kept under this; longer batches attend in token chunks.
+const SCORES_BYTES: usize = 512 << 20;
+
+fn dev<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> ComputeError {
+    move |e| ComputeError::Device(format!("{what}: {e}"))
+}
+
+/// Whether a CUDA driver can be loaded here (checked before cudarc touches it: cudarc
+/// panics when the library is absent).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the shared library by its usual names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Start the backend on GPU `ordinal` with `weights` in their own dtype.
+pub fn load(
+    w: ModelWeights,
+    kv: KvShape,
+    ordinal: usize,
+) -> Result<Box<dyn Backend>, ComputeError> {
+    if !driver_present() {
+        return Err(ComputeError::Device(
+            "no CUDA driver (libcuda) on this machine".into(),
+        ));
+    }
+    // SAFETY: as above, for cuBLAS and NVRTC.
+    let (blas, nvrtc) = unsafe {
+        (
+            cudarc::cublas::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !blas || !nvrtc {
+        return Err(ComputeError::Device(format!(
+            "the CUDA driver is present but {} cannot be loaded (install the CUDA runtime libraries)",
+            if blas { "NVRTC" } else { "cuBLAS" }
+        )));
+    }
+    match w.lm_head.data.dtype() {
+        DType::F32 => Ok(Box::new(Engine::<f32>::new(w, kv, ordinal)?)),
+        DType::Bf16 => Ok(Box::new(Engine::<bf16>::new(w, kv, ordinal)?)),
+        DType::F16 => Ok(Box::new(Engine::<f16>::new(w, kv, ordinal)?)),
+    }
+}
+
+/// Compile the kernels for `dtype` to PTX with NVRTC (no GPU needed): what start-up does
+/// before loading them, exposed so the kernel source is checked wherever NVRTC is installed.
+pub fn compile_kernels(dtype: DType) -> Result<usize, ComputeError> {
+    // SAFETY: only tries to open the shared library by its usual names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(ComputeError::Device(
+            "NVRTC (libnvrtc) cannot be loaded".into(),
+        ));
+    }
+    let define = match dtype {
+        DType::F32 => f32::DEFINE,
+        DType::Bf16 => bf16::DEFINE,
+        DType::F16 => f16::DEFINE,
+    };
+    let ptx = cudarc::nvrtc::compile_ptx(format!("{define}{KERNELS}"))
+        .map_err(dev("compiling the kernels"))?;
+    Ok(ptx.to_src().len())
+}
+
+/// A storage type on the device.
+pub trait DevFloat: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    const DEFINE: &'static str;
+    const DTYPE: DType;
+    fn one() -> Self;
+    fn zero() -> Self;
+    fn from_host(h: &Host) -> Vec<Self>;
+    fn to_le(x: &[Self]) -> Vec<u8>;
+    fn from_le(b: &[u8]) -> Vec<Self>;
+}
+
+impl DevFloat for f32 {
+    const DEFINE: &'static str = "#define DT_F32\n";
+    const DTYPE: DType = DType::F32;
+    fn one() -> Self {
+        1.0
+    }
+    fn zero() -> Self {
+        0.0
+    }
+    fn from_host(h: &Host) -> Vec<Self> {
+        h.to_f32()
+    }
+    fn to_le(x: &[Self]) -> Vec<u8> {
+        x.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+    fn from_le(b: &[u8]) -> Vec<Self> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+macro_rules! half_float {
+    ($t:ty, $define:expr, $dtype:expr, $variant:ident) => {
+        impl DevFloat for $t {
+            const DEFINE: &'static str = $define;
+            const DTYPE: DType = $dtype;
+            fn one() -> Self {
+                <$t>::ONE
+            }
+            fn zero() -> Self {
+                <$t>::ZERO
+            }
+            fn from_host(h: &Host) -> Vec<Self> {
+                match h {
+                    Host::$variant(v) => v.clone(),
+                    other => other.to_f32().into_iter().map(<$t>::from_f32).collect(),
+                }
+            }
+            fn to_le(x: &[Self]) -> Vec<u8> {
+                x.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+            fn from_le(b: &[u8]) -> Vec<Self> {
+                b.chunks_exact(2)
+                    .map(|c| <$t>::from_le_bytes([c[0], c[1]]))
+                    .collect()
+            }
+        }
+    };
+}
+
+half_float!(bf16, "#define DT_BF16\n", DType::Bf16, Bf16);
+half_float!(f16, "#define DT_F16\n", DType::F16, F16);
+
+struct Funcs {
+    embedding: CudaFunction,
+    rmsnorm: CudaFunction,
+    add_bias: CudaFunction,
+    rope_store: CudaFunction,
+    paged_attention: CudaFunction,
+    silu_mul: CudaFunction,
+    gather_rows: CudaFunction,
+    kv_block_copy: CudaFunction,
+    to_f32: CudaFunction,
+    _module: Arc<CudaModule>,
+}
+
+struct DevMatrix<T> {
+    rows: usize,
+    cols: usize,
+    w: CudaSlice<T>,
+    bias: Option<CudaSlice<f32>>,
+}
+
+struct DevLayer<T> {
+    attn_norm: CudaSlice<f32>,
+    qkv: DevMatrix<T>,
+    o: DevMatrix<T>,
+    mlp_norm: CudaSlice<f32>,
+    gate_up: DevMatrix<T>,
+    down: DevMatrix<T>,
+}
+
+struct Engine<T> {
+    cfg: ModelConfig,
+    kv: KvShape,
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    f: Funcs,
+    embed: CudaSlice<T>,
+    layers: Vec<DevLayer<T>>,
+    norm: CudaSlice<f32>,
+    lm_head: DevMatrix<T>,
+    inv_freq: CudaSlice<f32>,
+    k: Vec<CudaSlice<T>>,
+    v: Vec<CudaSlice<T>>,
+}
+
+fn grid(n: usize, threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+fn int(n: usize) -> Result<i32, ComputeError> {
+    i32::try_from(n)
+        .map_err(|_| ComputeError::Invalid(format!("{n} does not fit a kernel argument")))
+}
+
+impl<T: DevFloat> Engine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    fn new(w: ModelWeights, kv: KvShape, ordinal: usize) -> Result<Self, ComputeError> {
+        let ctx = CudaContext::new(ordinal).map_err(dev("opening the GPU"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(dev("starting cuBLAS"))?;
+        let src = format!("{}{KERNELS}", T::DEFINE);
+        let ptx = cudarc::nvrtc::compile_ptx(src).map_err(dev("compiling the kernels"))?;
+        let module = ctx.load_module(ptx).map_err(dev("loading the kernels"))?;
+        let func = |name: &str| module.load_function(name).map_err(dev("loading a kernel"));
+        let f = Funcs {
+            embedding: func("embedding")?,
+            rmsnorm: func("rmsnorm")?,
+            add_bias: func("add_bias")?,
+            rope_store: func("rope_store")?,
+            paged_attention: func("paged_attention")?,
+            silu_mul: func("silu_mul")?,
+            gather_rows: func("gather_rows")?,
+            kv_block_copy: func("kv_block_copy")?,
+            to_f32: func("to_f32")?,
+            _module: module.clone(),
+        };
+        let up_f32 = |v: &[f32]| stream.clone_htod(v).map_err(dev("uploading weights"));
+        let up = |h: &Host| {
+            stream
+                .clone_htod(&T::from_host(h))
+                .map_err(dev("uploading weights"))
+        };
+        let matrix = |m: &Matrix| -> Result<DevMatrix<T>, ComputeError> {
+            Ok(DevMatrix {
+                rows: m.rows,
+                cols: m.cols,
+                w: up(&m.data)?,
+                bias: m.bias.as_deref().map(up_f32).transpose()?,
+            })
+        };
+        let c = w.config.clone();
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in &w.layers {
+            layers.push(DevLayer {
+                attn_norm: up_f32(&l.attn_norm)?,
+                qkv: matrix(&l.qkv)?,
+                o: matrix(&l.o)?,
+                mlp_norm: up_f32(&l.mlp_norm)?,
+                gate_up: matrix(&l.gate_up)?,
+                down: matrix(&l.down)?,
+            });
+        }
+        let per_layer = kv
+            .num_blocks
+            .checked_mul(kv.block_size * c.kv_heads * c.head_dim)
+            .ok_or_else(|| ComputeError::Invalid("KV cache size overflows".into()))?;
+        let mut k = Vec::with_capacity(c.layers);
+        let mut v = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            k.push(
+                stream
+                    .alloc_zeros::<T>(per_layer)
+                    .map_err(dev("allocating the KV cache"))?,
+            );
+            v.push(
+                stream
+                    .alloc_zeros::<T>(per_layer)
+                    .map_err(dev("allocating the KV cache"))?,
+            );
+        }
+        Ok(Engine {
+            embed: up(&w.embed)?,
+            norm: up_f32(&w.norm)?,
+            lm_head: matrix(&w.lm_head)?,
+            inv_freq: up_f32(&c.inv_freq())?,
+            layers,
+            k,
+            v,
+            cfg: c,
+            kv,
+            ordinal,
+            stream,
+            blas,
+            f,
+        })
+    }
+
+    /// `y[t × rows] (+)= x[t × cols] · Wᵀ` (cuBLAS is column-major: `yᵀ = W · xᵀ`).
+    fn linear(
+        &self,
+        m: &DevMatrix<T>,
+        x: &CudaSlice<T>,
+        t: usize,
+        y: &mut CudaSlice<T>,
+        accumulate: bool,
+    ) -> Result<(), ComputeError> {
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: int(m.rows)?,
+            n: int(t)?,
+            k: int(m.cols)?,
+            alpha: T::one(),
+            lda: int(m.cols)?,
+            ldb: int(m.cols)?,
+            beta: if accumulate { T::one() } else { T::zero() },
+            ldc: int(m.rows)?,
+        };
+        // SAFETY: `x` holds t × cols and `y` t × rows elements (allocated so by the caller);
+        // the weights hold rows × cols.
+        unsafe { self.blas.gemm(cfg, &m.w, x, y) }.map_err(dev("cuBLAS gemm"))?;
+        if let Some(b) = &m.bias {
+            let mut l = self.stream.launch_builder(&self.f.add_bias);
+            let cols = int(m.rows)?;
+            l.arg(y).arg(b).arg(&cols);
+            // SAFETY: y has t rows of `rows` columns; b has `rows` entries.
+            unsafe { l.launch(grid(t, 256, 0)) }.map_err(dev("add_bias"))?;
+        }
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &CudaSlice<T>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<T>,
+        rows: usize,
+    ) -> Result<(), ComputeError> {
+        let h = int(self.cfg.hidden)?;
+        let eps = self.cfg.rms_eps;
+        let mut l = self.stream.launch_builder(&self.f.rmsnorm);
+        l.arg(x).arg(w).arg(out).arg(&h).arg(&eps);
+        // SAFETY: x and out hold rows × hidden, w hidden.
+        unsafe { l.launch(grid(rows, 256, 0)) }.map_err(dev("rmsnorm"))?;
+        Ok(())
+    }
+
+    fn alloc(&self, n: usize) -> Result<CudaSlice<T>, ComputeError> {
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(dev("allocating activations"))
+    }
+
+    fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        let c = self.cfg.clone();
+        let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
+        let width = (c.heads + 2 * c.kv_heads) * d;
+        // Per token: id, position, its cache block, its sequence; per sequence: block table.
+        let (mut ids, mut pos, mut blk, mut seq) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut tables, mut table_off, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut max_ctx = 1;
+        for (si, s) in batch.iter().enumerate() {
+            table_off.push(int(tables.len())?);
+            for &b in s.blocks {
+                tables.push(int(b as usize)?);
+            }
+            for (j, &tok) in s.tokens.iter().enumerate() {
+                let p = s.start + j;
+                ids.push(tok);
+                pos.push(int(p)?);
+                blk.push(int(s.blocks[p / bs] as usize)?);
+                seq.push(int(si)?);
+            }
+            max_ctx = max_ctx.max(s.start + s.tokens.len());
+            if s.logits {
+                rows.push(int(ids.len() - 1)?);
+            }
+        }
+        let t = ids.len();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        let up = |v: &[i32]| {
+            self.stream
+                .clone_htod(v)
+                .map_err(dev("uploading the batch"))
+        };
+        let d_ids = self
+            .stream
+            .clone_htod(&ids)
+            .map_err(dev("uploading the batch"))?;
+        let (d_pos, d_blk, d_seq) = (up(&pos)?, up(&blk)?, up(&seq)?);
+        let (d_tables, d_off) = (up(&tables)?, up(&table_off)?);
+        let mut x = self.alloc(t * h)?;
+        let mut normed = self.alloc(t * h)?;
+        let mut qkv = self.alloc(t * width)?;
+        let mut attn = self.alloc(t * c.heads * d)?;
+        let mut gu = self.alloc(t * 2 * c.intermediate)?;
+        let mut act = self.alloc(t * c.intermediate)?;
+        let chunk = (SCORES_BYTES / (4 * c.heads * max_ctx)).clamp(1, t);
+        let mut scores = self
+            .stream
+            .alloc_zeros::<f32>(chunk * c.heads * max_ctx)
+            .map_err(dev("allocating attention scratch"))?;
+        {
+            let hid = int(h)?;
+            let mut l = self.stream.launch_builder(&self.f.embedding);
+            l.arg(&self.embed).arg(&d_ids).arg(&x).arg(&hid);
+            // SAFETY: ids are checked to be inside the vocabulary (check_batch).
+            unsafe { l.launch(grid(t, 256, 0)) }.map_err(dev("embedding"))?;
+        }
+        let (heads, kvh, di, bsi) = (int(c.heads)?, int(c.kv_heads)?, int(d)?, int(bs)?);
+        let scale = 1.0 / (d as f32).sqrt();
+        let window = int(c.sliding_window.unwrap_or(0))?;
+        let mctx = int(max_ctx)?;
+        for li in 0..c.layers {
+            let layer = &self.layers[li];
+            self.rmsnorm(&x, &layer.attn_norm, &mut normed, t)?;
+            self.linear(&layer.qkv, &normed, t, &mut qkv, false)?;
+            {
+                let mut l = self.stream.launch_builder(&self.f.rope_store);
+                l.arg(&qkv).arg(&d_pos).arg(&d_blk).arg(&self.inv_freq);
+                l.arg(&self.k[li])
+                    .arg(&self.v[li])
+                    .arg(&heads)
+                    .arg(&kvh)
+                    .arg(&di)
+                    .arg(&bsi);
+                // SAFETY: every token's block id is inside the cache (check_batch).
+                unsafe { l.launch(grid(t, 128, 0)) }.map_err(dev("rope_store"))?;
+            }
+            for t0 in (0..t).step_by(chunk) {
+                let n = chunk.min(t - t0);
+                let q_in = qkv.slice(t0 * width..(t0 + n) * width);
+                let mut out = attn.slice_mut(t0 * c.heads * d..(t0 + n) * c.heads * d);
+                let (p, s) = (d_pos.slice(t0..t0 + n), d_seq.slice(t0..t0 + n));
+                let mut l = self.stream.launch_builder(&self.f.paged_attention);
+                l.arg(&q_in).arg(&mut out).arg(&self.k[li]).arg(&self.v[li]);
+                l.arg(&p)
+                    .arg(&s)
+                    .arg(&d_tables)
+                    .arg(&d_off)
+                    .arg(&mut scores)
+                    .arg(&mctx);
+                l.arg(&heads)
+                    .arg(&kvh)
+                    .arg(&di)
+                    .arg(&bsi)
+                    .arg(&scale)
+                    .arg(&window);
+                let cfg = LaunchConfig {
+                    grid_dim: (n as u32, c.heads as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: (d * 4) as u32,
+                };
+                // SAFETY: block tables cover every position attended (check_batch); the
+                // scratch holds n × heads × max_ctx scores.
+                unsafe { l.launch(cfg) }.map_err(dev("paged_attention"))?;
+            }
+            self.linear(&layer.o, &attn, t, &mut x, true)?;
+            self.rmsnorm(&x, &layer.mlp_norm, &mut normed, t)?;
+            self.linear(&layer.gate_up, &normed, t, &mut gu, false)?;
+            {
+                let inter = int(c.intermediate)?;
+                let mut l = self.stream.launch_builder(&self.f.silu_mul);
+                l.arg(&gu).arg(&mut act).arg(&inter);
+                // SAFETY: gu holds t × 2·inter, act t × inter.
+                unsafe { l.launch(grid(t, 256, 0)) }.map_err(dev("silu_mul"))?;
+            }
+            self.linear(&layer.down, &act, t, &mut x, true)?;
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let r = rows.len();
+        let d_rows = up(&rows)?;
+        let mut last = self.alloc(r * h)?;
+        {
+            let hid = int(h)?;
+            let mut l = self.stream.launch_builder(&self.f.gather_rows);
+            l.arg(&x).arg(&d_rows).arg(&mut last).arg(&hid);
+            // SAFETY: rows index tokens of this batch.
+            unsafe { l.launch(grid(r, 256, 0)) }.map_err(dev("gather_rows"))?;
+        }
+        let mut last_n = self.alloc(r * h)?;
+        self.rmsnorm(&last, &self.norm, &mut last_n, r)?;
+        let mut logits = self.alloc(r * c.vocab)?;
+        self.linear(&self.lm_head, &last_n, r, &mut logits, false)?;
+        let n = r * c.vocab;
+        let mut out = self
+            .stream
+            .alloc_zeros::<f32>(n)
+            .map_err(dev("allocating logits"))?;
+        {
+            let ni = int(n)?;
+            let mut l = self.stream.launch_builder(&self.f.to_f32);
+            l.arg(&logits).arg(&mut out).arg(&ni);
+            // SAFETY: both hold n elements.
+            unsafe { l.launch(grid(n.div_ceil(256), 256, 0)) }.map_err(dev("to_f32"))?;
+        }
+        let host = self
+            .stream
+            .clone_dtoh(&out)
+            .map_err(dev("reading logits"))?;
+        Ok(host.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    fn block_elems(&self) -> usize {
+        self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
+    }
+
+    /// Gather (export) or scatter (import) `ids`' blocks through a staging buffer with the
+    /// block copy kernel: one launch and one transfer per layer and K/V, not one per block.
+    fn copy_blocks(
+        &mut self,
+        ids: &[u32],
+        data: Option<&[&[u8]]>,
+    ) -> Result<Vec<Vec<u8>>, ComputeError> {
+        let be = self.block_elems();
+        let n = ids.len();
+        if let Some(b) = ids.iter().find(|b| **b as usize >= self.kv.num_blocks) {
+            return Err(ComputeError::Invalid(format!("no block {b}")));
+        }
+        let ids_i: Vec<i32> = ids
+            .iter()
+            .map(|b| int(*b as usize))
+            .collect::<Result<_, _>>()?;
+        let d_ids = self
+            .stream
+            .clone_htod(&ids_i)
+            .map_err(dev("uploading block ids"))?;
+        let mut out = vec![Vec::with_capacity(self.block_bytes()); n];
+        let size = std::mem::size_of::<T>();
+        let bei = int(be)?;
+        for li in 0..self.cfg.layers {
+            for which in 0..2 {
+                let mut staging = match data {
+                    Some(blocks) => {
+                        let mut host = Vec::with_capacity(n * be);
+                        for b in blocks {
+                            let at = (2 * li + which) * be * size;
+                            host.extend(T::from_le(&b[at..at + be * size]));
+                        }
+                        self.stream
+                            .clone_htod(&host)
+                            .map_err(dev("staging blocks"))?
+                    }
+                    None => self.alloc(n * be)?,
+                };
+                let to_cache = i32::from(data.is_some());
+                let cache = if which == 0 {
+                    &mut self.k[li]
+                } else {
+                    &mut self.v[li]
+                };
+                let mut l = self.stream.launch_builder(&self.f.kv_block_copy);
+                l.arg(cache)
+                    .arg(&mut staging)
+                    .arg(&d_ids)
+                    .arg(&bei)
+                    .arg(&to_cache);
+                // SAFETY: ids are inside the cache (checked above); staging holds n blocks.
+                unsafe { l.launch(grid(n, 256, 0)) }.map_err(dev("kv_block_copy"))?;
+                if data.is_none() {
+                    let host = self
+                        .stream
+                        .clone_dtoh(&staging)
+                        .map_err(dev("reading blocks"))?;
+                    for (i, o) in out.iter_mut().enumerate() {
+                        o.extend(T::to_le(&host[i * be..(i + 1) * be]));
+                    }
+                }
+            }
+        }
+        if data.is_some() {
+            self.stream.synchronize().map_err(dev("importing blocks"))?;
+        }
+        Ok(out)
+    }
+}
+
+impl<T: DevFloat> Backend for Engine<T>
+where
+    CudaBlas: Gemm<T>,
+{
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        check_batch(batch, self.kv, &self.cfg)?;
+        self.step(batch)
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.cfg.layers * 2 * self.block_elems() * std::mem::size_of::<T>()
+    }
+
+    fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError> {
+        if block as usize >= self.kv.num_blocks {
+            return Err(ComputeError::Invalid(format!("no block {block}")));
+        }
+        let be = self.block_elems();
+        let range = block as usize * be..(block as usize + 1) * be;
+        let mut out = Vec::with_capacity(self.block_bytes());
+        for li in 0..self.cfg.layers {
+            for cache in [&self.k[li], &self.v[li]] {
+                let host = self
+                    .stream
+                    .clone_dtoh(&cache.slice(range.clone()))
+                    .map_err(dev("reading a block"))?;
+                out.extend(T::to_le(&host));
+            }
+        }
+        Ok(out)
+    }
+
+    fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ComputeError> {
+        if bytes.len() != self.block_bytes() {
+            return Err(ComputeError::Invalid(format!(
+                "{} bytes for a block of {}",
+                bytes.len(),
+                self.block_bytes()
+            )));
+        }
+        self.copy_blocks(&[block], Some(&[bytes])).map(|_| ())
+    }
+
+    fn export_blocks(&mut self, blocks: &[u32]) -> Result<Vec<Vec<u8>>, ComputeError> {
+        self.copy_blocks(blocks, None)
+    }
+
+    fn import_blocks(&mut self, blocks: &[u32], data: &[&[u8]]) -> Result<(), ComputeError> {
+        if blocks.len() != data.len() || data.iter().any(|d| d.len() != self.block_bytes()) {
+            return Err(ComputeError::Invalid(format!(
+                "{} blocks of {} bytes expected",
+                blocks.len(),
+                self.block_bytes()
+            )));
+        }
+        self.copy_blocks(blocks, Some(data)).map(|_| ())
+    }
+
+    fn kv_dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    fn describe(&self) -> String {
+        format!("cuda:{} {} weights", self.ordinal, T::DTYPE.name())
+    }
+}
