@@ -301,3 +301,51 @@ impl Executor for NativeExec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu_here() -> bool {
+        #[cfg(feature = "cuda")]
+        return dyn_gpu::cuda::driver_present();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    #[test]
+    fn auto_falls_back_to_cpu_and_cuda_without_a_gpu_is_a_clean_error() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let small = NativeConfig {
+            num_blocks: 8,
+            ..NativeConfig::default()
+        };
+        let auto = load(&small, &dir).expect("auto always finds a device");
+        if !gpu_here() {
+            assert!(auto.describe().starts_with("cpu"), "{}", auto.describe());
+            let cuda = NativeConfig {
+                device: DeviceChoice::Cuda,
+                ..small
+            };
+            let Err(e) = load(&cuda, &dir) else {
+                panic!("device: cuda without a GPU must fail");
+            };
+            let e = e.to_string();
+            assert!(
+                e.contains("no CUDA driver") || e.contains("without the `cuda` feature"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_model_directory_is_an_error() {
+        let Err(e) = load(
+            &NativeConfig::default(),
+            std::path::Path::new("/nonexistent"),
+        ) else {
+            panic!("no model there");
+        };
+        assert!(e.to_string().contains("config.json"), "{e}");
+    }
+}
