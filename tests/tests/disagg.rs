@@ -1,8 +1,10 @@
 //! Disaggregated serving in one process (`graphs/disagg.yaml`, embedded planes): long prompts
 //! are prefilled on the prefill worker and their KV pulled by the decode worker, short ones
 //! stay local, every request completes, the output equals aggregated serving's token for
-//! token, and the decisions show in `/metrics` and `dyn inspect route`. The multi-process
-//! version (etcd, NATS JetStream, a prefill worker killed mid-transfer) is in `scale_out.rs`.
+//! token, and the decisions show in `/metrics` and `dyn inspect route`. The same with the
+//! native engine: real KV blocks move, and greedy output equals `graphs/agg_native.yaml`'s.
+//! The multi-process version (etcd, NATS JetStream, a prefill worker killed mid-transfer) is
+//! in `scale_out.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{Graph, long_prompt, metric, run};
@@ -119,4 +121,58 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(text.contains("\"decision\": \"local\""), "{text}");
+}
+
+/// Greedy completions (text, completion tokens) of `prompts`, all at once.
+async fn greedy_all(url: &str, prompts: &[String]) -> Vec<(String, u64)> {
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (url, p) = (url.to_owned(), p.clone());
+            tokio::spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&json!({"model": "tiny", "prompt": p, "max_tokens": 12,
+                                  "temperature": 0, "ignore_eos": true}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                r.json::<Value>().await.unwrap()
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        let v = t.await.unwrap();
+        out.push((
+            v["choices"][0]["text"].as_str().unwrap().to_owned(),
+            v["usage"]["completion_tokens"].as_u64().unwrap(),
+        ));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_engine_disaggregated_greedy_output_equals_aggregated() {
+    let disagg = Graph::up_with_ingress("graphs/disagg_native.yaml", "http", &[]);
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let mut prompts: Vec<String> = (0..4).map(long_prompt).collect();
+    prompts.extend((0..4).map(|i| format!("a short question, number {i}")));
+    let got = greedy_all(&disagg.url(""), &prompts).await;
+    let want = greedy_all(&agg.url(""), &prompts).await;
+    assert!(got.iter().all(|(_, n)| *n == 12), "{got:?}");
+    assert_eq!(got, want, "disaggregated output differs from aggregated");
+    let m = disagg.get("/metrics");
+    let decisions = "dyn_remote_prefill_decisions_total";
+    assert_eq!(metric(&m, &[decisions, "decision=\"remote\""]), 4, "{m}");
+    assert_eq!(
+        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"pulled\""]),
+        4,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"failed\""]),
+        0
+    );
 }

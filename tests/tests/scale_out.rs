@@ -545,7 +545,11 @@ fn logged(c: &Cluster, process: &str, replicas: u64, text: &str) -> usize {
 impl Cluster {
     /// Up, and the frontend sees the prefill worker (a long prompt is prefilled remotely).
     fn disagg(extra: &[&str]) -> Option<Cluster> {
-        let c = Cluster::up(DISAGG, 2, extra)?;
+        Self::disagg_graph(DISAGG, 2, extra)
+    }
+
+    fn disagg_graph(file: &'static str, decode: usize, extra: &[&str]) -> Option<Cluster> {
+        let c = Cluster::up(file, decode, extra)?;
         let url = format!("http://{}", c.g.addr);
         c.wait_for(
             |_| {
@@ -655,4 +659,33 @@ async fn a_prefill_worker_killed_mid_transfer_leaves_requests_to_local_prefill()
     // Recomputed locally, the answers are the ones a fresh run gives.
     let again = stream_all(&url, &prompts, 8).await;
     assert_eq!(results, again);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
+    let Some(c) = Cluster::disagg_graph("graphs/disagg_native.yaml", 1, &[]) else {
+        return;
+    };
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let greedy = |url: String, p: String| async move {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": "tiny", "prompt": p, "max_tokens": 10,
+                          "temperature": 0, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()["choices"][0]["text"].to_string()
+    };
+    let url = format!("http://{}", c.g.addr);
+    for i in 0..4 {
+        let p = long_prompt(200 + i);
+        let got = greedy(url.clone(), p.clone()).await;
+        assert_eq!(got, greedy(agg.url(""), p).await, "prompt {i}");
+    }
+    assert_eq!(c.remote_decisions(), 4);
+    // Real KV blocks (f32, the CPU backend's layout) went through the TCP transfer agent.
+    assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
+    assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
 }

@@ -513,8 +513,10 @@ impl Engine {
             let (exec, imports) = (&mut self.exec, &mut self.imports);
             let stepped = self.sched.step(|work| {
                 for w in work.iter().filter(|w| w.import) {
-                    if let Some(data) = imports.remove(&w.id) {
-                        exec.import(w.blocks, data)?;
+                    if let Some(mut data) = imports.remove(&w.id) {
+                        let skip = w.import_skip.min(data.len());
+                        let blocks = &w.blocks[skip.min(w.blocks.len())..];
+                        exec.import(blocks, data.split_off(skip))?;
                     }
                 }
                 exec.execute(work)

@@ -281,24 +281,18 @@ impl Executor for NativeExec {
     }
 
     fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, String> {
-        blocks
-            .iter()
-            .map(|b| {
-                self.backend
-                    .export_block(*b)
-                    .map(Bytes::from)
-                    .map_err(|e| e.to_string())
-            })
-            .collect()
+        let data = self
+            .backend
+            .export_blocks(blocks)
+            .map_err(|e| e.to_string())?;
+        Ok(data.into_iter().map(Bytes::from).collect())
     }
 
     fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), String> {
-        for (b, d) in blocks.iter().zip(&data) {
-            self.backend
-                .import_block(*b, d)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
+        self.backend
+            .import_blocks(blocks, &data)
+            .map_err(|e| e.to_string())
     }
 }
 

@@ -55,8 +55,10 @@ pub struct Work<'a> {
     /// Sample the next token (the KV is complete after this step).
     pub sample: bool,
     /// The first step of an imported sequence: its blocks are to be filled with the KV
-    /// pulled from the prefill worker.
+    /// pulled from the prefill worker, except the first `import_skip`, which came from this
+    /// worker's prefix cache (shared with other sequences, and already holding that KV).
     pub import: bool,
+    pub import_skip: usize,
     /// Output tokens so far (the position, for the mocker's deterministic output).
     pub generated: u32,
 }
@@ -90,6 +92,8 @@ struct Seq {
     /// Hashes of the full blocks registered so far.
     hashes: Vec<BlockHash>,
     preemptions: u32,
+    /// Leading blocks taken from the prefix cache at admission.
+    hit_blocks: usize,
 }
 
 /// What one step did, for the timing model and for delivering output.
@@ -165,6 +169,7 @@ impl Scheduler {
             blocks: Vec::new(),
             hashes: Vec::new(),
             preemptions: 0,
+            hit_blocks: 0,
         });
     }
 
@@ -334,6 +339,7 @@ impl Scheduler {
                 }
             }
             seq.hashes = hashes[..hit].to_vec();
+            seq.hit_blocks = hit;
             seq.computed = hit * block_size;
             if !Self::grow(&mut self.pool, &mut seq, reach, block_size) {
                 // `available` said yes; only a bug gets here. Undo and wait.
@@ -373,6 +379,7 @@ impl Scheduler {
                     blocks: &seq.blocks,
                     sample: seq.computed + n == seq.tokens.len() && !import,
                     import,
+                    import_skip: if import { seq.hit_blocks } else { 0 },
                     generated: seq.generated,
                 }
             })
