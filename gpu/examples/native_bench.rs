@@ -2,7 +2,7 @@
 //! batch 1 and with 16 sequences decoding together, measured in one run.
 //!
 //! ```text
-//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps]
+//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps] [rounds]
 //! ```
 //! Prints one JSON line: measured read bandwidth (GB/s, all threads), weight bytes per token,
 //! roofline tokens/s (bandwidth ÷ bytes per token), and decode tokens/s at batch 1 and 16.
@@ -18,7 +18,6 @@ use rayon::prelude::*;
 
 const PROMPT: usize = 32;
 const BLOCK: usize = 16;
-const ROUNDS: usize = 5;
 
 /// Best of several multi-threaded passes over a buffer much larger than the caches. The sum
 /// is of integers (wrapping), which the compiler vectorizes freely, so the pass is limited by
@@ -105,6 +104,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => DType::F32,
     };
     let steps: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(64);
+    let n_rounds: usize = args
+        .get(3)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(5)
+        .max(1);
     let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template(
         "{msg:>14} {bar:30} {pos}/{len} steps",
     )?);
@@ -124,7 +129,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // measured back to back in each of several rounds, and the median round is reported.
     let buf: Vec<u32> = (0..256u32 << 20).collect(); // 1 GiB
     let mut rounds = Vec::new();
-    for r in 0..ROUNDS {
+    for r in 0..n_rounds {
         bar.set_message(format!("bandwidth {}", r + 1));
         let gbps = read_bandwidth(&buf);
         bar.set_message(format!("batch 1 ({})", r + 1));

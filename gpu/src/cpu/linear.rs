@@ -23,6 +23,13 @@ pub struct Linear {
     tile: usize,
 }
 
+/// Buffers a caller keeps for [`Linear::forward`].
+#[derive(Default)]
+pub struct Scratch {
+    yt: Vec<f32>,
+    xt: Vec<f32>,
+}
+
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -43,10 +50,11 @@ impl Linear {
         }
     }
 
-    /// `y[m×out] = x[m×inp] · Wᵀ (+ b)`; `scratch` holds `m × out` floats between calls.
-    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Vec<f32>) {
+    /// `y[m×out] = x[m×inp] · Wᵀ (+ b)`; `scratch` keeps its buffers between calls (fresh
+    /// large buffers would cost page faults every step).
+    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Scratch) {
         if m <= DOT_ROWS {
-            return self.forward_dots(x, m, y);
+            return self.forward_dots(x, m, y, &mut scratch.yt);
         }
         let (out, inp, tile) = (self.out, self.inp, self.tile);
         debug_assert_eq!(x.len(), m * inp);
@@ -56,18 +64,19 @@ impl Linear {
         let yt: &mut [f32] = if m == 1 {
             y
         } else {
-            scratch.resize(m * out, 0.0);
-            &mut scratch[..m * out]
+            scratch.yt.resize(m * out, 0.0);
+            &mut scratch.yt[..m * out]
         };
         // x transposed (`[inp, m]`): gemm then uses it in place instead of packing a copy
         // for every tile.
-        let mut xt = vec![0.0f32; m * inp];
+        let xt = &mut scratch.xt;
+        xt.resize(m * inp, 0.0);
         for (i, row) in x.chunks_exact(inp).enumerate() {
             for (k, v) in row.iter().enumerate() {
                 xt[k * m + i] = *v;
             }
         }
-        let x = &xt;
+        let x = &xt[..];
         yt.par_chunks_mut(tile * m)
             .enumerate()
             .for_each(|(t, dst)| {
@@ -94,7 +103,7 @@ impl Linear {
                 }
             });
         if m > 1 {
-            for (o, col) in scratch[..m * out].chunks(m).enumerate() {
+            for (o, col) in scratch.yt[..m * out].chunks(m).enumerate() {
                 for (i, v) in col.iter().enumerate() {
                     y[i * out + o] = *v;
                 }
@@ -107,13 +116,13 @@ impl Linear {
     /// Few rows (decode): every output is a dot product of a weight row with each input row,
     /// streaming W once at memory speed with no widening copy. Threads take large contiguous
     /// runs of W's rows, so the per-task cost is paid a few times per matrix, not per tile.
-    fn forward_dots(&self, x: &[f32], m: usize, y: &mut [f32]) {
+    fn forward_dots(&self, x: &[f32], m: usize, y: &mut [f32], yt: &mut Vec<f32>) {
         let (out, inp) = (self.out, self.inp);
         let run = out
             .div_ceil(4 * rayon::current_num_threads().max(1))
             .max(16);
         // `yt` is `[out, m]`: a run of rows owns a contiguous slice of it.
-        let mut yt = vec![0.0f32; out * m];
+        yt.resize(out * m, 0.0);
         yt.par_chunks_mut(run * m).enumerate().for_each(|(r, dst)| {
             let (o0, rows) = (r * run, dst.len() / m);
             let w = o0 * inp..(o0 + rows) * inp;
@@ -238,7 +247,7 @@ mod tests {
                     bias: Some(b.clone()),
                 });
                 let mut y = vec![0.0; m * out];
-                l.forward(&x, m, &mut y, &mut Vec::new());
+                l.forward(&x, m, &mut y, &mut Scratch::default());
                 // These weights are exact in every dtype (multiples of 1/64 below 1).
                 for (g, e) in y.iter().zip(&want) {
                     assert!((g - e).abs() < 1e-4, "{dt:?} m={m}: {g} vs {e}");

@@ -40,7 +40,8 @@ struct Buffers {
     tmp: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
-    linear: Vec<f32>,
+    logits: Vec<f32>,
+    linear: linear::Scratch,
 }
 
 pub struct CpuBackend {
@@ -224,10 +225,13 @@ impl CpuBackend {
             .collect();
         let mut normed = vec![0.0; last.len()];
         rmsnorm(&last, &self.norm, c.rms_eps, &mut normed);
-        let mut logits = vec![0.0; rows.len() * c.vocab];
+        b.logits.resize(rows.len() * c.vocab, 0.0);
         self.lm_head
-            .forward(&normed, rows.len(), &mut logits, &mut b.linear);
-        Ok(logits.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+            .forward(&normed, rows.len(), &mut b.logits, &mut b.linear);
+        Ok(b.logits
+            .chunks_exact(c.vocab)
+            .map(<[f32]>::to_vec)
+            .collect())
     }
 
     fn block_floats(&self) -> usize {
@@ -344,15 +348,65 @@ fn attend(
     kc: &[f32],
     vc: &[f32],
 ) -> Vec<f32> {
+    let block_floats = c.kv_heads * bs * c.head_dim;
+    ATTN.with(|a| {
+        let a = &mut *a.borrow_mut();
+        let AttnScratch { k, v, q, scores } = a;
+        k.clear();
+        v.clear();
+        attend_in(
+            c,
+            bs,
+            s,
+            offset,
+            g,
+            qkv,
+            kc,
+            vc,
+            block_floats,
+            k,
+            v,
+            q,
+            scores,
+        )
+    })
+}
+
+/// Per-thread buffers for [`attend`], reused from step to step.
+#[derive(Default)]
+struct AttnScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static ATTN: std::cell::RefCell<AttnScratch> = std::cell::RefCell::new(AttnScratch::default());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_in(
+    c: &ModelConfig,
+    bs: usize,
+    s: &SeqStep<'_>,
+    offset: usize,
+    g: usize,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    block_floats: usize,
+    k: &mut Vec<f32>,
+    v: &mut Vec<f32>,
+    q: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+) -> Vec<f32> {
     let d = c.head_dim;
     let grp = c.group();
     let width = (c.heads + 2 * c.kv_heads) * d;
     let n = s.tokens.len();
     let ctx = s.start + n;
-    let block_floats = c.kv_heads * bs * d;
     // Gather this head's keys and values into `[ctx, d]`.
-    let mut k = Vec::with_capacity(ctx * d);
-    let mut v = Vec::with_capacity(ctx * d);
     for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
         let len = bs.min(ctx - bi * bs);
         let at = blk as usize * block_floats + g * bs * d;
@@ -361,8 +415,6 @@ fn attend(
     }
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0.0; n * grp * d];
-    let mut q = Vec::new();
-    let mut scores = Vec::new();
     for i0 in (0..n).step_by(QUERY_TILE) {
         let qn = QUERY_TILE.min(n - i0);
         let rows = qn * grp;
@@ -378,12 +430,12 @@ fn attend(
             rows,
             seen,
             d,
-            &mut scores,
+            scores,
             Strides::rows(seen),
             false,
-            &q,
+            q,
             Strides::rows(d),
-            &k,
+            k,
             Strides::cols(d),
         );
         for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
@@ -413,9 +465,9 @@ fn attend(
             dst,
             Strides::rows(d),
             false,
-            &scores,
+            scores,
             Strides::rows(seen),
-            &v,
+            v,
             Strides::rows(d),
         );
     }
