@@ -229,7 +229,7 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
         let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
-        for m in [1, 3, 16] {
+        for m in [1, 3, 5, 16, 23, 33] {
             let x: Vec<f32> = (0..m * inp)
                 .map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0)
                 .collect();
