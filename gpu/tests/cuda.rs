@@ -13,18 +13,14 @@ fn cuda_tests_need_the_cuda_feature() {
 }
 
 #[cfg(feature = "cuda")]
-mod gpu {
-    use std::path::PathBuf;
+mod common;
 
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::common::{dir, max_diff, reference};
     use dyn_gpu::backend::{Backend, KvShape, SeqStep};
     use dyn_gpu::model::{DType, ModelWeights};
     use dyn_gpu::sample::argmax;
-
-    fn dir(model: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../models")
-            .join(model)
-    }
 
     /// The backend, or `None` (with the reason printed) where there is no GPU.
     fn gpu(model: &str, dtype: DType) -> Option<Box<dyn Backend>> {
@@ -57,23 +53,6 @@ mod gpu {
             )
             .unwrap(),
         )
-    }
-
-    #[derive(serde::Deserialize)]
-    struct Reference {
-        prompts: Vec<Case>,
-    }
-
-    #[derive(serde::Deserialize)]
-    struct Case {
-        prompt: Vec<u32>,
-        greedy: Vec<u32>,
-        logits: Vec<Vec<f32>>,
-    }
-
-    fn reference(model: &str) -> Reference {
-        let text = std::fs::read_to_string(dir(model).join("reference.json")).unwrap();
-        serde_json::from_str(&text).unwrap()
     }
 
     /// A sequence being decoded: tokens, tokens computed, blocks, logits per step.
@@ -116,13 +95,6 @@ mod gpu {
             }
         }
         seqs.into_iter().map(|(t, _, _, l)| (t, l)).collect()
-    }
-
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
     }
 
     #[test]

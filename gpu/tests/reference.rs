@@ -3,37 +3,13 @@
 //! size, chunked prefill, prefix-cache hits and KV export/import change nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use std::path::PathBuf;
+mod common;
 
+use common::{MODELS, dir, max_diff, reference};
 use dyn_gpu::backend::{Backend, KvShape, SeqStep};
 use dyn_gpu::cpu::CpuBackend;
 use dyn_gpu::model::{DType, ModelWeights};
 use dyn_gpu::sample::argmax;
-
-#[derive(serde::Deserialize)]
-struct Reference {
-    prompts: Vec<Case>,
-}
-
-#[derive(serde::Deserialize)]
-struct Case {
-    prompt: Vec<u32>,
-    greedy: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-}
-
-const MODELS: [&str; 3] = ["tiny", "tiny-qwen2", "tiny-mistral"];
-
-fn dir(model: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models")
-        .join(model)
-}
-
-fn reference(model: &str) -> Reference {
-    let text = std::fs::read_to_string(dir(model).join("reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
 
 fn backend(model: &str, dtype: DType, block_size: usize) -> CpuBackend {
     let w = ModelWeights::load(&dir(model), dtype).unwrap();
@@ -104,14 +80,6 @@ fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
             }
         }
     }
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -223,3 +223,19 @@ pub fn metric(text: &str, parts: &[&str]) -> u64 {
         [] => 0,
     }
 }
+
+/// POST an OpenAI completion request; the status and the JSON body.
+pub async fn completion(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}/v1/completions: {e}"));
+    let status = r.status().as_u16();
+    let v = r
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("{url}: a completion that is not JSON: {e}"));
+    (status, v)
+}

@@ -7,36 +7,41 @@
 //! in `scale_out.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use dyn_tests::{Graph, long_prompt, metric, run};
+use dyn_tests::{Graph, completion, long_prompt, metric, run};
 use serde_json::{Value, json};
 
-/// A completion's text and usage.
-async fn complete(url: &str, prompt: &str, max_tokens: u32) -> Value {
-    let r = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
-}
-
-async fn complete_all(url: &str, prompts: &[String]) -> Vec<String> {
+/// Completions of 12 tokens for `prompts`, all at once; `extra` fields join each body.
+async fn complete_all(url: &str, prompts: &[String], extra: &Value) -> Vec<Value> {
     let tasks: Vec<_> = prompts
         .iter()
         .map(|p| {
-            let (url, p) = (url.to_owned(), p.clone());
-            tokio::spawn(async move { complete(&url, &p, 12).await })
+            let mut body = json!({"model": "tiny", "prompt": p, "max_tokens": 12});
+            for (k, v) in extra.as_object().into_iter().flatten() {
+                body[k] = v.clone();
+            }
+            let url = url.to_owned();
+            tokio::spawn(async move {
+                let (status, v) = completion(&url, &body).await;
+                assert_eq!(status, 200, "{v}");
+                v
+            })
         })
         .collect();
     let mut out = Vec::new();
     for t in tasks {
-        let v = t.await.unwrap();
-        assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
-        out.push(v["choices"][0]["text"].as_str().unwrap().to_owned());
+        out.push(t.await.unwrap());
     }
     out
+}
+
+/// Each completion's text, checking it has 12 tokens.
+fn texts(vs: &[Value]) -> Vec<String> {
+    vs.iter()
+        .map(|v| {
+            assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,8 +59,8 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     let mut prompts: Vec<String> = (0..6).map(long_prompt).collect();
     prompts.extend((0..6).map(|i| format!("a short question, number {i}")));
 
-    let got = complete_all(&disagg.url(""), &prompts).await;
-    let want = complete_all(&agg.url(""), &prompts).await;
+    let got = texts(&complete_all(&disagg.url(""), &prompts, &json!({})).await);
+    let want = texts(&complete_all(&agg.url(""), &prompts, &json!({})).await);
     assert_eq!(got, want, "disaggregated output differs from aggregated");
 
     let m = disagg.get("/metrics");
@@ -123,45 +128,15 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     assert!(text.contains("\"decision\": \"local\""), "{text}");
 }
 
-/// Greedy completions (text, completion tokens) of `prompts`, all at once.
-async fn greedy_all(url: &str, prompts: &[String]) -> Vec<(String, u64)> {
-    let tasks: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (url, p) = (url.to_owned(), p.clone());
-            tokio::spawn(async move {
-                let r = reqwest::Client::new()
-                    .post(format!("{url}/v1/completions"))
-                    .json(&json!({"model": "tiny", "prompt": p, "max_tokens": 12,
-                                  "temperature": 0, "ignore_eos": true}))
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), 200);
-                r.json::<Value>().await.unwrap()
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        let v = t.await.unwrap();
-        out.push((
-            v["choices"][0]["text"].as_str().unwrap().to_owned(),
-            v["usage"]["completion_tokens"].as_u64().unwrap(),
-        ));
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_engine_disaggregated_greedy_output_equals_aggregated() {
     let disagg = Graph::up_with_ingress("graphs/disagg_native.yaml", "http", &[]);
     let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
     let mut prompts: Vec<String> = (0..4).map(long_prompt).collect();
     prompts.extend((0..4).map(|i| format!("a short question, number {i}")));
-    let got = greedy_all(&disagg.url(""), &prompts).await;
-    let want = greedy_all(&agg.url(""), &prompts).await;
-    assert!(got.iter().all(|(_, n)| *n == 12), "{got:?}");
+    let greedy = json!({"temperature": 0, "ignore_eos": true});
+    let got = texts(&complete_all(&disagg.url(""), &prompts, &greedy).await);
+    let want = texts(&complete_all(&agg.url(""), &prompts, &greedy).await);
     assert_eq!(got, want, "disaggregated output differs from aggregated");
     let m = disagg.get("/metrics");
     let decisions = "dyn_remote_prefill_decisions_total";

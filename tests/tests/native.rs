@@ -4,7 +4,7 @@
 //! the prefix cache with the same answer, seeded sampling repeats, and bad input is a 400.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use dyn_tests::{Graph, metric, root};
+use dyn_tests::{Graph, completion, metric, root};
 use serde_json::{Value, json};
 
 struct Case {
@@ -34,14 +34,9 @@ fn reference() -> Vec<Case> {
 }
 
 async fn complete(url: &str, body: Value) -> Value {
-    let r = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
+    let (status, v) = completion(url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    v
 }
 
 fn greedy_body(prompt: &[u32], max_tokens: usize) -> Value {
@@ -130,14 +125,8 @@ async fn sampling_is_seeded_and_bad_input_is_refused() {
             "top_k",
         ),
     ] {
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400);
-        let v: Value = r.json().await.unwrap();
+        let (status, v) = completion(&url, &body).await;
+        assert_eq!(status, 400);
         assert_eq!(v["error"]["param"], param, "{v}");
     }
 }

@@ -668,15 +668,11 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     };
     let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
     let greedy = |url: String, p: String| async move {
-        let r = reqwest::Client::new()
-            .post(format!("{url}/v1/completions"))
-            .json(&json!({"model": "tiny", "prompt": p, "max_tokens": 10,
-                          "temperature": 0, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        r.json::<Value>().await.unwrap()["choices"][0]["text"].to_string()
+        let body = json!({"model": "tiny", "prompt": p, "max_tokens": 10,
+                          "temperature": 0, "ignore_eos": true});
+        let (status, v) = dyn_tests::completion(&url, &body).await;
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["text"].to_string()
     };
     let url = format!("http://{}", c.g.addr);
     for i in 0..4 {

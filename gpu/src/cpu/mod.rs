@@ -335,43 +335,6 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
-/// `(token, head in group)`, each `head_dim` wide.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    c: &ModelConfig,
-    bs: usize,
-    s: &SeqStep<'_>,
-    offset: usize,
-    g: usize,
-    qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-) -> Vec<f32> {
-    let block_floats = c.kv_heads * bs * c.head_dim;
-    ATTN.with(|a| {
-        let a = &mut *a.borrow_mut();
-        let AttnScratch { k, v, q, scores } = a;
-        k.clear();
-        v.clear();
-        attend_in(
-            c,
-            bs,
-            s,
-            offset,
-            g,
-            qkv,
-            kc,
-            vc,
-            block_floats,
-            k,
-            v,
-            q,
-            scores,
-        )
-    })
-}
-
 /// Per-thread buffers for [`attend`], reused from step to step.
 #[derive(Default)]
 struct AttnScratch {
@@ -385,8 +348,10 @@ thread_local! {
     static ATTN: std::cell::RefCell<AttnScratch> = std::cell::RefCell::new(AttnScratch::default());
 }
 
+/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
+/// `(token, head in group)`, each `head_dim` wide.
 #[allow(clippy::too_many_arguments)]
-fn attend_in(
+fn attend(
     c: &ModelConfig,
     bs: usize,
     s: &SeqStep<'_>,
@@ -395,81 +360,82 @@ fn attend_in(
     qkv: &[f32],
     kc: &[f32],
     vc: &[f32],
-    block_floats: usize,
-    k: &mut Vec<f32>,
-    v: &mut Vec<f32>,
-    q: &mut Vec<f32>,
-    scores: &mut Vec<f32>,
 ) -> Vec<f32> {
-    let d = c.head_dim;
-    let grp = c.group();
-    let width = (c.heads + 2 * c.kv_heads) * d;
-    let n = s.tokens.len();
-    let ctx = s.start + n;
-    // Gather this head's keys and values into `[ctx, d]`.
-    for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
-        let len = bs.min(ctx - bi * bs);
-        let at = blk as usize * block_floats + g * bs * d;
-        k.extend_from_slice(&kc[at..at + len * d]);
-        v.extend_from_slice(&vc[at..at + len * d]);
-    }
-    let scale = 1.0 / (d as f32).sqrt();
-    let mut out = vec![0.0; n * grp * d];
-    for i0 in (0..n).step_by(QUERY_TILE) {
-        let qn = QUERY_TILE.min(n - i0);
-        let rows = qn * grp;
-        // The tile's last query sees positions up to `start + i0 + qn - 1`.
-        let seen = s.start + i0 + qn;
-        q.clear();
-        for i in i0..i0 + qn {
-            let at = (offset + i) * width + g * grp * d;
-            q.extend_from_slice(&qkv[at..at + grp * d]);
+    ATTN.with(|a| {
+        let AttnScratch { k, v, q, scores } = &mut *a.borrow_mut();
+        let block_floats = c.kv_heads * bs * c.head_dim;
+        let d = c.head_dim;
+        let grp = c.group();
+        let width = (c.heads + 2 * c.kv_heads) * d;
+        let n = s.tokens.len();
+        let ctx = s.start + n;
+        // Gather this head's keys and values into `[ctx, d]`.
+        k.clear();
+        v.clear();
+        for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
+            let len = bs.min(ctx - bi * bs);
+            let at = blk as usize * block_floats + g * bs * d;
+            k.extend_from_slice(&kc[at..at + len * d]);
+            v.extend_from_slice(&vc[at..at + len * d]);
         }
-        scores.resize(rows * seen, 0.0);
-        matmul(
-            rows,
-            seen,
-            d,
-            scores,
-            Strides::rows(seen),
-            false,
-            q,
-            Strides::rows(d),
-            k,
-            Strides::cols(d),
-        );
-        for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
-            let pos = s.start + i0 + r / grp;
-            let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let mut max = f32::NEG_INFINITY;
-            for (j, x) in row.iter_mut().enumerate() {
-                if j > pos || j < lo {
-                    *x = f32::NEG_INFINITY;
-                } else {
-                    *x *= scale;
-                    max = max.max(*x);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0.0; n * grp * d];
+        for i0 in (0..n).step_by(QUERY_TILE) {
+            let qn = QUERY_TILE.min(n - i0);
+            let rows = qn * grp;
+            // The tile's last query sees positions up to `start + i0 + qn - 1`.
+            let seen = s.start + i0 + qn;
+            q.clear();
+            for i in i0..i0 + qn {
+                let at = (offset + i) * width + g * grp * d;
+                q.extend_from_slice(&qkv[at..at + grp * d]);
+            }
+            scores.resize(rows * seen, 0.0);
+            matmul(
+                rows,
+                seen,
+                d,
+                scores,
+                Strides::rows(seen),
+                false,
+                q,
+                Strides::rows(d),
+                k,
+                Strides::cols(d),
+            );
+            for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
+                let pos = s.start + i0 + r / grp;
+                let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let mut max = f32::NEG_INFINITY;
+                for (j, x) in row.iter_mut().enumerate() {
+                    if j > pos || j < lo {
+                        *x = f32::NEG_INFINITY;
+                    } else {
+                        *x *= scale;
+                        max = max.max(*x);
+                    }
                 }
+                let mut sum = 0.0;
+                for x in row.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                row.iter_mut().for_each(|x| *x /= sum);
             }
-            let mut sum = 0.0;
-            for x in row.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            row.iter_mut().for_each(|x| *x /= sum);
+            let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
+            matmul(
+                rows,
+                d,
+                seen,
+                dst,
+                Strides::rows(d),
+                false,
+                scores,
+                Strides::rows(seen),
+                v,
+                Strides::rows(d),
+            );
         }
-        let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
-        matmul(
-            rows,
-            d,
-            seen,
-            dst,
-            Strides::rows(d),
-            false,
-            scores,
-            Strides::rows(seen),
-            v,
-            Strides::rows(d),
-        );
-    }
-    out
+        out
+    })
 }

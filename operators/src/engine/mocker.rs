@@ -134,25 +134,25 @@ impl Default for MockerConfig {
 }
 
 impl MockerConfig {
+    /// The engine loop's settings.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_queued_requests: self.max_queued_requests,
+            pin_ttl_s: self.pin_ttl_s,
+            vocab_size: None,
+            seed_from_prompt: true,
+        }
+    }
+
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = Vec::new();
-        let mut positive = |name: &str, v: u32| {
-            if v == 0 {
-                out.push(Invalid::field(
-                    format!("{prefix}{name}"),
-                    "must be at least 1",
-                ));
-            }
-        };
-        positive("num_blocks", self.num_blocks);
-        positive("block_size", self.block_size);
-        positive("max_num_seqs", self.max_num_seqs);
-        positive("max_num_batched_tokens", self.max_num_batched_tokens);
-        positive("max_queued_requests", self.max_queued_requests);
+        let mut out = self.settings().validate(prefix);
         for (name, v) in [
             ("speedup", self.speedup),
             ("transfer_gbps", self.transfer_gbps),
-            ("pin_ttl_s", self.pin_ttl_s),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 out.push(Invalid::field(
@@ -258,17 +258,7 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Worker>, B
             }
         }),
     };
-    let settings = Settings {
-        num_blocks: config.num_blocks,
-        block_size: config.block_size,
-        max_num_seqs: config.max_num_seqs,
-        max_num_batched_tokens: config.max_num_batched_tokens,
-        max_queued_requests: config.max_queued_requests,
-        pin_ttl_s: config.pin_ttl_s,
-        vocab_size: None,
-        seed_from_prompt: true,
-    };
-    Worker::start(settings, import, Box::new(exec), cx, "mocker").await
+    Worker::start(config.settings(), import, Box::new(exec), cx, "mocker").await
 }
 
 struct MockerExec {

@@ -62,6 +62,34 @@ pub struct Settings {
     pub seed_from_prompt: bool,
 }
 
+impl Settings {
+    /// The checks every engine's settings need, field names under `prefix`.
+    pub fn validate(&self, prefix: &str) -> Vec<dyn_pipeline::Invalid> {
+        let mut out = Vec::new();
+        for (name, v) in [
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_queued_requests", self.max_queued_requests),
+        ] {
+            if v == 0 {
+                out.push(dyn_pipeline::Invalid::field(
+                    format!("{prefix}{name}"),
+                    "must be at least 1",
+                ));
+            }
+        }
+        if !(self.pin_ttl_s.is_finite() && self.pin_ttl_s > 0.0) {
+            out.push(dyn_pipeline::Invalid::field(
+                format!("{prefix}pin_ttl_s"),
+                "must be a positive number",
+            ));
+        }
+        out
+    }
+}
+
 /// How a decode worker takes KV from a prefill worker: the block format it expects, the
 /// modelled delay before pulling (the mocker's), and a check of the pulled bytes.
 pub struct ImportCheck {

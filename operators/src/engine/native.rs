@@ -125,28 +125,22 @@ impl Default for NativeConfig {
 }
 
 impl NativeConfig {
+    /// The engine loop's settings, for a model with `vocab` tokens.
+    pub fn settings(&self, vocab: Option<u32>) -> Settings {
+        Settings {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_queued_requests: self.max_queued_requests,
+            pin_ttl_s: self.pin_ttl_s,
+            vocab_size: vocab,
+            seed_from_prompt: false,
+        }
+    }
+
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = Vec::new();
-        for (name, v) in [
-            ("num_blocks", self.num_blocks),
-            ("block_size", self.block_size),
-            ("max_num_seqs", self.max_num_seqs),
-            ("max_num_batched_tokens", self.max_num_batched_tokens),
-            ("max_queued_requests", self.max_queued_requests),
-        ] {
-            if v == 0 {
-                out.push(Invalid::field(
-                    format!("{prefix}{name}"),
-                    "must be at least 1",
-                ));
-            }
-        }
-        if !(self.pin_ttl_s.is_finite() && self.pin_ttl_s > 0.0) {
-            out.push(Invalid::field(
-                format!("{prefix}pin_ttl_s"),
-                "must be a positive number",
-            ));
-        }
+        let mut out = self.settings(None).validate(prefix);
         if self.device == DeviceChoice::Cuda && !dyn_gpu::cuda_compiled() {
             out.push(Invalid::field(
                 format!("{prefix}device"),
@@ -182,16 +176,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<Worker>, B
         layout: "layer,kv,head,slot,dim".into(),
         dtype: backend.kv_dtype().name().into(),
     };
-    let settings = Settings {
-        num_blocks: config.num_blocks,
-        block_size: config.block_size,
-        max_num_seqs: config.max_num_seqs,
-        max_num_batched_tokens: config.max_num_batched_tokens,
-        max_queued_requests: config.max_queued_requests,
-        pin_ttl_s: config.pin_ttl_s,
-        vocab_size: u32::try_from(backend.config().vocab).ok(),
-        seed_from_prompt: false,
-    };
+    let settings = config.settings(u32::try_from(backend.config().vocab).ok());
     let import = ImportCheck {
         format,
         delay: Box::new(|_| Duration::ZERO),
