@@ -249,7 +249,7 @@ impl Worker {
             .name(format!("{name}-{}", cx.replica))
             .spawn(move || engine.run(rx))
             .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))?;
-        let mocker = Arc::new(Worker {
+        let worker = Arc::new(Worker {
             commands,
             queued,
             settings: config,
@@ -262,7 +262,7 @@ impl Worker {
         });
         // Weak: the engine thread stops when the last handle goes, and this task must not be
         // one.
-        let weak = Arc::downgrade(&mocker);
+        let weak = Arc::downgrade(&worker);
         tokio::spawn(async move {
             use futures::StreamExt;
             while let Some(ev) = resync.next().await {
@@ -277,7 +277,7 @@ impl Worker {
                 }
             }
         });
-        Ok(mocker)
+        Ok(worker)
     }
 
     /// Queue a request; its tokens arrive on the returned channel. `kv`: the prompt's KV
