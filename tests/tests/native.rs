@@ -1,7 +1,9 @@
 //! The native engine behind the real `dyn` binary and HTTP (`graphs/agg_native.yaml`):
 //! greedy completions of the tiny random-weight Llama equal Hugging Face transformers'
 //! reference tokens whether requests run alone or batched, a repeated prompt is served from
-//! the prefix cache with the same answer, seeded sampling repeats, and bad input is a 400.
+//! the prefix cache with the same answer, preempted sequences recompute to the same answer, a
+//! request larger than the whole cache ends with `length` instead of hanging, seeded sampling
+//! repeats, and bad input is a 400.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{Graph, completion, metric, root};
@@ -129,4 +131,64 @@ async fn sampling_is_seeded_and_bad_input_is_refused() {
         assert_eq!(status, 400);
         assert_eq!(v["error"]["param"], param, "{v}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preempted_sequences_recompute_to_the_same_greedy_output() {
+    // 12 blocks of 4 tokens: each reference prompt plus 12 answer tokens needs up to 9, so
+    // three at once cannot all fit and the newest are preempted and recomputed.
+    let g = Graph::up_with_ingress(
+        "graphs/agg_native.yaml",
+        "http",
+        &[
+            "--set",
+            "decode.native.num_blocks=12",
+            "--set",
+            "decode.native.block_size=4",
+        ],
+    );
+    let url = g.url("");
+    let tok = tokenizers::Tokenizer::from_file(root().join("models/tiny/tokenizer.json")).unwrap();
+    let cases = reference();
+    let tasks: Vec<_> = (0..2)
+        .flat_map(|_| cases.iter())
+        .map(|c| {
+            let (url, body) = (url.clone(), greedy_body(&c.prompt, c.greedy.len()));
+            tokio::spawn(async move { complete(&url, body).await })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let v = t.await.unwrap();
+        let want = tok.decode(&cases[i % cases.len()].greedy, true).unwrap();
+        assert_eq!(v["choices"][0]["text"], want.as_str(), "{v}");
+    }
+    let m = g.get("/metrics");
+    assert!(
+        metric(&m, &["dyn_worker_preemptions_total"]) > 0,
+        "the cache was small enough to preempt:\n{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_larger_than_the_whole_cache_ends_with_length_instead_of_hanging() {
+    // 6 blocks of 4 tokens: a 21-token prompt leaves room for 4 answer tokens.
+    let g = Graph::up_with_ingress(
+        "graphs/agg_native.yaml",
+        "http",
+        &[
+            "--set",
+            "decode.native.num_blocks=6",
+            "--set",
+            "decode.native.block_size=4",
+        ],
+    );
+    let case = &reference()[2];
+    assert_eq!(case.prompt.len(), 21);
+    let v = complete(&g.url(""), greedy_body(&case.prompt, 12)).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // A prompt that cannot fit at all is refused up front.
+    let long: Vec<u32> = (0..30).map(|i| i % 600).collect();
+    let (status, v) = completion(&g.url(""), &greedy_body(&long, 4)).await;
+    assert_eq!(status, 400, "{v}");
 }

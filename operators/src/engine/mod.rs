@@ -566,6 +566,11 @@ impl Engine {
                     o.finish = finish;
                 }
             }
+            for id in std::mem::take(&mut out.ended) {
+                if let Some(o) = self.outboxes.get_mut(&id) {
+                    o.finish = Some(crate::llm::types::FinishReason::Length);
+                }
+            }
             for (id, blocks, tokens) in std::mem::take(&mut out.pinned) {
                 self.offer(id, blocks, &tokens);
             }

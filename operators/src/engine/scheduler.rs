@@ -110,6 +110,8 @@ pub struct StepOutcome {
     /// referenced: release them with [`Pool::release`] once they are transferred) and the
     /// prompt tokens.
     pub pinned: Vec<(SeqId, Vec<BlockId>, Vec<u32>)>,
+    /// Sequences ended without a new token: they outgrew the whole cache.
+    pub ended: Vec<SeqId>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -293,6 +295,20 @@ impl Scheduler {
                 }
                 // Preempt from the back; if that is this sequence, it stops here.
                 let victim = self.running.len() - 1;
+                if victim == 0 && self.pool.active() as usize == self.running[0].blocks.len() {
+                    // Alone, holding every block in use, and still short of one: the cache
+                    // is smaller than this sequence. Preempting it would only recompute it
+                    // into the same wall, forever; it ends here (`length`).
+                    let seq = self.running.remove(0);
+                    tracing::warn!(
+                        seq = seq.id,
+                        tokens = seq.tokens.len(),
+                        "A sequence outgrew the whole KV cache; ending it"
+                    );
+                    out.ended.push(seq.id);
+                    self.free(seq);
+                    break;
+                }
                 let seq = self.running.remove(victim);
                 out.preempted += 1;
                 self.preempt(seq);
@@ -639,6 +655,28 @@ mod tests {
             );
         }
         assert_eq!(s.pool.active(), 0);
+    }
+
+    #[test]
+    fn a_sequence_larger_than_the_cache_ends_instead_of_preempting_itself_forever() {
+        // 2 blocks of 4 tokens: a 3-token prompt can grow to 8 tokens and no further.
+        let mut s = Scheduler::new(limits(8, 64), 2);
+        s.add(1, spec(vec![1, 2, 3], 100));
+        let mut got = 0;
+        for _ in 0..100 {
+            let out = step(&mut s);
+            got += out.tokens.len();
+            if out.ended == [1] {
+                assert!(s.is_idle());
+                assert_eq!(s.pool.active(), 0);
+                assert_eq!(
+                    got, 6,
+                    "tokens until the cache was full (the last needs no slot)"
+                );
+                return;
+            }
+        }
+        panic!("the sequence never ended");
     }
 
     #[test]
