@@ -507,6 +507,15 @@ where
         Ok(host.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
     }
 
+    /// Make the context current on this thread: the backend is built on one thread and
+    /// driven from the engine's, and cuBLAS calls use whatever context is current.
+    fn bind(&self) -> Result<(), ComputeError> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(dev("binding the CUDA context"))
+    }
+
     fn block_elems(&self) -> usize {
         self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
     }
@@ -518,6 +527,7 @@ where
         ids: &[u32],
         data: Option<&[&[u8]]>,
     ) -> Result<Vec<Vec<u8>>, ComputeError> {
+        self.bind()?;
         let be = self.block_elems();
         let n = ids.len();
         if let Some(b) = ids.iter().find(|b| **b as usize >= self.kv.num_blocks) {
@@ -591,6 +601,7 @@ where
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
         check_batch(batch, self.kv, &self.cfg)?;
+        self.bind()?;
         self.step(batch)
     }
 
@@ -602,6 +613,7 @@ where
         if block as usize >= self.kv.num_blocks {
             return Err(ComputeError::Invalid(format!("no block {block}")));
         }
+        self.bind()?;
         let be = self.block_elems();
         let range = block as usize * be..(block as usize + 1) * be;
         let mut out = Vec::with_capacity(self.block_bytes());
