@@ -2,9 +2,11 @@
 //! batch 1 and with 16 sequences decoding together, measured in one run.
 //!
 //! ```text
-//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps] [rounds]
+//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps] [rounds] [cpu|cuda]
 //! ```
-//! Prints one JSON line: measured read bandwidth (GB/s, all threads), weight bytes per token,
+//! On `cuda` (a build with `--features cuda`) the bandwidth is the device's, measured by a
+//! large device-to-device copy. Prints one JSON line: measured read bandwidth (GB/s),
+//! weight bytes per token,
 //! roofline tokens/s (bandwidth ÷ bytes per token), and decode tokens/s at batch 1 and 16.
 
 use std::time::Instant;
@@ -39,7 +41,7 @@ fn read_bandwidth(buf: &[u32]) -> f64 {
 }
 
 /// Decode `steps` tokens for `batch` sequences after a `PROMPT`-token prefill; tokens/s.
-fn decode(b: &mut CpuBackend, batch: usize, steps: usize, bar: &ProgressBar) -> f64 {
+fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) -> f64 {
     let per_seq = (PROMPT + steps + 1).div_ceil(BLOCK);
     let mut seqs: Vec<(Vec<u32>, Vec<u32>)> = (0..batch)
         .map(|i| {
@@ -96,7 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dir = std::path::PathBuf::from(
         args.first()
-            .ok_or("usage: native_bench MODEL_DIR [f32|bf16] [steps]")?,
+            .ok_or("usage: native_bench MODEL_DIR [f32|bf16] [steps] [rounds] [cpu|cuda]")?,
     );
     let dtype = match args.get(1).map_or("f32", String::as_str) {
         "bf16" => DType::Bf16,
@@ -121,26 +123,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         num_blocks: 16 * (PROMPT + steps + 1).div_ceil(BLOCK),
         block_size: BLOCK,
     };
-    let mut b = CpuBackend::new(w, kv)?;
+    let device = args.get(4).map_or("cpu", String::as_str);
+    let (mut b, bandwidth): (Box<dyn Backend>, Box<dyn Fn() -> f64>) = match device {
+        "cpu" => {
+            let buf: Vec<u32> = (0..256u32 << 20).collect(); // 1 GiB
+            (
+                Box::new(CpuBackend::new(w, kv)?),
+                Box::new(move || read_bandwidth(&buf)),
+            )
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => (
+            dyn_gpu::cuda::load(w, kv, 0)?,
+            Box::new(|| dyn_gpu::cuda::copy_bandwidth(0).unwrap_or(f64::NAN)),
+        ),
+        other => {
+            return Err(
+                format!("device {other}: cpu, or cuda in a build with --features cuda").into(),
+            );
+        }
+    };
     // Warm up (page in the weights, size the buffers).
     bar.set_message("warm-up");
-    decode(&mut b, 1, 4, &bar);
+    decode(b.as_mut(), 1, 4, &bar);
     // This machine's bandwidth drifts (shared hosts): bandwidth and batch-1 decode are
     // measured back to back in each of several rounds, and the median round is reported.
-    let buf: Vec<u32> = (0..256u32 << 20).collect(); // 1 GiB
     let mut rounds = Vec::new();
     for r in 0..n_rounds {
         bar.set_message(format!("bandwidth {}", r + 1));
-        let gbps = read_bandwidth(&buf);
+        let gbps = bandwidth();
         bar.set_message(format!("batch 1 ({})", r + 1));
-        let b1 = decode(&mut b, 1, steps, &bar);
+        let b1 = decode(b.as_mut(), 1, steps, &bar);
         let roofline = gbps * 1e9 / bytes as f64;
         rounds.push((b1 / roofline, gbps, b1, roofline));
     }
     rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
     let (fraction, gbps, b1, roofline) = rounds[rounds.len() / 2];
     bar.set_message("batch 16");
-    let b16 = decode(&mut b, 16, steps, &bar);
+    let b16 = decode(b.as_mut(), 16, steps, &bar);
     bar.finish_and_clear();
     println!(
         "{}",

@@ -89,6 +89,30 @@ pub fn compile_kernels(dtype: DType) -> Result<usize, ComputeError> {
     Ok(ptx.to_src().len())
 }
 
+/// Device memory bandwidth in GB/s (bytes read plus written), measured by copying 1 GiB
+/// device to device, best of three: the roofline for decode on GPU `ordinal`.
+pub fn copy_bandwidth(ordinal: usize) -> Result<f64, ComputeError> {
+    if !driver_present() {
+        return Err(ComputeError::Device(
+            "no CUDA driver (libcuda) on this machine".into(),
+        ));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(dev("opening the GPU"))?;
+    let stream = ctx.default_stream();
+    let n = 256 << 20; // u32s
+    let src = stream.alloc_zeros::<u32>(n).map_err(dev("allocating"))?;
+    let mut dst = stream.alloc_zeros::<u32>(n).map_err(dev("allocating"))?;
+    let mut best: f64 = 0.0;
+    for _ in 0..3 {
+        stream.synchronize().map_err(dev("synchronizing"))?;
+        let t = std::time::Instant::now();
+        stream.memcpy_dtod(&src, &mut dst).map_err(dev("copying"))?;
+        stream.synchronize().map_err(dev("synchronizing"))?;
+        best = best.max(2.0 * (n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    Ok(best)
+}
+
 /// A storage type on the device.
 pub trait DevFloat: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
     const DEFINE: &'static str;
