@@ -134,7 +134,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         #[cfg(feature = "cuda")]
         "cuda" => (
-            dyn_gpu::cuda::load(w, kv, 0)?,
+            dyn_gpu::cuda::load(&w, kv, 0)?,
             Box::new(|| dyn_gpu::cuda::copy_bandwidth(0).unwrap_or(f64::NAN)),
         ),
         other => {

@@ -26,7 +26,7 @@ mod gpu {
     fn gpu(model: &str, dtype: DType) -> Option<Box<dyn Backend>> {
         let w = ModelWeights::load(&dir(model), dtype).unwrap();
         match dyn_gpu::cuda::load(
-            w,
+            &w,
             KvShape {
                 num_blocks: 256,
                 block_size: 4,
@@ -115,7 +115,7 @@ mod gpu {
     fn no_driver_is_an_error_not_a_panic() {
         let w = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
         match dyn_gpu::cuda::load(
-            w,
+            &w,
             KvShape {
                 num_blocks: 4,
                 block_size: 4,

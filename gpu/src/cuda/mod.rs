@@ -39,9 +39,10 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Start the backend on GPU `ordinal` with `weights` in their own dtype.
+/// Start the backend on GPU `ordinal` with `w` in its own dtype (uploaded from the host
+/// copy, which the caller keeps: a failed start can fall back to the CPU without reloading).
 pub fn load(
-    w: ModelWeights,
+    w: &ModelWeights,
     kv: KvShape,
     ordinal: usize,
 ) -> Result<Box<dyn Backend>, ComputeError> {
@@ -240,7 +241,7 @@ impl<T: DevFloat> Engine<T>
 where
     CudaBlas: Gemm<T>,
 {
-    fn new(w: ModelWeights, kv: KvShape, ordinal: usize) -> Result<Self, ComputeError> {
+    fn new(w: &ModelWeights, kv: KvShape, ordinal: usize) -> Result<Self, ComputeError> {
         let ctx = CudaContext::new(ordinal).map_err(dev("opening the GPU"))?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(dev("starting cuBLAS"))?;

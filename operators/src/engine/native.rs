@@ -213,12 +213,12 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
     };
     match c.device {
         DeviceChoice::Cpu => cpu(weights),
-        DeviceChoice::Cuda => cuda(weights, kv, c.gpu).map_err(BuildError::new),
+        DeviceChoice::Cuda => cuda(&weights, kv, c.gpu).map_err(BuildError::new),
         DeviceChoice::Auto => {
             if !dyn_gpu::cuda_compiled() {
                 return cpu(weights);
             }
-            match cuda(weights.clone(), kv, c.gpu) {
+            match cuda(&weights, kv, c.gpu) {
                 Ok(b) => Ok(b),
                 Err(e) => {
                     tracing::warn!(error = %e, "No usable CUDA device; the native engine runs on CPU");
@@ -230,12 +230,12 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
 }
 
 #[cfg(feature = "cuda")]
-fn cuda(weights: ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
+fn cuda(weights: &ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
     dyn_gpu::cuda::load(weights, kv, ordinal).map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_: ModelWeights, _: KvShape, _: usize) -> Result<Box<dyn Backend>, String> {
+fn cuda(_: &ModelWeights, _: KvShape, _: usize) -> Result<Box<dyn Backend>, String> {
     Err("this dyn was built without the `cuda` feature".into())
 }
 
