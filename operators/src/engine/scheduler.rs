@@ -17,7 +17,7 @@ use super::pool::{BlockId, Pool};
 use crate::llm::kv::{BlockHash, chain_hash, local_hash};
 use crate::llm::types::FinishReason;
 
-/// Limits of one simulated engine.
+/// Limits of one engine's scheduler.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub block_size: usize,
