@@ -28,7 +28,12 @@ pub struct Linear {
 pub struct Scratch {
     yt: Vec<f32>,
     xt: Vec<f32>,
+    xb: Vec<bf16>,
 }
+
+/// With bf16 weights on a CPU with AVX512-BF16, up to this many rows (batched decode) take
+/// its native dot products instead of widening the weights for gemm.
+const BF16_DOT_ROWS: usize = 64;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -55,6 +60,12 @@ impl Linear {
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Scratch) {
         if m <= DOT_ROWS {
             return self.forward_dots(x, m, y, &mut scratch.yt);
+        }
+        if let Host::Bf16(w) = &self.w
+            && m <= BF16_DOT_ROWS
+            && super::bf16dot::available()
+        {
+            return self.forward_bf16_dots(w, x, m, y, scratch);
         }
         let (out, inp, tile) = (self.out, self.inp, self.tile);
         debug_assert_eq!(x.len(), m * inp);
@@ -141,6 +152,40 @@ impl Linear {
             }
         });
         for (o, col) in yt.chunks(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                y[i * out + o] = *v;
+            }
+        }
+    }
+}
+
+impl Linear {
+    /// Batched decode with bf16 weights on AVX512-BF16 (see [`super::bf16dot`]): the input
+    /// rounded to bf16 once, runs of weight rows spread over the pool like
+    /// [`Linear::forward_dots`].
+    fn forward_bf16_dots(&self, w: &[bf16], x: &[f32], m: usize, y: &mut [f32], s: &mut Scratch) {
+        let (out, inp) = (self.out, self.inp);
+        s.xb.clear();
+        s.xb.extend(x.iter().map(|v| bf16::from_f32(*v)));
+        let xb = &s.xb;
+        let run = out
+            .div_ceil(4 * rayon::current_num_threads().max(1))
+            .div_ceil(4)
+            .max(1)
+            * 4;
+        s.yt.resize(out * m, 0.0);
+        s.yt.par_chunks_mut(run * m)
+            .enumerate()
+            .for_each(|(r, dst)| {
+                let (o0, rows) = (r * run, dst.len() / m);
+                super::bf16dot::dots(&w[o0 * inp..(o0 + rows) * inp], xb, inp, m, dst);
+                if let Some(b) = &self.bias {
+                    for (j, d) in dst.chunks_mut(m).enumerate() {
+                        d.iter_mut().for_each(|v| *v += b[o0 + j]);
+                    }
+                }
+            });
+        for (o, col) in s.yt.chunks(m).enumerate() {
             for (i, v) in col.iter().enumerate() {
                 y[i * out + o] = *v;
             }

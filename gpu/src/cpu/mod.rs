@@ -11,6 +11,7 @@
 //! The cache is f32, laid out `[block][kv_head][slot][dim]` per layer for K and for V, so one
 //! block of one head is contiguous for the gather and a block's export is a few copies.
 
+pub mod bf16dot;
 pub mod gemm;
 pub mod linear;
 
