@@ -41,34 +41,22 @@ async fn complete(url: &str, body: Value) -> Value {
     v
 }
 
-fn greedy_body(prompt: &[u32], max_tokens: usize) -> Value {
-    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-           "temperature": 0, "ignore_eos": true})
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn greedy_output_equals_transformers_alone_batched_and_from_the_prefix_cache() {
-    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
-    let url = g.url("");
+/// The reference prompts' greedy answers as text.
+fn want_texts(cases: &[Case]) -> Vec<String> {
     let tok = tokenizers::Tokenizer::from_file(root().join("models/tiny/tokenizer.json")).unwrap();
-    let cases = reference();
-    let want: Vec<String> = cases
+    cases
         .iter()
         .map(|c| tok.decode(&c.greedy, true).unwrap())
-        .collect();
+        .collect()
+}
 
-    // Alone, one after another.
-    for (c, w) in cases.iter().zip(&want) {
-        let v = complete(&url, greedy_body(&c.prompt, c.greedy.len())).await;
-        assert_eq!(v["choices"][0]["text"], w.as_str(), "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], c.greedy.len());
-        assert_eq!(v["usage"]["prompt_tokens"], c.prompt.len());
-    }
-    // All at once, three times over: batched together (and by now from the prefix cache).
-    let tasks: Vec<_> = (0..3)
+/// Every reference prompt `rounds` times, all at once; each answer must be the reference's.
+async fn all_at_once_match(url: &str, cases: &[Case], rounds: usize) {
+    let want = want_texts(cases);
+    let tasks: Vec<_> = (0..rounds)
         .flat_map(|_| cases.iter())
         .map(|c| {
-            let (url, body) = (url.clone(), greedy_body(&c.prompt, c.greedy.len()));
+            let (url, body) = (url.to_owned(), greedy_body(&c.prompt, c.greedy.len()));
             tokio::spawn(async move { complete(&url, body).await })
         })
         .collect();
@@ -80,6 +68,28 @@ async fn greedy_output_equals_transformers_alone_batched_and_from_the_prefix_cac
             "{v}"
         );
     }
+}
+
+fn greedy_body(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+           "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_equals_transformers_alone_batched_and_from_the_prefix_cache() {
+    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = g.url("");
+    let cases = reference();
+    let want = want_texts(&cases);
+    // Alone, one after another.
+    for (c, w) in cases.iter().zip(&want) {
+        let v = complete(&url, greedy_body(&c.prompt, c.greedy.len())).await;
+        assert_eq!(v["choices"][0]["text"], w.as_str(), "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], c.greedy.len());
+        assert_eq!(v["usage"]["prompt_tokens"], c.prompt.len());
+    }
+    // All at once, three times over: batched together (and by now from the prefix cache).
+    all_at_once_match(&url, &cases, 3).await;
     let m = g.get("/metrics");
     let hits = metric(&m, &["dyn_worker_prefix_cache_hit_blocks_total"]);
     assert!(hits > 0, "repeated prompts hit the prefix cache:\n{m}");
@@ -147,21 +157,7 @@ async fn preempted_sequences_recompute_to_the_same_greedy_output() {
             "decode.native.block_size=4",
         ],
     );
-    let url = g.url("");
-    let tok = tokenizers::Tokenizer::from_file(root().join("models/tiny/tokenizer.json")).unwrap();
-    let cases = reference();
-    let tasks: Vec<_> = (0..2)
-        .flat_map(|_| cases.iter())
-        .map(|c| {
-            let (url, body) = (url.clone(), greedy_body(&c.prompt, c.greedy.len()));
-            tokio::spawn(async move { complete(&url, body).await })
-        })
-        .collect();
-    for (i, t) in tasks.into_iter().enumerate() {
-        let v = t.await.unwrap();
-        let want = tok.decode(&cases[i % cases.len()].greedy, true).unwrap();
-        assert_eq!(v["choices"][0]["text"], want.as_str(), "{v}");
-    }
+    all_at_once_match(&g.url(""), &reference(), 2).await;
     let m = g.get("/metrics");
     assert!(
         metric(&m, &["dyn_worker_preemptions_total"]) > 0,
