@@ -1,10 +1,17 @@
-//! `y = x · Wᵀ (+ b)` for the CPU backend, parallel over tiles of W's rows.
+//! `y = x · Wᵀ (+ b)` for the CPU backend, parallel over runs of W's rows (output features).
 //!
-//! Each rayon task owns a tile of output features: it multiplies every input row by its tile
-//! of W, so a weight is read from memory once per step however many tokens the step has —
-//! which is what makes batched decode cheap. Half-precision weights are widened into a
-//! per-thread f32 scratch tile small enough to stay in cache, so memory traffic is the
-//! 2-byte weights, not 4-byte copies.
+//! Each rayon task owns a run of output features and multiplies every input row by it, so a
+//! weight is read from memory once per step however many tokens the step has — which is what
+//! makes batched decode cheap. Three ways, by the number of input rows:
+//!
+//! - up to four (decode): streamed dot products, compiled for AVX-512, AVX2 and NEON and
+//!   chosen at run time, half-precision weights widened in the loop — memory-bound, as it
+//!   should be;
+//! - bf16 weights and up to 64 rows on a CPU with AVX512-BF16: its native dot products
+//!   ([`super::bf16dot`]);
+//! - otherwise gemm's microkernels on tiles of W, with the input transposed so gemm reads it
+//!   in place; half-precision tiles are widened into a per-thread f32 buffer that stays in
+//!   cache, so memory traffic is the 2-byte weights.
 
 use std::cell::RefCell;
 
