@@ -178,18 +178,24 @@ impl Offers {
     }
 }
 
-/// Both sides in one process.
+/// Both sides in one process. Also the local half of a [`TcpAgent`], under its TCP name.
 pub struct InProcessAgent {
     name: String,
-    offers: Offers,
+    offers: Arc<Offers>,
 }
 
 impl Default for InProcessAgent {
     fn default() -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self::named(format!("inproc://{}", NEXT.fetch_add(1, Ordering::Relaxed)))
+    }
+}
+
+impl InProcessAgent {
+    fn named(name: String) -> Self {
         Self {
-            name: format!("inproc://{}", NEXT.fetch_add(1, Ordering::Relaxed)),
-            offers: Offers::default(),
+            name,
+            offers: Arc::default(),
         }
     }
 }
@@ -252,8 +258,8 @@ async fn read_control<T: for<'de> Deserialize<'de>>(
 
 /// Blocks over TCP. See the module docs.
 pub struct TcpAgent {
-    name: String,
-    offers: Arc<Offers>,
+    /// Its offers, and pulls of them from this process, which skip the socket.
+    local: InProcessAgent,
     _listener: tokio::task::JoinHandle<()>,
 }
 
@@ -269,8 +275,8 @@ impl TcpAgent {
         let listener = TcpListener::bind(bind).await?;
         let local = listener.local_addr()?;
         let host = advertise.map_or_else(|| local.ip().to_string(), str::to_owned);
-        let offers = Arc::new(Offers::default());
-        let serving = offers.clone();
+        let agent = InProcessAgent::named(format!("tcp://{host}:{}", local.port()));
+        let serving = agent.offers.clone();
         let task = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
@@ -285,15 +291,14 @@ impl TcpAgent {
             }
         });
         Ok(Self {
-            name: format!("tcp://{host}:{}", local.port()),
-            offers,
+            local: agent,
             _listener: task,
         })
     }
 
     /// `tcp://HOST:PORT`.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.local.name
     }
 }
 
@@ -342,13 +347,12 @@ impl KvTransferAgent for TcpAgent {
         ttl: Duration,
         hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError> {
-        self.offers
-            .offer(&self.name, block_ids, blocks, format, ttl, hold)
+        self.local.offer_held(block_ids, blocks, format, ttl, hold)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
-        if desc.agent == self.name {
-            return Ok(self.offers.take(desc.transfer_id)?.blocks);
+        if desc.agent == self.local.name {
+            return self.local.pull(desc).await;
         }
         let addr = desc
             .agent
