@@ -40,7 +40,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-fn splitmix(mut z: u64) -> u64 {
+/// splitmix64's output function: a well-mixed 64-bit value from any 64-bit input.
+pub fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

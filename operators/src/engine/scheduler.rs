@@ -133,11 +133,9 @@ pub struct Scheduler {
 
 /// The mocker's deterministic output: splitmix64 over seed and position, into `vocab`.
 pub fn token_at(spec: &SeqSpec, vocab: &[u32], position: u32) -> u32 {
-    let mut z = spec.sampling.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    let z = dyn_gpu::sample::splitmix(
+        spec.sampling.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
     match vocab.len() {
         0 => 0,
         n => vocab[(z % n as u64) as usize],
