@@ -65,29 +65,62 @@ impl Linear {
     /// `y[m×out] = x[m×inp] · Wᵀ (+ b)`; `scratch` keeps its buffers between calls (fresh
     /// large buffers would cost page faults every step).
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Scratch) {
+        let (out, inp) = (self.out, self.inp);
+        debug_assert_eq!(x.len(), m * inp);
+        debug_assert_eq!(y.len(), m * out);
+        let Scratch { yt, xt, xb } = scratch;
         if m <= DOT_ROWS {
-            return self.forward_dots(x, m, y, &mut scratch.yt);
+            // Few rows (decode): every output is a dot product of a weight row with each input
+            // row, streaming W once at memory speed with no widening copy; large runs of
+            // rows per task, so the per-task cost is paid a few times per matrix.
+            let run = out
+                .div_ceil(4 * rayon::current_num_threads().max(1))
+                .max(16);
+            return self.by_runs(m, run, y, yt, |o0, dst| {
+                let w = o0 * inp..(o0 + dst.len() / m) * inp;
+                let mut one = Vec::new();
+                for i in 0..m {
+                    let xi = &x[i * inp..(i + 1) * inp];
+                    // One row writes its dots in place; more take turns through `one`.
+                    let d: &mut [f32] = if m == 1 {
+                        &mut *dst
+                    } else {
+                        one.resize(dst.len() / m, 0.0);
+                        &mut one
+                    };
+                    match &self.w {
+                        Host::F32(v) => dots_f32(xi, &v[w.clone()], d),
+                        Host::Bf16(v) => dots_bf16(xi, &v[w.clone()], d),
+                        Host::F16(v) => dots_f16(xi, &v[w.clone()], d),
+                    }
+                    if m > 1 {
+                        for (j, v) in one.iter().enumerate() {
+                            dst[j * m + i] = *v;
+                        }
+                    }
+                }
+            });
         }
         if let Host::Bf16(w) = &self.w
             && m <= BF16_DOT_ROWS
             && super::bf16dot::available()
         {
-            return self.forward_bf16_dots(w, x, m, y, scratch);
+            // Batched decode with bf16 weights on AVX512-BF16 (see [`super::bf16dot`]): the
+            // input rounded to bf16 once.
+            xb.clear();
+            xb.extend(x.iter().map(|v| bf16::from_f32(*v)));
+            let run = out
+                .div_ceil(4 * rayon::current_num_threads().max(1))
+                .div_ceil(4)
+                .max(1)
+                * 4;
+            let xb = &xb[..];
+            return self.by_runs(m, run, y, yt, |o0, dst| {
+                super::bf16dot::dots(&w[o0 * inp..(o0 + dst.len() / m) * inp], xb, inp, m, dst);
+            });
         }
-        let (out, inp, tile) = (self.out, self.inp, self.tile);
-        debug_assert_eq!(x.len(), m * inp);
-        debug_assert_eq!(y.len(), m * out);
-        // Tiles write their output features for every row: that is contiguous in `yt`
-        // (`[out, m]`), which is `y` itself when there is one row.
-        let yt: &mut [f32] = if m == 1 {
-            y
-        } else {
-            scratch.yt.resize(m * out, 0.0);
-            &mut scratch.yt[..m * out]
-        };
         // x transposed (`[inp, m]`): gemm then uses it in place instead of packing a copy
         // for every tile.
-        let xt = &mut scratch.xt;
         xt.resize(m * inp, 0.0);
         for (i, row) in x.chunks_exact(inp).enumerate() {
             for (k, v) in row.iter().enumerate() {
@@ -95,104 +128,51 @@ impl Linear {
             }
         }
         let x = &xt[..];
-        yt.par_chunks_mut(tile * m)
-            .enumerate()
-            .for_each(|(t, dst)| {
-                let o0 = t * tile;
-                let n = dst.len() / m;
-                let ds = Strides::cols(m);
-                let a = Strides::cols(m);
-                match &self.w {
-                    Host::F32(w) => {
-                        let w = &w[o0 * inp..(o0 + n) * inp];
-                        matmul(m, n, inp, dst, ds, false, x, a, w, Strides::cols(inp));
-                    }
-                    Host::Bf16(w) => widened(&w[o0 * inp..(o0 + n) * inp], bf16_to_f32, |wt| {
-                        matmul(m, n, inp, dst, ds, false, x, a, wt, Strides::cols(inp))
-                    }),
-                    Host::F16(w) => widened(&w[o0 * inp..(o0 + n) * inp], f16::to_f32, |wt| {
-                        matmul(m, n, inp, dst, ds, false, x, a, wt, Strides::cols(inp))
-                    }),
-                }
+        self.by_runs(m, self.tile, y, yt, |o0, dst| {
+            let n = dst.len() / m;
+            let (ds, a, bs) = (Strides::cols(m), Strides::cols(m), Strides::cols(inp));
+            let w = o0 * inp..(o0 + n) * inp;
+            match &self.w {
+                Host::F32(v) => matmul(m, n, inp, dst, ds, false, x, a, &v[w], bs),
+                Host::Bf16(v) => widened(&v[w], bf16_to_f32, |wt| {
+                    matmul(m, n, inp, dst, ds, false, x, a, wt, bs)
+                }),
+                Host::F16(v) => widened(&v[w], f16::to_f32, |wt| {
+                    matmul(m, n, inp, dst, ds, false, x, a, wt, bs)
+                }),
+            }
+        });
+    }
+
+    /// Split the output features into runs of `run`, have `f(first, dst)` fill each run's
+    /// `[run, m]` slice of `yt` (`[out, m]`) in parallel, add the bias, and scatter `yt` into
+    /// `y` (`[m, out]`). With one input row the two layouts are the same.
+    fn by_runs(
+        &self,
+        m: usize,
+        run: usize,
+        y: &mut [f32],
+        yt: &mut Vec<f32>,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) {
+        let out = self.out;
+        let fill = |yt: &mut [f32]| {
+            yt.par_chunks_mut(run * m).enumerate().for_each(|(r, dst)| {
+                let o0 = r * run;
+                f(o0, dst);
                 if let Some(b) = &self.bias {
                     for (j, col) in dst.chunks_mut(m).enumerate() {
                         col.iter_mut().for_each(|v| *v += b[o0 + j]);
                     }
                 }
-            });
-        if m > 1 {
-            for (o, col) in scratch.yt[..m * out].chunks(m).enumerate() {
-                for (i, v) in col.iter().enumerate() {
-                    y[i * out + o] = *v;
-                }
-            }
+            })
+        };
+        if m == 1 {
+            return fill(y);
         }
-    }
-}
-
-impl Linear {
-    /// Few rows (decode): every output is a dot product of a weight row with each input row,
-    /// streaming W once at memory speed with no widening copy. Threads take large contiguous
-    /// runs of W's rows, so the per-task cost is paid a few times per matrix, not per tile.
-    fn forward_dots(&self, x: &[f32], m: usize, y: &mut [f32], yt: &mut Vec<f32>) {
-        let (out, inp) = (self.out, self.inp);
-        let run = out
-            .div_ceil(4 * rayon::current_num_threads().max(1))
-            .max(16);
-        // `yt` is `[out, m]`: a run of rows owns a contiguous slice of it.
         yt.resize(out * m, 0.0);
-        yt.par_chunks_mut(run * m).enumerate().for_each(|(r, dst)| {
-            let (o0, rows) = (r * run, dst.len() / m);
-            let w = o0 * inp..(o0 + rows) * inp;
-            let mut dots = vec![0.0f32; rows];
-            for i in 0..m {
-                let xi = &x[i * inp..(i + 1) * inp];
-                match &self.w {
-                    Host::F32(v) => dots_f32(xi, &v[w.clone()], &mut dots),
-                    Host::Bf16(v) => dots_bf16(xi, &v[w.clone()], &mut dots),
-                    Host::F16(v) => dots_f16(xi, &v[w.clone()], &mut dots),
-                }
-                for (j, d) in dots.iter().enumerate() {
-                    let b = self.bias.as_ref().map_or(0.0, |b| b[o0 + j]);
-                    dst[j * m + i] = d + b;
-                }
-            }
-        });
+        fill(&mut yt[..]);
         for (o, col) in yt.chunks(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                y[i * out + o] = *v;
-            }
-        }
-    }
-}
-
-impl Linear {
-    /// Batched decode with bf16 weights on AVX512-BF16 (see [`super::bf16dot`]): the input
-    /// rounded to bf16 once, runs of weight rows spread over the pool like
-    /// [`Linear::forward_dots`].
-    fn forward_bf16_dots(&self, w: &[bf16], x: &[f32], m: usize, y: &mut [f32], s: &mut Scratch) {
-        let (out, inp) = (self.out, self.inp);
-        s.xb.clear();
-        s.xb.extend(x.iter().map(|v| bf16::from_f32(*v)));
-        let xb = &s.xb;
-        let run = out
-            .div_ceil(4 * rayon::current_num_threads().max(1))
-            .div_ceil(4)
-            .max(1)
-            * 4;
-        s.yt.resize(out * m, 0.0);
-        s.yt.par_chunks_mut(run * m)
-            .enumerate()
-            .for_each(|(r, dst)| {
-                let (o0, rows) = (r * run, dst.len() / m);
-                super::bf16dot::dots(&w[o0 * inp..(o0 + rows) * inp], xb, inp, m, dst);
-                if let Some(b) = &self.bias {
-                    for (j, d) in dst.chunks_mut(m).enumerate() {
-                        d.iter_mut().for_each(|v| *v += b[o0 + j]);
-                    }
-                }
-            });
-        for (o, col) in s.yt.chunks(m).enumerate() {
             for (i, v) in col.iter().enumerate() {
                 y[i * out + o] = *v;
             }
