@@ -117,7 +117,7 @@ impl CpuBackend {
 
     /// One forward pass (on a pool thread).
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
-        let c = self.cfg.clone();
+        let c = &self.cfg;
         let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
         let (qd, kvd) = (c.heads * d, c.kv_heads * d);
         let width = qd + 2 * kvd;
@@ -180,7 +180,7 @@ impl CpuBackend {
             let qkv = &b.qkv;
             let outs: Vec<Vec<f32>> = tasks
                 .par_iter()
-                .map(|&(s, g)| attend(&c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
+                .map(|&(s, g)| attend(c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
                 .collect();
             let grp = c.group();
             for (&(s, g), o) in tasks.iter().zip(&outs) {

@@ -379,7 +379,7 @@ where
     }
 
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
-        let c = self.cfg.clone();
+        let c = &self.cfg;
         let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
         let width = (c.heads + 2 * c.kv_heads) * d;
         // Per token: id, position, its cache block, its sequence; per sequence: block table.

@@ -165,45 +165,39 @@ impl ModelWeights {
 }
 
 impl Host {
-    /// Stack tensors of one dtype end to end (rows of matrices with equal columns).
+    /// Stack tensors end to end (rows of matrices with equal columns), in the first one's
+    /// dtype; the others are converted if they differ.
     pub fn concat(parts: &[Host]) -> Host {
+        fn cat<T: Copy>(
+            parts: &[Host],
+            own: fn(&Host) -> Option<&Vec<T>>,
+            from: fn(f32) -> T,
+        ) -> Vec<T> {
+            let mut out = Vec::with_capacity(parts.iter().map(Host::len).sum());
+            for p in parts {
+                match own(p) {
+                    Some(v) => out.extend_from_slice(v),
+                    None => out.extend(p.to_f32().into_iter().map(from)),
+                }
+            }
+            out
+        }
         match parts.first() {
-            Some(Host::F32(_)) => Host::F32(
-                parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        Host::F32(v) => v.clone(),
-                        other => other.to_f32(),
-                    })
-                    .collect(),
-            ),
-            Some(Host::Bf16(_)) => Host::Bf16(
-                parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        Host::Bf16(v) => v.clone(),
-                        other => other
-                            .to_f32()
-                            .into_iter()
-                            .map(half::bf16::from_f32)
-                            .collect(),
-                    })
-                    .collect(),
-            ),
-            Some(Host::F16(_)) => Host::F16(
-                parts
-                    .iter()
-                    .flat_map(|p| match p {
-                        Host::F16(v) => v.clone(),
-                        other => other
-                            .to_f32()
-                            .into_iter()
-                            .map(half::f16::from_f32)
-                            .collect(),
-                    })
-                    .collect(),
-            ),
-            None => Host::F32(Vec::new()),
+            Some(Host::Bf16(_)) => Host::Bf16(cat(
+                parts,
+                |p| if let Host::Bf16(v) = p { Some(v) } else { None },
+                half::bf16::from_f32,
+            )),
+            Some(Host::F16(_)) => Host::F16(cat(
+                parts,
+                |p| if let Host::F16(v) = p { Some(v) } else { None },
+                half::f16::from_f32,
+            )),
+            _ => Host::F32(cat(
+                parts,
+                |p| if let Host::F32(v) = p { Some(v) } else { None },
+                |x| x,
+            )),
         }
     }
 }
