@@ -48,6 +48,20 @@ pub fn run(args: &[&str]) -> Output {
     dyn_cmd().args(args).output().unwrap()
 }
 
+/// `dyn inspect --url URL --json ARGS…`, which must succeed; its JSON answer.
+pub fn inspect_json(url: &str, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["inspect", "--url", url, "--json"];
+    all.extend_from_slice(args);
+    let out = run(&all);
+    assert!(
+        out.status.success(),
+        "dyn {all:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("dyn {all:?} printed no JSON: {e}"))
+}
+
 /// A running `dyn graph up`, killed on drop.
 pub struct Graph {
     child: Option<Child>,

@@ -7,7 +7,7 @@
 //! in `scale_out.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use dyn_tests::{Graph, completion, long_prompt, metric, run};
+use dyn_tests::{Graph, completion, inspect_json, long_prompt, metric};
 use serde_json::{Value, json};
 
 /// Completions of 12 tokens for `prompts`, all at once; `extra` fields join each body.
@@ -93,21 +93,11 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     let url = disagg.url("");
     let ask = |prompt: String| {
         let url = url.clone();
-        move || {
-            run(&[
-                "inspect", "--url", &url, "--json", "route", "--prompt", &prompt,
-            ])
-        }
+        move || inspect_json(&url, &["route", "--prompt", &prompt])
     };
-    let out = tokio::task::spawn_blocking(ask(long_prompt(99)))
+    let v = tokio::task::spawn_blocking(ask(long_prompt(99)))
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let p = &v["prefill"]["replicas"][0];
     assert_eq!(
         (p["decision"].as_str(), p["reason"].as_str()),
@@ -115,16 +105,15 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
         "{v}"
     );
     // A prompt the decode worker already caches stays local.
-    let out = tokio::task::spawn_blocking(ask(long_prompt(0)))
+    let v = tokio::task::spawn_blocking(ask(long_prompt(0)))
         .await
         .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let p = &v["prefill"]["replicas"][0];
     assert_eq!(p["reason"], "below_threshold", "{v}");
-    let out = tokio::task::spawn_blocking(ask("hello".into()))
+    let v = tokio::task::spawn_blocking(ask("hello".into()))
         .await
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = serde_json::to_string_pretty(&v).unwrap();
     assert!(text.contains("\"decision\": \"local\""), "{text}");
 }
 

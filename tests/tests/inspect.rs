@@ -4,22 +4,13 @@
 
 use std::process::{Output, Stdio};
 
-use dyn_tests::{Graph, dyn_cmd, run, scratch_dir};
+use dyn_tests::{Graph, dyn_cmd, inspect_json, run, scratch_dir};
 use serde_json::{Value, json};
 
 const CONTENT: &str = "the quick brown fox jumps over the lazy dog, again and again and again";
 
 fn inspect(g: &Graph, args: &[&str]) -> Value {
-    let url = g.url("");
-    let mut all = vec!["inspect", "--url", url.as_str(), "--json"];
-    all.extend_from_slice(args);
-    let out = run(&all);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    inspect_json(&g.url(""), args)
 }
 
 async fn chat(g: &Graph) {

@@ -450,16 +450,7 @@ async fn serving_goes_on_through_nats_and_etcd_restarts() {
     assert!(ok > 20, "{ok} requests");
 
     // The index holds blocks again, from the workers' dumps and events.
-    let out = dyn_cmd()
-        .args(["inspect", "kv", "--url", &url, "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let kv: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kv = dyn_tests::inspect_json(&url, &["kv"]);
     assert!(
         kv["replicas"][0]["stored_blocks"].as_u64().unwrap_or(0) > 0,
         "{kv}"
