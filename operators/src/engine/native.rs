@@ -199,7 +199,10 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
             .and_then(DType::from_torch)
             .unwrap_or(DType::F32),
     };
-    let weights = ModelWeights::load(dir, dtype)
+    // The shape read above decides the dtype; the checkpoint is read against it (config.json
+    // once).
+    let weights = dyn_gpu::model::Checkpoint::open(dir)
+        .and_then(|ck| ModelWeights::from_checkpoint(shape, &ck, dtype))
         .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?;
     let kv = KvShape {
         num_blocks: c.num_blocks as usize,
