@@ -11,9 +11,9 @@
 //! The cache is f32, laid out `[block][kv_head][slot][dim]` per layer for K and for V, so one
 //! block of one head is contiguous for the gather and a block's export is a few copies.
 
-pub mod bf16dot;
 pub mod gemm;
 pub mod linear;
+pub mod panel;
 
 use rayon::prelude::*;
 
@@ -370,7 +370,38 @@ fn attend(
         let width = (c.heads + 2 * c.kv_heads) * d;
         let n = s.tokens.len();
         let ctx = s.start + n;
-        // Gather this head's keys and values into `[ctx, d]`.
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0.0; n * grp * d];
+        let window = c.sliding_window;
+        if n <= DIRECT_TOKENS {
+            // Decode: read the keys and values where they lie in their blocks; gathering
+            // them costs a copy of the whole context per step.
+            q.clear();
+            for i in 0..n {
+                let at = (offset + i) * width + g * grp * d;
+                q.extend_from_slice(&qkv[at..at + grp * d]);
+            }
+            scores.resize(n * grp * ctx, 0.0);
+            let blocks = || {
+                s.blocks
+                    .iter()
+                    .take(ctx.div_ceil(bs))
+                    .enumerate()
+                    .map(|(bi, &blk)| {
+                        let at = blk as usize * block_floats + g * bs * d;
+                        (bi * bs, at..at + bs.min(ctx - bi * bs) * d)
+                    })
+            };
+            for (first, at) in blocks() {
+                block_scores(q, d, &kc[at], &mut scores[first..], ctx);
+            }
+            softmax_rows(scores, ctx, s.start, grp, window, scale);
+            for (first, at) in blocks() {
+                block_values(&scores[first..], ctx, &vc[at], d, &mut out);
+            }
+            return out;
+        }
+        // Gather this head's keys and values into `[ctx, d]` for gemm.
         k.clear();
         v.clear();
         for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
@@ -379,8 +410,6 @@ fn attend(
             k.extend_from_slice(&kc[at..at + len * d]);
             v.extend_from_slice(&vc[at..at + len * d]);
         }
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0.0; n * grp * d];
         for i0 in (0..n).step_by(QUERY_TILE) {
             let qn = QUERY_TILE.min(n - i0);
             let rows = qn * grp;
@@ -404,25 +433,7 @@ fn attend(
                 k,
                 Strides::cols(d),
             );
-            for (r, row) in scores.chunks_exact_mut(seen).enumerate() {
-                let pos = s.start + i0 + r / grp;
-                let lo = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let mut max = f32::NEG_INFINITY;
-                for (j, x) in row.iter_mut().enumerate() {
-                    if j > pos || j < lo {
-                        *x = f32::NEG_INFINITY;
-                    } else {
-                        *x *= scale;
-                        max = max.max(*x);
-                    }
-                }
-                let mut sum = 0.0;
-                for x in row.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                row.iter_mut().for_each(|x| *x /= sum);
-            }
+            softmax_rows(scores, seen, s.start + i0, grp, window, scale);
             let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
             matmul(
                 rows,
@@ -439,4 +450,83 @@ fn attend(
         }
         out
     })
+}
+
+/// Up to this many new tokens of a sequence attend straight from the cache blocks.
+const DIRECT_TOKENS: usize = 4;
+
+/// Scale, mask and softmax each row of `scores` (`width` positions): row `r` is query
+/// position `first + r / grp`, which sees positions up to itself (and, with a sliding
+/// window, not before `pos + 1 - window`).
+fn softmax_rows(
+    scores: &mut [f32],
+    width: usize,
+    first: usize,
+    grp: usize,
+    window: Option<usize>,
+    scale: f32,
+) {
+    for (r, row) in scores.chunks_exact_mut(width).enumerate() {
+        let pos = first + r / grp;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let mut max = f32::NEG_INFINITY;
+        for (j, x) in row.iter_mut().enumerate() {
+            if j > pos || j < lo {
+                *x = f32::NEG_INFINITY;
+            } else {
+                *x *= scale;
+                max = max.max(*x);
+            }
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+    }
+}
+
+/// `scores[r * ld + j] = q_r · key_j` for the query rows `q` (`d` wide) and one block's
+/// keys.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn block_scores(q: &[f32], d: usize, keys: &[f32], scores: &mut [f32], ld: usize) {
+    for (j, key) in keys.chunks_exact(d).enumerate() {
+        for (r, qr) in q.chunks_exact(d).enumerate() {
+            // Sixteen lanes of partial sums, so the loop vectorizes without reassociating.
+            let mut acc = [0.0f32; 16];
+            let (qc, kc) = (qr.chunks_exact(16), key.chunks_exact(16));
+            let tail: f32 = qc
+                .remainder()
+                .iter()
+                .zip(kc.remainder())
+                .map(|(a, b)| a * b)
+                .sum();
+            for (a, b) in qc.zip(kc) {
+                for l in 0..16 {
+                    acc[l] += a[l] * b[l];
+                }
+            }
+            scores[r * ld + j] = acc.iter().sum::<f32>() + tail;
+        }
+    }
+}
+
+/// `out_r += Σ_j p[r * ld + j] · value_j` for one block's values.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn block_values(p: &[f32], ld: usize, values: &[f32], d: usize, out: &mut [f32]) {
+    for (j, v) in values.chunks_exact(d).enumerate() {
+        for (r, o) in out.chunks_exact_mut(d).enumerate() {
+            let w = p[r * ld + j];
+            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+        }
+    }
 }
