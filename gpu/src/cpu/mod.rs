@@ -3,14 +3,18 @@
 //!
 //! A step flattens the new tokens of every sequence into one `[tokens, hidden]` activation, so
 //! the projections and the MLP are one matrix product each per layer for the whole batch
-//! (weights read once per step). Attention runs per (sequence, KV head) in parallel: the
-//! sequence's keys and values are gathered from its blocks, and the query heads sharing that
-//! KV head are multiplied against them in query tiles (two more matrix products), with the
-//! causal mask (and a sliding window, for mistral) applied between them.
+//! (weights read once per step). Attention runs per (sequence, KV head) in parallel. A
+//! sequence with a few new tokens (decode) reads its keys and values where they lie in its
+//! blocks; a longer chunk (prefill) gathers them and multiplies the query heads sharing that
+//! KV head against them in query tiles (two more matrix products). The causal mask (and a
+//! sliding window, for mistral) is applied between the two.
 //!
-//! The cache is f32, laid out `[block][kv_head][slot][dim]` per layer for K and for V, so one
-//! block of one head is contiguous for the gather and a block's export is a few copies.
+//! The cache is f32, per layer `[block][kv_head][dim][slot]` for K (transposed, so a decode
+//! query scores a block's sixteen slots with one vector per dimension, no horizontal sums)
+//! and `[block][kv_head][slot][dim]` for V. Exported blocks are `[kv_head][slot][dim]` for
+//! both, the layout every backend exchanges.
 
+mod attn;
 pub mod gemm;
 pub mod linear;
 pub mod panel;
@@ -19,7 +23,6 @@ use rayon::prelude::*;
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
 use crate::model::{DType, Host, ModelConfig, ModelWeights};
-use gemm::{Strides, matmul};
 use linear::Linear;
 
 struct Layer {
@@ -62,9 +65,6 @@ pub struct CpuBackend {
     /// stays awake between them, not one wake-up of a sleeping pool per matrix product.
     pool: std::sync::Arc<rayon::ThreadPool>,
 }
-
-/// Query tokens attended at once (bounds the score matrix for long chunks).
-const QUERY_TILE: usize = 64;
 
 impl CpuBackend {
     pub fn new(w: ModelWeights, kv: KvShape) -> Result<Self, ComputeError> {
@@ -167,8 +167,12 @@ impl CpuBackend {
                 rope(&mut row[..qd + kvd], d, pos, &self.inv_freq);
                 let blk = batch[si].blocks[pos / bs] as usize;
                 for g in 0..c.kv_heads {
-                    let at = blk * block_floats + (g * bs + pos % bs) * d;
-                    kc[at..at + d].copy_from_slice(&row[qd + g * d..qd + (g + 1) * d]);
+                    let head = blk * block_floats + g * bs * d;
+                    let key = &row[qd + g * d..qd + (g + 1) * d];
+                    for (j, x) in key.iter().enumerate() {
+                        kc[head + j * bs + pos % bs] = *x;
+                    }
+                    let at = head + pos % bs * d;
                     vc[at..at + d].copy_from_slice(&row[qd + kvd + g * d..qd + kvd + (g + 1) * d]);
                 }
             }
@@ -180,7 +184,7 @@ impl CpuBackend {
             let qkv = &b.qkv;
             let outs: Vec<Vec<f32>> = tasks
                 .par_iter()
-                .map(|&(s, g)| attend(c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
+                .map(|&(s, g)| attn::attend(c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
                 .collect();
             let grp = c.group();
             for (&(s, g), o) in tasks.iter().zip(&outs) {
@@ -265,6 +269,21 @@ fn rope(row: &mut [f32], d: usize, pos: usize, inv_freq: &[f32]) {
     }
 }
 
+/// Each head's `[rows][cols]` block of `src` into `[cols][rows]` in `dst` (a block's keys
+/// between the exchanged `[slot][dim]` and the cache's `[dim][slot]`).
+fn transpose_heads(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
+    for (s, t) in src
+        .chunks_exact(rows * cols)
+        .zip(dst.chunks_exact_mut(rows * cols))
+    {
+        for (i, row) in s.chunks_exact(cols).enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                t[j * rows + i] = *x;
+            }
+        }
+    }
+}
+
 fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
@@ -290,10 +309,13 @@ impl Backend for CpuBackend {
         if block as usize >= self.kv.num_blocks {
             return Err(ComputeError::Invalid(format!("no block {block}")));
         }
+        let (bs, d) = (self.kv.block_size, self.cfg.head_dim);
         let mut out = Vec::with_capacity(self.block_bytes());
+        let mut keys = vec![0.0; n];
         for l in 0..self.cfg.layers {
-            for cache in [&self.k[l], &self.v[l]] {
-                out.extend(cache[at..at + n].iter().flat_map(|x| x.to_le_bytes()));
+            transpose_heads(&self.k[l][at..at + n], &mut keys, d, bs);
+            for floats in [&keys[..], &self.v[l][at..at + n]] {
+                out.extend(floats.iter().flat_map(|x| x.to_le_bytes()));
             }
         }
         Ok(out)
@@ -310,15 +332,15 @@ impl Backend for CpuBackend {
             )));
         }
         let at = block as usize * n;
-        let mut floats = bytes
+        let (bs, d) = (self.kv.block_size, self.cfg.head_dim);
+        let floats: Vec<f32> = bytes
             .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-        for l in 0..self.cfg.layers {
-            for cache in [&mut self.k[l], &mut self.v[l]] {
-                for (dst, src) in cache[at..at + n].iter_mut().zip(floats.by_ref()) {
-                    *dst = src;
-                }
-            }
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        for (l, layer) in floats.chunks_exact(2 * n).enumerate() {
+            let (keys, values) = layer.split_at(n);
+            transpose_heads(keys, &mut self.k[l][at..at + n], bs, d);
+            self.v[l][at..at + n].copy_from_slice(values);
         }
         Ok(())
     }
@@ -333,200 +355,5 @@ impl Backend for CpuBackend {
             rayon::current_num_threads(),
             self.dtype.name()
         )
-    }
-}
-
-/// Per-thread buffers for [`attend`], reused from step to step.
-#[derive(Default)]
-struct AttnScratch {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    q: Vec<f32>,
-    scores: Vec<f32>,
-}
-
-thread_local! {
-    static ATTN: std::cell::RefCell<AttnScratch> = std::cell::RefCell::new(AttnScratch::default());
-}
-
-/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
-/// `(token, head in group)`, each `head_dim` wide.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    c: &ModelConfig,
-    bs: usize,
-    s: &SeqStep<'_>,
-    offset: usize,
-    g: usize,
-    qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-) -> Vec<f32> {
-    ATTN.with(|a| {
-        let AttnScratch { k, v, q, scores } = &mut *a.borrow_mut();
-        let block_floats = c.kv_heads * bs * c.head_dim;
-        let d = c.head_dim;
-        let grp = c.group();
-        let width = (c.heads + 2 * c.kv_heads) * d;
-        let n = s.tokens.len();
-        let ctx = s.start + n;
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0.0; n * grp * d];
-        let window = c.sliding_window;
-        if n <= DIRECT_TOKENS {
-            // Decode: read the keys and values where they lie in their blocks; gathering
-            // them costs a copy of the whole context per step.
-            q.clear();
-            for i in 0..n {
-                let at = (offset + i) * width + g * grp * d;
-                q.extend_from_slice(&qkv[at..at + grp * d]);
-            }
-            scores.resize(n * grp * ctx, 0.0);
-            let blocks = || {
-                s.blocks
-                    .iter()
-                    .take(ctx.div_ceil(bs))
-                    .enumerate()
-                    .map(|(bi, &blk)| {
-                        let at = blk as usize * block_floats + g * bs * d;
-                        (bi * bs, at..at + bs.min(ctx - bi * bs) * d)
-                    })
-            };
-            for (first, at) in blocks() {
-                block_scores(q, d, &kc[at], &mut scores[first..], ctx);
-            }
-            softmax_rows(scores, ctx, s.start, grp, window, scale);
-            for (first, at) in blocks() {
-                block_values(&scores[first..], ctx, &vc[at], d, &mut out);
-            }
-            return out;
-        }
-        // Gather this head's keys and values into `[ctx, d]` for gemm.
-        k.clear();
-        v.clear();
-        for (bi, &blk) in s.blocks.iter().enumerate().take(ctx.div_ceil(bs)) {
-            let len = bs.min(ctx - bi * bs);
-            let at = blk as usize * block_floats + g * bs * d;
-            k.extend_from_slice(&kc[at..at + len * d]);
-            v.extend_from_slice(&vc[at..at + len * d]);
-        }
-        for i0 in (0..n).step_by(QUERY_TILE) {
-            let qn = QUERY_TILE.min(n - i0);
-            let rows = qn * grp;
-            // The tile's last query sees positions up to `start + i0 + qn - 1`.
-            let seen = s.start + i0 + qn;
-            q.clear();
-            for i in i0..i0 + qn {
-                let at = (offset + i) * width + g * grp * d;
-                q.extend_from_slice(&qkv[at..at + grp * d]);
-            }
-            scores.resize(rows * seen, 0.0);
-            matmul(
-                rows,
-                seen,
-                d,
-                scores,
-                Strides::rows(seen),
-                false,
-                q,
-                Strides::rows(d),
-                k,
-                Strides::cols(d),
-            );
-            softmax_rows(scores, seen, s.start + i0, grp, window, scale);
-            let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
-            matmul(
-                rows,
-                d,
-                seen,
-                dst,
-                Strides::rows(d),
-                false,
-                scores,
-                Strides::rows(seen),
-                v,
-                Strides::rows(d),
-            );
-        }
-        out
-    })
-}
-
-/// Up to this many new tokens of a sequence attend straight from the cache blocks.
-const DIRECT_TOKENS: usize = 4;
-
-/// Scale, mask and softmax each row of `scores` (`width` positions): row `r` is query
-/// position `first + r / grp`, which sees positions up to itself (and, with a sliding
-/// window, not before `pos + 1 - window`).
-fn softmax_rows(
-    scores: &mut [f32],
-    width: usize,
-    first: usize,
-    grp: usize,
-    window: Option<usize>,
-    scale: f32,
-) {
-    for (r, row) in scores.chunks_exact_mut(width).enumerate() {
-        let pos = first + r / grp;
-        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let mut max = f32::NEG_INFINITY;
-        for (j, x) in row.iter_mut().enumerate() {
-            if j > pos || j < lo {
-                *x = f32::NEG_INFINITY;
-            } else {
-                *x *= scale;
-                max = max.max(*x);
-            }
-        }
-        let mut sum = 0.0;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        row.iter_mut().for_each(|x| *x /= sum);
-    }
-}
-
-/// `scores[r * ld + j] = q_r · key_j` for the query rows `q` (`d` wide) and one block's
-/// keys.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512bw",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn block_scores(q: &[f32], d: usize, keys: &[f32], scores: &mut [f32], ld: usize) {
-    for (j, key) in keys.chunks_exact(d).enumerate() {
-        for (r, qr) in q.chunks_exact(d).enumerate() {
-            // Sixteen lanes of partial sums, so the loop vectorizes without reassociating.
-            let mut acc = [0.0f32; 16];
-            let (qc, kc) = (qr.chunks_exact(16), key.chunks_exact(16));
-            let tail: f32 = qc
-                .remainder()
-                .iter()
-                .zip(kc.remainder())
-                .map(|(a, b)| a * b)
-                .sum();
-            for (a, b) in qc.zip(kc) {
-                for l in 0..16 {
-                    acc[l] += a[l] * b[l];
-                }
-            }
-            scores[r * ld + j] = acc.iter().sum::<f32>() + tail;
-        }
-    }
-}
-
-/// `out_r += Σ_j p[r * ld + j] · value_j` for one block's values.
-#[multiversion::multiversion(targets(
-    "x86_64+avx512f+avx512bw",
-    "x86_64+avx2+fma",
-    "aarch64+neon"
-))]
-fn block_values(p: &[f32], ld: usize, values: &[f32], d: usize, out: &mut [f32]) {
-    for (j, v) in values.chunks_exact(d).enumerate() {
-        for (r, o) in out.chunks_exact_mut(d).enumerate() {
-            let w = p[r * ld + j];
-            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
-        }
     }
 }

@@ -1,0 +1,453 @@
+//! Attention of one sequence's new tokens for the query heads that share one KV head, over
+//! the paged cache ([`super`] describes its layout).
+//!
+//! Decode (a few new tokens) reads keys and values where they lie in their blocks: gathering
+//! them first would copy the whole context every step, and a decode step's attention is
+//! bound by reading the cache. With a block size and head size in sixteens, AVX-512 kernels
+//! score sixteen slots of a block per vector (keys are stored transposed) and accumulate
+//! values sixteen dimensions per vector, several independent accumulators at a time, while
+//! the next block is prefetched. Prefill gathers the context once and uses gemm.
+
+#![allow(unsafe_code)]
+
+use super::gemm::{Strides, matmul};
+use crate::backend::SeqStep;
+use crate::model::ModelConfig;
+
+/// Query tokens attended at once (bounds the score matrix for long chunks).
+const QUERY_TILE: usize = 64;
+
+/// Per-thread buffers for [`attend`], reused from step to step.
+#[derive(Default)]
+struct AttnScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static ATTN: std::cell::RefCell<AttnScratch> = std::cell::RefCell::new(AttnScratch::default());
+}
+
+/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
+/// `(token, head in group)`, each `head_dim` wide.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend(
+    c: &ModelConfig,
+    bs: usize,
+    s: &SeqStep<'_>,
+    offset: usize,
+    g: usize,
+    qkv: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+) -> Vec<f32> {
+    ATTN.with(|a| {
+        let AttnScratch { k, v, q, scores } = &mut *a.borrow_mut();
+        let block_floats = c.kv_heads * bs * c.head_dim;
+        let d = c.head_dim;
+        let grp = c.group();
+        let width = (c.heads + 2 * c.kv_heads) * d;
+        let n = s.tokens.len();
+        let ctx = s.start + n;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0.0; n * grp * d];
+        let window = c.sliding_window;
+        // (first position, offset of this head in the block, slots used) of each block.
+        let blocks = || {
+            s.blocks
+                .iter()
+                .take(ctx.div_ceil(bs))
+                .enumerate()
+                .map(|(bi, &blk)| {
+                    (
+                        bi * bs,
+                        blk as usize * block_floats + g * bs * d,
+                        bs.min(ctx - bi * bs),
+                    )
+                })
+        };
+        if n <= DIRECT_TOKENS {
+            // Decode: read the keys and values where they lie in their blocks; gathering
+            // them costs a copy of the whole context per step.
+            q.clear();
+            for i in 0..n {
+                let at = (offset + i) * width + g * grp * d;
+                q.extend_from_slice(&qkv[at..at + grp * d]);
+            }
+            scores.resize(n * grp * ctx, 0.0);
+            let fast = Fast::new(bs, d);
+            let all: Vec<_> = blocks().collect();
+            for (i, &(first, head, len)) in all.iter().enumerate() {
+                let keys = &kc[head..head + bs * d];
+                let next = all.get(i + 1).map_or(&[][..], |b| &kc[b.1..b.1 + bs * d]);
+                block_scores(fast, q, d, keys, bs, len, &mut scores[first..], ctx, next);
+            }
+            softmax_rows(scores, ctx, s.start, grp, window, scale);
+            for (i, &(first, head, len)) in all.iter().enumerate() {
+                let values = &vc[head..head + len * d];
+                let next = all.get(i + 1).map_or(&[][..], |b| &vc[b.1..b.1 + b.2 * d]);
+                block_values(fast, &scores[first..], ctx, values, d, &mut out, next);
+            }
+            return out;
+        }
+        // Gather this head's keys (`[d, ctx]`) and values (`[ctx, d]`) for gemm.
+        k.resize(d * ctx, 0.0);
+        v.clear();
+        for (first, head, len) in blocks() {
+            for (j, kt) in kc[head..head + bs * d].chunks_exact(bs).enumerate() {
+                k[j * ctx + first..j * ctx + first + len].copy_from_slice(&kt[..len]);
+            }
+            v.extend_from_slice(&vc[head..head + len * d]);
+        }
+        for i0 in (0..n).step_by(QUERY_TILE) {
+            let qn = QUERY_TILE.min(n - i0);
+            let rows = qn * grp;
+            // The tile's last query sees positions up to `start + i0 + qn - 1`.
+            let seen = s.start + i0 + qn;
+            q.clear();
+            for i in i0..i0 + qn {
+                let at = (offset + i) * width + g * grp * d;
+                q.extend_from_slice(&qkv[at..at + grp * d]);
+            }
+            scores.resize(rows * seen, 0.0);
+            matmul(
+                rows,
+                seen,
+                d,
+                scores,
+                Strides::rows(seen),
+                false,
+                q,
+                Strides::rows(d),
+                k,
+                Strides::rows(ctx),
+            );
+            softmax_rows(scores, seen, s.start + i0, grp, window, scale);
+            let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
+            matmul(
+                rows,
+                d,
+                seen,
+                dst,
+                Strides::rows(d),
+                false,
+                scores,
+                Strides::rows(seen),
+                v,
+                Strides::rows(d),
+            );
+        }
+        out
+    })
+}
+
+/// Up to this many new tokens of a sequence attend straight from the cache blocks.
+const DIRECT_TOKENS: usize = 4;
+
+/// Scale, mask and softmax each row of `scores` (`width` positions): row `r` is query
+/// position `first + r / grp`, which sees positions up to itself (and, with a sliding
+/// window, not before `pos + 1 - window`).
+fn softmax_rows(
+    scores: &mut [f32],
+    width: usize,
+    first: usize,
+    grp: usize,
+    window: Option<usize>,
+    scale: f32,
+) {
+    for (r, row) in scores.chunks_exact_mut(width).enumerate() {
+        let pos = first + r / grp;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let mut max = f32::NEG_INFINITY;
+        for (j, x) in row.iter_mut().enumerate() {
+            if j > pos || j < lo {
+                *x = f32::NEG_INFINITY;
+            } else {
+                *x *= scale;
+                max = max.max(*x);
+            }
+        }
+        let mut sum = 0.0;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        row.iter_mut().for_each(|x| *x /= sum);
+    }
+}
+
+/// `scores[r * ld + j] = q_r · key_j` for the query rows `q` (`d` wide) and the first `len`
+/// keys of one block, stored transposed (`[d][bs]`): a row's scores grow by one multiply-add
+/// across the slots per dimension, no horizontal sums.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_scores(
+    q: &[f32],
+    d: usize,
+    keys: &[f32],
+    bs: usize,
+    len: usize,
+    scores: &mut [f32],
+    ld: usize,
+) {
+    for (r, qr) in q.chunks_exact(d).enumerate() {
+        let row = &mut scores[r * ld..r * ld + len];
+        row.fill(0.0);
+        for (qc, kt) in qr.iter().zip(keys.chunks_exact(bs)) {
+            row.iter_mut()
+                .zip(&kt[..len])
+                .for_each(|(s, k)| *s += qc * k);
+        }
+    }
+}
+
+/// `out_r += Σ_j p[r * ld + j] · value_j` for one block's values (`[len][d]`).
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn portable_values(p: &[f32], ld: usize, values: &[f32], d: usize, out: &mut [f32]) {
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        for (w, v) in p[r * ld..].iter().zip(values.chunks_exact(d)) {
+            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+        }
+    }
+}
+
+/// Whether the AVX-512 kernels apply: the CPU has AVX-512F, blocks hold whole sixteens of
+/// slots, and heads have 64 or 128 dimensions.
+#[derive(Clone, Copy)]
+struct Fast(bool);
+
+impl Fast {
+    fn new(bs: usize, d: usize) -> Fast {
+        #[cfg(target_arch = "x86_64")]
+        {
+            Fast(
+                bs.is_multiple_of(16)
+                    && (d == 64 || d == 128)
+                    && std::is_x86_feature_detected!("avx512f"),
+            )
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (bs, d);
+            Fast(false)
+        }
+    }
+}
+
+/// Scores of the query rows `q` against the first `len` keys of a block (as
+/// [`portable_scores`]), prefetching `next` (the following block's keys).
+#[allow(clippy::too_many_arguments)]
+fn block_scores(
+    fast: Fast,
+    q: &[f32],
+    d: usize,
+    keys: &[f32],
+    bs: usize,
+    len: usize,
+    scores: &mut [f32],
+    ld: usize,
+    next: &[f32],
+) {
+    let rows = q.len() / d;
+    #[cfg(target_arch = "x86_64")]
+    if fast.0 {
+        assert!(keys.len() >= d * bs && len <= bs && rows > 0 && ld >= len);
+        assert!(scores.len() >= (rows - 1) * ld + len);
+        prefetch(next);
+        // SAFETY: `Fast` checked AVX-512F, `bs % 16 == 0` and `d`; the asserts keep every
+        // read inside `q` and `keys` and every write inside `scores`.
+        unsafe {
+            x86::scores(
+                q.as_ptr(),
+                rows,
+                d,
+                keys.as_ptr(),
+                bs,
+                len,
+                scores.as_mut_ptr(),
+                ld,
+            )
+        };
+        return;
+    }
+    let _ = (fast, next, rows);
+    portable_scores(q, d, keys, bs, len, scores, ld);
+}
+
+/// As [`portable_values`], prefetching `next` (the following block's values).
+fn block_values(
+    fast: Fast,
+    p: &[f32],
+    ld: usize,
+    values: &[f32],
+    d: usize,
+    out: &mut [f32],
+    next: &[f32],
+) {
+    let (rows, len) = (out.len() / d, values.len() / d);
+    #[cfg(target_arch = "x86_64")]
+    if fast.0 {
+        assert!(rows > 0 && ld >= len && p.len() >= (rows - 1) * ld + len);
+        prefetch(next);
+        let (p, v, o) = (p.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `Fast` checked AVX-512F and `d`; the assert and the slice lengths keep
+        // every read inside `p` and `values` and every write inside `out`.
+        unsafe {
+            if d == 64 {
+                x86::values::<4>(p, ld, rows, v, len, o)
+            } else {
+                x86::values::<8>(p, ld, rows, v, len, o)
+            }
+        };
+        return;
+    }
+    let _ = (fast, next, rows, len);
+    portable_values(p, ld, values, d, out);
+}
+
+/// Ask for every cache line of `next` ahead of use: a sequence's blocks lie anywhere in the
+/// cache, so the hardware prefetcher starts over at each one.
+#[cfg(target_arch = "x86_64")]
+fn prefetch(next: &[f32]) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    for line in next.chunks(16) {
+        // SAFETY: a prefetch is a hint that never faults; the pointer is inside `next`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! Callers guarantee AVX-512F and the bounds the parameters describe.
+
+    use std::arch::x86_64::*;
+
+    /// `s[r * ld + j] = q_r · key_j` for `j < len`, keys `[d][bs]`, four rows at a time
+    /// (four independent sums per key vector; rows past the end repeat the last row and are
+    /// not stored).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores(
+        q: *const f32,
+        rows: usize,
+        d: usize,
+        keys: *const f32,
+        bs: usize,
+        len: usize,
+        s: *mut f32,
+        ld: usize,
+    ) {
+        let mut j0 = 0;
+        while j0 < len {
+            let n = (len - j0).min(16);
+            let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+            let mut r0 = 0;
+            while r0 < rows {
+                let rn = (rows - r0).min(4);
+                // SAFETY (this block): rows r0..r0 + rn of `q`, c < d, j0 + 16 <= bs.
+                unsafe {
+                    let qr: [*const f32; 4] =
+                        std::array::from_fn(|i| q.add((r0 + i.min(rn - 1)) * d));
+                    let mut acc = [_mm512_setzero_ps(); 4];
+                    for c in 0..d {
+                        let kv = _mm512_loadu_ps(keys.add(c * bs + j0));
+                        for i in 0..4 {
+                            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(*qr[i].add(c)), kv, acc[i]);
+                        }
+                    }
+                    for (i, a) in acc.iter().enumerate().take(rn) {
+                        _mm512_mask_storeu_ps(s.add((r0 + i) * ld + j0), mask, *a);
+                    }
+                }
+                r0 += 4;
+            }
+            j0 += 16;
+        }
+    }
+
+    /// `out_r += Σ_j p[r * ld + j] · v_j` for `j < len`, values `[len][16 · N]`: the row's
+    /// `N` output vectors stay in registers across the block.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn values<const N: usize>(
+        p: *const f32,
+        ld: usize,
+        rows: usize,
+        v: *const f32,
+        len: usize,
+        out: *mut f32,
+    ) {
+        let d = 16 * N;
+        for r in 0..rows {
+            // SAFETY: row r < rows of `out` and `p`; j < len rows of `v`.
+            unsafe {
+                let o = out.add(r * d);
+                let mut acc: [__m512; N] = std::array::from_fn(|i| _mm512_loadu_ps(o.add(16 * i)));
+                for j in 0..len {
+                    let w = _mm512_set1_ps(*p.add(r * ld + j));
+                    let vj = v.add(j * d);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * i)), *a);
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(o.add(16 * i), *a);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 kernels against the portable ones (which the model tests check against
+    /// transformers), for partial blocks and row counts that leave partial groups of four.
+    #[test]
+    fn fast_kernels_match_the_portable_ones() {
+        let (bs, d) = (32, 64);
+        if !Fast::new(bs, d).0 {
+            println!("SKIPPED: no AVX-512F on this CPU");
+            return;
+        }
+        for (bs, d) in [(16, 64), (32, 64), (16, 128)] {
+            for rows in [1, 3, 4, 6, 12] {
+                for len in [1, 7, 16, bs] {
+                    let q: Vec<f32> = (0..rows * d)
+                        .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+                        .collect();
+                    let keys: Vec<f32> = (0..bs * d)
+                        .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+                        .collect();
+                    let ld = len + 3;
+                    let mut want = vec![0.0; rows * ld];
+                    let mut got = want.clone();
+                    portable_scores(&q, d, &keys, bs, len, &mut want, ld);
+                    block_scores(Fast(true), &q, d, &keys, bs, len, &mut got, ld, &keys);
+                    assert_eq!(got, want, "scores rows {rows} len {len} bs {bs} d {d}");
+                    let p: Vec<f32> = (0..rows * ld).map(|i| (i % 5) as f32 / 4.0).collect();
+                    let values = &keys[..len * d];
+                    let mut want: Vec<f32> = (0..rows * d).map(|i| i as f32).collect();
+                    let mut got = want.clone();
+                    portable_values(&p, ld, values, d, &mut want);
+                    block_values(Fast(true), &p, ld, values, d, &mut got, &[]);
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() < 1e-4,
+                            "values rows {rows} len {len}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
