@@ -158,13 +158,27 @@ impl CpuBackend {
         b.gate_up.resize(t * 2 * c.intermediate, 0.0);
         b.act.resize(t * c.intermediate, 0.0);
         let block_floats = c.kv_heads * bs * d;
+        // Each token's rotation (cos, sin per frequency), shared by every head and layer.
+        let turns: Vec<(f32, f32)> = owner
+            .iter()
+            .flat_map(|&(_, pos)| {
+                self.inv_freq
+                    .iter()
+                    .map(move |f| (pos as f32 * f).sin_cos())
+            })
+            .map(|(sin, cos)| (cos, sin))
+            .collect();
+        let half = self.inv_freq.len();
         for (li, layer) in self.layers.iter().enumerate() {
             rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.normed);
             layer.qkv.forward(&b.normed, t, &mut b.qkv, &mut b.linear);
-            // Rope on q and k, then store k and v in the token's cache slot.
+            // Rope on q and k (rows in parallel), then store k and v in the token's cache slot.
+            b.qkv
+                .par_chunks_exact_mut(width)
+                .zip(turns.par_chunks_exact(half))
+                .for_each(|(row, turns)| rope(&mut row[..qd + kvd], d, turns));
             let (kc, vc) = (&mut self.k[li], &mut self.v[li]);
-            for (row, &(si, pos)) in b.qkv.chunks_exact_mut(width).zip(&owner) {
-                rope(&mut row[..qd + kvd], d, pos, &self.inv_freq);
+            for (row, &(si, pos)) in b.qkv.chunks_exact(width).zip(&owner) {
                 let blk = batch[si].blocks[pos / bs] as usize;
                 for g in 0..c.kv_heads {
                     let head = blk * block_floats + g * bs * d;
@@ -201,16 +215,15 @@ impl CpuBackend {
                 .gate_up
                 .forward(&b.normed, t, &mut b.gate_up, &mut b.linear);
             let i2 = 2 * c.intermediate;
-            for (a, gu) in b
-                .act
-                .chunks_exact_mut(c.intermediate)
-                .zip(b.gate_up.chunks_exact(i2))
-            {
-                let (g, u) = gu.split_at(c.intermediate);
-                for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
-                    *a = g / (1.0 + (-g).exp()) * u;
-                }
-            }
+            b.act
+                .par_chunks_exact_mut(c.intermediate)
+                .zip(b.gate_up.par_chunks_exact(i2))
+                .for_each(|(a, gu)| {
+                    let (g, u) = gu.split_at(c.intermediate);
+                    for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
+                });
             layer.down.forward(&b.act, t, &mut b.tmp, &mut b.linear);
             add(&mut b.x, &b.tmp);
         }
@@ -244,24 +257,28 @@ impl CpuBackend {
     }
 }
 
+/// Rows in parallel (the step's element-wise work would otherwise leave the other threads
+/// idle between products).
 fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let h = w.len();
-    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((o, v), g) in o.iter_mut().zip(row).zip(w) {
-            *o = g * (v * r);
-        }
-    }
+    x.par_chunks_exact(h)
+        .zip(out.par_chunks_exact_mut(h))
+        .for_each(|(row, o)| {
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let r = 1.0 / (ms + eps).sqrt();
+            for ((o, v), g) in o.iter_mut().zip(row).zip(w) {
+                *o = g * (v * r);
+            }
+        });
 }
 
-/// Rotate each head of `row` (heads of `d` dims back to back) by position `pos`, halves style.
-fn rope(row: &mut [f32], d: usize, pos: usize, inv_freq: &[f32]) {
+/// Rotate each head of `row` (heads of `d` dims back to back) by the token's `(cos, sin)`
+/// per frequency, halves style.
+fn rope(row: &mut [f32], d: usize, turns: &[(f32, f32)]) {
     let half = d / 2;
     for head in row.chunks_exact_mut(d) {
         let (a, b) = head.split_at_mut(half);
-        for ((x1, x2), f) in a.iter_mut().zip(b.iter_mut()).zip(inv_freq) {
-            let (sin, cos) = (pos as f32 * f).sin_cos();
+        for ((x1, x2), &(cos, sin)) in a.iter_mut().zip(b.iter_mut()).zip(turns) {
             let (u, v) = (*x1, *x2);
             *x1 = u * cos - v * sin;
             *x2 = v * cos + u * sin;
@@ -285,7 +302,9 @@ fn transpose_heads(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
 }
 
 fn add(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    x.par_chunks_mut(4096)
+        .zip(y.par_chunks(4096))
+        .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
 }
 
 impl Backend for CpuBackend {
