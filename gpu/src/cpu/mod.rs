@@ -1,5 +1,6 @@
-//! The CPU backend: the Llama-family forward pass over a paged KV cache, with every matrix
-//! product on the `gemm` crate's SIMD kernels and the work spread by rayon.
+//! The CPU backend: the Llama-family forward pass over a paged KV cache, with matrix
+//! products on weights packed at load time for register-blocked SIMD kernels (decode) and
+//! the `gemm` crate's microkernels (prefill), and the work spread by rayon.
 //!
 //! A step flattens the new tokens of every sequence into one `[tokens, hidden]` activation, so
 //! the projections and the MLP are one matrix product each per layer for the whole batch
