@@ -283,108 +283,43 @@ fn bf16_to_f32(x: bf16) -> f32 {
     f32::from_bits(u32::from(x.to_bits()) << 16)
 }
 
-/// One block: `t ≤ 8` rows of `x` times one group. `w` is the group, `x` the rows (`xs`
-/// apart, each at least `k` long), `y` receives row `i`'s 48 outputs at `i * ys`.
-#[allow(clippy::too_many_arguments)]
-fn kernel_f32(
-    isa: Isa,
-    w: &[f32],
-    k: usize,
-    x: &[f32],
-    xs: usize,
-    t: usize,
-    y: &mut [f32],
-    ys: usize,
-) {
-    check(w.len(), k * WIDTH, x.len(), xs, t, k, y.len(), ys);
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Portable {
-        // SAFETY: the CPU has AVX-512F (`isa` comes from `Isa::detect`, or is `Portable`);
-        // `check` keeps every access inside the slices.
-        unsafe {
-            by_rows!(
-                t,
-                x86::f32_block,
-                w.as_ptr(),
-                k,
-                x.as_ptr(),
-                xs,
-                y.as_mut_ptr(),
-                ys
-            )
-        };
-        return;
-    }
-    let _ = isa;
-    by_rows!(t, portable::f32_block, w, k, x, xs, y, ys);
+/// A safe entry to the `$kernel` blocks (AVX-512 or portable): `t ≤ 8` rows of `x` times
+/// one group. `w` is the group (`steps` steps of 48 values, or of 48 pairs with `$per = 2`),
+/// `x` the rows (`xs` apart, each at least `$per · steps` long), `y` receives row `i`'s 48
+/// outputs at `i * ys`.
+macro_rules! block_kernel {
+    ($name:ident, $t:ty, $per:expr, $kernel:ident) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name(
+            isa: Isa,
+            w: &[$t],
+            steps: usize,
+            x: &[f32],
+            xs: usize,
+            t: usize,
+            y: &mut [f32],
+            ys: usize,
+        ) {
+            let len = $per * steps;
+            check(w.len(), len * WIDTH, x.len(), xs, t, len, y.len(), ys);
+            #[cfg(target_arch = "x86_64")]
+            if isa != Isa::Portable {
+                let (w, x, y) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+                // SAFETY: the CPU has AVX-512F (`isa` comes from `Isa::detect`, or is
+                // `Portable`); `check` keeps every access inside the slices.
+                unsafe { by_rows!(t, x86::$kernel, w, steps, x, xs, y, ys) };
+                return;
+            }
+            let _ = isa;
+            by_rows!(t, portable::$kernel, w, steps, x, xs, y, ys);
+        }
+    };
 }
 
-#[allow(clippy::too_many_arguments)]
-fn kernel_f16(
-    isa: Isa,
-    w: &[f16],
-    k: usize,
-    x: &[f32],
-    xs: usize,
-    t: usize,
-    y: &mut [f32],
-    ys: usize,
-) {
-    check(w.len(), k * WIDTH, x.len(), xs, t, k, y.len(), ys);
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Portable {
-        // SAFETY: as in `kernel_f32`.
-        unsafe {
-            by_rows!(
-                t,
-                x86::f16_block,
-                w.as_ptr(),
-                k,
-                x.as_ptr(),
-                xs,
-                y.as_mut_ptr(),
-                ys
-            )
-        };
-        return;
-    }
-    let _ = isa;
-    by_rows!(t, portable::f16_block, w, k, x, xs, y, ys);
-}
-
-/// bf16 weights against f32 input (`k2` pairs; rows of `x` at least `2 · k2` long).
-#[allow(clippy::too_many_arguments)]
-fn kernel_bf16(
-    isa: Isa,
-    w: &[bf16],
-    k2: usize,
-    x: &[f32],
-    xs: usize,
-    t: usize,
-    y: &mut [f32],
-    ys: usize,
-) {
-    check(w.len(), 2 * k2 * WIDTH, x.len(), xs, t, 2 * k2, y.len(), ys);
-    #[cfg(target_arch = "x86_64")]
-    if isa != Isa::Portable {
-        // SAFETY: as in `kernel_f32`.
-        unsafe {
-            by_rows!(
-                t,
-                x86::bf16_block,
-                w.as_ptr(),
-                k2,
-                x.as_ptr(),
-                xs,
-                y.as_mut_ptr(),
-                ys
-            )
-        };
-        return;
-    }
-    let _ = isa;
-    by_rows!(t, portable::bf16_block, w, k2, x, xs, y, ys);
-}
+block_kernel!(kernel_f32, f32, 1, f32_block);
+block_kernel!(kernel_f16, f16, 1, f16_block);
+// bf16 weights against f32 input: steps are input pairs.
+block_kernel!(kernel_bf16, bf16, 2, bf16_block);
 
 /// bf16 weights against bf16 input on AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
