@@ -388,6 +388,25 @@ mod x86 {
         }
     }
 
+    /// `acc[i][j] += w[j] · x[i · xs]` for each row `i`: one broadcast per row, three
+    /// fused multiply-adds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn madd<const T: usize>(
+        acc: &mut [[__m512; 3]; T],
+        w: [__m512; 3],
+        x: *const f32,
+        xs: usize,
+    ) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller keeps `T` rows of `x` (`xs` apart) readable.
+            let xv = _mm512_set1_ps(unsafe { *x.add(i * xs) });
+            for j in 0..3 {
+                a[j] = _mm512_fmadd_ps(w[j], xv, a[j]);
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn f32_block<const T: usize>(
         w: *const f32,
@@ -407,12 +426,7 @@ mod x86 {
                     _mm512_loadu_ps(p.add(16)),
                     _mm512_loadu_ps(p.add(32)),
                 ];
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_ps(*x.add(i * xs + c));
-                    for j in 0..3 {
-                        a[j] = _mm512_fmadd_ps(wv[j], xv, a[j]);
-                    }
-                }
+                madd(&mut acc, wv, x.add(c), xs);
             }
         }
         // SAFETY: see the module note.
@@ -435,12 +449,7 @@ mod x86 {
                 let p = w.add(c * WIDTH);
                 let half = |o: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(o).cast()));
                 let wv = [half(0), half(16), half(32)];
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_ps(*x.add(i * xs + c));
-                    for j in 0..3 {
-                        a[j] = _mm512_fmadd_ps(wv[j], xv, a[j]);
-                    }
-                }
+                madd(&mut acc, wv, x.add(c), xs);
             }
         }
         // SAFETY: see the module note.
@@ -470,19 +479,9 @@ mod x86 {
                     _mm512_loadu_si512(q.add(64).cast()),
                 ];
                 let even = raw.map(|r| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(r)));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_ps(*x.add(i * xs + 2 * p));
-                    for j in 0..3 {
-                        a[j] = _mm512_fmadd_ps(even[j], xv, a[j]);
-                    }
-                }
+                madd(&mut acc, even, x.add(2 * p), xs);
                 let odd = raw.map(|r| _mm512_castsi512_ps(_mm512_and_si512(r, high)));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_set1_ps(*x.add(i * xs + 2 * p + 1));
-                    for j in 0..3 {
-                        a[j] = _mm512_fmadd_ps(odd[j], xv, a[j]);
-                    }
-                }
+                madd(&mut acc, odd, x.add(2 * p + 1), xs);
             }
         }
         // SAFETY: see the module note.
