@@ -85,27 +85,46 @@ pub struct InputBuf {
     b: Vec<bf16>,
 }
 
-/// Which kernels this CPU runs.
+/// Which kernels to run. Only [`Isa::detect`] names instruction sets, and the other
+/// constructors only step down from it, so a safe caller cannot ask for kernels this CPU
+/// lacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
+pub struct Isa(Level);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Level {
+    Portable,
     Avx512,
     /// AVX-512 with AVX512-BF16.
     Avx512Bf16,
-    Portable,
 }
 
 impl Isa {
+    /// The best this CPU runs.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx512f") {
                 if std::is_x86_feature_detected!("avx512bf16") {
-                    return Isa::Avx512Bf16;
+                    return Isa(Level::Avx512Bf16);
                 }
-                return Isa::Avx512;
+                return Isa(Level::Avx512);
             }
         }
-        Isa::Portable
+        Isa(Level::Portable)
+    }
+
+    /// The portable kernels, on any CPU.
+    pub const fn portable() -> Isa {
+        Isa(Level::Portable)
+    }
+
+    /// The same without AVX512-BF16 (bf16 weights widened to f32 instead).
+    pub fn without_bf16(self) -> Isa {
+        match self.0 {
+            Level::Avx512Bf16 => Isa(Level::Avx512),
+            other => Isa(other),
+        }
     }
 }
 
@@ -150,7 +169,7 @@ impl Panels {
             return Input::F32 { x, stride: k };
         };
         let stride = k.div_ceil(2) * 2;
-        if isa == Isa::Avx512Bf16 {
+        if isa.0 == Level::Avx512Bf16 {
             buf.b.clear();
             for row in x.chunks_exact(k).take(m) {
                 buf.b.extend(row.iter().map(|v| bf16::from_f32(*v)));
@@ -215,9 +234,9 @@ impl Panels {
                                 kernel_bf16(isa, w, k2, x, *stride, t, y, ld);
                             }
                             Input::Bf16 { x, stride } => {
-                                assert!(isa == Isa::Avx512Bf16 && *stride >= 2 * k2);
+                                assert!(*stride >= 2 * k2);
                                 let x = rows_of(x, *stride, t0, t, 2 * k2);
-                                kernel_bf16_pairs(w, k2, x, *stride, t, y, ld);
+                                kernel_bf16_pairs(isa, w, k2, x, *stride, t, y, ld);
                             }
                         }
                     }
@@ -303,9 +322,9 @@ macro_rules! block_kernel {
             let len = $per * steps;
             check(w.len(), len * WIDTH, x.len(), xs, t, len, y.len(), ys);
             #[cfg(target_arch = "x86_64")]
-            if isa != Isa::Portable {
+            if isa.0 != Level::Portable {
                 let (w, x, y) = (w.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-                // SAFETY: the CPU has AVX-512F (`isa` comes from `Isa::detect`, or is
+                // SAFETY: the CPU has AVX-512F (only `Isa::detect` names a level above
                 // `Portable`); `check` keeps every access inside the slices.
                 unsafe { by_rows!(t, x86::$kernel, w, steps, x, xs, y, ys) };
                 return;
@@ -324,6 +343,7 @@ block_kernel!(kernel_bf16, bf16, 2, bf16_block);
 /// bf16 weights against bf16 input on AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 fn kernel_bf16_pairs(
+    isa: Isa,
     w: &[bf16],
     k2: usize,
     x: &[bf16],
@@ -335,9 +355,9 @@ fn kernel_bf16_pairs(
     check(w.len(), 2 * k2 * WIDTH, x.len(), xs, t, 2 * k2, y.len(), ys);
     #[cfg(target_arch = "x86_64")]
     {
-        assert!(Isa::detect() == Isa::Avx512Bf16);
-        // SAFETY: the CPU has AVX-512F and AVX512-BF16 (asserted); `check` keeps every access
-        // inside the slices.
+        assert!(isa.0 == Level::Avx512Bf16, "bf16 pairs without AVX512-BF16");
+        // SAFETY: the CPU has AVX-512F and AVX512-BF16 (only `Isa::detect` names that level,
+        // asserted above); `check` keeps every access inside the slices.
         unsafe {
             by_rows!(
                 t,
@@ -407,54 +427,35 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn f32_block<const T: usize>(
-        w: *const f32,
-        k: usize,
-        x: *const f32,
-        xs: usize,
-        y: *mut f32,
-        ys: usize,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); 3]; T];
-        for c in 0..k {
-            // SAFETY: c < k, inside the group and every row (see the module note).
-            unsafe {
-                let p = w.add(c * WIDTH);
-                let wv = [
-                    _mm512_loadu_ps(p),
-                    _mm512_loadu_ps(p.add(16)),
-                    _mm512_loadu_ps(p.add(32)),
-                ];
-                madd(&mut acc, wv, x.add(c), xs);
+    /// A block over `[k][48]` weights of type `$t`, each step's three vectors read by
+    /// `$load(p)` from the step's first weight `p`.
+    macro_rules! block {
+        ($name:ident, $t:ty, $load:expr) => {
+            #[target_feature(enable = "avx512f")]
+            pub(super) unsafe fn $name<const T: usize>(
+                w: *const $t,
+                k: usize,
+                x: *const f32,
+                xs: usize,
+                y: *mut f32,
+                ys: usize,
+            ) {
+                let mut acc = [[_mm512_setzero_ps(); 3]; T];
+                for c in 0..k {
+                    // SAFETY: c < k, inside the group and every row (see the module note).
+                    unsafe { madd(&mut acc, ($load)(w.add(c * WIDTH)), x.add(c), xs) };
+                }
+                // SAFETY: see the module note.
+                unsafe { store(&acc, y, ys) }
             }
-        }
-        // SAFETY: see the module note.
-        unsafe { store(&acc, y, ys) }
+        };
     }
 
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn f16_block<const T: usize>(
-        w: *const f16,
-        k: usize,
-        x: *const f32,
-        xs: usize,
-        y: *mut f32,
-        ys: usize,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); 3]; T];
-        for c in 0..k {
-            // SAFETY: c < k, inside the group and every row (see the module note).
-            unsafe {
-                let p = w.add(c * WIDTH);
-                let half = |o: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(o).cast()));
-                let wv = [half(0), half(16), half(32)];
-                madd(&mut acc, wv, x.add(c), xs);
-            }
-        }
-        // SAFETY: see the module note.
-        unsafe { store(&acc, y, ys) }
-    }
+    block!(f32_block, f32, |p: *const f32| [0, 16, 32]
+        .map(|o| _mm512_loadu_ps(p.add(o))));
+    // f16 widened by `vcvtph2ps`.
+    block!(f16_block, f16, |p: *const f16| [0, 16, 32]
+        .map(|o| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(o).cast()))));
 
     /// bf16 weights widened in registers: a pair's first value is the low half of each
     /// 32-bit lane (shifted up), the second the high half (masked).
@@ -596,12 +597,13 @@ mod tests {
     /// that leave partial groups, odd inputs and partial row blocks.
     #[test]
     fn every_kernel_matches_the_definition() {
-        let mut isas = vec![Isa::Portable];
-        if Isa::detect() != Isa::Portable {
-            isas.push(Isa::Avx512);
+        let best = Isa::detect();
+        let mut isas = vec![Isa::portable()];
+        if best.without_bf16() != Isa::portable() {
+            isas.push(best.without_bf16());
         }
-        if Isa::detect() == Isa::Avx512Bf16 {
-            isas.push(Isa::Avx512Bf16);
+        if best.0 == Level::Avx512Bf16 {
+            isas.push(best);
         } else {
             println!("SKIPPED AVX512-BF16 kernels: not on this CPU");
         }
@@ -621,7 +623,7 @@ mod tests {
                     let dt = data.dtype();
                     let p = Panels::pack(&data, rows, k);
                     for &isa in &isas {
-                        if isa == Isa::Avx512Bf16 && !matches!(data, Host::Bf16(_)) {
+                        if isa.0 == Level::Avx512Bf16 && !matches!(data, Host::Bf16(_)) {
                             continue;
                         }
                         let mut buf = InputBuf::default();
