@@ -1,9 +1,10 @@
-//! `y = x · Wᵀ (+ b)` for the CPU backend, parallel over runs of W's output features.
+//! `y = x · Wᵀ (+ b)` for the CPU backend, parallel over bands of W's output features.
 //!
 //! The weights are packed at load time into groups of 48 output features
-//! ([`super::panel`]). Each rayon task owns a run of groups and multiplies every input row by
-//! it, so a weight is read from memory once per step however many tokens the step has —
-//! which is what makes batched decode cheap. Two ways, by the number of input rows:
+//! ([`super::panel`]). Each rayon task owns a band of `y`'s columns and multiplies every
+//! input row by the groups behind it, so a weight is read from memory once per step however
+//! many tokens the step has — which is what makes batched decode cheap. Two ways, by the
+//! number of input rows:
 //!
 //! - up to [`PANEL_ROWS`] (decode, batched decode): the panel kernels, which keep blocks of
 //!   outputs in registers while the weights stream past;
@@ -11,30 +12,45 @@
 //!   from f16/bf16 into a per-thread buffer that stays in cache, so memory traffic is the
 //!   2-byte weights), with the input transposed so gemm reads it in place.
 //!
-//! Either way a task writes its outputs as a `[rows, run]` block, and the blocks are then
-//! copied into `y` row by row (with the bias).
+//! Either way a group's products land in a small per-thread block, and the task then writes
+//! them into its columns of `y` (see [`super::columns`]) with whatever the layer does next
+//! that needs only those outputs: the bias, the residual add ([`Write::Add`]), or the
+//! gated activation of the MLP ([`Linear::gated`]). One fork-join per product, and the
+//! outputs are touched once.
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
-
+use super::columns::by_bands;
 use super::gemm::{Strides, matmul};
 use super::panel::{InputBuf, Isa, Panels, WIDTH};
 use crate::model::Matrix;
 
-/// A weight matrix `[out, inp]` ready for [`Linear::forward`].
+/// A weight matrix ready for [`Linear::forward`].
 pub struct Linear {
+    /// Columns of `y`.
     pub out: usize,
     pub inp: usize,
     w: Panels,
+    /// Per packed row.
     bias: Option<Vec<f32>>,
+    /// Packed as pairs of groups (48 gate features, the same 48 up features); `y` gets
+    /// `silu(gate) · up`.
+    gated: bool,
     isa: Isa,
+}
+
+/// How a product lands in `y`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// `y = x · Wᵀ (+ b)`.
+    Set,
+    /// `y += x · Wᵀ (+ b)`: the residual connection, without a pass of its own.
+    Add,
 }
 
 /// Buffers a caller keeps for [`Linear::forward`].
 #[derive(Default)]
 pub struct Scratch {
-    blocks: Vec<f32>,
     xt: Vec<f32>,
     input: InputBuf,
 }
@@ -42,47 +58,78 @@ pub struct Scratch {
 /// Up to this many input rows take the panel kernels; gemm's blocking pays off beyond.
 const PANEL_ROWS: usize = 64;
 
+/// A task's buffers: one group's (or gate/up pair's) products, and a group widened to f32
+/// for gemm.
+#[derive(Default)]
+struct Task {
+    block: Vec<f32>,
+    wide: Vec<f32>,
+}
+
 thread_local! {
-    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static TASK: RefCell<Task> = RefCell::new(Task::default());
 }
 
 impl Linear {
     pub fn new(m: Matrix) -> Self {
+        let (order, out) = ((0..m.rows).map(Some).collect(), m.rows);
+        Linear::packed(m, order, out, false)
+    }
+
+    /// The MLP's `[gate; up]` (`2 · i` rows stacked): [`Linear::forward`] then gives
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, `[m, i]`, with no `[m, 2i]` intermediate.
+    pub fn gated(m: Matrix) -> Self {
+        let i = m.rows / 2;
+        let order: Vec<Option<usize>> = (0..i.div_ceil(WIDTH))
+            .flat_map(|c| {
+                let feature = move |l: usize| Some(c * WIDTH + l).filter(|f| *f < i);
+                (0..WIDTH)
+                    .map(feature)
+                    .chain((0..WIDTH).map(move |l| feature(l).map(|f| f + i)))
+            })
+            .collect();
+        Linear::packed(m, order, i, true)
+    }
+
+    /// `m`'s rows packed in `order`, giving `out` columns of `y`.
+    fn packed(m: Matrix, order: Vec<Option<usize>>, out: usize, gated: bool) -> Self {
+        // Padded to whole groups, like the weights.
+        let padded = order.len().div_ceil(WIDTH) * WIDTH;
+        let bias = m.bias.map(|b| {
+            (0..padded)
+                .map(|r| order.get(r).copied().flatten().map_or(0.0, |r| b[r]))
+                .collect()
+        });
         Linear {
-            out: m.rows,
+            out,
             inp: m.cols,
-            w: Panels::pack(&m.data, m.rows, m.cols),
-            bias: m.bias,
+            w: Panels::pack_rows(&m.data, m.cols, &order),
+            bias,
+            gated,
             isa: Isa::detect(),
         }
     }
 
-    /// `y[m×out] = x[m×inp] · Wᵀ (+ b)`; `scratch` keeps its buffers between calls (fresh
-    /// large buffers would cost page faults every step).
-    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], scratch: &mut Scratch) {
+    /// `y[m×out] (+)= x[m×inp] · Wᵀ (+ b)` (gated: see [`Linear::gated`]); `scratch` keeps
+    /// its buffers between calls (fresh large buffers would cost page faults every step).
+    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], write: Write, scratch: &mut Scratch) {
         let (out, inp) = (self.out, self.inp);
         debug_assert_eq!(x.len(), m * inp);
         debug_assert_eq!(y.len(), m * out);
         if m == 0 {
             return;
         }
-        let Scratch { blocks, xt, input } = scratch;
-        let groups = self.w.groups();
-        // Several runs per thread, so an uneven split costs little.
-        let run = groups
+        let Scratch { xt, input } = scratch;
+        // Groups per 48 columns of `y`.
+        let per = if self.gated { 2 } else { 1 };
+        let ld = per * WIDTH;
+        // Several bands per thread, so an uneven split costs little.
+        let chunks = out.div_ceil(WIDTH);
+        let run = chunks
             .div_ceil(8 * rayon::current_num_threads().max(1))
             .max(1);
-        let width = run * WIDTH;
-        blocks.resize(groups.div_ceil(run) * m * width, 0.0);
-        let runs = blocks.par_chunks_mut(m * width).enumerate();
-        let groups_of = |r: usize| r * run..((r + 1) * run).min(groups);
-        if m <= PANEL_ROWS {
-            let input = self.w.input(x, m, self.isa, input);
-            runs.for_each(|(r, block)| {
-                self.w
-                    .product(groups_of(r), &input, m, self.isa, block, width)
-            });
-        } else {
+        let input = (m <= PANEL_ROWS).then(|| self.w.input(x, m, self.isa, input));
+        if input.is_none() {
             // x transposed (`[inp, m]`): gemm then uses it in place instead of packing a
             // copy for every group.
             xt.resize(m * inp, 0.0);
@@ -91,45 +138,65 @@ impl Linear {
                     xt[k * m + i] = *v;
                 }
             }
-            let xt = &xt[..];
-            runs.for_each(|(r, block)| {
-                WIDE.with(|wide| {
-                    let wide = &mut wide.borrow_mut();
-                    for (j, g) in groups_of(r).enumerate() {
-                        let b = self.w.group_f32(g, wide);
-                        let (ds, a, bs) =
-                            (Strides::rows(width), Strides::cols(m), Strides::rows(WIDTH));
-                        matmul(
-                            m,
-                            WIDTH,
-                            inp,
-                            &mut block[j * WIDTH..],
-                            ds,
-                            false,
-                            xt,
-                            a,
-                            b,
-                            bs,
-                        );
-                    }
-                })
-            });
         }
-        // Each run's block into its columns of `y`, row by row.
-        let blocks = &blocks[..];
-        let bias = self.bias.as_deref();
-        y.par_chunks_mut(out).enumerate().for_each(|(t, row)| {
-            for (r, block) in blocks.chunks(m * width).enumerate() {
-                let o0 = r * width;
-                let n = width.min(out - o0);
-                let dst = &mut row[o0..o0 + n];
-                dst.copy_from_slice(&block[t * width..t * width + n]);
-                if let Some(b) = bias {
-                    dst.iter_mut()
-                        .zip(&b[o0..o0 + n])
-                        .for_each(|(v, b)| *v += b);
+        let xt = &xt[..];
+        by_bands(y, m, out, run * WIDTH, |_, mut band| {
+            TASK.with(|task| {
+                let Task { block, wide } = &mut *task.borrow_mut();
+                block.resize(m * ld, 0.0);
+                let cols = band.cols();
+                for c0 in cols.clone().step_by(WIDTH) {
+                    let groups = c0 / WIDTH * per..(c0 / WIDTH + 1) * per;
+                    match &input {
+                        Some(input) => {
+                            self.w
+                                .product(groups.clone(), input, m, self.isa, block, ld)
+                        }
+                        None => {
+                            for (gi, g) in groups.clone().enumerate() {
+                                let b = self.w.group_f32(g, wide);
+                                let (ds, a, bs) =
+                                    (Strides::rows(ld), Strides::cols(m), Strides::rows(WIDTH));
+                                matmul(
+                                    m,
+                                    WIDTH,
+                                    inp,
+                                    &mut block[gi * WIDTH..],
+                                    ds,
+                                    false,
+                                    xt,
+                                    a,
+                                    b,
+                                    bs,
+                                );
+                            }
+                        }
+                    }
+                    if let Some(bias) = &self.bias {
+                        let bias = &bias[groups.start * WIDTH..groups.end * WIDTH];
+                        for row in block.chunks_exact_mut(ld) {
+                            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                        }
+                    }
+                    let (off, n) = (c0 - cols.start, (cols.end - c0).min(WIDTH));
+                    for (i, src) in block.chunks_exact(ld).enumerate() {
+                        let dst = &mut band.row(i)[off..off + n];
+                        match (self.gated, write) {
+                            (false, Write::Set) => dst.copy_from_slice(&src[..n]),
+                            (false, Write::Add) => {
+                                dst.iter_mut().zip(src).for_each(|(d, v)| *d += v)
+                            }
+                            (true, _) => {
+                                let (g, u) = src.split_at(WIDTH);
+                                for ((d, g), u) in dst.iter_mut().zip(g).zip(u) {
+                                    let a = g / (1.0 + (-g).exp()) * u;
+                                    *d = if write == Write::Add { *d + a } else { a };
+                                }
+                            }
+                        }
+                    }
                 }
-            }
+            })
         });
     }
 }
@@ -154,6 +221,42 @@ mod tests {
         y
     }
 
+    /// `w` in every dtype (its values must be exact in each).
+    fn matrices(w: &[f32], out: usize, inp: usize, b: &[f32]) -> Vec<Matrix> {
+        [
+            Host::F32(w.to_vec()),
+            Host::Bf16(w.iter().map(|v| bf16::from_f32(*v)).collect()),
+            Host::F16(w.iter().map(|v| f16::from_f32(*v)).collect()),
+        ]
+        .into_iter()
+        .map(|data| Matrix {
+            rows: out,
+            cols: inp,
+            data,
+            bias: Some(b.to_vec()),
+        })
+        .collect()
+    }
+
+    fn close(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len());
+        for (g, e) in got.iter().zip(want) {
+            assert!(
+                (g - e).abs() < 1e-4 * e.abs().max(1.0),
+                "{what}: {g} vs {e}"
+            );
+        }
+    }
+
+    fn input(m: usize, inp: usize) -> Vec<f32> {
+        (0..m * inp)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0)
+            .collect()
+    }
+
+    // Sizes cross both paths (≤ 64 rows: panels; more: gemm) and leave partial groups.
+    const BATCHES: [usize; 9] = [1, 3, 5, 16, 23, 33, 64, 65, 100];
+
     #[test]
     fn every_dtype_and_batch_matches_the_definition() {
         let (out, inp) = (203, 96);
@@ -161,29 +264,52 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
         let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
-        for m in [1, 3, 5, 16, 23, 33, 64, 65, 100] {
-            let x: Vec<f32> = (0..m * inp)
-                .map(|i| ((i * 13 % 29) as f32 - 14.0) / 16.0)
-                .collect();
+        for m in BATCHES {
+            let x = input(m, inp);
             let want = reference(&x, m, &w, out, inp, &b);
-            for data in [
-                Host::F32(w.clone()),
-                Host::Bf16(w.iter().map(|v| bf16::from_f32(*v)).collect()),
-                Host::F16(w.iter().map(|v| f16::from_f32(*v)).collect()),
-            ] {
-                let dt = data.dtype();
-                let l = Linear::new(Matrix {
-                    rows: out,
-                    cols: inp,
-                    data,
-                    bias: Some(b.clone()),
-                });
-                let mut y = vec![0.0; m * out];
-                l.forward(&x, m, &mut y, &mut Scratch::default());
-                // These weights are exact in every dtype (multiples of 1/64 below 1).
-                for (g, e) in y.iter().zip(&want) {
-                    assert!((g - e).abs() < 1e-4, "{dt:?} m={m}: {g} vs {e}");
-                }
+            let base: Vec<f32> = (0..m * out).map(|i| (i % 7) as f32).collect();
+            let added: Vec<f32> = want.iter().zip(&base).map(|(w, b)| w + b).collect();
+            for mat in matrices(&w, out, inp, &b) {
+                let dt = mat.data.dtype();
+                let l = Linear::new(mat);
+                let mut y = vec![f32::NAN; m * out];
+                l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
+                close(&y, &want, &format!("{dt:?} m={m} set"));
+                let mut y = base.clone();
+                l.forward(&x, m, &mut y, Write::Add, &mut Scratch::default());
+                close(&y, &added, &format!("{dt:?} m={m} add"));
+            }
+        }
+    }
+
+    #[test]
+    fn gated_products_are_silu_gate_times_up() {
+        // 100 features: two full groups and a partial one of each half.
+        let (i, inp) = (100, 64);
+        let w: Vec<f32> = (0..2 * i * inp)
+            .map(|v| ((v * 29 % 97) as f32 - 48.0) / 256.0)
+            .collect();
+        let b: Vec<f32> = (0..2 * i).map(|v| (v % 11) as f32 / 32.0 - 0.125).collect();
+        for m in BATCHES {
+            let x = input(m, inp);
+            let both = reference(&x, m, &w, 2 * i, inp, &b);
+            let want: Vec<f32> = both
+                .chunks_exact(2 * i)
+                .flat_map(|r| {
+                    let (g, u) = r.split_at(i);
+                    g.iter()
+                        .zip(u)
+                        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            for mat in matrices(&w, 2 * i, inp, &b) {
+                let dt = mat.data.dtype();
+                let l = Linear::gated(mat);
+                assert_eq!(l.out, i);
+                let mut y = vec![f32::NAN; m * i];
+                l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
+                close(&y, &want, &format!("{dt:?} m={m} gated"));
             }
         }
     }

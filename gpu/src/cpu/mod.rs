@@ -16,6 +16,7 @@
 //! both, the layout every backend exchanges.
 
 mod attn;
+mod columns;
 pub mod gemm;
 pub mod linear;
 pub mod panel;
@@ -24,13 +25,14 @@ use rayon::prelude::*;
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
 use crate::model::{DType, Host, ModelConfig, ModelWeights};
-use linear::Linear;
+use linear::{Linear, Write};
 
 struct Layer {
     attn_norm: Vec<f32>,
     qkv: Linear,
     o: Linear,
     mlp_norm: Vec<f32>,
+    /// `[gate; up]`, giving the gated activation directly.
     gate_up: Linear,
     down: Linear,
 }
@@ -42,8 +44,6 @@ struct Buffers {
     normed: Vec<f32>,
     qkv: Vec<f32>,
     attn: Vec<f32>,
-    tmp: Vec<f32>,
-    gate_up: Vec<f32>,
     act: Vec<f32>,
     logits: Vec<f32>,
     linear: linear::Scratch,
@@ -100,7 +100,7 @@ impl CpuBackend {
                     qkv: Linear::new(l.qkv),
                     o: Linear::new(l.o),
                     mlp_norm: l.mlp_norm,
-                    gate_up: Linear::new(l.gate_up),
+                    gate_up: Linear::gated(l.gate_up),
                     down: Linear::new(l.down),
                 })
                 .collect(),
@@ -155,8 +155,6 @@ impl CpuBackend {
         b.normed.resize(t * h, 0.0);
         b.qkv.resize(t * width, 0.0);
         b.attn.resize(t * qd, 0.0);
-        b.tmp.resize(t * h, 0.0);
-        b.gate_up.resize(t * 2 * c.intermediate, 0.0);
         b.act.resize(t * c.intermediate, 0.0);
         let block_floats = c.kv_heads * bs * d;
         // Each token's rotation (cos, sin per frequency), shared by every head and layer.
@@ -172,11 +170,14 @@ impl CpuBackend {
         let half = self.inv_freq.len();
         for (li, layer) in self.layers.iter().enumerate() {
             rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.normed);
-            layer.qkv.forward(&b.normed, t, &mut b.qkv, &mut b.linear);
+            layer
+                .qkv
+                .forward(&b.normed, t, &mut b.qkv, Write::Set, &mut b.linear);
             // Rope on q and k (rows in parallel), then store k and v in the token's cache slot.
             b.qkv
                 .par_chunks_exact_mut(width)
                 .zip(turns.par_chunks_exact(half))
+                .with_min_len(PAR_FLOATS / width + 1)
                 .for_each(|(row, turns)| rope(&mut row[..qd + kvd], d, turns));
             let (kc, vc) = (&mut self.k[li], &mut self.v[li]);
             for (row, &(si, pos)) in b.qkv.chunks_exact(width).zip(&owner) {
@@ -209,24 +210,17 @@ impl CpuBackend {
                     b.attn[at..at + d].copy_from_slice(row);
                 }
             }
-            layer.o.forward(&b.attn, t, &mut b.tmp, &mut b.linear);
-            add(&mut b.x, &b.tmp);
+            // The residual adds happen as the products are written.
+            layer
+                .o
+                .forward(&b.attn, t, &mut b.x, Write::Add, &mut b.linear);
             rmsnorm(&b.x, &layer.mlp_norm, c.rms_eps, &mut b.normed);
             layer
                 .gate_up
-                .forward(&b.normed, t, &mut b.gate_up, &mut b.linear);
-            let i2 = 2 * c.intermediate;
-            b.act
-                .par_chunks_exact_mut(c.intermediate)
-                .zip(b.gate_up.par_chunks_exact(i2))
-                .for_each(|(a, gu)| {
-                    let (g, u) = gu.split_at(c.intermediate);
-                    for ((a, g), u) in a.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
-                });
-            layer.down.forward(&b.act, t, &mut b.tmp, &mut b.linear);
-            add(&mut b.x, &b.tmp);
+                .forward(&b.normed, t, &mut b.act, Write::Set, &mut b.linear);
+            layer
+                .down
+                .forward(&b.act, t, &mut b.x, Write::Add, &mut b.linear);
         }
         // Logits only for the last new token of the sequences that asked.
         let rows: Vec<usize> = batch
@@ -245,8 +239,13 @@ impl CpuBackend {
         let mut normed = vec![0.0; last.len()];
         rmsnorm(&last, &self.norm, c.rms_eps, &mut normed);
         b.logits.resize(rows.len() * c.vocab, 0.0);
-        self.lm_head
-            .forward(&normed, rows.len(), &mut b.logits, &mut b.linear);
+        self.lm_head.forward(
+            &normed,
+            rows.len(),
+            &mut b.logits,
+            Write::Set,
+            &mut b.linear,
+        );
         Ok(b.logits
             .chunks_exact(c.vocab)
             .map(<[f32]>::to_vec)
@@ -258,12 +257,16 @@ impl CpuBackend {
     }
 }
 
-/// Rows in parallel (the step's element-wise work would otherwise leave the other threads
-/// idle between products).
+/// Element-wise work runs in parallel in tasks of at least this many floats; below that a
+/// fork-join costs more than it saves (a decode step's rows stay on one thread).
+const PAR_FLOATS: usize = 1 << 15;
+
+/// Rows in parallel for prefill-sized steps.
 fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let h = w.len();
     x.par_chunks_exact(h)
         .zip(out.par_chunks_exact_mut(h))
+        .with_min_len(PAR_FLOATS / h + 1)
         .for_each(|(row, o)| {
             let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
             let r = 1.0 / (ms + eps).sqrt();
@@ -300,12 +303,6 @@ fn transpose_heads(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
             }
         }
     }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    x.par_chunks_mut(4096)
-        .zip(y.par_chunks(4096))
-        .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, b)| *a += b));
 }
 
 impl Backend for CpuBackend {

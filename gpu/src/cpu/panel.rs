@@ -131,16 +131,29 @@ impl Isa {
 impl Panels {
     /// Pack a row-major `[rows, k]` matrix.
     pub fn pack(w: &Host, rows: usize, k: usize) -> Panels {
+        let order: Vec<Option<usize>> = (0..rows).map(Some).collect();
+        Panels::pack_rows(w, k, &order)
+    }
+
+    /// Pack rows of a row-major `[_, k]` matrix in the given order: packed row `r` is `w`'s
+    /// row `order[r]`, or zeros for `None` (a product's outputs laid out as its caller
+    /// wants them, such as gate and up features side by side).
+    ///
+    /// # Panics
+    /// When `order` names a row `w` does not have.
+    pub fn pack_rows(w: &Host, k: usize, order: &[Option<usize>]) -> Panels {
+        let rows = order.len();
         let groups = rows.div_ceil(WIDTH);
         let data = match w {
-            Host::F32(v) => Packed::F32(by_input(v, rows, k, groups, 0.0)),
-            Host::F16(v) => Packed::F16(by_input(v, rows, k, groups, f16::ZERO)),
+            Host::F32(v) => Packed::F32(by_input(v, k, order, groups, 0.0)),
+            Host::F16(v) => Packed::F16(by_input(v, k, order, groups, f16::ZERO)),
             Host::Bf16(v) => {
                 let k2 = k.div_ceil(2);
                 let mut p = vec![bf16::ZERO; groups * k2 * WIDTH * 2];
-                for (r, row) in v.chunks_exact(k).take(rows).enumerate() {
+                for (r, src) in order.iter().enumerate() {
+                    let Some(src) = src else { continue };
                     let (g, l) = (r / WIDTH, r % WIDTH);
-                    for (c, x) in row.iter().enumerate() {
+                    for (c, x) in v[src * k..(src + 1) * k].iter().enumerate() {
                         p[((g * k2 + c / 2) * WIDTH + l) * 2 + c % 2] = *x;
                     }
                 }
@@ -171,9 +184,9 @@ impl Panels {
         let stride = k.div_ceil(2) * 2;
         if isa.0 == Level::Avx512Bf16 {
             buf.b.clear();
-            for row in x.chunks_exact(k).take(m) {
-                buf.b.extend(row.iter().map(|v| bf16::from_f32(*v)));
-                buf.b.resize(buf.b.len() + stride - k, bf16::ZERO);
+            buf.b.resize(m * stride, bf16::ZERO);
+            for (row, out) in x.chunks_exact(k).zip(buf.b.chunks_exact_mut(stride)) {
+                to_bf16(isa, row, &mut out[..k]);
             }
             return Input::Bf16 { x: &buf.b, stride };
         }
@@ -279,12 +292,13 @@ impl Panels {
     }
 }
 
-/// `[groups][k][48]` from row-major `[rows, k]`.
-fn by_input<T: Copy>(v: &[T], rows: usize, k: usize, groups: usize, zero: T) -> Vec<T> {
+/// `[groups][k][48]` from the rows of row-major `[_, k]` that `order` names.
+fn by_input<T: Copy>(v: &[T], k: usize, order: &[Option<usize>], groups: usize, zero: T) -> Vec<T> {
     let mut p = vec![zero; groups * k * WIDTH];
-    for (r, row) in v.chunks_exact(k).take(rows).enumerate() {
+    for (r, src) in order.iter().enumerate() {
+        let Some(src) = src else { continue };
         let (g, l) = (r / WIDTH, r % WIDTH);
-        for (c, x) in row.iter().enumerate() {
+        for (c, x) in v[src * k..(src + 1) * k].iter().enumerate() {
             p[(g * k + c) * WIDTH + l] = *x;
         }
     }
@@ -294,6 +308,31 @@ fn by_input<T: Copy>(v: &[T], rows: usize, k: usize, groups: usize, zero: T) -> 
 /// Rows `t0..t0 + t` of `x` (`stride` apart), each read up to `len`.
 fn rows_of<T>(x: &[T], stride: usize, t0: usize, t: usize, len: usize) -> &[T] {
     &x[t0 * stride..(t0 + t - 1) * stride + len]
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even): `vcvtneps2bf16` sixteen at a time on
+/// AVX512-BF16 (the input of every bf16 product goes through here, once per step).
+fn to_bf16(isa: Isa, x: &[f32], out: &mut [bf16]) {
+    assert_eq!(x.len(), out.len(), "to_bf16 lengths");
+    #[cfg(target_arch = "x86_64")]
+    if isa.0 == Level::Avx512Bf16 {
+        let (xs, xt) = x.split_at(x.len() / LANES * LANES);
+        let (os, ot) = out.split_at_mut(xs.len());
+        for (x, o) in xs.chunks_exact(LANES).zip(os.chunks_exact_mut(LANES)) {
+            // SAFETY: the CPU has AVX-512F and AVX512-BF16 (only `Isa::detect` names that
+            // level); sixteen f32 are read from `x` and sixteen bf16 written to `o`, both
+            // chunks of exactly that length.
+            unsafe { x86::bf16_sixteen(x.as_ptr(), o.as_mut_ptr()) };
+        }
+        ot.iter_mut()
+            .zip(xt)
+            .for_each(|(o, v)| *o = bf16::from_f32(*v));
+        return;
+    }
+    let _ = isa;
+    out.iter_mut()
+        .zip(x)
+        .for_each(|(o, v)| *o = bf16::from_f32(*v));
 }
 
 /// bf16 is the top half of an f32: a shift.
@@ -396,6 +435,17 @@ mod x86 {
     use half::{bf16, f16};
 
     use super::WIDTH;
+
+    /// Sixteen f32 at `x` rounded to sixteen bf16 at `out`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn bf16_sixteen(x: *const f32, out: *mut bf16) {
+        // SAFETY: the caller keeps sixteen values readable at `x` and writable at `out`;
+        // __m256bh and __m256i are both 256 bits of plain data.
+        unsafe {
+            let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(x));
+            _mm256_storeu_si256(out.cast(), std::mem::transmute::<__m256bh, __m256i>(v));
+        }
+    }
 
     /// Store the accumulators: row `i`'s three registers at `y + i * ys`.
     #[inline(always)]
@@ -592,6 +642,44 @@ mod portable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vector rounding agrees with `half`'s on ties, signs, extremes, subnormals and the
+    /// tail past the last sixteen.
+    #[test]
+    fn bf16_rounding_matches_half() {
+        let mut x: Vec<f32> = (0..1000)
+            .map(|i| f32::from_bits(0x3f80_0000 + i * 0x4001) * if i % 3 == 0 { -1.0 } else { 1.0 })
+            .collect();
+        // Exact ties (low half 0x8000) both ways, extremes, a subnormal, zero and infinity.
+        x.extend([
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ]);
+        for isa in [Isa::detect(), Isa::portable()] {
+            let mut got = vec![bf16::ZERO; x.len()];
+            to_bf16(isa, &x, &mut got);
+            for (g, v) in got.iter().zip(&x) {
+                let want = bf16::from_f32(*v);
+                // vcvtneps2bf16 may flush subnormal inputs to zero (of the same sign).
+                let flushed =
+                    v.is_subnormal() && g.to_bits() == bf16::from_f32(0.0 * v.signum()).to_bits();
+                assert!(
+                    g.to_bits() == want.to_bits() || flushed,
+                    "{isa:?} {v:e}: {g} vs {want}"
+                );
+            }
+        }
+        let mut nan = [bf16::ZERO];
+        to_bf16(Isa::detect(), &[f32::NAN], &mut nan);
+        assert!(nan[0].is_nan());
+    }
 
     /// Every kernel this CPU has (and the portable ones) against the definition, for shapes
     /// that leave partial groups, odd inputs and partial row blocks.
