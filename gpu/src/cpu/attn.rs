@@ -10,7 +10,9 @@
 
 #![allow(unsafe_code)]
 
+use super::columns::Band;
 use super::gemm::{Strides, matmul};
+use super::math;
 use crate::backend::SeqStep;
 use crate::model::ModelConfig;
 
@@ -24,14 +26,15 @@ struct AttnScratch {
     v: Vec<f32>,
     q: Vec<f32>,
     scores: Vec<f32>,
+    out: Vec<f32>,
 }
 
 thread_local! {
     static ATTN: std::cell::RefCell<AttnScratch> = std::cell::RefCell::new(AttnScratch::default());
 }
 
-/// Attention of one sequence's new tokens for the query heads of KV head `g`; rows are
-/// `(token, head in group)`, each `head_dim` wide.
+/// Attention of one sequence's new tokens for the query heads of KV head `g`, written into
+/// `band`: row `i` is token `i`'s outputs for those heads, side by side.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend(
     c: &ModelConfig,
@@ -42,9 +45,16 @@ pub(super) fn attend(
     qkv: &[f32],
     kc: &[f32],
     vc: &[f32],
-) -> Vec<f32> {
+    mut band: Band<'_>,
+) {
     ATTN.with(|a| {
-        let AttnScratch { k, v, q, scores } = &mut *a.borrow_mut();
+        let AttnScratch {
+            k,
+            v,
+            q,
+            scores,
+            out,
+        } = &mut *a.borrow_mut();
         let block_floats = c.kv_heads * bs * c.head_dim;
         let d = c.head_dim;
         let grp = c.group();
@@ -52,8 +62,9 @@ pub(super) fn attend(
         let n = s.tokens.len();
         let ctx = s.start + n;
         let scale = 1.0 / (d as f32).sqrt();
-        let mut out = vec![0.0; n * grp * d];
         let window = c.sliding_window;
+        out.clear();
+        out.resize(n * grp * d, 0.0);
         // (first position, offset of this head in the block, slots used) of each block.
         let blocks = || {
             s.blocks
@@ -68,78 +79,71 @@ pub(super) fn attend(
                     )
                 })
         };
+        // The query rows of tokens `i0..i1`, `(token, head in group)`.
+        let queries = |q: &mut Vec<f32>, i0: usize, i1: usize| {
+            q.clear();
+            for i in i0..i1 {
+                let at = (offset + i) * width + g * grp * d;
+                q.extend_from_slice(&qkv[at..at + grp * d]);
+            }
+        };
         if n <= DIRECT_TOKENS {
             // Decode: read the keys and values where they lie in their blocks; gathering
             // them costs a copy of the whole context per step.
-            q.clear();
-            for i in 0..n {
-                let at = (offset + i) * width + g * grp * d;
-                q.extend_from_slice(&qkv[at..at + grp * d]);
-            }
+            queries(q, 0, n);
             scores.resize(n * grp * ctx, 0.0);
             let fast = Fast::new(bs, d);
-            let all: Vec<_> = blocks().collect();
-            for (i, &(first, head, len)) in all.iter().enumerate() {
+            let mut all = blocks().peekable();
+            while let Some((first, head, len)) = all.next() {
                 let keys = &kc[head..head + bs * d];
-                let next = all.get(i + 1).map_or(&[][..], |b| &kc[b.1..b.1 + bs * d]);
+                let next = all.peek().map_or(&[][..], |b| &kc[b.1..b.1 + bs * d]);
                 block_scores(fast, q, d, keys, bs, len, &mut scores[first..], ctx, next);
             }
             softmax_rows(scores, ctx, s.start, grp, window, scale);
-            for (i, &(first, head, len)) in all.iter().enumerate() {
+            let mut all = blocks().peekable();
+            while let Some((first, head, len)) = all.next() {
                 let values = &vc[head..head + len * d];
-                let next = all.get(i + 1).map_or(&[][..], |b| &vc[b.1..b.1 + b.2 * d]);
-                block_values(fast, &scores[first..], ctx, values, d, &mut out, next);
+                let next = all.peek().map_or(&[][..], |b| &vc[b.1..b.1 + b.2 * d]);
+                block_values(fast, &scores[first..], ctx, values, d, out, next);
             }
-            return out;
-        }
-        // Gather this head's keys (`[d, ctx]`) and values (`[ctx, d]`) for gemm.
-        k.resize(d * ctx, 0.0);
-        v.clear();
-        for (first, head, len) in blocks() {
-            for (j, kt) in kc[head..head + bs * d].chunks_exact(bs).enumerate() {
-                k[j * ctx + first..j * ctx + first + len].copy_from_slice(&kt[..len]);
+        } else {
+            // Gather this head's keys (`[d, ctx]`) and values (`[ctx, d]`) for gemm.
+            k.resize(d * ctx, 0.0);
+            v.clear();
+            for (first, head, len) in blocks() {
+                for (j, kt) in kc[head..head + bs * d].chunks_exact(bs).enumerate() {
+                    k[j * ctx + first..j * ctx + first + len].copy_from_slice(&kt[..len]);
+                }
+                v.extend_from_slice(&vc[head..head + len * d]);
             }
-            v.extend_from_slice(&vc[head..head + len * d]);
-        }
-        for i0 in (0..n).step_by(QUERY_TILE) {
-            let qn = QUERY_TILE.min(n - i0);
-            let rows = qn * grp;
-            // The tile's last query sees positions up to `start + i0 + qn - 1`.
-            let seen = s.start + i0 + qn;
-            q.clear();
-            for i in i0..i0 + qn {
-                let at = (offset + i) * width + g * grp * d;
-                q.extend_from_slice(&qkv[at..at + grp * d]);
+            for i0 in (0..n).step_by(QUERY_TILE) {
+                let qn = QUERY_TILE.min(n - i0);
+                let rows = qn * grp;
+                // The tile's last query sees positions up to `start + i0 + qn - 1`.
+                let seen = s.start + i0 + qn;
+                queries(q, i0, i0 + qn);
+                scores.resize(rows * seen, 0.0);
+                let (ss, qs) = (Strides::rows(seen), Strides::rows(d));
+                matmul(
+                    rows,
+                    seen,
+                    d,
+                    scores,
+                    ss,
+                    false,
+                    q,
+                    qs,
+                    k,
+                    Strides::rows(ctx),
+                );
+                softmax_rows(scores, seen, s.start + i0, grp, window, scale);
+                let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
+                matmul(rows, d, seen, dst, qs, false, scores, ss, v, qs);
             }
-            scores.resize(rows * seen, 0.0);
-            matmul(
-                rows,
-                seen,
-                d,
-                scores,
-                Strides::rows(seen),
-                false,
-                q,
-                Strides::rows(d),
-                k,
-                Strides::rows(ctx),
-            );
-            softmax_rows(scores, seen, s.start + i0, grp, window, scale);
-            let dst = &mut out[i0 * grp * d..(i0 + qn) * grp * d];
-            matmul(
-                rows,
-                d,
-                seen,
-                dst,
-                Strides::rows(d),
-                false,
-                scores,
-                Strides::rows(seen),
-                v,
-                Strides::rows(d),
-            );
         }
-        out
+        for (i, row) in out.chunks_exact(grp * d).enumerate() {
+            band.row(i).copy_from_slice(row);
+        }
     })
 }
 
@@ -160,21 +164,7 @@ fn softmax_rows(
     for (r, row) in scores.chunks_exact_mut(width).enumerate() {
         let pos = first + r / grp;
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let mut max = f32::NEG_INFINITY;
-        for (j, x) in row.iter_mut().enumerate() {
-            if j > pos || j < lo {
-                *x = f32::NEG_INFINITY;
-            } else {
-                *x *= scale;
-                max = max.max(*x);
-            }
-        }
-        let mut sum = 0.0;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        row.iter_mut().for_each(|x| *x /= sum);
+        math::softmax(row, lo, pos + 1, scale);
     }
 }
 

@@ -22,6 +22,7 @@ use std::cell::RefCell;
 
 use super::columns::by_bands;
 use super::gemm::{Strides, matmul};
+use super::math::silu_mul;
 use super::panel::{InputBuf, Isa, Panels, WIDTH};
 use crate::model::Matrix;
 
@@ -188,10 +189,7 @@ impl Linear {
                             }
                             (true, _) => {
                                 let (g, u) = src.split_at(WIDTH);
-                                for ((d, g), u) in dst.iter_mut().zip(g).zip(u) {
-                                    let a = g / (1.0 + (-g).exp()) * u;
-                                    *d = if write == Write::Add { *d + a } else { a };
-                                }
+                                silu_mul(dst, &g[..n], &u[..n], write == Write::Add)
                             }
                         }
                     }

@@ -19,12 +19,14 @@ mod attn;
 mod columns;
 pub mod gemm;
 pub mod linear;
+mod math;
 pub mod panel;
 
 use rayon::prelude::*;
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
 use crate::model::{DType, Host, ModelConfig, ModelWeights};
+use columns::by_bands;
 use linear::{Linear, Write};
 
 struct Layer {
@@ -193,23 +195,25 @@ impl CpuBackend {
                 }
             }
             let (kc, vc) = (&self.k[li], &self.v[li]);
-            let tasks: Vec<(usize, usize)> = (0..batch.len())
-                .filter(|&s| !batch[s].tokens.is_empty())
-                .flat_map(|s| (0..c.kv_heads).map(move |g| (s, g)))
-                .collect();
-            let qkv = &b.qkv;
-            let outs: Vec<Vec<f32>> = tasks
-                .par_iter()
-                .map(|&(s, g)| attn::attend(c, bs, &batch[s], offsets[s], g, qkv, kc, vc))
-                .collect();
-            let grp = c.group();
-            for (&(s, g), o) in tasks.iter().zip(&outs) {
-                for (r, row) in o.chunks_exact(d).enumerate() {
-                    let (i, hl) = (r / grp, r % grp);
-                    let at = (offsets[s] + i) * qd + (g * grp + hl) * d;
-                    b.attn[at..at + d].copy_from_slice(row);
-                }
+            // Per sequence (its rows of `attn` are contiguous), per KV head (a band of
+            // those rows: the query heads sharing it).
+            let mut parts = Vec::with_capacity(batch.len());
+            let mut rest = &mut b.attn[..];
+            for s in batch {
+                let (mine, tail) = rest.split_at_mut(s.tokens.len() * qd);
+                parts.push((s, mine));
+                rest = tail;
             }
+            let (qkv, grp) = (&b.qkv, c.group());
+            parts
+                .into_par_iter()
+                .zip(&offsets)
+                .filter(|((s, _), _)| !s.tokens.is_empty())
+                .for_each(|((s, rows), &offset)| {
+                    by_bands(rows, s.tokens.len(), qd, grp * d, |g, band| {
+                        attn::attend(c, bs, s, offset, g, qkv, kc, vc, band)
+                    })
+                });
             // The residual adds happen as the products are written.
             layer
                 .o
