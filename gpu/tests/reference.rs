@@ -171,41 +171,64 @@ fn a_prefix_cache_hit_gives_the_same_output() {
 fn exported_blocks_continue_the_sequence_on_another_backend() {
     let r = reference("tiny");
     let case = &r.prompts[1];
-    let mut prefill = backend("tiny", DType::F32, 4);
-    let mut s = [Seq::new(&case.prompt, 0, 4, 64)];
-    generate(&mut prefill, &mut s, 1, usize::MAX);
-    let [s] = s;
-    let used = case.prompt.len().div_ceil(4);
-    let mut decode = backend("tiny", DType::F32, 4);
-    let mut moved = Seq::new(&case.prompt, 50, 4, 64);
-    for (from, to) in s.blocks[..used].iter().zip(&moved.blocks) {
-        let bytes = prefill.export_block(*from).unwrap();
-        assert_eq!(bytes.len(), decode.block_bytes());
-        decode.import_block(*to, &bytes).unwrap();
+    // The cache keeps the weights' precision, and blocks move in it.
+    for dtype in [DType::F32, DType::Bf16, DType::F16] {
+        let mut prefill = backend("tiny", dtype, 4);
+        assert_eq!(prefill.kv_dtype(), dtype);
+        let mut s = [Seq::new(&case.prompt, 0, 4, 64)];
+        generate(&mut prefill, &mut s, 1, usize::MAX);
+        let used = case.prompt.len().div_ceil(4);
+        let mut decode = backend("tiny", dtype, 4);
+        let mut moved = Seq::new(&case.prompt, 50, 4, 64);
+        for (from, to) in s[0].blocks[..used].iter().zip(&moved.blocks) {
+            let bytes = prefill.export_block(*from).unwrap();
+            assert_eq!(bytes.len(), decode.block_bytes());
+            decode.import_block(*to, &bytes).unwrap();
+        }
+        moved.computed = case.prompt.len();
+        moved.tokens.push(s[0].tokens[case.prompt.len()]);
+        moved.logits.push(Vec::new());
+        let mut moved = [moved];
+        let steps = case.greedy.len();
+        generate(&mut decode, &mut moved, steps, usize::MAX);
+        // The same as staying on the prefill backend, and for f32 as transformers.
+        generate(&mut prefill, &mut s, steps, usize::MAX);
+        assert_eq!(moved[0].tokens, s[0].tokens, "{dtype:?}");
+        if dtype == DType::F32 {
+            assert_eq!(&moved[0].tokens[case.prompt.len()..], &case.greedy[..]);
+        }
+        assert!(decode.import_block(0, &[0; 3]).is_err());
     }
-    moved.computed = case.prompt.len();
-    moved.tokens.push(s.tokens[case.prompt.len()]);
-    moved.logits.push(Vec::new());
-    let mut moved = [moved];
-    generate(&mut decode, &mut moved, case.greedy.len(), usize::MAX);
-    assert_eq!(&moved[0].tokens[case.prompt.len()..], &case.greedy[..]);
-    assert!(decode.import_block(0, &[0; 3]).is_err());
 }
 
 #[test]
 fn half_precision_weights_stay_close_to_the_reference() {
+    let full = backend("tiny", DType::F32, 4).block_bytes();
     for dtype in [DType::Bf16, DType::F16] {
         let r = reference("tiny");
         let mut b = backend("tiny", dtype, 4);
+        assert_eq!(
+            b.block_bytes() * 2,
+            full,
+            "{dtype:?}: a half-precision cache"
+        );
         let case = &r.prompts[1];
         let mut s = [Seq::new(&case.prompt, 0, 4, 64)];
-        generate(&mut b, &mut s, 1, usize::MAX);
-        let d = max_diff(&s[0].logits[0], &case.logits[0]);
-        let scale = case.logits[0].iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        assert!(
-            d < 0.05 * scale.max(1.0),
-            "{dtype:?}: logits differ by {d} (max |logit| {scale})"
-        );
+        generate(&mut b, &mut s, case.logits.len(), usize::MAX);
+        // The prefill's logits, and the decode steps' (which read the half-precision
+        // cache) while the tokens are still the reference's.
+        let n = case.prompt.len();
+        for (step, want) in case.logits.iter().enumerate() {
+            if step > 0 && s[0].tokens[n + step - 1] != case.greedy[step - 1] {
+                break;
+            }
+            let d = max_diff(&s[0].logits[step], want);
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(
+                d < 0.05 * scale.max(1.0),
+                "{dtype:?} step {step}: logits differ by {d} (max |logit| {scale})"
+            );
+        }
     }
 }
 

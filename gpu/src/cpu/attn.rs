@@ -12,6 +12,7 @@
 
 use super::columns::Band;
 use super::gemm::{Strides, matmul};
+use super::kv::Elem;
 use super::math;
 use crate::backend::SeqStep;
 use crate::model::ModelConfig;
@@ -36,15 +37,15 @@ thread_local! {
 /// Attention of one sequence's new tokens for the query heads of KV head `g`, written into
 /// `band`: row `i` is token `i`'s outputs for those heads, side by side.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn attend(
+pub(super) fn attend<T: Elem>(
     c: &ModelConfig,
     bs: usize,
     s: &SeqStep<'_>,
     offset: usize,
     g: usize,
     qkv: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: &[T],
+    vc: &[T],
     mut band: Band<'_>,
 ) {
     ATTN.with(|a| {
@@ -112,9 +113,12 @@ pub(super) fn attend(
             v.clear();
             for (first, head, len) in blocks() {
                 for (j, kt) in kc[head..head + bs * d].chunks_exact(bs).enumerate() {
-                    k[j * ctx + first..j * ctx + first + len].copy_from_slice(&kt[..len]);
+                    let dst = &mut k[j * ctx + first..j * ctx + first + len];
+                    dst.iter_mut()
+                        .zip(&kt[..len])
+                        .for_each(|(o, x)| *o = x.to_f32());
                 }
-                v.extend_from_slice(&vc[head..head + len * d]);
+                v.extend(vc[head..head + len * d].iter().map(|x| x.to_f32()));
             }
             for i0 in (0..n).step_by(QUERY_TILE) {
                 let qn = QUERY_TILE.min(n - i0);
@@ -176,10 +180,10 @@ fn softmax_rows(
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn portable_scores(
+fn portable_scores<T: Elem>(
     q: &[f32],
     d: usize,
-    keys: &[f32],
+    keys: &[T],
     bs: usize,
     len: usize,
     scores: &mut [f32],
@@ -191,7 +195,7 @@ fn portable_scores(
         for (qc, kt) in qr.iter().zip(keys.chunks_exact(bs)) {
             row.iter_mut()
                 .zip(&kt[..len])
-                .for_each(|(s, k)| *s += qc * k);
+                .for_each(|(s, k)| *s += qc * k.to_f32());
         }
     }
 }
@@ -202,10 +206,10 @@ fn portable_scores(
     "x86_64+avx2+fma",
     "aarch64+neon"
 ))]
-fn portable_values(p: &[f32], ld: usize, values: &[f32], d: usize, out: &mut [f32]) {
+fn portable_values<T: Elem>(p: &[f32], ld: usize, values: &[T], d: usize, out: &mut [f32]) {
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
         for (w, v) in p[r * ld..].iter().zip(values.chunks_exact(d)) {
-            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v.to_f32());
         }
     }
 }
@@ -236,16 +240,16 @@ impl Fast {
 /// Scores of the query rows `q` against the first `len` keys of a block (as
 /// [`portable_scores`]), prefetching `next` (the following block's keys).
 #[allow(clippy::too_many_arguments)]
-fn block_scores(
+fn block_scores<T: Elem>(
     fast: Fast,
     q: &[f32],
     d: usize,
-    keys: &[f32],
+    keys: &[T],
     bs: usize,
     len: usize,
     scores: &mut [f32],
     ld: usize,
-    next: &[f32],
+    next: &[T],
 ) {
     let rows = q.len() / d;
     #[cfg(target_arch = "x86_64")]
@@ -274,14 +278,14 @@ fn block_scores(
 }
 
 /// As [`portable_values`], prefetching `next` (the following block's values).
-fn block_values(
+fn block_values<T: Elem>(
     fast: Fast,
     p: &[f32],
     ld: usize,
-    values: &[f32],
+    values: &[T],
     d: usize,
     out: &mut [f32],
-    next: &[f32],
+    next: &[T],
 ) {
     let (rows, len) = (out.len() / d, values.len() / d);
     #[cfg(target_arch = "x86_64")]
@@ -293,9 +297,9 @@ fn block_values(
         // every read inside `p` and `values` and every write inside `out`.
         unsafe {
             if d == 64 {
-                x86::values::<4>(p, ld, rows, v, len, o)
+                x86::values::<T, 4>(p, ld, rows, v, len, o)
             } else {
-                x86::values::<8>(p, ld, rows, v, len, o)
+                x86::values::<T, 8>(p, ld, rows, v, len, o)
             }
         };
         return;
@@ -307,9 +311,9 @@ fn block_values(
 /// Ask for every cache line of `next` ahead of use: a sequence's blocks lie anywhere in the
 /// cache, so the hardware prefetcher starts over at each one.
 #[cfg(target_arch = "x86_64")]
-fn prefetch(next: &[f32]) {
+fn prefetch<T>(next: &[T]) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    for line in next.chunks(16) {
+    for line in next.chunks(64 / size_of::<T>()) {
         // SAFETY: a prefetch is a hint that never faults; the pointer is inside `next`.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
     }
@@ -321,16 +325,18 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
+    use super::Elem;
+
     /// `s[r * ld + j] = q_r · key_j` for `j < len`, keys `[d][bs]`, four rows at a time
     /// (four independent sums per key vector; rows past the end repeat the last row and are
     /// not stored).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores(
+    pub(super) unsafe fn scores<T: Elem>(
         q: *const f32,
         rows: usize,
         d: usize,
-        keys: *const f32,
+        keys: *const T,
         bs: usize,
         len: usize,
         s: *mut f32,
@@ -349,7 +355,7 @@ mod x86 {
                         std::array::from_fn(|i| q.add((r0 + i.min(rn - 1)) * d));
                     let mut acc = [_mm512_setzero_ps(); 4];
                     for c in 0..d {
-                        let kv = _mm512_loadu_ps(keys.add(c * bs + j0));
+                        let kv = T::load16(keys.add(c * bs + j0));
                         for i in 0..4 {
                             acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(*qr[i].add(c)), kv, acc[i]);
                         }
@@ -367,11 +373,11 @@ mod x86 {
     /// `out_r += Σ_j p[r * ld + j] · v_j` for `j < len`, values `[len][16 · N]`: the row's
     /// `N` output vectors stay in registers across the block.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn values<const N: usize>(
+    pub(super) unsafe fn values<T: Elem, const N: usize>(
         p: *const f32,
         ld: usize,
         rows: usize,
-        v: *const f32,
+        v: *const T,
         len: usize,
         out: *mut f32,
     ) {
@@ -385,7 +391,7 @@ mod x86 {
                     let w = _mm512_set1_ps(*p.add(r * ld + j));
                     let vj = v.add(j * d);
                     for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj.add(16 * i)), *a);
+                        *a = _mm512_fmadd_ps(w, T::load16(vj.add(16 * i)), *a);
                     }
                 }
                 for (i, a) in acc.iter().enumerate() {
@@ -398,32 +404,41 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
 
     /// The AVX-512 kernels against the portable ones (which the model tests check against
-    /// transformers), for partial blocks and row counts that leave partial groups of four.
+    /// transformers), for each cache element type, partial blocks and row counts that leave
+    /// partial groups of four.
     #[test]
     fn fast_kernels_match_the_portable_ones() {
-        let (bs, d) = (32, 64);
-        if !Fast::new(bs, d).0 {
+        if !Fast::new(16, 64).0 {
             println!("SKIPPED: no AVX-512F on this CPU");
             return;
         }
+        same_as_portable::<f32>();
+        same_as_portable::<bf16>();
+        same_as_portable::<f16>();
+    }
+
+    fn same_as_portable<T: Elem>() {
         for (bs, d) in [(16, 64), (32, 64), (16, 128)] {
             for rows in [1, 3, 4, 6, 12] {
                 for len in [1, 7, 16, bs] {
+                    let what = format!("{:?} rows {rows} len {len} bs {bs} d {d}", T::DTYPE);
                     let q: Vec<f32> = (0..rows * d)
                         .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
                         .collect();
-                    let keys: Vec<f32> = (0..bs * d)
-                        .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+                    let keys: Vec<T> = (0..bs * d)
+                        .map(|i| T::from_f32(((i * 5 % 11) as f32 - 5.0) / 4.0))
                         .collect();
                     let ld = len + 3;
                     let mut want = vec![0.0; rows * ld];
                     let mut got = want.clone();
                     portable_scores(&q, d, &keys, bs, len, &mut want, ld);
                     block_scores(Fast(true), &q, d, &keys, bs, len, &mut got, ld, &keys);
-                    assert_eq!(got, want, "scores rows {rows} len {len} bs {bs} d {d}");
+                    assert_eq!(got, want, "scores {what}");
                     let p: Vec<f32> = (0..rows * ld).map(|i| (i % 5) as f32 / 4.0).collect();
                     let values = &keys[..len * d];
                     let mut want: Vec<f32> = (0..rows * d).map(|i| i as f32).collect();
@@ -431,10 +446,7 @@ mod tests {
                     portable_values(&p, ld, values, d, &mut want);
                     block_values(Fast(true), &p, ld, values, d, &mut got, &[]);
                     for (g, w) in got.iter().zip(&want) {
-                        assert!(
-                            (g - w).abs() < 1e-4,
-                            "values rows {rows} len {len}: {g} vs {w}"
-                        );
+                        assert!((g - w).abs() < 1e-4, "values {what}: {g} vs {w}");
                     }
                 }
             }

@@ -10,14 +10,12 @@
 //! KV head against them in query tiles (two more matrix products). The causal mask (and a
 //! sliding window, for mistral) is applied between the two.
 //!
-//! The cache is f32, per layer `[block][kv_head][dim][slot]` for K (transposed, so a decode
-//! query scores a block's sixteen slots with one vector per dimension, no horizontal sums)
-//! and `[block][kv_head][slot][dim]` for V. Exported blocks are `[kv_head][slot][dim]` for
-//! both, the layout every backend exchanges.
+//! The cache keeps the weights' precision ([`kv`] has its layout).
 
 mod attn;
 mod columns;
 pub mod gemm;
+mod kv;
 pub mod linear;
 mod math;
 pub mod panel;
@@ -27,6 +25,7 @@ use rayon::prelude::*;
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
 use crate::model::{DType, Host, ModelConfig, ModelWeights};
 use columns::by_bands;
+use kv::{Geometry, KvCache, on_cache};
 use linear::{Linear, Write};
 
 struct Layer {
@@ -59,9 +58,7 @@ pub struct CpuBackend {
     lm_head: Linear,
     inv_freq: Vec<f32>,
     kv: KvShape,
-    /// Per layer, `[block][kv_head][slot][dim]`.
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    cache: KvCache,
     dtype: DType,
     buf: Buffers,
     /// The step runs inside this pool: its parallel loops are then forks from a worker that
@@ -108,8 +105,7 @@ impl CpuBackend {
                 .collect(),
             norm: w.norm,
             lm_head: Linear::new(w.lm_head),
-            k: vec![vec![0.0; per_layer]; c.layers],
-            v: vec![vec![0.0; per_layer]; c.layers],
+            cache: KvCache::new(dtype, c.layers, per_layer),
             kv,
             cfg: c,
             dtype,
@@ -121,7 +117,7 @@ impl CpuBackend {
     /// One forward pass (on a pool thread).
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
         let c = &self.cfg;
-        let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
+        let (h, d, geo) = (c.hidden, c.head_dim, self.geometry());
         let (qd, kvd) = (c.heads * d, c.kv_heads * d);
         let width = qd + 2 * kvd;
         let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -158,7 +154,6 @@ impl CpuBackend {
         b.qkv.resize(t * width, 0.0);
         b.attn.resize(t * qd, 0.0);
         b.act.resize(t * c.intermediate, 0.0);
-        let block_floats = c.kv_heads * bs * d;
         // Each token's rotation (cos, sin per frequency), shared by every head and layer.
         let turns: Vec<(f32, f32)> = owner
             .iter()
@@ -181,39 +176,12 @@ impl CpuBackend {
                 .zip(turns.par_chunks_exact(half))
                 .with_min_len(PAR_FLOATS / width + 1)
                 .for_each(|(row, turns)| rope(&mut row[..qd + kvd], d, turns));
-            let (kc, vc) = (&mut self.k[li], &mut self.v[li]);
-            for (row, &(si, pos)) in b.qkv.chunks_exact(width).zip(&owner) {
-                let blk = batch[si].blocks[pos / bs] as usize;
-                for g in 0..c.kv_heads {
-                    let head = blk * block_floats + g * bs * d;
-                    let key = &row[qd + g * d..qd + (g + 1) * d];
-                    for (j, x) in key.iter().enumerate() {
-                        kc[head + j * bs + pos % bs] = *x;
-                    }
-                    let at = head + pos % bs * d;
-                    vc[at..at + d].copy_from_slice(&row[qd + kvd + g * d..qd + kvd + (g + 1) * d]);
-                }
-            }
-            let (kc, vc) = (&self.k[li], &self.v[li]);
-            // Per sequence (its rows of `attn` are contiguous), per KV head (a band of
-            // those rows: the query heads sharing it).
-            let mut parts = Vec::with_capacity(batch.len());
-            let mut rest = &mut b.attn[..];
-            for s in batch {
-                let (mine, tail) = rest.split_at_mut(s.tokens.len() * qd);
-                parts.push((s, mine));
-                rest = tail;
-            }
-            let (qkv, grp) = (&b.qkv, c.group());
-            parts
-                .into_par_iter()
-                .zip(&offsets)
-                .filter(|((s, _), _)| !s.tokens.is_empty())
-                .for_each(|((s, rows), &offset)| {
-                    by_bands(rows, s.tokens.len(), qd, grp * d, |g, band| {
-                        attn::attend(c, bs, s, offset, g, qkv, kc, vc, band)
-                    })
-                });
+            let attn = &mut b.attn;
+            let qkv = &b.qkv;
+            on_cache!(&mut self.cache, cache => {
+                cache.store(li, geo, batch, &owner, qkv, width, qd, qd + kvd);
+                attention(c, geo, batch, &offsets, qkv, &cache.k[li], &cache.v[li], attn);
+            });
             // The residual adds happen as the products are written.
             layer
                 .o
@@ -256,9 +224,50 @@ impl CpuBackend {
             .collect())
     }
 
-    fn block_floats(&self) -> usize {
-        self.cfg.kv_heads * self.kv.block_size * self.cfg.head_dim
+    fn geometry(&self) -> Geometry {
+        Geometry {
+            bs: self.kv.block_size,
+            d: self.cfg.head_dim,
+            kv_heads: self.cfg.kv_heads,
+        }
     }
+}
+
+/// Attention of every sequence's new tokens over layer cache `kc`/`vc` into `out`
+/// (`[tokens, heads · d]`): per sequence (its rows of `out` are contiguous) and per KV head
+/// (a band of those rows: the query heads sharing it), in parallel.
+#[allow(clippy::too_many_arguments)]
+fn attention<T: kv::Elem>(
+    c: &ModelConfig,
+    geo: Geometry,
+    batch: &[SeqStep<'_>],
+    offsets: &[usize],
+    qkv: &[f32],
+    kc: &[T],
+    vc: &[T],
+    out: &mut [f32],
+) {
+    let qd = c.heads * c.head_dim;
+    let mut parts = Vec::with_capacity(batch.len());
+    let mut rest = out;
+    for s in batch {
+        let (mine, tail) = rest.split_at_mut(s.tokens.len() * qd);
+        parts.push((s, mine));
+        rest = tail;
+    }
+    parts
+        .into_par_iter()
+        .zip(offsets)
+        .filter(|((s, _), _)| !s.tokens.is_empty())
+        .for_each(|((s, rows), &offset)| {
+            by_bands(
+                rows,
+                s.tokens.len(),
+                qd,
+                c.group() * c.head_dim,
+                |g, band| attn::attend(c, geo.bs, s, offset, g, qkv, kc, vc, band),
+            )
+        });
 }
 
 /// Element-wise work runs in parallel in tasks of at least this many floats; below that a
@@ -294,21 +303,6 @@ fn rope(row: &mut [f32], d: usize, turns: &[(f32, f32)]) {
     }
 }
 
-/// Each head's `[rows][cols]` block of `src` into `[cols][rows]` in `dst` (a block's keys
-/// between the exchanged `[slot][dim]` and the cache's `[dim][slot]`).
-fn transpose_heads(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
-    for (s, t) in src
-        .chunks_exact(rows * cols)
-        .zip(dst.chunks_exact_mut(rows * cols))
-    {
-        for (i, row) in s.chunks_exact(cols).enumerate() {
-            for (j, x) in row.iter().enumerate() {
-                t[j * rows + i] = *x;
-            }
-        }
-    }
-}
-
 impl Backend for CpuBackend {
     fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -321,29 +315,18 @@ impl Backend for CpuBackend {
     }
 
     fn block_bytes(&self) -> usize {
-        self.cfg.layers * 2 * self.block_floats() * 4
+        self.cfg.layers * 2 * self.geometry().block_elems() * self.cache.dtype().size()
     }
 
     fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError> {
-        let n = self.block_floats();
-        let at = block as usize * n;
         if block as usize >= self.kv.num_blocks {
             return Err(ComputeError::Invalid(format!("no block {block}")));
         }
-        let (bs, d) = (self.kv.block_size, self.cfg.head_dim);
-        let mut out = Vec::with_capacity(self.block_bytes());
-        let mut keys = vec![0.0; n];
-        for l in 0..self.cfg.layers {
-            transpose_heads(&self.k[l][at..at + n], &mut keys, d, bs);
-            for floats in [&keys[..], &self.v[l][at..at + n]] {
-                out.extend(floats.iter().flat_map(|x| x.to_le_bytes()));
-            }
-        }
-        Ok(out)
+        let geo = self.geometry();
+        Ok(on_cache!(&self.cache, c => c.export(block as usize, geo)))
     }
 
     fn import_block(&mut self, block: u32, bytes: &[u8]) -> Result<(), ComputeError> {
-        let n = self.block_floats();
         if block as usize >= self.kv.num_blocks || bytes.len() != self.block_bytes() {
             return Err(ComputeError::Invalid(format!(
                 "block {block} with {} bytes: this cache has {} blocks of {} bytes",
@@ -352,22 +335,12 @@ impl Backend for CpuBackend {
                 self.block_bytes()
             )));
         }
-        let at = block as usize * n;
-        let (bs, d) = (self.kv.block_size, self.cfg.head_dim);
-        let floats: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        for (l, layer) in floats.chunks_exact(2 * n).enumerate() {
-            let (keys, values) = layer.split_at(n);
-            transpose_heads(keys, &mut self.k[l][at..at + n], bs, d);
-            self.v[l][at..at + n].copy_from_slice(values);
-        }
-        Ok(())
+        let geo = self.geometry();
+        on_cache!(&mut self.cache, c => c.import(block as usize, geo, bytes))
     }
 
     fn kv_dtype(&self) -> DType {
-        DType::F32
+        self.cache.dtype()
     }
 
     fn describe(&self) -> String {

@@ -1,0 +1,250 @@
+//! The CPU backend's paged KV cache, kept in the model's precision.
+//!
+//! A decode step reads every cached key and value of every sequence once per layer, and at
+//! sixteen sequences that is the largest memory traffic after the weights. The cache
+//! therefore holds the weights' element type (f32, bf16 or f16) — what transformers and the
+//! CUDA backend keep too — and attention widens sixteen values per load. Per layer, keys are
+//! `[block][kv_head][dim][slot]` (transposed: a decode query scores a block's sixteen slots
+//! with one vector per dimension) and values `[block][kv_head][slot][dim]`; exported blocks
+//! are `[layer][k, v][kv_head][slot][dim]` in [`Elem`]'s type, little-endian, the layout
+//! every backend exchanges.
+
+#![allow(unsafe_code)]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use crate::backend::{ComputeError, SeqStep};
+use crate::model::DType;
+
+/// A cache element: f32 or a half type, widened to f32 for arithmetic.
+pub trait Elem: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    const ZERO: Self;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    fn put_le(self, out: &mut Vec<u8>);
+    /// From `DTYPE.size()` little-endian bytes.
+    fn from_le(b: &[u8]) -> Self;
+    /// Sixteen elements at `p` widened into one vector.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and sixteen elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+macro_rules! elem {
+    ($t:ty, $dtype:expr, $zero:expr, $from:expr, $to:expr, $load:expr) => {
+        impl Elem for $t {
+            const DTYPE: DType = $dtype;
+            const ZERO: Self = $zero;
+            #[inline(always)]
+            fn from_f32(x: f32) -> Self {
+                ($from)(x)
+            }
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                ($to)(self)
+            }
+            fn put_le(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn from_le(b: &[u8]) -> Self {
+                let mut a = [0; std::mem::size_of::<$t>()];
+                a.copy_from_slice(b);
+                <$t>::from_le_bytes(a)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load16(p: *const Self) -> __m512 {
+                // SAFETY: the caller guarantees AVX-512F and sixteen readable elements.
+                unsafe { ($load)(p) }
+            }
+        }
+    };
+}
+
+elem!(f32, DType::F32, 0.0, |x| x, |x| x, |p: *const f32| {
+    _mm512_loadu_ps(p)
+});
+// bf16 is the top half of an f32: widen the sixteen 16-bit values to 32 and shift.
+elem!(
+    bf16,
+    DType::Bf16,
+    bf16::ZERO,
+    bf16::from_f32,
+    bf16::to_f32,
+    |p: *const bf16| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(p.cast())
+    )))
+);
+elem!(
+    f16,
+    DType::F16,
+    f16::ZERO,
+    f16::from_f32,
+    f16::to_f32,
+    |p: *const f16| _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+);
+
+/// Keys and values of every layer, `per_layer` elements each.
+pub struct Cache<T> {
+    pub k: Vec<Vec<T>>,
+    pub v: Vec<Vec<T>>,
+}
+
+/// The cache in the model's element type.
+pub enum KvCache {
+    F32(Cache<f32>),
+    Bf16(Cache<bf16>),
+    F16(Cache<f16>),
+}
+
+/// Run `$body` with `$c` bound to the cache, whatever its element type.
+macro_rules! on_cache {
+    ($cache:expr, $c:ident => $body:expr) => {
+        match $cache {
+            KvCache::F32($c) => $body,
+            KvCache::Bf16($c) => $body,
+            KvCache::F16($c) => $body,
+        }
+    };
+}
+pub(super) use on_cache;
+
+impl KvCache {
+    pub fn new(dtype: DType, layers: usize, per_layer: usize) -> KvCache {
+        fn cache<T: Elem>(layers: usize, per_layer: usize) -> Cache<T> {
+            Cache {
+                k: vec![vec![T::ZERO; per_layer]; layers],
+                v: vec![vec![T::ZERO; per_layer]; layers],
+            }
+        }
+        match dtype {
+            DType::F32 => KvCache::F32(cache(layers, per_layer)),
+            DType::Bf16 => KvCache::Bf16(cache(layers, per_layer)),
+            DType::F16 => KvCache::F16(cache(layers, per_layer)),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        on_cache!(self, c => c.dtype())
+    }
+}
+
+/// Where a block's parts lie: `bs` slots of `d` dimensions for each of `kv_heads` heads.
+#[derive(Clone, Copy)]
+pub struct Geometry {
+    pub bs: usize,
+    pub d: usize,
+    pub kv_heads: usize,
+}
+
+impl Geometry {
+    pub fn block_elems(self) -> usize {
+        self.kv_heads * self.bs * self.d
+    }
+}
+
+impl<T: Elem> Cache<T> {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+
+    /// Store layer `li`'s new keys and values: row `i` of `qkv` (`width` apart, keys at
+    /// `kd`, values at `vd`, each `kv_heads · d`) is token `owner[i] = (sequence, position)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store(
+        &mut self,
+        li: usize,
+        geo: Geometry,
+        batch: &[SeqStep<'_>],
+        owner: &[(usize, usize)],
+        qkv: &[f32],
+        width: usize,
+        kd: usize,
+        vd: usize,
+    ) {
+        let Geometry { bs, d, kv_heads } = geo;
+        let (kc, vc) = (&mut self.k[li], &mut self.v[li]);
+        for (row, &(si, pos)) in qkv.chunks_exact(width).zip(owner) {
+            let blk = batch[si].blocks[pos / bs] as usize;
+            for g in 0..kv_heads {
+                let head = blk * geo.block_elems() + g * bs * d;
+                let key = &row[kd + g * d..kd + (g + 1) * d];
+                for (j, x) in key.iter().enumerate() {
+                    kc[head + j * bs + pos % bs] = T::from_f32(*x);
+                }
+                let at = head + pos % bs * d;
+                let value = &row[vd + g * d..vd + (g + 1) * d];
+                for (o, x) in vc[at..at + d].iter_mut().zip(value) {
+                    *o = T::from_f32(*x);
+                }
+            }
+        }
+    }
+
+    /// Block `block` in the exchanged layout.
+    pub fn export(&self, block: usize, geo: Geometry) -> Vec<u8> {
+        let n = geo.block_elems();
+        let at = block * n;
+        let mut out = Vec::with_capacity(self.k.len() * 2 * n * T::DTYPE.size());
+        let mut keys = vec![T::ZERO; n];
+        for (k, v) in self.k.iter().zip(&self.v) {
+            transpose_heads(&k[at..at + n], &mut keys, geo.d, geo.bs);
+            for x in keys.iter().chain(&v[at..at + n]) {
+                x.put_le(&mut out);
+            }
+        }
+        out
+    }
+
+    /// Block `block` from the exchanged layout (`bytes` is a whole block).
+    pub fn import(
+        &mut self,
+        block: usize,
+        geo: Geometry,
+        bytes: &[u8],
+    ) -> Result<(), ComputeError> {
+        let n = geo.block_elems();
+        let size = T::DTYPE.size();
+        if bytes.len() != self.k.len() * 2 * n * size {
+            return Err(ComputeError::Invalid(format!(
+                "a block of {} bytes; this cache's are {}",
+                bytes.len(),
+                self.k.len() * 2 * n * size
+            )));
+        }
+        let at = block * n;
+        let elems: Vec<T> = bytes.chunks_exact(size).map(T::from_le).collect();
+        for ((k, v), layer) in self
+            .k
+            .iter_mut()
+            .zip(&mut self.v)
+            .zip(elems.chunks_exact(2 * n))
+        {
+            let (keys, values) = layer.split_at(n);
+            transpose_heads(keys, &mut k[at..at + n], geo.bs, geo.d);
+            v[at..at + n].copy_from_slice(values);
+        }
+        Ok(())
+    }
+}
+
+/// Each head's `[rows][cols]` block of `src` into `[cols][rows]` in `dst` (a block's keys
+/// between the exchanged `[slot][dim]` and the cache's `[dim][slot]`).
+fn transpose_heads<T: Copy>(src: &[T], dst: &mut [T], rows: usize, cols: usize) {
+    for (s, t) in src
+        .chunks_exact(rows * cols)
+        .zip(dst.chunks_exact_mut(rows * cols))
+    {
+        for (i, row) in s.chunks_exact(cols).enumerate() {
+            for (j, x) in row.iter().enumerate() {
+                t[j * rows + i] = *x;
+            }
+        }
+    }
+}
