@@ -170,7 +170,8 @@ impl CpuBackend {
             layer
                 .qkv
                 .forward(&b.normed, t, &mut b.qkv, Write::Set, &mut b.linear);
-            // Rope on q and k (rows in parallel), then store k and v in the token's cache slot.
+            // Rope on q and k (rows in parallel for prefill), then store k and v in the
+            // token's cache slot.
             b.qkv
                 .par_chunks_exact_mut(width)
                 .zip(turns.par_chunks_exact(half))
