@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
-use crate::backend::{ComputeError, SeqStep};
+use crate::backend::SeqStep;
 use crate::model::DType;
 
 /// A cache element: f32 or a half type, widened to f32 for arithmetic.
@@ -129,10 +129,6 @@ impl KvCache {
             DType::F16 => KvCache::F16(cache(layers, per_layer)),
         }
     }
-
-    pub fn dtype(&self) -> DType {
-        on_cache!(self, c => c.dtype())
-    }
 }
 
 /// Where a block's parts lie: `bs` slots of `d` dimensions for each of `kv_heads` heads.
@@ -150,10 +146,6 @@ impl Geometry {
 }
 
 impl<T: Elem> Cache<T> {
-    fn dtype(&self) -> DType {
-        T::DTYPE
-    }
-
     /// Store layer `li`'s new keys and values: row `i` of `qkv` (`width` apart, keys at
     /// `kd`, values at `vd`, each `kv_heads · d`) is token `owner[i] = (sequence, position)`.
     #[allow(clippy::too_many_arguments)]
@@ -202,24 +194,15 @@ impl<T: Elem> Cache<T> {
         out
     }
 
-    /// Block `block` from the exchanged layout (`bytes` is a whole block).
-    pub fn import(
-        &mut self,
-        block: usize,
-        geo: Geometry,
-        bytes: &[u8],
-    ) -> Result<(), ComputeError> {
+    /// Block `block` from the exchanged layout (`bytes` is a whole block: the backend
+    /// checks its length against `Backend::block_bytes` first).
+    pub fn import(&mut self, block: usize, geo: Geometry, bytes: &[u8]) {
         let n = geo.block_elems();
-        let size = T::DTYPE.size();
-        if bytes.len() != self.k.len() * 2 * n * size {
-            return Err(ComputeError::Invalid(format!(
-                "a block of {} bytes; this cache's are {}",
-                bytes.len(),
-                self.k.len() * 2 * n * size
-            )));
-        }
         let at = block * n;
-        let elems: Vec<T> = bytes.chunks_exact(size).map(T::from_le).collect();
+        let elems: Vec<T> = bytes
+            .chunks_exact(T::DTYPE.size())
+            .map(T::from_le)
+            .collect();
         for ((k, v), layer) in self
             .k
             .iter_mut()
@@ -230,7 +213,6 @@ impl<T: Elem> Cache<T> {
             transpose_heads(keys, &mut k[at..at + n], geo.bs, geo.d);
             v[at..at + n].copy_from_slice(values);
         }
-        Ok(())
     }
 }
 

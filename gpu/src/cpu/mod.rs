@@ -59,6 +59,7 @@ pub struct CpuBackend {
     inv_freq: Vec<f32>,
     kv: KvShape,
     cache: KvCache,
+    /// The weights' dtype, which the cache keeps too.
     dtype: DType,
     buf: Buffers,
     /// The step runs inside this pool: its parallel loops are then forks from a worker that
@@ -316,7 +317,7 @@ impl Backend for CpuBackend {
     }
 
     fn block_bytes(&self) -> usize {
-        self.cfg.layers * 2 * self.geometry().block_elems() * self.cache.dtype().size()
+        self.cfg.layers * 2 * self.geometry().block_elems() * self.dtype.size()
     }
 
     fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError> {
@@ -337,11 +338,12 @@ impl Backend for CpuBackend {
             )));
         }
         let geo = self.geometry();
-        on_cache!(&mut self.cache, c => c.import(block as usize, geo, bytes))
+        on_cache!(&mut self.cache, c => c.import(block as usize, geo, bytes));
+        Ok(())
     }
 
     fn kv_dtype(&self) -> DType {
-        self.cache.dtype()
+        self.dtype
     }
 
     fn describe(&self) -> String {
