@@ -13,6 +13,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod model;
+pub mod quant;
 pub mod sample;
 pub mod transfer;
 

@@ -1,0 +1,408 @@
+//! GGML's block-quantized weight formats, kept quantized on the CPU.
+//!
+//! A GGUF file stores most matrices in blocks of 32 (Q4_0, Q4_1, Q8_0) or 256 (the K-quants
+//! Q4_K, Q5_K, Q6_K) values that share scales. Decoding one token reads every weight once, so
+//! a quarter to an eighth of f32's bytes is a proportional speed-up — if the products run on
+//! the quantized bytes instead of a widened copy. The products here do as llama.cpp does:
+//! the input rows are quantized to 8 bits per block of 32 ([`Acts`]), and each block of
+//! weights and inputs is multiplied in integers (`u8 × i8`, four products summed per 32-bit
+//! lane: AVX512-VNNI's `vpdpbusd`, or AVX2's `vpmaddubsw`), then scaled once per block in
+//! f32.
+//!
+//! Every format is described once, by how a chunk of 32 weights unpacks ([`formats`]): 32
+//! small unsigned integers `u` and, per half of 16, a scale `s` and an offset `o` with
+//! `w = s·u + o` (Q8_0's are signed, with no offset). The reference dequantization, the
+//! portable kernel and the SIMD kernels ([`simd`]) all read the formats through that one
+//! description, so a format is right everywhere once its unpacking is, and the tests check
+//! that against vectors from ggml's own Python package (`gguf`).
+
+mod formats;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+
+use std::ops::Range;
+
+pub use formats::QType;
+use formats::{Chunk, Format, Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
+
+/// Values per chunk: the unit every kernel multiplies.
+pub const CHUNK: usize = 32;
+
+/// A quantized matrix `[rows, cols]`, row-major: each row is `cols / block` whole blocks.
+#[derive(Clone)]
+pub struct QTensor {
+    pub ty: QType,
+    pub rows: usize,
+    pub cols: usize,
+    data: Vec<u8>,
+}
+
+impl std::fmt::Debug for QTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QTensor")
+            .field("ty", &self.ty)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish_non_exhaustive()
+    }
+}
+
+impl QTensor {
+    /// `data` holding `rows` rows of `cols` values in `ty`'s blocks.
+    pub fn new(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, String> {
+        let row = ty.row_bytes(cols).ok_or_else(|| {
+            format!(
+                "{} rows of {cols} values are not whole blocks of {}",
+                ty.name(),
+                ty.block()
+            )
+        })?;
+        if data.len() != rows * row {
+            return Err(format!(
+                "{} [{rows}, {cols}] needs {} bytes, got {}",
+                ty.name(),
+                rows * row,
+                data.len()
+            ));
+        }
+        Ok(QTensor {
+            ty,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.data.len() / self.rows.max(1)
+    }
+
+    /// Bytes of the whole matrix.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        let n = self.row_bytes();
+        &self.data[r * n..(r + 1) * n]
+    }
+
+    /// Row `r` widened to f32.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize(self.ty, self.row(r), out);
+    }
+
+    /// Every value widened to f32 (row-major).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        dequantize(self.ty, &self.data, &mut out);
+        out
+    }
+
+    /// The rows `order` names, in that order; `None` is a row of zeros (an all-zero block
+    /// is zero in every format).
+    pub fn select_rows(&self, order: &[Option<usize>]) -> QTensor {
+        let n = self.row_bytes();
+        let mut data = vec![0u8; order.len() * n];
+        for (dst, src) in data.chunks_exact_mut(n).zip(order) {
+            if let Some(r) = src {
+                dst.copy_from_slice(self.row(*r));
+            }
+        }
+        QTensor {
+            ty: self.ty,
+            rows: order.len(),
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Stack matrices with equal columns and type (rows end to end).
+    pub fn concat(parts: &[&QTensor]) -> Result<QTensor, String> {
+        let first = parts.first().ok_or("nothing to concatenate")?;
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            if p.ty != first.ty || p.cols != first.cols {
+                return Err(format!(
+                    "cannot stack {} [_, {}] with {} [_, {}]",
+                    p.ty.name(),
+                    p.cols,
+                    first.ty.name(),
+                    first.cols
+                ));
+            }
+            data.extend_from_slice(&p.data);
+        }
+        Ok(QTensor {
+            ty: first.ty,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            data,
+        })
+    }
+
+    /// `out[i · ld + (r - rows.start)] = Σ_c acts[i][c] · W[r][c]` for every input row `i` and
+    /// weight row `r` in `rows`.
+    ///
+    /// # Panics
+    /// When `acts` is not `self.cols` wide or `out` is too short (callers' bugs).
+    pub fn product(&self, rows: Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32], ld: usize) {
+        assert_eq!(acts.k, self.cols, "input width");
+        assert!(rows.end <= self.rows && ld >= rows.len());
+        if acts.m == 0 || rows.is_empty() {
+            return;
+        }
+        assert!(out.len() >= (acts.m - 1) * ld + rows.len());
+        macro_rules! each {
+            ($f:ty) => {
+                for (j, r) in rows.clone().enumerate() {
+                    dot_rows::<$f>(isa, self.row(r), acts, &mut out[j..], ld)
+                }
+            };
+        }
+        match self.ty {
+            QType::Q4_0 => each!(Q4_0),
+            QType::Q4_1 => each!(Q4_1),
+            QType::Q8_0 => each!(Q8_0),
+            QType::Q4K => each!(Q4K),
+            QType::Q5K => each!(Q5K),
+            QType::Q6K => each!(Q6K),
+        }
+    }
+}
+
+/// Widen whole blocks of `ty` to f32 (`out.len()` values).
+///
+/// # Panics
+/// When `data` holds fewer blocks than `out` needs.
+pub fn dequantize(ty: QType, data: &[u8], out: &mut [f32]) {
+    fn run<F: Format>(data: &[u8], out: &mut [f32]) {
+        for (block, out) in data
+            .chunks_exact(F::BYTES)
+            .zip(out.chunks_exact_mut(F::BLOCK))
+        {
+            for (c, out) in out.chunks_exact_mut(CHUNK).enumerate() {
+                let mut u = [0u8; CHUNK];
+                let Chunk { s, o } = F::unpack(block, c, &mut u);
+                for (h, out) in out.chunks_exact_mut(CHUNK / 2).enumerate() {
+                    for (o_, u) in out.iter_mut().zip(&u[h * 16..]) {
+                        *o_ = if F::SIGNED {
+                            s[h] * f32::from(*u as i8)
+                        } else {
+                            s[h] * f32::from(*u) + o[h]
+                        };
+                    }
+                }
+            }
+        }
+    }
+    match ty {
+        QType::Q4_0 => run::<Q4_0>(data, out),
+        QType::Q4_1 => run::<Q4_1>(data, out),
+        QType::Q8_0 => run::<Q8_0>(data, out),
+        QType::Q4K => run::<Q4K>(data, out),
+        QType::Q5K => run::<Q5K>(data, out),
+        QType::Q6K => run::<Q6K>(data, out),
+    }
+}
+
+/// Input rows quantized for the integer products: per chunk of 32 values, `q = round(x / d)`
+/// with `d = max|x| / 127`, and the sum of each half of `q` times `d` (what the weights'
+/// offsets multiply).
+#[derive(Default)]
+pub struct Acts {
+    m: usize,
+    k: usize,
+    q: Vec<i8>,
+    /// Per chunk.
+    d: Vec<f32>,
+    /// Per chunk: `d · Σ q` over each half.
+    sums: Vec<[f32; 2]>,
+}
+
+impl Acts {
+    /// Quantize `m` rows of `x` (`[m, k]`, `k` a multiple of 32), reusing the buffers.
+    pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        assert!(k.is_multiple_of(CHUNK) && x.len() >= m * k);
+        let chunks = m * k / CHUNK;
+        self.m = m;
+        self.k = k;
+        self.q.resize(m * k, 0);
+        self.d.resize(chunks, 0.0);
+        self.sums.resize(chunks, [0.0; 2]);
+        for (((x, q), d), sums) in x[..m * k]
+            .chunks_exact(CHUNK)
+            .zip(self.q.chunks_exact_mut(CHUNK))
+            .zip(&mut self.d)
+            .zip(&mut self.sums)
+        {
+            quantize_chunk(x, q, d, sums);
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.m
+    }
+
+    fn row(&self, i: usize) -> Row<'_> {
+        let c = self.k / CHUNK;
+        Row {
+            q: &self.q[i * self.k..(i + 1) * self.k],
+            d: &self.d[i * c..(i + 1) * c],
+            sums: &self.sums[i * c..(i + 1) * c],
+        }
+    }
+}
+
+/// llama.cpp's `quantize_row_q8_0` for one chunk (written so it vectorizes), with the half
+/// sums of Q8_1.
+#[multiversion::multiversion(targets(
+    "x86_64+avx512f+avx512bw",
+    "x86_64+avx2+fma",
+    "aarch64+neon"
+))]
+fn quantize_chunk(x: &[f32], q: &mut [i8], d: &mut f32, sums: &mut [f32; 2]) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    *d = amax / 127.0;
+    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    for (q, x) in q.iter_mut().zip(x) {
+        // round half away from zero, as C's roundf; |x · id| ≤ 127.
+        *q = (x * id).round() as i8;
+    }
+    for (h, s) in sums.iter_mut().enumerate() {
+        let n: i32 = q[h * 16..(h + 1) * 16].iter().map(|v| i32::from(*v)).sum();
+        *s = *d * n as f32;
+    }
+}
+
+/// One input row's quantized chunks.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    sums: &'a [[f32; 2]],
+}
+
+/// Which kernels to run. Only [`Isa::detect`] names instruction sets, and the others only
+/// step down from it, so a safe caller cannot ask for instructions this CPU lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Isa(Level);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Portable,
+    /// AVX2 `vpmaddubsw`.
+    Avx2,
+    /// AVX512-VNNI's `vpdpbusd` on 256-bit registers (with AVX512-VL).
+    Vnni,
+}
+
+impl Isa {
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if simd::has_vnni() {
+                return Isa(Level::Vnni);
+            }
+            if simd::has_avx2() {
+                return Isa(Level::Avx2);
+            }
+        }
+        Isa(Level::Portable)
+    }
+
+    pub const fn portable() -> Isa {
+        Isa(Level::Portable)
+    }
+
+    /// At most AVX2 (no VNNI).
+    pub fn without_vnni(self) -> Isa {
+        Isa(self.0.min(Level::Avx2))
+    }
+
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Vnni => "vnni",
+        }
+    }
+}
+
+/// Input rows per kernel call: each unpacked chunk of weights feeds this many rows.
+const TILE: usize = 4;
+
+/// One weight row against every input row: `out[i · ld] = W · x_i`.
+fn dot_rows<F: Format>(isa: Isa, w: &[u8], acts: &Acts, out: &mut [f32], ld: usize) {
+    let mut i0 = 0;
+    while i0 < acts.m {
+        let t = (acts.m - i0).min(TILE);
+        let mut rows = [acts.row(i0); TILE];
+        for (j, r) in rows.iter_mut().enumerate().take(t) {
+            *r = acts.row(i0 + j);
+        }
+        let mut res = [0.0f32; TILE];
+        match t {
+            1 => tile::<F, 1>(isa, w, &rows, &mut res),
+            2 => tile::<F, 2>(isa, w, &rows, &mut res),
+            3 => tile::<F, 3>(isa, w, &rows, &mut res),
+            _ => tile::<F, 4>(isa, w, &rows, &mut res),
+        }
+        for (j, v) in res.iter().enumerate().take(t) {
+            out[(i0 + j) * ld] = *v;
+        }
+        i0 += t;
+    }
+}
+
+fn tile<F: Format, const R: usize>(isa: Isa, w: &[u8], rows: &[Row<'_>; TILE], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    match isa.0 {
+        // SAFETY: `Isa` names only instruction sets `detect` found on this CPU.
+        #[allow(unsafe_code)]
+        Level::Vnni => return unsafe { simd::tile_vnni::<F, R>(w, rows, out) },
+        #[allow(unsafe_code)]
+        Level::Avx2 => return unsafe { simd::tile_avx2::<F, R>(w, rows, out) },
+        Level::Portable => {}
+    }
+    let _ = isa;
+    tile_portable::<F, R>(w, rows, out)
+}
+
+/// The definition, in integers per half chunk as the SIMD kernels compute it.
+fn tile_portable<F: Format, const R: usize>(w: &[u8], rows: &[Row<'_>; TILE], out: &mut [f32]) {
+    let mut acc = [0.0f32; R];
+    let mut u = [0u8; CHUNK];
+    for (b, block) in w.chunks_exact(F::BYTES).enumerate() {
+        for c in 0..F::BLOCK / CHUNK {
+            let Chunk { s, o } = F::unpack(block, c, &mut u);
+            let ci = b * F::BLOCK / CHUNK + c;
+            for (acc, row) in acc.iter_mut().zip(rows) {
+                let q = &row.q[ci * CHUNK..(ci + 1) * CHUNK];
+                let mut dot = [0i32; 2];
+                for (h, dot) in dot.iter_mut().enumerate() {
+                    let (u, q) = (&u[h * 16..(h + 1) * 16], &q[h * 16..(h + 1) * 16]);
+                    *dot = if F::SIGNED {
+                        u.iter()
+                            .zip(q)
+                            .map(|(u, q)| i32::from(*u as i8) * i32::from(*q))
+                            .sum()
+                    } else {
+                        u.iter()
+                            .zip(q)
+                            .map(|(u, q)| i32::from(*u) * i32::from(*q))
+                            .sum()
+                    };
+                }
+                *acc += row.d[ci] * (s[0] * dot[0] as f32 + s[1] * dot[1] as f32);
+                if !F::SIGNED {
+                    *acc += o[0] * row.sums[ci][0] + o[1] * row.sums[ci][1];
+                }
+            }
+        }
+    }
+    out[..R].copy_from_slice(&acc);
+}
+
+#[cfg(test)]
+mod tests;
