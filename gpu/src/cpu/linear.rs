@@ -24,20 +24,29 @@ use super::columns::by_bands;
 use super::gemm::{Strides, matmul};
 use super::math::silu_mul;
 use super::panel::{InputBuf, Isa, Panels, WIDTH};
-use crate::model::Matrix;
+use crate::model::{Host, Matrix};
+use crate::quant::{self, Acts, QTensor};
 
 /// A weight matrix ready for [`Linear::forward`].
 pub struct Linear {
     /// Columns of `y`.
     pub out: usize,
     pub inp: usize,
-    w: Panels,
+    w: Weights,
     /// Per packed row.
     bias: Option<Vec<f32>>,
     /// Packed as pairs of groups (48 gate features, the same 48 up features); `y` gets
     /// `silu(gate) · up`.
     gated: bool,
     isa: Isa,
+    qisa: quant::Isa,
+}
+
+/// The weights, packed.
+enum Weights {
+    Dense(Panels),
+    /// Quantized rows in packed order (whole groups of [`WIDTH`], zero rows padding).
+    Quant(QTensor),
 }
 
 /// How a product lands in `y`.
@@ -54,6 +63,7 @@ pub enum Write {
 pub struct Scratch {
     xt: Vec<f32>,
     input: InputBuf,
+    acts: Acts,
 }
 
 /// Up to this many input rows take the panel kernels; gemm's blocking pays off beyond.
@@ -69,6 +79,25 @@ struct Task {
 
 thread_local! {
     static TASK: RefCell<Task> = RefCell::new(Task::default());
+}
+
+/// Group `g` as a row-major `[k, 48]` f32 matrix for gemm.
+fn group_f32<'a>(w: &'a Weights, g: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match w {
+        Weights::Dense(p) => p.group_f32(g, buf),
+        Weights::Quant(q) => {
+            let k = q.cols;
+            buf.resize(k * (WIDTH + 1), 0.0);
+            let (out, row) = buf.split_at_mut(k * WIDTH);
+            for l in 0..WIDTH {
+                q.dequantize_row(g * WIDTH + l, row);
+                for (c, v) in row.iter().enumerate() {
+                    out[c * WIDTH + l] = *v;
+                }
+            }
+            &buf[..k * WIDTH]
+        }
+    }
 }
 
 impl Linear {
@@ -101,14 +130,31 @@ impl Linear {
                 .map(|r| order.get(r).copied().flatten().map_or(0.0, |r| b[r]))
                 .collect()
         });
+        let w = match &m.data {
+            Host::Quant(q) => {
+                let mut order = order;
+                order.resize(padded, None);
+                Weights::Quant(q.select_rows(&order))
+            }
+            dense => Weights::Dense(Panels::pack_rows(dense, m.cols, &order)),
+        };
         Linear {
             out,
             inp: m.cols,
-            w: Panels::pack_rows(&m.data, m.cols, &order),
+            w,
             bias,
             gated,
             isa: Isa::detect(),
+            qisa: quant::Isa::detect(),
         }
+    }
+
+    /// The same products on the portable kernels (tests compare the two).
+    #[cfg(test)]
+    fn portable(mut self) -> Self {
+        self.isa = Isa::portable();
+        self.qisa = quant::Isa::portable();
+        self
     }
 
     /// `y[m×out] (+)= x[m×inp] · Wᵀ (+ b)` (gated: see [`Linear::gated`]); `scratch` keeps
@@ -120,7 +166,7 @@ impl Linear {
         if m == 0 {
             return;
         }
-        let Scratch { xt, input } = scratch;
+        let Scratch { xt, input, acts } = scratch;
         // Groups per 48 columns of `y`.
         let per = if self.gated { 2 } else { 1 };
         let ld = per * WIDTH;
@@ -129,7 +175,15 @@ impl Linear {
         let run = chunks
             .div_ceil(8 * rayon::current_num_threads().max(1))
             .max(1);
-        let input = (m <= PANEL_ROWS).then(|| self.w.input(x, m, self.isa, input));
+        // How the input is read: by the panel kernels, quantized for the integer products,
+        // or (prefill) transposed for gemm.
+        let input = (m <= PANEL_ROWS).then(|| match &self.w {
+            Weights::Dense(w) => Some(w.input(x, m, self.isa, input)),
+            Weights::Quant(_) => {
+                acts.quantize(x, m, inp);
+                None
+            }
+        });
         if input.is_none() {
             // x transposed (`[inp, m]`): gemm then uses it in place instead of packing a
             // copy for every group.
@@ -148,14 +202,19 @@ impl Linear {
                 let cols = band.cols();
                 for c0 in cols.clone().step_by(WIDTH) {
                     let groups = c0 / WIDTH * per..(c0 / WIDTH + 1) * per;
-                    match &input {
-                        Some(input) => {
-                            self.w
-                                .product(groups.clone(), input, m, self.isa, block, ld)
+                    match (&self.w, &input) {
+                        (Weights::Dense(w), Some(Some(input))) => {
+                            w.product(groups.clone(), input, m, self.isa, block, ld)
                         }
-                        None => {
+                        (Weights::Quant(w), Some(_)) => {
                             for (gi, g) in groups.clone().enumerate() {
-                                let b = self.w.group_f32(g, wide);
+                                let rows = g * WIDTH..(g + 1) * WIDTH;
+                                w.product(rows, acts, self.qisa, &mut block[gi * WIDTH..], ld);
+                            }
+                        }
+                        (w, _) => {
+                            for (gi, g) in groups.clone().enumerate() {
+                                let b = group_f32(w, g, wide);
                                 let (ds, a, bs) =
                                     (Strides::rows(ld), Strides::cols(m), Strides::rows(WIDTH));
                                 matmul(
@@ -276,6 +335,72 @@ mod tests {
                 let mut y = base.clone();
                 l.forward(&x, m, &mut y, Write::Add, &mut Scratch::default());
                 close(&y, &added, &format!("{dt:?} m={m} add"));
+            }
+        }
+    }
+
+    /// Quantized weights: each format through both paths (integer products up to 64 rows,
+    /// dequantized gemm beyond), plain and gated, on the best and the portable kernels,
+    /// against the dequantized weights in f32 (8-bit activations: within 1 % of the terms).
+    #[test]
+    fn quantized_weights_match_their_dequantized_values() {
+        use crate::quant::{QType, tests::matrix};
+        let (out, inp) = (100, 256);
+        for ty in [
+            QType::Q4_0,
+            QType::Q4_1,
+            QType::Q8_0,
+            QType::Q4K,
+            QType::Q5K,
+            QType::Q6K,
+        ] {
+            let q = matrix(ty, out, inp, 3);
+            let w = q.to_f32();
+            let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
+            let abs: Vec<f32> = w.iter().map(|v| v.abs()).collect();
+            let mat = |gated: bool| {
+                let m = Matrix {
+                    rows: out,
+                    cols: inp,
+                    data: Host::Quant(q.clone()),
+                    bias: Some(b.clone()),
+                };
+                if gated {
+                    Linear::gated(m)
+                } else {
+                    Linear::new(m)
+                }
+            };
+            for m in BATCHES {
+                let x = input(m, inp);
+                let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+                let want = reference(&x, m, &w, out, inp, &b);
+                let mag = reference(&xa, m, &abs, out, inp, &vec![0.0; out]);
+                for l in [mat(false), mat(false).portable()] {
+                    let mut y = vec![f32::NAN; m * out];
+                    l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
+                    for (j, (g, e)) in y.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - e).abs() <= 0.01 * mag[j] + 1e-4,
+                            "{ty:?} m={m} [{j}]: {g} vs {e}"
+                        );
+                    }
+                }
+                // Gated: gate = rows 0..50, up = rows 50..100.
+                let l = mat(true);
+                let mut y = vec![f32::NAN; m * out / 2];
+                l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
+                for i in 0..m {
+                    for f in 0..out / 2 {
+                        let (g, u) = (want[i * out + f], want[i * out + out / 2 + f]);
+                        let e = g / (1.0 + (-g).exp()) * u;
+                        let tol = 0.01
+                            * (mag[i * out + f] * u.abs() + mag[i * out + out / 2 + f] * g.abs())
+                            + 1e-4;
+                        let got = y[i * out / 2 + f];
+                        assert!((got - e).abs() <= tol, "{ty:?} gated m={m}: {got} vs {e}");
+                    }
+                }
             }
         }
     }

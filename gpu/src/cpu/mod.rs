@@ -88,7 +88,7 @@ impl CpuBackend {
             .num_blocks
             .checked_mul(kv.block_size * c.kv_heads * c.head_dim)
             .ok_or_else(|| ComputeError::Invalid("KV cache size overflows".into()))?;
-        let dtype = w.lm_head.data.dtype();
+        let dtype = w.dtype;
         Ok(CpuBackend {
             inv_freq: c.inv_freq(),
             embed: w.embed,
@@ -138,18 +138,7 @@ impl CpuBackend {
             b.x.chunks_exact_mut(h)
                 .zip(batch.iter().flat_map(|s| s.tokens))
         {
-            let r = *tok as usize * h;
-            match &self.embed {
-                Host::F32(e) => row.copy_from_slice(&e[r..r + h]),
-                Host::Bf16(e) => row
-                    .iter_mut()
-                    .zip(&e[r..r + h])
-                    .for_each(|(o, v)| *o = v.to_f32()),
-                Host::F16(e) => row
-                    .iter_mut()
-                    .zip(&e[r..r + h])
-                    .for_each(|(o, v)| *o = v.to_f32()),
-            }
+            self.embed.row_f32(*tok as usize, row);
         }
         b.normed.resize(t * h, 0.0);
         b.qkv.resize(t * width, 0.0);

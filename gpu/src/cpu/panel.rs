@@ -147,6 +147,9 @@ impl Panels {
         let data = match w {
             Host::F32(v) => Packed::F32(by_input(v, k, order, groups, 0.0)),
             Host::F16(v) => Packed::F16(by_input(v, k, order, groups, f16::ZERO)),
+            // Quantized weights have their own kernels (`crate::quant`); packed here they
+            // are widened.
+            Host::Quant(q) => Packed::F32(by_input(&q.to_f32(), k, order, groups, 0.0)),
             Host::Bf16(v) => {
                 let k2 = k.div_ceil(2);
                 let mut p = vec![bf16::ZERO; groups * k2 * WIDTH * 2];

@@ -64,7 +64,8 @@ pub fn load(
             if blas { "NVRTC" } else { "cuBLAS" }
         )));
     }
-    match w.lm_head.data.dtype() {
+    // Quantized GGUF matrices are widened to this dtype as they are uploaded.
+    match w.dtype {
         DType::F32 => Ok(Box::new(Engine::<f32>::new(w, kv, ordinal)?)),
         DType::Bf16 => Ok(Box::new(Engine::<bf16>::new(w, kv, ordinal)?)),
         DType::F16 => Ok(Box::new(Engine::<f16>::new(w, kv, ordinal)?)),

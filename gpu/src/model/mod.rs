@@ -4,6 +4,7 @@
 //! matrix products.
 
 pub mod config;
+pub mod gguf;
 pub mod weights;
 
 use std::path::Path;
@@ -54,10 +55,13 @@ pub struct LayerWeights {
     pub down: Matrix,
 }
 
-/// Every weight of a model, in the kept dtype (norms and biases in f32).
+/// Every weight of a model, in the kept dtype (norms and biases in f32) or, from a GGUF file,
+/// matrices possibly still quantized.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
     pub config: ModelConfig,
+    /// The dense element type: of every unquantized matrix, and of the KV cache.
+    pub dtype: DType,
     /// `[vocab, hidden]`.
     pub embed: Host,
     pub layers: Vec<LayerWeights>,
@@ -67,10 +71,15 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
-    /// Load `dir` (config.json and safetensors), keeping matrices as `dtype`.
-    pub fn load(dir: &Path, dtype: DType) -> Result<Self, ModelError> {
-        let config = ModelConfig::load(dir)?;
-        let ck = Checkpoint::open(dir)?;
+    /// Load `dir` (config.json and safetensors), keeping matrices as `dtype`; or a `.gguf`
+    /// file, every matrix converted to `dtype`.
+    pub fn load(path: &Path, dtype: DType) -> Result<Self, ModelError> {
+        if gguf::is_gguf(path) {
+            let g = gguf::Gguf::open(path)?;
+            return g.weights(g.config()?, dtype, false);
+        }
+        let config = ModelConfig::load(path)?;
+        let ck = Checkpoint::open(path)?;
         Self::from_checkpoint(config, &ck, dtype)
     }
 
@@ -149,13 +158,14 @@ impl ModelWeights {
                 data: lm_head,
                 bias: None,
             },
+            dtype,
             config,
         })
     }
 
     /// Bytes of weights one decode step reads (every matrix once; one embedding row).
     pub fn bytes_per_token(&self) -> usize {
-        let m = |x: &Matrix| x.data.len() * x.data.dtype().size();
+        let m = |x: &Matrix| x.data.bytes();
         self.layers
             .iter()
             .map(|l| m(&l.qkv) + m(&l.o) + m(&l.gate_up) + m(&l.down))
@@ -166,7 +176,8 @@ impl ModelWeights {
 
 impl Host {
     /// Stack tensors end to end (rows of matrices with equal columns), in the first one's
-    /// dtype; the others are converted if they differ.
+    /// dtype; the others are converted if they differ. Quantized parts stay quantized when
+    /// all are (each row keeps its type), and are widened to f32 when mixed with dense ones.
     pub fn concat(parts: &[Host]) -> Host {
         fn cat<T: Copy>(
             parts: &[Host],
@@ -181,6 +192,21 @@ impl Host {
                 }
             }
             out
+        }
+        let quant: Vec<&crate::quant::QTensor> = parts
+            .iter()
+            .filter_map(|p| {
+                if let Host::Quant(q) = p {
+                    Some(q)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        if quant.len() == parts.len()
+            && let Ok(q) = crate::quant::QTensor::concat(&quant)
+        {
+            return Host::Quant(q);
         }
         match parts.first() {
             Some(Host::Bf16(_)) => Host::Bf16(cat(

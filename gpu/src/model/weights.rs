@@ -14,6 +14,7 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
 use super::ModelError;
+use crate::quant::QTensor;
 
 /// Element types the engine keeps weights in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -57,6 +58,8 @@ pub enum Host {
     F32(Vec<f32>),
     F16(Vec<f16>),
     Bf16(Vec<bf16>),
+    /// A matrix in GGML's quantized blocks (from a GGUF file), multiplied as it is on CPU.
+    Quant(QTensor),
 }
 
 impl Host {
@@ -65,6 +68,7 @@ impl Host {
             Host::F32(v) => v.len(),
             Host::F16(v) => v.len(),
             Host::Bf16(v) => v.len(),
+            Host::Quant(q) => q.rows * q.cols,
         }
     }
 
@@ -72,11 +76,21 @@ impl Host {
         self.len() == 0
     }
 
-    pub fn dtype(&self) -> DType {
+    /// The element type, for dense tensors (`None`: quantized).
+    pub fn dtype(&self) -> Option<DType> {
         match self {
-            Host::F32(_) => DType::F32,
-            Host::F16(_) => DType::F16,
-            Host::Bf16(_) => DType::Bf16,
+            Host::F32(_) => Some(DType::F32),
+            Host::F16(_) => Some(DType::F16),
+            Host::Bf16(_) => Some(DType::Bf16),
+            Host::Quant(_) => None,
+        }
+    }
+
+    /// Bytes it takes.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Host::Quant(q) => q.bytes(),
+            dense => dense.len() * dense.dtype().map_or(4, DType::size),
         }
     }
 
@@ -86,15 +100,64 @@ impl Host {
             Host::F32(v) => v.clone(),
             Host::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
             Host::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Host::Quant(q) => q.to_f32(),
         }
     }
 
-    /// Little-endian bytes (what a device upload copies).
-    pub fn to_le_bytes(&self) -> Vec<u8> {
+    /// Converted to the dense `dtype` (quantized matrices widened).
+    pub fn to(self, dtype: DType) -> Host {
+        match (self, dtype) {
+            (Host::F32(v), DType::F32) => Host::F32(v),
+            (Host::F16(v), DType::F16) => Host::F16(v),
+            (Host::Bf16(v), DType::Bf16) => Host::Bf16(v),
+            (other, DType::F32) => Host::F32(other.to_f32()),
+            (other, DType::F16) => {
+                Host::F16(other.to_f32().into_iter().map(f16::from_f32).collect())
+            }
+            (other, DType::Bf16) => {
+                Host::Bf16(other.to_f32().into_iter().map(bf16::from_f32).collect())
+            }
+        }
+    }
+
+    /// Rows (`cols` elements each) in `order`; `None` gives a row of zeros.
+    ///
+    /// # Panics
+    /// When `order` names a row the tensor does not have.
+    pub fn select_rows(&self, order: &[Option<usize>], cols: usize) -> Host {
+        fn pick<T: Copy>(v: &[T], order: &[Option<usize>], cols: usize, zero: T) -> Vec<T> {
+            let mut out = Vec::with_capacity(order.len() * cols);
+            for r in order {
+                match r {
+                    Some(r) => out.extend_from_slice(&v[r * cols..(r + 1) * cols]),
+                    None => out.resize(out.len() + cols, zero),
+                }
+            }
+            out
+        }
         match self {
-            Host::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Host::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Host::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Host::F32(v) => Host::F32(pick(v, order, cols, 0.0)),
+            Host::F16(v) => Host::F16(pick(v, order, cols, f16::ZERO)),
+            Host::Bf16(v) => Host::Bf16(pick(v, order, cols, bf16::ZERO)),
+            Host::Quant(q) => Host::Quant(q.select_rows(order)),
+        }
+    }
+
+    /// Row `r` of a `[_, cols]` matrix into `out` as f32.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let cols = out.len();
+        let at = r * cols..(r + 1) * cols;
+        match self {
+            Host::F32(e) => out.copy_from_slice(&e[at]),
+            Host::Bf16(e) => out
+                .iter_mut()
+                .zip(&e[at])
+                .for_each(|(o, v)| *o = v.to_f32()),
+            Host::F16(e) => out
+                .iter_mut()
+                .zip(&e[at])
+                .for_each(|(o, v)| *o = v.to_f32()),
+            Host::Quant(q) => q.dequantize_row(r, out),
         }
     }
 }

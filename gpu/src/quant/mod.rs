@@ -28,19 +28,22 @@ use formats::{Chunk, Format, Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
 /// Values per chunk: the unit every kernel multiplies.
 pub const CHUNK: usize = 32;
 
-/// A quantized matrix `[rows, cols]`, row-major: each row is `cols / block` whole blocks.
+/// A quantized matrix `[rows, cols]`, row-major: each row is `cols / block` whole blocks of
+/// its type. Rows may differ in type: quantizers mix them (a Q4_K file keeps some `attn_v`
+/// and `ffn_down` matrices in Q6_K), and fused matrices (q, k and v stacked) keep each part's.
 #[derive(Clone)]
 pub struct QTensor {
-    pub ty: QType,
     pub rows: usize,
     pub cols: usize,
     data: Vec<u8>,
+    /// Per row: its type and where its bytes start.
+    index: Vec<(QType, usize)>,
 }
 
 impl std::fmt::Debug for QTensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QTensor")
-            .field("ty", &self.ty)
+            .field("types", &self.types())
             .field("rows", &self.rows)
             .field("cols", &self.cols)
             .finish_non_exhaustive()
@@ -66,15 +69,22 @@ impl QTensor {
             ));
         }
         Ok(QTensor {
-            ty,
             rows,
             cols,
             data,
+            index: (0..rows).map(|r| (ty, r * row)).collect(),
         })
     }
 
-    pub fn row_bytes(&self) -> usize {
-        self.data.len() / self.rows.max(1)
+    /// The types its rows use, each once.
+    pub fn types(&self) -> Vec<QType> {
+        let mut t: Vec<QType> = Vec::new();
+        for (ty, _) in &self.index {
+            if !t.contains(ty) {
+                t.push(*ty);
+            }
+        }
+        t
     }
 
     /// Bytes of the whole matrix.
@@ -82,62 +92,81 @@ impl QTensor {
         self.data.len()
     }
 
-    pub fn row(&self, r: usize) -> &[u8] {
-        let n = self.row_bytes();
-        &self.data[r * n..(r + 1) * n]
+    /// Row `r`: its type and bytes.
+    pub fn row(&self, r: usize) -> (QType, &[u8]) {
+        let (ty, at) = self.index[r];
+        (
+            ty,
+            &self.data[at..at + ty.block_bytes() * self.cols / ty.block()],
+        )
     }
 
     /// Row `r` widened to f32.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        let (ty, bytes) = self.row(r);
+        dequantize(ty, bytes, out);
     }
 
     /// Every value widened to f32 (row-major).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.rows * self.cols];
-        dequantize(self.ty, &self.data, &mut out);
+        for (r, out) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+            self.dequantize_row(r, out);
+        }
         out
     }
 
     /// The rows `order` names, in that order; `None` is a row of zeros (an all-zero block
     /// is zero in every format).
     pub fn select_rows(&self, order: &[Option<usize>]) -> QTensor {
-        let n = self.row_bytes();
-        let mut data = vec![0u8; order.len() * n];
-        for (dst, src) in data.chunks_exact_mut(n).zip(order) {
-            if let Some(r) = src {
-                dst.copy_from_slice(self.row(*r));
+        let zero = self.index.first().map_or(QType::Q8_0, |r| r.0);
+        let mut data = Vec::new();
+        let mut index = Vec::with_capacity(order.len());
+        for src in order {
+            match src {
+                Some(r) => {
+                    let (ty, bytes) = self.row(*r);
+                    index.push((ty, data.len()));
+                    data.extend_from_slice(bytes);
+                }
+                None => {
+                    index.push((zero, data.len()));
+                    data.resize(
+                        data.len() + zero.block_bytes() * self.cols / zero.block(),
+                        0,
+                    );
+                }
             }
         }
         QTensor {
-            ty: self.ty,
             rows: order.len(),
             cols: self.cols,
             data,
+            index,
         }
     }
 
-    /// Stack matrices with equal columns and type (rows end to end).
+    /// Stack matrices with equal columns (rows end to end).
     pub fn concat(parts: &[&QTensor]) -> Result<QTensor, String> {
         let first = parts.first().ok_or("nothing to concatenate")?;
         let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        let mut index = Vec::new();
         for p in parts {
-            if p.ty != first.ty || p.cols != first.cols {
+            if p.cols != first.cols {
                 return Err(format!(
-                    "cannot stack {} [_, {}] with {} [_, {}]",
-                    p.ty.name(),
-                    p.cols,
-                    first.ty.name(),
-                    first.cols
+                    "cannot stack rows of {} values with rows of {}",
+                    p.cols, first.cols
                 ));
             }
+            let base = data.len();
+            index.extend(p.index.iter().map(|(ty, at)| (*ty, base + at)));
             data.extend_from_slice(&p.data);
         }
         Ok(QTensor {
-            ty: first.ty,
-            rows: parts.iter().map(|p| p.rows).sum(),
+            rows: index.len(),
             cols: first.cols,
             data,
+            index,
         })
     }
 
@@ -153,20 +182,17 @@ impl QTensor {
             return;
         }
         assert!(out.len() >= (acts.m - 1) * ld + rows.len());
-        macro_rules! each {
-            ($f:ty) => {
-                for (j, r) in rows.clone().enumerate() {
-                    dot_rows::<$f>(isa, self.row(r), acts, &mut out[j..], ld)
-                }
-            };
-        }
-        match self.ty {
-            QType::Q4_0 => each!(Q4_0),
-            QType::Q4_1 => each!(Q4_1),
-            QType::Q8_0 => each!(Q8_0),
-            QType::Q4K => each!(Q4K),
-            QType::Q5K => each!(Q5K),
-            QType::Q6K => each!(Q6K),
+        for (j, r) in rows.enumerate() {
+            let (ty, w) = self.row(r);
+            let out = &mut out[j..];
+            match ty {
+                QType::Q4_0 => dot_rows::<Q4_0>(isa, w, acts, out, ld),
+                QType::Q4_1 => dot_rows::<Q4_1>(isa, w, acts, out, ld),
+                QType::Q8_0 => dot_rows::<Q8_0>(isa, w, acts, out, ld),
+                QType::Q4K => dot_rows::<Q4K>(isa, w, acts, out, ld),
+                QType::Q5K => dot_rows::<Q5K>(isa, w, acts, out, ld),
+                QType::Q6K => dot_rows::<Q6K>(isa, w, acts, out, ld),
+            }
         }
     }
 }
@@ -405,4 +431,4 @@ fn tile_portable<F: Format, const R: usize>(w: &[u8], rows: &[Row<'_>; TILE], ou
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -35,7 +35,7 @@ fn bytes(seed: u64, n: usize) -> Vec<u8> {
 }
 
 /// A random `[rows, cols]` matrix of `ty` with scales in ±[0.002, 0.05).
-fn matrix(ty: QType, rows: usize, cols: usize, seed: u64) -> QTensor {
+pub(crate) fn matrix(ty: QType, rows: usize, cols: usize, seed: u64) -> QTensor {
     let n = rows * ty.row_bytes(cols).unwrap();
     let mut data = bytes(seed, n);
     for (i, block) in data.chunks_exact_mut(ty.block_bytes()).enumerate() {
@@ -180,8 +180,17 @@ fn selected_rows_and_zero_rows() {
     assert_eq!(&b[..64], &a[128..]);
     assert!(b[64..128].iter().all(|v| *v == 0.0));
     assert_eq!(&b[128..], &a[..64]);
-    let c = QTensor::concat(&[&w, &s]).unwrap();
-    assert_eq!(c.rows, 6);
+    // Rows of different types stack, each keeping its own.
+    let k = matrix(QType::Q6K, 2, 256, 9);
+    let wide = matrix(QType::Q4_0, 1, 256, 3);
+    let c = QTensor::concat(&[&wide, &k]).unwrap();
+    assert_eq!((c.rows, c.types()), (3, vec![QType::Q4_0, QType::Q6K]));
+    let mut y = vec![0.0; 3 * 256];
+    y[..256].copy_from_slice(&wide.to_f32());
+    y[256..].copy_from_slice(&k.to_f32());
+    assert_eq!(c.to_f32(), y);
+    check(&c, 5, 1, "mixed");
+    assert!(QTensor::concat(&[&w, &k]).is_err());
     assert!(QTensor::new(QType::Q4K, 1, 64, vec![0; 36]).is_err());
     assert!(QTensor::new(QType::Q4_0, 2, 64, vec![0; 36]).is_err());
 }
