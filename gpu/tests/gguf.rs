@@ -174,8 +174,9 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     p
 }
 
-fn tmp() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dyn-gguf-{}", std::process::id()));
+/// A directory of the test's own (tests run in parallel).
+fn tmp(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dyn-gguf-{}-{test}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -213,7 +214,7 @@ fn cpu(w: ModelWeights) -> CpuBackend {
 
 #[test]
 fn a_llama_gguf_runs_exactly_as_its_safetensors_original() {
-    let d = tmp();
+    let d = tmp("tiny");
     let path = write(&d, "tiny.gguf", &tiny_gguf().bytes());
     let from_gguf = ModelWeights::load(&path, DType::F32).unwrap();
     let original = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
@@ -236,8 +237,7 @@ fn a_llama_gguf_runs_exactly_as_its_safetensors_original() {
 
 #[test]
 fn corrupt_files_are_errors_that_name_the_file_and_the_problem() {
-    let d = tmp().join("bad");
-    std::fs::create_dir_all(&d).unwrap();
+    let d = tmp("bad");
     let good = tiny_gguf().bytes();
     let open = |name: &str, bytes: &[u8]| -> String {
         let p = write(&d, name, bytes);

@@ -78,6 +78,17 @@ pub struct BuildCx {
     pub inspect: std::sync::Arc<crate::Inspectables>,
 }
 
+impl BuildCx {
+    /// A path from the graph or a node's config: `~/…` under the home directory, relative
+    /// paths against the graph file's directory.
+    pub fn resolve(&self, path: &str) -> PathBuf {
+        match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+            (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+            _ => self.base_dir.join(path),
+        }
+    }
+}
+
 /// A config for a processing kind.
 pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
     const KIND: &'static str;

@@ -133,6 +133,10 @@ pub const NODE_FIELDS: &[&str] = &[
     "config",
 ];
 
+/// Sections of the graph itself that `--set SECTION.KEY=V` edits (`--set model.path=…`);
+/// nodes cannot take these names.
+pub const HEADER_SECTIONS: &[&str] = &["model", "planes"];
+
 /// Resends after a lost replica, unless a node says otherwise (Dynamo's default too).
 pub const DEFAULT_MIGRATION_LIMIT: u32 = 3;
 
@@ -351,6 +355,13 @@ pub fn load_str(
                 "node ids may use only letters, digits, `_` and `-`",
             ));
         }
+        if HEADER_SECTIONS.contains(&id.as_str()) {
+            diags.push(Diagnostic::error(
+                pos,
+                Some(&id),
+                format!("`{id}` names a section of the graph (`--set {id}.KEY=…` edits it); choose another node id"),
+            ));
+        }
         let raw = match marked_yaml::from_node::<NodeRaw>(value) {
             Ok(raw) => raw,
             Err(e) => {
@@ -426,24 +437,36 @@ fn apply_override(root: &mut Node, source: usize, o: &Override) -> Result<(), Di
         .and_then(|m| m.get_node("v"))
         .cloned()
         .ok_or_else(|| err("empty value".into()))?;
-    let node = root
-        .as_mapping_mut()
-        .and_then(|m| m.get_mut("nodes"))
-        .and_then(Node::as_mapping_mut)
-        .and_then(|m| m.get_mut(o.node.as_str()))
-        .and_then(Node::as_mapping_mut)
-        .ok_or_else(|| err(format!("no node '{}' to override", o.node)))?;
+    let span = marked_yaml::Span::new_start(marked_yaml::Marker::new(source, 0, 1, 1));
     let mut path: Vec<&str> = o.path.iter().map(String::as_str).collect();
     let Some(first) = path.first() else {
         return Err(err("expected NODE.KEY=VALUE".into()));
     };
-    if !NODE_FIELDS.contains(first) {
-        path.insert(0, "config");
-    }
+    let root = root
+        .as_mapping_mut()
+        .ok_or_else(|| err("a graph file must be a YAML mapping".into()))?;
+    let node = if HEADER_SECTIONS.contains(&o.node.as_str()) {
+        // The graph's own sections (`model.path`, `planes.control`), made if absent.
+        let k = marked_yaml::types::MarkedScalarNode::new(span, o.node.as_str());
+        root.entry(k)
+            .or_insert_with(|| {
+                Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(span))
+            })
+            .as_mapping_mut()
+            .ok_or_else(|| err(format!("`{}` is not a mapping", o.node)))?
+    } else {
+        if !NODE_FIELDS.contains(first) {
+            path.insert(0, "config");
+        }
+        root.get_mut("nodes")
+            .and_then(Node::as_mapping_mut)
+            .and_then(|m| m.get_mut(o.node.as_str()))
+            .and_then(Node::as_mapping_mut)
+            .ok_or_else(|| err(format!("no node '{}' to override", o.node)))?
+    };
     let mut map = node;
     let last = path.len() - 1;
     for (i, key) in path.iter().enumerate() {
-        let span = marked_yaml::Span::new_start(marked_yaml::Marker::new(source, 0, 1, 1));
         let k = marked_yaml::types::MarkedScalarNode::new(span, *key);
         if i == last {
             map.insert(k, value);

@@ -313,6 +313,44 @@ fn overrides_apply_and_are_checked() {
 }
 
 #[test]
+fn overrides_reach_the_graph_header() {
+    let yaml = format!(
+        "model: {{name: m, path: a}}\n{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n"
+    );
+    let set: Vec<Override> = vec![
+        "model.path=/models/b.gguf".parse().unwrap(),
+        "model.name=b".parse().unwrap(),
+    ];
+    let (spec, _) = load_str("g.yaml", &yaml, &set).unwrap();
+    let m = spec.model.unwrap();
+    assert_eq!((m.name.as_str(), m.path.as_str()), ("b", "/models/b.gguf"));
+    // A graph without a model section gets one; a wrong key is checked as if written.
+    let bare = format!("{HEADER}  in: {{kind: src}}\n");
+    let set: Vec<Override> = vec![
+        "model.path=x".parse().unwrap(),
+        "model.name=x".parse().unwrap(),
+    ];
+    assert_eq!(
+        load_str("g.yaml", &bare, &set)
+            .unwrap()
+            .0
+            .model
+            .unwrap()
+            .path,
+        "x"
+    );
+    let bad: Vec<Override> = vec!["model.size=3".parse().unwrap()];
+    let e = match load_str("g.yaml", &yaml, &bad) {
+        Err(d) => d.to_string(),
+        Ok((_, d)) => d.to_string(),
+    };
+    assert!(e.contains("size"), "{e}");
+    // Nodes cannot take a section's name.
+    let e = errors(&format!("{HEADER}  model: {{kind: src}}\n"));
+    assert!(e.contains("names a section of the graph"), "{e}");
+}
+
+#[test]
 fn unreached_service_node_is_a_warning() {
     let g = check_with(
         &format!(

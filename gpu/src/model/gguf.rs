@@ -314,6 +314,19 @@ impl Gguf {
         })
     }
 
+    /// Metadata alone, no tensors: a vocabulary or template to try without writing a file.
+    pub fn from_meta(meta: BTreeMap<String, Value>) -> Result<Gguf, ModelError> {
+        let map = memmap2::MmapMut::map_anon(1)
+            .and_then(memmap2::MmapMut::make_read_only)
+            .map_err(|e| ModelError::Weights(format!("an empty mapping: {e}")))?;
+        Ok(Gguf {
+            path: PathBuf::from("<metadata>"),
+            map,
+            meta,
+            tensors: HashMap::new(),
+        })
+    }
+
     fn err(&self, what: impl std::fmt::Display) -> ModelError {
         ModelError::Weights(format!("{}: {what}", self.path.display()))
     }

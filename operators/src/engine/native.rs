@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-use dyn_gpu::model::{DType, ModelConfig, ModelWeights};
+use dyn_gpu::model::{DType, ModelConfig, ModelWeights, gguf};
 use dyn_gpu::transfer::BlockFormat;
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
@@ -46,7 +46,8 @@ pub enum DeviceChoice {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DtypeChoice {
-    /// The checkpoint's own (`torch_dtype`), f32 when it does not say.
+    /// The checkpoint's own (`torch_dtype`), f32 when it does not say; a GGUF file's
+    /// quantized matrices stay quantized.
     #[default]
     Auto,
     F32,
@@ -58,8 +59,8 @@ pub enum DtypeChoice {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NativeConfig {
-    /// Checkpoint directory (config.json and safetensors), relative to the graph file;
-    /// the graph's `model.path` when absent.
+    /// Checkpoint directory (config.json and safetensors) or GGUF file, relative to the
+    /// graph file; the graph's `model.path` when absent.
     #[serde(default)]
     pub model: Option<String>,
     #[serde(default)]
@@ -152,8 +153,8 @@ impl NativeConfig {
 
     fn model_dir(&self, cx: &BuildCx) -> Result<PathBuf, BuildError> {
         match (&self.model, &cx.model) {
-            (Some(p), _) => Ok(cx.base_dir.join(p)),
-            (None, Some(m)) => Ok(cx.base_dir.join(&m.path)),
+            (Some(p), _) => Ok(cx.resolve(p)),
+            (None, Some(m)) => Ok(cx.resolve(&m.path)),
             (None, None) => Err(BuildError::new(
                 "engine native needs a model: set `native.model` or the graph's `model.path`",
             )),
@@ -188,22 +189,38 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<Worker>, B
 }
 
 fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, BuildError> {
-    let shape = ModelConfig::load(dir).map_err(|e| BuildError::new(e.to_string()))?;
-    let dtype = match c.dtype {
-        DtypeChoice::F32 => DType::F32,
-        DtypeChoice::F16 => DType::F16,
-        DtypeChoice::Bf16 => DType::Bf16,
-        DtypeChoice::Auto => shape
-            .torch_dtype
-            .as_deref()
-            .and_then(DType::from_torch)
-            .unwrap_or(DType::F32),
+    let weights = if gguf::is_gguf(dir) {
+        // A GGUF file: `auto` keeps quantized matrices quantized (the CPU backend multiplies
+        // them as they are; CUDA widens them to f32), with f32 for the rest and the cache; a
+        // dtype widens everything to it.
+        let g = gguf::Gguf::open(dir).map_err(|e| BuildError::new(e.to_string()))?;
+        let shape = g.config().map_err(|e| BuildError::new(e.to_string()))?;
+        let (dtype, keep) = match c.dtype {
+            DtypeChoice::Auto => (DType::F32, true),
+            DtypeChoice::F32 => (DType::F32, false),
+            DtypeChoice::F16 => (DType::F16, false),
+            DtypeChoice::Bf16 => (DType::Bf16, false),
+        };
+        g.weights(shape, dtype, keep)
+            .map_err(|e| BuildError::new(e.to_string()))?
+    } else {
+        let shape = ModelConfig::load(dir).map_err(|e| BuildError::new(e.to_string()))?;
+        let dtype = match c.dtype {
+            DtypeChoice::F32 => DType::F32,
+            DtypeChoice::F16 => DType::F16,
+            DtypeChoice::Bf16 => DType::Bf16,
+            DtypeChoice::Auto => shape
+                .torch_dtype
+                .as_deref()
+                .and_then(DType::from_torch)
+                .unwrap_or(DType::F32),
+        };
+        // The shape read above decides the dtype; the checkpoint is read against it
+        // (config.json once).
+        dyn_gpu::model::Checkpoint::open(dir)
+            .and_then(|ck| ModelWeights::from_checkpoint(shape, &ck, dtype))
+            .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?
     };
-    // The shape read above decides the dtype; the checkpoint is read against it (config.json
-    // once).
-    let weights = dyn_gpu::model::Checkpoint::open(dir)
-        .and_then(|ck| ModelWeights::from_checkpoint(shape, &ck, dtype))
-        .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?;
     let kv = KvShape {
         num_blocks: c.num_blocks as usize,
         block_size: c.block_size as usize,

@@ -3,6 +3,7 @@
 //! behind `decode` in [`crate::decode`].
 
 pub mod detok;
+pub mod gguf_tokenizer;
 pub mod indexer;
 pub mod kv;
 pub mod kv_router;

@@ -1,9 +1,12 @@
-//! A Hugging Face model directory: `config.json`, `tokenizer.json`, `tokenizer_config.json`
-//! and `generation_config.json`, read once at build time.
+//! A model as serving sees it, read once at build time: a Hugging Face directory
+//! (`config.json`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`, and
+//! the chat template where current transformers saves it, `chat_template.jinja` or
+//! `chat_template.json`), or a GGUF file (its `tokenizer.*` and architecture metadata).
 //!
 //! Only what serving needs is kept: the tokenizer, the chat template with its bos/eos
-//! strings, the eos token ids (from all three places HF keeps them), the context length and
-//! the vocabulary size. Missing optional files fall back to what the others say.
+//! strings, the eos token ids (from all three places HF keeps them), the context length, the
+//! vocabulary size and the sampling defaults of `generation_config.json`. Missing optional
+//! files fall back to what the others say.
 //!
 //! Several nodes of a graph need the same directory (preprocess, postprocess, every decode
 //! replica), so [`ModelDir::shared`] loads it once per process, on the blocking thread pool,
@@ -29,6 +32,45 @@ pub struct ModelDir {
     pub eos_token_ids: Vec<u32>,
     pub context_length: u32,
     pub vocab_size: u32,
+    /// Sampling defaults for requests that leave a parameter out (as vLLM applies them).
+    pub defaults: GenerationDefaults,
+}
+
+/// `generation_config.json`'s sampling parameters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    /// `max_new_tokens`.
+    pub max_tokens: Option<u32>,
+}
+
+impl GenerationDefaults {
+    fn from_json(v: &Value) -> Self {
+        let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+        let u = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .and_then(|x| u32::try_from(x).ok())
+        };
+        // `do_sample: false` is greedy whatever the temperature says (transformers).
+        let greedy = v.get("do_sample").and_then(Value::as_bool) == Some(false);
+        GenerationDefaults {
+            temperature: if greedy { Some(0.0) } else { f("temperature") },
+            top_p: f("top_p").filter(|p| *p > 0.0 && *p <= 1.0),
+            top_k: u("top_k").filter(|k| *k > 0),
+            max_tokens: u("max_new_tokens").filter(|m| *m > 0),
+        }
+    }
+
+    /// The request's sampling parameters, with the model's where the client sent none
+    /// (`max_tokens` is applied by preprocess, within the room the context leaves).
+    pub fn apply(&self, s: &mut super::types::Sampling) {
+        s.temperature = s.temperature.or(self.temperature);
+        s.top_p = s.top_p.or(self.top_p);
+        s.top_k = s.top_k.or(self.top_k);
+    }
 }
 
 impl std::fmt::Debug for ModelDir {
@@ -83,7 +125,7 @@ type Loaded = HashMap<(String, PathBuf), Weak<ModelDir>>;
 static LOADED: LazyLock<parking_lot::Mutex<Loaded>> = LazyLock::new(Default::default);
 
 impl ModelDir {
-    /// The graph's model, resolved against the graph file's directory: loaded once per
+    /// The graph's model, resolved against the graph file's directory (or `~`): loaded once per
     /// process (file reads and tokenizer parsing on the blocking pool), then shared.
     pub async fn shared(cx: &BuildCx) -> Result<Arc<ModelDir>, BuildError> {
         let spec = cx.model.as_ref().ok_or_else(|| {
@@ -91,7 +133,7 @@ impl ModelDir {
                 "this kind needs a model: add `model: {name: ..., path: ...}` to the graph",
             )
         })?;
-        let key = (spec.name.clone(), cx.base_dir.join(&spec.path));
+        let key = (spec.name.clone(), cx.resolve(&spec.path));
         if let Some(m) = LOADED.lock().get(&key).and_then(Weak::upgrade) {
             return Ok(m);
         }
@@ -110,6 +152,9 @@ impl ModelDir {
     }
 
     pub fn load(name: &str, path: &Path) -> Result<ModelDir, BuildError> {
+        if dyn_gpu::model::gguf::is_gguf(path) {
+            return Self::load_gguf(name, path);
+        }
         let config = read_json(&path.join("config.json"), true)?.unwrap_or_default();
         let tok_config = read_json(&path.join("tokenizer_config.json"), false)?.unwrap_or_default();
         let gen_config =
@@ -150,16 +195,7 @@ impl ModelDir {
             .and_then(Value::as_u64)
             .and_then(|n| u32::try_from(n).ok())
             .unwrap_or_else(|| u32::try_from(tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX));
-        let chat_template = match tok_config.get("chat_template") {
-            Some(Value::String(s)) => Some(s.clone()),
-            // A list of named templates: use the default one.
-            Some(Value::Array(list)) => list.iter().find_map(|t| {
-                (t.get("name").and_then(Value::as_str) == Some("default"))
-                    .then(|| t.get("template").and_then(Value::as_str).map(str::to_owned))
-                    .flatten()
-            }),
-            _ => None,
-        };
+        let chat_template = chat_template(path, &tok_config)?;
         Ok(ModelDir {
             name: name.to_owned(),
             path: path.to_owned(),
@@ -170,8 +206,80 @@ impl ModelDir {
             eos_token_ids,
             context_length,
             vocab_size,
+            defaults: GenerationDefaults::from_json(&gen_config),
         })
     }
+
+    /// A GGUF file: tokenizer, template and special tokens from its metadata.
+    fn load_gguf(name: &str, path: &Path) -> Result<ModelDir, BuildError> {
+        use dyn_gpu::model::gguf::{Gguf, Value as Meta};
+        let err = |e: String| BuildError::new(format!("{}: {e}", path.display()));
+        let g = Gguf::open(path).map_err(|e| BuildError::new(e.to_string()))?;
+        let config = g.config().map_err(|e| BuildError::new(e.to_string()))?;
+        let tokenizer = super::gguf_tokenizer::tokenizer(&g).map_err(err)?;
+        let ids = super::gguf_tokenizer::special_ids(&g);
+        let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
+        let eos_token_ids: Vec<u32> =
+            [ids.eos, ids.eot]
+                .into_iter()
+                .flatten()
+                .fold(Vec::new(), |mut v, id| {
+                    if !v.contains(&id) {
+                        v.push(id);
+                    }
+                    v
+                });
+        if eos_token_ids.is_empty() {
+            return Err(err("metadata tokenizer.ggml.eos_token_id is missing".into()));
+        }
+        Ok(ModelDir {
+            name: name.to_owned(),
+            path: path.to_owned(),
+            chat_template: g
+                .get("tokenizer.chat_template")
+                .and_then(Meta::as_str)
+                .map(str::to_owned),
+            bos_token: text(ids.bos),
+            eos_token: text(ids.eos),
+            eos_token_ids,
+            context_length: u32::try_from(config.max_position).unwrap_or(u32::MAX),
+            vocab_size: u32::try_from(config.vocab).unwrap_or(u32::MAX),
+            tokenizer: Arc::new(tokenizer),
+            defaults: GenerationDefaults::default(),
+        })
+    }
+}
+
+/// The chat template where transformers looks for it: `chat_template.jinja`, then
+/// `chat_template.json` (`{"chat_template": ...}`), then `tokenizer_config.json`. Where a
+/// file holds named templates, the one named `default`.
+fn chat_template(dir: &Path, tok_config: &Value) -> Result<Option<String>, BuildError> {
+    let jinja = dir.join("chat_template.jinja");
+    match std::fs::read_to_string(&jinja) {
+        Ok(s) => return Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(BuildError::new(format!(
+                "cannot read {}: {e}",
+                jinja.display()
+            )));
+        }
+    }
+    let json = read_json(&dir.join("chat_template.json"), false)?;
+    let v = json
+        .as_ref()
+        .and_then(|j| j.get("chat_template"))
+        .or_else(|| tok_config.get("chat_template"));
+    Ok(match v {
+        Some(Value::String(s)) => Some(s.clone()),
+        // A list of named templates: use the default one.
+        Some(Value::Array(list)) => list.iter().find_map(|t| {
+            (t.get("name").and_then(Value::as_str) == Some("default"))
+                .then(|| t.get("template").and_then(Value::as_str).map(str::to_owned))
+                .flatten()
+        }),
+        _ => None,
+    })
 }
 
 #[cfg(test)]
@@ -192,6 +300,66 @@ pub(crate) mod tests {
         assert!(m.eos_token_ids.contains(&eot));
         assert!(m.chat_template.is_some());
         assert_eq!(m.vocab_size as usize, m.tokenizer.get_vocab_size(true));
+    }
+
+    /// models/tiny saved as current transformers saves it: the template moved out of
+    /// tokenizer_config.json into `chat_template.jinja` (or `chat_template.json`).
+    #[test]
+    fn templates_in_their_own_files_and_generation_defaults() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let dir = std::env::temp_dir().join(format!("dyn-model-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        for f in ["config.json", "tokenizer.json"] {
+            std::fs::copy(src.join(f), dir.join(f)).expect("copy");
+        }
+        let mut tc: Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("tokenizer_config.json")).expect("read"),
+        )
+        .expect("json");
+        let template = tc["chat_template"].as_str().expect("template").to_owned();
+        tc.as_object_mut().expect("map").remove("chat_template");
+        std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).expect("write");
+        assert_eq!(ModelDir::load("t", &dir).expect("loads").chat_template, None);
+
+        std::fs::write(
+            dir.join("chat_template.json"),
+            serde_json::json!({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                  {"name": "default", "template": "from json"}]})
+            .to_string(),
+        )
+        .expect("write");
+        let m = ModelDir::load("t", &dir).expect("loads");
+        assert_eq!(m.chat_template.as_deref(), Some("from json"));
+        // `.jinja` wins, as in transformers.
+        std::fs::write(dir.join("chat_template.jinja"), &template).expect("write");
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"temperature": 0.2, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64}"#,
+        )
+        .expect("write");
+        let m = ModelDir::load("t", &dir).expect("loads");
+        assert_eq!(m.chat_template.as_deref(), Some(template.as_str()));
+        let d = &m.defaults;
+        assert_eq!(
+            (d.temperature, d.top_p, d.top_k, d.max_tokens),
+            (Some(0.2), Some(0.9), Some(50), Some(64))
+        );
+        // A request's own parameters win; missing ones take the model's.
+        let mut s = crate::llm::types::Sampling {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        d.apply(&mut s);
+        assert_eq!((s.temperature, s.top_p, s.top_k), (Some(0.0), Some(0.9), Some(50)));
+        // `do_sample: false` is greedy.
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"do_sample": false, "temperature": 0.6}"#,
+        )
+        .expect("write");
+        let m = ModelDir::load("t", &dir).expect("loads");
+        assert_eq!(m.defaults.temperature, Some(0.0));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -70,7 +70,7 @@ impl Preprocess {
             Some(src) => Some(Arc::new(template_env(src.clone()).map_err(|e| {
                 BuildError::new(format!(
                     "{}: chat template does not compile: {e}",
-                    model.path.join("tokenizer_config.json").display()
+                    model.path.display()
                 ))
             })?)),
             None => None,
@@ -175,8 +175,9 @@ impl Preprocess {
     }
 
     /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
-    pub async fn preprocess(&self, req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
+    pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
+        self.model.defaults.apply(&mut req.sampling);
         let (text, add_special) = match &req.prompt {
             Prompt::Messages(m) => (Some(self.render(m)?), false),
             Prompt::Text(t) => (Some(t.clone()), true),
@@ -218,7 +219,7 @@ impl Preprocess {
                 .with_code("context_length_exceeded"));
             }
             Some(m) => m,
-            None => room,
+            None => self.model.defaults.max_tokens.map_or(room, |d| d.min(room)),
         };
         let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
         Ok(PreprocessedRequest {
