@@ -63,4 +63,12 @@ for kind, source, ids in prompts:
     out["cases"].append({"kind": kind, "source": source, "prompt": ids, "greedy": new,
                          "text": tok.decode(new, skip_special_tokens=True)})
     print(kind, repr(tok.decode(new, skip_special_tokens=True)), file=sys.stderr)
+# A fixed text for perplexity (dyn and llama.cpp both score it), and transformers' own.
+corpus = open(os.path.join(os.path.dirname(__file__), "../models/tiny/corpus.txt")).read()
+ppl_ids = tok(corpus)["input_ids"][:512]
+with torch.no_grad():
+    loss = model(torch.tensor([ppl_ids]), labels=torch.tensor([ppl_ids])).loss
+out["ppl_tokens"] = ppl_ids
+out["ppl_f32"] = float(torch.exp(loss))
+print("perplexity (f32)", out["ppl_f32"], file=sys.stderr)
 json.dump(out, sys.stdout, ensure_ascii=False, indent=1)

@@ -204,6 +204,25 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<V
     (out, logits)
 }
 
+/// The greedy choice at each step of `prompt` followed by `given` (teacher forcing).
+fn forced(b: &mut dyn Backend, prompt: &[u32], given: &[u32]) -> Vec<u32> {
+    let all: Vec<u32> = prompt.iter().chain(given).copied().collect();
+    let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+    let mut done = 0;
+    (prompt.len()..prompt.len() + given.len())
+        .map(|end| {
+            let step = SeqStep {
+                tokens: &all[done..end],
+                start: done,
+                blocks: &blocks,
+                logits: true,
+            };
+            done = end;
+            argmax(&b.forward(&[step]).unwrap().remove(0))
+        })
+        .collect()
+}
+
 fn cpu(w: ModelWeights) -> CpuBackend {
     let kv = KvShape {
         num_blocks: 64,
@@ -299,12 +318,83 @@ pub fn smollm2() -> Option<PathBuf> {
 #[derive(serde::Deserialize)]
 struct SmolReference {
     cases: Vec<SmolCase>,
+    #[serde(default)]
+    ppl_tokens: Vec<u32>,
+    #[serde(default)]
+    ppl: f64,
 }
 
 #[derive(serde::Deserialize)]
 struct SmolCase {
     prompt: Vec<u32>,
     greedy: Vec<u32>,
+}
+
+fn smol_reference(name: &str) -> SmolReference {
+    let text = std::fs::read_to_string(dir(name)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Perplexity of `tokens`, one decode step per token (the backend returns the last logits).
+fn perplexity(b: &mut dyn Backend, tokens: &[u32]) -> f64 {
+    let blocks: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+    let mut nll = 0.0;
+    for i in 0..tokens.len() - 1 {
+        let step = SeqStep {
+            tokens: &tokens[i..=i],
+            start: i,
+            blocks: &blocks,
+            logits: true,
+        };
+        let l = b.forward(&[step]).unwrap().remove(0);
+        let max = l.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v)) as f64;
+        let lse = max + l.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln();
+        nll += lse - l[tokens[i + 1] as usize] as f64;
+    }
+    (nll / (tokens.len() - 1) as f64).exp()
+}
+
+/// The quantized path (integer products on the Q4_1/Q8_0 blocks, 8-bit activations) against
+/// llama.cpp on the same file (models/smollm2-llamacpp-reference.json, from
+/// scripts/make-gguf-reference): perplexity on a fixed text within 1 %, and the greedy
+/// agreement printed.
+#[test]
+fn smollm2_quantized_path_agrees_with_llama_cpp() {
+    let Some(path) = smollm2() else {
+        eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
+        return;
+    };
+    let tf = smol_reference("smollm2-gguf-reference.json");
+    let lc = smol_reference("smollm2-llamacpp-reference.json");
+    let g = Gguf::open(&path).unwrap();
+    let qw = g.weights(g.config().unwrap(), DType::F32, true).unwrap();
+    let ppl = perplexity(&mut cpu(qw.clone()), &tf.ppl_tokens);
+    eprintln!(
+        "perplexity: dyn quantized {ppl:.4}, llama.cpp {:.4}",
+        lc.ppl
+    );
+    assert!((ppl / lc.ppl - 1.0).abs() < 0.01, "{ppl} vs {}", lc.ppl);
+    let (mut prefix, mut same, mut total) = (0, 0, 0);
+    for case in &lc.cases {
+        let (q, _) = greedy(&mut cpu(qw.clone()), &case.prompt, case.greedy.len());
+        prefix += q
+            .iter()
+            .zip(&case.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // Teacher-forced: fed llama.cpp's tokens, does dyn choose llama.cpp's next one?
+        let choices = forced(&mut cpu(qw.clone()), &case.prompt, &case.greedy);
+        same += choices
+            .iter()
+            .zip(&case.greedy)
+            .filter(|(a, b)| a == b)
+            .count();
+        total += case.greedy.len();
+    }
+    eprintln!(
+        "greedy vs llama.cpp: {prefix} of {total} tokens before the first divergence; fed llama.cpp's tokens, {same} of {total} steps choose its token"
+    );
+    assert!(same * 10 >= total * 9, "{same} of {total}");
 }
 
 /// Greedy continuations of the real GGUF, dequantized to f32, equal transformers' of the
@@ -316,8 +406,7 @@ fn smollm2_gguf_continues_as_transformers_does() {
         eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
         return;
     };
-    let text = std::fs::read_to_string(dir("smollm2-gguf-reference.json")).unwrap();
-    let r: SmolReference = serde_json::from_str(&text).unwrap();
+    let r = smol_reference("smollm2-gguf-reference.json");
     let g = Gguf::open(&path).unwrap();
     let f32w = g.weights(g.config().unwrap(), DType::F32, false).unwrap();
     let qw = g.weights(g.config().unwrap(), DType::F32, true).unwrap();

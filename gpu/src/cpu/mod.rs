@@ -61,6 +61,8 @@ pub struct CpuBackend {
     cache: KvCache,
     /// The weights' dtype, which the cache keeps too.
     dtype: DType,
+    /// The types of the matrices kept quantized (a GGUF file's), if any.
+    quantized: Vec<crate::quant::QType>,
     buf: Buffers,
     /// The step runs inside this pool: its parallel loops are then forks from a worker that
     /// stays awake between them, not one wake-up of a sleeping pool per matrix product.
@@ -89,6 +91,20 @@ impl CpuBackend {
             .checked_mul(kv.block_size * c.kv_heads * c.head_dim)
             .ok_or_else(|| ComputeError::Invalid("KV cache size overflows".into()))?;
         let dtype = w.dtype;
+        let quantized = [&w.lm_head]
+            .into_iter()
+            .chain(w.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]))
+            .filter_map(|m| match &m.data {
+                Host::Quant(q) => Some(q.types()),
+                _ => None,
+            })
+            .flatten()
+            .fold(Vec::new(), |mut v, t| {
+                if !v.contains(&t) {
+                    v.push(t);
+                }
+                v
+            });
         Ok(CpuBackend {
             inv_freq: c.inv_freq(),
             embed: w.embed,
@@ -106,6 +122,7 @@ impl CpuBackend {
                 .collect(),
             norm: w.norm,
             lm_head: Linear::new(w.lm_head),
+            quantized,
             cache: KvCache::new(dtype, c.layers, per_layer),
             kv,
             cfg: c,
@@ -336,10 +353,16 @@ impl Backend for CpuBackend {
     }
 
     fn describe(&self) -> String {
+        let weights = if self.quantized.is_empty() {
+            format!("{} weights", self.dtype.name())
+        } else {
+            let types: Vec<&str> = self.quantized.iter().map(|t| t.name()).collect();
+            format!("{} weights, {} cache", types.join("+"), self.dtype.name())
+        };
         format!(
-            "cpu ({} threads) {} weights",
-            rayon::current_num_threads(),
-            self.dtype.name()
+            "cpu ({} threads, {} kernels) {weights}",
+            self.pool.current_num_threads(),
+            crate::quant::Isa::detect().name()
         )
     }
 }

@@ -319,7 +319,10 @@ pub(crate) mod tests {
         let template = tc["chat_template"].as_str().expect("template").to_owned();
         tc.as_object_mut().expect("map").remove("chat_template");
         std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).expect("write");
-        assert_eq!(ModelDir::load("t", &dir).expect("loads").chat_template, None);
+        assert_eq!(
+            ModelDir::load("t", &dir).expect("loads").chat_template,
+            None
+        );
 
         std::fs::write(
             dir.join("chat_template.json"),
@@ -350,7 +353,10 @@ pub(crate) mod tests {
             ..Default::default()
         };
         d.apply(&mut s);
-        assert_eq!((s.temperature, s.top_p, s.top_k), (Some(0.0), Some(0.9), Some(50)));
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k),
+            (Some(0.0), Some(0.9), Some(50))
+        );
         // `do_sample: false` is greedy.
         std::fs::write(
             dir.join("generation_config.json"),
