@@ -2,8 +2,11 @@
 //! batch 1 and with 16 sequences decoding together, measured in one run.
 //!
 //! ```text
-//! cargo run --release -p dyn-gpu --example native_bench -- MODEL_DIR [f32|bf16] [steps] [rounds] [cpu|cuda]
+//! cargo run --release -p dyn-gpu --example native_bench -- MODEL [f32|bf16|f16|quant] [steps] [rounds] [cpu|cuda]
 //! ```
+//! MODEL is a checkpoint directory or a GGUF file; `quant` keeps a GGUF's quantized matrices
+//! quantized (the roofline is then their bytes). Prompt processing (one 512-token prefill)
+//! is measured too.
 //! On `cuda` (a build with `--features cuda`) the bandwidth is the device's, measured by a
 //! large device-to-device copy. Prints one JSON line: measured read bandwidth (GB/s),
 //! weight bytes per token,
@@ -94,13 +97,38 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
     (batch * steps) as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Prompt-processing length.
+const PP: usize = 512;
+
+/// One `PP`-token prefill, best of `rounds`; tokens/s.
+fn prefill(b: &mut dyn Backend, rounds: usize) -> f64 {
+    let tokens: Vec<u32> = (0..PP as u32).map(|t| (t * 37) % 1000 + 10).collect();
+    let blocks: Vec<u32> = (0..PP.div_ceil(BLOCK) as u32).collect();
+    let mut best: f64 = 0.0;
+    for _ in 0..rounds {
+        let step = SeqStep {
+            tokens: &tokens,
+            start: 0,
+            blocks: &blocks,
+            logits: true,
+        };
+        let t = Instant::now();
+        if let Err(e) = b.forward(&[step]) {
+            panic!("prefill failed: {e}");
+        }
+        best = best.max(PP as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dir = std::path::PathBuf::from(
         args.first()
             .ok_or("usage: native_bench MODEL_DIR [f32|bf16] [steps] [rounds] [cpu|cuda]")?,
     );
-    let dtype = match args.get(1).map_or("f32", String::as_str) {
+    let kind = args.get(1).map_or("f32", String::as_str);
+    let dtype = match kind {
         "bf16" => DType::Bf16,
         "f16" => DType::F16,
         _ => DType::F32,
@@ -116,11 +144,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{msg:>14} {bar:30} {pos}/{len} steps",
     )?);
     bar.set_message("loading");
-    let w = ModelWeights::load(&dir, dtype)?;
+    let w = if kind == "quant" {
+        let g = dyn_gpu::model::gguf::Gguf::open(&dir)?;
+        g.weights(g.config()?, DType::F32, true)?
+    } else {
+        ModelWeights::load(&dir, dtype)?
+    };
     let bytes = w.bytes_per_token();
     let params = w.config.parameters();
     let kv = KvShape {
-        num_blocks: 16 * (PROMPT + steps + 1).div_ceil(BLOCK),
+        num_blocks: (16 * (PROMPT + steps + 1).div_ceil(BLOCK)).max(PP.div_ceil(BLOCK)),
         block_size: BLOCK,
     };
     let device = args.get(4).map_or("cpu", String::as_str);
@@ -161,6 +194,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (fraction, gbps, b1, roofline) = rounds[rounds.len() / 2];
     bar.set_message("batch 16");
     let b16 = decode(b.as_mut(), 16, steps, &bar);
+    bar.set_message("prefill 512");
+    let pp = prefill(b.as_mut(), n_rounds);
     bar.finish_and_clear();
     println!(
         "{}",
@@ -168,6 +203,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "backend": b.describe(), "parameters": params, "dtype": dtype.name(),
             "read_gbps": gbps, "weight_bytes_per_token": bytes, "roofline_tok_s": roofline,
             "batch1_tok_s": b1, "batch1_of_roofline": fraction, "batch16_tok_s": b16,
+            "prefill512_tok_s": pp,
             "rounds_of_roofline": rounds.iter().map(|r| r.0).collect::<Vec<_>>(),
             "steps": steps, "prompt": PROMPT,
         })

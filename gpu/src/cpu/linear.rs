@@ -25,7 +25,7 @@ use super::gemm::{Strides, matmul};
 use super::math::silu_mul;
 use super::panel::{InputBuf, Isa, Panels, WIDTH};
 use crate::model::{Host, Matrix};
-use crate::quant::{self, Acts, QTensor};
+use crate::quant::{self, Acts, QPanels, QTensor};
 
 /// A weight matrix ready for [`Linear::forward`].
 pub struct Linear {
@@ -45,8 +45,9 @@ pub struct Linear {
 /// The weights, packed.
 enum Weights {
     Dense(Panels),
-    /// Quantized rows in packed order (whole groups of [`WIDTH`], zero rows padding).
-    Quant(QTensor),
+    /// Quantized rows in packed order (whole groups of [`WIDTH`], zero rows padding), and
+    /// the same in eight-row panels where the type and CPU have panel kernels.
+    Quant(QTensor, Option<QPanels>),
 }
 
 /// How a product lands in `y`.
@@ -85,7 +86,7 @@ thread_local! {
 fn group_f32<'a>(w: &'a Weights, g: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
     match w {
         Weights::Dense(p) => p.group_f32(g, buf),
-        Weights::Quant(q) => {
+        Weights::Quant(q, _) => {
             let k = q.cols;
             buf.resize(k * (WIDTH + 1), 0.0);
             let (out, row) = buf.split_at_mut(k * WIDTH);
@@ -134,7 +135,9 @@ impl Linear {
             Host::Quant(q) => {
                 let mut order = order;
                 order.resize(padded, None);
-                Weights::Quant(q.select_rows(&order))
+                let rows = q.select_rows(&order);
+                let panels = QPanels::pack(&rows, quant::Isa::detect());
+                Weights::Quant(rows, panels)
             }
             dense => Weights::Dense(Panels::pack_rows(dense, m.cols, &order)),
         };
@@ -154,6 +157,9 @@ impl Linear {
     fn portable(mut self) -> Self {
         self.isa = Isa::portable();
         self.qisa = quant::Isa::portable();
+        if let Weights::Quant(_, panels) = &mut self.w {
+            *panels = None;
+        }
         self
     }
 
@@ -179,7 +185,7 @@ impl Linear {
         // or (prefill) transposed for gemm.
         let input = (m <= PANEL_ROWS).then(|| match &self.w {
             Weights::Dense(w) => Some(w.input(x, m, self.isa, input)),
-            Weights::Quant(_) => {
+            Weights::Quant(..) => {
                 acts.quantize(x, m, inp);
                 None
             }
@@ -206,7 +212,13 @@ impl Linear {
                         (Weights::Dense(w), Some(Some(input))) => {
                             w.product(groups.clone(), input, m, self.isa, block, ld)
                         }
-                        (Weights::Quant(w), Some(_)) => {
+                        (Weights::Quant(_, Some(p)), Some(_)) => {
+                            // A group of 48 rows is six panels.
+                            let per = WIDTH / quant::panel::ROWS;
+                            let panels = groups.start * per..groups.end * per;
+                            p.product(panels, acts, self.qisa, block, ld);
+                        }
+                        (Weights::Quant(w, None), Some(_)) => {
                             for (gi, g) in groups.clone().enumerate() {
                                 let rows = g * WIDTH..(g + 1) * WIDTH;
                                 w.product(rows, acts, self.qisa, &mut block[gi * WIDTH..], ld);

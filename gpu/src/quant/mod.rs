@@ -17,12 +17,14 @@
 //! that against vectors from ggml's own Python package (`gguf`).
 
 mod formats;
+pub mod panel;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
 use std::ops::Range;
 
 pub use formats::QType;
+pub use panel::QPanels;
 use formats::{Chunk, Format, Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
 
 /// Values per chunk: the unit every kernel multiplies.

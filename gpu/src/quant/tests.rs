@@ -93,13 +93,28 @@ fn check(w: &QTensor, m: usize, seed: u64, what: &str) {
     acts.quantize(&x, m, w.cols);
     let (want, mag) = reference(w, &dequantized_acts(&acts), m);
     let (exact, _) = reference(w, &x, m);
-    for isa in isas() {
+    for (isa, panels) in isas()
+        .into_iter()
+        .flat_map(|i| [(i, false), (i, true)])
+    {
         let mut y = vec![f32::NAN; m * w.rows];
-        w.product(0..w.rows, &acts, isa, &mut y, w.rows);
+        if panels {
+            // The eight-row panels, where this type and CPU have them (zero rows pad).
+            let Some(p) = QPanels::pack(w, isa) else { continue };
+            let np = w.rows.div_ceil(panel::ROWS);
+            let ld = np * panel::ROWS;
+            let mut all = vec![f32::NAN; m * ld];
+            p.product(0..np, &acts, isa, &mut all, ld);
+            for (dst, src) in y.chunks_exact_mut(w.rows).zip(all.chunks_exact(ld)) {
+                dst.copy_from_slice(&src[..w.rows]);
+            }
+        } else {
+            w.product(0..w.rows, &acts, isa, &mut y, w.rows);
+        }
         for (j, (g, e)) in y.iter().zip(&want).enumerate() {
             assert!(
                 (g - e).abs() <= 1e-5 * mag[j].max(1e-3),
-                "{what} {} m={m} [{j}]: {g} vs {e}",
+                "{what} {} panels={panels} m={m} [{j}]: {g} vs {e}",
                 isa.name()
             );
             // Against the unquantized input: 8-bit activations (a step of 1/254 of each
@@ -145,6 +160,13 @@ fn dequantization_matches_ggml() {
 
 #[test]
 fn products_match_the_dequantized_reference_at_every_batch_size() {
+    // The panels exist where this CPU has AVX2 (the checks below then cover them).
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        for ty in [QType::Q4_0, QType::Q4_1, QType::Q8_0] {
+            assert!(QPanels::pack(&matrix(ty, 8, 64, 1), Isa::detect()).is_some());
+        }
+    }
     // Every row count the panel path takes (1..=64), on every kernel this CPU has.
     for ty in TYPES {
         let cols = 2 * ty.block().max(64);
