@@ -4,13 +4,17 @@
 //! unpack, a scale conversion and a scalar offset, and a horizontal sum per output: about
 //! 25 cycles where decoding at memory speed allows five. Here the rows of a matrix are
 //! grouped by eight ("panels") and each block of 32 values is stored as the eight rows'
-//! scales side by side, then their quants (`[d ×8 f16][m ×8 f16][qs ×8]`: exactly the file's
-//! bytes, reordered). A kernel then converts eight scales with one instruction, unpacks each
-//! row's 32 quants in registers, and for every input row makes eight `u8 × i8` products
-//! (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` on AVX2), folds them into one vector of eight
-//! sums with a tree of horizontal adds, and scales and offsets eight outputs in two
-//! multiply-adds. The unpacked weights stay in registers while every input row (up to
-//! eight) passes, so batched decode reads and unpacks each weight once.
+//! scales side by side (`[d ×8 f16][m ×8 f16]`), then their quants interleaved so that each
+//! 32-bit lane of a vector holds four consecutive values of one row: lane `r` of vector `g`
+//! is row `r`'s values `4g..4g + 4`. (4-bit types keep two such vectors in one, groups `g`
+//! and `g + 4` in the low and high nibbles.) The bytes are the file's, reordered.
+//!
+//! A product then needs no horizontal sums at all: for each group of four input values,
+//! broadcast to every lane, one `u8 × i8` multiply-add (`vpdpbusd`, or `vpmaddubsw` +
+//! `vpmaddwd` on AVX2) adds each row's four products into its own lane, so after a block's
+//! eight groups each lane is its row's block sum. One conversion and two multiply-adds scale
+//! and offset the eight outputs. The unpacked weights stay in registers while every input
+//! row (up to eight) passes, so batched decode reads and unpacks each weight once.
 //!
 //! Q4_0, Q4_1 and Q8_0 are repacked (the formats with one scale per 32 values); other types
 //! keep the row kernels.
@@ -60,18 +64,37 @@ impl QPanels {
         let panels = q.rows.div_ceil(ROWS);
         let mut data = vec![0u8; panels * nb * bb];
         let head = quants_at(ty);
-        let qs = ty.block_bytes() - head / ROWS;
+        let mut u = [0u8; CHUNK];
         for r in 0..q.rows {
             let (_, row) = q.row(r);
             let (p, l) = (r / ROWS, r % ROWS);
             for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
                 let dst = &mut data[(p * nb + b) * bb..(p * nb + b + 1) * bb];
-                // d (and m) of row l, then its quants.
+                // d (and m) of row l.
                 dst[2 * l..2 * l + 2].copy_from_slice(&block[..2]);
                 if ty == QType::Q4_1 {
                     dst[2 * ROWS + 2 * l..2 * ROWS + 2 * l + 2].copy_from_slice(&block[2..4]);
                 }
-                dst[head + l * qs..head + (l + 1) * qs].copy_from_slice(&block[head / ROWS..]);
+                // Its 32 values in value order (nibbles unpacked, or Q8_0's bytes).
+                let qs = &block[head / ROWS..];
+                if ty == QType::Q8_0 {
+                    u.copy_from_slice(qs);
+                } else {
+                    for (j, q) in qs.iter().enumerate() {
+                        (u[j], u[j + 16]) = (q & 15, q >> 4);
+                    }
+                }
+                let qd = &mut dst[head..];
+                for (e, v) in u.iter().enumerate() {
+                    let (g, j) = (e / 4, e % 4);
+                    if ty == QType::Q8_0 {
+                        // Vector g, lane l, byte j.
+                        qd[32 * g + 4 * l + j] = *v;
+                    } else {
+                        // Vector g % 4, lane l, byte j; group g ≥ 4 in the high nibble.
+                        qd[32 * (g % 4) + 4 * l + j] |= v << (4 * (g / 4));
+                    }
+                }
             }
         }
         Some(QPanels {
@@ -127,7 +150,7 @@ impl QPanels {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{QType, ROWS, TILE, quants_at};
+    use super::{QType, ROWS, quants_at};
     use crate::quant::{Acts, CHUNK};
 
     /// # Safety
@@ -183,8 +206,8 @@ mod x86 {
     ) {
         // SAFETY: as `panel`'s.
         unsafe {
-            kernel::<F, T, true>(w, nb, acts, i0, y, ld, |u, q| {
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q)
+            kernel::<F, T, true>(w, nb, acts, i0, y, ld, |sum, u, q| {
+                _mm256_dpbusd_epi32(sum, u, q)
             })
         }
     }
@@ -201,33 +224,15 @@ mod x86 {
         let ones = _mm256_set1_epi16(1);
         // SAFETY: as `panel`'s.
         unsafe {
-            kernel::<F, T, false>(w, nb, acts, i0, y, ld, |u, q| {
+            kernel::<F, T, false>(w, nb, acts, i0, y, ld, |sum, u, q| {
                 // 4-bit values: pairs stay within i16. Q8_0 comes here signed (see below).
                 let pairs = if F == 8 {
                     _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u))
                 } else {
                     _mm256_maddubs_epi16(u, q)
                 };
-                _mm256_madd_epi16(pairs, ones)
+                _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones))
             })
-        }
-    }
-
-    /// Eight vectors of eight partial sums → one vector of their eight totals.
-    #[inline(always)]
-    unsafe fn reduce8(p: [__m256i; ROWS]) -> __m256i {
-        // SAFETY: AVX2, checked by the callers' callers.
-        unsafe {
-            let t0 = _mm256_hadd_epi32(p[0], p[1]);
-            let t1 = _mm256_hadd_epi32(p[2], p[3]);
-            let t2 = _mm256_hadd_epi32(p[4], p[5]);
-            let t3 = _mm256_hadd_epi32(p[6], p[7]);
-            let u0 = _mm256_hadd_epi32(t0, t1);
-            let u1 = _mm256_hadd_epi32(t2, t3);
-            _mm256_add_epi32(
-                _mm256_permute2x128_si256(u0, u1, 0x20),
-                _mm256_permute2x128_si256(u0, u1, 0x31),
-            )
         }
     }
 
@@ -241,7 +246,7 @@ mod x86 {
         i0: usize,
         y: &mut [f32],
         ld: usize,
-        dot: impl Fn(__m256i, __m256i) -> __m256i,
+        dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
         // SAFETY: the loads stay inside `w` (nb blocks of the panel) and the input rows
         // (`acts` checked by `QPanels::product`); AVX2/FMA (and VNNI where `dot` uses it)
@@ -270,36 +275,31 @@ mod x86 {
                     _ => _mm256_setzero_ps(),
                 };
                 let qs = blk.add(head);
+                // Vector g: lane r holds row r's values 4g..4g + 4.
                 let mut u = [_mm256_setzero_si256(); ROWS];
-                for (r, u) in u.iter_mut().enumerate() {
-                    *u = if F == 8 {
-                        let v = _mm256_loadu_si256(qs.add(32 * r).cast());
-                        if signed_vnni { _mm256_xor_si256(v, flip) } else { v }
-                    } else {
-                        let q = _mm_loadu_si128(qs.add(16 * r).cast());
-                        let both = _mm256_inserti128_si256(
-                            _mm256_castsi128_si256(q),
-                            _mm_srli_epi16(q, 4),
-                            1,
-                        );
-                        _mm256_and_si256(both, mask)
-                    };
+                if F == 8 {
+                    for (g, u) in u.iter_mut().enumerate() {
+                        let v = _mm256_loadu_si256(qs.add(32 * g).cast());
+                        *u = if signed_vnni { _mm256_xor_si256(v, flip) } else { v };
+                    }
+                } else {
+                    for g in 0..4 {
+                        let v = _mm256_loadu_si256(qs.add(32 * g).cast());
+                        u[g] = _mm256_and_si256(v, mask);
+                        u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    }
                 }
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let i = i0 + t;
                     let ci = i * (k / CHUNK) + b;
-                    let a = _mm256_loadu_si256(acts.q.as_ptr().add(i * k + b * CHUNK).cast());
-                    let p = [
-                        dot(u[0], a),
-                        dot(u[1], a),
-                        dot(u[2], a),
-                        dot(u[3], a),
-                        dot(u[4], a),
-                        dot(u[5], a),
-                        dot(u[6], a),
-                        dot(u[7], a),
-                    ];
-                    let s = _mm256_cvtepi32_ps(reduce8(p));
+                    let a = acts.q.as_ptr().add(i * k + b * CHUNK).cast::<i32>();
+                    let mut sum = _mm256_setzero_si256();
+                    for (g, u) in u.iter().enumerate() {
+                        // Four input values, in every lane.
+                        let ag = _mm256_set1_epi32(a.add(g).read_unaligned());
+                        sum = dot(sum, *u, ag);
+                    }
+                    let s = _mm256_cvtepi32_ps(sum);
                     let da = *acts.d.get_unchecked(ci);
                     *acc = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(da)), *acc);
                     if F != 8 || signed_vnni {
