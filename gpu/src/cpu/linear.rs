@@ -181,9 +181,11 @@ impl Linear {
         let run = chunks
             .div_ceil(8 * rayon::current_num_threads().max(1))
             .max(1);
-        // How the input is read: by the panel kernels, quantized for the integer products,
-        // or (prefill) transposed for gemm.
-        let input = (m <= PANEL_ROWS).then(|| match &self.w {
+        // How the input is read: by the panel kernels, quantized for the integer products
+        // (at any batch size where the weights are in panels: integer multiply-adds do four
+        // times the work of f32 ones per instruction), or (prefill) transposed for gemm.
+        let integer = matches!(self.w, Weights::Quant(_, Some(_)));
+        let input = (m <= PANEL_ROWS || integer).then(|| match &self.w {
             Weights::Dense(w) => Some(w.input(x, m, self.isa, input)),
             Weights::Quant(..) => {
                 acts.quantize(x, m, inp);
