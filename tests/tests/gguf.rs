@@ -16,8 +16,10 @@ fn model() -> Option<String> {
 async fn chat(url: &str, messages: &Value, max_tokens: usize) -> Value {
     let r = reqwest::Client::new()
         .post(format!("{url}/v1/chat/completions"))
-        .json(&json!({"model": "smollm2", "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0}))
+        .json(
+            &json!({"model": "smollm2", "messages": messages, "max_tokens": max_tokens,
+                       "temperature": 0}),
+        )
         .send()
         .await
         .unwrap();
@@ -45,7 +47,10 @@ async fn smollm2_answers_as_transformers_does_through_the_whole_graph() {
         let want = case["text"].as_str().unwrap();
         let got = if case["kind"] == "chat" {
             let v = chat(&url, &case["source"], n).await;
-            v["choices"][0]["message"]["content"].as_str().unwrap().to_owned()
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
         } else {
             let body = json!({"model": "smollm2", "prompt": case["source"], "max_tokens": n,
                               "temperature": 0});

@@ -93,7 +93,11 @@ impl CpuBackend {
         let dtype = w.dtype;
         let quantized = [&w.lm_head]
             .into_iter()
-            .chain(w.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]))
+            .chain(
+                w.layers
+                    .iter()
+                    .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]),
+            )
             .filter_map(|m| match &m.data {
                 Host::Quant(q) => Some(q.types()),
                 _ => None,

@@ -24,8 +24,8 @@ mod simd;
 use std::ops::Range;
 
 pub use formats::QType;
-pub use panel::QPanels;
 use formats::{Chunk, Format, Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0};
+pub use panel::QPanels;
 
 /// Values per chunk: the unit every kernel multiplies.
 pub const CHUNK: usize = 32;

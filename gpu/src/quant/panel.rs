@@ -280,7 +280,11 @@ mod x86 {
                 if F == 8 {
                     for (g, u) in u.iter_mut().enumerate() {
                         let v = _mm256_loadu_si256(qs.add(32 * g).cast());
-                        *u = if signed_vnni { _mm256_xor_si256(v, flip) } else { v };
+                        *u = if signed_vnni {
+                            _mm256_xor_si256(v, flip)
+                        } else {
+                            v
+                        };
                     }
                 } else {
                     for g in 0..4 {

@@ -93,14 +93,13 @@ fn check(w: &QTensor, m: usize, seed: u64, what: &str) {
     acts.quantize(&x, m, w.cols);
     let (want, mag) = reference(w, &dequantized_acts(&acts), m);
     let (exact, _) = reference(w, &x, m);
-    for (isa, panels) in isas()
-        .into_iter()
-        .flat_map(|i| [(i, false), (i, true)])
-    {
+    for (isa, panels) in isas().into_iter().flat_map(|i| [(i, false), (i, true)]) {
         let mut y = vec![f32::NAN; m * w.rows];
         if panels {
             // The eight-row panels, where this type and CPU have them (zero rows pad).
-            let Some(p) = QPanels::pack(w, isa) else { continue };
+            let Some(p) = QPanels::pack(w, isa) else {
+                continue;
+            };
             let np = w.rows.div_ceil(panel::ROWS);
             let ld = np * panel::ROWS;
             let mut all = vec![f32::NAN; m * ld];
