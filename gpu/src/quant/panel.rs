@@ -1,27 +1,28 @@
-//! Quantized weights repacked for the decode products: eight rows interleaved per block.
+//! Quantized weights repacked for the products: eight rows interleaved per block.
 //!
 //! The row-at-a-time kernels ([`super::QTensor::product`]) pay, per 32 weights, a scalar
 //! unpack, a scale conversion and a scalar offset, and a horizontal sum per output: about
 //! 25 cycles where decoding at memory speed allows five. Here the rows of a matrix are
-//! grouped by eight ("panels") and each block of 32 values is stored as the eight rows'
-//! scales side by side (`[d ×8 f16][m ×8 f16]`), then their quants interleaved so that each
-//! 32-bit lane of a vector holds four consecutive values of one row: lane `r` of vector `g`
-//! is row `r`'s values `4g..4g + 4`. (4-bit types keep two such vectors in one, groups `g`
-//! and `g + 4` in the low and high nibbles.) The bytes are the file's, reordered.
+//! grouped by eight ("panels"), and each chunk of 32 values is stored as the eight rows'
+//! scales side by side, then their values interleaved so that each 32-bit lane of a vector
+//! holds four consecutive values of one row: lane `r` of vector `g` is row `r`'s values
+//! `4g..4g + 4`. 4-bit values keep two such vectors in one (groups `g` and `g + 4` in the
+//! low and high nibbles); the fifth and sixth bits of Q5_K and Q6_K sit in one or two more
+//! vectors, in the same lanes. The K-quants keep their per-256 f16 scales once per
+//! superblock and their 6-bit sub-block scales as bytes, so every type takes the file's bytes
+//! give or take 3 %.
 //!
-//! A product then needs no horizontal sums at all: for each group of four input values,
-//! broadcast to every lane, one `u8 × i8` multiply-add (`vpdpbusd`, or `vpmaddubsw` +
-//! `vpmaddwd` on AVX2) adds each row's four products into its own lane, so after a block's
-//! eight groups each lane is its row's block sum. One conversion and two multiply-adds scale
-//! and offset the eight outputs. The unpacked weights stay in registers while every input
-//! row (up to eight) passes, so batched decode reads and unpacks each weight once.
-//!
-//! Q4_0, Q4_1 and Q8_0 are repacked (the formats with one scale per 32 values); other types
-//! keep the row kernels.
+//! A product then needs no horizontal sums: for each group of four input values, broadcast
+//! to every lane, one `u8 × i8` multiply-add (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` on
+//! AVX2) adds each row's four products into its own lane, so after a chunk's eight groups
+//! each lane is its row's chunk sum (two sums, one per half, for Q6_K's scales of sixteen).
+//! Eight scales are widened with one instruction, and one or two multiply-adds scale and
+//! offset eight outputs. The unpacked weights stay in registers while every input row (up
+//! to eight) passes, so a batch reads and unpacks each weight once.
 
 #![allow(unsafe_code)]
 
-use super::formats::QType;
+use super::formats::{Format, Q4_0, Q4_1, Q4K, Q5K, Q6K, Q8_0, QType, scale_min_k4};
 use super::{Acts, CHUNK, Isa, Level, QTensor};
 
 /// Rows per panel.
@@ -29,72 +30,73 @@ pub const ROWS: usize = 8;
 /// Input rows per pass over a panel.
 const TILE: usize = 8;
 
+/// How a type is laid out in a panel (bytes for eight rows).
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    /// Chunks per superblock (1 for the 32-value types, 8 for the K-quants).
+    chunks: usize,
+    /// Per superblock: f16 scales (K-quants: `d`, and `dmin` for Q4_K/Q5_K).
+    head: usize,
+    /// Per chunk: scales (f16 `d`, Q4_1's f16 `m`; K-quants' sub-block scales as bytes).
+    scales: usize,
+    /// Per chunk: the values (and their high bits).
+    values: usize,
+}
+
+impl Layout {
+    fn of(ty: QType) -> Layout {
+        let (chunks, head, scales, values) = match ty {
+            QType::Q4_0 => (1, 0, 16, 128),
+            QType::Q4_1 => (1, 0, 32, 128),
+            QType::Q8_0 => (1, 0, 16, 256),
+            QType::Q4K => (8, 32, 16, 128),
+            QType::Q5K => (8, 32, 16, 160),
+            QType::Q6K => (8, 16, 16, 192),
+        };
+        Layout {
+            chunks,
+            head,
+            scales,
+            values,
+        }
+    }
+
+    fn chunk_bytes(self) -> usize {
+        self.scales + self.values
+    }
+
+    fn superblock_bytes(self) -> usize {
+        self.head + self.chunks * self.chunk_bytes()
+    }
+}
+
 /// A matrix of one type in panels of eight rows (the last padded with zero rows).
 pub struct QPanels {
     ty: QType,
     pub rows: usize,
     pub cols: usize,
-    /// Per panel, per block: scales (and offsets), then each row's quants.
+    /// Per panel, per superblock: its head, then per chunk scales and values.
     data: Vec<u8>,
 }
 
-/// Bytes of one block's part of a panel: for eight rows, the f16 scale (and Q4_1's f16
-/// offset) and the quants.
-fn block_bytes(ty: QType) -> usize {
-    ROWS * ty.block_bytes()
-}
-
-/// Where a block's quants start after its scales.
-fn quants_at(ty: QType) -> usize {
-    match ty {
-        QType::Q4_1 => 4 * ROWS,
-        _ => 2 * ROWS,
-    }
-}
-
 impl QPanels {
-    /// `q` repacked, if it is all one type this layout takes and the CPU runs its kernels.
+    /// `q` repacked, if it is all one type and the CPU runs the panel kernels (AVX2).
     pub fn pack(q: &QTensor, isa: Isa) -> Option<QPanels> {
         let [ty] = q.types()[..] else { return None };
-        if !matches!(ty, QType::Q4_0 | QType::Q4_1 | QType::Q8_0) || isa.0 < Level::Avx2 {
+        if isa.0 < Level::Avx2 {
             return None;
         }
-        let nb = q.cols / CHUNK;
-        let bb = block_bytes(ty);
+        let lay = Layout::of(ty);
+        let nsb = q.cols / ty.block();
+        let sbb = lay.superblock_bytes();
         let panels = q.rows.div_ceil(ROWS);
-        let mut data = vec![0u8; panels * nb * bb];
-        let head = quants_at(ty);
-        let mut u = [0u8; CHUNK];
+        let mut data = vec![0u8; panels * nsb * sbb];
         for r in 0..q.rows {
             let (_, row) = q.row(r);
             let (p, l) = (r / ROWS, r % ROWS);
-            for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
-                let dst = &mut data[(p * nb + b) * bb..(p * nb + b + 1) * bb];
-                // d (and m) of row l.
-                dst[2 * l..2 * l + 2].copy_from_slice(&block[..2]);
-                if ty == QType::Q4_1 {
-                    dst[2 * ROWS + 2 * l..2 * ROWS + 2 * l + 2].copy_from_slice(&block[2..4]);
-                }
-                // Its 32 values in value order (nibbles unpacked, or Q8_0's bytes).
-                let qs = &block[head / ROWS..];
-                if ty == QType::Q8_0 {
-                    u.copy_from_slice(qs);
-                } else {
-                    for (j, q) in qs.iter().enumerate() {
-                        (u[j], u[j + 16]) = (q & 15, q >> 4);
-                    }
-                }
-                let qd = &mut dst[head..];
-                for (e, v) in u.iter().enumerate() {
-                    let (g, j) = (e / 4, e % 4);
-                    if ty == QType::Q8_0 {
-                        // Vector g, lane l, byte j.
-                        qd[32 * g + 4 * l + j] = *v;
-                    } else {
-                        // Vector g % 4, lane l, byte j; group g ≥ 4 in the high nibble.
-                        qd[32 * (g % 4) + 4 * l + j] |= v << (4 * (g / 4));
-                    }
-                }
+            for (sb, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
+                let dst = &mut data[(p * nsb + sb) * sbb..(p * nsb + sb + 1) * sbb];
+                pack_block(ty, lay, block, l, dst);
             }
         }
         Some(QPanels {
@@ -124,19 +126,20 @@ impl QPanels {
             return;
         }
         assert!(out.len() >= (acts.m - 1) * ld + panels.len() * ROWS);
-        let nb = self.cols / CHUNK;
-        let bb = block_bytes(self.ty);
+        let nsb = self.cols / self.ty.block();
+        let pb = nsb * Layout::of(self.ty).superblock_bytes();
         for (pi, p) in panels.enumerate() {
-            let w = &self.data[p * nb * bb..(p + 1) * nb * bb];
+            let w = &self.data[p * pb..(p + 1) * pb];
             let mut i0 = 0;
             while i0 < acts.m {
                 let t = (acts.m - i0).min(TILE);
                 let y = &mut out[i0 * ld + pi * ROWS..];
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `pack` made panels only where `kernels_here` found the CPU's
-                // instructions; the slices are the sizes the kernels read (checked above).
+                // SAFETY: `pack` made panels only where the CPU has AVX2 (and `isa` names
+                // VNNI only where it has that); the slices are the sizes the kernels read
+                // (checked above).
                 unsafe {
-                    x86::panel(self.ty, isa.0 >= Level::Vnni, w, nb, acts, i0, t, y, ld)
+                    x86::panel(self.ty, isa.0 >= Level::Vnni, w, nsb, acts, i0, t, y, ld)
                 };
                 #[cfg(not(target_arch = "x86_64"))]
                 let _ = (isa, w, y);
@@ -146,59 +149,145 @@ impl QPanels {
     }
 }
 
+/// Row `l`'s block `block` into its superblock `dst` of a panel.
+fn pack_block(ty: QType, lay: Layout, block: &[u8], l: usize, dst: &mut [u8]) {
+    let f16_to = |dst: &mut [u8], at: usize, src: usize| {
+        dst[at + 2 * l..at + 2 * l + 2].copy_from_slice(&block[src..src + 2]);
+    };
+    // The superblock's f16 scales.
+    match ty {
+        QType::Q4K | QType::Q5K => {
+            f16_to(dst, 0, 0);
+            f16_to(dst, 2 * ROWS, 2);
+        }
+        QType::Q6K => f16_to(dst, 0, 208),
+        _ => {}
+    }
+    let mut u = [0u8; CHUNK];
+    for c in 0..lay.chunks {
+        let at = lay.head + c * lay.chunk_bytes();
+        let chunk = &mut dst[at..at + lay.chunk_bytes()];
+        // Scales, then the 32 values in value order (Q8_0's signed, the rest unsigned).
+        match ty {
+            QType::Q4_0 => {
+                f16_to(chunk, 0, 0);
+                Q4_0::unpack(block, c, &mut u);
+            }
+            QType::Q4_1 => {
+                f16_to(chunk, 0, 0);
+                f16_to(chunk, 2 * ROWS, 2);
+                Q4_1::unpack(block, c, &mut u);
+            }
+            QType::Q8_0 => {
+                f16_to(chunk, 0, 0);
+                Q8_0::unpack(block, c, &mut u);
+            }
+            QType::Q4K | QType::Q5K => {
+                let (sc, m) = scale_min_k4(c, &block[4..16]);
+                (chunk[l], chunk[ROWS + l]) = (sc, m);
+                if ty == QType::Q4K {
+                    Q4K::unpack(block, c, &mut u);
+                } else {
+                    Q5K::unpack(block, c, &mut u);
+                }
+            }
+            QType::Q6K => {
+                let (n, part) = (c / 4, c % 4);
+                for h in 0..2 {
+                    chunk[h * ROWS + l] = block[192 + 8 * n + h + 2 * part];
+                }
+                Q6K::unpack(block, c, &mut u);
+            }
+        }
+        let vals = &mut chunk[lay.scales..];
+        for (e, v) in u.iter().enumerate() {
+            let (g, j) = (e / 4, e % 4);
+            let lane = 4 * l + j;
+            if ty == QType::Q8_0 {
+                // Vector g, lane l, byte j.
+                vals[32 * g + lane] = *v;
+                continue;
+            }
+            // Low nibble: vector g % 4, group g ≥ 4 in the high nibble.
+            vals[32 * (g % 4) + lane] |= (v & 15) << (4 * (g / 4));
+            match ty {
+                // Bit 4 of group g: bit g of the fifth vector's byte.
+                QType::Q5K => vals[128 + lane] |= ((v >> 4) & 1) << g,
+                // Bits 4–5 of group g: bits 2(g % 4) of vector 4 + g / 4.
+                QType::Q6K => vals[128 + 32 * (g / 4) + lane] |= ((v >> 4) & 3) << (2 * (g % 4)),
+                _ => {}
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{QType, ROWS, quants_at};
+    use super::{Layout, QType, ROWS};
     use crate::quant::{Acts, CHUNK};
 
+    /// Type codes for the kernels' const parameter.
+    const Q40: u8 = 0;
+    const Q41: u8 = 1;
+    const Q80: u8 = 8;
+    const Q4K: u8 = 4;
+    const Q5K: u8 = 5;
+    const Q6K: u8 = 6;
+
     /// # Safety
-    /// AVX2 and FMA (and with `vnni`, AVX512-VNNI and VL) are present; `w` holds `nb` blocks of
-    /// a panel; `acts` has rows `i0..i0 + t`; `y` reaches row `t - 1` at `ld`.
+    /// AVX2 and FMA (and with `vnni`, AVX512-VNNI and VL) are present; `w` holds `nsb`
+    /// superblocks of a panel; `acts` has rows `i0..i0 + t`; `y` reaches row `t - 1` at `ld`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn panel(
         ty: QType,
         vnni: bool,
         w: &[u8],
-        nb: usize,
+        nsb: usize,
         acts: &Acts,
         i0: usize,
         t: usize,
         y: &mut [f32],
         ld: usize,
     ) {
-        macro_rules! go {
+        macro_rules! by_type {
             ($t:literal) => {
                 // SAFETY: as this function's.
                 unsafe {
                     match (ty, vnni) {
-                        (QType::Q4_0, true) => vnni_k::<0, $t>(w, nb, acts, i0, y, ld),
-                        (QType::Q4_1, true) => vnni_k::<1, $t>(w, nb, acts, i0, y, ld),
-                        (_, true) => vnni_k::<8, $t>(w, nb, acts, i0, y, ld),
-                        (QType::Q4_0, false) => avx2_k::<0, $t>(w, nb, acts, i0, y, ld),
-                        (QType::Q4_1, false) => avx2_k::<1, $t>(w, nb, acts, i0, y, ld),
-                        (_, false) => avx2_k::<8, $t>(w, nb, acts, i0, y, ld),
+                        (QType::Q4_0, true) => vnni_k::<Q40, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q4_1, true) => vnni_k::<Q41, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q8_0, true) => vnni_k::<Q80, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q4K, true) => vnni_k::<Q4K, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q5K, true) => vnni_k::<Q5K, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q6K, true) => vnni_k::<Q6K, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q4_0, false) => avx2_k::<Q40, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q4_1, false) => avx2_k::<Q41, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q8_0, false) => avx2_k::<Q80, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q4K, false) => avx2_k::<Q4K, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q5K, false) => avx2_k::<Q5K, $t>(w, nsb, acts, i0, y, ld),
+                        (QType::Q6K, false) => avx2_k::<Q6K, $t>(w, nsb, acts, i0, y, ld),
                     }
                 }
             };
         }
         match t {
-            1 => go!(1),
-            2 => go!(2),
-            3 => go!(3),
-            4 => go!(4),
-            5 => go!(5),
-            6 => go!(6),
-            7 => go!(7),
-            _ => go!(8),
+            1 => by_type!(1),
+            2 => by_type!(2),
+            3 => by_type!(3),
+            4 => by_type!(4),
+            5 => by_type!(5),
+            6 => by_type!(6),
+            7 => by_type!(7),
+            _ => by_type!(8),
         }
     }
 
     #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
     unsafe fn vnni_k<const F: u8, const T: usize>(
         w: &[u8],
-        nb: usize,
+        nsb: usize,
         acts: &Acts,
         i0: usize,
         y: &mut [f32],
@@ -206,7 +295,7 @@ mod x86 {
     ) {
         // SAFETY: as `panel`'s.
         unsafe {
-            kernel::<F, T, true>(w, nb, acts, i0, y, ld, |sum, u, q| {
+            kernel::<F, T, true>(w, nsb, acts, i0, y, ld, |sum, u, q| {
                 _mm256_dpbusd_epi32(sum, u, q)
             })
         }
@@ -215,7 +304,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2_k<const F: u8, const T: usize>(
         w: &[u8],
-        nb: usize,
+        nsb: usize,
         acts: &Acts,
         i0: usize,
         y: &mut [f32],
@@ -224,9 +313,10 @@ mod x86 {
         let ones = _mm256_set1_epi16(1);
         // SAFETY: as `panel`'s.
         unsafe {
-            kernel::<F, T, false>(w, nb, acts, i0, y, ld, |sum, u, q| {
-                // 4-bit values: pairs stay within i16. Q8_0 comes here signed (see below).
-                let pairs = if F == 8 {
+            kernel::<F, T, false>(w, nsb, acts, i0, y, ld, |sum, u, q| {
+                // Values under 64 keep pairs within i16; Q8_0 comes here signed and goes
+                // through the sign trick (|w| · (q with w's sign)).
+                let pairs = if F == Q80 {
                     _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u))
                 } else {
                     _mm256_maddubs_epi16(u, q)
@@ -236,79 +326,179 @@ mod x86 {
         }
     }
 
-    /// The shared loop. `F`: 0 = Q4_0 (`w = d·(q - 8)`), 1 = Q4_1 (`w = d·q + m`),
-    /// 8 = Q8_0 (`w = d·q`, signed; VNNI multiplies `q + 128` and takes `128·d·Σa` back).
+    /// Eight bytes widened to f32 (`SIGNED`: as i8).
+    #[inline(always)]
+    unsafe fn bytes8<const SIGNED: bool>(p: *const u8) -> __m256 {
+        // SAFETY: the callers' (AVX2; 8 readable bytes at `p`).
+        unsafe {
+            let b = _mm_loadl_epi64(p.cast());
+            _mm256_cvtepi32_ps(if SIGNED {
+                _mm256_cvtepi8_epi32(b)
+            } else {
+                _mm256_cvtepu8_epi32(b)
+            })
+        }
+    }
+
+    /// The shared loop over superblocks and their chunks. Per chunk, per row: `w = s·u + o`
+    /// (`s`, `o` per half for Q6_K). VNNI multiplies Q8_0's `q + 128` and takes `128·d·Σa`
+    /// back through the offset.
     #[inline(always)]
     unsafe fn kernel<const F: u8, const T: usize, const VNNI: bool>(
         w: &[u8],
-        nb: usize,
+        nsb: usize,
         acts: &Acts,
         i0: usize,
         y: &mut [f32],
         ld: usize,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
     ) {
-        // SAFETY: the loads stay inside `w` (nb blocks of the panel) and the input rows
-        // (`acts` checked by `QPanels::product`); AVX2/FMA (and VNNI where `dot` uses it)
-        // are present.
+        // SAFETY: the loads stay inside `w` (`nsb` superblocks of the panel) and the input
+        // rows (`acts` checked by `QPanels::product`); AVX2/FMA (and VNNI where `dot` uses
+        // it) are present.
         unsafe {
             let ty = match F {
-                0 => QType::Q4_0,
-                1 => QType::Q4_1,
-                _ => QType::Q8_0,
+                Q40 => QType::Q4_0,
+                Q41 => QType::Q4_1,
+                Q80 => QType::Q8_0,
+                Q4K => QType::Q4K,
+                Q5K => QType::Q5K,
+                _ => QType::Q6K,
             };
-            let bb = ROWS * ty.block_bytes();
-            let head = quants_at(ty);
-            let signed_vnni = F == 8 && VNNI;
+            let lay = Layout::of(ty);
+            let signed_vnni = F == Q80 && VNNI;
+            // Offsets apply (Q8_0 has none on the sign-trick path).
+            let offsets = F != Q80 || VNNI;
+            let halves = F == Q6K;
             let mask = _mm256_set1_epi8(0x0F);
+            let one = _mm256_set1_epi8(1);
+            let three = _mm256_set1_epi8(3);
             let flip = _mm256_set1_epi8(-128);
             let k = acts.k;
+            let chunks_per_row = k / CHUNK;
             let mut acc = [_mm256_setzero_ps(); T];
-            for b in 0..nb {
-                let blk = w.as_ptr().add(b * bb);
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-                // The offset per unit of the input's chunk sum `d_a · Σq`.
-                let off = match F {
-                    0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                    1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * ROWS).cast())),
-                    _ if signed_vnni => _mm256_mul_ps(d, _mm256_set1_ps(-128.0)),
-                    _ => _mm256_setzero_ps(),
+            for sb in 0..nsb {
+                let base = w.as_ptr().add(sb * lay.superblock_bytes());
+                // K-quants: the superblock's scales for the eight rows.
+                let (hd, hdm) = match F {
+                    Q4K | Q5K => (
+                        _mm256_cvtph_ps(_mm_loadu_si128(base.cast())),
+                        _mm256_cvtph_ps(_mm_loadu_si128(base.add(2 * ROWS).cast())),
+                    ),
+                    Q6K => (
+                        _mm256_cvtph_ps(_mm_loadu_si128(base.cast())),
+                        _mm256_setzero_ps(),
+                    ),
+                    _ => (_mm256_setzero_ps(), _mm256_setzero_ps()),
                 };
-                let qs = blk.add(head);
-                // Vector g: lane r holds row r's values 4g..4g + 4.
-                let mut u = [_mm256_setzero_si256(); ROWS];
-                if F == 8 {
-                    for (g, u) in u.iter_mut().enumerate() {
-                        let v = _mm256_loadu_si256(qs.add(32 * g).cast());
-                        *u = if signed_vnni {
-                            _mm256_xor_si256(v, flip)
-                        } else {
-                            v
-                        };
+                for c in 0..lay.chunks {
+                    let sc = base.add(lay.head + c * lay.chunk_bytes());
+                    // Scale and offset per row (per half for Q6_K: `s2`, `o2` the second).
+                    let (s, o, s2, o2) = match F {
+                        Q40 => {
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sc.cast()));
+                            (d, _mm256_mul_ps(d, _mm256_set1_ps(-8.0)), d, d)
+                        }
+                        Q41 => {
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sc.cast()));
+                            let m = _mm256_cvtph_ps(_mm_loadu_si128(sc.add(2 * ROWS).cast()));
+                            (d, m, d, d)
+                        }
+                        Q80 => {
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sc.cast()));
+                            (d, _mm256_mul_ps(d, _mm256_set1_ps(-128.0)), d, d)
+                        }
+                        Q4K | Q5K => {
+                            let s = _mm256_mul_ps(hd, bytes8::<false>(sc));
+                            let m = _mm256_mul_ps(hdm, bytes8::<false>(sc.add(ROWS)));
+                            (s, _mm256_sub_ps(_mm256_setzero_ps(), m), s, s)
+                        }
+                        _ => {
+                            let s = _mm256_mul_ps(hd, bytes8::<true>(sc));
+                            let s2 = _mm256_mul_ps(hd, bytes8::<true>(sc.add(ROWS)));
+                            let k32 = _mm256_set1_ps(-32.0);
+                            (s, _mm256_mul_ps(s, k32), s2, _mm256_mul_ps(s2, k32))
+                        }
+                    };
+                    let vals = sc.add(lay.scales);
+                    // Vector g: lane r holds row r's values 4g..4g + 4.
+                    let mut u = [_mm256_setzero_si256(); ROWS];
+                    if F == Q80 {
+                        for (g, u) in u.iter_mut().enumerate() {
+                            let v = _mm256_loadu_si256(vals.add(32 * g).cast());
+                            *u = if signed_vnni {
+                                _mm256_xor_si256(v, flip)
+                            } else {
+                                v
+                            };
+                        }
+                    } else {
+                        for g in 0..4 {
+                            let v = _mm256_loadu_si256(vals.add(32 * g).cast());
+                            u[g] = _mm256_and_si256(v, mask);
+                            u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                        }
+                        if F == Q5K {
+                            let h = _mm256_loadu_si256(vals.add(128).cast());
+                            for (g, u) in u.iter_mut().enumerate() {
+                                let bit = _mm256_and_si256(
+                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(g as i32)),
+                                    one,
+                                );
+                                *u = _mm256_or_si256(*u, _mm256_slli_epi16(bit, 4));
+                            }
+                        } else if F == Q6K {
+                            for half in 0..2 {
+                                let h = _mm256_loadu_si256(vals.add(128 + 32 * half).cast());
+                                for g4 in 0..4 {
+                                    let bits = _mm256_and_si256(
+                                        _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * g4 as i32)),
+                                        three,
+                                    );
+                                    let u = &mut u[4 * half + g4];
+                                    *u = _mm256_or_si256(*u, _mm256_slli_epi16(bits, 4));
+                                }
+                            }
+                        }
                     }
-                } else {
-                    for g in 0..4 {
-                        let v = _mm256_loadu_si256(qs.add(32 * g).cast());
-                        u[g] = _mm256_and_si256(v, mask);
-                        u[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                    }
-                }
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let i = i0 + t;
-                    let ci = i * (k / CHUNK) + b;
-                    let a = acts.q.as_ptr().add(i * k + b * CHUNK).cast::<i32>();
-                    let mut sum = _mm256_setzero_si256();
-                    for (g, u) in u.iter().enumerate() {
-                        // Four input values, in every lane.
-                        let ag = _mm256_set1_epi32(a.add(g).read_unaligned());
-                        sum = dot(sum, *u, ag);
-                    }
-                    let s = _mm256_cvtepi32_ps(sum);
-                    let da = *acts.d.get_unchecked(ci);
-                    *acc = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(da)), *acc);
-                    if F != 8 || signed_vnni {
+                    let chunk = sb * lay.chunks + c;
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let i = i0 + t;
+                        let ci = i * chunks_per_row + chunk;
+                        let a = acts.q.as_ptr().add(i * k + chunk * CHUNK).cast::<i32>();
+                        let group = |g: usize| _mm256_set1_epi32(a.add(g).read_unaligned());
+                        let da = _mm256_set1_ps(*acts.d.get_unchecked(ci));
                         let sums = acts.sums.get_unchecked(ci);
-                        *acc = _mm256_fmadd_ps(off, _mm256_set1_ps(sums[0] + sums[1]), *acc);
+                        if halves {
+                            let mut lo = _mm256_setzero_si256();
+                            let mut hi = _mm256_setzero_si256();
+                            for g in 0..4 {
+                                lo = dot(lo, u[g], group(g));
+                                hi = dot(hi, u[g + 4], group(g + 4));
+                            }
+                            *acc =
+                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s, da), *acc);
+                            *acc = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(hi),
+                                _mm256_mul_ps(s2, da),
+                                *acc,
+                            );
+                            *acc = _mm256_fmadd_ps(o, _mm256_set1_ps(sums[0]), *acc);
+                            *acc = _mm256_fmadd_ps(o2, _mm256_set1_ps(sums[1]), *acc);
+                        } else {
+                            let mut sum = _mm256_setzero_si256();
+                            for (g, u) in u.iter().enumerate() {
+                                sum = dot(sum, *u, group(g));
+                            }
+                            *acc = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(sum),
+                                _mm256_mul_ps(s, da),
+                                *acc,
+                            );
+                            if offsets {
+                                *acc = _mm256_fmadd_ps(o, _mm256_set1_ps(sums[0] + sums[1]), *acc);
+                            }
+                        }
                     }
                 }
             }

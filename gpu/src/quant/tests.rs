@@ -162,8 +162,9 @@ fn products_match_the_dequantized_reference_at_every_batch_size() {
     // The panels exist where this CPU has AVX2 (the checks below then cover them).
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        for ty in [QType::Q4_0, QType::Q4_1, QType::Q8_0] {
-            assert!(QPanels::pack(&matrix(ty, 8, 64, 1), Isa::detect()).is_some());
+        for ty in TYPES {
+            let cols = ty.block().max(64);
+            assert!(QPanels::pack(&matrix(ty, 8, cols, 1), Isa::detect()).is_some());
         }
     }
     // Every row count the panel path takes (1..=64), on every kernel this CPU has.
