@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -16,10 +17,15 @@ path, out = sys.argv[1], sys.argv[2]
 d, f = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
 tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
 model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
-model.save_pretrained(out)
-tok.save_pretrained(out)
-cfg_path = os.path.join(out, "config.json")
-cfg = json.load(open(cfg_path))
+os.makedirs(out, exist_ok=True)
+# transformers refuses save_pretrained on a model it read from GGUF: write the weights
+# (save_model keeps one copy of tied tensors) and the config ourselves.
+safetensors.torch.save_model(model, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+cfg = model.config.to_dict()
 cfg.pop("quantization_config", None)
-json.dump(cfg, open(cfg_path, "w"), indent=2)
+cfg["torch_dtype"] = "float32"
+cfg["architectures"] = [type(model).__name__]
+json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=2)
+model.generation_config.save_pretrained(out)
+tok.save_pretrained(out)
 print(out)

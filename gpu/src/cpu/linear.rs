@@ -45,9 +45,11 @@ pub struct Linear {
 /// The weights, packed.
 enum Weights {
     Dense(Panels),
-    /// Quantized rows in packed order (whole groups of [`WIDTH`], zero rows padding), and
-    /// the same in eight-row panels where the type and CPU have panel kernels.
-    Quant(QTensor, Option<QPanels>),
+    /// Quantized, in eight-row panels (where the CPU has AVX2).
+    QPanels(QPanels),
+    /// Quantized rows in packed order (whole groups of [`WIDTH`], zero rows padding), for
+    /// the row kernels elsewhere.
+    QRows(QTensor),
 }
 
 /// How a product lands in `y`.
@@ -82,11 +84,13 @@ thread_local! {
     static TASK: RefCell<Task> = RefCell::new(Task::default());
 }
 
-/// Group `g` as a row-major `[k, 48]` f32 matrix for gemm.
+/// Group `g` as a row-major `[k, 48]` f32 matrix for gemm (panels never come here: they
+/// take the integer products at any batch size).
 fn group_f32<'a>(w: &'a Weights, g: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
     match w {
         Weights::Dense(p) => p.group_f32(g, buf),
-        Weights::Quant(q, _) => {
+        Weights::QPanels(_) => unreachable!("panels multiply in integers"),
+        Weights::QRows(q) => {
             let k = q.cols;
             buf.resize(k * (WIDTH + 1), 0.0);
             let (out, row) = buf.split_at_mut(k * WIDTH);
@@ -104,7 +108,7 @@ fn group_f32<'a>(w: &'a Weights, g: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
 impl Linear {
     pub fn new(m: Matrix) -> Self {
         let (order, out) = ((0..m.rows).map(Some).collect(), m.rows);
-        Linear::packed(m, order, out, false)
+        Linear::packed(m, order, out, false, Isa::detect(), quant::Isa::detect())
     }
 
     /// The MLP's `[gate; up]` (`2 · i` rows stacked): [`Linear::forward`] then gives
@@ -119,11 +123,18 @@ impl Linear {
                     .chain((0..WIDTH).map(move |l| feature(l).map(|f| f + i)))
             })
             .collect();
-        Linear::packed(m, order, i, true)
+        Linear::packed(m, order, i, true, Isa::detect(), quant::Isa::detect())
     }
 
     /// `m`'s rows packed in `order`, giving `out` columns of `y`.
-    fn packed(m: Matrix, order: Vec<Option<usize>>, out: usize, gated: bool) -> Self {
+    fn packed(
+        m: Matrix,
+        order: Vec<Option<usize>>,
+        out: usize,
+        gated: bool,
+        isa: Isa,
+        qisa: quant::Isa,
+    ) -> Self {
         // Padded to whole groups, like the weights.
         let padded = order.len().div_ceil(WIDTH) * WIDTH;
         let bias = m.bias.map(|b| {
@@ -136,8 +147,10 @@ impl Linear {
                 let mut order = order;
                 order.resize(padded, None);
                 let rows = q.select_rows(&order);
-                let panels = QPanels::pack(&rows, quant::Isa::detect());
-                Weights::Quant(rows, panels)
+                match QPanels::pack(&rows, qisa) {
+                    Some(p) => Weights::QPanels(p),
+                    None => Weights::QRows(rows),
+                }
             }
             dense => Weights::Dense(Panels::pack_rows(dense, m.cols, &order)),
         };
@@ -147,20 +160,24 @@ impl Linear {
             w,
             bias,
             gated,
-            isa: Isa::detect(),
-            qisa: quant::Isa::detect(),
+            isa,
+            qisa,
         }
     }
 
-    /// The same products on the portable kernels (tests compare the two).
+    /// `m` on the portable kernels (tests compare them with the best).
     #[cfg(test)]
-    fn portable(mut self) -> Self {
-        self.isa = Isa::portable();
-        self.qisa = quant::Isa::portable();
-        if let Weights::Quant(_, panels) = &mut self.w {
-            *panels = None;
-        }
-        self
+    fn portable(m: Matrix) -> Self {
+        let order = (0..m.rows).map(Some).collect();
+        let out = m.rows;
+        Linear::packed(
+            m,
+            order,
+            out,
+            false,
+            Isa::portable(),
+            quant::Isa::portable(),
+        )
     }
 
     /// `y[m×out] (+)= x[m×inp] · Wᵀ (+ b)` (gated: see [`Linear::gated`]); `scratch` keeps
@@ -184,10 +201,10 @@ impl Linear {
         // How the input is read: by the panel kernels, quantized for the integer products
         // (at any batch size where the weights are in panels: integer multiply-adds do four
         // times the work of f32 ones per instruction), or (prefill) transposed for gemm.
-        let integer = matches!(self.w, Weights::Quant(_, Some(_)));
+        let integer = matches!(self.w, Weights::QPanels(_));
         let input = (m <= PANEL_ROWS || integer).then(|| match &self.w {
             Weights::Dense(w) => Some(w.input(x, m, self.isa, input)),
-            Weights::Quant(..) => {
+            Weights::QPanels(_) | Weights::QRows(_) => {
                 acts.quantize(x, m, inp);
                 None
             }
@@ -214,13 +231,13 @@ impl Linear {
                         (Weights::Dense(w), Some(Some(input))) => {
                             w.product(groups.clone(), input, m, self.isa, block, ld)
                         }
-                        (Weights::Quant(_, Some(p)), Some(_)) => {
+                        (Weights::QPanels(p), Some(_)) => {
                             // A group of 48 rows is six panels.
                             let per = WIDTH / quant::panel::ROWS;
                             let panels = groups.start * per..groups.end * per;
                             p.product(panels, acts, self.qisa, block, ld);
                         }
-                        (Weights::Quant(w, None), Some(_)) => {
+                        (Weights::QRows(w), Some(_)) => {
                             for (gi, g) in groups.clone().enumerate() {
                                 let rows = g * WIDTH..(g + 1) * WIDTH;
                                 w.product(rows, acts, self.qisa, &mut block[gi * WIDTH..], ld);
@@ -372,25 +389,18 @@ mod tests {
             let w = q.to_f32();
             let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();
             let abs: Vec<f32> = w.iter().map(|v| v.abs()).collect();
-            let mat = |gated: bool| {
-                let m = Matrix {
-                    rows: out,
-                    cols: inp,
-                    data: Host::Quant(q.clone()),
-                    bias: Some(b.clone()),
-                };
-                if gated {
-                    Linear::gated(m)
-                } else {
-                    Linear::new(m)
-                }
+            let mat = || Matrix {
+                rows: out,
+                cols: inp,
+                data: Host::Quant(q.clone()),
+                bias: Some(b.clone()),
             };
             for m in BATCHES {
                 let x = input(m, inp);
                 let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
                 let want = reference(&x, m, &w, out, inp, &b);
                 let mag = reference(&xa, m, &abs, out, inp, &vec![0.0; out]);
-                for l in [mat(false), mat(false).portable()] {
+                for l in [Linear::new(mat()), Linear::portable(mat())] {
                     let mut y = vec![f32::NAN; m * out];
                     l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
                     for (j, (g, e)) in y.iter().zip(&want).enumerate() {
@@ -401,7 +411,7 @@ mod tests {
                     }
                 }
                 // Gated: gate = rows 0..50, up = rows 50..100.
-                let l = mat(true);
+                let l = Linear::gated(mat());
                 let mut y = vec![f32::NAN; m * out / 2];
                 l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
                 for i in 0..m {
@@ -415,6 +425,45 @@ mod tests {
                         assert!((got - e).abs() <= tol, "{ty:?} gated m={m}: {got} vs {e}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A fused matrix whose parts differ in type (a Q4_K_M file's q and k in Q4_K, v in
+    /// Q6_K) keeps each part's type in its panels.
+    #[test]
+    fn fused_parts_of_different_types() {
+        use crate::quant::{QTensor, QType, tests::matrix};
+        let (qk, v, inp) = (64, 32, 256);
+        let q = QTensor::concat(&[
+            &matrix(QType::Q4K, qk, inp, 1),
+            &matrix(QType::Q6K, v, inp, 2),
+        ])
+        .unwrap();
+        let w = q.to_f32();
+        let out = qk + v;
+        let l = Linear::new(Matrix {
+            rows: out,
+            cols: inp,
+            data: Host::Quant(q),
+            bias: None,
+        });
+        #[cfg(target_arch = "x86_64")]
+        assert!(matches!(l.w, Weights::QPanels(_)) || !std::is_x86_feature_detected!("avx2"));
+        let zero = vec![0.0; out];
+        for m in [1, 7, 70] {
+            let x = input(m, inp);
+            let want = reference(&x, m, &w, out, inp, &zero);
+            let abs: Vec<f32> = w.iter().map(|v| v.abs()).collect();
+            let xa: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+            let mag = reference(&xa, m, &abs, out, inp, &zero);
+            let mut y = vec![f32::NAN; m * out];
+            l.forward(&x, m, &mut y, Write::Set, &mut Scratch::default());
+            for (j, (g, e)) in y.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - e).abs() <= 0.01 * mag[j] + 1e-4,
+                    "m={m} [{j}]: {g} vs {e}"
+                );
             }
         }
     }

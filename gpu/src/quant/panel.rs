@@ -70,41 +70,61 @@ impl Layout {
     }
 }
 
-/// A matrix of one type in panels of eight rows (the last padded with zero rows).
+/// A matrix in panels of eight rows (the last padded with zero rows), each panel of one type
+/// (fused matrices keep each part's: q/k/v boundaries fall between panels).
 pub struct QPanels {
-    ty: QType,
     pub rows: usize,
     pub cols: usize,
+    /// Per panel: its type and where its bytes start.
+    panels: Vec<(QType, usize)>,
     /// Per panel, per superblock: its head, then per chunk scales and values.
     data: Vec<u8>,
 }
 
 impl QPanels {
-    /// `q` repacked, if it is all one type and the CPU runs the panel kernels (AVX2).
+    /// `q` repacked, if the CPU runs the panel kernels (AVX2) and each panel's rows share a
+    /// type (rows of zeros, padding, go with any).
     pub fn pack(q: &QTensor, isa: Isa) -> Option<QPanels> {
-        let [ty] = q.types()[..] else { return None };
         if isa.0 < Level::Avx2 {
             return None;
         }
-        let lay = Layout::of(ty);
-        let nsb = q.cols / ty.block();
-        let sbb = lay.superblock_bytes();
-        let panels = q.rows.div_ceil(ROWS);
-        let mut data = vec![0u8; panels * nsb * sbb];
+        let mut panels = Vec::with_capacity(q.rows.div_ceil(ROWS));
+        let mut size = 0;
+        for p in 0..q.rows.div_ceil(ROWS) {
+            let rows = p * ROWS..((p + 1) * ROWS).min(q.rows);
+            let real = rows.filter(|r| q.row(*r).1.iter().any(|b| *b != 0));
+            let mut types = real.map(|r| q.row(r).0);
+            let ty = types.next().unwrap_or(q.row(p * ROWS).0);
+            if types.any(|t| t != ty) {
+                return None;
+            }
+            panels.push((ty, size));
+            size += q.cols / ty.block() * Layout::of(ty).superblock_bytes();
+        }
+        let mut data = vec![0u8; size];
         for r in 0..q.rows {
-            let (_, row) = q.row(r);
-            let (p, l) = (r / ROWS, r % ROWS);
+            let (rty, row) = q.row(r);
+            let (ty, at) = panels[r / ROWS];
+            if rty != ty {
+                continue; // a row of zeros
+            }
+            let (lay, sbb) = (Layout::of(ty), Layout::of(ty).superblock_bytes());
             for (sb, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
-                let dst = &mut data[(p * nsb + sb) * sbb..(p * nsb + sb + 1) * sbb];
-                pack_block(ty, lay, block, l, dst);
+                let dst = &mut data[at + sb * sbb..at + (sb + 1) * sbb];
+                pack_block(ty, lay, block, r % ROWS, dst);
             }
         }
         Some(QPanels {
-            ty,
             rows: q.rows,
             cols: q.cols,
+            panels,
             data,
         })
+    }
+
+    /// Bytes of the whole matrix.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
     }
 
     /// `out[i · ld + (r - 8 · panels.start)] = Σ_c acts[i][c] · W[r][c]` for the rows of
@@ -126,10 +146,10 @@ impl QPanels {
             return;
         }
         assert!(out.len() >= (acts.m - 1) * ld + panels.len() * ROWS);
-        let nsb = self.cols / self.ty.block();
-        let pb = nsb * Layout::of(self.ty).superblock_bytes();
         for (pi, p) in panels.enumerate() {
-            let w = &self.data[p * pb..(p + 1) * pb];
+            let (ty, at) = self.panels[p];
+            let nsb = self.cols / ty.block();
+            let w = &self.data[at..at + nsb * Layout::of(ty).superblock_bytes()];
             let mut i0 = 0;
             while i0 < acts.m {
                 let t = (acts.m - i0).min(TILE);
@@ -139,7 +159,7 @@ impl QPanels {
                 // VNNI only where it has that); the slices are the sizes the kernels read
                 // (checked above).
                 unsafe {
-                    x86::panel(self.ty, isa.0 >= Level::Vnni, w, nsb, acts, i0, t, y, ld)
+                    x86::panel(ty, isa.0 >= Level::Vnni, w, nsb, acts, i0, t, y, ld)
                 };
                 #[cfg(not(target_arch = "x86_64"))]
                 let _ = (isa, w, y);
