@@ -17,7 +17,7 @@ mod columns;
 pub mod gemm;
 mod kv;
 pub mod linear;
-mod math;
+pub(crate) mod math;
 pub mod panel;
 
 use rayon::prelude::*;

@@ -258,14 +258,16 @@ impl Acts {
         self.q.resize(m * k, 0);
         self.d.resize(chunks, 0.0);
         self.sums.resize(chunks, [0.0; 2]);
-        for (((x, q), d), sums) in x[..m * k]
-            .chunks_exact(CHUNK)
-            .zip(self.q.chunks_exact_mut(CHUNK))
-            .zip(&mut self.d)
-            .zip(&mut self.sums)
-        {
-            quantize_chunk(x, q, d, sums);
-        }
+        // Rows in parallel for prefill-sized inputs; a decode step's few rows stay on this
+        // thread (a fork-join would cost more than the work).
+        use rayon::prelude::*;
+        x[..m * k]
+            .par_chunks_exact(CHUNK)
+            .zip(self.q.par_chunks_exact_mut(CHUNK))
+            .zip(self.d.par_iter_mut())
+            .zip(self.sums.par_iter_mut())
+            .with_min_len(1024)
+            .for_each(|(((x, q), d), sums)| quantize_chunk(x, q, d, sums));
     }
 
     pub fn rows(&self) -> usize {
