@@ -296,8 +296,9 @@ fn quantize_chunk(x: &[f32], q: &mut [i8], d: &mut f32, sums: &mut [f32; 2]) {
     *d = amax / 127.0;
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
     for (q, x) in q.iter_mut().zip(x) {
-        // round half away from zero, as C's roundf; |x · id| ≤ 127.
-        *q = (x * id).round() as i8;
+        // |x · id| ≤ 127. Ties to even (one vector instruction) where llama.cpp's `roundf`
+        // goes away from zero (a call per value): they differ only on exact halves.
+        *q = (x * id).round_ties_even() as i8;
     }
     for (h, s) in sums.iter_mut().enumerate() {
         let n: i32 = q[h * 16..(h + 1) * 16].iter().map(|v| i32::from(*v)).sum();
