@@ -375,16 +375,9 @@ mod tests {
     /// against the dequantized weights in f32 (8-bit activations: within 1 % of the terms).
     #[test]
     fn quantized_weights_match_their_dequantized_values() {
-        use crate::quant::{QType, tests::matrix};
+        use crate::quant::tests::{TYPES, matrix};
         let (out, inp) = (100, 256);
-        for ty in [
-            QType::Q4_0,
-            QType::Q4_1,
-            QType::Q8_0,
-            QType::Q4K,
-            QType::Q5K,
-            QType::Q6K,
-        ] {
+        for ty in TYPES {
             let q = matrix(ty, out, inp, 3);
             let w = q.to_f32();
             let b: Vec<f32> = (0..out).map(|i| i as f32 / 100.0).collect();

@@ -18,7 +18,7 @@ use half::{bf16, f16};
 
 use super::config::{HfConfig, ModelConfig};
 use super::weights::{DType, Host};
-use super::{LayerWeights, Matrix, ModelError, ModelWeights};
+use super::{LayerParts, LayerWeights, ModelError, ModelWeights};
 use crate::quant::{QTensor, QType};
 
 /// A metadata value.
@@ -533,8 +533,7 @@ impl Gguf {
             } else {
                 (q, k)
             };
-            let qkv = Host::concat(&[q, k, get(&p("attn_v.weight"), kvd, h)?]);
-            let bias = if c.qkv_bias {
+            let qkv_bias = if c.qkv_bias {
                 let mut b = self.vector(&p("attn_q.bias"), qd)?;
                 b.extend(self.vector(&p("attn_k.bias"), kvd)?);
                 b.extend(self.vector(&p("attn_v.bias"), kvd)?);
@@ -542,57 +541,29 @@ impl Gguf {
             } else {
                 None
             };
-            let gate_up = Host::concat(&[
-                get(&p("ffn_gate.weight"), c.intermediate, h)?,
-                get(&p("ffn_up.weight"), c.intermediate, h)?,
-            ]);
-            layers.push(LayerWeights {
+            let parts = LayerParts {
                 attn_norm: self.vector(&p("attn_norm.weight"), h)?,
-                qkv: Matrix {
-                    rows: qd + 2 * kvd,
-                    cols: h,
-                    data: qkv,
-                    bias,
-                },
-                o: Matrix {
-                    rows: h,
-                    cols: qd,
-                    data: get(&p("attn_output.weight"), h, qd)?,
-                    bias: None,
-                },
+                q,
+                k,
+                v: get(&p("attn_v.weight"), kvd, h)?,
+                qkv_bias,
+                o: get(&p("attn_output.weight"), h, qd)?,
                 mlp_norm: self.vector(&p("ffn_norm.weight"), h)?,
-                gate_up: Matrix {
-                    rows: 2 * c.intermediate,
-                    cols: h,
-                    data: gate_up,
-                    bias: None,
-                },
-                down: Matrix {
-                    rows: h,
-                    cols: c.intermediate,
-                    data: get(&p("ffn_down.weight"), h, c.intermediate)?,
-                    bias: None,
-                },
-            });
+                gate: get(&p("ffn_gate.weight"), c.intermediate, h)?,
+                up: get(&p("ffn_up.weight"), c.intermediate, h)?,
+                down: get(&p("ffn_down.weight"), h, c.intermediate)?,
+            };
+            layers.push(LayerWeights::fuse(c, parts));
         }
-        let lm_head = if self.tensors.contains_key("output.weight") {
-            get("output.weight", c.vocab, h)?
-        } else {
-            embed.clone()
-        };
-        Ok(ModelWeights {
-            norm: self.vector("output_norm.weight", h)?,
-            embed,
-            layers,
-            lm_head: Matrix {
-                rows: c.vocab,
-                cols: h,
-                data: lm_head,
-                bias: None,
-            },
-            dtype,
-            config,
-        })
+        let lm_head = self
+            .tensors
+            .contains_key("output.weight")
+            .then(|| get("output.weight", c.vocab, h))
+            .transpose()?;
+        let norm = self.vector("output_norm.weight", h)?;
+        Ok(ModelWeights::assemble(
+            config, dtype, embed, layers, norm, lm_head,
+        ))
     }
 }
 

@@ -43,6 +43,42 @@ pub struct Matrix {
     pub bias: Option<Vec<f32>>,
 }
 
+/// One layer's tensors as a checkpoint holds them, before fusing.
+pub(crate) struct LayerParts {
+    pub attn_norm: Vec<f32>,
+    pub q: Host,
+    pub k: Host,
+    pub v: Host,
+    /// q, k and v's biases, concatenated.
+    pub qkv_bias: Option<Vec<f32>>,
+    pub o: Host,
+    pub mlp_norm: Vec<f32>,
+    pub gate: Host,
+    pub up: Host,
+    pub down: Host,
+}
+
+impl LayerWeights {
+    /// Fuse q/k/v and gate/up, shaped by `c` (whatever format the parts came from).
+    pub(crate) fn fuse(c: &ModelConfig, p: LayerParts) -> LayerWeights {
+        let (h, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let matrix = |rows, cols, data, bias| Matrix {
+            rows,
+            cols,
+            data,
+            bias,
+        };
+        LayerWeights {
+            attn_norm: p.attn_norm,
+            qkv: matrix(qd + 2 * kvd, h, Host::concat(&[p.q, p.k, p.v]), p.qkv_bias),
+            o: matrix(h, qd, p.o, None),
+            mlp_norm: p.mlp_norm,
+            gate_up: matrix(2 * c.intermediate, h, Host::concat(&[p.gate, p.up]), None),
+            down: matrix(h, c.intermediate, p.down, None),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
@@ -96,71 +132,62 @@ impl ModelWeights {
         for l in 0..c.layers {
             let p = format!("model.layers.{l}");
             let get = |n: &str, shape: &[usize]| ck.get(&format!("{p}.{n}"), shape, dtype);
-            let qkv = Host::concat(&[
-                get("self_attn.q_proj.weight", &[qd, h])?,
-                get("self_attn.k_proj.weight", &[kvd, h])?,
-                get("self_attn.v_proj.weight", &[kvd, h])?,
-            ]);
+            let vector = |n: &str, len: usize| ck.get_f32(&format!("{p}.{n}"), &[len]);
             let qkv_bias = if c.qkv_bias {
-                let mut b = ck.get_f32(&format!("{p}.self_attn.q_proj.bias"), &[qd])?;
-                b.extend(ck.get_f32(&format!("{p}.self_attn.k_proj.bias"), &[kvd])?);
-                b.extend(ck.get_f32(&format!("{p}.self_attn.v_proj.bias"), &[kvd])?);
+                let mut b = vector("self_attn.q_proj.bias", qd)?;
+                b.extend(vector("self_attn.k_proj.bias", kvd)?);
+                b.extend(vector("self_attn.v_proj.bias", kvd)?);
                 Some(b)
             } else {
                 None
             };
-            let gate_up = Host::concat(&[
-                get("mlp.gate_proj.weight", &[c.intermediate, h])?,
-                get("mlp.up_proj.weight", &[c.intermediate, h])?,
-            ]);
-            layers.push(LayerWeights {
-                attn_norm: ck.get_f32(&format!("{p}.input_layernorm.weight"), &[h])?,
-                qkv: Matrix {
-                    rows: qd + 2 * kvd,
-                    cols: h,
-                    data: qkv,
-                    bias: qkv_bias,
-                },
-                o: Matrix {
-                    rows: h,
-                    cols: qd,
-                    data: get("self_attn.o_proj.weight", &[h, qd])?,
-                    bias: None,
-                },
-                mlp_norm: ck.get_f32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up: Matrix {
-                    rows: 2 * c.intermediate,
-                    cols: h,
-                    data: gate_up,
-                    bias: None,
-                },
-                down: Matrix {
-                    rows: h,
-                    cols: c.intermediate,
-                    data: get("mlp.down_proj.weight", &[h, c.intermediate])?,
-                    bias: None,
-                },
-            });
+            let parts = LayerParts {
+                attn_norm: vector("input_layernorm.weight", h)?,
+                q: get("self_attn.q_proj.weight", &[qd, h])?,
+                k: get("self_attn.k_proj.weight", &[kvd, h])?,
+                v: get("self_attn.v_proj.weight", &[kvd, h])?,
+                qkv_bias,
+                o: get("self_attn.o_proj.weight", &[h, qd])?,
+                mlp_norm: vector("post_attention_layernorm.weight", h)?,
+                gate: get("mlp.gate_proj.weight", &[c.intermediate, h])?,
+                up: get("mlp.up_proj.weight", &[c.intermediate, h])?,
+                down: get("mlp.down_proj.weight", &[h, c.intermediate])?,
+            };
+            layers.push(LayerWeights::fuse(c, parts));
         }
         // Some tied checkpoints still carry lm_head; others omit it.
-        let lm_head = if !c.tie_embeddings || ck.contains("lm_head.weight") {
-            ck.get("lm_head.weight", &[c.vocab, h], dtype)?
-        } else {
-            embed.clone()
+        let lm_head = (!c.tie_embeddings || ck.contains("lm_head.weight"))
+            .then(|| ck.get("lm_head.weight", &[c.vocab, h], dtype))
+            .transpose()?;
+        let norm = ck.get_f32("model.norm.weight", &[h])?;
+        Ok(ModelWeights::assemble(
+            config, dtype, embed, layers, norm, lm_head,
+        ))
+    }
+
+    /// The whole model from its parts; `lm_head` `None`: tied to the embedding.
+    pub(crate) fn assemble(
+        config: ModelConfig,
+        dtype: DType,
+        embed: Host,
+        layers: Vec<LayerWeights>,
+        norm: Vec<f32>,
+        lm_head: Option<Host>,
+    ) -> ModelWeights {
+        let lm_head = Matrix {
+            rows: config.vocab,
+            cols: config.hidden,
+            data: lm_head.unwrap_or_else(|| embed.clone()),
+            bias: None,
         };
-        Ok(ModelWeights {
-            norm: ck.get_f32("model.norm.weight", &[h])?,
+        ModelWeights {
+            config,
+            dtype,
             embed,
             layers,
-            lm_head: Matrix {
-                rows: c.vocab,
-                cols: h,
-                data: lm_head,
-                bias: None,
-            },
-            dtype,
-            config,
-        })
+            norm,
+            lm_head,
+        }
     }
 
     /// Bytes of weights one decode step reads (every matrix once; one embedding row).

@@ -2,7 +2,8 @@ use proptest::prelude::*;
 
 use super::*;
 
-const TYPES: [QType; 6] = [
+/// Every quantized type.
+pub(crate) const TYPES: [QType; 6] = [
     QType::Q4_0,
     QType::Q4_1,
     QType::Q8_0,
