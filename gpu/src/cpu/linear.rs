@@ -12,7 +12,12 @@
 //!   from f16/bf16 into a per-thread buffer that stays in cache, so memory traffic is the
 //!   2-byte weights), with the input transposed so gemm reads it in place.
 //!
-//! Either way a group's products land in a small per-thread block, and the task then writes
+//! Quantized weights (a GGUF file's) take a third way at every batch size: the input rows are
+//! quantized to 8 bits and multiplied in integers against eight-row panels of the weights
+//! ([`crate::quant::panel`]; one row at a time on portable code where the CPU lacks AVX2,
+//! with gemm on widened groups for prefill).
+//!
+//! Every way, a group's products land in a small per-thread block, and the task then writes
 //! them into its columns of `y` (see [`super::columns`]) with whatever the layer does next
 //! that needs only those outputs: the bias, the residual add ([`Write::Add`]), or the
 //! gated activation of the MLP ([`Linear::gated`]). One fork-join per product, and the
@@ -240,7 +245,7 @@ impl Linear {
                         (Weights::QRows(w), Some(_)) => {
                             for (gi, g) in groups.clone().enumerate() {
                                 let rows = g * WIDTH..(g + 1) * WIDTH;
-                                w.product(rows, acts, self.qisa, &mut block[gi * WIDTH..], ld);
+                                w.product(rows, acts, &mut block[gi * WIDTH..], ld);
                             }
                         }
                         (w, _) => {
@@ -370,8 +375,8 @@ mod tests {
         }
     }
 
-    /// Quantized weights: each format through both paths (integer products up to 64 rows,
-    /// dequantized gemm beyond), plain and gated, on the best and the portable kernels,
+    /// Quantized weights: each format at every batch size, plain and gated, on the best
+    /// kernels (panels) and the portable ones (rows, with dequantized gemm beyond 64 rows),
     /// against the dequantized weights in f32 (8-bit activations: within 1 % of the terms).
     #[test]
     fn quantized_weights_match_their_dequantized_values() {

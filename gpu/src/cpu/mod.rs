@@ -91,7 +91,7 @@ impl CpuBackend {
             .checked_mul(kv.block_size * c.kv_heads * c.head_dim)
             .ok_or_else(|| ComputeError::Invalid("KV cache size overflows".into()))?;
         let dtype = w.dtype;
-        let quantized = [&w.lm_head]
+        let mut quantized: Vec<crate::quant::QType> = [&w.lm_head]
             .into_iter()
             .chain(
                 w.layers
@@ -103,12 +103,9 @@ impl CpuBackend {
                 _ => None,
             })
             .flatten()
-            .fold(Vec::new(), |mut v, t| {
-                if !v.contains(&t) {
-                    v.push(t);
-                }
-                v
-            });
+            .collect();
+        quantized.sort_unstable();
+        quantized.dedup();
         Ok(CpuBackend {
             inv_freq: c.inv_freq(),
             embed: w.embed,

@@ -97,7 +97,7 @@ impl Value {
 
 /// The element types a tensor may have here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TensorType {
+enum TensorType {
     F32,
     F16,
     Bf16,
@@ -114,7 +114,7 @@ impl TensorType {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             TensorType::F32 => "F32",
             TensorType::F16 => "F16",
@@ -184,10 +184,10 @@ const SUPPORTED: &str = "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K";
 
 /// One tensor's entry in the table.
 #[derive(Debug, Clone)]
-pub struct TensorInfo {
+struct TensorInfo {
     /// ggml's order: `dims[0]` is the innermost (a matrix's columns).
-    pub dims: Vec<usize>,
-    pub ty: TensorType,
+    dims: Vec<usize>,
+    ty: TensorType,
     /// Byte range in the file.
     start: usize,
     len: usize,
@@ -341,10 +341,6 @@ impl Gguf {
         self.get("general.architecture")
             .and_then(Value::as_str)
             .ok_or_else(|| self.err("metadata general.architecture is missing"))
-    }
-
-    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.get(name)
     }
 
     /// The model's shape, from `{arch}.*` metadata and the tensor table.

@@ -7,7 +7,7 @@ use half::f16;
 use super::CHUNK;
 
 /// The quantized types this engine multiplies without widening.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum QType {
     Q4_0,
     Q4_1,

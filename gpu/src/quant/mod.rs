@@ -12,14 +12,13 @@
 //! Every format is described once, by how a chunk of 32 weights unpacks ([`formats`]): 32
 //! small unsigned integers `u` and, per half of 16, a scale `s` and an offset `o` with
 //! `w = s·u + o` (Q8_0's are signed, with no offset). The reference dequantization, the
-//! portable kernel and the SIMD kernels ([`simd`]) all read the formats through that one
-//! description, so a format is right everywhere once its unpacking is, and the tests check
-//! that against vectors from ggml's own Python package (`gguf`).
+//! portable row kernel ([`QTensor::product`], for CPUs without AVX2) and the repacking into
+//! the SIMD kernels' panels ([`panel`]) all read the formats through that one description,
+//! so a format is right everywhere once its unpacking is, and the tests check that against
+//! vectors from ggml's own Python package (`gguf`).
 
 mod formats;
 pub mod panel;
-#[cfg(target_arch = "x86_64")]
-mod simd;
 
 use std::ops::Range;
 
@@ -80,12 +79,9 @@ impl QTensor {
 
     /// The types its rows use, each once.
     pub fn types(&self) -> Vec<QType> {
-        let mut t: Vec<QType> = Vec::new();
-        for (ty, _) in &self.index {
-            if !t.contains(ty) {
-                t.push(*ty);
-            }
-        }
+        let mut t: Vec<QType> = self.index.iter().map(|(ty, _)| *ty).collect();
+        t.sort_unstable();
+        t.dedup();
         t
     }
 
@@ -173,11 +169,12 @@ impl QTensor {
     }
 
     /// `out[i · ld + (r - rows.start)] = Σ_c acts[i][c] · W[r][c]` for every input row `i` and
-    /// weight row `r` in `rows`.
+    /// weight row `r` in `rows`, one row at a time on portable code: the kernels for CPUs
+    /// without AVX2 (elsewhere [`QPanels`] multiply).
     ///
     /// # Panics
     /// When `acts` is not `self.cols` wide or `out` is too short (callers' bugs).
-    pub fn product(&self, rows: Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32], ld: usize) {
+    pub fn product(&self, rows: Range<usize>, acts: &Acts, out: &mut [f32], ld: usize) {
         assert_eq!(acts.k, self.cols, "input width");
         assert!(rows.end <= self.rows && ld >= rows.len());
         if acts.m == 0 || rows.is_empty() {
@@ -188,12 +185,12 @@ impl QTensor {
             let (ty, w) = self.row(r);
             let out = &mut out[j..];
             match ty {
-                QType::Q4_0 => dot_rows::<Q4_0>(isa, w, acts, out, ld),
-                QType::Q4_1 => dot_rows::<Q4_1>(isa, w, acts, out, ld),
-                QType::Q8_0 => dot_rows::<Q8_0>(isa, w, acts, out, ld),
-                QType::Q4K => dot_rows::<Q4K>(isa, w, acts, out, ld),
-                QType::Q5K => dot_rows::<Q5K>(isa, w, acts, out, ld),
-                QType::Q6K => dot_rows::<Q6K>(isa, w, acts, out, ld),
+                QType::Q4_0 => dot_rows::<Q4_0>(w, acts, out, ld),
+                QType::Q4_1 => dot_rows::<Q4_1>(w, acts, out, ld),
+                QType::Q8_0 => dot_rows::<Q8_0>(w, acts, out, ld),
+                QType::Q4K => dot_rows::<Q4K>(w, acts, out, ld),
+                QType::Q5K => dot_rows::<Q5K>(w, acts, out, ld),
+                QType::Q6K => dot_rows::<Q6K>(w, acts, out, ld),
             }
         }
     }
@@ -270,10 +267,6 @@ impl Acts {
             .for_each(|(((x, q), d), sums)| quantize_chunk(x, q, d, sums));
     }
 
-    pub fn rows(&self) -> usize {
-        self.m
-    }
-
     fn row(&self, i: usize) -> Row<'_> {
         let c = self.k / CHUNK;
         Row {
@@ -332,10 +325,11 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if simd::has_vnni() {
-                return Isa(Level::Vnni);
-            }
-            if simd::has_avx2() {
+            use std::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                if has!("avx512vnni") && has!("avx512vl") {
+                    return Isa(Level::Vnni);
+                }
                 return Isa(Level::Avx2);
             }
         }
@@ -364,7 +358,7 @@ impl Isa {
 const TILE: usize = 4;
 
 /// One weight row against every input row: `out[i · ld] = W · x_i`.
-fn dot_rows<F: Format>(isa: Isa, w: &[u8], acts: &Acts, out: &mut [f32], ld: usize) {
+fn dot_rows<F: Format>(w: &[u8], acts: &Acts, out: &mut [f32], ld: usize) {
     let mut i0 = 0;
     while i0 < acts.m {
         let t = (acts.m - i0).min(TILE);
@@ -374,10 +368,10 @@ fn dot_rows<F: Format>(isa: Isa, w: &[u8], acts: &Acts, out: &mut [f32], ld: usi
         }
         let mut res = [0.0f32; TILE];
         match t {
-            1 => tile::<F, 1>(isa, w, &rows, &mut res),
-            2 => tile::<F, 2>(isa, w, &rows, &mut res),
-            3 => tile::<F, 3>(isa, w, &rows, &mut res),
-            _ => tile::<F, 4>(isa, w, &rows, &mut res),
+            1 => tile::<F, 1>(w, &rows, &mut res),
+            2 => tile::<F, 2>(w, &rows, &mut res),
+            3 => tile::<F, 3>(w, &rows, &mut res),
+            _ => tile::<F, 4>(w, &rows, &mut res),
         }
         for (j, v) in res.iter().enumerate().take(t) {
             out[(i0 + j) * ld] = *v;
@@ -386,22 +380,8 @@ fn dot_rows<F: Format>(isa: Isa, w: &[u8], acts: &Acts, out: &mut [f32], ld: usi
     }
 }
 
-fn tile<F: Format, const R: usize>(isa: Isa, w: &[u8], rows: &[Row<'_>; TILE], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match isa.0 {
-        // SAFETY: `Isa` names only instruction sets `detect` found on this CPU.
-        #[allow(unsafe_code)]
-        Level::Vnni => return unsafe { simd::tile_vnni::<F, R>(w, rows, out) },
-        #[allow(unsafe_code)]
-        Level::Avx2 => return unsafe { simd::tile_avx2::<F, R>(w, rows, out) },
-        Level::Portable => {}
-    }
-    let _ = isa;
-    tile_portable::<F, R>(w, rows, out)
-}
-
-/// The definition, in integers per half chunk as the SIMD kernels compute it.
-fn tile_portable<F: Format, const R: usize>(w: &[u8], rows: &[Row<'_>; TILE], out: &mut [f32]) {
+/// The definition, in integers per half chunk as the panel kernels compute it.
+fn tile<F: Format, const R: usize>(w: &[u8], rows: &[Row<'_>; TILE], out: &mut [f32]) {
     let mut acc = [0.0f32; R];
     let mut u = [0u8; CHUNK];
     for (b, block) in w.chunks_exact(F::BYTES).enumerate() {

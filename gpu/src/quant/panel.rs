@@ -122,11 +122,6 @@ impl QPanels {
         })
     }
 
-    /// Bytes of the whole matrix.
-    pub fn bytes(&self) -> usize {
-        self.data.len()
-    }
-
     /// `out[i · ld + (r - 8 · panels.start)] = Σ_c acts[i][c] · W[r][c]` for the rows of
     /// `panels`.
     ///

@@ -109,7 +109,7 @@ fn check(w: &QTensor, m: usize, seed: u64, what: &str) {
                 dst.copy_from_slice(&src[..w.rows]);
             }
         } else {
-            w.product(0..w.rows, &acts, isa, &mut y, w.rows);
+            w.product(0..w.rows, &acts, &mut y, w.rows);
         }
         for (j, (g, e)) in y.iter().zip(&want).enumerate() {
             assert!(

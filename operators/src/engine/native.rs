@@ -55,6 +55,18 @@ pub enum DtypeChoice {
     Bf16,
 }
 
+impl DtypeChoice {
+    /// The dtype named, or `None` for `auto` (the checkpoint decides).
+    fn fixed(self) -> Option<DType> {
+        match self {
+            DtypeChoice::Auto => None,
+            DtypeChoice::F32 => Some(DType::F32),
+            DtypeChoice::F16 => Some(DType::F16),
+            DtypeChoice::Bf16 => Some(DType::Bf16),
+        }
+    }
+}
+
 /// `config.native` of `decode` / `prefill` with `engine: native`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -195,26 +207,21 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
         // dtype widens everything to it.
         let g = gguf::Gguf::open(dir).map_err(|e| BuildError::new(e.to_string()))?;
         let shape = g.config().map_err(|e| BuildError::new(e.to_string()))?;
-        let (dtype, keep) = match c.dtype {
-            DtypeChoice::Auto => (DType::F32, true),
-            DtypeChoice::F32 => (DType::F32, false),
-            DtypeChoice::F16 => (DType::F16, false),
-            DtypeChoice::Bf16 => (DType::Bf16, false),
+        let (dtype, keep) = match c.dtype.fixed() {
+            None => (DType::F32, true),
+            Some(d) => (d, false),
         };
         g.weights(shape, dtype, keep)
             .map_err(|e| BuildError::new(e.to_string()))?
     } else {
         let shape = ModelConfig::load(dir).map_err(|e| BuildError::new(e.to_string()))?;
-        let dtype = match c.dtype {
-            DtypeChoice::F32 => DType::F32,
-            DtypeChoice::F16 => DType::F16,
-            DtypeChoice::Bf16 => DType::Bf16,
-            DtypeChoice::Auto => shape
+        let dtype = c.dtype.fixed().unwrap_or_else(|| {
+            shape
                 .torch_dtype
                 .as_deref()
                 .and_then(DType::from_torch)
-                .unwrap_or(DType::F32),
-        };
+                .unwrap_or(DType::F32)
+        });
         // The shape read above decides the dtype; the checkpoint is read against it
         // (config.json once).
         dyn_gpu::model::Checkpoint::open(dir)

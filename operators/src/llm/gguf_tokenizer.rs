@@ -94,19 +94,18 @@ pub fn tokenizer(g: &Gguf) -> Result<Tokenizer, String> {
                    "rstrip": false, "normalized": false, "special": true})
         })
         .collect();
-    let bos_post = |bos_token: Option<&str>| -> Json {
-        match (ids.add_bos, bos_token) {
-            (true, Some(b)) => json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {b: {"id": b, "ids": [ids.bos], "tokens": [b]}}
-            }),
-            _ => Json::Null,
-        }
-    };
+    // Where the file asks for bos, the tokenizer adds it (as transformers' conversion does).
     let bos_token = ids.bos.and_then(|b| tokens.get(b as usize).copied());
+    let post_processor = match (ids.add_bos, bos_token) {
+        (true, Some(b)) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {b: {"id": b, "ids": [ids.bos], "tokens": [b]}}
+        }),
+        _ => Json::Null,
+    };
     let spec = match model {
         "gpt2" => {
             let merges: Vec<Json> = strings(g, "tokenizer.ggml.merges")?
@@ -144,7 +143,7 @@ pub fn tokenizer(g: &Gguf) -> Result<Tokenizer, String> {
                 "added_tokens": added,
                 "normalizer": null,
                 "pre_tokenizer": pre_tokenizer,
-                "post_processor": bos_post(bos_token),
+                "post_processor": post_processor,
                 "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
                 "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
                           "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
@@ -172,7 +171,7 @@ pub fn tokenizer(g: &Gguf) -> Result<Tokenizer, String> {
                     {"type": "Prepend", "prepend": "▁"},
                     {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
                 "pre_tokenizer": null,
-                "post_processor": bos_post(bos_token),
+                "post_processor": post_processor,
                 "decoder": {"type": "Sequence", "decoders": [
                     {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
                     {"type": "ByteFallback"}, {"type": "Fuse"},

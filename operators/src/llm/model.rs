@@ -219,16 +219,9 @@ impl ModelDir {
         let tokenizer = super::gguf_tokenizer::tokenizer(&g).map_err(err)?;
         let ids = super::gguf_tokenizer::special_ids(&g);
         let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
-        let eos_token_ids: Vec<u32> =
-            [ids.eos, ids.eot]
-                .into_iter()
-                .flatten()
-                .fold(Vec::new(), |mut v, id| {
-                    if !v.contains(&id) {
-                        v.push(id);
-                    }
-                    v
-                });
+        // eos and end-of-turn, once each (they are often the same token).
+        let mut eos_token_ids: Vec<u32> = [ids.eos, ids.eot].into_iter().flatten().collect();
+        eos_token_ids.dedup();
         if eos_token_ids.is_empty() {
             return Err(err("metadata tokenizer.ggml.eos_token_id is missing".into()));
         }
