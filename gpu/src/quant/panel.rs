@@ -477,34 +477,46 @@ mod x86 {
                         }
                     }
                     let chunk = sb * lay.chunks + c;
+                    // Group-major over the input rows: the T rows' sums are independent
+                    // chains, so consecutive multiply-adds never wait on each other's
+                    // latency. Each row keeps two sums (groups 0–3 and 4–7: Q6_K's halves,
+                    // and for the others a shorter chain when few rows pass).
+                    let mut lo = [_mm256_setzero_si256(); T];
+                    let mut hi = [_mm256_setzero_si256(); T];
+                    let a0 = acts.q.as_ptr().add(i0 * k + chunk * CHUNK).cast::<i32>();
+                    for (g, u) in u.iter().enumerate() {
+                        for t in 0..T {
+                            let a = _mm256_set1_epi32(a0.add(t * k / 4 + g).read_unaligned());
+                            if g >= 4 && (halves || T <= 4) {
+                                hi[t] = dot(hi[t], *u, a);
+                            } else {
+                                lo[t] = dot(lo[t], *u, a);
+                            }
+                        }
+                    }
                     for (t, acc) in acc.iter_mut().enumerate() {
-                        let i = i0 + t;
-                        let ci = i * chunks_per_row + chunk;
-                        let a = acts.q.as_ptr().add(i * k + chunk * CHUNK).cast::<i32>();
-                        let group = |g: usize| _mm256_set1_epi32(a.add(g).read_unaligned());
+                        let ci = (i0 + t) * chunks_per_row + chunk;
                         let da = _mm256_set1_ps(*acts.d.get_unchecked(ci));
                         let sums = acts.sums.get_unchecked(ci);
                         if halves {
-                            let mut lo = _mm256_setzero_si256();
-                            let mut hi = _mm256_setzero_si256();
-                            for g in 0..4 {
-                                lo = dot(lo, u[g], group(g));
-                                hi = dot(hi, u[g + 4], group(g + 4));
-                            }
-                            *acc =
-                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s, da), *acc);
                             *acc = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(hi),
+                                _mm256_cvtepi32_ps(lo[t]),
+                                _mm256_mul_ps(s, da),
+                                *acc,
+                            );
+                            *acc = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(hi[t]),
                                 _mm256_mul_ps(s2, da),
                                 *acc,
                             );
                             *acc = _mm256_fmadd_ps(o, _mm256_set1_ps(sums[0]), *acc);
                             *acc = _mm256_fmadd_ps(o2, _mm256_set1_ps(sums[1]), *acc);
                         } else {
-                            let mut sum = _mm256_setzero_si256();
-                            for (g, u) in u.iter().enumerate() {
-                                sum = dot(sum, *u, group(g));
-                            }
+                            let sum = if T <= 4 {
+                                _mm256_add_epi32(lo[t], hi[t])
+                            } else {
+                                lo[t]
+                            };
                             *acc = _mm256_fmadd_ps(
                                 _mm256_cvtepi32_ps(sum),
                                 _mm256_mul_ps(s, da),

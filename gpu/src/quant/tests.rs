@@ -195,6 +195,26 @@ fn activations_quantize_as_llama_cpp_does() {
     assert_eq!((z.d[0], z.q.iter().all(|q| *q == 0)), (0.0, true));
 }
 
+/// The vector quantizer and the scalar reference agree exactly, exact halves (ties) and
+/// zero chunks included, on runs long enough to go parallel.
+#[test]
+fn vector_quantizer_matches_the_reference() {
+    let mut x = input(40, 1024, 3);
+    // Chunk 0's maximum is 127, so its values quantize to themselves: 2.5 and -3.5 are ties.
+    x[..32].fill(0.0);
+    (x[0], x[1], x[2]) = (127.0, 2.5, -3.5);
+    x[32..64].fill(0.0);
+    let mut a = Acts::default();
+    a.quantize(&x, 40, 1024);
+    for (c, x) in x.chunks_exact(CHUNK).enumerate() {
+        let (mut q, mut d, mut sums) = ([0i8; CHUNK], 0.0, [0.0; 2]);
+        quantize_chunk(x, &mut q, &mut d, &mut sums);
+        assert_eq!(&a.q[c * CHUNK..(c + 1) * CHUNK], &q, "chunk {c}");
+        assert_eq!((a.d[c], a.sums[c]), (d, sums), "chunk {c}");
+    }
+    assert_eq!(&a.q[..3], &[127, 2, -4]);
+}
+
 #[test]
 fn selected_rows_and_zero_rows() {
     let w = matrix(QType::Q4_1, 3, 64, 5);
