@@ -381,7 +381,7 @@ enum Level {
     Portable,
     /// AVX2 `vpmaddubsw`.
     Avx2,
-    /// AVX512-VNNI's `vpdpbusd` on 256-bit registers (with AVX512-VL).
+    /// AVX512-VNNI's `vpdpbusd`, on 512-bit registers over two panels (256-bit over one).
     Vnni,
 }
 
@@ -391,7 +391,7 @@ impl Isa {
         {
             use std::is_x86_feature_detected as has;
             if has!("avx2") && has!("fma") {
-                if has!("avx512vnni") && has!("avx512vl") {
+                if has!("avx512vnni") && has!("avx512vl") && has!("avx512f") && has!("avx512bw") {
                     return Isa(Level::Vnni);
                 }
                 return Isa(Level::Avx2);

@@ -168,10 +168,11 @@ fn products_match_the_dequantized_reference_at_every_batch_size() {
             assert!(QPanels::pack(&matrix(ty, 8, cols, 1), Isa::detect()).is_some());
         }
     }
-    // Every row count the panel path takes (1..=64), on every kernel this CPU has.
+    // Every row count the panel path takes (1..=64), on every kernel this CPU has; five
+    // panels (the last padded): two pairs for the 512-bit kernel and one alone.
     for ty in TYPES {
         let cols = 2 * ty.block().max(64);
-        let w = matrix(ty, 7, cols, 11);
+        let w = matrix(ty, 37, cols, 11);
         for m in 1..=64 {
             check(&w, m, m as u64, ty.name());
         }
@@ -233,6 +234,14 @@ fn selected_rows_and_zero_rows() {
     y[256..].copy_from_slice(&k.to_f32());
     assert_eq!(c.to_f32(), y);
     check(&c, 5, 1, "mixed");
+    // Panels of types A, B, B, A: the first and last run alone, the Bs as a pair.
+    let a = matrix(QType::Q4_0, 8, 256, 4);
+    let b = matrix(QType::Q6K, 16, 256, 5);
+    let tail = matrix(QType::Q4_0, 5, 256, 6);
+    let c = QTensor::concat(&[&a, &b, &tail]).unwrap();
+    for m in [1, 8, 13] {
+        check(&c, m, m as u64, "mixed panels");
+    }
     assert!(QTensor::concat(&[&w, &k]).is_err());
     assert!(QTensor::new(QType::Q4K, 1, 64, vec![0; 36]).is_err());
     assert!(QTensor::new(QType::Q4_0, 2, 64, vec![0; 36]).is_err());
@@ -244,7 +253,7 @@ proptest! {
     /// Any whole number of blocks, any row count, random bytes and scales: every kernel
     /// agrees with the reference (block boundaries inside and between rows).
     #[test]
-    fn any_shape_on_every_kernel(t in 0usize..6, blocks in 1usize..5, rows in 1usize..6,
+    fn any_shape_on_every_kernel(t in 0usize..6, blocks in 1usize..5, rows in 1usize..40,
                                  m in 1usize..10, seed in any::<u64>()) {
         let ty = TYPES[t];
         let w = matrix(ty, rows, blocks * ty.block(), seed);
