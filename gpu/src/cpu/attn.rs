@@ -214,26 +214,37 @@ fn portable_values<T: Elem>(p: &[f32], ld: usize, values: &[T], d: usize, out: &
     }
 }
 
-/// Whether the AVX-512 kernels apply: the CPU has AVX-512F, blocks hold whole sixteens of
-/// slots, and heads have 64 or 128 dimensions.
+/// Whether the AVX-512 kernels apply, and to which sizes: the CPU has AVX-512F, blocks hold
+/// whole sixteens of slots, and heads have 64 or 128 dimensions. The checked `bs` and `d`
+/// travel in the token, and the kernels run only on exactly those, so a token made for one
+/// shape can never send another into the unchecked code (it takes the portable path).
 #[derive(Clone, Copy)]
-struct Fast(bool);
+struct Fast(Option<(usize, usize)>);
 
 impl Fast {
     fn new(bs: usize, d: usize) -> Fast {
         #[cfg(target_arch = "x86_64")]
         {
-            Fast(
-                bs.is_multiple_of(16)
-                    && (d == 64 || d == 128)
-                    && std::is_x86_feature_detected!("avx512f"),
-            )
+            let ok = bs.is_multiple_of(16)
+                && (d == 64 || d == 128)
+                && std::is_x86_feature_detected!("avx512f");
+            Fast(ok.then_some((bs, d)))
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
             let _ = (bs, d);
-            Fast(false)
+            Fast(None)
         }
+    }
+
+    /// Checked for blocks of `bs` slots of heads of `d` dimensions.
+    fn covers(self, bs: usize, d: usize) -> bool {
+        self.0 == Some((bs, d))
+    }
+
+    /// Checked for heads of `d` dimensions (the values' kernel reads whole rows of `d`).
+    fn covers_dim(self, d: usize) -> bool {
+        self.0.is_some_and(|(_, fd)| fd == d)
     }
 }
 
@@ -253,12 +264,13 @@ fn block_scores<T: Elem>(
 ) {
     let rows = q.len() / d;
     #[cfg(target_arch = "x86_64")]
-    if fast.0 {
+    if fast.covers(bs, d) {
         assert!(keys.len() >= d * bs && len <= bs && rows > 0 && ld >= len);
         assert!(scores.len() >= (rows - 1) * ld + len);
         prefetch(next);
-        // SAFETY: `Fast` checked AVX-512F, `bs % 16 == 0` and `d`; the asserts keep every
-        // read inside `q` and `keys` and every write inside `scores`.
+        // SAFETY: `Fast` checked AVX-512F, and `bs % 16 == 0` and `d` for exactly these
+        // `bs` and `d` (`covers`); the asserts keep every read inside `q` and `keys` and
+        // every write inside `scores`.
         unsafe {
             x86::scores(
                 q.as_ptr(),
@@ -289,12 +301,13 @@ fn block_values<T: Elem>(
 ) {
     let (rows, len) = (out.len() / d, values.len() / d);
     #[cfg(target_arch = "x86_64")]
-    if fast.0 {
+    if fast.covers_dim(d) {
         assert!(rows > 0 && ld >= len && p.len() >= (rows - 1) * ld + len);
         prefetch(next);
         let (p, v, o) = (p.as_ptr(), values.as_ptr(), out.as_mut_ptr());
-        // SAFETY: `Fast` checked AVX-512F and `d`; the assert and the slice lengths keep
-        // every read inside `p` and `values` and every write inside `out`.
+        // SAFETY: `Fast` checked AVX-512F and this `d` (`covers_dim`); the assert and the
+        // slice lengths keep every read inside `p` and `values` and every write inside
+        // `out`.
         unsafe {
             if d == 64 {
                 x86::values::<T, 4>(p, ld, rows, v, len, o)
@@ -413,13 +426,38 @@ mod tests {
     /// partial groups of four.
     #[test]
     fn fast_kernels_match_the_portable_ones() {
-        if !Fast::new(16, 64).0 {
+        if Fast::new(16, 64).0.is_none() {
             println!("SKIPPED: no AVX-512F on this CPU");
             return;
         }
         same_as_portable::<f32>();
         same_as_portable::<bf16>();
         same_as_portable::<f16>();
+    }
+
+    /// A token checked for one shape sends another to the portable kernels: a head of 128
+    /// dimensions (or blocks of 32) under a token made for 64 (or 16) reads and writes only
+    /// inside its slices and gets the portable answer.
+    #[test]
+    fn fast_token_refuses_other_sizes() {
+        let fast = Fast::new(16, 64);
+        for (bs, d) in [(16, 128), (32, 64)] {
+            let q: Vec<f32> = (0..2 * d).map(|i| (i % 7) as f32 / 8.0).collect();
+            let keys: Vec<f32> = (0..bs * d).map(|i| (i % 5) as f32 / 4.0).collect();
+            let (mut want, mut got) = (vec![0.0; 2 * bs], vec![0.0; 2 * bs]);
+            portable_scores(&q, d, &keys, bs, bs, &mut want, bs);
+            block_scores(fast, &q, d, &keys, bs, bs, &mut got, bs, &[]);
+            assert_eq!(got, want, "scores bs {bs} d {d}");
+            let p: Vec<f32> = (0..2 * bs).map(|i| (i % 3) as f32 / 2.0).collect();
+            let (mut want, mut got) = (vec![0.0; 2 * d], vec![0.0; 2 * d]);
+            portable_values(&p, bs, &keys, d, &mut want);
+            // (The values' kernel depends only on `d`: blocks of 32 may take it.)
+            block_values(fast, &p, bs, &keys, d, &mut got, &[]);
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "values bs {bs} d {d}: {g} vs {w}");
+            }
+        }
+        assert!(!fast.covers(16, 128) && !fast.covers(32, 64));
     }
 
     fn same_as_portable<T: Elem>() {
@@ -437,14 +475,15 @@ mod tests {
                     let mut want = vec![0.0; rows * ld];
                     let mut got = want.clone();
                     portable_scores(&q, d, &keys, bs, len, &mut want, ld);
-                    block_scores(Fast(true), &q, d, &keys, bs, len, &mut got, ld, &keys);
+                    let fast = Fast::new(bs, d);
+                    block_scores(fast, &q, d, &keys, bs, len, &mut got, ld, &keys);
                     assert_eq!(got, want, "scores {what}");
                     let p: Vec<f32> = (0..rows * ld).map(|i| (i % 5) as f32 / 4.0).collect();
                     let values = &keys[..len * d];
                     let mut want: Vec<f32> = (0..rows * d).map(|i| i as f32).collect();
                     let mut got = want.clone();
                     portable_values(&p, ld, values, d, &mut want);
-                    block_values(Fast(true), &p, ld, values, d, &mut got, &[]);
+                    block_values(fast, &p, ld, values, d, &mut got, &[]);
                     for (g, w) in got.iter().zip(&want) {
                         assert!((g - w).abs() < 1e-4, "values {what}: {g} vs {w}");
                     }
