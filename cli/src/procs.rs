@@ -335,11 +335,13 @@ pub async fn ps(
     let instances = match control {
         dyn_pipeline::compile::PlaneAddr::Etcd(eps) => {
             let prefix = format!("v1/instances/{namespace}/");
-            let endpoint = format!("http://{}", eps.first().map_or("", String::as_str));
+            let urls: Vec<String> = eps.iter().map(|e| format!("http://{e}")).collect();
             Some(
-                dyn_pipeline::planes::etcd::list_instances(&endpoint, &prefix)
+                dyn_pipeline::planes::etcd::list_instances(&urls, &prefix)
                     .await
-                    .with_context(|| format!("cannot list instances in etcd at {endpoint}"))?,
+                    .with_context(|| {
+                        format!("cannot list instances in etcd at {}", eps.join(","))
+                    })?,
             )
         }
         _ => None,

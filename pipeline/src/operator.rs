@@ -122,10 +122,34 @@ impl<O: Operator> DynOperator for Erased<O> {
                 }
             })
             .boxed();
-        self.0
-            .call(ctx, input)
-            .map(|r| r.map(|v| Box::new(v) as AnyPayload))
-            .boxed()
+        // The operator runs inside the request's span (its set-up here, then every poll of
+        // its output), so every line it logs carries `request_id`.
+        let span = ctx.span().clone();
+        let out = span.in_scope(|| self.0.call(ctx, input));
+        InSpan {
+            inner: out.map(|r| r.map(|v| Box::new(v) as AnyPayload)).boxed(),
+            span,
+        }
+        .boxed()
+    }
+}
+
+/// A stream polled inside `span`.
+struct InSpan<S> {
+    inner: S,
+    span: tracing::Span,
+}
+
+impl<S: futures::Stream + Unpin> futures::Stream for InSpan<S> {
+    type Item = S::Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        let this = &mut *self;
+        let _entered = this.span.enter();
+        this.inner.poll_next_unpin(cx)
     }
 }
 
@@ -230,5 +254,77 @@ impl<I: Ingress> DynIngress for ErasedIngress<I> {
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
         self.0.serve(Chain::new(chain), shutdown)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::Mutex;
+
+    use super::*;
+
+    struct Word;
+    impl Payload for Word {
+        const NAME: &'static str = "Word";
+    }
+
+    /// Logs once when called and once per output.
+    struct Logs;
+    impl Operator for Logs {
+        type In = Word;
+        type Out = Word;
+        fn call(&self, _ctx: Ctx, input: Input<Word>) -> Output<Word> {
+            tracing::info!("called");
+            input
+                .map(|w| {
+                    tracing::info!("item");
+                    Ok(w)
+                })
+                .boxed()
+        }
+    }
+
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// An operator's log lines, at its call and while its output is polled, carry the
+    /// request's id.
+    #[test]
+    fn operators_log_inside_the_request_span() {
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let id = tracing::subscriber::with_default(subscriber, || {
+            let ctx = Ctx::new();
+            let id = ctx.id().to_string();
+            let op = erase(Logs);
+            let input = futures::stream::iter([Box::new(Word) as AnyPayload]).boxed();
+            let out: Vec<_> = futures::executor::block_on(op.call(ctx, input).collect());
+            assert_eq!(out.len(), 1);
+            id
+        });
+        let log = String::from_utf8(buf.0.lock().unwrap_or_else(|e| e.into_inner()).clone());
+        let log = log.unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 2, "{log}");
+        for line in lines {
+            assert!(line.contains(&format!("request_id={id}")), "{line}");
+        }
     }
 }

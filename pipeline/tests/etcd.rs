@@ -54,8 +54,8 @@ struct Pair {
 
 async fn pair(url: &str) -> Pair {
     let ns = namespace();
-    let a = EtcdDiscovery::connect(url, TTL).await.unwrap();
-    let b = EtcdDiscovery::connect(url, TTL).await.unwrap();
+    let a = EtcdDiscovery::connect(&[url], TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&[url], TTL).await.unwrap();
     let prefix = Instance::prefix(&ns, "decode", "generate");
     let (snapshot, changes) = b.watch(&prefix).await.unwrap();
     Pair {
@@ -148,9 +148,27 @@ async fn a_lost_lease_is_replaced_and_the_instance_comes_back() {
     assert_ne!(a.lease(), old);
 }
 
+/// Every endpoint of `--control etcd://a,b` is used: with the first one dead, the
+/// registration goes through the second.
+#[tokio::test]
+async fn a_dead_endpoint_among_several_is_passed_over() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&["http://127.0.0.1:1", &url], TTL)
+        .await
+        .unwrap();
+    let i = instance(&ns, 1);
+    a.register(i.clone()).await.unwrap();
+    let listed =
+        dyn_pipeline::planes::etcd::list_instances(&["http://127.0.0.1:1", &url], &i.key())
+            .await
+            .unwrap();
+    assert_eq!(listed, vec![i]);
+}
+
 #[tokio::test]
 async fn an_unreachable_etcd_is_a_clear_error() {
-    let e = EtcdDiscovery::connect("http://127.0.0.1:1", TTL)
+    let e = EtcdDiscovery::connect(&["http://127.0.0.1:1"], TTL)
         .await
         .err()
         .expect("no server");
@@ -163,7 +181,7 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
         return;
     }
     let Some(mut server) = dyn_tests::servers::Server::etcd() else {
-        eprintln!("SKIPPED: no etcd binary on PATH");
+        dyn_tests::skip("no etcd binary on PATH");
         return;
     };
     let url = server.url();
@@ -208,8 +226,8 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
 async fn watches_started_during_registrations_miss_nothing() {
     let Some(url) = etcd() else { return };
     let ns = namespace();
-    let a = EtcdDiscovery::connect(&url, TTL).await.unwrap();
-    let b = std::sync::Arc::new(EtcdDiscovery::connect(&url, TTL).await.unwrap());
+    let a = EtcdDiscovery::connect(&[&url], TTL).await.unwrap();
+    let b = std::sync::Arc::new(EtcdDiscovery::connect(&[&url], TTL).await.unwrap());
     let prefix = Instance::prefix(&ns, "decode", "generate");
     const N: u64 = 20;
     let watchers: Vec<_> = (0..N)

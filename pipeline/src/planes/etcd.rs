@@ -45,23 +45,31 @@ pub struct EtcdDiscovery {
     _keepalive: tokio_util::task::AbortOnDropHandle<()>,
 }
 
-/// The instances under `prefix`, read without taking a lease (for `dyn graph ps`).
-pub async fn list_instances(endpoint: &str, prefix: &str) -> Result<Vec<Instance>, PlaneError> {
+/// The instances under `prefix`, read without taking a lease (for `dyn graph ps`), from
+/// whichever of `endpoints` (`http://host:port`) answers.
+pub async fn list_instances<E: AsRef<str>>(
+    endpoints: &[E],
+    prefix: &str,
+) -> Result<Vec<Instance>, PlaneError> {
     let opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(3))
         .with_timeout(Duration::from_secs(3));
-    let mut client = Client::connect([endpoint], Some(opts)).await.map_err(err)?;
+    let mut client = Client::connect(endpoints, Some(opts)).await.map_err(err)?;
     Ok(EtcdDiscovery::snapshot(&mut client, prefix).await?.0)
 }
 
 impl EtcdDiscovery {
-    /// Connect to `endpoint` (`http://host:port`) and take a lease of `ttl` (etcd rounds up
-    /// to its minimum, 2 s for etcd 3.4).
-    pub async fn connect(endpoint: &str, ttl: Duration) -> Result<Self, PlaneError> {
+    /// Connect to a cluster's `endpoints` (`http://host:port` each; requests go to those
+    /// that answer, so one member down is not an outage) and take a lease of `ttl` (etcd
+    /// rounds up to its minimum, 2 s for etcd 3.4).
+    pub async fn connect<E: AsRef<str>>(
+        endpoints: &[E],
+        ttl: Duration,
+    ) -> Result<Self, PlaneError> {
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(5));
-        let mut client = Client::connect([endpoint], Some(opts)).await.map_err(err)?;
+        let mut client = Client::connect(endpoints, Some(opts)).await.map_err(err)?;
         let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // The first call reaches the server: a wrong address fails here, not later.
         let lease = client.lease_grant(ttl_s, None).await.map_err(err)?.id();

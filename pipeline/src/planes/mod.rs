@@ -74,12 +74,14 @@ impl Planes {
         let mut planes = Self::embedded();
         let mut distributed = false;
         if let PlaneAddr::Etcd(endpoints) = control {
-            let first = endpoints.first().ok_or_else(|| PlaneError::Backend {
-                plane: "control",
-                message: "no etcd endpoint".into(),
-            })?;
-            planes.discovery =
-                Arc::new(EtcdDiscovery::connect(&format!("http://{first}"), lease_ttl).await?);
+            if endpoints.is_empty() {
+                return Err(PlaneError::Backend {
+                    plane: "control",
+                    message: "no etcd endpoint".into(),
+                });
+            }
+            let urls: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
+            planes.discovery = Arc::new(EtcdDiscovery::connect(&urls, lease_ttl).await?);
             distributed = true;
         }
         if let PlaneAddr::Nats(endpoints) = events {

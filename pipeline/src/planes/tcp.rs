@@ -86,7 +86,10 @@ impl InstanceHealth {
             worker_id = format_args!("{instance_id:x}"),
             "Instance unreachable; avoiding it"
         );
-        self.down.write().insert(instance_id, Instant::now());
+        let mut down = self.down.write();
+        // Forget instances reported long enough ago, so the map stays small.
+        down.retain(|_, at| at.elapsed() < Self::AVOID_FOR);
+        down.insert(instance_id, Instant::now());
     }
 
     pub fn is_down(&self, instance_id: u64) -> bool {
@@ -95,13 +98,6 @@ impl InstanceHealth {
             Some(at) => at.elapsed() < Self::AVOID_FOR,
             None => false,
         }
-    }
-
-    /// Forget instances reported long enough ago (and keep the map small).
-    pub fn expire(&self) {
-        self.down
-            .write()
-            .retain(|_, at| at.elapsed() < Self::AVOID_FOR);
     }
 }
 
