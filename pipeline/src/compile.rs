@@ -8,7 +8,7 @@
 //! 3. shape: no cycles, no fan-out (a request's path must be unambiguous), every ingress
 //!    reaches a last node whose output is the ingress's response type;
 //! 4. placement: process groups agree on replicas, calls that leave a process carry types
-//!    with a wire codec, devices exist in this build.
+//!    with a wire codec.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -19,7 +19,7 @@ use marked_yaml::Node;
 use crate::diag::{Diagnostic, Diagnostics, Pos};
 use crate::payload::PayloadType;
 use crate::registry::{DynConfig, Kind, Registry, Role};
-use crate::spec::{self, Device, GraphSpec, ModelSpec, Override};
+use crate::spec::{self, GraphSpec, ModelSpec, Override};
 
 /// Where a plane lives, parsed from the `planes:` section.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -50,7 +50,6 @@ pub struct CompiledNode {
     pub inputs: Vec<usize>,
     pub replicas: u32,
     pub process: String,
-    pub device: Device,
     /// See [`crate::spec::NodeSpec::migration_limit`].
     pub migration_limit: u32,
 }
@@ -233,13 +232,6 @@ pub fn compile(
                 n.inputs_pos,
                 id,
                 format!("kind `{}` is an ingress and takes no inputs", kind.name),
-            ));
-        }
-        if n.device == Device::Cuda && !dyn_gpu::cuda_compiled() {
-            diags.push(Diagnostic::warning(
-                n.device_pos,
-                id,
-                "`device: cuda` but this dyn was built without the `cuda` feature; the node will run on CPU",
             ));
         }
         parsed.push(Some((kind.clone(), config)));
@@ -468,7 +460,6 @@ pub fn compile(
                 inputs,
                 replicas: n.replicas,
                 process: n.process.clone(),
-                device: n.device,
                 migration_limit: n.migration_limit,
             })
         })

@@ -10,7 +10,6 @@ use serde::Serialize;
 
 use crate::compile::{CompiledGraph, PlaneAddr, output_type};
 use crate::registry::Role;
-use crate::spec::Device;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -40,7 +39,6 @@ pub struct NodePlan {
     pub role: &'static str,
     pub process: String,
     pub replicas: u32,
-    pub device: Device,
     pub input: Option<&'static str>,
     pub output: &'static str,
 }
@@ -97,7 +95,6 @@ impl Plan {
                     role,
                     process: n.process.clone(),
                     replicas: n.replicas,
-                    device: n.device,
                     input,
                     output: output_type(&n.kind).name,
                 }

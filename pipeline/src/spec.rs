@@ -63,21 +63,11 @@ pub struct NodeSpec {
     /// Process group; nodes sharing one run in the same OS process. Defaults to the node id.
     pub process: String,
     pub process_pos: Option<Pos>,
-    pub device: Device,
-    pub device_pos: Option<Pos>,
     /// How many times a request this node serves is resent to another replica after losing
     /// one (when its input type can be resumed).
     pub migration_limit: u32,
     /// The kind's own config; an empty mapping when absent.
     pub config: Node,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Device {
-    #[default]
-    Cpu,
-    Cuda,
 }
 
 #[derive(Deserialize)]
@@ -114,8 +104,6 @@ struct NodeRaw {
     #[serde(default)]
     process: Option<Spanned<String>>,
     #[serde(default)]
-    device: Option<Spanned<Device>>,
-    #[serde(default)]
     migration_limit: Option<Spanned<u32>>,
     #[allow(dead_code)] // taken as a marked node, parsed later by the node's kind
     #[serde(default)]
@@ -128,7 +116,6 @@ pub const NODE_FIELDS: &[&str] = &[
     "inputs",
     "replicas",
     "process",
-    "device",
     "migration_limit",
     "config",
 ];
@@ -168,7 +155,7 @@ fn lower_first(s: &str) -> String {
 }
 
 /// An override given on the command line as `NODE.KEY=VALUE` (KEY may be dotted for nested
-/// config keys; `replicas`, `process`, `device` and `inputs` set the node's own fields).
+/// config keys; `replicas`, `process` and `inputs` set the node's own fields).
 #[derive(Debug, Clone)]
 pub struct Override {
     pub node: String,
@@ -400,8 +387,6 @@ pub fn load_str(
                 .as_ref()
                 .map_or_else(|| id.clone(), |p| p.to_string()),
             process_pos: raw.process.as_ref().and_then(pos_of),
-            device: raw.device.as_ref().map_or(Device::Cpu, |d| **d),
-            device_pos: raw.device.as_ref().and_then(pos_of),
             migration_limit: raw
                 .migration_limit
                 .as_ref()
