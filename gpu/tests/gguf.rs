@@ -361,7 +361,7 @@ fn perplexity(b: &mut dyn Backend, tokens: &[u32]) -> f64 {
 #[test]
 fn smollm2_quantized_path_agrees_with_llama_cpp() {
     let Some(path) = smollm2() else {
-        eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
+        dyn_tests::skip("DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
         return;
     };
     let tf = smol_reference("smollm2-gguf-reference.json");
@@ -403,7 +403,7 @@ fn smollm2_quantized_path_agrees_with_llama_cpp() {
 #[test]
 fn smollm2_gguf_continues_as_transformers_does() {
     let Some(path) = smollm2() else {
-        eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
+        dyn_tests::skip("DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
         return;
     };
     let r = smol_reference("smollm2-gguf-reference.json");

@@ -20,20 +20,48 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The `dyn` binary under test: `$DYN_BIN`, or the one next to this test executable.
+/// The `dyn` binary under test: `$DYN_BIN`, or this checkout's, built by the first call in
+/// each test process (`cargo build -p dyn-cli --bin dyn` in this test executable's profile:
+/// a no-op when fresh), so a bare `cargo test` never drives a stale binary.
 pub fn dyn_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("DYN_BIN") {
         return p.into();
     }
-    // target/<profile>/deps/<test> → target/<profile>/dyn
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().unwrap().parent().unwrap().join("dyn");
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            // target/<profile>/deps/<test> → target/<profile>/dyn
+            let exe = std::env::current_exe().unwrap();
+            let dir = exe.parent().unwrap().parent().unwrap();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = Command::new(cargo);
+            build.current_dir(root());
+            build.args(["build", "--quiet", "-p", "dyn-cli", "--bin", "dyn"]);
+            if dir.file_name().is_some_and(|p| p == "release") {
+                build.arg("--release");
+            }
+            let status = build.status().unwrap();
+            assert!(status.success(), "building the dyn binary failed");
+            let bin = dir.join("dyn");
+            assert!(
+                bin.exists(),
+                "{} not found after building it",
+                bin.display()
+            );
+            bin
+        })
+        .clone()
+}
+
+/// A test that cannot run here. Under the test command (`scripts/test` provides etcd,
+/// NATS, the model and the Python venv, and sets `DYN_TEST_REQUIRE`) that is a failure;
+/// under a bare `cargo test` it says `SKIPPED` and the test passes.
+pub fn skip(reason: &str) {
     assert!(
-        bin.exists(),
-        "{} not found: build it first (`cargo build -p dyn-cli`) or set DYN_BIN",
-        bin.display()
+        std::env::var_os("DYN_TEST_REQUIRE").is_none(),
+        "{reason}, but the test command provides it (DYN_TEST_REQUIRE is set)"
     );
-    bin
+    eprintln!("SKIPPED: {reason}");
 }
 
 /// A `dyn` command run from the repository root.

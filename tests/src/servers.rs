@@ -14,11 +14,14 @@ pub fn free_port() -> u16 {
         .unwrap_or(0)
 }
 
-/// The value of a test-server variable, or `None` after saying the test skips.
+/// The value of a test-server variable, or `None` after saying the test skips (a failure
+/// under the test command: [`crate::skip`]).
 pub fn test_server(var: &str) -> Option<String> {
     let v = std::env::var(var).ok();
     if v.is_none() {
-        eprintln!("SKIPPED: {var} is not set (scripts/test starts etcd and NATS and sets it)");
+        crate::skip(&format!(
+            "{var} is not set (scripts/test starts etcd and NATS and sets it)"
+        ));
     }
     v
 }

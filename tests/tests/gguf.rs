@@ -30,7 +30,7 @@ async fn chat(url: &str, messages: &Value, max_tokens: usize) -> Value {
 #[tokio::test(flavor = "multi_thread")]
 async fn smollm2_answers_as_transformers_does_through_the_whole_graph() {
     let Some(path) = model() else {
-        eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
+        dyn_tests::skip("DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
         return;
     };
     let text = std::fs::read_to_string(root().join("models/smollm2-gguf-reference.json")).unwrap();

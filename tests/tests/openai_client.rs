@@ -12,8 +12,8 @@ use serde_json::{Value, json};
 #[test]
 fn openai_python_client_streams_a_chat_completion() {
     let Some(python) = std::env::var_os("DYN_TEST_PYTHON") else {
-        eprintln!(
-            "SKIPPED: DYN_TEST_PYTHON is not set (scripts/test sets it up with the openai package)"
+        dyn_tests::skip(
+            "DYN_TEST_PYTHON is not set (scripts/test sets it up with the openai package)",
         );
         return;
     };

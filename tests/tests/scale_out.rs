@@ -33,7 +33,7 @@ impl Cluster {
     fn up(file: &'static str, decode: usize, extra: &[&str]) -> Option<Cluster> {
         test_server("DYN_TEST_ETCD")?;
         let (Some(etcd), Some(nats)) = (Server::etcd(), Server::nats()) else {
-            eprintln!("SKIPPED: etcd or nats-server is not on PATH");
+            dyn_tests::skip("etcd or nats-server is not on PATH");
             return None;
         };
         let run_dir = scratch_dir(&format!("run-{}", etcd.address().replace(':', "-")));

@@ -248,7 +248,7 @@ mod tests {
     #[test]
     fn smollm2_tokenizes_as_transformers_does() {
         let Some(path) = smollm2() else {
-            eprintln!("SKIPPED: DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
+            dyn_tests::skip("DYN_SMOLLM2_GGUF is not set (scripts/test fetches the model)");
             return;
         };
         let m = ModelDir::load("smollm2", &path).expect("loads");
