@@ -45,34 +45,67 @@ pub struct EtcdDiscovery {
     _keepalive: tokio_util::task::AbortOnDropHandle<()>,
 }
 
-/// The instances under `prefix`, read without taking a lease (for `dyn graph ps`), from
-/// whichever of `endpoints` (`http://host:port`) answers.
+/// A client on the first of `endpoints` (`http://host:port`, in order) that answers `first`,
+/// with that answer. One client per member, tried in turn: etcd-client's own balancing over
+/// several endpoints sends requests to a member that is down and fails them.
+async fn first_member<E, T, F>(
+    endpoints: &[E],
+    timeout: Duration,
+    first: F,
+) -> Result<(Client, T), PlaneError>
+where
+    E: AsRef<str>,
+    F: AsyncFn(&mut Client) -> Result<T, PlaneError>,
+{
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(timeout)
+        .with_timeout(timeout);
+    let mut failures = Vec::new();
+    for endpoint in endpoints {
+        let endpoint = endpoint.as_ref();
+        let answered = match Client::connect([endpoint], Some(opts.clone())).await {
+            Ok(mut client) => first(&mut client).await.map(|v| (client, v)),
+            Err(e) => Err(err(e)),
+        };
+        match answered {
+            Ok(ok) => return Ok(ok),
+            Err(e) => failures.push(format!("{endpoint}: {e}")),
+        }
+    }
+    Err(err(if failures.is_empty() {
+        "no etcd endpoint".to_owned()
+    } else {
+        failures.join("; ")
+    }))
+}
+
+/// The instances under `prefix`, read without taking a lease (for `dyn graph ps`), from the
+/// first of `endpoints` that answers.
 pub async fn list_instances<E: AsRef<str>>(
     endpoints: &[E],
     prefix: &str,
 ) -> Result<Vec<Instance>, PlaneError> {
-    let opts = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(3))
-        .with_timeout(Duration::from_secs(3));
-    let mut client = Client::connect(endpoints, Some(opts)).await.map_err(err)?;
-    Ok(EtcdDiscovery::snapshot(&mut client, prefix).await?.0)
+    let snapshot = async |c: &mut Client| EtcdDiscovery::snapshot(c, prefix).await;
+    Ok(first_member(endpoints, Duration::from_secs(3), snapshot)
+        .await?
+        .1
+        .0)
 }
 
 impl EtcdDiscovery {
-    /// Connect to a cluster's `endpoints` (`http://host:port` each; requests go to those
-    /// that answer, so one member down is not an outage) and take a lease of `ttl` (etcd
-    /// rounds up to its minimum, 2 s for etcd 3.4).
+    /// Connect to the first of a cluster's `endpoints` (`http://host:port` each, tried in
+    /// order, so members that are down at start are passed over) and take a lease of `ttl`
+    /// (etcd rounds up to its minimum, 2 s for etcd 3.4). A member lost later is not yet
+    /// replaced by another: the process keeps retrying the one it has.
     pub async fn connect<E: AsRef<str>>(
         endpoints: &[E],
         ttl: Duration,
     ) -> Result<Self, PlaneError> {
-        let opts = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(5))
-            .with_timeout(Duration::from_secs(5));
-        let mut client = Client::connect(endpoints, Some(opts)).await.map_err(err)?;
         let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // The first call reaches the server: a wrong address fails here, not later.
-        let lease = client.lease_grant(ttl_s, None).await.map_err(err)?.id();
+        let grant = async |c: &mut Client| c.lease_grant(ttl_s, None).await.map_err(err);
+        let (client, granted) = first_member(endpoints, Duration::from_secs(5), grant).await?;
+        let lease = granted.id();
         let state = Arc::new(Mutex::new(Registrations {
             lease,
             instances: BTreeMap::new(),
