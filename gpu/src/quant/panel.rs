@@ -419,11 +419,81 @@ mod x86 {
     #[derive(Clone, Copy)]
     struct Two;
 
+    /// The methods whose 256- and 512-bit forms are one intrinsic each, named in this order.
+    macro_rules! same_ops {
+        ($splat8:ident, $splat32:ident, $splat:ident, $zero_i:ident, $zero:ident, $and:ident,
+         $or:ident, $xor:ident, $add_i:ident, $shl:ident, $float:ident, $mul:ident,
+         $sub:ident, $fma:ident) => {
+            #[inline(always)]
+            unsafe fn splat8(b: i8) -> Self::I {
+                unsafe { $splat8(b) }
+            }
+            #[inline(always)]
+            unsafe fn splat32(x: i32) -> Self::I {
+                unsafe { $splat32(x) }
+            }
+            #[inline(always)]
+            unsafe fn splat(x: f32) -> Self::F {
+                unsafe { $splat(x) }
+            }
+            #[inline(always)]
+            unsafe fn zero_i() -> Self::I {
+                unsafe { $zero_i() }
+            }
+            #[inline(always)]
+            unsafe fn zero() -> Self::F {
+                unsafe { $zero() }
+            }
+            #[inline(always)]
+            unsafe fn and(a: Self::I, b: Self::I) -> Self::I {
+                unsafe { $and(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn or(a: Self::I, b: Self::I) -> Self::I {
+                unsafe { $or(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn xor(a: Self::I, b: Self::I) -> Self::I {
+                unsafe { $xor(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn add_i(a: Self::I, b: Self::I) -> Self::I {
+                unsafe { $add_i(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn shl4(a: Self::I) -> Self::I {
+                unsafe { $shl(a, 4) }
+            }
+            #[inline(always)]
+            unsafe fn float(a: Self::I) -> Self::F {
+                unsafe { $float(a) }
+            }
+            #[inline(always)]
+            unsafe fn mul(a: Self::F, b: Self::F) -> Self::F {
+                unsafe { $mul(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn sub(a: Self::F, b: Self::F) -> Self::F {
+                unsafe { $sub(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F {
+                unsafe { $fma(a, b, c) }
+            }
+        };
+    }
+
     // SAFETY (both impls): the callers' — the kernels' target features, and `off` plus the
     // width inside each panel's bytes.
     impl Lanes for One {
         type I = __m256i;
         type F = __m256;
+        same_ops! {
+            _mm256_set1_epi8, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_si256,
+            _mm256_setzero_ps, _mm256_and_si256, _mm256_or_si256, _mm256_xor_si256,
+            _mm256_add_epi32, _mm256_slli_epi16, _mm256_cvtepi32_ps, _mm256_mul_ps,
+            _mm256_sub_ps, _mm256_fmadd_ps
+        }
         #[inline(always)]
         unsafe fn load(w: [*const u8; 2], off: usize) -> __m256i {
             unsafe { _mm256_loadu_si256(w[0].add(off).cast()) }
@@ -441,70 +511,20 @@ mod x86 {
             unsafe { _mm256_storeu_ps(y, v) }
         }
         #[inline(always)]
-        unsafe fn splat8(b: i8) -> __m256i {
-            unsafe { _mm256_set1_epi8(b) }
-        }
-        #[inline(always)]
-        unsafe fn splat32(x: i32) -> __m256i {
-            unsafe { _mm256_set1_epi32(x) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> __m256 {
-            unsafe { _mm256_set1_ps(x) }
-        }
-        #[inline(always)]
-        unsafe fn zero_i() -> __m256i {
-            unsafe { _mm256_setzero_si256() }
-        }
-        #[inline(always)]
-        unsafe fn zero() -> __m256 {
-            unsafe { _mm256_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
-            unsafe { _mm256_and_si256(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
-            unsafe { _mm256_or_si256(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn xor(a: __m256i, b: __m256i) -> __m256i {
-            unsafe { _mm256_xor_si256(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn add_i(a: __m256i, b: __m256i) -> __m256i {
-            unsafe { _mm256_add_epi32(a, b) }
-        }
-        #[inline(always)]
         unsafe fn shr(a: __m256i, n: u32) -> __m256i {
             unsafe { _mm256_srl_epi16(a, _mm_cvtsi32_si128(n as i32)) }
-        }
-        #[inline(always)]
-        unsafe fn shl4(a: __m256i) -> __m256i {
-            unsafe { _mm256_slli_epi16(a, 4) }
-        }
-        #[inline(always)]
-        unsafe fn float(a: __m256i) -> __m256 {
-            unsafe { _mm256_cvtepi32_ps(a) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-            unsafe { _mm256_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn sub(a: __m256, b: __m256) -> __m256 {
-            unsafe { _mm256_sub_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
-            unsafe { _mm256_fmadd_ps(a, b, c) }
         }
     }
 
     impl Lanes for Two {
         type I = __m512i;
         type F = __m512;
+        same_ops! {
+            _mm512_set1_epi8, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_si512,
+            _mm512_setzero_ps, _mm512_and_si512, _mm512_or_si512, _mm512_xor_si512,
+            _mm512_add_epi32, _mm512_slli_epi16, _mm512_cvtepi32_ps, _mm512_mul_ps,
+            _mm512_sub_ps, _mm512_fmadd_ps
+        }
         #[inline(always)]
         unsafe fn load(w: [*const u8; 2], off: usize) -> __m512i {
             unsafe {
@@ -530,64 +550,8 @@ mod x86 {
             unsafe { _mm512_storeu_ps(y, v) }
         }
         #[inline(always)]
-        unsafe fn splat8(b: i8) -> __m512i {
-            unsafe { _mm512_set1_epi8(b) }
-        }
-        #[inline(always)]
-        unsafe fn splat32(x: i32) -> __m512i {
-            unsafe { _mm512_set1_epi32(x) }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> __m512 {
-            unsafe { _mm512_set1_ps(x) }
-        }
-        #[inline(always)]
-        unsafe fn zero_i() -> __m512i {
-            unsafe { _mm512_setzero_si512() }
-        }
-        #[inline(always)]
-        unsafe fn zero() -> __m512 {
-            unsafe { _mm512_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
-            unsafe { _mm512_and_si512(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
-            unsafe { _mm512_or_si512(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn xor(a: __m512i, b: __m512i) -> __m512i {
-            unsafe { _mm512_xor_si512(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn add_i(a: __m512i, b: __m512i) -> __m512i {
-            unsafe { _mm512_add_epi32(a, b) }
-        }
-        #[inline(always)]
         unsafe fn shr(a: __m512i, n: u32) -> __m512i {
             unsafe { _mm512_srl_epi16(a, _mm_cvtsi32_si128(n as i32)) }
-        }
-        #[inline(always)]
-        unsafe fn shl4(a: __m512i) -> __m512i {
-            unsafe { _mm512_slli_epi16(a, 4) }
-        }
-        #[inline(always)]
-        unsafe fn float(a: __m512i) -> __m512 {
-            unsafe { _mm512_cvtepi32_ps(a) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-            unsafe { _mm512_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn sub(a: __m512, b: __m512) -> __m512 {
-            unsafe { _mm512_sub_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-            unsafe { _mm512_fmadd_ps(a, b, c) }
         }
     }
 
