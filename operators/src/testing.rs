@@ -8,19 +8,13 @@ use crate::llm::types::{OutputSpec, PreprocessedRequest, Sampling, StopCondition
 /// A build context for `node` with the repository's tiny model, on `planes`.
 pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> BuildCx {
     BuildCx {
-        graph: "g".into(),
-        namespace: "ns".into(),
-        node: node.into(),
-        replica: 0,
         instance_id,
         consumers: consumers.iter().map(|c| c.to_string()).collect(),
         model: Some(dyn_pipeline::spec::ModelSpec {
             name: "tiny".into(),
             path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
         }),
-        base_dir: ".".into(),
-        planes: planes.clone(),
-        inspect: Default::default(),
+        ..BuildCx::for_tests(node, planes.clone())
     }
 }
 

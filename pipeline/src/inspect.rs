@@ -12,16 +12,26 @@ use std::sync::{Arc, Weak};
 use parking_lot::RwLock;
 use serde_json::Value;
 
+use crate::registry::{BuildCx, BuildError};
+use crate::services::Service;
+
 /// A node that answers introspection queries.
 pub trait Inspect: Send + Sync + 'static {
     /// Answer `query` given `args`; `Err` with a message for an unknown query or bad args.
     fn inspect(&self, query: &str, args: &Value) -> Result<Value, String>;
 }
 
-/// The inspectable nodes of one process, shared through [`crate::BuildCx`].
+/// The inspectable nodes of one graph run: a [`Service`] every kind reaches through
+/// [`crate::BuildCx::service`].
 #[derive(Default)]
 pub struct Inspectables {
     nodes: RwLock<BTreeMap<String, Vec<Weak<dyn Inspect>>>>,
+}
+
+impl Service for Inspectables {
+    async fn start(_cx: &BuildCx) -> Result<Self, BuildError> {
+        Ok(Self::default())
+    }
 }
 
 impl Inspectables {

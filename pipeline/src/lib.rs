@@ -16,6 +16,7 @@ pub mod plan;
 pub mod planes;
 pub mod registry;
 pub mod runtime;
+pub mod services;
 pub mod spec;
 
 pub use compile::{CompiledGraph, compile, load_and_compile};
@@ -27,6 +28,7 @@ pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
 pub use plan::{Format, Plan};
 pub use registry::{BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Registry};
 pub use runtime::{Placement, RunOptions, run};
+pub use services::{Service, Services};
 
 /// Exit code for configuration errors (`EX_CONFIG` from sysexits.h).
 pub const EXIT_CONFIG: i32 = 78;

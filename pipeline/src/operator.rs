@@ -8,6 +8,7 @@
 //! Types stay generic inside operators; [`erase`] turns an operator into a [`DynOperator`] over
 //! [`AnyPayload`] once the compiler has checked every edge.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -35,18 +36,23 @@ pub trait Operator: Send + Sync + 'static {
 /// An error produced while serving a request. `kind` decides what a client is told (an HTTP
 /// ingress maps it to a status code); `message` is safe to show to the client, and detail for
 /// operators goes to the log.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// It is also what crosses the request plane when a remote node fails (serde), so a code or
+/// kind this build does not know survives the trip: an unknown code is kept as sent, an
+/// unknown kind reads as `internal`.
+#[derive(Debug, Clone, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[error("{message}")]
 pub struct OpError {
     pub kind: ErrorKind,
     pub message: String,
     /// A stable machine-readable code (OpenAI's `code`, e.g. `context_length_exceeded`).
-    pub code: Option<&'static str>,
+    pub code: Option<Cow<'static, str>>,
     /// The request field at fault (OpenAI's `param`).
     pub param: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
     /// The request itself is wrong (4xx).
     InvalidRequest,
@@ -55,6 +61,7 @@ pub enum ErrorKind {
     /// The request was cancelled or passed its deadline.
     Cancelled,
     /// A bug or an unexpected failure (500).
+    #[serde(other)]
     Internal,
 }
 
@@ -68,8 +75,8 @@ impl OpError {
         }
     }
     /// Attach a stable error code.
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
+    pub fn with_code(mut self, code: impl Into<Cow<'static, str>>) -> Self {
+        self.code = Some(code.into());
         self
     }
     /// Name the request field at fault.

@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 use crate::operator::{DynIngress, DynOperator, Ingress, Operator, erase, erase_ingress};
 use crate::payload::PayloadType;
 use crate::planes::Planes;
+use crate::services::{Service, Services};
 
 /// A problem `validate()` found in a config; `field` points the diagnostic at that key.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,11 +75,33 @@ pub struct BuildCx {
     /// Directory of the graph file: relative paths in configs are resolved against it.
     pub base_dir: PathBuf,
     pub planes: Planes,
-    /// This process's introspection registry (`dyn inspect`).
-    pub inspect: std::sync::Arc<crate::Inspectables>,
+    /// The services this graph run shares among its nodes (see [`crate::services`]).
+    pub services: Services,
 }
 
 impl BuildCx {
+    /// The running service `S`, started on first use (see [`crate::services`]).
+    pub async fn service<S: Service>(&self) -> Result<Arc<S>, BuildError> {
+        self.services.get::<S>(self).await
+    }
+
+    /// A context for building replica 0 of `node` in a one-node graph `g` (namespace `ns`)
+    /// with no model: unit tests of kinds start from it.
+    pub fn for_tests(node: &str, planes: Planes) -> Self {
+        Self {
+            graph: "g".into(),
+            namespace: "ns".into(),
+            node: node.into(),
+            replica: 0,
+            instance_id: 1,
+            consumers: Vec::new(),
+            model: None,
+            base_dir: ".".into(),
+            planes,
+            services: Services::default(),
+        }
+    }
+
     /// A path from the graph or a node's config: `~/…` under the home directory, relative
     /// paths against the graph file's directory.
     pub fn resolve(&self, path: &str) -> PathBuf {

@@ -154,7 +154,7 @@ pub async fn run(
         )
         .await?
     };
-    let inspect = Arc::new(crate::Inspectables::default());
+    let services = crate::Services::default();
     let root = Ctx::with_id("runtime");
     let cx = |node: &str, replica: u32, instance_id: u64| BuildCx {
         graph: graph.name.clone(),
@@ -166,7 +166,7 @@ pub async fn run(
         model: graph.model.clone(),
         base_dir: graph.base_dir.clone(),
         planes: planes.clone(),
-        inspect: inspect.clone(),
+        services: services.clone(),
     };
     let build_err = |node: &str, replica: u32, source| RuntimeError::Build {
         node: node.to_owned(),

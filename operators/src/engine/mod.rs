@@ -15,6 +15,7 @@ pub mod mocker;
 pub mod native;
 pub mod pool;
 pub mod scheduler;
+pub mod transfer;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -203,11 +204,7 @@ impl Worker {
             }
         });
         let queued = Arc::new(AtomicUsize::new(0));
-        let agent = cx
-            .planes
-            .transfer_agent()
-            .await
-            .map_err(|e| BuildError::new(e.to_string()))?;
+        let agent = cx.service::<transfer::TransferAgent>().await?.0.clone();
         let (unpin_tx, unpin_rx) = std_mpsc::channel();
         let engine = Engine {
             agent: agent.clone(),

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod openai;
 pub mod text;
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -82,7 +83,7 @@ impl ServerConfig {
 pub struct ApiError {
     pub status: StatusCode,
     pub kind: &'static str,
-    pub code: &'static str,
+    pub code: Cow<'static, str>,
     pub message: String,
     pub param: Option<String>,
 }
@@ -91,19 +92,19 @@ impl ApiError {
     pub fn new(
         status: StatusCode,
         kind: &'static str,
-        code: &'static str,
+        code: impl Into<Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
         Self {
             status,
             kind,
-            code,
+            code: code.into(),
             message: message.into(),
             param: None,
         }
     }
 
-    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(code: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
@@ -126,13 +127,14 @@ impl From<OpError> for ApiError {
     fn from(e: OpError) -> Self {
         let param = e.param;
         let mut api = match e.kind {
-            ErrorKind::InvalidRequest => {
-                ApiError::invalid(e.code.unwrap_or("invalid_request"), e.message)
-            }
+            ErrorKind::InvalidRequest => ApiError::invalid(
+                e.code.unwrap_or(Cow::Borrowed("invalid_request")),
+                e.message,
+            ),
             ErrorKind::Unavailable => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
-                e.code.unwrap_or("no_worker_available"),
+                e.code.unwrap_or(Cow::Borrowed("no_worker_available")),
                 e.message,
             ),
             ErrorKind::Cancelled => ApiError::new(

@@ -64,7 +64,7 @@ impl IngressConfig for HttpConfig {
             config: self.server.clone(),
             model: model.name.clone(),
             admin: Admin {
-                inspect: cx.inspect.clone(),
+                inspect: cx.service::<dyn_pipeline::Inspectables>().await?,
                 events: cx.planes.events.clone(),
                 namespace: cx.namespace.clone(),
                 model: model.name.clone(),

@@ -9,14 +9,14 @@
 //! files fall back to what the others say.
 //!
 //! Several nodes of a graph need the same directory (preprocess, postprocess, every decode
-//! replica), so [`ModelDir::shared`] loads it once per process, on the blocking thread pool,
-//! and hands out the same `Arc` while anyone holds it.
+//! replica), so [`ModelDir::shared`] loads it once per graph run (the [`ModelCache`] service),
+//! on the blocking thread pool, and hands out the same `Arc` while anyone holds it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, Weak};
 
-use dyn_pipeline::{BuildCx, BuildError};
+use dyn_pipeline::{BuildCx, BuildError, Service};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -120,21 +120,31 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// Loaded directories by (name, path), kept only while some node holds them.
-type Loaded = HashMap<(String, PathBuf), Weak<ModelDir>>;
-static LOADED: LazyLock<parking_lot::Mutex<Loaded>> = LazyLock::new(Default::default);
+/// The model directories one graph run has loaded, by (name, path): a service, so every
+/// node of the run shares one copy, and a directory is dropped when no node holds it.
+#[derive(Default)]
+pub struct ModelCache {
+    loaded: parking_lot::Mutex<HashMap<(String, PathBuf), Weak<ModelDir>>>,
+}
+
+impl Service for ModelCache {
+    async fn start(_cx: &BuildCx) -> Result<Self, BuildError> {
+        Ok(Self::default())
+    }
+}
 
 impl ModelDir {
     /// The graph's model, resolved against the graph file's directory (or `~`): loaded once per
-    /// process (file reads and tokenizer parsing on the blocking pool), then shared.
+    /// graph run (file reads and tokenizer parsing on the blocking pool), then shared.
     pub async fn shared(cx: &BuildCx) -> Result<Arc<ModelDir>, BuildError> {
         let spec = cx.model.as_ref().ok_or_else(|| {
             BuildError::new(
                 "this kind needs a model: add `model: {name: ..., path: ...}` to the graph",
             )
         })?;
+        let cache = cx.service::<ModelCache>().await?;
         let key = (spec.name.clone(), cx.resolve(&spec.path));
-        if let Some(m) = LOADED.lock().get(&key).and_then(Weak::upgrade) {
+        if let Some(m) = cache.loaded.lock().get(&key).and_then(Weak::upgrade) {
             return Ok(m);
         }
         let (name, path) = key.clone();
@@ -142,7 +152,7 @@ impl ModelDir {
             .await
             .map_err(|e| BuildError::new(format!("model loading task failed: {e}")))??;
         // Two nodes may have loaded it at once; keep the first so all share one copy.
-        let mut loaded = LOADED.lock();
+        let mut loaded = cache.loaded.lock();
         if let Some(m) = loaded.get(&key).and_then(Weak::upgrade) {
             return Ok(m);
         }

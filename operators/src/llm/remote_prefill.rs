@@ -96,17 +96,12 @@ impl OperatorConfig for RemotePrefillConfig {
 
     async fn build(&self, cx: &BuildCx) -> Result<RemotePrefill, BuildError> {
         // The pool is routed like any worker node, but shown through this node, not on its own.
-        let pool_cx = BuildCx {
-            consumers: vec![self.pool.clone()],
-            inspect: Arc::default(),
-            ..cx.clone()
-        };
         let pool = RouteConfig {
             policy: Policy::Kv,
             overlap_weight: self.overlap_weight,
             ..RouteConfig::default()
         }
-        .build(&pool_cx)
+        .start(cx, &self.pool)
         .await?;
         let reply = format!(
             "dyn.{}.{}.prefill_replies.{:x}",
@@ -144,7 +139,9 @@ impl OperatorConfig for RemotePrefillConfig {
             counts: Mutex::new(HashMap::new()),
         });
         let shown: Arc<dyn Inspect> = inner.clone();
-        cx.inspect.register(&cx.node, &shown);
+        cx.service::<dyn_pipeline::Inspectables>()
+            .await?
+            .register(&cx.node, &shown);
         Ok(RemotePrefill {
             inner,
             _replies: tokio_util::task::AbortOnDropHandle::new(task),

@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 use dyn_pipeline::planes::{EventBus, Instance, LiveInstances, Planes};
 use dyn_pipeline::runtime::ENDPOINT;
 use dyn_pipeline::{
-    BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
+    BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
+    OperatorConfig, Output,
 };
 use futures::StreamExt;
 use parking_lot::{Mutex, RwLock};
@@ -145,6 +146,19 @@ impl OperatorConfig for RouteConfig {
                 "route needs exactly one node taking its output (the workers to choose from)",
             ));
         };
+        let route = self.start(cx, target).await?;
+        let shown: Arc<dyn Inspect> = route.inner.clone();
+        cx.service::<Inspectables>()
+            .await?
+            .register(&cx.node, &shown);
+        Ok(route)
+    }
+}
+
+impl RouteConfig {
+    /// A router among the instances of node `target`, not shown in `dyn inspect` on its own
+    /// (kinds that route a pool of their own, like `remote_prefill`, show it through themselves).
+    pub async fn start(&self, cx: &BuildCx, target: &str) -> Result<Route, BuildError> {
         let prefix = Instance::prefix(&cx.namespace, target, ENDPOINT);
         let workers =
             cx.planes.live(&prefix).await.map_err(|e| {
@@ -167,7 +181,7 @@ impl OperatorConfig for RouteConfig {
             approx: Mutex::new(HashMap::new()),
         });
         let inner = Arc::new(Inner {
-            target: target.clone(),
+            target: target.to_owned(),
             workers,
             config: self.clone(),
             active: Arc::default(),
@@ -185,8 +199,6 @@ impl OperatorConfig for RouteConfig {
         .await
         .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
-        let shown: Arc<dyn Inspect> = inner.clone();
-        cx.inspect.register(&cx.node, &shown);
         Ok(Route { inner, _task: task })
     }
 }

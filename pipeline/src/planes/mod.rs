@@ -21,8 +21,6 @@ pub mod tcp;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
-use dyn_gpu::transfer::{InProcessAgent, KvTransferAgent, TcpAgent};
-
 pub use discovery::{
     Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
 };
@@ -53,10 +51,9 @@ pub struct Planes {
     pub requests: Arc<dyn RequestPlane>,
     pub queue: Arc<dyn WorkQueue>,
     /// How this process is reached from others (`None` when the graph runs in one process):
-    /// kinds that open their own listeners (the KV transfer agent) bind where the request plane does.
+    /// services that open their own listeners (the KV transfer agent) bind where the request
+    /// plane does.
     pub tcp: Option<TcpOptions>,
-    /// This process's KV transfer agent, started by the first kind that needs one.
-    transfer: Arc<tokio::sync::OnceCell<Arc<dyn KvTransferAgent>>>,
     /// One discovery watch per prefix in this process, shared by everyone who follows it.
     watches: Arc<tokio::sync::Mutex<HashMap<String, Weak<LiveInstances>>>>,
 }
@@ -105,7 +102,6 @@ impl Planes {
             requests: Arc::new(EmbeddedRequestPlane::default()),
             queue: Arc::new(EmbeddedWorkQueue::default()),
             tcp: None,
-            transfer: Arc::default(),
             watches: Arc::default(),
         }
     }
@@ -116,28 +112,6 @@ impl Planes {
         self.requests
             .health()
             .is_some_and(|h| h.is_down(instance_id))
-    }
-
-    /// This process's KV transfer agent: over TCP (on the request plane's host, any port) when
-    /// other processes may pull from it, in-process otherwise.
-    pub async fn transfer_agent(&self) -> Result<Arc<dyn KvTransferAgent>, PlaneError> {
-        self.transfer
-            .get_or_try_init(|| async {
-                let Some(tcp) = &self.tcp else {
-                    return Ok(Arc::new(InProcessAgent::default()) as Arc<dyn KvTransferAgent>);
-                };
-                let host = tcp.bind.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
-                let agent = TcpAgent::bind(&format!("{host}:0"), tcp.advertise_host.as_deref())
-                    .await
-                    .map_err(|e| PlaneError::Backend {
-                        plane: "transfer",
-                        message: format!("cannot listen for KV transfers on {host}: {e}"),
-                    })?;
-                tracing::info!(agent = agent.name(), "KV transfer agent listening");
-                Ok(Arc::new(agent) as Arc<dyn KvTransferAgent>)
-            })
-            .await
-            .cloned()
     }
 
     /// The live instances under `prefix`, from this process's one watch of it. A router and

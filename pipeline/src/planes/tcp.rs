@@ -34,7 +34,7 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 use super::request::EndpointTypes;
 use super::{Instance, PlaneError, RequestPlane, Transport};
 use crate::ctx::Ctx;
-use crate::operator::{DynOperator, ErrorKind, Input, OpError, Output};
+use crate::operator::{DynOperator, Input, OpError, Output};
 use crate::payload::{AnyPayload, Codec, PayloadType};
 
 /// The error code of a call whose instance could not be reached or went away mid-stream.
@@ -109,57 +109,11 @@ struct Header {
     timeout_ms: Option<u64>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct WireError {
-    kind: String,
-    message: String,
-    code: Option<String>,
-    param: Option<String>,
-}
-
-impl From<&OpError> for WireError {
-    fn from(e: &OpError) -> Self {
-        Self {
-            kind: match e.kind {
-                ErrorKind::InvalidRequest => "invalid_request",
-                ErrorKind::Unavailable => "unavailable",
-                ErrorKind::Cancelled => "cancelled",
-                ErrorKind::Internal => "internal",
-            }
-            .into(),
-            message: e.message.clone(),
-            code: e.code.map(str::to_owned),
-            param: e.param.clone(),
-        }
-    }
-}
-
-impl WireError {
-    fn into_op_error(self) -> OpError {
-        let kind = match self.kind.as_str() {
-            "invalid_request" => ErrorKind::InvalidRequest,
-            "unavailable" => ErrorKind::Unavailable,
-            "cancelled" => ErrorKind::Cancelled,
-            _ => ErrorKind::Internal,
-        };
-        let mut e = OpError::new(kind, self.message);
-        // Codes are `&'static str`; keep the ones this build knows, and say the rest in words.
-        e.code = self.code.as_deref().and_then(known_code);
-        e.param = self.param;
-        e
-    }
-}
-
-fn known_code(code: &str) -> Option<&'static str> {
-    const CODES: &[&str] = &[
-        INSTANCE_LOST,
-        "worker_busy",
-        "draining",
-        "context_length_exceeded",
-        "invalid_value",
-        "model_not_found",
-    ];
-    CODES.iter().copied().find(|c| *c == code)
+/// Why a call's input could not go out: the connection failed (the instance is lost), or
+/// the request itself cannot be sent (the caller's fault).
+enum SendFailed {
+    Lost(String),
+    Invalid(String),
 }
 
 fn frame(tag: u8, body: &[u8]) -> Bytes {
@@ -430,10 +384,7 @@ async fn serve_one(
 }
 
 fn error_frame(e: &OpError) -> Bytes {
-    frame(
-        ERROR,
-        &serde_json::to_vec(&WireError::from(e)).unwrap_or_default(),
-    )
+    frame(ERROR, &serde_json::to_vec(e).unwrap_or_default())
 }
 
 async fn send_error_and_done(
@@ -582,23 +533,24 @@ impl RemoteCall {
             // Input goes out while outputs come back; an input item that cannot be encoded
             // fails the call.
             let send_input = async move {
-                writer.send(header).await.map_err(|e| format!("send failed: {e}"))?;
+                let lost = |e: std::io::Error| SendFailed::Lost(format!("send failed: {e}"));
+                writer.send(header).await.map_err(lost)?;
                 let mut input = input;
                 while let Some(item) = input.next().await {
                     let bytes = (in_codec.encode)(item.as_ref())
-                        .map_err(|e| format!("cannot encode the request: {e}"))?;
+                        .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
                     if bytes.len() >= max {
-                        return Err(format!(
+                        return Err(SendFailed::Invalid(format!(
                             "request item of {} bytes exceeds the {max}-byte message limit",
                             bytes.len()
-                        ));
+                        )));
                     }
-                    writer.send(frame(ITEM, &bytes)).await.map_err(|e| format!("send failed: {e}"))?;
+                    writer.send(frame(ITEM, &bytes)).await.map_err(lost)?;
                 }
-                writer.send(frame(END_INPUT, b"")).await.map_err(|e| format!("send failed: {e}"))?;
+                writer.send(frame(END_INPUT, b"")).await.map_err(lost)?;
                 // Keep the write half open until the response is done: closing it would read
                 // as a cancellation on the other side.
-                Ok::<_, String>(writer)
+                Ok::<_, SendFailed>(writer)
             };
             tokio::pin!(send_input);
             let mut sent = None;
@@ -607,13 +559,13 @@ impl RemoteCall {
                 tokio::select! {
                     res = &mut send_input, if sent.is_none() => match res {
                         Ok(w) => sent = Some(w),
-                        Err(msg) => {
-                            if msg.starts_with("send failed") {
-                                if !got_any { self.health.report_down(self.instance_id); }
-                                yield Err(self.lost(msg));
-                            } else {
-                                yield Err(OpError::invalid(msg));
-                            }
+                        Err(SendFailed::Lost(msg)) => {
+                            if !got_any { self.health.report_down(self.instance_id); }
+                            yield Err(self.lost(msg));
+                            return;
+                        }
+                        Err(SendFailed::Invalid(msg)) => {
+                            yield Err(OpError::invalid(msg));
                             return;
                         }
                     },
@@ -641,8 +593,7 @@ impl RemoteCall {
                                 }
                             },
                             Some((&ERROR, body)) => {
-                                let e = serde_json::from_slice::<WireError>(body)
-                                    .map(WireError::into_op_error)
+                                let e = serde_json::from_slice::<OpError>(body)
                                     .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
                                 yield Err(e);
                                 return;
@@ -674,7 +625,7 @@ impl RemoteCall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::operator::{Operator, erase};
+    use crate::operator::{ErrorKind, Operator, erase};
     use crate::payload::{Payload, downcast};
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -712,7 +663,7 @@ mod tests {
                     }
                 }
                 if n_fail(&ctx) {
-                    yield Err(OpError::invalid("asked to fail").with_code("invalid_value"));
+                    yield Err(OpError::invalid("asked to fail").with_code("a_code_only_the_callee_knows"));
                 }
             }
             .boxed()
@@ -801,10 +752,10 @@ mod tests {
         assert_eq!(ok, vec![1, 2, 3]);
         let err = err.expect("an error");
         assert_eq!(
-            (err.kind, err.code, err.message.as_str()),
+            (err.kind, err.code.as_deref(), err.message.as_str()),
             (
                 ErrorKind::InvalidRequest,
-                Some("invalid_value"),
+                Some("a_code_only_the_callee_knows"),
                 "asked to fail"
             )
         );
@@ -848,7 +799,7 @@ mod tests {
             .await;
         let err = collect_nums(out).1.expect("error");
         assert_eq!(
-            (err.kind, err.code),
+            (err.kind, err.code.as_deref()),
             (ErrorKind::Unavailable, Some(INSTANCE_LOST))
         );
         drop(server);
@@ -859,7 +810,7 @@ mod tests {
             .collect()
             .await;
         let err = collect_nums(out).1.expect("error");
-        assert_eq!(err.code, Some(INSTANCE_LOST), "{}", err.message);
+        assert_eq!(err.code.as_deref(), Some(INSTANCE_LOST), "{}", err.message);
         assert!(health.is_down(inst.instance_id));
     }
 
