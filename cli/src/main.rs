@@ -254,18 +254,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         GraphCommand::Kinds => {
             for k in registry.kinds() {
-                let types = match k.role {
-                    dyn_pipeline::registry::Role::Operator { input, output } => {
+                let types = match k.ports {
+                    dyn_pipeline::registry::Ports::Operator { input, output } => {
                         format!("{} → {}", input.name, output.name)
                     }
-                    dyn_pipeline::registry::Role::Ingress { request, response } => {
+                    dyn_pipeline::registry::Ports::Ingress { request, response } => {
                         format!(
                             "ingress: sends {}, answers with {}",
                             request.name, response.name
                         )
                     }
                 };
-                println!("{:<12} {:<40} {}", k.name, types, k.summary);
+                println!(
+                    "{:<16} {:<12} {:<44} {}",
+                    k.name,
+                    k.role.to_string(),
+                    types,
+                    k.summary
+                );
             }
             Ok(())
         }

@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
 };
@@ -68,6 +69,7 @@ impl DecodeConfig {
 impl OperatorConfig for DecodeConfig {
     const KIND: &'static str = "decode";
     const SUMMARY: &'static str = "Runs an engine on tokenized requests (engine: mocker, native)";
+    const ROLE: Role = Role::Worker;
     type Op = Decode;
 
     fn validate(&self) -> Vec<Invalid> {

@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use dyn_pipeline::registry::Role;
 use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, Invalid, Operator, OperatorConfig, Output};
 use futures::StreamExt;
 use serde::Deserialize;
@@ -46,6 +47,7 @@ const MAX_DELAY_MS: u64 = 60_000;
 impl OperatorConfig for EchoConfig {
     const KIND: &'static str = "echo";
     const SUMMARY: &'static str = "Echoes its input, optionally word by word with a delay";
+    const ROLE: Role = Role::Worker;
     type Op = Echo;
 
     fn validate(&self) -> Vec<Invalid> {

@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
 };
@@ -36,6 +37,7 @@ impl OperatorConfig for PrefillConfig {
     const KIND: &'static str = "prefill";
     const SUMMARY: &'static str =
         "Prefill worker: computes prompts' KV for decode workers to pull (engine: mocker, native)";
+    const ROLE: Role = Role::Worker;
     type Op = Prefill;
 
     fn validate(&self) -> Vec<Invalid> {

@@ -1,14 +1,11 @@
 //! The graph compiler: spec + registry → a checked graph, or every error at once.
 //!
-//! Phases, each reporting all it finds before the next runs on what survived:
-//!
-//! 1. nodes: known kind, config fields and types (serde, with positions), the kind's own
-//!    `validate()`, replica counts;
-//! 2. edges: inputs name real nodes, payload types agree on both ends;
-//! 3. shape: no cycles, no fan-out (a request's path must be unambiguous), every ingress
-//!    reaches a last node whose output is the ingress's response type;
-//! 4. placement: process groups agree on replicas, calls that leave a process carry types
-//!    with a wire codec.
+//! A sequence of named passes over one `Compiler` state (`Compiler::PASSES`, in order), each
+//! reporting all it finds before the next runs on what survived: nodes (kind, config,
+//! `validate()`), edges (names and payload types), calls (nodes named in configs), fan-out,
+//! cycles, paths (each ingress reaches a node answering its response type), reach, roles (a
+//! router has a worker behind it), process groups (replica counts) and wire codecs (calls that
+//! leave a process). A new check is a new method and a line in `PASSES`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -18,7 +15,7 @@ use marked_yaml::Node;
 
 use crate::diag::{Diagnostic, Diagnostics, Pos};
 use crate::payload::PayloadType;
-use crate::registry::{DynConfig, Kind, Registry, Role};
+use crate::registry::{DynConfig, Kind, Ports, Registry, Role};
 use crate::spec::{self, GraphSpec, ModelSpec, Override};
 
 /// Where a plane lives, parsed from the `planes:` section.
@@ -84,16 +81,16 @@ impl CompiledGraph {
 
 /// The type a node sends downstream.
 pub fn output_type(kind: &Kind) -> PayloadType {
-    match kind.role {
-        Role::Operator { output, .. } => output,
-        Role::Ingress { request, .. } => request,
+    match kind.ports {
+        Ports::Operator { output, .. } => output,
+        Ports::Ingress { request, .. } => request,
     }
 }
 
 fn input_type(kind: &Kind) -> Option<PayloadType> {
-    match kind.role {
-        Role::Operator { input, .. } => Some(input),
-        Role::Ingress { .. } => None,
+    match kind.ports {
+        Ports::Operator { input, .. } => Some(input),
+        Ports::Ingress { .. } => None,
     }
 }
 
@@ -175,306 +172,419 @@ pub fn compile(
 ) -> Result<CompiledGraph, Diagnostics> {
     let control = parse_plane(&spec.planes.control, "etcd", "control", &mut diags);
     let events = parse_plane(&spec.planes.events, "nats", "events", &mut diags);
+    let mut c = Compiler::new(spec, registry, diags);
+    for (name, pass) in Compiler::PASSES {
+        tracing::trace!(pass = name, "Compiler pass");
+        pass(&mut c);
+    }
+    c.finish(control, events, base_dir)
+}
 
-    // Phase 1: nodes.
-    let mut parsed: Vec<Option<(Kind, Arc<dyn DynConfig>)>> = Vec::with_capacity(spec.nodes.len());
-    for n in &spec.nodes {
-        let id = Some(n.id.as_str());
-        if n.replicas == 0 {
-            diags.push(Diagnostic::error(
-                n.replicas_pos,
-                id,
-                "`replicas` must be at least 1",
-            ));
+/// One compiler pass: reads and adds to what the earlier ones found.
+type Pass<'a> = fn(&mut Compiler<'a>);
+
+/// What the passes know so far about one spec.
+struct Compiler<'a> {
+    spec: &'a GraphSpec,
+    registry: &'a Registry,
+    diags: Diagnostics,
+    /// Per node: its kind and config, `None` when either was wrong.
+    parsed: Vec<Option<(Kind, Arc<dyn DynConfig>)>>,
+    index: HashMap<&'a str, usize>,
+    inputs: Vec<Vec<usize>>,
+    /// consumers[u] = (consumer, position of the input entry naming u)
+    consumers: Vec<Vec<(usize, Option<Pos>)>>,
+    /// Nodes named in other nodes' configs (a remote prefill's pool).
+    called: Vec<bool>,
+    chains: Vec<ChainPath>,
+    on_chain: Vec<bool>,
+}
+
+impl<'a> Compiler<'a> {
+    /// The passes, in order. Each reports everything it finds; later passes look only at what
+    /// earlier ones let through (a node whose config failed to parse has no type to check).
+    const PASSES: [(&'static str, Pass<'a>); 10] = [
+        ("nodes", Self::parse_nodes),
+        ("edges", Self::link_edges),
+        ("calls", Self::resolve_calls),
+        ("fan-out", Self::check_fan_out),
+        ("cycles", Self::check_cycles),
+        ("paths", Self::trace_paths),
+        ("reach", Self::warn_unreached),
+        ("roles", Self::check_roles),
+        ("process groups", Self::check_process_groups),
+        ("wire codecs", Self::check_wire_codecs),
+    ];
+
+    fn new(spec: &'a GraphSpec, registry: &'a Registry, diags: Diagnostics) -> Self {
+        let n = spec.nodes.len();
+        Self {
+            spec,
+            registry,
+            diags,
+            parsed: Vec::with_capacity(n),
+            index: spec
+                .nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.id.as_str(), i))
+                .collect(),
+            inputs: vec![Vec::new(); n],
+            consumers: vec![Vec::new(); n],
+            called: vec![false; n],
+            chains: Vec::new(),
+            on_chain: vec![false; n],
         }
-        let Some(kind) = registry.get(&n.kind) else {
-            let known: Vec<&str> = registry.kinds().map(|k| k.name).collect();
-            diags.push(Diagnostic::error(
-                n.kind_pos,
-                id,
-                format!(
+    }
+
+    fn error(&mut self, pos: Option<Pos>, node: usize, message: impl Into<String>) {
+        let id = Some(self.spec.nodes[node].id.as_str());
+        self.diags.push(Diagnostic::error(pos, id, message));
+    }
+
+    /// Known kind, config fields and types (serde, with positions), the kind's own
+    /// `validate()`, replica counts.
+    fn parse_nodes(&mut self) {
+        for (i, n) in self.spec.nodes.iter().enumerate() {
+            if n.replicas == 0 {
+                self.error(n.replicas_pos, i, "`replicas` must be at least 1");
+            }
+            let Some(kind) = self.registry.get(&n.kind) else {
+                let known: Vec<&str> = self.registry.kinds().map(|k| k.name).collect();
+                let msg = format!(
                     "unknown kind `{}`; known kinds: {}",
                     n.kind,
                     known.join(", ")
-                ),
-            ));
-            parsed.push(None);
-            continue;
-        };
-        let config = match kind.parse(&n.config) {
-            Ok(c) => c,
-            Err(e) => {
-                let (pos, msg) = spec::from_node_diag(&e, n.pos);
-                diags.push(Diagnostic::error(
-                    pos,
-                    id,
-                    format!("{} config: {msg}", kind.name),
-                ));
-                parsed.push(None);
+                );
+                self.error(n.kind_pos, i, msg);
+                self.parsed.push(None);
                 continue;
-            }
-        };
-        for inv in config.validate() {
-            let pos = inv
-                .field
-                .as_deref()
-                .and_then(|f| field_pos(&n.config, f))
-                .or(Pos::of_span(n.config.span()))
-                .or(n.pos);
-            let msg = match &inv.field {
-                Some(f) => format!("{} config: field `{f}`: {}", kind.name, inv.message),
-                None => format!("{} config: {}", kind.name, inv.message),
             };
-            diags.push(Diagnostic::error(pos, id, msg));
-        }
-        if kind.is_ingress() && !n.inputs.is_empty() {
-            diags.push(Diagnostic::error(
-                n.inputs_pos,
-                id,
-                format!("kind `{}` is an ingress and takes no inputs", kind.name),
-            ));
-        }
-        parsed.push(Some((kind.clone(), config)));
-    }
-
-    // Phase 2: edges.
-    let index: HashMap<&str, usize> = spec
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (n.id.as_str(), i))
-        .collect();
-    let mut inputs: Vec<Vec<usize>> = vec![Vec::new(); spec.nodes.len()];
-    // consumers[u] = (consumer, position of the input entry naming u)
-    let mut consumers: Vec<Vec<(usize, Option<Pos>)>> = vec![Vec::new(); spec.nodes.len()];
-    for (j, n) in spec.nodes.iter().enumerate() {
-        let id = Some(n.id.as_str());
-        for (input, pos) in &n.inputs {
-            let Some(&i) = index.get(input.as_str()) else {
-                if spec.broken.contains(input) {
+            let config = match kind.parse(&n.config) {
+                Ok(c) => c,
+                Err(e) => {
+                    let (pos, msg) = spec::from_node_diag(&e, n.pos);
+                    self.error(pos, i, format!("{} config: {msg}", kind.name));
+                    self.parsed.push(None);
                     continue;
                 }
-                diags.push(Diagnostic::error(
-                    *pos,
-                    id,
-                    format!("input '{input}' does not name a node in this graph"),
-                ));
-                continue;
             };
-            if inputs[j].contains(&i) {
-                diags.push(Diagnostic::error(
-                    *pos,
-                    id,
-                    format!("input '{input}' is listed twice"),
-                ));
-                continue;
+            for inv in config.validate() {
+                let pos = inv
+                    .field
+                    .as_deref()
+                    .and_then(|f| field_pos(&n.config, f))
+                    .or(Pos::of_span(n.config.span()))
+                    .or(n.pos);
+                let msg = match &inv.field {
+                    Some(f) => format!("{} config: field `{f}`: {}", kind.name, inv.message),
+                    None => format!("{} config: {}", kind.name, inv.message),
+                };
+                self.error(pos, i, msg);
             }
-            inputs[j].push(i);
-            consumers[i].push((j, *pos));
-            if let (Some((up, _)), Some((down, _))) = (&parsed[i], &parsed[j]) {
-                let produced = output_type(up);
-                if let Some(expected) = input_type(down)
-                    && produced != expected
-                {
-                    diags.push(Diagnostic::error(
-                            *pos,
-                            id,
-                            format!(
-                                "edge '{input}' → '{}': '{input}' ({}) yields {produced} but '{}' ({}) takes {expected}",
-                                n.id, up.name, n.id, down.name
-                            ),
-                        ));
+            if kind.is_ingress() && !n.inputs.is_empty() {
+                let msg = format!("kind `{}` is an ingress and takes no inputs", kind.name);
+                self.error(n.inputs_pos, i, msg);
+            }
+            self.parsed.push(Some((kind.clone(), config)));
+        }
+    }
+
+    /// Inputs name real nodes, once each, and payload types agree on both ends.
+    fn link_edges(&mut self) {
+        for (j, n) in self.spec.nodes.iter().enumerate() {
+            for (input, pos) in &n.inputs {
+                let Some(&i) = self.index.get(input.as_str()) else {
+                    if !self.spec.broken.contains(input) {
+                        let msg = format!("input '{input}' does not name a node in this graph");
+                        self.error(*pos, j, msg);
+                    }
+                    continue;
+                };
+                if self.inputs[j].contains(&i) {
+                    self.error(*pos, j, format!("input '{input}' is listed twice"));
+                    continue;
+                }
+                self.inputs[j].push(i);
+                self.consumers[i].push((j, *pos));
+                if let (Some((up, _)), Some((down, _))) = (&self.parsed[i], &self.parsed[j]) {
+                    let produced = output_type(up);
+                    if let Some(expected) = input_type(down)
+                        && produced != expected
+                    {
+                        let msg = format!(
+                            "edge '{input}' → '{}': '{input}' ({}) yields {produced} but '{}' ({}) takes {expected}",
+                            n.id, up.name, n.id, down.name
+                        );
+                        self.error(*pos, j, msg);
+                    }
                 }
             }
         }
     }
 
-    // Nodes named in other nodes' configs (a remote prefill's pool).
-    let mut called = vec![false; spec.nodes.len()];
-    for (j, n) in spec.nodes.iter().enumerate() {
-        let Some((_, config)) = &parsed[j] else {
-            continue;
-        };
-        for name in config.calls() {
-            match index.get(name.as_str()) {
-                Some(&i) => called[i] = true,
-                None if spec.broken.contains(&name) => {}
-                None => diags.push(Diagnostic::error(
-                    Pos::of_span(n.config.span()).or(n.pos),
-                    Some(&n.id),
-                    format!("config names node '{name}', which is not in this graph"),
-                )),
+    /// Nodes named in other nodes' configs exist, and count as reached.
+    fn resolve_calls(&mut self) {
+        for (j, n) in self.spec.nodes.iter().enumerate() {
+            let Some((_, config)) = &self.parsed[j] else {
+                continue;
+            };
+            for name in config.calls() {
+                match self.index.get(name.as_str()) {
+                    Some(&i) => self.called[i] = true,
+                    None if self.spec.broken.contains(&name) => {}
+                    None => self.error(
+                        Pos::of_span(n.config.span()).or(n.pos),
+                        j,
+                        format!("config names node '{name}', which is not in this graph"),
+                    ),
+                }
             }
         }
     }
 
-    // Phase 3: shape.
-    for (i, cs) in consumers.iter().enumerate() {
-        if cs.len() > 1 {
-            let names: Vec<String> = cs
-                .iter()
-                .map(|(c, _)| format!("'{}'", spec.nodes[*c].id))
-                .collect();
-            diags.push(Diagnostic::error(
-                cs[1].1,
-                Some(&spec.nodes[cs[1].0].id),
-                format!(
-                    "node '{}' feeds {} nodes ({}); each node may feed one, so that every request has one path",
-                    spec.nodes[i].id,
-                    cs.len(),
-                    names.join(", ")
+    /// Each node feeds at most one: a request's path must be unambiguous.
+    fn check_fan_out(&mut self) {
+        for (i, cs) in self.consumers.iter().enumerate() {
+            if cs.len() > 1 {
+                let names: Vec<String> = cs
+                    .iter()
+                    .map(|(c, _)| format!("'{}'", self.spec.nodes[*c].id))
+                    .collect();
+                self.diags.push(Diagnostic::error(
+                    cs[1].1,
+                    Some(&self.spec.nodes[cs[1].0].id),
+                    format!(
+                        "node '{}' feeds {} nodes ({}); each node may feed one, so that every request has one path",
+                        self.spec.nodes[i].id,
+                        cs.len(),
+                        names.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+
+    fn check_cycles(&mut self) {
+        report_cycles(self.spec, &self.inputs, &mut self.diags);
+    }
+
+    /// Every ingress reaches a last node whose output is the ingress's response type.
+    fn trace_paths(&mut self) {
+        for i in 0..self.parsed.len() {
+            let Some((kind, _)) = &self.parsed[i] else {
+                continue;
+            };
+            let Ports::Ingress { response, .. } = kind.ports else {
+                continue;
+            };
+            self.on_chain[i] = true;
+            let mut path = Vec::new();
+            let mut cur = i;
+            while let [(next, _)] = self.consumers[cur].as_slice() {
+                if self.on_chain[*next] && path.contains(next) || *next == i {
+                    break; // a cycle, reported already
+                }
+                path.push(*next);
+                self.on_chain[*next] = true;
+                cur = *next;
+            }
+            let node = &self.spec.nodes[i];
+            match path.last() {
+                None if self.consumers[i].is_empty() => self.error(
+                    node.pos,
+                    i,
+                    "ingress has no node taking its requests; name it in another node's `inputs`",
                 ),
-            ));
+                None => {}
+                Some(&last) => {
+                    if let Some((last_kind, _)) = &self.parsed[last] {
+                        let produced = output_type(last_kind);
+                        if produced != response {
+                            let msg = format!(
+                                "ends the path of ingress '{}', which answers with {response}, but '{}' ({}) yields {produced}",
+                                node.id, self.spec.nodes[last].id, last_kind.name
+                            );
+                            self.error(self.spec.nodes[last].pos, last, msg);
+                        }
+                    }
+                }
+            }
+            self.chains.push(ChainPath { ingress: i, path });
         }
     }
-    report_cycles(spec, &inputs, &mut diags);
 
-    let mut chains = Vec::new();
-    let mut on_chain = vec![false; spec.nodes.len()];
-    for (i, p) in parsed.iter().enumerate() {
-        let Some((kind, _)) = p else { continue };
-        let Role::Ingress { response, .. } = kind.role else {
-            continue;
-        };
-        on_chain[i] = true;
-        let mut path = Vec::new();
-        let mut cur = i;
-        while let [(next, _)] = consumers[cur].as_slice() {
-            if on_chain[*next] && path.contains(next) || *next == i {
-                break; // a cycle, reported above
+    /// A node no ingress reaches and no config calls is started but idle: worth a warning.
+    fn warn_unreached(&mut self) {
+        for (i, n) in self.spec.nodes.iter().enumerate() {
+            if !self.on_chain[i]
+                && !self.called[i]
+                && self.parsed[i].is_some()
+                && self.consumers[i].is_empty()
+                && n.inputs.is_empty()
+            {
+                self.diags.push(Diagnostic::warning(
+                    n.pos,
+                    Some(&n.id),
+                    "no ingress reaches this node; it is started, but only other nodes' configs can call it",
+                ));
             }
-            path.push(*next);
-            on_chain[*next] = true;
-            cur = *next;
         }
-        let node = &spec.nodes[i];
-        match path.last() {
-            None if consumers[i].is_empty() => diags.push(Diagnostic::error(
-                node.pos,
-                Some(&node.id),
-                "ingress has no node taking its requests; name it in another node's `inputs`",
-            )),
-            None => {}
-            Some(&last) => {
-                if let Some((last_kind, _)) = &parsed[last] {
-                    let produced = output_type(last_kind);
-                    if produced != response {
-                        diags.push(Diagnostic::error(
-                            spec.nodes[last].pos,
-                            Some(&spec.nodes[last].id),
+    }
+
+    /// Nodes that forward requests keep their type, and a router has a worker behind it
+    /// (past any pass-through nodes): the runtime sends a router's choice there.
+    fn check_roles(&mut self) {
+        for i in 0..self.parsed.len() {
+            let Some((kind, _)) = &self.parsed[i] else {
+                continue;
+            };
+            let (role, name) = (kind.role, kind.name);
+            if role.forwards()
+                && let Ports::Operator { input, output } = kind.ports
+                && input != output
+            {
+                let msg = format!(
+                    "kind `{name}` is a {role} but takes {input} and yields {output}; a {role} hands on what it takes"
+                );
+                self.error(self.spec.nodes[i].kind_pos, i, msg);
+            }
+            if role != Role::Router {
+                continue;
+            }
+            let mut cur = i;
+            let behind = loop {
+                let Some(&(next, _)) = self.consumers[cur].first() else {
+                    break None;
+                };
+                match &self.parsed[next] {
+                    Some((k, _)) if k.role == Role::PassThrough => cur = next,
+                    Some((k, _)) => break Some((next, k.role, k.name)),
+                    None => return,
+                }
+                if next == i {
+                    return; // a cycle, reported already
+                }
+            };
+            let router = &self.spec.nodes[i];
+            match behind {
+                Some((_, Role::Worker, _)) => {}
+                Some((w, role, kind)) => {
+                    let msg = format!(
+                        "router '{}' chooses among the replicas of the node behind it, but '{}' ({kind}) is a {role}, not a worker",
+                        router.id, self.spec.nodes[w].id
+                    );
+                    self.error(self.spec.nodes[w].pos, w, msg);
+                }
+                None => {
+                    let msg = format!(
+                        "router '{}' has no worker behind it; name it in a worker node's `inputs`",
+                        router.id
+                    );
+                    self.error(router.pos, i, msg);
+                }
+            }
+        }
+    }
+
+    /// Nodes sharing a process share its replica count; an ingress has one replica.
+    fn check_process_groups(&mut self) {
+        let mut groups: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, n) in self.spec.nodes.iter().enumerate() {
+            let first = *groups.entry(n.process.as_str()).or_insert(i);
+            let f = &self.spec.nodes[first];
+            if f.replicas != n.replicas {
+                let msg = format!(
+                    "process '{}' holds '{}' ×{} and '{}' ×{}; nodes sharing a process share its replica count",
+                    n.process, f.id, f.replicas, n.id, n.replicas
+                );
+                self.error(n.replicas_pos.or(n.process_pos).or(n.pos), i, msg);
+            }
+            if let Some((kind, _)) = &self.parsed[i]
+                && kind.is_ingress()
+                && n.replicas > 1
+            {
+                self.error(
+                    n.replicas_pos,
+                    i,
+                    "an ingress cannot have replicas (each would bind the same address); run another graph instead",
+                );
+            }
+        }
+    }
+
+    /// Calls that leave the ingress's process carry types with a wire codec.
+    fn check_wire_codecs(&mut self) {
+        for chain in &self.chains {
+            let ingress = &self.spec.nodes[chain.ingress];
+            for &j in &chain.path {
+                let n = &self.spec.nodes[j];
+                let Some((kind, _)) = &self.parsed[j] else {
+                    continue;
+                };
+                if n.process == ingress.process {
+                    continue;
+                }
+                let types = [
+                    ("input", input_type(kind)),
+                    ("output", Some(output_type(kind))),
+                ];
+                for (side, ty) in types {
+                    if let Some(ty) = ty.filter(|t| t.codec.is_none()) {
+                        self.diags.push(Diagnostic::error(
+                            n.process_pos.or(n.pos),
+                            Some(&n.id),
                             format!(
-                                "ends the path of ingress '{}', which answers with {response}, but '{}' ({}) yields {produced}",
-                                node.id, spec.nodes[last].id, last_kind.name
+                                "runs in process '{}' but is called from process '{}' (ingress '{}'); its {side} type {ty} has no wire codec, so the node must share the caller's process",
+                                n.process, ingress.process, ingress.id
                             ),
                         ));
                     }
                 }
             }
         }
-        chains.push(ChainPath { ingress: i, path });
-    }
-    for (i, n) in spec.nodes.iter().enumerate() {
-        if !on_chain[i]
-            && !called[i]
-            && parsed[i].is_some()
-            && consumers[i].is_empty()
-            && n.inputs.is_empty()
-        {
-            diags.push(Diagnostic::warning(
-                n.pos,
-                Some(&n.id),
-                "no ingress reaches this node; it is started, but only other nodes' configs can call it",
-            ));
-        }
     }
 
-    // Phase 4: placement.
-    let mut groups: BTreeMap<&str, usize> = BTreeMap::new();
-    for (i, n) in spec.nodes.iter().enumerate() {
-        let first = *groups.entry(n.process.as_str()).or_insert(i);
-        let f = &spec.nodes[first];
-        if f.replicas != n.replicas {
-            diags.push(Diagnostic::error(
-                n.replicas_pos.or(n.process_pos).or(n.pos),
-                Some(&n.id),
-                format!(
-                    "process '{}' holds '{}' ×{} and '{}' ×{}; nodes sharing a process share its replica count",
-                    n.process, f.id, f.replicas, n.id, n.replicas
-                ),
-            ));
+    fn finish(
+        mut self,
+        control: PlaneAddr,
+        events: PlaneAddr,
+        base_dir: PathBuf,
+    ) -> Result<CompiledGraph, Diagnostics> {
+        self.diags.sort();
+        if self.diags.has_errors() {
+            return Err(self.diags);
         }
-        if let Some((kind, _)) = &parsed[i]
-            && kind.is_ingress()
-            && n.replicas > 1
-        {
-            diags.push(Diagnostic::error(
-                    n.replicas_pos,
-                    Some(&n.id),
-                    "an ingress cannot have replicas (each would bind the same address); run another graph instead",
-                ));
-        }
-    }
-    for chain in &chains {
-        let ingress = &spec.nodes[chain.ingress];
-        for &j in &chain.path {
-            let n = &spec.nodes[j];
-            let Some((kind, _)) = &parsed[j] else {
-                continue;
-            };
-            if n.process == ingress.process {
-                continue;
-            }
-            let types = [
-                ("input", input_type(kind)),
-                ("output", Some(output_type(kind))),
-            ];
-            for (side, ty) in types {
-                if let Some(ty) = ty.filter(|t| t.codec.is_none()) {
-                    diags.push(Diagnostic::error(
-                        n.process_pos.or(n.pos),
-                        Some(&n.id),
-                        format!(
-                            "runs in process '{}' but is called from process '{}' (ingress '{}'); its {side} type {ty} has no wire codec, so the node must share the caller's process",
-                            n.process, ingress.process, ingress.id
-                        ),
-                    ));
-                }
-            }
-        }
-    }
-
-    diags.sort();
-    if diags.has_errors() {
-        return Err(diags);
-    }
-    let nodes = spec
-        .nodes
-        .iter()
-        .zip(parsed)
-        .zip(inputs)
-        .filter_map(|((n, p), inputs)| {
-            p.map(|(kind, config)| CompiledNode {
-                id: n.id.clone(),
-                kind,
-                config,
-                inputs,
-                replicas: n.replicas,
-                process: n.process.clone(),
-                migration_limit: n.migration_limit,
+        let spec = self.spec;
+        let nodes = spec
+            .nodes
+            .iter()
+            .zip(self.parsed)
+            .zip(self.inputs)
+            .filter_map(|((n, p), inputs)| {
+                p.map(|(kind, config)| CompiledNode {
+                    id: n.id.clone(),
+                    kind,
+                    config,
+                    inputs,
+                    replicas: n.replicas,
+                    process: n.process.clone(),
+                    migration_limit: n.migration_limit,
+                })
             })
+            .collect();
+        Ok(CompiledGraph {
+            name: spec.name.clone(),
+            namespace: spec.namespace.clone(),
+            control,
+            events,
+            model: spec.model.clone(),
+            base_dir,
+            nodes,
+            chains: self.chains,
+            warnings: self.diags,
         })
-        .collect();
-    Ok(CompiledGraph {
-        name: spec.name.clone(),
-        namespace: spec.namespace.clone(),
-        control,
-        events,
-        model: spec.model.clone(),
-        base_dir,
-        nodes,
-        chains,
-        warnings: diags,
-    })
+    }
 }
 
 /// Find every cycle once (iterative DFS over input edges) and report it at its first node.

@@ -172,9 +172,13 @@ pub trait DynChain: Send + Sync + 'static {
     /// A context for a new request, linked to the runtime so shutdown can reach it.
     fn new_ctx(&self, id: RequestId) -> Ctx;
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload>;
-    /// Requests whose response stream is still open (an ingress drains until this is 0).
+    /// Requests whose response stream is still open.
     fn in_flight(&self) -> usize {
         0
+    }
+    /// Resolves once no request is in flight (an ingress drains on it).
+    fn drained(&self) -> BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
     }
 }
 
@@ -194,6 +198,11 @@ impl<Req: Payload, Resp: Payload> Chain<Req, Resp> {
     /// Requests sent down the graph whose responses are still open.
     pub fn in_flight(&self) -> usize {
         self.inner.in_flight()
+    }
+
+    /// Resolves once no request sent down the graph has an open response.
+    pub fn drained(&self) -> BoxFuture<'static, ()> {
+        self.inner.drained()
     }
 
     /// Send one request down the graph; the stream yields the last node's outputs.

@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::compile::{CompiledGraph, PlaneAddr, output_type};
-use crate::registry::Role;
+use crate::registry::{Ports, Role};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -36,7 +36,7 @@ pub struct ProcessPlan {
 pub struct NodePlan {
     pub id: String,
     pub kind: String,
-    pub role: &'static str,
+    pub role: Role,
     pub process: String,
     pub replicas: u32,
     pub input: Option<&'static str>,
@@ -85,14 +85,14 @@ impl Plan {
             .nodes
             .iter()
             .map(|n| {
-                let (role, input) = match n.kind.role {
-                    Role::Operator { input, .. } => ("operator", Some(input.name)),
-                    Role::Ingress { .. } => ("ingress", None),
+                let input = match n.kind.ports {
+                    Ports::Operator { input, .. } => Some(input.name),
+                    Ports::Ingress { .. } => None,
                 };
                 NodePlan {
                     id: n.id.clone(),
                     kind: n.kind.name.to_owned(),
-                    role,
+                    role: n.kind.role,
                     process: n.process.clone(),
                     replicas: n.replicas,
                     input,
@@ -167,7 +167,7 @@ impl Plan {
                 .nodes
                 .iter()
                 .filter_map(|id| self.node(id))
-                .map(|n| format!("{} ({})", n.id, n.kind))
+                .map(|n| format!("{} ({}, {})", n.id, n.kind, n.role))
                 .collect();
             let _ = writeln!(s, "  {} ×{}: {}", p.name, p.replicas, nodes.join(", "));
         }

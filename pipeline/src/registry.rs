@@ -117,6 +117,8 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
     const KIND: &'static str;
     /// One line for `dyn graph kinds` and the docs.
     const SUMMARY: &'static str;
+    /// What the node does on a request's path; see [`Role`].
+    const ROLE: Role = Role::Stage;
     type Op: Operator;
 
     /// Semantic checks serde cannot express; every problem is reported, not just the first.
@@ -153,9 +155,51 @@ pub trait IngressConfig: DeserializeOwned + Send + Sync + 'static {
     -> impl Future<Output = Result<Self::Ingress, BuildError>> + Send;
 }
 
-/// The two roles a node can have, with the payload types it declares.
-#[derive(Debug, Clone, Copy)]
+/// What a node does on a request's path, declared by its kind. The compiler checks the
+/// graph against it and the runtime acts on it: where a router's choice lands, which nodes a
+/// migrated request runs through again. Never inferred from payload types, so a logging node
+/// whose input and output types agree changes neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Role {
+    /// Brings requests in from outside and answers them (HTTP).
+    Ingress,
+    /// Turns each request into the next node's input (preprocess, postprocess). The default.
+    Stage,
+    /// Chooses which replica of the worker node behind it serves each request; its output is
+    /// its input with the choice recorded. A migrated request is routed again.
+    Router,
+    /// Passes each request on, its type unchanged, toward the worker behind it, doing work on
+    /// the way (remote prefill). A router looks through it; a migrated request runs it again.
+    PassThrough,
+    /// Serves requests (an engine): a router's choice is one of its replicas, and with
+    /// `migration_limit` a request lost with its replica is resent from here.
+    Worker,
+}
+
+impl Role {
+    /// Roles whose output type must be their input type (they hand the request on).
+    pub fn forwards(self) -> bool {
+        matches!(self, Role::Router | Role::PassThrough)
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Ingress => "ingress",
+            Role::Stage => "stage",
+            Role::Router => "router",
+            Role::PassThrough => "pass_through",
+            Role::Worker => "worker",
+        })
+    }
+}
+
+/// The payload types a node declares: an operator's input and output, an ingress's request
+/// and response.
+#[derive(Debug, Clone, Copy)]
+pub enum Ports {
     Operator {
         input: PayloadType,
         output: PayloadType,
@@ -219,6 +263,7 @@ pub struct Kind {
     pub name: &'static str,
     pub summary: &'static str,
     pub role: Role,
+    pub ports: Ports,
     parse: ParseFn,
 }
 
@@ -231,7 +276,7 @@ impl Kind {
     }
 
     pub fn is_ingress(&self) -> bool {
-        matches!(self.role, Role::Ingress { .. })
+        self.role == Role::Ingress
     }
 }
 
@@ -252,7 +297,8 @@ impl Registry {
             Kind {
                 name: C::KIND,
                 summary: C::SUMMARY,
-                role: Role::Operator {
+                role: C::ROLE,
+                ports: Ports::Operator {
                     input: PayloadType::of::<<C::Op as Operator>::In>(),
                     output: PayloadType::of::<<C::Op as Operator>::Out>(),
                 },
@@ -271,7 +317,8 @@ impl Registry {
             Kind {
                 name: C::KIND,
                 summary: C::SUMMARY,
-                role: Role::Ingress {
+                role: Role::Ingress,
+                ports: Ports::Ingress {
                     request: PayloadType::of::<<C::Ingress as Ingress>::Request>(),
                     response: PayloadType::of::<<C::Ingress as Ingress>::Response>(),
                 },

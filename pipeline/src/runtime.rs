@@ -16,13 +16,13 @@ use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use futures::future::FutureExt;
+use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{self, StreamExt};
 use parking_lot::Mutex;
 use tokio::task::JoinSet;
+use tokio_util::task::TaskTracker;
 
 use crate::compile::{CompiledGraph, CompiledNode, PlaneAddr};
 use crate::ctx::{Ctx, RequestId};
@@ -30,7 +30,7 @@ use crate::operator::{DynChain, ErrorKind, Input, OpError, Output, ShutdownSigna
 use crate::payload::{AnyPayload, Resume};
 use crate::planes::request::EndpointTypes;
 use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
-use crate::registry::{BuildCx, BuildError, Built, Role};
+use crate::registry::{BuildCx, BuildError, Built, Ports, Role};
 
 /// The endpoint name every node serves its requests on.
 pub const ENDPOINT: &str = "generate";
@@ -113,12 +113,42 @@ fn random_instance_id() -> u64 {
 }
 
 /// Run `graph` (this process's part of it) until `shutdown` resolves or an ingress fails, then
-/// drain and stop.
+/// drain and stop. The phases, in order: [`nodes_here`] (what this process runs),
+/// [`connect_planes`], [`Startup::serve_operators`] (build, serve and register every operator
+/// replica, so every path is servable before any ingress opens), [`Startup::start_ingresses`],
+/// then wait, and [`Running::drain`].
 pub async fn run(
     graph: &CompiledGraph,
     opts: RunOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RuntimeError> {
+    let here = nodes_here(graph, &opts)?;
+    let startup = Startup {
+        graph,
+        planes: connect_planes(graph, &opts).await?,
+        services: crate::Services::default(),
+        root: Ctx::with_id("runtime"),
+        opts,
+    };
+    let served = startup.serve_operators(&here).await?;
+    let mut running = startup.start_ingresses(served).await?;
+    tracing::info!(graph = %graph.name, nodes = here.len(), "Graph is up");
+
+    let failure = tokio::select! {
+        _ = shutdown => {
+            tracing::info!("Shutdown requested; draining in-flight requests");
+            None
+        }
+        Some(done) = running.ingresses.join_next() => ingress_result(done),
+    };
+    running.drain(failure).await
+}
+
+/// Phase 1: the nodes this process runs, after checking the planes allow that split.
+fn nodes_here<'g>(
+    graph: &'g CompiledGraph,
+    opts: &RunOptions,
+) -> Result<Vec<&'g CompiledNode>, RuntimeError> {
     let embedded = graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded;
     if !embedded && graph.control == PlaneAddr::Embedded {
         return Err(RuntimeError::Unsupported(format!(
@@ -143,192 +173,232 @@ pub async fn run(
             graph.name, opts.placement, opts.only
         )));
     }
-    let planes = if embedded {
-        Planes::embedded()
-    } else {
-        Planes::connect(
-            &graph.control,
-            &graph.events,
-            opts.tcp.clone(),
-            opts.lease_ttl,
-        )
-        .await?
-    };
-    let services = crate::Services::default();
-    let root = Ctx::with_id("runtime");
-    let cx = |node: &str, replica: u32, instance_id: u64| BuildCx {
-        graph: graph.name.clone(),
-        namespace: graph.namespace.clone(),
-        node: node.to_owned(),
-        replica,
-        instance_id,
-        consumers: workers_after(graph, node),
-        model: graph.model.clone(),
-        base_dir: graph.base_dir.clone(),
-        planes: planes.clone(),
-        services: services.clone(),
-    };
-    let build_err = |node: &str, replica: u32, source| RuntimeError::Build {
-        node: node.to_owned(),
-        replica,
-        source,
-    };
+    Ok(here)
+}
 
-    // Operators first, so every path is servable before any ingress opens.
-    let mut served = Vec::new();
-    for n in &here {
-        let Role::Operator { input, output } = n.kind.role else {
-            continue;
-        };
-        let types = EndpointTypes { input, output };
-        for replica in opts.replicas(n) {
-            let instance_id = random_instance_id();
-            let built = n
-                .config
-                .clone()
-                .build(cx(&n.id, replica, instance_id))
-                .await
-                .map_err(|e| build_err(&n.id, replica, e))?;
-            let Built::Operator(op) = built else {
-                return Err(build_err(
-                    &n.id,
-                    replica,
-                    BuildError::new("kind built an ingress"),
-                ));
-            };
-            let mut metadata = n.config.metadata();
-            metadata.insert("kind".into(), n.kind.name.into());
-            if let Some(m) = &graph.model {
-                metadata.insert("model".into(), m.name.clone().into());
-            }
-            let mut instance = Instance {
-                namespace: graph.namespace.clone(),
-                component: n.id.clone(),
-                endpoint: ENDPOINT.to_owned(),
-                instance_id,
-                transport: Transport::InProcess,
-                metadata,
-            };
-            instance.transport = planes.requests.serve(&instance, types, op).await?;
-            planes.discovery.register(instance.clone()).await?;
-            tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
-            served.push(instance);
+/// Phase 2: the planes the graph names (embedded ones need no connection).
+async fn connect_planes(graph: &CompiledGraph, opts: &RunOptions) -> Result<Planes, PlaneError> {
+    if graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded {
+        return Ok(Planes::embedded());
+    }
+    Planes::connect(
+        &graph.control,
+        &graph.events,
+        opts.tcp.clone(),
+        opts.lease_ttl,
+    )
+    .await
+}
+
+/// What start-up shares between its phases.
+struct Startup<'g> {
+    graph: &'g CompiledGraph,
+    opts: RunOptions,
+    planes: Planes,
+    services: crate::Services,
+    /// Parent of every request context: killing it aborts whatever is left after the grace.
+    root: Ctx,
+}
+
+impl Startup<'_> {
+    fn cx(&self, node: &str, replica: u32, instance_id: u64) -> BuildCx {
+        let g = self.graph;
+        BuildCx {
+            graph: g.name.clone(),
+            namespace: g.namespace.clone(),
+            node: node.to_owned(),
+            replica,
+            instance_id,
+            consumers: workers_after(g, node),
+            model: g.model.clone(),
+            base_dir: g.base_dir.clone(),
+            planes: self.planes.clone(),
+            services: self.services.clone(),
         }
     }
-    let local: Arc<HashSet<u64>> = Arc::new(served.iter().map(|i| i.instance_id).collect());
 
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let signal: ShutdownSignal = async move {
-        let _ = stop_rx.await;
+    async fn build(&self, n: &CompiledNode, replica: u32, id: u64) -> Result<Built, RuntimeError> {
+        n.config
+            .clone()
+            .build(self.cx(&n.id, replica, id))
+            .await
+            .map_err(|source| RuntimeError::Build {
+                node: n.id.clone(),
+                replica,
+                source,
+            })
     }
-    .boxed()
-    .shared();
-    let mut ingresses = JoinSet::new();
-    let mut edges: Vec<Option<Arc<EdgeClient>>> = vec![None; graph.nodes.len()];
-    for chain in &graph.chains {
-        let n = &graph.nodes[chain.ingress];
-        if !opts.runs_node(n) {
-            continue;
-        }
-        let mut stages = Vec::new();
-        for &i in &chain.path {
-            let node = &graph.nodes[i];
-            let Role::Operator { input, output } = node.kind.role else {
+
+    /// Phase 3: build every replica of every operator node placed here, serve it on the
+    /// request plane and register it in discovery.
+    async fn serve_operators(&self, here: &[&CompiledNode]) -> Result<Vec<Instance>, RuntimeError> {
+        let mut served = Vec::new();
+        for n in here {
+            let Ports::Operator { input, output } = n.kind.ports else {
                 continue;
             };
             let types = EndpointTypes { input, output };
-            let edge = match &edges[i] {
-                Some(e) => e.clone(),
-                None => {
-                    let e = Arc::new(
-                        EdgeClient::start(
-                            &planes,
+            for replica in self.opts.replicas(n) {
+                let instance_id = random_instance_id();
+                let Built::Operator(op) = self.build(n, replica, instance_id).await? else {
+                    return Err(wrong_build(n, replica, "kind built an ingress"));
+                };
+                let mut metadata = n.config.metadata();
+                metadata.insert("kind".into(), n.kind.name.into());
+                if let Some(m) = &self.graph.model {
+                    metadata.insert("model".into(), m.name.clone().into());
+                }
+                let mut instance = Instance {
+                    namespace: self.graph.namespace.clone(),
+                    component: n.id.clone(),
+                    endpoint: ENDPOINT.to_owned(),
+                    instance_id,
+                    transport: Transport::InProcess,
+                    metadata,
+                };
+                instance.transport = self.planes.requests.serve(&instance, types, op).await?;
+                self.planes.discovery.register(instance.clone()).await?;
+                tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
+                served.push(instance);
+            }
+        }
+        Ok(served)
+    }
+
+    /// Phase 4: for each ingress placed here, the stages of its request path (one edge client
+    /// per node, shared by paths through it), then the ingress itself, serving until told to stop.
+    async fn start_ingresses(self, served: Vec<Instance>) -> Result<Running, RuntimeError> {
+        let graph = self.graph;
+        let local: Arc<HashSet<u64>> = Arc::new(served.iter().map(|i| i.instance_id).collect());
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let signal: ShutdownSignal = async move {
+            let _ = stop_rx.await;
+        }
+        .boxed()
+        .shared();
+        let mut ingresses = JoinSet::new();
+        let mut edges: Vec<Option<Arc<EdgeClient>>> = vec![None; graph.nodes.len()];
+        for chain in &graph.chains {
+            let n = &graph.nodes[chain.ingress];
+            if !self.opts.runs_node(n) {
+                continue;
+            }
+            let mut stages = Vec::new();
+            for &i in &chain.path {
+                let node = &graph.nodes[i];
+                let Ports::Operator { input, output } = node.kind.ports else {
+                    continue;
+                };
+                let edge = match &edges[i] {
+                    Some(e) => e.clone(),
+                    None => {
+                        let types = EndpointTypes { input, output };
+                        let e = EdgeClient::start(
+                            &self.planes,
                             &graph.namespace,
                             &node.id,
+                            node.kind.role,
                             types,
                             local.clone(),
                         )
-                        .await?,
-                    );
-                    edges[i] = Some(e.clone());
-                    e
-                }
-            };
-            let stage = Stage::for_node(edge, node, &mut stages);
-            stages.push(stage);
-        }
-        let replica = match &opts.placement {
-            Placement::All => 0,
-            Placement::Group { replica, .. } => *replica,
-        };
-        let built = n
-            .config
-            .clone()
-            .build(cx(&n.id, replica, random_instance_id()))
-            .await
-            .map_err(|e| build_err(&n.id, replica, e))?;
-        let Built::Ingress(ingress) = built else {
-            return Err(build_err(
-                &n.id,
-                replica,
-                BuildError::new("kind built an operator"),
-            ));
-        };
-        let runner = Arc::new(ChainRunner {
-            stages,
-            root: root.clone(),
-            in_flight: Arc::default(),
-        });
-        let id = n.id.clone();
-        let serve = ingress.serve(runner, signal.clone());
-        ingresses.spawn(async move { (id, serve.await) });
-    }
-    tracing::info!(graph = %graph.name, nodes = here.len(), "Graph is up");
-
-    let mut failure = None;
-    tokio::select! {
-        _ = shutdown => tracing::info!("Shutdown requested; draining in-flight requests"),
-        Some(done) = ingresses.join_next() => {
-            failure = ingress_result(done);
-        }
-    }
-    // Leave discovery first: routers stop choosing this process while it finishes its work.
-    for instance in &served {
-        if let Err(e) = planes.discovery.deregister(&instance.key()).await {
-            tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
-        }
-    }
-    let _ = stop_tx.send(());
-    let drain = async {
-        while let Some(done) = ingresses.join_next().await {
-            if let Some(e) = ingress_result(done) {
-                failure.get_or_insert(e);
+                        .await?;
+                        edges[i].insert(Arc::new(e)).clone()
+                    }
+                };
+                let stage = Stage::for_node(edge, node, &mut stages);
+                stages.push(stage);
             }
+            let replica = match &self.opts.placement {
+                Placement::All => 0,
+                Placement::Group { replica, .. } => *replica,
+            };
+            let Built::Ingress(ingress) = self.build(n, replica, random_instance_id()).await?
+            else {
+                return Err(wrong_build(n, replica, "kind built an operator"));
+            };
+            let runner = Arc::new(ChainRunner {
+                stages,
+                root: self.root.clone(),
+                in_flight: TaskTracker::new(),
+            });
+            let id = n.id.clone();
+            let serve = ingress.serve(runner, signal.clone());
+            ingresses.spawn(async move { (id, serve.await) });
         }
-        while planes.requests.in_flight() > 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    if tokio::time::timeout(opts.grace, drain).await.is_err() {
-        tracing::warn!(grace = ?opts.grace, in_flight = planes.requests.in_flight(), "Grace period over; aborting requests still in flight");
-        root.kill();
-        if tokio::time::timeout(Duration::from_secs(5), async {
-            while ingresses.join_next().await.is_some() {}
+        Ok(Running {
+            graph_name: graph.name.clone(),
+            grace: self.opts.grace,
+            planes: self.planes,
+            root: self.root,
+            served,
+            ingresses,
+            stop: stop_tx,
         })
-        .await
-        .is_err()
-        {
-            ingresses.abort_all();
-        }
     }
-    for instance in served {
-        planes.requests.unserve(instance.instance_id).await?;
-    }
-    tracing::info!(graph = %graph.name, "Graph stopped");
-    failure.map_or(Ok(()), Err)
 }
 
-/// The nodes taking `node`'s output, with pass-through nodes replaced by the nodes after them.
+fn wrong_build(n: &CompiledNode, replica: u32, message: &str) -> RuntimeError {
+    RuntimeError::Build {
+        node: n.id.clone(),
+        replica,
+        source: BuildError::new(message),
+    }
+}
+
+/// A graph that is up: what the drain needs.
+struct Running {
+    graph_name: String,
+    grace: Duration,
+    planes: Planes,
+    root: Ctx,
+    served: Vec<Instance>,
+    ingresses: JoinSet<(String, Result<(), OpError>)>,
+    stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Running {
+    /// Phase 6: leave discovery first (routers stop choosing this process while it finishes
+    /// its work), tell the ingresses to drain, wait for them and for requests other processes
+    /// sent here; after the grace period kill whatever is left.
+    async fn drain(mut self, mut failure: Option<RuntimeError>) -> Result<(), RuntimeError> {
+        for instance in &self.served {
+            if let Err(e) = self.planes.discovery.deregister(&instance.key()).await {
+                tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
+            }
+        }
+        let _ = self.stop.send(());
+        let ingresses = &mut self.ingresses;
+        let requests = self.planes.requests.clone();
+        let drain = async {
+            while let Some(done) = ingresses.join_next().await {
+                if let Some(e) = ingress_result(done) {
+                    failure.get_or_insert(e);
+                }
+            }
+            requests.drained().await;
+        };
+        if tokio::time::timeout(self.grace, drain).await.is_err() {
+            tracing::warn!(grace = ?self.grace, in_flight = self.planes.requests.in_flight(), "Grace period over; aborting requests still in flight");
+            self.root.kill();
+            if tokio::time::timeout(Duration::from_secs(5), async {
+                while self.ingresses.join_next().await.is_some() {}
+            })
+            .await
+            .is_err()
+            {
+                self.ingresses.abort_all();
+            }
+        }
+        for instance in self.served {
+            self.planes.requests.unserve(instance.instance_id).await?;
+        }
+        tracing::info!(graph = %self.graph_name, "Graph stopped");
+        failure.map_or(Ok(()), Err)
+    }
+}
+
+/// The nodes taking `node`'s output, with routers and pass-through nodes replaced by the
+/// nodes after them: the workers a router chooses among.
 fn workers_after(graph: &CompiledGraph, node: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut stack = vec![node.to_owned()];
@@ -342,7 +412,7 @@ fn workers_after(graph: &CompiledGraph, node: &str) -> Vec<String> {
             if !seen.insert(c.id.clone()) {
                 continue;
             }
-            if passes_through(c) {
+            if c.kind.role.forwards() {
                 stack.push(c.id.clone());
             } else {
                 out.push(c.id.clone());
@@ -350,12 +420,6 @@ fn workers_after(graph: &CompiledGraph, node: &str) -> Vec<String> {
         }
     }
     out
-}
-
-/// A node whose output is its input's type (a router, a remote prefill): it passes requests
-/// on rather than serving them, and a router's choice is not about it.
-fn passes_through(n: &CompiledNode) -> bool {
-    matches!(n.kind.role, Role::Operator { input, output } if input == output)
 }
 
 fn ingress_result(
@@ -376,6 +440,7 @@ fn ingress_result(
 /// one, else the next in round-robin order, skipping instances the request plane saw fail.
 struct EdgeClient {
     node: String,
+    role: Role,
     types: EndpointTypes,
     planes: Planes,
     instances: Arc<LiveInstances>,
@@ -387,12 +452,14 @@ impl EdgeClient {
         planes: &Planes,
         namespace: &str,
         node: &str,
+        role: Role,
         types: EndpointTypes,
         local: Arc<HashSet<u64>>,
     ) -> Result<Self, PlaneError> {
         let prefix = Instance::prefix(namespace, node, ENDPOINT);
         Ok(Self {
             node: node.to_owned(),
+            role,
             types,
             planes: planes.clone(),
             instances: planes.live(&prefix).await?,
@@ -427,11 +494,11 @@ impl EdgeClient {
         // The target is a property of the first item (a routed request); peek at it.
         async_stream::stream! {
             let mut input = input.peekable();
-            // A router's choice is for the worker node behind any pass-through nodes.
-            let target = if this.types.input == this.types.output {
-                None
-            } else {
+            // A router's choice is for the worker behind it, not the nodes on the way.
+            let target = if this.role == Role::Worker {
                 Pin::new(&mut input).peek().await.and_then(|p| p.target_instance())
+            } else {
+                None
             };
             let picked = this.pick(target);
             match picked {
@@ -457,19 +524,20 @@ enum Stage {
 }
 
 impl Stage {
-    /// The stage for `node`; a migrating node takes the nodes right before it whose input and
-    /// output are this node's input type (a router, a remote prefill) into its segment, so a
-    /// resent request is routed and prefilled afresh.
+    /// The stage for `node`; a migrating worker takes the routers and pass-through nodes right
+    /// before it into its segment, so a resent request is routed and prefilled afresh.
     fn for_node(edge: Arc<EdgeClient>, node: &CompiledNode, stages: &mut Vec<Stage>) -> Stage {
-        let resume = match (node.migration_limit, edge.types.input.resume) {
-            (limit, Some(resume)) if limit > 0 => resume,
+        let resume = match (
+            node.kind.role,
+            node.migration_limit,
+            edge.types.input.resume,
+        ) {
+            (Role::Worker, limit, Some(resume)) if limit > 0 => resume,
             _ => return Stage::Node(edge),
         };
-        let input = edge.types.input;
         let mut steps = vec![edge];
         while let Some(Stage::Node(prev)) = stages.last()
-            && prev.types.input == input
-            && prev.types.output == input
+            && prev.role.forwards()
         {
             steps.insert(0, prev.clone());
             stages.pop();
@@ -621,23 +689,8 @@ impl Migrating {
 struct ChainRunner {
     stages: Vec<Stage>,
     root: Ctx,
-    in_flight: Arc<AtomicUsize>,
-}
-
-/// Counts a request as in flight until its response stream is dropped.
-struct InFlight(Arc<AtomicUsize>);
-
-impl InFlight {
-    fn new(counter: &Arc<AtomicUsize>) -> Self {
-        counter.fetch_add(1, Ordering::AcqRel);
-        Self(counter.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
+    /// One token per request whose response stream is open: the ingress drains on it.
+    in_flight: TaskTracker,
 }
 
 impl DynChain for ChainRunner {
@@ -646,14 +699,20 @@ impl DynChain for ChainRunner {
     }
 
     fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
+        self.in_flight.len()
+    }
+
+    fn drained(&self) -> BoxFuture<'static, ()> {
+        let tracker = self.in_flight.clone();
+        tracker.close();
+        async move { tracker.wait().await }.boxed()
     }
 
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload> {
-        let guard = InFlight::new(&self.in_flight);
+        let token = self.in_flight.token();
         let mut out = run_path(&self.stages, &ctx, stream::iter([request]).boxed());
         async_stream::stream! {
-            let _guard = guard;
+            let _token = token;
             // Only the first item fires the hooks; later ones skip the context's lock.
             let mut first = true;
             while let Some(item) = out.next().await {
@@ -673,6 +732,7 @@ mod tests {
     use super::*;
     use crate::operator::{Operator, erase};
     use crate::payload::{Payload, downcast};
+    use std::sync::atomic::Ordering;
 
     struct N(u32);
     impl Payload for N {
@@ -721,7 +781,7 @@ mod tests {
             .unwrap();
         planes.discovery.register(instance).await.unwrap();
         Arc::new(
-            EdgeClient::start(planes, "t", node, types, Arc::default())
+            EdgeClient::start(planes, "t", node, Role::Stage, types, Arc::default())
                 .await
                 .unwrap(),
         )
@@ -736,7 +796,7 @@ mod tests {
                 Stage::Node(serve(&planes, "b", Step { fail: false }).await),
             ],
             root: Ctx::new(),
-            in_flight: Arc::default(),
+            in_flight: TaskTracker::new(),
         };
         let ctx = runner.new_ctx("r".into());
         let out: Vec<_> = runner.call(ctx, Box::new(N(7))).collect().await;
@@ -754,7 +814,7 @@ mod tests {
         let runner = ChainRunner {
             stages: vec![Stage::Node(serve(&planes, "a", Step { fail: false }).await)],
             root: Ctx::new(),
-            in_flight: Arc::default(),
+            in_flight: TaskTracker::new(),
         };
         let ctx = runner.new_ctx("r".into());
         runner.root.kill();
@@ -766,7 +826,7 @@ mod tests {
         let planes = Planes::embedded();
         let types = n_types();
         let edge = Arc::new(
-            EdgeClient::start(&planes, "t", "ghost", types, Arc::default())
+            EdgeClient::start(&planes, "t", "ghost", Role::Worker, types, Arc::default())
                 .await
                 .unwrap(),
         );
@@ -853,7 +913,7 @@ mod tests {
             planes.discovery.register(instance).await.unwrap();
         }
         let edge = Arc::new(
-            EdgeClient::start(&planes, "t", "decode", types, Arc::default())
+            EdgeClient::start(&planes, "t", "decode", Role::Worker, types, Arc::default())
                 .await
                 .unwrap(),
         );
@@ -864,7 +924,7 @@ mod tests {
                 limit,
             }))],
             root: Ctx::new(),
-            in_flight: Arc::default(),
+            in_flight: TaskTracker::new(),
         };
         let runner = migrating(3);
         let out: Vec<u32> = runner

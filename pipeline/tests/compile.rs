@@ -2,7 +2,7 @@
 //! rendered diagnostics (their text and `FILE:LINE:COL` are part of the interface).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use dyn_pipeline::registry::Invalid;
+use dyn_pipeline::registry::{Invalid, Role};
 use dyn_pipeline::spec::{Override, load_str};
 use dyn_pipeline::{
     BuildCx, BuildError, Chain, Codec, Ctx, Diagnostics, Ingress, IngressConfig, Input, OpError,
@@ -34,9 +34,13 @@ payload!(A, wire);
 payload!(B, wire);
 payload!(L, local);
 
-/// Operator kinds `A → B`, `B → B`, `A → L`, `L → B`, all with an optional bounded `factor`.
+/// Operator kinds `A → B`, `B → B`, `A → L`, `L → B`, and `B → B` as each role, all with an
+/// optional bounded `factor`.
 macro_rules! op_kind {
     ($cfg:ident, $op:ident, $name:literal, $in:ty, $out:ty) => {
+        op_kind!($cfg, $op, $name, $in, $out, Stage);
+    };
+    ($cfg:ident, $op:ident, $name:literal, $in:ty, $out:ty, $role:ident) => {
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
         struct $cfg {
@@ -54,6 +58,7 @@ macro_rules! op_kind {
         impl OperatorConfig for $cfg {
             const KIND: &'static str = $name;
             const SUMMARY: &'static str = "test kind";
+            const ROLE: Role = Role::$role;
             type Op = $op;
             fn validate(&self) -> Vec<Invalid> {
                 if self.factor > 10 {
@@ -72,6 +77,10 @@ op_kind!(A2BConfig, A2B, "a2b", A, B);
 op_kind!(B2BConfig, B2B, "b2b", B, B);
 op_kind!(A2LConfig, A2L, "a2l", A, L);
 op_kind!(L2BConfig, L2B, "l2b", L, B);
+op_kind!(RouterConfig, Router, "router", B, B, Router);
+op_kind!(ViaConfig, Via, "via", B, B, PassThrough);
+op_kind!(WorkerConfig, Worker, "worker", B, B, Worker);
+op_kind!(BentConfig, Bent, "bent_router", A, B, Router);
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -108,6 +117,10 @@ fn registry() -> Registry {
         .operator::<B2BConfig>()
         .operator::<A2LConfig>()
         .operator::<L2BConfig>()
+        .operator::<RouterConfig>()
+        .operator::<ViaConfig>()
+        .operator::<WorkerConfig>()
+        .operator::<BentConfig>()
 }
 
 fn check_with(
@@ -154,6 +167,29 @@ fn valid_graph_compiles_with_its_path() {
             .iter()
             .any(|e| e.from == "x" && !e.crosses_process)
     );
+}
+
+#[test]
+fn a_router_needs_a_worker_behind_it_and_forwarding_kinds_keep_their_type() {
+    // Past a pass-through node to the worker: fine, and the plan names each role.
+    let g = check_with(
+        &format!("{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  r: {{kind: router, inputs: [x]}}\n  v: {{kind: via, inputs: [r]}}\n  w: {{kind: worker, inputs: [v]}}\n"),
+        &[],
+    )
+    .unwrap();
+    let roles: Vec<String> = Plan::new(&g)
+        .nodes
+        .iter()
+        .map(|n| n.role.to_string())
+        .collect();
+    assert_eq!(
+        roles,
+        ["ingress", "stage", "router", "pass_through", "worker"]
+    );
+    // A stage with the same input and output type (a logger, say) is not a worker.
+    insta::assert_snapshot!(errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  r: {{kind: router, inputs: [x]}}\n  log: {{kind: b2b, inputs: [r]}}\n  w: {{kind: worker, inputs: [log]}}\n  in2: {{kind: src}}\n  x2: {{kind: a2b, inputs: [in2]}}\n  r2: {{kind: router, inputs: [x2]}}\n  in3: {{kind: src}}\n  b: {{kind: bent_router, inputs: [in3]}}\n"
+    )));
 }
 
 #[test]

@@ -277,9 +277,7 @@ pub async fn serve<Req: Payload, Resp: Payload>(
             in_flight = chain.in_flight(),
             "Draining: /health answers 503, new requests are refused"
         );
-        while chain.in_flight() > 0 {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        chain.drained().await;
     };
     // Peer addresses reach the handlers: the admin routes answer loopback clients only.
     axum::serve(

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
 };
@@ -74,6 +75,7 @@ pub struct RemotePrefillConfig {
 impl OperatorConfig for RemotePrefillConfig {
     const KIND: &'static str = "remote_prefill";
     const SUMMARY: &'static str = "Sends long prompts to a pool of prefill workers (disaggregated serving); short ones stay with the decode worker";
+    const ROLE: Role = Role::PassThrough;
     type Op = RemotePrefill;
 
     fn validate(&self) -> Vec<Invalid> {

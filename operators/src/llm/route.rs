@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use dyn_pipeline::planes::{EventBus, Instance, LiveInstances, Planes};
+use dyn_pipeline::registry::Role;
 use dyn_pipeline::runtime::ENDPOINT;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
@@ -108,6 +109,7 @@ const DEFAULT_BLOCK_SIZE: u32 = 16;
 impl OperatorConfig for RouteConfig {
     const KIND: &'static str = "route";
     const SUMMARY: &'static str = "Chooses the worker for each request (policy: kv, round_robin, random, least_loaded, power_of_two)";
+    const ROLE: Role = Role::Router;
     type Op = Route;
 
     fn validate(&self) -> Vec<Invalid> {

@@ -36,9 +36,14 @@ pub trait RequestPlane: Send + Sync + 'static {
     /// Stop serving an instance (new calls fail; calls in flight go on).
     async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError>;
 
-    /// Requests from other processes being served right now (graceful drain waits for 0).
+    /// Requests from other processes being served right now.
     fn in_flight(&self) -> usize {
         0
+    }
+
+    /// Resolves once no request from another process is being served (graceful drain).
+    fn drained(&self) -> futures::future::BoxFuture<'static, ()> {
+        Box::pin(std::future::ready(()))
     }
 
     /// What this plane learnt about unreachable instances, for routers to avoid them.

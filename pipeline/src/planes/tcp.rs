@@ -18,8 +18,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
 use bytes::{BufMut, Bytes, BytesMut};
@@ -147,7 +147,8 @@ struct Served {
 
 struct Shared {
     handlers: RwLock<HashMap<u64, Served>>,
-    in_flight: AtomicUsize,
+    /// One task per request being served, for the drain.
+    in_flight: TaskTracker,
     opts: TcpOptions,
 }
 
@@ -165,7 +166,7 @@ impl TcpRequestPlane {
         Self {
             shared: Arc::new(Shared {
                 handlers: RwLock::default(),
-                in_flight: AtomicUsize::new(0),
+                in_flight: TaskTracker::new(),
                 opts,
             }),
             health,
@@ -300,9 +301,10 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
             ctx = ctx.with_timeout(Duration::from_millis(ms));
         }
         *current.lock() = Some(ctx.clone());
-        shared.in_flight.fetch_add(1, Ordering::AcqRel);
-        let ok = serve_one(&shared, &header, ctx.clone(), input, &mut writer).await;
-        shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let ok = shared
+            .in_flight
+            .track_future(serve_one(&shared, &header, ctx.clone(), input, &mut writer))
+            .await;
         current.lock().take();
         if !ok {
             ctx.kill();
@@ -416,7 +418,13 @@ impl RequestPlane for TcpRequestPlane {
     }
 
     fn in_flight(&self) -> usize {
-        self.shared.in_flight.load(Ordering::Acquire)
+        self.shared.in_flight.len()
+    }
+
+    fn drained(&self) -> futures::future::BoxFuture<'static, ()> {
+        let tracker = self.shared.in_flight.clone();
+        tracker.close();
+        Box::pin(async move { tracker.wait().await })
     }
 
     fn health(&self) -> Option<&InstanceHealth> {
@@ -627,6 +635,7 @@ mod tests {
     use super::*;
     use crate::operator::{ErrorKind, Operator, erase};
     use crate::payload::{Payload, downcast};
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     struct Num(u64);
