@@ -6,7 +6,12 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
+use dyn_operators::http::admin::EventLine;
+use dyn_operators::llm::kv::KvEventData;
+use dyn_operators::llm::remote_prefill::PrefillRouteAnswer;
+use dyn_operators::llm::route::inspect::{KvAnswer, KvArgs, Replicas, RouteAnswer, WorkersAnswer};
 use futures::StreamExt;
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 pub const EXAMPLES: &str = "\
@@ -118,11 +123,18 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         let answer = post(&http, &format!("{base}/route"), &body).await?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&answer)?);
-        } else {
-            print_replicas(&answer, print_route);
-            if answer["prefill"].is_object() {
-                print_replicas(&answer["prefill"], print_prefill_decision);
+            return Ok(());
+        }
+        // A router's answer (with the remote prefill decision after it), or, when --node
+        // names a remote_prefill node, that node's decision alone.
+        if let Ok(r) = serde_json::from_value::<RouteReply>(answer.clone()) {
+            print_replicas(&r.router.replicas, print_route);
+            if let Some(p) = r.prefill {
+                print_replicas(&p.replicas, print_prefill_decision);
             }
+        } else {
+            let p: Replicas<PrefillRouteAnswer> = typed(answer)?;
+            print_replicas(&p.replicas, print_prefill_decision);
         }
         return Ok(());
     }
@@ -131,20 +143,17 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         None => all_nodes(&http, &base).await?,
     };
     for (i, node) in nodes.iter().enumerate() {
-        let (answer, printer): (Value, fn(&Value)) = match &args.command {
-            InspectCommand::Workers => (
-                post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?,
-                print_workers,
-            ),
-            InspectCommand::Kv { worker, top } => (
-                post(
-                    &http,
-                    &format!("{base}/nodes/{node}/kv"),
-                    &json!({"worker": worker, "top": top}),
-                )
-                .await?,
-                print_kv,
-            ),
+        let answer = match &args.command {
+            InspectCommand::Workers => {
+                post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?
+            }
+            InspectCommand::Kv { worker, top } => {
+                let kv_args = KvArgs {
+                    worker: worker.clone(),
+                    top: *top,
+                };
+                post(&http, &format!("{base}/nodes/{node}/kv"), &json!(kv_args)).await?
+            }
             InspectCommand::Route { .. } | InspectCommand::Events { .. } => {
                 unreachable!("handled above")
             }
@@ -159,20 +168,38 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
             }
             println!("[{node}]");
         }
-        print_replicas(&answer, printer);
+        match &args.command {
+            InspectCommand::Workers => {
+                let r: Replicas<WorkersAnswer> = typed(answer)?;
+                print_replicas(&r.replicas, print_workers);
+            }
+            _ => {
+                let r: Replicas<KvAnswer> = typed(answer)?;
+                print_replicas(&r.replicas, print_kv);
+            }
+        }
     }
     Ok(())
 }
 
+/// The admin endpoint's answer to `/admin/route` from a router, with the remote prefill
+/// node's decision when the path has one.
+#[derive(Deserialize)]
+struct RouteReply {
+    #[serde(flatten)]
+    router: Replicas<RouteAnswer>,
+    prefill: Option<Replicas<PrefillRouteAnswer>>,
+}
+
+/// Read an answer as the node kind's typed answer.
+fn typed<T: serde::de::DeserializeOwned>(answer: Value) -> anyhow::Result<T> {
+    serde_json::from_value(answer)
+        .context("the admin endpoint's answer is not what this dyn expects (a different version?)")
+}
+
 /// Print each replica's answer, a blank line apart.
-fn print_replicas(answer: &Value, printer: fn(&Value)) {
-    for (i, replica) in answer["replicas"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
-        .enumerate()
-    {
+fn print_replicas<T>(replicas: &[T], printer: fn(&T)) {
+    for (i, replica) in replicas.iter().enumerate() {
         if i > 0 {
             println!();
         }
@@ -181,22 +208,24 @@ fn print_replicas(answer: &Value, printer: fn(&Value)) {
 }
 
 /// The remote prefill decision for the routed prompt.
-fn print_prefill_decision(r: &Value) {
+fn print_prefill_decision(r: &PrefillRouteAnswer) {
     println!(
         "prefill: {} ({}) — {} of {} tokens not cached on the decode worker (remote above {}), {} prefill worker(s), queue limit {}{}",
-        opt(&r["decision"]),
-        opt(&r["reason"]),
-        opt(&r["uncached_tokens"]),
-        opt(&r["prompt_tokens"]),
-        opt(&r["min_remote_tokens"]),
-        opt(&r["prefill_workers"]),
-        opt(&r["max_queue"]),
-        match &r["prefill_worker"] {
-            Value::String(w) => format!(" → prefill worker {w}"),
-            _ => String::new(),
+        r.decision,
+        r.reason,
+        r.uncached_tokens,
+        r.prompt_tokens,
+        r.min_remote_tokens,
+        r.prefill_workers,
+        r.max_queue,
+        match &r.prefill_worker {
+            Some(w) => format!(" → prefill worker {w}"),
+            None => String::new(),
         }
     );
-    println!("decisions so far: {}", r["decisions"]);
+    let mut decisions: Vec<_> = r.decisions.iter().collect();
+    decisions.sort();
+    println!("decisions so far: {decisions:?}");
 }
 
 /// The admin endpoint's answer, or its error message.
@@ -238,19 +267,15 @@ async fn all_nodes(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Str
     Ok(nodes)
 }
 
-fn opt(v: &Value) -> String {
-    match v {
-        Value::Null => "-".into(),
-        Value::Number(n) if n.is_f64() => format!("{:.3}", n.as_f64().unwrap_or_default()),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
+/// An optional figure, `-` when absent.
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".into(), |v| v.to_string())
 }
 
-fn print_workers(r: &Value) {
-    println!("policy {} over '{}'", opt(&r["policy"]), opt(&r["target"]));
-    if r["decisions"].is_object() {
-        println!("prefill decisions: {}", r["decisions"]);
+fn print_workers(r: &WorkersAnswer) {
+    println!("policy {} over '{}'", r.policy, r.target);
+    if let Some(d) = &r.decisions {
+        println!("prefill decisions: {d}");
     }
     println!(
         "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
@@ -265,130 +290,94 @@ fn print_workers(r: &Value) {
         "running",
         "waiting"
     );
-    for w in r["workers"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-    {
+    for w in &r.workers {
         println!(
             "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
-            opt(&w["worker_id"]),
-            opt(&w["live"]),
-            opt(&w["active_requests"]),
-            opt(&w["pending_prefill_tokens"]),
-            opt(&w["active_blocks_routed"]),
-            opt(&w["indexed_blocks"]),
-            format!(
-                "{}/{}",
-                opt(&w["kv_active_blocks"]),
-                opt(&w["kv_total_blocks"])
-            ),
-            opt(&w["prefix_cache_hit_rate"]),
-            opt(&w["requests_running"]),
-            opt(&w["requests_waiting"]),
+            w.worker_id,
+            w.live,
+            w.active_requests,
+            w.pending_prefill_tokens,
+            w.active_blocks_routed,
+            opt(w.indexed_blocks),
+            format!("{}/{}", opt(w.kv_active_blocks), opt(w.kv_total_blocks)),
+            opt(w.prefix_cache_hit_rate.map(|h| format!("{h:.3}"))),
+            opt(w.requests_running),
+            opt(w.requests_waiting),
         );
     }
 }
 
-fn print_route(r: &Value) {
+fn print_route(r: &RouteAnswer) {
     println!(
         "prompt: {} tokens, {} blocks of {}; policy {} (overlap_weight {}, temperature {}) → worker {}",
-        opt(&r["prompt_tokens"]),
-        opt(&r["prompt_blocks"]),
-        opt(&r["block_size"]),
-        opt(&r["policy"]),
-        opt(&r["overlap_weight"]),
-        opt(&r["temperature"]),
-        opt(&r["worker_id"]),
+        r.prompt_tokens,
+        r.prompt_blocks,
+        r.block_size,
+        r.policy,
+        r.overlap_weight,
+        r.temperature,
+        r.worker_id,
     );
-    let chosen = r["worker_id"].clone();
-    let cands = r["candidates"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default();
-    if cands.is_empty() {
+    if r.candidates.is_empty() {
         return;
     }
     println!(
         "  {:<18} {:>8} {:>13} {:>7} {:>13} {:>9}",
         "worker", "matched", "prefill blks", "active", "decode blks", "cost"
     );
-    for c in cands {
+    for c in &r.candidates {
         println!(
-            "{} {:<18} {:>8} {:>13} {:>7} {:>13} {:>9}",
-            if c["worker_id"] == chosen { "*" } else { " " },
-            opt(&c["worker_id"]),
-            opt(&c["matched_blocks"]),
-            opt(&c["prefill_blocks"]),
-            opt(&c["active_requests"]),
-            opt(&c["decode_blocks"]),
-            opt(&c["cost"]),
+            "{} {:<18} {:>8} {:>13} {:>7} {:>13} {:>9.3}",
+            if c.worker_id == r.worker_id { "*" } else { " " },
+            c.worker_id,
+            c.matched_blocks,
+            c.prefill_blocks,
+            c.active_requests,
+            c.decode_blocks,
+            c.cost,
         );
     }
 }
 
-fn print_kv(r: &Value) {
+fn print_kv(r: &KvAnswer) {
     println!(
-        "index: {} prefixes, {} stored blocks (block size {}), {} bytes ({} bytes/block)",
-        opt(&r["tree_nodes"]),
-        opt(&r["stored_blocks"]),
-        opt(&r["block_size"]),
-        opt(&r["bytes"]),
-        opt(&r["bytes_per_block"]),
+        "index: {} prefixes, {} stored blocks (block size {}), {} bytes ({:.3} bytes/block)",
+        r.tree_nodes, r.stored_blocks, r.block_size, r.bytes, r.bytes_per_block,
     );
     println!("{:<18} {:>8}", "worker", "blocks");
-    for w in r["workers"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-    {
-        println!("{:<18} {:>8}", opt(&w["worker_id"]), opt(&w["blocks"]));
+    for w in &r.workers {
+        println!("{:<18} {:>8}", w.worker_id, w.blocks);
     }
-    let top = r["top_shared_prefixes"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default();
-    if !top.is_empty() {
+    if !r.top_shared_prefixes.is_empty() {
         println!("top shared prefixes:");
-        for p in top {
-            let workers: Vec<String> = p["workers"]
-                .as_array()
-                .map(|a| a.iter().map(opt).collect())
-                .unwrap_or_default();
+        for p in &r.top_shared_prefixes {
             println!(
                 "  {} blocks ({} tokens) {} on {}",
-                opt(&p["blocks"]),
-                opt(&p["tokens"]),
-                opt(&p["hash"]),
-                workers.join(", ")
+                p.blocks,
+                p.tokens,
+                p.hash,
+                p.workers.join(", ")
             );
         }
     }
 }
 
 /// One KV event as a line.
-fn describe_event(v: &Value) -> String {
-    let e = &v["event"];
-    let worker = e["worker_id"]
-        .as_u64()
-        .map_or_else(|| opt(&e["worker_id"]), |w| format!("{w:x}"));
-    let id = opt(&e["event"]["event_id"]);
-    let data = &e["event"]["data"];
-    let what = if let Some(s) = data.get("stored") {
-        let n = s["blocks"].as_array().map_or(0, Vec::len);
-        let parent = s["parent_hash"]
-            .as_u64()
-            .map_or_else(|| "root".to_owned(), |p| format!("{p:x}"));
-        format!("stored {n} blocks after {parent}")
-    } else if let Some(r) = data.get("removed") {
-        format!(
-            "removed {} blocks",
-            r["block_hashes"].as_array().map_or(0, Vec::len)
-        )
-    } else {
-        opt(data)
+fn describe_event(line: &EventLine) -> String {
+    let e = &line.event;
+    let what = match &e.event.data {
+        KvEventData::Stored {
+            parent_hash,
+            blocks,
+        } => format!(
+            "stored {} blocks after {}",
+            blocks.len(),
+            parent_hash.map_or_else(|| "root".to_owned(), |p| format!("{p:x}"))
+        ),
+        KvEventData::Removed { block_hashes } => format!("removed {} blocks", block_hashes.len()),
+        KvEventData::Cleared => "cleared".to_owned(),
     };
-    format!("worker {worker} #{id} {what}")
+    format!("worker {:x} #{} {what}", e.worker_id, e.event.event_id)
 }
 
 async fn events(
@@ -430,8 +419,8 @@ async fn events(
         for ev in out.drain(..) {
             if as_json {
                 println!("{}", ev.data);
-            } else if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
-                println!("{}", describe_event(&v));
+            } else if let Ok(line) = serde_json::from_str::<EventLine>(&ev.data) {
+                println!("{}", describe_event(&line));
             }
         }
     }

@@ -9,8 +9,8 @@
 use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use dyn_operators::llm::indexer::Indexer;
 use dyn_operators::llm::kv::{BlockHash, KvCacheEvent, KvEventData, block_hashes, chain_hash};
+use dyn_operators::llm::route::indexer::Indexer;
 
 const BLOCK: usize = 16;
 const WORKERS: u64 = 64;

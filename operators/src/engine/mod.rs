@@ -944,9 +944,9 @@ mod tests {
         for w in dump.windows(2) {
             assert_eq!(w[1].event_id, w[0].event_id + 1);
         }
-        let mut ix = crate::llm::indexer::Indexer::new();
+        let mut ix = crate::llm::route::indexer::Indexer::new();
         for e in &dump {
-            assert_eq!(ix.apply(0xabc, e), crate::llm::indexer::Applied::Ok);
+            assert_eq!(ix.apply(0xabc, e), crate::llm::route::indexer::Applied::Ok);
         }
         // The last prompt's first two blocks are what the cache holds now.
         let last = crate::llm::kv::block_hashes(&(100..140).collect::<Vec<_>>(), 16);

@@ -24,11 +24,14 @@ use axum::routing::{get, post};
 use dyn_pipeline::Inspectables;
 use dyn_pipeline::planes::EventBus;
 use futures::StreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::ApiError;
+use crate::llm::kv::RouterEvent;
 use crate::llm::preprocess::Preprocess;
+use crate::llm::remote_prefill::PrefillRouteAnswer;
+use crate::llm::route::inspect::{Replicas, RouteAnswer, RouteArgs};
 use crate::llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
 
 /// What the admin routes need from the process they run in.
@@ -142,7 +145,11 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         limits: Default::default(),
     };
     let pre = a.preprocess.preprocess(req).await.map_err(ApiError::from)?;
-    let tokens = json!({"tokens": pre.token_ids});
+    let mut args = RouteArgs {
+        tokens: pre.token_ids,
+        cached_tokens: 0,
+    };
+    let tokens = json!(args);
     if let Some(node) = b.node {
         return ask(&a, &node, "route", &tokens).map(Json);
     }
@@ -153,7 +160,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
     let mut prefills = Vec::new();
     for node in a.inspect.nodes() {
         let answer = ask(&a, &node, "route", &tokens)?;
-        if answer["replicas"][0]["prefill"] == json!(true) {
+        if serde_json::from_value::<Replicas<PrefillRouteAnswer>>(answer.clone()).is_ok() {
             prefills.push(node);
         } else {
             routers.push(answer);
@@ -172,19 +179,25 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
             ));
         }
     };
-    let router = &answer["replicas"][0];
-    let cached = router["candidates"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["worker_id"] == router["worker_id"]))
-        .and_then(|c| c["matched_blocks"].as_u64())
-        .zip(router["block_size"].as_u64())
-        .map_or(0, |(m, bs)| m * bs);
     if let Some(node) = prefills.first() {
-        let mut args = tokens.clone();
-        args["cached_tokens"] = json!(cached);
-        answer["prefill"] = ask(&a, node, "route", &args)?;
+        let router: Replicas<RouteAnswer> =
+            serde_json::from_value(answer.clone()).map_err(|e| {
+                ApiError::invalid("invalid_query", format!("not a router's answer: {e}"))
+            })?;
+        args.cached_tokens = router
+            .replicas
+            .first()
+            .map_or(0, RouteAnswer::cached_tokens);
+        answer["prefill"] = ask(&a, node, "route", &json!(args))?;
     }
     Ok(Json(answer))
+}
+
+/// One KV event as `/admin/events` streams it (an SSE `data:` line).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EventLine {
+    pub subject: String,
+    pub event: RouterEvent,
 }
 
 #[derive(Deserialize)]
@@ -201,12 +214,19 @@ async fn events(
     let sub = a.events.subscribe(&subject).await.map_err(|e| {
         ApiError::invalid("invalid_request", format!("cannot follow {subject}: {e}"))
     })?;
-    let stream = sub.map(|ev| {
-        let event = serde_json::from_slice::<Value>(&ev.payload)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&ev.payload).into_owned()));
-        Ok::<_, Infallible>(
-            Event::default().data(json!({"subject": ev.subject, "event": event}).to_string()),
-        )
+    let stream = sub.filter_map(|ev| {
+        let line = match serde_json::from_slice::<RouterEvent>(&ev.payload) {
+            Ok(event) => serde_json::to_string(&EventLine {
+                subject: ev.subject,
+                event,
+            })
+            .ok(),
+            Err(e) => {
+                tracing::warn!(subject = %ev.subject, error = %e, "Not showing a malformed KV event");
+                None
+            }
+        };
+        std::future::ready(line.map(|l| Ok::<_, Infallible>(Event::default().data(l))))
     });
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())

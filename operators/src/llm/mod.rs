@@ -4,9 +4,7 @@
 
 pub mod detok;
 pub mod gguf_tokenizer;
-pub mod indexer;
 pub mod kv;
-pub mod kv_router;
 pub mod model;
 pub mod postprocess;
 pub mod preprocess;

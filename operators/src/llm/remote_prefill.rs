@@ -393,38 +393,69 @@ impl Operator for RemotePrefill {
     }
 }
 
+/// `dyn inspect route` on a `remote_prefill` node: whether the prompt would be prefilled
+/// remotely, and why.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillRouteAnswer {
+    pub prompt_tokens: usize,
+    pub cached_on_decode_worker: usize,
+    pub uncached_tokens: usize,
+    pub min_remote_tokens: u32,
+    pub max_queue: u64,
+    pub prefill_workers: usize,
+    pub decision: String,
+    pub reason: String,
+    /// The prefill worker the pool's router would choose (remote decisions only).
+    pub prefill_worker: Option<String>,
+    pub decisions: HashMap<String, u64>,
+}
+
+impl Inner {
+    fn decisions(&self) -> HashMap<String, u64> {
+        self.counts
+            .lock()
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), *v))
+            .collect()
+    }
+}
+
 impl Inspect for Inner {
     fn inspect(&self, query: &str, args: &Value) -> Result<Value, String> {
+        let to_value = |v| serde_json::to_value(v).map_err(|e: serde_json::Error| e.to_string());
         match query {
-            "workers" | "kv" => {
-                let mut v = self.pool.inspect(query, args)?;
-                v["decisions"] = json!(*self.counts.lock());
-                v["queue"] = json!(self.queue);
-                Ok(v)
+            "workers" => {
+                let mut answer = self.pool.workers_answer();
+                answer.decisions = Some(json!(self.decisions()));
+                answer.queue = Some(self.queue.clone());
+                to_value(json!(answer))
             }
+            "kv" => to_value(json!(
+                self.pool.kv_answer(&super::route::inspect::args(args)?)?
+            )),
             "route" => {
-                let tokens: Vec<u32> = serde_json::from_value(args["tokens"].clone())
-                    .map_err(|_| "route needs {\"tokens\": [token ids]}".to_owned())?;
-                let cached = args["cached_tokens"].as_u64().unwrap_or(0) as usize;
+                let a: super::route::inspect::RouteArgs = super::route::inspect::args(args)?;
                 // The queue's depth is not read: an admin query does not wait on the queue's
                 // server. The decision shown assumes the queue has room.
                 let workers = self.pool.live().len();
-                let uncached = tokens.len().saturating_sub(cached);
+                let uncached = a.tokens.len().saturating_sub(a.cached_tokens);
                 let choice = decide(&self.config, uncached, workers, 0);
-                let pool = self.pool.inspect("route", args).ok();
                 let (decision, reason) = choice.labels();
-                Ok(json!({
-                    "prefill": true,
-                    "prompt_tokens": tokens.len(),
-                    "cached_on_decode_worker": cached,
-                    "uncached_tokens": uncached,
-                    "min_remote_tokens": self.config.min_remote_tokens,
-                    "max_queue": self.config.max_queue,
-                    "prefill_workers": workers,
-                    "decision": decision,
-                    "reason": reason,
-                    "prefill_worker": pool.as_ref().filter(|_| choice == Choice::Remote).map(|p| p["worker_id"].clone()),
-                    "decisions": *self.counts.lock(),
+                let prefill_worker = match choice {
+                    Choice::Remote => Some(self.pool.route_answer(&a.tokens)?.worker_id),
+                    Choice::Local(_) => None,
+                };
+                to_value(json!(PrefillRouteAnswer {
+                    prompt_tokens: a.tokens.len(),
+                    cached_on_decode_worker: a.cached_tokens,
+                    uncached_tokens: uncached,
+                    min_remote_tokens: self.config.min_remote_tokens,
+                    max_queue: self.config.max_queue,
+                    prefill_workers: workers,
+                    decision: decision.into(),
+                    reason: reason.into(),
+                    prefill_worker,
+                    decisions: self.decisions(),
                 }))
             }
             other => Err(format!(

@@ -2,7 +2,7 @@
 //! by the router how many leading blocks of a prompt each worker already has.
 //!
 //! It is a radix tree over blocks in which each node is one prefix, addressed by the
-//! router's own sequence hash of that prefix (the chain of local hashes, see [`super::kv`]).
+//! router's own sequence hash of that prefix (the chain of local hashes, see [`crate::llm::kv`]).
 //! Addressing nodes by prefix hash instead of walking child maps means a lookup computes the
 //! prompt's sequence hashes once and then probes one flat table per block: the probes do not
 //! depend on each other, so the CPU overlaps their cache misses, which is what keeps a
@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::kv::{KvCacheEvent, KvEventData, chain_hash};
+use crate::llm::kv::{KvCacheEvent, KvEventData, chain_hash};
 
 /// The most workers one indexer tracks (the width of the membership bit set).
 pub const MAX_WORKERS: usize = 128;
@@ -208,7 +208,7 @@ impl Indexer {
         &mut self,
         worker_id: u64,
         parent_hash: Option<u64>,
-        blocks: &[super::kv::BlockHash],
+        blocks: &[crate::llm::kv::BlockHash],
     ) -> Applied {
         let Some(w) = self.workers.get_mut(&worker_id) else {
             return Applied::Full;

@@ -1,0 +1,293 @@
+//! What `dyn inspect` asks a `route` node, and the typed answers. The CLI reads the same
+//! structs it is sent (`dyn inspect --json` prints them as they are), so a renamed field is a
+//! compile error on both ends, not a silently empty column.
+//!
+//! Queries: `workers`, `route` ([`RouteArgs`]) and `kv` ([`KvArgs`]). Worker ids are hex
+//! strings, as logs and `/metrics` print them.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use dyn_pipeline::Inspect;
+
+use super::Inner;
+use super::policy::Policy;
+
+pub fn hex(id: u64) -> String {
+    format!("{id:x}")
+}
+
+/// The admin endpoint's answer for one node: one entry per replica.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Replicas<T> {
+    pub node: String,
+    pub replicas: Vec<T>,
+}
+
+/// `workers`: the router's view of each worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkersAnswer {
+    pub policy: Policy,
+    pub target: String,
+    pub workers: Vec<WorkerRow>,
+    /// A `remote_prefill` node's decisions so far (absent for a `route` node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<Value>,
+    /// A `remote_prefill` node's queue (absent for a `route` node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerRow {
+    pub worker_id: String,
+    pub live: bool,
+    pub active_requests: u32,
+    pub pending_prefill_tokens: u64,
+    pub active_blocks_routed: u64,
+    /// Blocks the KV index holds for it (`kv` only).
+    pub indexed_blocks: Option<usize>,
+    /// From its last load metrics (none yet: `None`).
+    pub requests_running: Option<u32>,
+    pub requests_waiting: Option<u32>,
+    pub kv_active_blocks: Option<u32>,
+    pub kv_total_blocks: Option<u32>,
+    pub prefix_cache_hit_rate: Option<f64>,
+}
+
+/// `route` arguments: the prompt's token ids, and (for a `remote_prefill` node) how many of
+/// them the chosen decode worker caches.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RouteArgs {
+    pub tokens: Vec<u32>,
+    #[serde(default)]
+    pub cached_tokens: usize,
+}
+
+/// `route`: where a prompt would go, and each candidate's terms (`kv`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouteAnswer {
+    pub policy: Policy,
+    pub worker_id: String,
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    pub prompt_blocks: usize,
+    pub overlap_weight: f64,
+    pub temperature: f64,
+    pub candidates: Vec<CandidateRow>,
+}
+
+impl RouteAnswer {
+    /// Prompt tokens the chosen worker caches.
+    pub fn cached_tokens(&self) -> usize {
+        self.candidates
+            .iter()
+            .find(|c| c.worker_id == self.worker_id)
+            .map_or(0, |c| c.matched_blocks * self.block_size)
+            .min(self.prompt_tokens)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CandidateRow {
+    pub worker_id: String,
+    pub matched_blocks: usize,
+    pub prefill_blocks: usize,
+    pub active_requests: u32,
+    pub decode_blocks: u64,
+    pub cost: f64,
+}
+
+/// `kv` arguments: one worker only (hex id), and how many shared prefixes to list.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KvArgs {
+    #[serde(default)]
+    pub worker: Option<String>,
+    #[serde(default = "five")]
+    pub top: usize,
+}
+
+fn five() -> usize {
+    5
+}
+
+/// `kv`: the index's size and its most shared prefixes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KvAnswer {
+    pub block_size: usize,
+    pub tree_nodes: usize,
+    pub stored_blocks: usize,
+    pub bytes: usize,
+    pub bytes_per_block: f64,
+    pub workers: Vec<KvWorkerRow>,
+    pub top_shared_prefixes: Vec<SharedPrefix>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KvWorkerRow {
+    pub worker_id: String,
+    pub blocks: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SharedPrefix {
+    pub blocks: usize,
+    pub tokens: usize,
+    pub hash: String,
+    pub workers: Vec<String>,
+}
+
+/// Parse a query's arguments (`null` reads as the defaults).
+pub fn args<T: serde::de::DeserializeOwned + Default>(args: &Value) -> Result<T, String> {
+    if args.is_null() {
+        return Ok(T::default());
+    }
+    serde_json::from_value(args.clone()).map_err(|e| format!("bad arguments: {e}"))
+}
+
+impl Default for KvArgs {
+    fn default() -> Self {
+        Self {
+            worker: None,
+            top: five(),
+        }
+    }
+}
+
+fn to_value(v: impl Serialize) -> Result<Value, String> {
+    serde_json::to_value(v).map_err(|e| e.to_string())
+}
+
+impl Inner {
+    pub fn workers_answer(&self) -> WorkersAnswer {
+        let live = self.live();
+        let metrics = self.metrics.lock().clone();
+        let index = self.kv.as_ref().map(|kv| kv.index.read());
+        let mut ids: Vec<u64> = live.clone();
+        if let Some(ix) = &index {
+            ids.extend(ix.worker_ids().filter(|w| !live.contains(w)));
+        }
+        ids.sort_unstable();
+        let workers = ids
+            .iter()
+            .map(|&w| {
+                let load = self.active.load(w);
+                let m = metrics.get(&w);
+                WorkerRow {
+                    worker_id: hex(w),
+                    live: live.contains(&w),
+                    active_requests: load.requests,
+                    pending_prefill_tokens: load.prefill_tokens,
+                    active_blocks_routed: load.decode_blocks,
+                    indexed_blocks: index.as_ref().map(|ix| ix.worker_blocks(w)),
+                    requests_running: m.map(|m| m.requests_running),
+                    requests_waiting: m.map(|m| m.requests_waiting),
+                    kv_active_blocks: m.map(|m| m.kv_active_blocks),
+                    kv_total_blocks: m.map(|m| m.kv_total_blocks),
+                    prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
+                }
+            })
+            .collect();
+        WorkersAnswer {
+            policy: self.config.policy,
+            target: self.target.clone(),
+            workers,
+            decisions: None,
+            queue: None,
+        }
+    }
+
+    pub fn route_answer(&self, tokens: &[u32]) -> Result<RouteAnswer, String> {
+        let d = self.decide(tokens).map_err(|e| e.message)?;
+        let candidates = d
+            .candidates
+            .iter()
+            .map(|c| CandidateRow {
+                worker_id: hex(c.worker),
+                matched_blocks: c.matched_blocks,
+                prefill_blocks: c.prefill_blocks,
+                active_requests: c.load.requests,
+                decode_blocks: c.load.decode_blocks,
+                cost: c.cost,
+            })
+            .collect();
+        Ok(RouteAnswer {
+            policy: self.config.policy,
+            worker_id: hex(d.worker),
+            prompt_tokens: tokens.len(),
+            block_size: d.block_size,
+            prompt_blocks: d.prompt_blocks,
+            overlap_weight: self.config.overlap_weight,
+            temperature: self.config.temperature,
+            candidates,
+        })
+    }
+
+    pub fn kv_answer(&self, args: &KvArgs) -> Result<KvAnswer, String> {
+        let Some(kv) = &self.kv else {
+            return Err(format!("policy {} keeps no KV index", self.config.policy));
+        };
+        let only = match &args.worker {
+            Some(h) => Some(
+                u64::from_str_radix(h, 16)
+                    .map_err(|_| format!("worker {h:?} is not a hex worker id"))?,
+            ),
+            None => None,
+        };
+        let bs = kv.block_size();
+        let ix = kv.index.read();
+        let st = ix.stats();
+        let mut ids: Vec<u64> = ix
+            .worker_ids()
+            .filter(|w| only.is_none_or(|o| o == *w))
+            .collect();
+        ids.sort_unstable();
+        let workers = ids
+            .iter()
+            .map(|&w| KvWorkerRow {
+                worker_id: hex(w),
+                blocks: ix.worker_blocks(w),
+            })
+            .collect();
+        let top_shared_prefixes = ix
+            .top_prefixes(args.top)
+            .into_iter()
+            .filter(|(_, _, ws)| only.is_none_or(|o| ws.contains(&o)))
+            .map(|(depth, hash, ws)| SharedPrefix {
+                blocks: depth,
+                tokens: depth * bs,
+                hash: hex(hash),
+                workers: ws.into_iter().map(hex).collect(),
+            })
+            .collect();
+        Ok(KvAnswer {
+            block_size: bs,
+            tree_nodes: st.nodes,
+            stored_blocks: st.worker_blocks,
+            bytes: st.bytes,
+            bytes_per_block: if st.worker_blocks > 0 {
+                st.bytes as f64 / st.worker_blocks as f64
+            } else {
+                0.0
+            },
+            workers,
+            top_shared_prefixes,
+        })
+    }
+}
+
+impl Inspect for Inner {
+    fn inspect(&self, query: &str, a: &Value) -> Result<Value, String> {
+        match query {
+            "workers" => to_value(self.workers_answer()),
+            "route" => {
+                let a: RouteArgs = args(a)?;
+                to_value(self.route_answer(&a.tokens)?)
+            }
+            "kv" => to_value(self.kv_answer(&args(a)?)?),
+            other => Err(format!(
+                "unknown query {other:?} for a route node; known: workers, route, kv"
+            )),
+        }
+    }
+}

@@ -1,0 +1,578 @@
+//! `route`: picks the worker that will serve each request, and records it in the request
+//! (`target`) so the runtime sends it there.
+//!
+//! The router watches discovery for the instances of the node that takes its output, so
+//! workers joining or leaving are seen at once. Policies:
+//!
+//! - `kv` (KV-cache aware, [`kv_aware`]): takes the worker where the prompt's prefix is
+//!   cached, priced against its load ([`cost`]), from an index ([`indexer`]) the workers' KV
+//!   events feed ([`follow`]), or its own decisions when there are no events;
+//! - `round_robin`, `random`, `least_loaded` (fewest active requests from this router),
+//!   `power_of_two` (the less loaded of two random workers) ([`policy`]).
+//!
+//! Every policy tracks its requests per worker ([`sequences`]) through the request's context
+//! hooks: on route, first token, and when the request is over for any reason. `dyn inspect`
+//! asks through [`inspect`].
+//!
+//! ```yaml
+//! route: {kind: route, inputs: [preprocess], config: {policy: kv, overlap_weight: 1.0}}
+//! ```
+
+pub mod cost;
+pub mod follow;
+pub mod indexer;
+pub mod inspect;
+pub mod kv_aware;
+pub mod policy;
+pub mod sequences;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use dyn_pipeline::planes::{Instance, LiveInstances, Planes};
+use dyn_pipeline::registry::Role;
+use dyn_pipeline::runtime::ENDPOINT;
+use dyn_pipeline::{
+    BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
+    OperatorConfig, Output,
+};
+use futures::StreamExt;
+use parking_lot::Mutex;
+use serde::Deserialize;
+
+use super::kv::LoadMetrics;
+use super::types::PreprocessedRequest;
+use kv_aware::KvAware;
+pub use policy::{Decision, Policy};
+use policy::{RoutingPolicy, View};
+use sequences::ActiveSequences;
+
+fn one() -> f64 {
+    1.0
+}
+fn yes() -> bool {
+    true
+}
+fn ttl() -> f64 {
+    120.0
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    #[serde(default)]
+    pub policy: Policy,
+    /// `kv`: weight of the blocks a worker would have to prefill against its decode load.
+    #[serde(default = "one")]
+    pub overlap_weight: f64,
+    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
+    #[serde(default)]
+    pub temperature: f64,
+    /// `kv`: the workers publish KV events; `false` makes the router track its own decisions.
+    #[serde(default = "yes")]
+    pub kv_events: bool,
+    /// `kv` without events: how long a routed prompt counts as cached on its worker.
+    #[serde(default = "ttl")]
+    pub approx_ttl_s: f64,
+    /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
+    #[serde(default)]
+    pub block_size: Option<u32>,
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            overlap_weight: one(),
+            temperature: 0.0,
+            kv_events: true,
+            approx_ttl_s: ttl(),
+            block_size: None,
+        }
+    }
+}
+
+impl OperatorConfig for RouteConfig {
+    const KIND: &'static str = "route";
+    const SUMMARY: &'static str = "Chooses the worker for each request (policy: kv, round_robin, random, least_loaded, power_of_two)";
+    const ROLE: Role = Role::Router;
+    type Op = Route;
+
+    fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, ok: bool, what: &str| {
+            if !ok {
+                out.push(Invalid::field(name, what));
+            }
+        };
+        check(
+            "overlap_weight",
+            self.overlap_weight.is_finite() && self.overlap_weight >= 0.0,
+            "must be a number ≥ 0",
+        );
+        check(
+            "temperature",
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "must be a number ≥ 0",
+        );
+        check(
+            "approx_ttl_s",
+            self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0,
+            "must be a positive number of seconds",
+        );
+        check(
+            "block_size",
+            self.block_size != Some(0),
+            "must be at least 1",
+        );
+        out
+    }
+
+    async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
+        let [target] = cx.consumers.as_slice() else {
+            return Err(BuildError::new(
+                "route needs exactly one node taking its output (the workers to choose from)",
+            ));
+        };
+        let route = self.start(cx, target).await?;
+        let shown: Arc<dyn Inspect> = route.inner.clone();
+        cx.service::<Inspectables>()
+            .await?
+            .register(&cx.node, &shown);
+        Ok(route)
+    }
+}
+
+impl RouteConfig {
+    /// A router among the instances of node `target`, not shown in `dyn inspect` on its own
+    /// (kinds that route a pool of their own, like `remote_prefill`, show it through themselves).
+    pub async fn start(&self, cx: &BuildCx, target: &str) -> Result<Route, BuildError> {
+        let prefix = Instance::prefix(&cx.namespace, target, ENDPOINT);
+        let workers =
+            cx.planes.live(&prefix).await.map_err(|e| {
+                BuildError::new(format!("cannot watch the workers of '{target}': {e}"))
+            })?;
+        // A router that starts after its workers learns their block size from discovery, before
+        // any load metrics arrive.
+        let announced = workers
+            .read()
+            .iter()
+            .find_map(|i| {
+                i.metadata
+                    .get("block_size")
+                    .and_then(serde_json::Value::as_u64)
+            })
+            .and_then(|b| u32::try_from(b).ok());
+        let kv = (self.policy == Policy::Kv).then(|| {
+            Arc::new(KvAware::new(
+                self.block_size.or(announced),
+                self.overlap_weight,
+                self.temperature,
+            ))
+        });
+        let policy: Arc<dyn RoutingPolicy> = match &kv {
+            Some(kv) => kv.clone(),
+            None => self.policy.build_load_only().into(),
+        };
+        let inner = Arc::new(Inner {
+            target: target.to_owned(),
+            workers,
+            config: self.clone(),
+            active: Arc::default(),
+            policy,
+            kv,
+            metrics: Mutex::new(HashMap::new()),
+            planes: cx.planes.clone(),
+        });
+        let follow = follow::follow_workers(
+            inner.clone(),
+            cx.planes.events.clone(),
+            cx.namespace.clone(),
+            self.policy == Policy::Kv && self.kv_events,
+        )
+        .await
+        .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
+        Ok(Route { inner, _task: task })
+    }
+}
+
+pub struct Route {
+    inner: Arc<Inner>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Route {
+    /// Route `tokens` among the workers, as a request through this node would be (for kinds
+    /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
+    /// the request until `ctx` is done.
+    pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+        self.inner.route(ctx, tokens).map(|(w, _)| w)
+    }
+
+    /// Live workers, less those the request plane saw fail.
+    pub fn live(&self) -> Vec<u64> {
+        self.inner.live()
+    }
+
+    /// Requests on the live workers: per worker, what its load metrics last said (running +
+    /// waiting, from every router) or what this router has sent it and not seen finish,
+    /// whichever is more (metrics lag a burst by up to their publishing interval).
+    pub fn busy(&self) -> u64 {
+        let metrics = self.inner.metrics.lock();
+        self.inner
+            .live()
+            .into_iter()
+            .map(|w| {
+                let reported = metrics.get(&w).map_or(0, |m| {
+                    u64::from(m.requests_running) + u64::from(m.requests_waiting)
+                });
+                reported.max(u64::from(self.inner.active.load(w).requests))
+            })
+            .sum()
+    }
+
+    /// What `dyn inspect workers` shows of this router.
+    pub fn workers_answer(&self) -> inspect::WorkersAnswer {
+        self.inner.workers_answer()
+    }
+
+    /// What `dyn inspect route` shows: where `tokens` would go.
+    pub fn route_answer(&self, tokens: &[u32]) -> Result<inspect::RouteAnswer, String> {
+        self.inner.route_answer(tokens)
+    }
+
+    /// What `dyn inspect kv` shows of this router's index.
+    pub fn kv_answer(&self, args: &inspect::KvArgs) -> Result<inspect::KvAnswer, String> {
+        self.inner.kv_answer(args)
+    }
+}
+
+pub(crate) struct Inner {
+    target: String,
+    workers: Arc<LiveInstances>,
+    config: RouteConfig,
+    active: Arc<ActiveSequences>,
+    policy: Arc<dyn RoutingPolicy>,
+    /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
+    kv: Option<Arc<KvAware>>,
+    /// The latest load metrics per worker.
+    metrics: Mutex<HashMap<u64, LoadMetrics>>,
+    /// For the request plane's view of unreachable workers and the event plane's health.
+    planes: Planes,
+}
+impl Inner {
+    fn unavailable(&self) -> OpError {
+        OpError::unavailable(format!("no worker of '{}' is available", self.target))
+    }
+
+    /// Workers in discovery, less those the request plane just saw fail (their lease has
+    /// not run out yet, but a request sent there would be lost).
+    fn live(&self) -> Vec<u64> {
+        self.workers
+            .read()
+            .iter()
+            .map(|i| i.instance_id)
+            .filter(|id| !self.planes.is_down(*id))
+            .collect()
+    }
+
+    /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
+    /// or while the event plane is down. The router then records its own decisions.
+    fn approximate(&self) -> bool {
+        !self.config.kv_events || !self.planes.events.connected()
+    }
+
+    /// Decide where `tokens` would go, without recording anything.
+    fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
+        let live = self.live();
+        if live.is_empty() {
+            return Err(self.unavailable());
+        }
+        let is_down = |id| self.planes.is_down(id);
+        let view = View {
+            live: &live,
+            instances: &self.workers,
+            is_down: &is_down,
+            active: &self.active,
+        };
+        self.policy
+            .decide(tokens, &view)
+            .ok_or_else(|| self.unavailable())
+    }
+
+    /// Decide, and count the request against its worker until it is over; the worker and
+    /// how many of the prompt's tokens it caches.
+    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<(u64, usize), OpError> {
+        let d = self.decide(tokens)?;
+        let cached = d.cached_tokens(tokens.len());
+        let prefill = (tokens.len() - cached) as u64;
+        if let Some(kv) = &self.kv
+            && self.approximate()
+        {
+            kv.record_own_decision(d.worker, &d.blocks);
+        }
+        let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
+        let active = Arc::new(self.active.start(d.worker, prefill, hashes));
+        let first = active.clone();
+        ctx.on_first_output(move || first.first_token());
+        ctx.on_done(move || drop(active));
+        Ok((d.worker, cached))
+    }
+}
+
+impl Operator for Route {
+    type In = PreprocessedRequest;
+    type Out = PreprocessedRequest;
+
+    fn call(&self, ctx: Ctx, input: Input<PreprocessedRequest>) -> Output<PreprocessedRequest> {
+        let inner = self.inner.clone();
+        input
+            .map(move |mut req| {
+                let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
+                tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
+                req.target = Some(worker);
+                req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
+                Ok(req)
+            })
+            .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llm::kv::{KvEventData, RouterEvent, block_hashes};
+    use dyn_pipeline::planes::{Planes, Transport};
+    use futures::stream;
+    use std::time::Duration;
+
+    fn cx(planes: &Planes) -> BuildCx {
+        crate::testing::cx("route", 1, &["decode"], planes)
+    }
+
+    async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
+        let mut out = r.call(
+            Ctx::new(),
+            stream::iter([crate::testing::preprocessed(vec![1], 1)]).boxed(),
+        );
+        out.next().await.expect("one item")
+    }
+
+    #[tokio::test]
+    async fn cycles_through_live_workers_and_is_unavailable_without_any() {
+        let planes = Planes::embedded();
+        let r = RouteConfig::default()
+            .build(&cx(&planes))
+            .await
+            .expect("builds");
+        let e = route_once(&r).await.expect_err("no workers");
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Unavailable);
+
+        register(&planes, &[10, 11]).await;
+        // The watch applies registrations asynchronously.
+        until(|| r.inner.live().len() == 2).await;
+        let mut picked = Vec::new();
+        for _ in 0..4 {
+            picked.push(
+                route_once(&r)
+                    .await
+                    .expect("routed")
+                    .target
+                    .expect("target"),
+            );
+        }
+        picked.sort_unstable();
+        assert_eq!(picked, [10, 10, 11, 11]);
+    }
+
+    async fn register(planes: &Planes, ids: &[u64]) {
+        for &id in ids {
+            let i = Instance {
+                namespace: "ns".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+                metadata: Default::default(),
+            };
+            planes.discovery.register(i).await.expect("register");
+        }
+    }
+
+    /// Poll until `f` holds (the route's watch and event task run asynchronously).
+    async fn until(mut f: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("condition never held");
+    }
+
+    /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
+    async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
+        let r = config.build(&cx(planes)).await.expect("builds");
+        register(planes, ids).await;
+        until(|| r.inner.live().len() == ids.len()).await;
+        r
+    }
+
+    /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
+    async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
+        let ev = RouterEvent {
+            worker_id: worker,
+            event: crate::llm::kv::KvCacheEvent {
+                event_id: 0,
+                dp_rank: 0,
+                data: KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: block_hashes(tokens, 16),
+                },
+            },
+        };
+        let payload = serde_json::to_vec(&ev).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_events", payload.into())
+            .await
+            .expect("publish");
+    }
+
+    async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
+        let mut out = r.call(
+            ctx,
+            stream::iter([crate::testing::preprocessed(tokens, 1)]).boxed(),
+        );
+        out.next()
+            .await
+            .expect("item")
+            .expect("routed")
+            .target
+            .expect("target")
+    }
+
+    #[tokio::test]
+    async fn kv_policy_follows_the_cached_prefix() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        let prompt: Vec<u32> = (0..64).collect();
+        publish_stored(&planes, 11, &prompt).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 4).await;
+        let d = r.inner.decide(&prompt).expect("decides");
+        assert_eq!(d.worker, 11);
+        let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
+        assert_eq!(
+            (c11.matched_blocks, c11.prefill_blocks, c11.cost),
+            (4, 0, 4.0)
+        );
+        // While the request is active its blocks count against worker 11; once it is over
+        // they are released.
+        let ctx = Ctx::new();
+        assert_eq!(route_with(&r, ctx.clone(), prompt.clone()).await, 11);
+        assert_eq!(r.inner.active.load(11).decode_blocks, 4);
+        assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
+        drop(ctx);
+        until(|| r.inner.active.load(11) == sequences::Load::default()).await;
+    }
+
+    #[tokio::test]
+    async fn a_departed_worker_leaves_the_index() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 2).await;
+        let key = Instance {
+            namespace: "ns".into(),
+            component: "decode".into(),
+            endpoint: ENDPOINT.into(),
+            instance_id: 11,
+            transport: Transport::InProcess,
+            metadata: Default::default(),
+        }
+        .key();
+        planes.discovery.deregister(&key).await.expect("deregister");
+        // Reconciled on the router's once-a-second tick.
+        until(|| kv.index.read().stats().nodes == 0).await;
+        assert_eq!(
+            kv.index.read().worker_ids().collect::<Vec<_>>(),
+            Vec::<u64>::new()
+        );
+    }
+
+    #[tokio::test]
+    async fn least_loaded_counts_active_requests_until_they_finish() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::LeastLoaded,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[1, 2]).await;
+        let a = Ctx::new();
+        let first = route_with(&r, a.clone(), vec![1, 2, 3]).await;
+        let b = Ctx::new();
+        let second = route_with(&r, b.clone(), vec![1, 2, 3]).await;
+        assert_ne!(first, second, "the busy worker is avoided");
+        a.first_output();
+        assert_eq!(r.inner.active.load(first).prefill_tokens, 0);
+        assert_eq!(r.inner.active.load(first).requests, 1);
+        drop(a);
+        assert_eq!(r.inner.active.load(first).requests, 0);
+        assert_eq!(route_with(&r, Ctx::new(), vec![1]).await, first);
+        drop(b);
+        assert!(r.inner.active.snapshot().is_empty());
+    }
+
+    #[tokio::test]
+    async fn approximate_kv_remembers_its_own_decisions_until_the_ttl() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            kv_events: false,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[1, 2, 3]).await;
+        let prompt: Vec<u32> = (100..164).collect();
+        let w = route_with(&r, Ctx::new(), prompt.clone()).await;
+        let kv = r.inner.kv.as_ref().expect("kv");
+        assert_eq!(r.inner.decide(&prompt).expect("decides").worker, w);
+        // Not yet expired with a long TTL; gone with a zero one.
+        kv.expire(Duration::from_secs(3600));
+        assert_eq!(kv.index.read().worker_blocks(w), 4);
+        kv.expire(Duration::ZERO);
+        assert_eq!(kv.index.read().worker_blocks(w), 0);
+        assert_eq!(kv.own_decisions(), 0);
+    }
+
+    #[test]
+    fn bad_settings_are_reported() {
+        let c = RouteConfig {
+            overlap_weight: -1.0,
+            temperature: f64::NAN,
+            approx_ttl_s: 0.0,
+            block_size: Some(0),
+            ..RouteConfig::default()
+        };
+        assert_eq!(c.validate().len(), 4);
+        assert!(RouteConfig::default().validate().is_empty());
+    }
+
+    #[tokio::test]
+    async fn needs_exactly_one_consumer() {
+        let planes = Planes::embedded();
+        let mut c = cx(&planes);
+        c.consumers.clear();
+        assert!(RouteConfig::default().build(&c).await.is_err());
+    }
+}
