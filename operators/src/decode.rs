@@ -23,14 +23,14 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::engine::Worker;
+use crate::engine::EngineHandle;
 use crate::engine::mocker::{self, MockerConfig};
 use crate::engine::native::{self, NativeConfig};
 use crate::llm::types::{Generated, PreprocessedRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Engine {
+pub enum EngineKind {
     Mocker,
     Native,
 }
@@ -41,7 +41,7 @@ pub enum Engine {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecodeConfig {
-    pub engine: Engine,
+    pub engine: EngineKind,
     #[serde(default)]
     pub mocker: Option<MockerConfig>,
     #[serde(default)]
@@ -58,10 +58,10 @@ impl DecodeConfig {
     }
 
     /// Start the configured engine's worker.
-    pub(crate) async fn start(&self, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+    pub(crate) async fn start(&self, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
         match self.engine {
-            Engine::Mocker => mocker::start(&self.mocker(), cx).await,
-            Engine::Native => native::start(&self.native(), cx).await,
+            EngineKind::Mocker => mocker::start(&self.mocker(), cx).await,
+            EngineKind::Native => native::start(&self.native(), cx).await,
         }
     }
 }
@@ -74,17 +74,17 @@ impl OperatorConfig for DecodeConfig {
 
     fn validate(&self) -> Vec<Invalid> {
         let mut out = match self.engine {
-            Engine::Mocker => self.mocker().validate("mocker."),
-            Engine::Native => self.native().validate("native."),
+            EngineKind::Mocker => self.mocker().validate("mocker."),
+            EngineKind::Native => self.native().validate("native."),
         };
         // A section for the engine not chosen is a mistake worth naming.
-        if self.engine != Engine::Mocker && self.mocker.is_some() {
+        if self.engine != EngineKind::Mocker && self.mocker.is_some() {
             out.push(Invalid::field(
                 "mocker",
                 "set, but the engine is not mocker",
             ));
         }
-        if self.engine != Engine::Native && self.native.is_some() {
+        if self.engine != EngineKind::Native && self.native.is_some() {
             out.push(Invalid::field(
                 "native",
                 "set, but the engine is not native",
@@ -96,13 +96,13 @@ impl OperatorConfig for DecodeConfig {
     fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         match self.engine {
-            Engine::Mocker => {
+            EngineKind::Mocker => {
                 let c = self.mocker();
                 m.insert("engine".into(), "mocker".into());
                 m.insert("block_size".into(), c.block_size.into());
                 m.insert("kv_total_blocks".into(), c.num_blocks.into());
             }
-            Engine::Native => {
+            EngineKind::Native => {
                 let c = self.native();
                 m.insert("engine".into(), "native".into());
                 m.insert("block_size".into(), c.block_size.into());
@@ -120,7 +120,7 @@ impl OperatorConfig for DecodeConfig {
 }
 
 pub struct Decode {
-    engine: Arc<Worker>,
+    engine: Arc<EngineHandle>,
 }
 
 impl Operator for Decode {

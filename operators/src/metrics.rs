@@ -92,7 +92,7 @@ pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
     ),
 });
 
-struct Worker {
+struct WorkerMetrics {
     running: IntGaugeVec,
     waiting: IntGaugeVec,
     active_blocks: IntGaugeVec,
@@ -102,9 +102,9 @@ struct Worker {
     preemptions: IntCounterVec,
 }
 
-static WORKER: LazyLock<Worker> = LazyLock::new(|| {
+static WORKER: LazyLock<WorkerMetrics> = LazyLock::new(|| {
     let l: &[&str] = &["node", "worker_id"];
-    Worker {
+    WorkerMetrics {
         running: gauge(
             "dyn_worker_requests_running",
             "Sequences in the running batch",

@@ -24,7 +24,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::decode::DecodeConfig;
-use crate::engine::Worker;
+use crate::engine::EngineHandle;
 use crate::llm::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
 use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 
@@ -104,14 +104,14 @@ impl OperatorConfig for PrefillConfig {
 }
 
 pub struct Prefill {
-    engine: Arc<Worker>,
+    engine: Arc<EngineHandle>,
     worker_id: u64,
     _jobs: tokio_util::task::AbortOnDropHandle<()>,
 }
 
 /// Run one prompt in the prefill role: its first token and the offer of its KV.
 async fn prefill(
-    engine: &Worker,
+    engine: &EngineHandle,
     ctx: &Ctx,
     req: &PreprocessedRequest,
     worker_id: u64,

@@ -16,72 +16,35 @@ use dyn_gpu::transfer::BlockFormat;
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
+use super::settings::{EngineSettings, SchedulerConfig, engine_section};
+
 use super::pool::BlockId;
 use super::scheduler::{Work, token_at};
-use super::{Executor, ImportCheck, Settings, Worker};
+use super::{EngineError, EngineHandle, Executor, ImportCheck};
 use crate::llm::model::ModelDir;
 
-/// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker serving
-/// an 8B model on one large GPU.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MockerConfig {
-    #[serde(default = "d_num_blocks")]
-    pub num_blocks: u32,
-    #[serde(default = "d_block_size")]
-    pub block_size: u32,
-    #[serde(default = "d_max_num_seqs")]
-    pub max_num_seqs: u32,
-    #[serde(default = "d_max_num_batched_tokens")]
-    pub max_num_batched_tokens: u32,
-    /// Simulated time is divided by this; large values make the framework the bottleneck.
-    #[serde(default = "d_speedup")]
-    pub speedup: f64,
-    /// Requests that may wait to start before new ones are refused with 503 (load shedding).
-    #[serde(default = "d_queue")]
-    pub max_queued_requests: u32,
-    #[serde(default)]
-    pub timing: Timing,
-    /// Disaggregation: bytes of KV one token takes (the default is Llama-3-8B in bf16: 32
-    /// layers × K and V × 8 KV heads × 128 dims × 2 bytes). The simulated blocks that really
-    /// move are much smaller; this sizes the transfer the timing model charges.
-    #[serde(default = "d_kv_bytes_per_token")]
-    pub kv_bytes_per_token: u64,
-    /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
-    #[serde(default = "d_transfer_gbps")]
-    pub transfer_gbps: f64,
-    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
-    #[serde(default = "d_pin_ttl_s")]
-    pub pin_ttl_s: f64,
-}
-
-fn d_kv_bytes_per_token() -> u64 {
-    32 * 2 * 8 * 128 * 2
-}
-fn d_transfer_gbps() -> f64 {
-    25.0
-}
-fn d_pin_ttl_s() -> f64 {
-    30.0
-}
-
-fn d_num_blocks() -> u32 {
-    16384
-}
-fn d_block_size() -> u32 {
-    16
-}
-fn d_max_num_seqs() -> u32 {
-    256
-}
-fn d_max_num_batched_tokens() -> u32 {
-    8192
-}
-fn d_speedup() -> f64 {
-    1.0
-}
-fn d_queue() -> u32 {
-    4096
+engine_section! {
+    /// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker
+    /// serving an 8B model on one large GPU.
+    pub struct MockerConfig {
+        scheduler: SchedulerConfig {
+            num_blocks: 16384,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_queued_requests: 4096,
+            pin_ttl_s: 30.0,
+        },
+        /// Simulated time is divided by this; large values make the framework the bottleneck.
+        pub speedup: f64 = 1.0,
+        pub timing: Timing = Timing::default(),
+        /// Disaggregation: bytes of KV one token takes (the default is Llama-3-8B in bf16: 32
+        /// layers × K and V × 8 KV heads × 128 dims × 2 bytes). The simulated blocks that
+        /// really move are much smaller; this sizes the transfer the timing model charges.
+        pub kv_bytes_per_token: u64 = 32 * 2 * 8 * 128 * 2,
+        /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
+        pub transfer_gbps: f64 = 25.0,
+    }
 }
 
 /// The timing model, in milliseconds: a step costs `step_ms`, plus `prefill_ms_per_token` per
@@ -116,40 +79,18 @@ impl Timing {
     }
 }
 
-impl Default for MockerConfig {
-    fn default() -> Self {
-        Self {
-            num_blocks: d_num_blocks(),
-            block_size: d_block_size(),
-            max_num_seqs: d_max_num_seqs(),
-            max_num_batched_tokens: d_max_num_batched_tokens(),
-            speedup: d_speedup(),
-            max_queued_requests: d_queue(),
-            timing: Timing::default(),
-            kv_bytes_per_token: d_kv_bytes_per_token(),
-            transfer_gbps: d_transfer_gbps(),
-            pin_ttl_s: d_pin_ttl_s(),
-        }
-    }
-}
-
 impl MockerConfig {
     /// The engine loop's settings.
-    pub fn settings(&self) -> Settings {
-        Settings {
-            num_blocks: self.num_blocks,
-            block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_queued_requests: self.max_queued_requests,
-            pin_ttl_s: self.pin_ttl_s,
+    pub fn settings(&self) -> EngineSettings {
+        EngineSettings {
+            scheduler: self.scheduler(),
             vocab_size: None,
             seed_from_prompt: true,
         }
     }
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = self.settings().validate(prefix);
+        let mut out = self.scheduler().validate(prefix);
         for (name, v) in [
             ("speedup", self.speedup),
             ("transfer_gbps", self.transfer_gbps),
@@ -233,7 +174,7 @@ pub fn block_payloads(tokens: &[u32], block_size: usize) -> Vec<Bytes> {
 const MIN_SLEEP: Duration = Duration::from_micros(50);
 
 /// Start a mocker worker.
-pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
     let model = ModelDir::shared(cx).await?;
     // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
     let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
@@ -254,11 +195,13 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<Worker>, B
             if blocks == block_payloads(tokens, bs).as_slice() {
                 Ok(())
             } else {
-                Err("the pulled blocks do not hold this prompt".into())
+                Err(EngineError::Mismatch(
+                    "the pulled blocks do not hold this prompt".into(),
+                ))
             }
         }),
     };
-    Worker::start(config.settings(), import, Box::new(exec), cx, "mocker").await
+    EngineHandle::start(config.settings(), import, Box::new(exec), cx, "mocker").await
 }
 
 struct MockerExec {
@@ -269,7 +212,7 @@ struct MockerExec {
 }
 
 impl Executor for MockerExec {
-    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, String> {
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
         let started = Instant::now();
         let (mut prefill, mut decode, mut context) = (0, 0, 0);
         for w in work {
@@ -297,11 +240,11 @@ impl Executor for MockerExec {
             .collect())
     }
 
-    fn export(&mut self, _blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, String> {
+    fn export(&mut self, _blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {
         Ok(block_payloads(tokens, self.block_size))
     }
 
-    fn import(&mut self, _blocks: &[BlockId], _data: Vec<Bytes>) -> Result<(), String> {
+    fn import(&mut self, _blocks: &[BlockId], _data: Vec<Bytes>) -> Result<(), EngineError> {
         // Checked against the prompt when pulled; nothing to store.
         Ok(())
     }

@@ -29,7 +29,8 @@ use serde::Deserialize;
 
 use super::pool::BlockId;
 use super::scheduler::Work;
-use super::{Executor, ImportCheck, Settings, Worker};
+use super::settings::{EngineSettings, SchedulerConfig, engine_section};
+use super::{EngineError, EngineHandle, Executor, ImportCheck};
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -67,93 +68,41 @@ impl DtypeChoice {
     }
 }
 
-/// `config.native` of `decode` / `prefill` with `engine: native`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NativeConfig {
-    /// Checkpoint directory (config.json and safetensors) or GGUF file, relative to the
-    /// graph file; the graph's `model.path` when absent.
-    #[serde(default)]
-    pub model: Option<String>,
-    #[serde(default)]
-    pub device: DeviceChoice,
-    #[serde(default)]
-    pub dtype: DtypeChoice,
-    /// CUDA device ordinal.
-    #[serde(default)]
-    pub gpu: usize,
-    /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
-    #[serde(default)]
-    pub threads: usize,
-    #[serde(default = "d_num_blocks")]
-    pub num_blocks: u32,
-    #[serde(default = "d_block_size")]
-    pub block_size: u32,
-    #[serde(default = "d_max_num_seqs")]
-    pub max_num_seqs: u32,
-    #[serde(default = "d_max_num_batched_tokens")]
-    pub max_num_batched_tokens: u32,
-    #[serde(default = "d_queue")]
-    pub max_queued_requests: u32,
-    /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
-    #[serde(default = "d_pin_ttl_s")]
-    pub pin_ttl_s: f64,
-}
-
-fn d_num_blocks() -> u32 {
-    1024
-}
-fn d_block_size() -> u32 {
-    16
-}
-fn d_max_num_seqs() -> u32 {
-    64
-}
-fn d_max_num_batched_tokens() -> u32 {
-    2048
-}
-fn d_queue() -> u32 {
-    1024
-}
-fn d_pin_ttl_s() -> f64 {
-    30.0
-}
-
-impl Default for NativeConfig {
-    fn default() -> Self {
-        NativeConfig {
-            model: None,
-            device: DeviceChoice::Auto,
-            dtype: DtypeChoice::Auto,
-            gpu: 0,
-            threads: 0,
-            num_blocks: d_num_blocks(),
-            block_size: d_block_size(),
-            max_num_seqs: d_max_num_seqs(),
-            max_num_batched_tokens: d_max_num_batched_tokens(),
-            max_queued_requests: d_queue(),
-            pin_ttl_s: d_pin_ttl_s(),
-        }
+engine_section! {
+    /// `config.native` of `decode` / `prefill` with `engine: native`.
+    pub struct NativeConfig {
+        scheduler: SchedulerConfig {
+            num_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_queued_requests: 1024,
+            pin_ttl_s: 30.0,
+        },
+        /// Checkpoint directory (config.json and safetensors) or GGUF file, relative to the
+        /// graph file; the graph's `model.path` when absent.
+        pub model: Option<String> = None,
+        pub device: DeviceChoice = DeviceChoice::Auto,
+        pub dtype: DtypeChoice = DtypeChoice::Auto,
+        /// CUDA device ordinal.
+        pub gpu: usize = 0,
+        /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
+        pub threads: usize = 0,
     }
 }
 
 impl NativeConfig {
     /// The engine loop's settings, for a model with `vocab` tokens.
-    pub fn settings(&self, vocab: Option<u32>) -> Settings {
-        Settings {
-            num_blocks: self.num_blocks,
-            block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_queued_requests: self.max_queued_requests,
-            pin_ttl_s: self.pin_ttl_s,
+    pub fn settings(&self, vocab: Option<u32>) -> EngineSettings {
+        EngineSettings {
+            scheduler: self.scheduler(),
             vocab_size: vocab,
             seed_from_prompt: false,
         }
     }
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = self.settings(None).validate(prefix);
+        let mut out = self.scheduler().validate(prefix);
         if self.device == DeviceChoice::Cuda && !dyn_gpu::cuda_compiled() {
             out.push(Invalid::field(
                 format!("{prefix}device"),
@@ -176,7 +125,7 @@ impl NativeConfig {
 
 /// Load the model (on the blocking pool: it reads and converts every weight) and start a
 /// worker on it.
-pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<Worker>, BuildError> {
+pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
     let dir = config.model_dir(cx)?;
     let c = config.clone();
     let backend = tokio::task::spawn_blocking(move || load(&c, &dir))
@@ -197,7 +146,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<Worker>, B
         verify: Box::new(|_, _| Ok(())),
     };
     let exec = NativeExec { backend };
-    Worker::start(settings, import, Box::new(exec), cx, "native").await
+    EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
 }
 
 fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, BuildError> {
@@ -271,7 +220,7 @@ struct NativeExec {
 }
 
 impl Executor for NativeExec {
-    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, String> {
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
         let batch: Vec<SeqStep<'_>> = work
             .iter()
             .filter(|w| w.len > 0)
@@ -282,7 +231,7 @@ impl Executor for NativeExec {
                 logits: w.sample,
             })
             .collect();
-        let logits = self.backend.forward(&batch).map_err(|e| e.to_string())?;
+        let logits = self.backend.forward(&batch)?;
         // Logits come in batch order for the sampling entries, which all have new tokens.
         Ok(work
             .iter()
@@ -292,19 +241,14 @@ impl Executor for NativeExec {
             .collect())
     }
 
-    fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, String> {
-        let data = self
-            .backend
-            .export_blocks(blocks)
-            .map_err(|e| e.to_string())?;
+    fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {
+        let data = self.backend.export_blocks(blocks)?;
         Ok(data.into_iter().map(Bytes::from).collect())
     }
 
-    fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), String> {
+    fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {
         let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
-        self.backend
-            .import_blocks(blocks, &data)
-            .map_err(|e| e.to_string())
+        Ok(self.backend.import_blocks(blocks, &data)?)
     }
 }
 

@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 
+use super::EngineError;
 use super::pool::{BlockId, Pool};
 use crate::llm::kv::{BlockHash, chain_hash, local_hash};
 use crate::llm::types::FinishReason;
@@ -267,8 +268,8 @@ impl Scheduler {
     /// advances, and the error is returned with the ids of the sequences the step held.
     pub fn step(
         &mut self,
-        exec: impl FnOnce(&[Work<'_>]) -> Result<Vec<u32>, String>,
-    ) -> Result<StepOutcome, (String, Vec<SeqId>)> {
+        exec: impl FnOnce(&[Work<'_>]) -> Result<Vec<u32>, EngineError>,
+    ) -> Result<StepOutcome, (EngineError, Vec<SeqId>)> {
         let Limits {
             block_size,
             max_num_seqs,
@@ -404,10 +405,10 @@ impl Scheduler {
             result => {
                 let e = match result {
                     Err(e) => e,
-                    Ok(t) => format!(
+                    Ok(t) => EngineError::Internal(format!(
                         "the executor sampled {} tokens for {wanted} sequences",
                         t.len()
-                    ),
+                    )),
                 };
                 let ids = work.iter().map(|w| w.id).collect();
                 return Err((e, ids));
@@ -585,10 +586,11 @@ mod tests {
     fn a_failed_step_advances_nothing_and_names_its_sequences() {
         let mut s = Scheduler::new(limits(8, 64), 16);
         s.add(1, spec(vec![1, 2, 3], 4));
-        let (e, ids) = s.step(|_| Err("boom".to_string())).unwrap_err();
-        assert_eq!((e.as_str(), ids), ("boom", vec![1]));
+        let boom = || EngineError::Internal("boom".into());
+        let (e, ids) = s.step(|_| Err(boom())).unwrap_err();
+        assert_eq!((e.to_string(), ids), ("boom".into(), vec![1]));
         let (e, _) = s.step(|_| Ok(vec![])).unwrap_err();
-        assert!(e.contains("sampled 0 tokens for 1"), "{e}");
+        assert!(e.to_string().contains("sampled 0 tokens for 1"), "{e}");
         // Still in the batch with nothing computed: a good step runs it from the start.
         assert_eq!(step(&mut s).prefill_tokens, 3);
     }

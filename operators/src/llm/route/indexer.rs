@@ -80,7 +80,7 @@ impl Slot {
 }
 
 #[derive(Debug, Default)]
-struct Worker {
+struct WorkerBlocks {
     slot: usize,
     /// The worker's own block hash → node.
     blocks: IdMap<u32>,
@@ -123,7 +123,7 @@ pub struct Indexer {
     nodes: Vec<Node>,
     free: Vec<u32>,
     by_seq: IdMap<Slot>,
-    workers: HashMap<u64, Worker>,
+    workers: HashMap<u64, WorkerBlocks>,
     slots: Vec<Option<u64>>,
 }
 
@@ -135,15 +135,15 @@ impl Indexer {
         }
     }
 
-    fn worker(&mut self, id: u64) -> Option<&mut Worker> {
+    fn worker(&mut self, id: u64) -> Option<&mut WorkerBlocks> {
         if !self.workers.contains_key(&id) {
             let slot = self.slots.iter().position(Option::is_none)?;
             self.slots[slot] = Some(id);
             self.workers.insert(
                 id,
-                Worker {
+                WorkerBlocks {
                     slot,
-                    ..Worker::default()
+                    ..WorkerBlocks::default()
                 },
             );
         }
