@@ -69,7 +69,7 @@ fn bench(c: &mut Criterion) {
     });
     let format = BlockFormat {
         block_bytes: BLOCK_BYTES as u32,
-        layout: "layer,kv,token,head,dim".into(),
+        layout: dyn_gpu::transfer::BlockLayout::LayerKvHeadSlotDim,
         dtype: "bf16".into(),
     };
     g.bench_function("tcp_agent_pull", |b| {

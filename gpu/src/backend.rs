@@ -3,8 +3,9 @@
 //!
 //! The engine's scheduler decides *which* tokens run and *where* their KV lives (block
 //! tables); a backend only computes. Every backend exports and imports a block in one layout
-//! (`[layer][k, v][kv_head][slot][dim]`, whatever it keeps inside), so KV blocks can be
-//! exported from one worker and imported into another by the transfer agent.
+//! ([`BlockLayout::LayerKvHeadSlotDim`](crate::transfer::BlockLayout), whatever it keeps
+//! inside), so KV blocks can be exported from one worker and imported into another by the
+//! transfer agent.
 
 use crate::model::{DType, ModelConfig};
 

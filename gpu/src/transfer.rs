@@ -20,10 +20,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 /// What the decode side needs to pull an offer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,8 +37,8 @@ pub struct TransferDescriptor {
     pub block_ids: Vec<u32>,
     /// Bytes per block (every block has the same size).
     pub block_bytes: u32,
-    /// How a block's bytes are laid out, e.g. `layer,kv,token,head,dim`.
-    pub layout: String,
+    /// How a block's bytes are laid out.
+    pub layout: BlockLayout,
     /// Element type, e.g. `bf16`.
     pub dtype: String,
 }
@@ -45,8 +47,29 @@ pub struct TransferDescriptor {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockFormat {
     pub block_bytes: u32,
-    pub layout: String,
+    pub layout: BlockLayout,
     pub dtype: String,
+}
+
+/// The order of a KV block's elements, named once for every backend, engine and agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockLayout {
+    /// Model KV: `[layer][k, v][kv_head][slot][dim]`, slot being the token's place in the
+    /// block. Every native backend exports and imports this, whatever it keeps inside.
+    #[serde(rename = "layer,kv,head,slot,dim")]
+    LayerKvHeadSlotDim,
+    /// The mocker's simulated KV: the block's token ids.
+    #[serde(rename = "token_ids")]
+    TokenIds,
+}
+
+impl std::fmt::Display for BlockLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BlockLayout::LayerKvHeadSlotDim => "layer,kv,head,slot,dim",
+            BlockLayout::TokenIds => "token_ids",
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -231,29 +254,37 @@ struct PullHeader {
 }
 
 /// Largest header or request accepted (they are small JSON objects).
-const MAX_CONTROL: u32 = 64 << 10;
+const MAX_CONTROL: usize = 64 << 10;
+
+/// Control messages (a pull's transfer id, its response header) are length-delimited JSON
+/// frames; a response's blocks follow its header raw, back to back.
+fn control_codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .max_frame_length(MAX_CONTROL)
+        .new_codec()
+}
 
 async fn write_control(
-    w: &mut (impl AsyncWriteExt + Unpin),
+    w: &mut (impl AsyncWrite + Unpin),
     v: &impl Serialize,
 ) -> std::io::Result<()> {
     let body = serde_json::to_vec(v).map_err(std::io::Error::other)?;
-    w.write_u32(body.len() as u32).await?;
-    w.write_all(&body).await
+    let mut framed = FramedWrite::new(w, control_codec());
+    framed.send(Bytes::from(body)).await
 }
 
+/// Read one control message; also returns what was read past it (the first block bytes of a
+/// response), which the caller must use before reading on.
 async fn read_control<T: for<'de> Deserialize<'de>>(
-    r: &mut (impl AsyncReadExt + Unpin),
-) -> std::io::Result<T> {
-    let n = r.read_u32().await?;
-    if n > MAX_CONTROL {
-        return Err(std::io::Error::other(format!(
-            "control message of {n} bytes"
-        )));
-    }
-    let mut body = vec![0; n as usize];
-    r.read_exact(&mut body).await?;
-    serde_json::from_slice(&body).map_err(std::io::Error::other)
+    r: &mut (impl AsyncRead + Unpin),
+) -> std::io::Result<(T, BytesMut)> {
+    let mut framed = FramedRead::new(r, control_codec());
+    let frame = framed
+        .next()
+        .await
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))??;
+    let v = serde_json::from_slice(&frame).map_err(std::io::Error::other)?;
+    Ok((v, framed.into_parts().read_buf))
 }
 
 /// Blocks over TCP. See the module docs.
@@ -308,7 +339,7 @@ async fn serve_pull(stream: TcpStream, offers: Arc<Offers>) {
     // Coalesce small blocks into large writes; large blocks go through in one call each.
     let mut w = BufWriter::with_capacity(256 << 10, w);
     let result = async {
-        let id: u64 = read_control(&mut r).await?;
+        let (id, _): (u64, _) = read_control(&mut r).await?;
         match offers.take(id) {
             Ok(offer) => {
                 let header = PullHeader {
@@ -368,7 +399,7 @@ impl KvTransferAgent for TcpAgent {
             .map_err(io)?;
         let _ = s.set_nodelay(true);
         write_control(&mut s, &desc.transfer_id).await.map_err(io)?;
-        let header: PullHeader = read_control(&mut s).await.map_err(io)?;
+        let (header, read_ahead): (PullHeader, _) = read_control(&mut s).await.map_err(io)?;
         if let Some(e) = header.error {
             return Err(TransferError::Io {
                 agent: desc.agent.clone(),
@@ -388,11 +419,17 @@ impl KvTransferAgent for TcpAgent {
                 ),
             });
         }
-        // One buffer for everything, read straight from the socket, then split per block
-        // without copying.
+        // One buffer for everything, read straight from the socket (after what the header's
+        // read took ahead), then split per block without copying.
         let total = header.blocks as usize * header.block_bytes as usize;
+        if read_ahead.len() > total {
+            return Err(io(std::io::Error::other("bytes past the last block")));
+        }
         let mut buf = BytesMut::zeroed(total);
-        s.read_exact(&mut buf).await.map_err(io)?;
+        buf[..read_ahead.len()].copy_from_slice(&read_ahead);
+        s.read_exact(&mut buf[read_ahead.len()..])
+            .await
+            .map_err(io)?;
         let mut all = buf.freeze();
         Ok((0..header.blocks)
             .map(|_| all.split_to(header.block_bytes as usize))
@@ -408,7 +445,7 @@ mod tests {
     fn format(block_bytes: u32) -> BlockFormat {
         BlockFormat {
             block_bytes,
-            layout: "layer,kv,token,head,dim".into(),
+            layout: BlockLayout::LayerKvHeadSlotDim,
             dtype: "bf16".into(),
         }
     }

@@ -6,8 +6,8 @@
 //! CUDA backend keep too — and attention widens sixteen values per load. Per layer, keys are
 //! `[block][kv_head][dim][slot]` (transposed: a decode query scores a block's sixteen slots
 //! with one vector per dimension) and values `[block][kv_head][slot][dim]`; exported blocks
-//! are `[layer][k, v][kv_head][slot][dim]` in [`Elem`]'s type, little-endian, the layout
-//! every backend exchanges.
+//! are in [`Elem`]'s type, little-endian, in the layout every backend exchanges
+//! ([`crate::transfer::BlockLayout::LayerKvHeadSlotDim`]).
 
 #![allow(unsafe_code)]
 

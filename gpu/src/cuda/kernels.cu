@@ -5,8 +5,8 @@
 // through PTX conversions.
 //
 // Layouts (row-major): activations [tokens, width]; the KV cache of one layer is
-// [block][kv_head][slot][dim], the same as the CPU backend, so exported blocks move between
-// backends.
+// [block][kv_head][slot][dim]; blocks are exported in the layout every backend exchanges
+// (BlockLayout::LayerKvHeadSlotDim in transfer.rs), so they move between backends.
 
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use dyn_gpu::transfer::BlockFormat;
+use dyn_gpu::transfer::{BlockFormat, BlockLayout};
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
@@ -150,7 +150,7 @@ fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
 pub fn block_format(block_size: usize) -> BlockFormat {
     BlockFormat {
         block_bytes: (block_size * 4) as u32,
-        layout: "token_ids".into(),
+        layout: BlockLayout::TokenIds,
         dtype: "u32le".into(),
     }
 }

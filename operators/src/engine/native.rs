@@ -23,7 +23,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dyn_gpu::backend::{Backend, KvShape, SeqStep};
 use dyn_gpu::model::{DType, ModelConfig, ModelWeights, gguf};
-use dyn_gpu::transfer::BlockFormat;
+use dyn_gpu::transfer::{BlockFormat, BlockLayout};
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
@@ -135,7 +135,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
     let format = BlockFormat {
         block_bytes: u32::try_from(backend.block_bytes())
             .map_err(|_| BuildError::new("a KV block is over 4 GiB: lower block_size"))?,
-        layout: "layer,kv,head,slot,dim".into(),
+        layout: BlockLayout::LayerKvHeadSlotDim,
         dtype: backend.kv_dtype().name().into(),
     };
     let settings = config.settings(u32::try_from(backend.config().vocab).ok());
