@@ -113,7 +113,7 @@ impl Operator for Echo {
                             }
                         }
                     }
-                    if ctx.is_stopped() {
+                    if ctx.is_killed() {
                         return;
                     }
                     yield Ok(Text(part));

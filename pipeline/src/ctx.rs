@@ -1,20 +1,17 @@
 //! The per-request context every operator receives.
 //!
 //! A [`Ctx`] names the request, carries its tracing span and optional deadline, and tells the
-//! operators working on it when to wind down. There are two ways to end a request, and they are
-//! kept apart because engines treat them differently (as Dynamo's `AsyncEngineContext` does):
-//!
-//! - [`Ctx::stop`] asks for a clean finish: an engine may emit what it already computed and a
-//!   final chunk with a finish reason;
-//! - [`Ctx::kill`] aborts: nobody is listening any more (the client went away, the deadline
-//!   passed, shutdown ran out of grace), so work and memory should be released at once.
+//! operators working on it when to give up: [`Ctx::kill`] aborts (nobody is listening any
+//! more: the client went away, shutdown ran out of grace), and so does the deadline passing;
+//! work and memory are released at once. (A "finish cleanly" signal, as Dynamo's
+//! `AsyncEngineContext::stop_generating`, has no sender in dyn, so it has no receiver either.)
 //!
 //! Operators that keep per-request bookkeeping elsewhere (a router counting active requests
 //! per worker) register hooks: [`Ctx::on_first_output`] runs when the request path yields its
 //! first item, [`Ctx::on_done`] when the request is over in any way (finished, failed,
 //! cancelled), that is when its last context is dropped.
 //!
-//! Contexts form a tree: a child created with [`Ctx::child`] observes its parent's stop and kill,
+//! Contexts form a tree: a child created with [`Ctx::child`] observes its parent's kill,
 //! so cancelling an HTTP request reaches every sub-request it fanned out to. The tree is built on
 //! `tokio_util`'s `CancellationToken`, which already unlinks dropped children.
 
@@ -71,9 +68,7 @@ pub struct Ctx {
 
 struct Inner {
     id: RequestId,
-    /// Cancelled by `stop()` and by `kill()`: "finish soon".
-    stop: CancellationToken,
-    /// Cancelled by `kill()` only: "abort now".
+    /// Cancelled by `kill()`: "abort now".
     kill: CancellationToken,
     deadline: Option<Instant>,
     span: tracing::Span,
@@ -107,7 +102,6 @@ impl fmt::Debug for Ctx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Ctx")
             .field("id", &self.inner.id)
-            .field("stopped", &self.is_stopped())
             .field("killed", &self.is_killed())
             .field("deadline", &self.inner.deadline)
             .finish()
@@ -124,30 +118,19 @@ impl Ctx {
     pub fn with_id(id: impl Into<RequestId>) -> Self {
         let id = id.into();
         let span = tracing::info_span!("request", request_id = %id);
-        Self::from_parts(
-            id,
-            CancellationToken::new(),
-            CancellationToken::new(),
-            None,
-            span,
-            Arc::default(),
-        )
+        Self::from_parts(id, CancellationToken::new(), None, span, Arc::default())
     }
 
     fn from_parts(
         id: RequestId,
-        stop: CancellationToken,
         kill: CancellationToken,
         deadline: Option<Instant>,
         span: tracing::Span,
         hooks: Arc<Hooks>,
     ) -> Self {
-        // A kill always implies a stop; doing it by a watcher task would need a runtime, so
-        // `stop` is instead checked together with `kill` everywhere it is read.
         Self {
             inner: Arc::new(Inner {
                 id,
-                stop,
                 kill,
                 deadline,
                 span,
@@ -156,14 +139,13 @@ impl Ctx {
         }
     }
 
-    /// A linked child: it observes this context's stop, kill and deadline, and can be stopped or
-    /// killed on its own without touching the parent.
+    /// A linked child: it observes this context's kill and deadline, and can be killed on its
+    /// own without touching the parent.
     pub fn child(&self, id: impl Into<RequestId>) -> Self {
         let id = id.into();
         let span = tracing::info_span!(parent: &self.inner.span, "request", request_id = %id);
         Self::from_parts(
             id,
-            self.inner.stop.child_token(),
             self.inner.kill.child_token(),
             self.inner.deadline,
             span,
@@ -176,7 +158,6 @@ impl Ctx {
         let deadline = Some(self.inner.deadline.map_or(deadline, |d| d.min(deadline)));
         Self::from_parts(
             self.inner.id.clone(),
-            self.inner.stop.child_token(),
             self.inner.kill.child_token(),
             deadline,
             self.inner.span.clone(),
@@ -201,20 +182,9 @@ impl Ctx {
         self.inner.deadline
     }
 
-    /// Ask for a clean finish of this request and its children.
-    pub fn stop(&self) {
-        self.inner.stop.cancel();
-    }
-
     /// Abort this request and its children.
     pub fn kill(&self) {
         self.inner.kill.cancel();
-        self.inner.stop.cancel();
-    }
-
-    /// True once `stop()` or `kill()` reached this context, or its deadline passed.
-    pub fn is_stopped(&self) -> bool {
-        self.inner.stop.is_cancelled() || self.is_killed()
     }
 
     /// True once `kill()` reached this context, or its deadline passed.
@@ -224,14 +194,6 @@ impl Ctx {
 
     fn deadline_passed(&self) -> bool {
         self.inner.deadline.is_some_and(|d| Instant::now() >= d)
-    }
-
-    /// Resolves when the request should finish: stopped, killed, or past its deadline.
-    pub async fn stopped(&self) {
-        tokio::select! {
-            _ = self.inner.stop.cancelled() => {}
-            _ = self.killed() => {}
-        }
     }
 
     /// Resolves when the request is aborted: killed, or past its deadline.
@@ -320,19 +282,10 @@ mod tests {
         let root = Ctx::with_id("root");
         let child = root.child("child");
         let grandchild = child.child("grandchild");
-        assert!(!grandchild.is_stopped());
+        assert!(!grandchild.is_killed());
         root.kill();
-        assert!(child.is_killed() && child.is_stopped());
-        assert!(grandchild.is_killed() && grandchild.is_stopped());
-    }
-
-    #[test]
-    fn stop_is_not_kill() {
-        let root = Ctx::new();
-        let child = root.child("c");
-        root.stop();
-        assert!(child.is_stopped());
-        assert!(!child.is_killed());
+        assert!(child.is_killed());
+        assert!(grandchild.is_killed());
     }
 
     #[test]
@@ -341,8 +294,8 @@ mod tests {
         let child = root.child("c");
         let sibling = root.child("s");
         child.kill();
-        assert!(!root.is_stopped());
-        assert!(!sibling.is_stopped());
+        assert!(!root.is_killed());
+        assert!(!sibling.is_killed());
     }
 
     #[test]
@@ -381,7 +334,7 @@ mod tests {
         assert!(ctx.is_killed());
         let ctx = Ctx::new();
         ctx.kill_on_drop().disarm();
-        assert!(!ctx.is_stopped());
+        assert!(!ctx.is_killed());
     }
 
     #[test]

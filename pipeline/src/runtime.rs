@@ -660,7 +660,7 @@ impl Migrating {
                             (this.resume.absorb)(kept.as_mut(), v.as_ref());
                             yield Ok(v);
                         }
-                        Err(e) if e.kind == ErrorKind::Unavailable && attempt < this.limit && !ctx.is_stopped() => {
+                        Err(e) if e.kind == ErrorKind::Unavailable && attempt < this.limit && !ctx.is_killed() => {
                             lost = Some(e);
                             break;
                         }

@@ -167,6 +167,59 @@ async fn a_dead_endpoint_among_several_is_passed_over() {
 }
 
 #[tokio::test]
+async fn a_member_lost_after_connecting_is_replaced_by_the_next() {
+    if etcd().is_none() {
+        return;
+    }
+    // Two single-member clusters stand in for two members of one (what matters here is the
+    // client moving; a real cluster also keeps the data, which the second lacks until the
+    // keep-alive registers everything again under a lease of its own).
+    let (Some(first), Some(second)) = (
+        dyn_tests::servers::Server::etcd(),
+        dyn_tests::servers::Server::etcd(),
+    ) else {
+        dyn_tests::skip("no etcd binary on PATH");
+        return;
+    };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&[first.url(), second.url()], TTL)
+        .await
+        .unwrap();
+    let one = instance(&ns, 1);
+    a.register(one.clone()).await.unwrap();
+    drop(first);
+    // The second has no such lease: registering works once the keep-alive has moved there
+    // and taken a new one.
+    let two = instance(&ns, 2);
+    let mut registered = false;
+    for _ in 0..100 {
+        if a.register(two.clone()).await.is_ok() {
+            registered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(registered, "registering works on the second member");
+    let prefix = format!("v1/instances/{ns}/");
+    let second_url = [second.url()];
+    let on_second = || dyn_pipeline::planes::etcd::list_instances(&second_url, &prefix);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut listed = on_second().await.unwrap();
+        listed.sort_by_key(|i| i.instance_id);
+        if listed == [one.clone(), two.clone()] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second member never got both: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(a.list(&prefix).await.unwrap().len(), 2);
+}
+
+#[tokio::test]
 async fn an_unreachable_etcd_is_a_clear_error() {
     let e = EtcdDiscovery::connect(&["http://127.0.0.1:1"], TTL)
         .await

@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
@@ -39,32 +41,76 @@ struct Registrations {
     instances: BTreeMap<String, Instance>,
 }
 
+/// The cluster's members and the client on the one in use. A call that fails moves to the
+/// next member that answers (in order after the failed one) and is tried once more there.
+struct Members {
+    endpoints: Vec<String>,
+    /// The index of the member in use, and its client.
+    current: Mutex<(usize, Client)>,
+}
+
+impl Members {
+    fn client(&self) -> Client {
+        self.current.lock().1.clone()
+    }
+
+    /// Leave the member in use for the next that answers; the same one when none does.
+    async fn fail_over(&self) -> Client {
+        let at = self.current.lock().0;
+        let status = |mut c: Client| async move { c.status().await.map_err(err) }.boxed();
+        match first_member(&self.endpoints, at + 1, Duration::from_secs(2), status).await {
+            Ok((next, client, _)) => {
+                if next != at {
+                    tracing::warn!(
+                        from = %self.endpoints[at],
+                        to = %self.endpoints[next],
+                        "etcd member lost; moved to another"
+                    );
+                }
+                *self.current.lock() = (next, client.clone());
+                client
+            }
+            Err(_) => self.client(),
+        }
+    }
+
+    /// `f` on the member in use, and once more on another when that fails.
+    async fn call<'a, T>(
+        &self,
+        f: impl Fn(Client) -> BoxFuture<'a, Result<T, PlaneError>>,
+    ) -> Result<T, PlaneError> {
+        match f(self.client()).await {
+            Err(_) if self.endpoints.len() > 1 => f(self.fail_over().await).await,
+            done => done,
+        }
+    }
+}
+
 pub struct EtcdDiscovery {
-    client: Client,
+    members: Arc<Members>,
     state: Arc<Mutex<Registrations>>,
     _keepalive: tokio_util::task::AbortOnDropHandle<()>,
 }
 
-/// A client on the first of `endpoints` (`http://host:port`, in order) that answers `first`,
-/// with that answer. One client per member, tried in turn: etcd-client's own balancing over
-/// several endpoints sends requests to a member that is down and fails them.
-async fn first_member<E, T, F>(
+/// A client on the first of `endpoints` (`http://host:port`, tried from index `from` on, in
+/// a ring) that answers `first`, with its index and that answer. One client per member, tried
+/// in turn: etcd-client's own balancing over several endpoints sends requests to a member
+/// that is down and fails them.
+async fn first_member<'a, E: AsRef<str>, T>(
     endpoints: &[E],
+    from: usize,
     timeout: Duration,
-    first: F,
-) -> Result<(Client, T), PlaneError>
-where
-    E: AsRef<str>,
-    F: AsyncFn(&mut Client) -> Result<T, PlaneError>,
-{
+    first: impl Fn(Client) -> BoxFuture<'a, Result<T, PlaneError>>,
+) -> Result<(usize, Client, T), PlaneError> {
     let opts = ConnectOptions::new()
         .with_connect_timeout(timeout)
         .with_timeout(timeout);
     let mut failures = Vec::new();
-    for endpoint in endpoints {
-        let endpoint = endpoint.as_ref();
+    for k in 0..endpoints.len() {
+        let at = (from + k) % endpoints.len();
+        let endpoint = endpoints[at].as_ref();
         let answered = match Client::connect([endpoint], Some(opts.clone())).await {
-            Ok(mut client) => first(&mut client).await.map(|v| (client, v)),
+            Ok(client) => first(client.clone()).await.map(|v| (at, client, v)),
             Err(e) => Err(err(e)),
         };
         match answered {
@@ -85,34 +131,41 @@ pub async fn list_instances<E: AsRef<str>>(
     endpoints: &[E],
     prefix: &str,
 ) -> Result<Vec<Instance>, PlaneError> {
-    let snapshot = async |c: &mut Client| EtcdDiscovery::snapshot(c, prefix).await;
-    Ok(first_member(endpoints, Duration::from_secs(3), snapshot)
+    let snapshot =
+        |mut c: Client| async move { EtcdDiscovery::snapshot(&mut c, prefix).await }.boxed();
+    Ok(first_member(endpoints, 0, Duration::from_secs(3), snapshot)
         .await?
-        .1
+        .2
         .0)
 }
 
 impl EtcdDiscovery {
     /// Connect to the first of a cluster's `endpoints` (`http://host:port` each, tried in
     /// order, so members that are down at start are passed over) and take a lease of `ttl`
-    /// (etcd rounds up to its minimum, 2 s for etcd 3.4). A member lost later is not yet
-    /// replaced by another: the process keeps retrying the one it has.
+    /// (etcd rounds up to its minimum, 2 s for etcd 3.4). A member lost later is replaced by
+    /// the next that answers, for calls, the lease keep-alive and watches alike.
     pub async fn connect<E: AsRef<str>>(
         endpoints: &[E],
         ttl: Duration,
     ) -> Result<Self, PlaneError> {
         let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // The first call reaches the server: a wrong address fails here, not later.
-        let grant = async |c: &mut Client| c.lease_grant(ttl_s, None).await.map_err(err);
-        let (client, granted) = first_member(endpoints, Duration::from_secs(5), grant).await?;
+        let grant =
+            |mut c: Client| async move { c.lease_grant(ttl_s, None).await.map_err(err) }.boxed();
+        let (at, client, granted) =
+            first_member(endpoints, 0, Duration::from_secs(5), grant).await?;
         let lease = granted.id();
         let state = Arc::new(Mutex::new(Registrations {
             lease,
             instances: BTreeMap::new(),
         }));
-        let task = tokio::spawn(keep_alive(client.clone(), state.clone(), ttl_s));
+        let members = Arc::new(Members {
+            endpoints: endpoints.iter().map(|e| e.as_ref().to_owned()).collect(),
+            current: Mutex::new((at, client)),
+        });
+        let task = tokio::spawn(keep_alive(members.clone(), state.clone(), ttl_s));
         Ok(Self {
-            client,
+            members,
             state,
             _keepalive: tokio_util::task::AbortOnDropHandle::new(task),
         })
@@ -157,10 +210,11 @@ impl EtcdDiscovery {
 }
 
 /// Refresh the lease every third of its TTL; grant a new one and register again when it is
-/// gone; retry with backoff while etcd is unreachable.
-async fn keep_alive(mut client: Client, state: Arc<Mutex<Registrations>>, ttl_s: i64) {
+/// gone; retry with backoff (and on another member) while etcd is unreachable.
+async fn keep_alive(members: Arc<Members>, state: Arc<Mutex<Registrations>>, ttl_s: i64) {
     let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(500));
     let mut backoff = Duration::from_millis(200);
+    let mut client = members.client();
     loop {
         let lease = state.lock().lease;
         let alive = match client.lease_keep_alive(lease).await {
@@ -183,15 +237,24 @@ async fn keep_alive(mut client: Client, state: Arc<Mutex<Registrations>>, ttl_s:
                 }
             },
             Err(e) => {
-                tracing::warn!(error = %e, "Cannot reach etcd to keep the lease alive");
-                true
+                // A member that answers may simply not know the lease (it expired, or this
+                // member's cluster never had it): ask it, rather than read the message.
+                match client.lease_time_to_live(lease, None).await {
+                    Ok(r) if r.ttl() <= 0 => false,
+                    _ => {
+                        tracing::warn!(error = %e, "Cannot reach etcd to keep the lease alive");
+                        true
+                    }
+                }
             }
         };
         if alive {
-            // Unreachable or a broken stream: try again; if the lease expired meanwhile the
-            // next keep-alive answers TTL 0 and it is replaced below.
+            // Unreachable or a broken stream: try again, on another member if this one does
+            // not answer; if the lease expired meanwhile (or that member's cluster never had
+            // it) the next keep-alive answers TTL 0 and it is replaced below.
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
+            client = members.fail_over().await;
             continue;
         }
         tracing::warn!(lease, "etcd lease lost; registering again under a new one");
@@ -212,6 +275,7 @@ async fn keep_alive(mut client: Client, state: Arc<Mutex<Registrations>>, ttl_s:
                 tracing::warn!(error = %e, "Cannot grant a new etcd lease");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
+                client = members.fail_over().await;
             }
         }
     }
@@ -225,43 +289,52 @@ impl Discovery for EtcdDiscovery {
             st.instances.insert(instance.key(), instance.clone());
             st.lease
         };
-        Self::put(&mut self.client.clone(), lease, &instance).await
+        let put = |mut c: Client| {
+            let i = &instance;
+            async move { Self::put(&mut c, lease, i).await }.boxed()
+        };
+        self.members.call(put).await
     }
 
     async fn deregister(&self, key: &str) -> Result<(), PlaneError> {
         self.state.lock().instances.remove(key);
-        self.client.clone().delete(key, None).await.map_err(err)?;
-        Ok(())
+        let delete =
+            |mut c: Client| async move { c.delete(key, None).await.map(drop).map_err(err) }.boxed();
+        self.members.call(delete).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<Instance>, PlaneError> {
-        Ok(Self::snapshot(&mut self.client.clone(), prefix).await?.0)
+        let snapshot = |mut c: Client| async move { Self::snapshot(&mut c, prefix).await }.boxed();
+        Ok(self.members.call(snapshot).await?.0)
     }
 
     async fn watch(
         &self,
         prefix: &str,
     ) -> Result<(Vec<Instance>, BoxStream<'static, DiscoveryEvent>), PlaneError> {
-        let mut client = self.client.clone();
-        let (snapshot, revision) = Self::snapshot(&mut client, prefix).await?;
+        let get = |mut c: Client| async move { Self::snapshot(&mut c, prefix).await }.boxed();
+        let (snapshot, revision) = self.members.call(get).await?;
         let known: BTreeMap<String, Instance> =
             snapshot.iter().map(|i| (i.key(), i.clone())).collect();
         let (tx, rx) = mpsc::channel(256);
-        tokio::spawn(follow(client, prefix.to_owned(), known, revision, tx));
+        let members = self.members.clone();
+        tokio::spawn(follow(members, prefix.to_owned(), known, revision, tx));
         Ok((snapshot, ReceiverStream::new(rx).boxed()))
     }
 }
 
 /// Turn etcd watch responses into discovery events until the receiver is dropped,
-/// re-listing and re-watching whenever the watch breaks.
+/// re-listing and re-watching (on another member if this one is lost) whenever the watch
+/// breaks.
 async fn follow(
-    mut client: Client,
+    members: Arc<Members>,
     prefix: String,
     mut known: BTreeMap<String, Instance>,
     mut revision: i64,
     tx: mpsc::Sender<DiscoveryEvent>,
 ) {
     let mut backoff = Duration::from_millis(200);
+    let mut client = members.client();
     loop {
         let opts = WatchOptions::new()
             .with_prefix()
@@ -313,9 +386,14 @@ async fn follow(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
         // Catch up: whatever changed while the watch was down becomes puts and deletes.
-        let Ok((now, rev)) = EtcdDiscovery::snapshot(&mut client, &prefix).await else {
+        let get = |mut c: Client| {
+            let prefix = &prefix;
+            async move { EtcdDiscovery::snapshot(&mut c, prefix).await }.boxed()
+        };
+        let Ok((now, rev)) = members.call(get).await else {
             continue;
         };
+        client = members.client();
         let now: BTreeMap<String, Instance> = now.into_iter().map(|i| (i.key(), i)).collect();
         for key in known
             .keys()
