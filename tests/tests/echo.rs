@@ -24,8 +24,20 @@ async fn request_goes_through_and_comes_back() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-request-id"], "req-1", "echoed");
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body, json!({"id": "req-1", "text": "hello dataflow world"}));
+    // Without one, the ingress makes one up, answers with it, and uses it as the request's id.
+    let resp = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(id.len(), 36, "a UUID: {id}");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["id"], id);
 
     // Streaming: one SSE event per word, then [DONE].
     let text = client()
@@ -126,6 +138,16 @@ async fn api_keys_are_enforced() {
         .await
         .unwrap();
     assert_eq!(allowed.status(), 200);
+    for wrong in ["sekreT", "sekre", "sekrets", ""] {
+        let denied = client()
+            .post(g.url("/v1/text"))
+            .bearer_auth(wrong)
+            .json(&json!({"text": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(denied.status(), 401, "{wrong:?}");
+    }
     // Health stays open for probes.
     assert_eq!(
         client()

@@ -23,6 +23,8 @@ use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, Shut
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
+use subtle::ConstantTimeEq;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 
 /// Settings every HTTP ingress accepts (flattened into its config).
 #[derive(Debug, Clone, Deserialize)]
@@ -190,7 +192,8 @@ pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiErr
         .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
 }
 
-/// The `x-request-id` a client sent, if it is usable as ours.
+/// The request's `x-request-id` (the client's, or one [`app`]'s layer generated), if it is
+/// usable as ours.
 pub fn request_id(headers: &HeaderMap) -> Option<dyn_pipeline::RequestId> {
     headers
         .get("x-request-id")
@@ -213,16 +216,25 @@ pub async fn require_api_key(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(k) if keys.iter().any(|key| key == k) => next.run(req).await,
-        _ => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            "invalid_api_key",
-            "missing or invalid API key",
-        )
-        .into_response(),
+    // Every key is compared, each in constant time: how long the check takes says nothing
+    // about how much of a key was right.
+    let known = given.is_some_and(|g| {
+        keys.iter()
+            .fold(subtle::Choice::from(0), |hit, key| {
+                hit | key.as_bytes().ct_eq(g.as_bytes())
+            })
+            .into()
+    });
+    if known {
+        return next.run(req).await;
     }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        "missing or invalid API key",
+    )
+    .into_response()
 }
 
 pub async fn health() -> Json<serde_json::Value> {
@@ -244,6 +256,7 @@ pub async fn not_found() -> ApiError {
 
 /// The whole app of an HTTP ingress: its `api` routes behind the API-key check, its `open`
 /// routes (metrics and the like) and the probes without it, a JSON 404 and the body limit.
+/// Every request has an `x-request-id` (the client's, or a UUID), echoed on the response.
 pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum::Router {
     let keys = std::sync::Arc::new(config.api_keys.clone());
     axum::Router::new()
@@ -253,6 +266,8 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum
         .route("/live", axum::routing::get(live))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
 }
 
 /// Serve `app` until shutdown, then drain: while requests sent down `chain` are still
