@@ -21,6 +21,7 @@ use cudarc::driver::{
 use half::{bf16, f16};
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
+use crate::model::weights::le_vec;
 use crate::model::{DType, Host, Matrix, ModelConfig, ModelWeights};
 
 const KERNELS: &str = include_str!("kernels.cu");
@@ -139,12 +140,10 @@ impl DevFloat for f32 {
         h.to_f32()
     }
     fn to_le(x: &[Self]) -> Vec<u8> {
-        x.iter().flat_map(|v| v.to_le_bytes()).collect()
+        bytemuck::cast_slice(x).to_vec()
     }
     fn from_le(b: &[u8]) -> Vec<Self> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        le_vec(b)
     }
 }
 
@@ -166,12 +165,10 @@ macro_rules! half_float {
                 }
             }
             fn to_le(x: &[Self]) -> Vec<u8> {
-                x.iter().flat_map(|v| v.to_le_bytes()).collect()
+                bytemuck::cast_slice(x).to_vec()
             }
             fn from_le(b: &[u8]) -> Vec<Self> {
-                b.chunks_exact(2)
-                    .map(|c| <$t>::from_le_bytes([c[0], c[1]]))
-                    .collect()
+                le_vec(b)
             }
         }
     };

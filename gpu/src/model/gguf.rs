@@ -14,10 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
-
 use super::config::{HfConfig, ModelConfig};
-use super::weights::{DType, Host};
+use super::weights::{DType, Host, le_vec};
 use super::{LayerParts, LayerWeights, ModelError, ModelWeights};
 use crate::quant::{QTensor, QType};
 
@@ -469,15 +467,6 @@ impl Gguf {
             )));
         }
         let data = &self.map[t.start..t.start + t.len];
-        let f32s = || -> Vec<f32> {
-            data.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        };
-        let u16s = || {
-            data.chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        };
         Ok(match (t.ty, dtype) {
             (TensorType::Quant(q), _) => {
                 let qt = QTensor::new(q, rows, cols, data.to_vec())
@@ -488,9 +477,9 @@ impl Gguf {
                     Host::F32(qt.to_f32()).to(dtype)
                 }
             }
-            (TensorType::F32, _) => Host::F32(f32s()).to(dtype),
-            (TensorType::F16, _) => Host::F16(u16s().map(f16::from_bits).collect()).to(dtype),
-            (TensorType::Bf16, _) => Host::Bf16(u16s().map(bf16::from_bits).collect()).to(dtype),
+            (TensorType::F32, _) => Host::F32(le_vec(data)).to(dtype),
+            (TensorType::F16, _) => Host::F16(le_vec(data)).to(dtype),
+            (TensorType::Bf16, _) => Host::Bf16(le_vec(data)).to(dtype),
         })
     }
 

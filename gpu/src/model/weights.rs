@@ -10,6 +10,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use half::slice::HalfFloatSliceExt;
+use half::vec::HalfFloatVecExt;
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
@@ -62,6 +64,18 @@ pub enum Host {
     Quant(QTensor),
 }
 
+/// Little-endian bytes as numbers (copied, so `bytes` need not be aligned). Casting is the
+/// identity only on a little-endian host, which every target dyn builds for is.
+pub fn le_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    const {
+        assert!(
+            cfg!(target_endian = "little"),
+            "dyn reads tensors as little-endian"
+        )
+    };
+    bytemuck::pod_collect_to_vec(bytes)
+}
+
 impl Host {
     pub fn len(&self) -> usize {
         match self {
@@ -98,8 +112,8 @@ impl Host {
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
             Host::F32(v) => v.clone(),
-            Host::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Host::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Host::F16(v) => v.to_f32_vec(),
+            Host::Bf16(v) => v.to_f32_vec(),
             Host::Quant(q) => q.to_f32(),
         }
     }
@@ -111,12 +125,8 @@ impl Host {
             (Host::F16(v), DType::F16) => Host::F16(v),
             (Host::Bf16(v), DType::Bf16) => Host::Bf16(v),
             (other, DType::F32) => Host::F32(other.to_f32()),
-            (other, DType::F16) => {
-                Host::F16(other.to_f32().into_iter().map(f16::from_f32).collect())
-            }
-            (other, DType::Bf16) => {
-                Host::Bf16(other.to_f32().into_iter().map(bf16::from_f32).collect())
-            }
+            (other, DType::F16) => Host::F16(Vec::from_f32_slice(&other.to_f32())),
+            (other, DType::Bf16) => Host::Bf16(Vec::from_f32_slice(&other.to_f32())),
         }
     }
 
@@ -252,48 +262,17 @@ impl Checkpoint {
             )));
         }
         let data = t.data();
-        let f32s = |d: &[u8]| -> Vec<f32> {
-            d.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()
-        };
-        let u16s = |d: &[u8]| -> Vec<u16> {
-            d.chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect()
-        };
-        Ok(match (t.dtype(), want) {
-            (Dtype::F32, DType::F32) => Host::F32(f32s(data)),
-            (Dtype::F32, DType::Bf16) => {
-                Host::Bf16(f32s(data).into_iter().map(bf16::from_f32).collect())
-            }
-            (Dtype::F32, DType::F16) => {
-                Host::F16(f32s(data).into_iter().map(f16::from_f32).collect())
-            }
-            (Dtype::BF16, want) => {
-                let v: Vec<bf16> = u16s(data).into_iter().map(bf16::from_bits).collect();
-                match want {
-                    DType::Bf16 => Host::Bf16(v),
-                    DType::F32 => Host::F32(v.iter().map(|x| x.to_f32()).collect()),
-                    DType::F16 => Host::F16(v.iter().map(|x| f16::from_f32(x.to_f32())).collect()),
-                }
-            }
-            (Dtype::F16, want) => {
-                let v: Vec<f16> = u16s(data).into_iter().map(f16::from_bits).collect();
-                match want {
-                    DType::F16 => Host::F16(v),
-                    DType::F32 => Host::F32(v.iter().map(|x| x.to_f32()).collect()),
-                    DType::Bf16 => {
-                        Host::Bf16(v.iter().map(|x| bf16::from_f32(x.to_f32())).collect())
-                    }
-                }
-            }
-            (other, _) => {
+        let host = match t.dtype() {
+            Dtype::F32 => Host::F32(le_vec(data)),
+            Dtype::BF16 => Host::Bf16(le_vec(data)),
+            Dtype::F16 => Host::F16(le_vec(data)),
+            other => {
                 return Err(ModelError::Weights(format!(
                     "tensor {name} is {other:?}; supported: F32, F16, BF16"
                 )));
             }
-        })
+        };
+        Ok(host.to(want))
     }
 
     /// Tensor `name` as f32 (norms, biases, embeddings).

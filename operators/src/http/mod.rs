@@ -22,8 +22,8 @@ use axum::response::{IntoResponse, Response};
 use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::net::TcpListener;
 use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 
 /// Settings every HTTP ingress accepts (flattened into its config).
