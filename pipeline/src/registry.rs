@@ -66,9 +66,9 @@ pub struct BuildCx {
     pub node: String,
     pub replica: u32,
     pub instance_id: u64,
-    /// Ids of the nodes that take this node's output, looking through pass-through nodes
-    /// (input type = output type, like `remote_prefill`) to the workers behind them: a router
-    /// watches their instances.
+    /// Ids of the nodes that take this node's output, looking through routers and
+    /// pass-through nodes (by their kinds' [`Role`], like `remote_prefill`) to the workers
+    /// behind them: a router watches their instances.
     pub consumers: Vec<String>,
     /// The model named in the graph, if any.
     pub model: Option<crate::spec::ModelSpec>,
