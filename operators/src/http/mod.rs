@@ -24,7 +24,7 @@ use serde::Deserialize;
 use serde_json::json;
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, SetRequestIdLayer};
 
 /// Settings every HTTP ingress accepts (flattened into its config).
 #[derive(Debug, Clone, Deserialize)]
@@ -202,6 +202,21 @@ pub fn request_id(headers: &HeaderMap) -> Option<dyn_pipeline::RequestId> {
         .map(dyn_pipeline::RequestId::from)
 }
 
+/// The id of a request that comes without `x-request-id`: dyn's usual form (32 hex digits).
+#[derive(Clone, Copy)]
+struct NewRequestId;
+
+impl MakeRequestId for NewRequestId {
+    fn make_request_id<B>(
+        &mut self,
+        _request: &axum::http::Request<B>,
+    ) -> Option<tower_http::request_id::RequestId> {
+        axum::http::HeaderValue::from_str(dyn_pipeline::RequestId::random().as_str())
+            .ok()
+            .map(tower_http::request_id::RequestId::new)
+    }
+}
+
 /// Middleware: require `Authorization: Bearer KEY` when keys are configured.
 pub async fn require_api_key(
     State(keys): State<std::sync::Arc<Vec<String>>>,
@@ -267,7 +282,7 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
         .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(SetRequestIdLayer::x_request_id(NewRequestId))
 }
 
 /// Serve `app` until shutdown, then drain: while requests sent down `chain` are still
