@@ -113,10 +113,10 @@ fn random_instance_id() -> u64 {
 }
 
 /// Run `graph` (this process's part of it) until `shutdown` resolves or an ingress fails, then
-/// drain and stop. The phases, in order: [`nodes_here`] (what this process runs),
-/// [`connect_planes`], [`Startup::serve_operators`] (build, serve and register every operator
-/// replica, so every path is servable before any ingress opens), [`Startup::start_ingresses`],
-/// then wait, and [`Running::drain`].
+/// drain and stop. The phases, in order: `nodes_here` (what this process runs),
+/// `connect_planes`, `Startup::serve_operators` (build, serve and register every operator
+/// replica, so every path is servable before any ingress opens), `Startup::start_ingresses`,
+/// then wait, and `Running::drain`.
 pub async fn run(
     graph: &CompiledGraph,
     opts: RunOptions,

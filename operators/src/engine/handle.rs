@@ -1,5 +1,5 @@
 //! [`EngineHandle`]: what a `decode` or `prefill` node holds of its engine. It starts the
-//! engine thread ([`super::engine_loop`]), queues requests to it (refusing with 503 when its
+//! engine thread (`engine_loop.rs`), queues requests to it (refusing with 503 when its
 //! queue is full), pulls a prefill worker's KV for a request, and forwards routers' resync
 //! requests. Dropping the last handle stops the thread.
 

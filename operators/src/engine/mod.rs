@@ -10,6 +10,10 @@
 //! and request gauges go to `/metrics`. In the prefill role a finished prompt's blocks are
 //! exported by the executor and offered to the transfer agent; a decode worker pulls them,
 //! and its executor writes them into the blocks the scheduler gives the sequence.
+//!
+//! Files: [`handle`] (what a node holds: submit, import, the thread's start), `engine_loop`
+//! (the thread), [`settings`] (the scheduler settings every engine shares), [`transfer`] (the
+//! KV transfer agent service); an engine adds an [`Executor`] and its config section.
 
 mod engine_loop;
 pub mod handle;
