@@ -2,7 +2,7 @@
 //!
 //! Start-up builds every replica of every operator node placed here, serves it on the request
 //! plane and registers it in discovery; then each ingress placed here is built and handed a
-//! [`ChainRunner`] that walks its request path, calling each node through an [`EdgeClient`]
+//! `ChainRunner` that walks its request path, calling each node through an `EdgeClient`
 //! wherever its replicas run. With embedded planes everything is in this process; with etcd and
 //! NATS the same code runs one process group replica per OS process ([`Placement::Group`]),
 //! and the planes carry the calls between them.
@@ -10,7 +10,7 @@
 //! Shutdown is a drain: leave discovery first (no router picks this process any more), let the
 //! ingresses answer 503 and finish their requests, wait for requests other processes sent
 //! here, and after the grace period kill whatever is left. A request whose replica is lost
-//! midway is resent elsewhere ([`Migrating`]), so the client never sees the loss.
+//! midway is resent elsewhere (`Migrating`), so the client never sees the loss.
 
 use std::collections::HashSet;
 use std::future::Future;

@@ -2,7 +2,7 @@
 //!
 //! An engine's YAML section is flat (`{num_blocks: 1024, speedup: 10}`, as vLLM's flags are),
 //! and serde's `flatten` cannot build it from a shared struct: it buffers values, which loses
-//! YAML positions and scalar types, and it cannot deny unknown keys. So [`engine_section!`]
+//! YAML positions and scalar types, and it cannot deny unknown keys. So `engine_section!`
 //! declares an engine's config type with the shared fields first (documented and checked
 //! here) and the engine's own after them; [`SchedulerConfig`] is the shared part as one value,
 //! and [`EngineSettings`] what the engine loop runs with.

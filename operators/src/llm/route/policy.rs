@@ -4,7 +4,7 @@
 //! (live ids, this router's outstanding requests per worker) and takes its [`Decision`]. The
 //! load-only policies live here; the KV-cache-aware one, which keeps an index of the
 //! workers' caches, is [`super::kv_aware`]. A new policy is a new type and a line in
-//! [`Policy::build`].
+//! `Policy::build_load_only`.
 
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
