@@ -223,9 +223,7 @@ fn print_prefill_decision(r: &PrefillRouteAnswer) {
             None => String::new(),
         }
     );
-    let mut decisions: Vec<_> = r.decisions.iter().collect();
-    decisions.sort();
-    println!("decisions so far: {decisions:?}");
+    println!("decisions so far: {}", json!(r.decisions));
 }
 
 /// The admin endpoint's answer, or its error message.
@@ -275,7 +273,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 fn print_workers(r: &WorkersAnswer) {
     println!("policy {} over '{}'", r.policy, r.target);
     if let Some(d) = &r.decisions {
-        println!("prefill decisions: {d}");
+        println!("prefill decisions: {}", json!(d));
     }
     println!(
         "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",

@@ -452,39 +452,48 @@ impl<'a> Compiler<'a> {
             if role != Role::Router {
                 continue;
             }
-            let mut cur = i;
-            let behind = loop {
-                let Some(&(next, _)) = self.consumers[cur].first() else {
-                    break None;
-                };
-                match &self.parsed[next] {
-                    Some((k, _)) if k.role == Role::PassThrough => cur = next,
-                    Some((k, _)) => break Some((next, k.role, k.name)),
-                    None => return,
-                }
-                if next == i {
-                    return; // a cycle, reported already
-                }
+            let Some(behind) = self.behind_router(i) else {
+                continue; // a cycle, reported by its own pass
             };
             let router = &self.spec.nodes[i];
-            match behind {
-                Some((_, Role::Worker, _)) => {}
-                Some((w, role, kind)) => {
-                    let msg = format!(
-                        "router '{}' chooses among the replicas of the node behind it, but '{}' ({kind}) is a {role}, not a worker",
-                        router.id, self.spec.nodes[w].id
-                    );
-                    self.error(self.spec.nodes[w].pos, w, msg);
-                }
-                None => {
-                    let msg = format!(
-                        "router '{}' has no worker behind it; name it in a worker node's `inputs`",
-                        router.id
-                    );
-                    self.error(router.pos, i, msg);
-                }
+            let Some(w) = behind else {
+                let msg = format!(
+                    "router '{}' has no worker behind it; name it in a worker node's `inputs`",
+                    router.id
+                );
+                self.error(router.pos, i, msg);
+                continue;
+            };
+            // A node whose config did not parse has been reported already.
+            if let Some((k, _)) = &self.parsed[w]
+                && k.role != Role::Worker
+            {
+                let msg = format!(
+                    "router '{}' chooses among the replicas of the node behind it, but '{}' ({}) is a {}, not a worker",
+                    router.id, self.spec.nodes[w].id, k.name, k.role
+                );
+                self.error(self.spec.nodes[w].pos, w, msg);
             }
         }
+    }
+
+    /// The first node behind router `i` that is not a pass-through node (`Some(None)`: none
+    /// takes its output); `None` when the walk meets a cycle.
+    fn behind_router(&self, i: usize) -> Option<Option<usize>> {
+        let mut cur = i;
+        for _ in 0..self.parsed.len() {
+            let Some(&(next, _)) = self.consumers[cur].first() else {
+                return Some(None);
+            };
+            if next == i {
+                return None;
+            }
+            match &self.parsed[next] {
+                Some((k, _)) if k.role == Role::PassThrough => cur = next,
+                _ => return Some(Some(next)),
+            }
+        }
+        None
     }
 
     /// Nodes sharing a process share its replica count; an ingress has one replica.

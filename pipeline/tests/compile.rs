@@ -193,6 +193,14 @@ fn a_router_needs_a_worker_behind_it_and_forwarding_kinds_keep_their_type() {
 }
 
 #[test]
+fn a_cycle_of_pass_through_nodes_behind_a_router_is_reported_not_walked_forever() {
+    let e = errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  r: {{kind: router, inputs: [x]}}\n  v1: {{kind: via, inputs: [r, v2]}}\n  v2: {{kind: via, inputs: [v1]}}\n"
+    ));
+    assert!(e.contains("cycle: "), "{e}");
+}
+
+#[test]
 fn yaml_syntax_error_has_position() {
     insta::assert_snapshot!(errors("name: t\nnodes:\n  in: {kind: src\n  x: 1\n"));
 }

@@ -29,6 +29,18 @@ fn instance(ns: &str, id: u64) -> Instance {
     }
 }
 
+/// Register `i`, trying up to `tries` times 200 ms apart (etcd may be coming back); whether it
+/// went through.
+async fn register_within(d: &EtcdDiscovery, i: &Instance, tries: usize) -> bool {
+    for _ in 0..tries {
+        if d.register(i.clone()).await.is_ok() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
 fn namespace() -> String {
     format!("t{}", uuid::Uuid::new_v4().simple())
 }
@@ -191,15 +203,10 @@ async fn a_member_lost_after_connecting_is_replaced_by_the_next() {
     // The second has no such lease: registering works once the keep-alive has moved there
     // and taken a new one.
     let two = instance(&ns, 2);
-    let mut registered = false;
-    for _ in 0..100 {
-        if a.register(two.clone()).await.is_ok() {
-            registered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(registered, "registering works on the second member");
+    assert!(
+        register_within(&a, &two, 100).await,
+        "registering works on the second member"
+    );
     let prefix = format!("v1/instances/{ns}/");
     let second_url = [second.url()];
     let on_second = || dyn_pipeline::planes::etcd::list_instances(&second_url, &prefix);
@@ -254,15 +261,10 @@ async fn watches_and_registrations_survive_an_etcd_restart() {
     // After the restart a new registration reaches the old watch, and the first one is
     // still there (its lease survived, or was replaced and re-registered).
     let second = instance(&ns, 5);
-    let mut registered = false;
-    for _ in 0..50 {
-        if a.register(second.clone()).await.is_ok() {
-            registered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert!(registered, "registering works again after the restart");
+    assert!(
+        register_within(&a, &second, 50).await,
+        "registering works again after the restart"
+    );
     loop {
         match next(&mut changes, Duration::from_secs(15)).await {
             DiscoveryEvent::Put(i) if i == second => break,

@@ -19,7 +19,7 @@
 //!   config: {pool: prefill, min_remote_tokens: 512, max_queue: 8}
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -407,11 +407,11 @@ pub struct PrefillRouteAnswer {
     pub reason: String,
     /// The prefill worker the pool's router would choose (remote decisions only).
     pub prefill_worker: Option<String>,
-    pub decisions: HashMap<String, u64>,
+    pub decisions: BTreeMap<String, u64>,
 }
 
 impl Inner {
-    fn decisions(&self) -> HashMap<String, u64> {
+    fn decisions(&self) -> BTreeMap<String, u64> {
         self.counts
             .lock()
             .iter()
@@ -426,7 +426,7 @@ impl Inspect for Inner {
         match query {
             "workers" => {
                 let mut answer = self.pool.workers_answer();
-                answer.decisions = Some(json!(self.decisions()));
+                answer.decisions = Some(self.decisions());
                 answer.queue = Some(self.queue.clone());
                 to_value(json!(answer))
             }

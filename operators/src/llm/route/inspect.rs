@@ -5,6 +5,8 @@
 //! Queries: `workers`, `route` ([`RouteArgs`]) and `kv` ([`KvArgs`]). Worker ids are hex
 //! strings, as logs and `/metrics` print them.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -30,9 +32,9 @@ pub struct WorkersAnswer {
     pub policy: Policy,
     pub target: String,
     pub workers: Vec<WorkerRow>,
-    /// A `remote_prefill` node's decisions so far (absent for a `route` node).
+    /// A `remote_prefill` node's decisions so far, by reason (absent for a `route` node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decisions: Option<Value>,
+    pub decisions: Option<BTreeMap<String, u64>>,
     /// A `remote_prefill` node's queue (absent for a `route` node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<String>,
