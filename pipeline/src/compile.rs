@@ -198,6 +198,9 @@ struct Compiler<'a> {
     called: Vec<bool>,
     chains: Vec<ChainPath>,
     on_chain: Vec<bool>,
+    /// Per node: its replica count, from `replicas` or else from its config (see
+    /// [`crate::OperatorConfig::replicas`]).
+    replicas: Vec<u32>,
 }
 
 impl<'a> Compiler<'a> {
@@ -234,6 +237,7 @@ impl<'a> Compiler<'a> {
             called: vec![false; n],
             chains: Vec::new(),
             on_chain: vec![false; n],
+            replicas: spec.nodes.iter().map(|n| n.replicas).collect(),
         }
     }
 
@@ -281,6 +285,17 @@ impl<'a> Compiler<'a> {
                     None => format!("{} config: {}", kind.name, inv.message),
                 };
                 self.error(pos, i, msg);
+            }
+            if let Some(k) = config.replicas() {
+                if n.replicas_pos.is_none() {
+                    self.replicas[i] = k;
+                } else if n.replicas != k {
+                    let msg = format!(
+                        "`replicas: {}`, but the {} config names {k} engine servers (one replica each)",
+                        n.replicas, kind.name
+                    );
+                    self.error(n.replicas_pos, i, msg);
+                }
             }
             if kind.is_ingress() && !n.inputs.is_empty() {
                 let msg = format!("kind `{}` is an ingress and takes no inputs", kind.name);
@@ -502,16 +517,17 @@ impl<'a> Compiler<'a> {
         for (i, n) in self.spec.nodes.iter().enumerate() {
             let first = *groups.entry(n.process.as_str()).or_insert(i);
             let f = &self.spec.nodes[first];
-            if f.replicas != n.replicas {
+            let (fr, nr) = (self.replicas[first], self.replicas[i]);
+            if fr != nr {
                 let msg = format!(
-                    "process '{}' holds '{}' ×{} and '{}' ×{}; nodes sharing a process share its replica count",
-                    n.process, f.id, f.replicas, n.id, n.replicas
+                    "process '{}' holds '{}' ×{fr} and '{}' ×{nr}; nodes sharing a process share its replica count",
+                    n.process, f.id, n.id
                 );
                 self.error(n.replicas_pos.or(n.process_pos).or(n.pos), i, msg);
             }
             if let Some((kind, _)) = &self.parsed[i]
                 && kind.is_ingress()
-                && n.replicas > 1
+                && self.replicas[i] > 1
             {
                 self.error(
                     n.replicas_pos,
@@ -570,13 +586,14 @@ impl<'a> Compiler<'a> {
             .iter()
             .zip(self.parsed)
             .zip(self.inputs)
-            .filter_map(|((n, p), inputs)| {
+            .zip(self.replicas)
+            .filter_map(|(((n, p), inputs), replicas)| {
                 p.map(|(kind, config)| CompiledNode {
                     id: n.id.clone(),
                     kind,
                     config,
                     inputs,
-                    replicas: n.replicas,
+                    replicas,
                     process: n.process.clone(),
                     migration_limit: n.migration_limit,
                 })

@@ -26,7 +26,9 @@ pub use inspect::{Inspect, Inspectables};
 pub use operator::{Chain, ErrorKind, Ingress, Input, OpError, Operator, Output, ShutdownSignal};
 pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
 pub use plan::{Format, Plan};
-pub use registry::{BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Registry, Role};
+pub use registry::{
+    BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Readiness, Registry, Role,
+};
 pub use runtime::{Placement, RunOptions, run};
 pub use services::{Service, Services};
 

@@ -77,6 +77,39 @@ pub struct BuildCx {
     pub planes: Planes,
     /// The services this graph run shares among its nodes (see [`crate::services`]).
     pub services: Services,
+    /// Whether this replica takes requests; see [`Readiness`].
+    pub readiness: Readiness,
+}
+
+/// Whether a replica takes requests. A replica is ready when built, and most stay so; one
+/// whose work is done elsewhere (an external engine server) reports that server's health
+/// here. The runtime keeps the replica in discovery while it is ready and takes it out while
+/// it is not, so routers choose only among replicas that can answer, and a request finds
+/// none (503) rather than a dead one.
+#[derive(Clone)]
+pub struct Readiness(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(true)))
+    }
+}
+
+impl Readiness {
+    /// Report a change; telling the same thing twice does nothing.
+    pub fn set(&self, ready: bool) {
+        self.0
+            .send_if_modified(|r| std::mem::replace(r, ready) != ready);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Follow the changes (the runtime registers and deregisters on them).
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.0.subscribe()
+    }
 }
 
 impl BuildCx {
@@ -99,6 +132,7 @@ impl BuildCx {
             base_dir: ".".into(),
             planes,
             services: Services::default(),
+            readiness: Readiness::default(),
         }
     }
 
@@ -138,6 +172,12 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
     /// compiler checks they exist and counts them as reached.
     fn calls(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    /// The replica count the config itself fixes (one per engine server it lists): the node's
+    /// count when the graph gives none, and an error when it gives another.
+    fn replicas(&self) -> Option<u32> {
+        None
     }
 }
 
@@ -225,6 +265,9 @@ pub trait DynConfig: Send + Sync {
     fn calls(&self) -> Vec<String> {
         Vec::new()
     }
+    fn replicas(&self) -> Option<u32> {
+        None
+    }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>>;
 }
 
@@ -240,6 +283,9 @@ impl<C: OperatorConfig> DynConfig for OpConfig<C> {
     }
     fn calls(&self) -> Vec<String> {
         self.0.calls()
+    }
+    fn replicas(&self) -> Option<u32> {
+        self.0.replicas()
     }
     fn build(self: Arc<Self>, cx: BuildCx) -> BoxFuture<'static, Result<Built, BuildError>> {
         async move { Ok(Built::Operator(erase(self.0.build(&cx).await?))) }.boxed()

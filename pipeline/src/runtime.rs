@@ -21,6 +21,7 @@ use std::time::Duration;
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{self, StreamExt};
 use parking_lot::Mutex;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::task::TaskTracker;
 
@@ -30,7 +31,7 @@ use crate::operator::{DynChain, ErrorKind, Input, OpError, Output, ShutdownSigna
 use crate::payload::{AnyPayload, Resume};
 use crate::planes::request::EndpointTypes;
 use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
-use crate::registry::{BuildCx, BuildError, Built, Ports, Role};
+use crate::registry::{BuildCx, BuildError, Built, Ports, Readiness, Role};
 
 /// The endpoint name every node serves its requests on.
 pub const ENDPOINT: &str = "generate";
@@ -130,8 +131,9 @@ pub async fn run(
         root: Ctx::with_id("runtime"),
         opts,
     };
-    let served = startup.serve_operators(&here).await?;
-    let mut running = startup.start_ingresses(served).await?;
+    let mut followers = JoinSet::new();
+    let served = startup.serve_operators(&here, &mut followers).await?;
+    let mut running = startup.start_ingresses(served, followers).await?;
     tracing::info!(graph = %graph.name, nodes = here.len(), "Graph is up");
 
     let failure = tokio::select! {
@@ -201,7 +203,7 @@ struct Startup<'g> {
 }
 
 impl Startup<'_> {
-    fn cx(&self, node: &str, replica: u32, instance_id: u64) -> BuildCx {
+    fn cx(&self, node: &str, replica: u32, instance_id: u64, readiness: Readiness) -> BuildCx {
         let g = self.graph;
         BuildCx {
             graph: g.name.clone(),
@@ -214,13 +216,20 @@ impl Startup<'_> {
             base_dir: g.base_dir.clone(),
             planes: self.planes.clone(),
             services: self.services.clone(),
+            readiness,
         }
     }
 
-    async fn build(&self, n: &CompiledNode, replica: u32, id: u64) -> Result<Built, RuntimeError> {
+    async fn build(
+        &self,
+        n: &CompiledNode,
+        replica: u32,
+        id: u64,
+        readiness: Readiness,
+    ) -> Result<Built, RuntimeError> {
         n.config
             .clone()
-            .build(self.cx(&n.id, replica, id))
+            .build(self.cx(&n.id, replica, id, readiness))
             .await
             .map_err(|source| RuntimeError::Build {
                 node: n.id.clone(),
@@ -230,8 +239,13 @@ impl Startup<'_> {
     }
 
     /// Phase 3: build every replica of every operator node placed here, serve it on the
-    /// request plane and register it in discovery.
-    async fn serve_operators(&self, here: &[&CompiledNode]) -> Result<Vec<Instance>, RuntimeError> {
+    /// request plane and keep it registered in discovery while it is ready (see
+    /// [`Readiness`]); `followers` holds the tasks that do the latter.
+    async fn serve_operators(
+        &self,
+        here: &[&CompiledNode],
+        followers: &mut JoinSet<()>,
+    ) -> Result<Vec<Instance>, RuntimeError> {
         let mut served = Vec::new();
         for n in here {
             let Ports::Operator { input, output } = n.kind.ports else {
@@ -240,7 +254,11 @@ impl Startup<'_> {
             let types = EndpointTypes { input, output };
             for replica in self.opts.replicas(n) {
                 let instance_id = random_instance_id();
-                let Built::Operator(op) = self.build(n, replica, instance_id).await? else {
+                let readiness = Readiness::default();
+                let built = self
+                    .build(n, replica, instance_id, readiness.clone())
+                    .await?;
+                let Built::Operator(op) = built else {
                     return Err(wrong_build(n, replica, "kind built an ingress"));
                 };
                 let mut metadata = n.config.metadata();
@@ -257,7 +275,17 @@ impl Startup<'_> {
                     metadata,
                 };
                 instance.transport = self.planes.requests.serve(&instance, types, op).await?;
-                self.planes.discovery.register(instance.clone()).await?;
+                let mut ready = readiness.subscribe();
+                if *ready.borrow_and_update() {
+                    self.planes.discovery.register(instance.clone()).await?;
+                } else {
+                    tracing::warn!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, "Replica not ready; registered once it is");
+                }
+                followers.spawn(follow_readiness(
+                    self.planes.clone(),
+                    instance.clone(),
+                    ready,
+                ));
                 tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
                 served.push(instance);
             }
@@ -267,7 +295,11 @@ impl Startup<'_> {
 
     /// Phase 4: for each ingress placed here, the stages of its request path (one edge client
     /// per node, shared by paths through it), then the ingress itself, serving until told to stop.
-    async fn start_ingresses(self, served: Vec<Instance>) -> Result<Running, RuntimeError> {
+    async fn start_ingresses(
+        self,
+        served: Vec<Instance>,
+        followers: JoinSet<()>,
+    ) -> Result<Running, RuntimeError> {
         let graph = self.graph;
         let local: Arc<HashSet<u64>> = Arc::new(served.iter().map(|i| i.instance_id).collect());
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -312,8 +344,10 @@ impl Startup<'_> {
                 Placement::All => 0,
                 Placement::Group { replica, .. } => *replica,
             };
-            let Built::Ingress(ingress) = self.build(n, replica, random_instance_id()).await?
-            else {
+            let built = self
+                .build(n, replica, random_instance_id(), Readiness::default())
+                .await?;
+            let Built::Ingress(ingress) = built else {
                 return Err(wrong_build(n, replica, "kind built an operator"));
             };
             let runner = Arc::new(ChainRunner {
@@ -331,9 +365,35 @@ impl Startup<'_> {
             planes: self.planes,
             root: self.root,
             served,
+            followers,
             ingresses,
             stop: stop_tx,
         })
+    }
+}
+
+/// Registers `instance` whenever its readiness turns true and deregisters it whenever it turns
+/// false, until aborted (at the drain) or the replica is gone.
+async fn follow_readiness(planes: Planes, instance: Instance, mut ready: watch::Receiver<bool>) {
+    while ready.changed().await.is_ok() {
+        let now = *ready.borrow_and_update();
+        let id = format!("{:x}", instance.instance_id);
+        let result = if now {
+            planes.discovery.register(instance.clone()).await
+        } else {
+            planes.discovery.deregister(&instance.key()).await
+        };
+        match result {
+            Ok(()) if now => {
+                tracing::info!(node = %instance.component, worker_id = %id, "Replica ready; registered")
+            }
+            Ok(()) => {
+                tracing::warn!(node = %instance.component, worker_id = %id, "Replica not ready; deregistered until it is")
+            }
+            Err(e) => {
+                tracing::warn!(node = %instance.component, worker_id = %id, error = %e, "Cannot follow the replica's readiness in discovery")
+            }
+        }
     }
 }
 
@@ -352,6 +412,8 @@ struct Running {
     planes: Planes,
     root: Ctx,
     served: Vec<Instance>,
+    /// Keep each served replica registered while it is ready; stopped before the drain.
+    followers: JoinSet<()>,
     ingresses: JoinSet<(String, Result<(), OpError>)>,
     stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -361,6 +423,8 @@ impl Running {
     /// its work), tell the ingresses to drain, wait for them and for requests other processes
     /// sent here; after the grace period kill whatever is left.
     async fn drain(mut self, mut failure: Option<RuntimeError>) -> Result<(), RuntimeError> {
+        self.followers.abort_all();
+        while self.followers.join_next().await.is_some() {}
         for instance in &self.served {
             if let Err(e) = self.planes.discovery.deregister(&instance.key()).await {
                 tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
@@ -785,6 +849,42 @@ mod tests {
                 .await
                 .unwrap(),
         )
+    }
+
+    #[tokio::test]
+    async fn a_replica_is_in_discovery_exactly_while_it_is_ready() {
+        let planes = Planes::embedded();
+        let instance = Instance {
+            namespace: "t".into(),
+            component: "w".into(),
+            endpoint: ENDPOINT.into(),
+            instance_id: 7,
+            transport: Transport::InProcess,
+            metadata: Default::default(),
+        };
+        let readiness = Readiness::default();
+        readiness.set(false);
+        let mut ready = readiness.subscribe();
+        ready.borrow_and_update();
+        let follower = tokio::spawn(follow_readiness(planes.clone(), instance, ready));
+        let registered = || async { planes.discovery.list("").await.unwrap().len() };
+        let until = |want: usize| async move {
+            for _ in 0..200 {
+                if registered().await == want {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            panic!("never {want} registered");
+        };
+        assert_eq!(registered().await, 0);
+        readiness.set(true);
+        until(1).await;
+        readiness.set(false);
+        until(0).await;
+        readiness.set(true);
+        until(1).await;
+        follower.abort();
     }
 
     #[tokio::test]

@@ -82,6 +82,25 @@ op_kind!(ViaConfig, Via, "via", B, B, PassThrough);
 op_kind!(WorkerConfig, Worker, "worker", B, B, Worker);
 op_kind!(BentConfig, Bent, "bent_router", A, B, Router);
 
+/// A worker kind whose config lists its servers, one replica each.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServersConfig {
+    servers: Vec<String>,
+}
+impl OperatorConfig for ServersConfig {
+    const KIND: &'static str = "servers";
+    const SUMMARY: &'static str = "test kind";
+    const ROLE: Role = Role::Worker;
+    type Op = Worker;
+    fn replicas(&self) -> Option<u32> {
+        u32::try_from(self.servers.len()).ok()
+    }
+    async fn build(&self, _cx: &BuildCx) -> Result<Worker, BuildError> {
+        Ok(Worker)
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SrcConfig {
@@ -121,6 +140,7 @@ fn registry() -> Registry {
         .operator::<ViaConfig>()
         .operator::<WorkerConfig>()
         .operator::<BentConfig>()
+        .operator::<ServersConfig>()
 }
 
 fn check_with(
@@ -166,6 +186,24 @@ fn valid_graph_compiles_with_its_path() {
         plan.edges
             .iter()
             .any(|e| e.from == "x" && !e.crosses_process)
+    );
+}
+
+#[test]
+fn a_config_that_lists_servers_fixes_the_replica_count() {
+    let yaml = |replicas: &str| {
+        format!(
+            "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  w: {{kind: servers, inputs: [x]{replicas}, config: {{servers: [a, b]}}}}\n"
+        )
+    };
+    let g = check_with(&yaml(""), &[]).unwrap();
+    assert_eq!(g.nodes.iter().find(|n| n.id == "w").unwrap().replicas, 2);
+    assert!(check_with(&yaml(", replicas: 2"), &[]).is_ok());
+    let e = errors(&yaml(", replicas: 3"));
+    assert!(
+        e.contains("g.yaml:5:")
+            && e.contains("`replicas: 3`, but the servers config names 2 engine servers"),
+        "{e}"
     );
 }
 
