@@ -1,6 +1,7 @@
 //! `decode`: runs an engine. `config.engine` selects it: `mocker` (a simulated vLLM-style
-//! engine) or `native` (a Llama-family model on this project's CPU or CUDA backend); both run
-//! on the shared engine loop in [`crate::engine`]. The engine's stream starts with the request's output spec
+//! engine) or `native` (a Llama-family model on this project's CPU or CUDA backend), both on
+//! the shared engine loop in [`crate::engine`]; or an external server per replica — `vllm`,
+//! `llamacpp`, `openai` — given by URL or launched by dyn ([`crate::engine::external`]). The engine's stream starts with the request's output spec
 //! (see [`Generated`]) and then carries token batches; when the consumer drops the stream or
 //! the request is killed, the engine frees the request. A request prefilled on a prefill
 //! worker (`prefilled`, from `remote_prefill`) has its KV pulled first and starts decoding at
@@ -13,6 +14,13 @@
 //!   replicas: 2
 //!   config: {engine: mocker, mocker: {speedup: 10}}
 //! ```
+//!
+//! ```yaml
+//! decode:
+//!   kind: decode
+//!   inputs: [route]
+//!   config: {engine: vllm, vllm: {urls: [http://10.0.0.1:8000, http://10.0.0.2:8000]}}
+//! ```
 
 use std::sync::Arc;
 
@@ -24,6 +32,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::engine::EngineHandle;
+use crate::engine::external::{ExternalConfig, ExternalEngine, ExternalKind};
 use crate::engine::mocker::{self, MockerConfig};
 use crate::engine::native::{self, NativeConfig};
 use crate::llm::types::{Generated, PreprocessedRequest};
@@ -33,6 +42,21 @@ use crate::llm::types::{Generated, PreprocessedRequest};
 pub enum EngineKind {
     Mocker,
     Native,
+    Vllm,
+    Llamacpp,
+    Openai,
+}
+
+impl EngineKind {
+    /// The external server protocol, for the engines that are one.
+    fn external(self) -> Option<ExternalKind> {
+        match self {
+            EngineKind::Mocker | EngineKind::Native => None,
+            EngineKind::Vllm => Some(ExternalKind::Vllm),
+            EngineKind::Llamacpp => Some(ExternalKind::Llamacpp),
+            EngineKind::Openai => Some(ExternalKind::Openai),
+        }
+    }
 }
 
 /// The engine, and a section of settings per engine: `{engine: mocker, mocker: {...}}`.
@@ -46,6 +70,12 @@ pub struct DecodeConfig {
     pub mocker: Option<MockerConfig>,
     #[serde(default)]
     pub native: Option<NativeConfig>,
+    #[serde(default)]
+    pub vllm: Option<ExternalConfig>,
+    #[serde(default)]
+    pub llamacpp: Option<ExternalConfig>,
+    #[serde(default)]
+    pub openai: Option<ExternalConfig>,
 }
 
 impl DecodeConfig {
@@ -57,38 +87,56 @@ impl DecodeConfig {
         self.native.clone().unwrap_or_default()
     }
 
-    /// Start the configured engine's worker.
+    /// The section of an external engine, and which it is.
+    fn external(&self) -> Option<(ExternalKind, ExternalConfig)> {
+        let kind = self.engine.external()?;
+        let section = match kind {
+            ExternalKind::Vllm => &self.vllm,
+            ExternalKind::Llamacpp => &self.llamacpp,
+            ExternalKind::Openai => &self.openai,
+        };
+        Some((kind, section.clone().unwrap_or_default()))
+    }
+
+    /// Start the configured engine's worker (dyn's engines only; see [`Engine`]).
     pub(crate) async fn start(&self, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
         match self.engine {
             EngineKind::Mocker => mocker::start(&self.mocker(), cx).await,
             EngineKind::Native => native::start(&self.native(), cx).await,
+            EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => Err(BuildError::new(
+                "an external engine server cannot run in this role (only `decode`)",
+            )),
         }
     }
 }
 
 impl OperatorConfig for DecodeConfig {
     const KIND: &'static str = "decode";
-    const SUMMARY: &'static str = "Runs an engine on tokenized requests (engine: mocker, native)";
+    const SUMMARY: &'static str =
+        "Runs an engine on tokenized requests (engine: mocker, native, vllm, llamacpp, openai)";
     const ROLE: Role = Role::Worker;
     type Op = Decode;
 
     fn validate(&self) -> Vec<Invalid> {
-        let mut out = match self.engine {
-            EngineKind::Mocker => self.mocker().validate("mocker."),
-            EngineKind::Native => self.native().validate("native."),
+        let mut out = match self.external() {
+            None if self.engine == EngineKind::Mocker => self.mocker().validate("mocker."),
+            None => self.native().validate("native."),
+            Some((kind, c)) => c.validate(kind, &format!("{}.", kind.name())),
         };
         // A section for the engine not chosen is a mistake worth naming.
-        if self.engine != EngineKind::Mocker && self.mocker.is_some() {
-            out.push(Invalid::field(
-                "mocker",
-                "set, but the engine is not mocker",
-            ));
-        }
-        if self.engine != EngineKind::Native && self.native.is_some() {
-            out.push(Invalid::field(
-                "native",
-                "set, but the engine is not native",
-            ));
+        for (engine, name, given) in [
+            (EngineKind::Mocker, "mocker", self.mocker.is_some()),
+            (EngineKind::Native, "native", self.native.is_some()),
+            (EngineKind::Vllm, "vllm", self.vllm.is_some()),
+            (EngineKind::Llamacpp, "llamacpp", self.llamacpp.is_some()),
+            (EngineKind::Openai, "openai", self.openai.is_some()),
+        ] {
+            if self.engine != engine && given {
+                out.push(Invalid::field(
+                    name,
+                    format!("set, but the engine is not {name}"),
+                ));
+            }
         }
         out
     }
@@ -108,19 +156,40 @@ impl OperatorConfig for DecodeConfig {
                 m.insert("block_size".into(), c.block_size.into());
                 m.insert("kv_total_blocks".into(), c.num_blocks.into());
             }
+            EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => {
+                if let Some((kind, c)) = self.external() {
+                    m.insert("engine".into(), kind.name().into());
+                    // vLLM announces its own in its load metrics.
+                    if let Some(b) = c.block_size {
+                        m.insert("block_size".into(), b.into());
+                    }
+                }
+            }
         }
         m
     }
 
+    fn replicas(&self) -> Option<u32> {
+        self.external().and_then(|(_, c)| c.replicas())
+    }
+
     async fn build(&self, cx: &BuildCx) -> Result<Decode, BuildError> {
-        Ok(Decode {
-            engine: self.start(cx).await?,
-        })
+        let engine = match self.external() {
+            Some((kind, c)) => Engine::External(ExternalEngine::start(kind, &c, cx).await?),
+            None => Engine::Local(self.start(cx).await?),
+        };
+        Ok(Decode { engine })
     }
 }
 
+/// A replica's engine: dyn's own engine loop, or an external server.
+enum Engine {
+    Local(Arc<EngineHandle>),
+    External(Arc<ExternalEngine>),
+}
+
 pub struct Decode {
-    engine: Arc<EngineHandle>,
+    engine: Engine,
 }
 
 impl Operator for Decode {
@@ -128,7 +197,10 @@ impl Operator for Decode {
     type Out = Generated;
 
     fn call(&self, ctx: Ctx, mut input: Input<PreprocessedRequest>) -> Output<Generated> {
-        let engine = self.engine.clone();
+        let engine = match &self.engine {
+            Engine::Local(e) => e.clone(),
+            Engine::External(e) => return external(e.clone(), ctx, input),
+        };
         async_stream::stream! {
             let Some(mut req) = input.next().await else { return };
             let kv = match req.prefilled.take() {
@@ -146,23 +218,48 @@ impl Operator for Decode {
                 }
             };
             yield Ok::<_, OpError>(Generated::Start(req.output));
-            // One kill future for the whole stream, not one (with its deadline timer) per batch.
-            let killed = ctx.killed();
-            tokio::pin!(killed);
-            loop {
-                tokio::select! {
-                    item = rx.recv() => match item {
-                        Some(g) => yield g,
-                        None => break,
-                    },
-                    // Dropping `rx` is how the engine learns the request is gone.
-                    _ = &mut killed => {
-                        tracing::debug!(request_id = %ctx.id(), "Decode killed");
-                        break;
-                    }
-                }
+            let tokens = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+            let out = until_killed(&ctx, tokens);
+            tokio::pin!(out);
+            while let Some(g) = out.next().await {
+                yield g;
             }
         }
         .boxed()
     }
+}
+
+/// A request on an external server: its stream, until the server ends it or the request is
+/// killed (dropping the stream closes the server's connection, which aborts it there).
+fn external(
+    engine: Arc<ExternalEngine>,
+    ctx: Ctx,
+    mut input: Input<PreprocessedRequest>,
+) -> Output<Generated> {
+    async_stream::stream! {
+        let Some(mut req) = input.next().await else { return };
+        if req.prefilled.take().is_some() {
+            tracing::debug!(request_id = %ctx.id(), "An external engine cannot import KV; prefilling on the server");
+        }
+        let out = until_killed(&ctx, engine.generate(req));
+        tokio::pin!(out);
+        while let Some(item) = out.next().await {
+            yield item;
+        }
+    }
+    .boxed()
+}
+
+/// The items of `out` until it ends or the request is killed. Either way `out` is dropped,
+/// which is how an engine learns the request is gone (its channel closes; an external
+/// server's connection closes). One kill future for the whole stream, not one per item.
+fn until_killed<T>(
+    ctx: &Ctx,
+    out: impl futures::Stream<Item = T> + Send + 'static,
+) -> impl futures::Stream<Item = T> + Send + 'static {
+    let ctx = ctx.clone();
+    out.take_until(async move {
+        ctx.killed().await;
+        tracing::debug!(request_id = %ctx.id(), "Decode killed");
+    })
 }

@@ -16,6 +16,7 @@
 //! KV transfer agent service); an engine adds an [`Executor`] and its config section.
 
 mod engine_loop;
+pub mod external;
 pub mod handle;
 pub mod mocker;
 pub mod native;
