@@ -1,0 +1,607 @@
+//! Real external engines behind dyn (graphs/llamacpp.yaml, graphs/vllm.yaml): token ids in
+//! and out, greedy answers equal to the engine's own for the same ids, a client hang-up
+//! freeing the request in the engine (its own running-requests metric), a server killed
+//! mid-stream with every stream completing identically on the other, vLLM's KV events in the
+//! router's index, and bad configurations failing clearly (503, never a hang).
+//!
+//! Needs the engines `scripts/engines` sets up (`scripts/test` does, and sets
+//! `DYN_LLAMA_SERVER`, `DYN_VLLM_PYTHON` and `DYN_SMOLLM2_HF`); skipped visibly without them.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::time::{Duration, Instant};
+
+use dyn_tests::{Graph, completion, inspect_json, scratch_dir, unprefixed};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+/// One engine test at a time under `cargo test` (nextest runs them with `--test-threads 1`):
+/// two vLLM servers take both cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn env_path(var: &str) -> Option<String> {
+    let p = std::env::var(var).ok()?;
+    std::path::Path::new(&p).exists().then_some(p)
+}
+
+/// The engine servers dyn started: (replica, url, pid of the process group), once all `n`
+/// are ready.
+fn servers(g: &Graph, n: usize, timeout: Duration) -> Vec<(u64, String, u32)> {
+    let start = Instant::now();
+    loop {
+        let logs: Vec<Value> = g
+            .logs()
+            .iter()
+            .filter_map(|l| serde_json::from_str(unprefixed(l)).ok())
+            .collect();
+        let mut ready: Vec<(u64, String, u32)> = Vec::new();
+        for v in &logs {
+            if v["message"] == "Engine server ready" {
+                let replica = v["replica"].as_u64().unwrap();
+                let url = v["url"].as_str().unwrap().to_owned();
+                // The latest start of this replica.
+                let pid = logs
+                    .iter()
+                    .rev()
+                    .filter(|s| {
+                        s["message"] == "Started an engine server" && s["replica"] == replica
+                    })
+                    .find_map(|s| s["pid"].as_u64())
+                    .unwrap_or(0) as u32;
+                ready.retain(|(r, _, _)| *r != replica);
+                ready.push((replica, url, pid));
+            }
+        }
+        if ready.len() >= n {
+            ready.sort();
+            return ready;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "engine servers not ready after {timeout:?}; logs:\n{}",
+            g.logs().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+async fn get_text(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
+
+async fn post(url: &str, body: &Value) -> Value {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{url}: {}", r.status());
+    r.json().await.unwrap()
+}
+
+/// A streamed completion's text and finish reason, or the error that ended it.
+async fn stream_text(url: &str, body: &Value) -> Result<(String, String), String> {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !r.status().is_success() {
+        return Err(format!(
+            "{}: {}",
+            r.status(),
+            r.text().await.unwrap_or_default()
+        ));
+    }
+    let text = r.text().await.map_err(|e| e.to_string())?;
+    let mut out = String::new();
+    let mut finish = String::new();
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            return Ok((out, finish));
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if v.get("error").is_some() {
+            return Err(v.to_string());
+        }
+        out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+    }
+    Err(format!("stream ended without [DONE]: {out:?}"))
+}
+
+/// Open a long streamed completion, read a few chunks, and hang up.
+async fn hang_up_after_a_few_tokens(url: &str) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "smollm2", "prompt": "Count from one to a thousand:", "max_tokens": 1500,
+                      "ignore_eos": true, "temperature": 0, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = r.bytes_stream();
+    let mut chunks = 0;
+    while chunks < 5 {
+        body.next().await.unwrap().unwrap();
+        chunks += 1;
+    }
+    drop(body);
+}
+
+/// Poll `metric` (summed) on every server until it is 0.
+async fn until_idle(servers: &[(u64, String, u32)], metric: &str) {
+    let start = Instant::now();
+    loop {
+        let mut busy = 0.0;
+        for (_, url, _) in servers {
+            busy += dyn_tests::metric_sum(&get_text(&format!("{url}/metrics")).await, metric, &[]);
+        }
+        if busy == 0.0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{metric} still {busy} 20 s after the client hung up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Long greedy streams, `n` at once: their texts, or the errors that ended them.
+async fn streams(url: &str, n: usize, max_tokens: u32) -> Vec<Result<(String, String), String>> {
+    let all = (0..n).map(|i| {
+        let body = json!({"model": "smollm2", "prompt": format!("Story {i}: once upon a time"),
+                          "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0, "stream": true});
+        async move { stream_text(url, &body).await }
+    });
+    futures::future::join_all(all).await
+}
+
+/// Kill the process group of a server that is busy (by `running`), while `n` streams run; every
+/// stream must finish with the text it has without the kill.
+async fn kill_one_mid_stream(
+    g: &Graph,
+    servers: &[(u64, String, u32)],
+    running: &str,
+    max_tokens: u32,
+) {
+    let url = g.url("");
+    let n = 2;
+    let want = streams(&url, n, max_tokens).await;
+    for w in &want {
+        assert!(w.is_ok(), "{w:?}");
+    }
+    let killer = async {
+        let start = Instant::now();
+        loop {
+            for (_, surl, pid) in servers {
+                let m = get_text(&format!("{surl}/metrics")).await;
+                if dyn_tests::metric_sum(&m, running, &[]) > 0.0 {
+                    // Let it stream a little first.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    // The server's whole process group (dyn runs it under `sh`). Not with
+                    // procps' `kill -KILL -PID`, which takes `-PID` for something else.
+                    assert!(*pid > 1, "no pid for {surl}");
+                    let group = nix::unistd::Pid::from_raw(i32::try_from(*pid).unwrap());
+                    nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL).unwrap();
+                    return;
+                }
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no server got busy"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let (got, ()) = tokio::join!(streams(&url, n, max_tokens), killer);
+    assert_eq!(
+        got, want,
+        "streams after the kill differ from the same streams without it"
+    );
+    let migrated = g
+        .logs()
+        .iter()
+        .filter(|l| l.contains("Replica lost; migrating the request"))
+        .count();
+    assert!(migrated >= 1, "no request migrated");
+}
+
+// --- llama.cpp -------------------------------------------------------------------------------
+
+fn llamacpp_graph(extra: &[&str]) -> Option<(Graph, String)> {
+    let (Some(server), Some(model)) = (env_path("DYN_LLAMA_SERVER"), env_path("DYN_SMOLLM2_GGUF"))
+    else {
+        dyn_tests::skip(
+            "DYN_LLAMA_SERVER or DYN_SMOLLM2_GGUF is not set (scripts/engines llamacpp builds llama-server)",
+        );
+        return None;
+    };
+    let set_model = format!("model.path={model}");
+    let mut args = vec!["--set", set_model.as_str()];
+    args.extend_from_slice(extra);
+    let g = Graph::start(
+        "graphs/llamacpp.yaml",
+        "http",
+        &args,
+        &[("DYN_LLAMA_SERVER", server.as_str())],
+    );
+    Some((g, server))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((g, _)) = llamacpp_graph(&[]) else {
+        return;
+    };
+    let servers = servers(&g, 2, Duration::from_secs(60));
+    let url = g.url("");
+    // Greedy through dyn equals llama.cpp's own answer to the same token ids.
+    let prompt = "The capital of France is";
+    let direct = &servers[0].1;
+    let ids = post(
+        &format!("{direct}/tokenize"),
+        &json!({"content": prompt, "add_special": false}),
+    )
+    .await["tokens"]
+        .clone();
+    let own = post(
+        &format!("{direct}/completion"),
+        &json!({"prompt": ids, "n_predict": 24, "temperature": 0, "return_tokens": true}),
+    )
+    .await;
+    let own_text = post(
+        &format!("{direct}/detokenize"),
+        &json!({"tokens": own["tokens"]}),
+    )
+    .await["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let (status, v) = completion(&url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], own_text.as_str(), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    assert_eq!(
+        stream_text(&url, &streamed).await,
+        Ok((own_text.clone(), "length".into()))
+    );
+    // Chat, unary and streamed: the same shape as dyn's own engines give; the answer ends at the
+    // model's end-of-turn token.
+    let chat = json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
+                      "max_tokens": 60, "temperature": 0});
+    let v = post(&g.url("/v1/chat/completions"), &chat).await;
+    assert!(
+        !v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .trim()
+            .is_empty(),
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let short = v["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(short < 30, "{v}");
+    let mut chat_stream = chat.clone();
+    chat_stream["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(g.url("/v1/chat/completions"))
+        .json(&chat_stream)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    // min_tokens holds the end-of-turn token off (llama.cpp has no such parameter: dyn runs
+    // that many tokens with eos ignored first, then the rest).
+    let mut held = chat.clone();
+    held["min_tokens"] = json!(30);
+    let v = post(&g.url("/v1/chat/completions"), &held).await;
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= 30,
+        "{v}"
+    );
+
+    // A client hang-up frees the request in the server.
+    hang_up_after_a_few_tokens(&url).await;
+    until_idle(&servers, "llamacpp:requests_processing").await;
+
+    // The servers' load reaches the router (`dyn inspect workers`).
+    let w = inspect_json(&url, &["workers"]);
+    let workers = w["replicas"][0]["workers"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(workers.len(), 2, "{w}");
+    assert!(
+        workers.iter().all(|w| w["requests_running"].is_number()),
+        "{w}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn llamacpp_server_killed_mid_stream_streams_finish_on_the_other() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((g, _)) = llamacpp_graph(&[]) else {
+        return;
+    };
+    let servers = servers(&g, 2, Duration::from_secs(60));
+    kill_one_mid_stream(&g, &servers, "llamacpp:requests_processing", 160).await;
+    // The killed server is started again and the replica comes back.
+    let again = servers_restarted(&g, Duration::from_secs(60));
+    assert!(again, "the killed server was not restarted");
+}
+
+fn servers_restarted(g: &Graph, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        let ready = g
+            .logs()
+            .iter()
+            .filter(|l| l.contains("Engine server ready"))
+            .count();
+        if ready >= 3 {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// A graph of one llama.cpp replica with its own `decode` section, in a scratch directory.
+fn one_replica_graph(name: &str, model: &str, section: &str) -> String {
+    let dir = scratch_dir(name);
+    let path = dir.join("graph.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "name: {name}\nmodel: {{name: smollm2, path: {model}}}\nnodes:\n  http: {{kind: http, config: {{listen: 127.0.0.1:0}}}}\n  \
+             preprocess: {{kind: preprocess, inputs: [http]}}\n  \
+             decode: {{kind: decode, inputs: [preprocess], config: {{engine: llamacpp, llamacpp: {section}}}}}\n  \
+             postprocess: {{kind: postprocess, inputs: [decode]}}\n"
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+/// Requests get 503 `no_worker_available` at once, several times over `for_s` seconds.
+async fn refused_while_down(g: &Graph, for_s: u64) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(for_s) {
+        let t = Instant::now();
+        let (status, v) = completion(
+            &g.url(""),
+            &json!({"model": "smollm2", "prompt": "hi", "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 503, "{v}");
+        assert_eq!(v["error"]["code"], "no_worker_available", "{v}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "a refusal took {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn wait_log(g: &Graph, needle: &str, timeout: Duration) -> String {
+    let start = Instant::now();
+    loop {
+        if let Some(l) = g.logs().into_iter().find(|l| l.contains(needle)) {
+            return l;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "no log line with {needle:?}; logs:\n{}",
+            g.logs().join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_engine_configurations_fail_clearly_and_never_hang() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(model) = env_path("DYN_SMOLLM2_GGUF") else {
+        dyn_tests::skip("DYN_SMOLLM2_GGUF is not set");
+        return;
+    };
+    // Validation: positions and reasons.
+    let bad = one_replica_graph("bad-section", &model, "{url: 'ftp://x', launch: 'serve'}");
+    let out = dyn_tests::run(&["graph", "validate", &bad]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("give only one of `url`, `urls` and `launch`"),
+        "{err}"
+    );
+    assert!(err.contains("graph.yaml:6:"), "{err}");
+
+    // Nothing listens at the URL: the graph is up, requests are refused at once.
+    let port = dyn_tests::servers::free_port();
+    let unreachable = one_replica_graph(
+        "unreachable",
+        &model,
+        &format!("{{url: 'http://127.0.0.1:{port}', health_interval_s: 0.2}}"),
+    );
+    let g = Graph::start(&unreachable, "http", &[], &[]);
+    refused_while_down(&g, 2).await;
+    drop(g);
+
+    // A server that never becomes healthy is restarted after its startup timeout.
+    let never = one_replica_graph(
+        "never-healthy",
+        &model,
+        "{launch: 'sleep 600 # {port}', startup_timeout_s: 1}",
+    );
+    let g = Graph::start(&never, "http", &[], &[]);
+    refused_while_down(&g, 2).await;
+    wait_log(
+        &g,
+        "not healthy 1s after its start",
+        Duration::from_secs(20),
+    );
+    drop(g);
+
+    // A server that exits at once: its last lines are in the log, and it is restarted.
+    let exits = one_replica_graph(
+        "exits",
+        &model,
+        "{launch: 'echo no such model >&2; exit 3 # {port}'}",
+    );
+    let g = Graph::start(&exits, "http", &[], &[]);
+    refused_while_down(&g, 1).await;
+    let line = wait_log(&g, "the launched server exited", Duration::from_secs(20));
+    assert!(
+        line.contains("exit status: 3") && line.contains("no such model"),
+        "{line}"
+    );
+    drop(g);
+
+    // The wrong model: a server whose tokenizer is not the graph's is never used.
+    let Some(server) = env_path("DYN_LLAMA_SERVER") else {
+        dyn_tests::skip("DYN_LLAMA_SERVER is not set");
+        return;
+    };
+    let tiny = dyn_tests::root().join("models/tiny").display().to_string();
+    let wrong = one_replica_graph(
+        "wrong-model",
+        &tiny,
+        &format!("{{launch: '{server} -m {model} --host {{host}} --port {{port}} -c 512 -t 1'}}"),
+    );
+    let g = Graph::start(&wrong, "http", &[], &[]);
+    let line = wait_log(&g, "it serves another model", Duration::from_secs(60));
+    assert!(line.contains("tokenizer splits"), "{line}");
+    refused_while_down(&g, 1).await;
+}
+
+// --- vLLM ------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (Some(python), Some(hf)) = (env_path("DYN_VLLM_PYTHON"), env_path("DYN_SMOLLM2_HF")) else {
+        dyn_tests::skip(
+            "DYN_VLLM_PYTHON or DYN_SMOLLM2_HF is not set (scripts/engines vllm sets up vLLM CPU)",
+        );
+        return;
+    };
+    let set_model = format!("model.path={hf}");
+    let g = Graph::start(
+        "graphs/vllm.yaml",
+        "http",
+        &["--set", &set_model],
+        &[("DYN_VLLM_PYTHON", python.as_str())],
+    );
+    // Two vLLM servers compile their models at once on two cores: minutes.
+    let servers = servers(&g, 2, Duration::from_secs(600));
+    let url = g.url("");
+
+    // Greedy through dyn equals vLLM's own answer to the same token ids.
+    let direct = &servers[0].1;
+    let prompt = "The capital of France is";
+    let ids = post(
+        &format!("{direct}/tokenize"),
+        &json!({"model": "smollm2", "prompt": prompt}),
+    )
+    .await["tokens"]
+        .clone();
+    let own = post(
+        &format!("{direct}/v1/completions"),
+        &json!({"model": "smollm2", "prompt": ids, "max_tokens": 24, "temperature": 0}),
+    )
+    .await;
+    let own_text = own["choices"][0]["text"].as_str().unwrap().to_owned();
+    let body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 24, "temperature": 0});
+    let (status, v) = completion(&url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], own_text.as_str(), "{v}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (text, _) = stream_text(&url, &streamed).await.unwrap();
+    assert_eq!(text, own_text);
+    let chat = json!({"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "max_tokens": 32, "temperature": 0});
+    let v = post(&g.url("/v1/chat/completions"), &chat).await;
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris"),
+        "{v}"
+    );
+
+    // A repeated long prompt stays where vLLM's KV events say its prefix is cached.
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(60);
+    let long_body = json!({"model": "smollm2", "prompt": long, "max_tokens": 2, "temperature": 0});
+    let (status, _) = completion(&url, &long_body).await;
+    assert_eq!(status, 200);
+    let start = Instant::now();
+    let holder = loop {
+        let kv = inspect_json(&url, &["kv"]);
+        let per_worker = kv["replicas"][0]["workers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if let Some(w) = per_worker
+            .iter()
+            .find(|w| w["blocks"].as_u64().unwrap_or(0) >= 10)
+        {
+            break w["worker_id"].clone();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no vLLM KV blocks in the index: {kv}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let hits_before = hit_tokens(&servers).await;
+    for _ in 0..4 {
+        let (status, _) = completion(&url, &long_body).await;
+        assert_eq!(status, 200);
+    }
+    let route = inspect_json(&url, &["route", "--prompt", &long]);
+    assert_eq!(route["replicas"][0]["worker_id"], holder, "{route}");
+    let hits_after = hit_tokens(&servers).await;
+    // One server's prefix cache hit every repeat (vLLM's own counter).
+    let gained: Vec<f64> = hits_after
+        .iter()
+        .zip(&hits_before)
+        .map(|(a, b)| a - b)
+        .collect();
+    assert!(
+        gained.iter().filter(|g| **g > 0.0).count() == 1,
+        "hits per server: {gained:?}"
+    );
+
+    // A client hang-up frees the request in vLLM.
+    hang_up_after_a_few_tokens(&url).await;
+    until_idle(&servers, "vllm:num_requests_running").await;
+
+    // One server SIGKILLed mid-stream: every stream completes identically on the other.
+    kill_one_mid_stream(&g, &servers, "vllm:num_requests_running", 160).await;
+}
+
+async fn hit_tokens(servers: &[(u64, String, u32)]) -> Vec<f64> {
+    let mut out = Vec::new();
+    for (_, url, _) in servers {
+        out.push(dyn_tests::metric_sum(
+            &get_text(&format!("{url}/metrics")).await,
+            "vllm:prefix_cache_hits_total",
+            &[],
+        ));
+    }
+    out
+}
