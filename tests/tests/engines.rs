@@ -360,6 +360,11 @@ fn servers_restarted(g: &Graph, timeout: Duration) -> bool {
 
 /// A graph of one llama.cpp replica with its own `decode` section, in a scratch directory.
 fn one_replica_graph(name: &str, model: &str, section: &str) -> String {
+    graph_with_engine(name, model, "llamacpp", section)
+}
+
+/// A graph of one replica of `engine` with its own section, in a scratch directory.
+fn graph_with_engine(name: &str, model: &str, engine: &str, section: &str) -> String {
     let dir = scratch_dir(name);
     let path = dir.join("graph.yaml");
     std::fs::write(
@@ -367,12 +372,46 @@ fn one_replica_graph(name: &str, model: &str, section: &str) -> String {
         format!(
             "name: {name}\nmodel: {{name: smollm2, path: {model}}}\nnodes:\n  http: {{kind: http, config: {{listen: 127.0.0.1:0}}}}\n  \
              preprocess: {{kind: preprocess, inputs: [http]}}\n  \
-             decode: {{kind: decode, inputs: [preprocess], config: {{engine: llamacpp, llamacpp: {section}}}}}\n  \
+             decode: {{kind: decode, inputs: [preprocess], config: {{engine: {engine}, {engine}: {section}}}}}\n  \
              postprocess: {{kind: postprocess, inputs: [decode]}}\n"
         ),
     )
     .unwrap();
     path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_openai_server_gets_text_and_answers_as_it_does_directly() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (Some(server), Some(model)) = (env_path("DYN_LLAMA_SERVER"), env_path("DYN_SMOLLM2_GGUF"))
+    else {
+        dyn_tests::skip("DYN_LLAMA_SERVER or DYN_SMOLLM2_GGUF is not set");
+        return;
+    };
+    // llama.cpp's own OpenAI endpoints stand for any OpenAI-compatible server.
+    let path = graph_with_engine(
+        "openai",
+        &model,
+        "openai",
+        &format!("{{launch: '{server} -m {model} --host {{host}} --port {{port}} -c 2048 -t 1'}}"),
+    );
+    let g = Graph::start(&path, "http", &[], &[]);
+    let servers = servers(&g, 1, Duration::from_secs(60));
+    let body = json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0});
+    let own = post(&format!("{}/v1/completions", servers[0].1), &body).await;
+    let (status, v) = completion(&g.url(""), &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["text"], own["choices"][0]["text"],
+        "{v} {own}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (text, finish) = stream_text(&g.url(""), &streamed).await.unwrap();
+    assert_eq!(
+        (text.as_str(), finish.as_str()),
+        (own["choices"][0]["text"].as_str().unwrap(), "length")
+    );
 }
 
 /// Requests get 503 `no_worker_available` at once, several times over `for_s` seconds.
