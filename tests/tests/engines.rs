@@ -477,6 +477,12 @@ async fn bad_engine_configurations_fail_clearly_and_never_hang() {
     );
     let g = Graph::start(&unreachable, "http", &[], &[]);
     refused_while_down(&g, 2).await;
+    let line = wait_log(
+        &g,
+        "Engine server not answering its health check",
+        Duration::from_secs(5),
+    );
+    assert!(line.contains(&format!("127.0.0.1:{port}")), "{line}");
     drop(g);
 
     // A server that never becomes healthy is restarted after its startup timeout.

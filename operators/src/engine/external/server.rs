@@ -184,9 +184,15 @@ impl Supervisor {
     async fn serve_url(&self, url: &str, generation: u64) -> Down {
         let base = url.trim_end_matches('/').to_owned();
         let interval = Duration::from_secs_f64(self.spec.config.health_interval_s);
+        // Said at the first failure and every 30 s after: a wrong URL must not be silent.
+        let mut said: Option<Instant> = None;
         loop {
             match self.probe(&base).await {
                 Ok(()) => break,
+                Err(e) if said.is_none_or(|t| t.elapsed() >= Duration::from_secs(30)) => {
+                    said = Some(Instant::now());
+                    tracing::warn!(node = %self.spec.node, replica = self.spec.replica, url = %base, error = %e, "Engine server not answering its health check; its replica waits");
+                }
                 Err(e) => {
                     tracing::debug!(node = %self.spec.node, url = %base, error = %e, "Engine server not healthy yet");
                 }
