@@ -220,7 +220,21 @@ impl ExternalEngine {
                 }
                 let mut events = resp.bytes_stream().eventsource();
                 let mut finish = None;
-                while let Some(ev) = events.next().await {
+                // A server that stops answering its health checks while a stream is open (hung,
+                // not closed) ends the stream too: never a request that waits forever.
+                let mut health = this.server.watch();
+                loop {
+                    let ev = tokio::select! {
+                        ev = events.next() => ev,
+                        changed = health.changed() => {
+                            if changed.is_err() || health.borrow_and_update().as_ref() != Some(&ep) {
+                                yield Err(OpError::unavailable(format!("the engine server at {} went down", ep.base)));
+                                return;
+                            }
+                            continue;
+                        }
+                    };
+                    let Some(ev) = ev else { break };
                     let data = match ev {
                         Ok(ev) => ev.data,
                         Err(e) => {
