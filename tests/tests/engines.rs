@@ -435,6 +435,13 @@ async fn refused_while_down(g: &Graph, for_s: u64) {
     }
 }
 
+/// A one-replica llama.cpp graph with `section`, up, and refusing requests for `for_s` seconds.
+async fn up_but_refusing(name: &str, model: &str, section: &str, for_s: u64) -> Graph {
+    let g = Graph::start(&one_replica_graph(name, model, section), "http", &[], &[]);
+    refused_while_down(&g, for_s).await;
+    g
+}
+
 fn wait_log(g: &Graph, needle: &str, timeout: Duration) -> String {
     let start = Instant::now();
     loop {
@@ -470,13 +477,8 @@ async fn bad_engine_configurations_fail_clearly_and_never_hang() {
 
     // Nothing listens at the URL: the graph is up, requests are refused at once.
     let port = dyn_tests::servers::free_port();
-    let unreachable = one_replica_graph(
-        "unreachable",
-        &model,
-        &format!("{{url: 'http://127.0.0.1:{port}', health_interval_s: 0.2}}"),
-    );
-    let g = Graph::start(&unreachable, "http", &[], &[]);
-    refused_while_down(&g, 2).await;
+    let section = format!("{{url: 'http://127.0.0.1:{port}', health_interval_s: 0.2}}");
+    let g = up_but_refusing("unreachable", &model, &section, 2).await;
     let line = wait_log(
         &g,
         "Engine server not answering its health check",
@@ -486,13 +488,8 @@ async fn bad_engine_configurations_fail_clearly_and_never_hang() {
     drop(g);
 
     // A server that never becomes healthy is restarted after its startup timeout.
-    let never = one_replica_graph(
-        "never-healthy",
-        &model,
-        "{launch: 'sleep 600 # {port}', startup_timeout_s: 1}",
-    );
-    let g = Graph::start(&never, "http", &[], &[]);
-    refused_while_down(&g, 2).await;
+    let section = "{launch: 'sleep 600 # {port}', startup_timeout_s: 1}";
+    let g = up_but_refusing("never-healthy", &model, section, 2).await;
     wait_log(
         &g,
         "not healthy 1s after its start",
@@ -501,13 +498,8 @@ async fn bad_engine_configurations_fail_clearly_and_never_hang() {
     drop(g);
 
     // A server that exits at once: its last lines are in the log, and it is restarted.
-    let exits = one_replica_graph(
-        "exits",
-        &model,
-        "{launch: 'echo no such model >&2; exit 3 # {port}'}",
-    );
-    let g = Graph::start(&exits, "http", &[], &[]);
-    refused_while_down(&g, 1).await;
+    let section = "{launch: 'echo no such model >&2; exit 3 # {port}'}";
+    let g = up_but_refusing("exits", &model, section, 1).await;
     let line = wait_log(&g, "the launched server exited", Duration::from_secs(20));
     assert!(
         line.contains("exit status: 3") && line.contains("no such model"),

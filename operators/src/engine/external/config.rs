@@ -75,8 +75,8 @@ pub struct ExternalConfig {
     pub kv_events: bool,
     /// vLLM with `url`/`urls`: where each server publishes KV events, one per server.
     pub kv_publishers: Vec<KvPublisher>,
-    /// Tokens per KV block when the server does not say (llama.cpp, OpenAI servers): what an
-    /// approximate router hashes prompts with.
+    /// Tokens per KV block announced for a server that does not say its own (llama.cpp): what
+    /// an approximate router hashes prompts with; by default the router's own choice.
     pub block_size: Option<u32>,
 }
 
@@ -101,10 +101,10 @@ impl Default for ExternalConfig {
 
 impl ExternalConfig {
     /// The servers given by URL, in replica order (empty with `launch`).
-    pub fn urls(&self) -> Vec<String> {
+    pub fn urls(&self) -> &[String] {
         match &self.url {
-            Some(u) => vec![u.clone()],
-            None => self.urls.clone(),
+            Some(u) => std::slice::from_ref(u),
+            None => &self.urls,
         }
     }
 

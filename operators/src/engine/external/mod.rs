@@ -41,9 +41,6 @@ use server::{Server, ServerSpec};
 use crate::llm::model::ModelDir;
 use crate::llm::types::{FinishReason, Generated, PreprocessedRequest};
 
-/// Block size announced for servers that do not say theirs (vLLM's GPU default).
-const DEFAULT_BLOCK_SIZE: u32 = 16;
-
 /// A replica whose engine is an external server.
 pub struct ExternalEngine {
     kind: ExternalKind,
@@ -62,21 +59,16 @@ impl ExternalEngine {
         cx: &BuildCx,
     ) -> Result<Arc<Self>, BuildError> {
         let model = ModelDir::shared(cx).await?;
+        let urls = config.urls();
         let url = match &config.launch {
             Some(_) => None,
-            None => Some(
-                config
-                    .urls()
-                    .get(cx.replica as usize)
-                    .cloned()
-                    .ok_or_else(|| {
-                        BuildError::new(format!(
-                            "replica {} has no server: {} given",
-                            cx.replica,
-                            config.urls().len()
-                        ))
-                    })?,
-            ),
+            None => Some(urls.get(cx.replica as usize).cloned().ok_or_else(|| {
+                BuildError::new(format!(
+                    "replica {} has no server: {} given",
+                    cx.replica,
+                    urls.len()
+                ))
+            })?),
         };
         let mut tasks = Vec::new();
         let mut follower = None;
@@ -129,7 +121,8 @@ impl ExternalEngine {
             let cx = cx.clone();
             let endpoint = server.watch();
             let interval = Duration::from_secs_f64(config.metrics_interval_s);
-            let block_size = config.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
+            // 0: not announced; routers keep their own (see `route/kv_aware.rs`).
+            let block_size = config.block_size.unwrap_or(0);
             tasks.push(AbortOnDropHandle::new(tokio::spawn(async move {
                 scrape::run(kind, &cx, interval, block_size, endpoint).await;
             })));
