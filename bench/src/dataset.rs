@@ -39,6 +39,17 @@ pub struct Entry {
     pub output_tokens: u32,
     /// Send time relative to the start of the run (trace replay only).
     pub at: Option<Duration>,
+    /// Where the prompt shares a prefix with others: it opens with `ids.len()` units of
+    /// `unit` tokens, equal ids at a position naming the same text up to there (a Mooncake
+    /// trace's hash ids, a prefix group). What the cache [`crate::oracle`] works from.
+    pub shared: Shared,
+}
+
+/// A prompt's shared leading units (see [`Entry::shared`]); empty for unrelated prompts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Shared {
+    pub ids: Vec<u64>,
+    pub unit: usize,
 }
 
 /// Synthetic prompt settings.
@@ -257,21 +268,35 @@ pub fn synthetic(
             input_tokens: words.is_exact().then_some(isl),
             output_tokens: osl.max(1),
             at: None,
+            shared: group.map_or_else(Shared::default, |g| Shared {
+                ids: vec![g as u64],
+                unit: s.prefix_len,
+            }),
         });
     }
     Ok(out)
 }
 
-/// One line of a Mooncake trace.
+/// One line of a Mooncake trace, as Mooncake, Dynamo and AIPerf write them: `timestamp` may be
+/// left out on a session's later turns, which then follow the previous turn by `delay` ms
+/// (or on the previous line's timestamp); `text_input` replaces the synthetic text.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TraceLine {
     /// Milliseconds from the start of the trace.
-    timestamp: f64,
-    input_length: usize,
+    #[serde(default)]
+    timestamp: Option<f64>,
+    #[serde(default)]
+    input_length: Option<usize>,
     output_length: u32,
     #[serde(default)]
     hash_ids: Vec<u64>,
+    #[serde(default)]
+    session_id: Option<Value>,
+    #[serde(default)]
+    delay: Option<f64>,
+    #[serde(default)]
+    text_input: Option<String>,
 }
 
 /// Replay a Mooncake trace: each line is one request at `timestamp / speed` milliseconds;
@@ -296,23 +321,55 @@ pub fn trace(
     }
     let text = read(path)?;
     let mut blocks: std::collections::HashMap<u64, String> = Default::default();
+    let mut sessions: std::collections::HashMap<String, f64> = Default::default();
     let mut out = Vec::new();
     let mut first = None;
+    let mut previous = 0.0;
     for (n, line) in jsonl(&text) {
         let bad = line_error(path, n);
         let t: TraceLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
-        if !(t.timestamp.is_finite() && t.timestamp >= 0.0) {
-            return Err(bad(format!("bad timestamp {}", t.timestamp)));
+        let session = t.session_id.as_ref().map(Value::to_string);
+        let after = session.as_ref().and_then(|s| sessions.get(s)).copied();
+        let timestamp = match (t.timestamp, t.delay) {
+            (Some(ts), _) => ts,
+            (None, delay) => after.unwrap_or(previous) + delay.unwrap_or(0.0),
+        };
+        if !(timestamp.is_finite() && timestamp >= 0.0) {
+            return Err(bad(format!("bad timestamp {timestamp}")));
         }
-        if t.input_length == 0 || t.output_length == 0 {
+        if let Some(s) = session {
+            sessions.insert(s, timestamp);
+        }
+        previous = timestamp;
+        let input_length = match (&t.text_input, t.input_length) {
+            (_, Some(n)) => n,
+            (Some(_), None) => 1,
+            (None, None) => return Err(bad("input_length (or text_input) is required".into())),
+        };
+        if input_length == 0 || t.output_length == 0 {
             return Err(bad("input_length and output_length must be positive".into()));
         }
-        let start = *first.get_or_insert(t.timestamp);
-        if t.timestamp < start {
+        let start = *first.get_or_insert(timestamp);
+        if timestamp < start {
             return Err(bad(format!(
-                "timestamp {} is before the first line's {start}; the trace must be sorted",
-                t.timestamp
+                "timestamp {timestamp} is before the first line's {start}; the trace must be sorted"
             )));
+        }
+        let ms = (timestamp - start) / speed;
+        let at = Some(Duration::try_from_secs_f64(ms / 1000.0).unwrap_or(Duration::MAX));
+        let shared = Shared {
+            ids: t.hash_ids.clone(),
+            unit: block_size,
+        };
+        if let Some(text) = t.text_input {
+            out.push(Entry {
+                input_tokens: t.input_length.filter(|_| words.is_exact()),
+                prompt: Prompt::Text(text),
+                output_tokens: t.output_length,
+                at,
+                shared,
+            });
+            continue;
         }
         let mut prompt = String::new();
         for id in &t.hash_ids {
@@ -326,23 +383,23 @@ pub fn trace(
         }
         let mut rng = StdRng::seed_from_u64(seed.wrapping_add(n as u64));
         let covered = t.hash_ids.len() * block_size;
-        if covered > t.input_length {
+        if covered > input_length {
             // Cut the last block: drop whole pieces from the end.
-            for _ in 0..covered - t.input_length {
+            for _ in 0..covered - input_length {
                 if let Some(i) = prompt.rfind(' ') {
                     prompt.truncate(i);
                 }
             }
         } else {
-            words.random(&mut rng, t.input_length - covered, &mut prompt);
+            words.random(&mut rng, input_length - covered, &mut prompt);
         }
-        words.fix_length(&mut prompt, t.input_length, &mut rng)?;
-        let ms = (t.timestamp - start) / speed;
+        words.fix_length(&mut prompt, input_length, &mut rng)?;
         out.push(Entry {
             prompt: Prompt::Text(prompt),
-            input_tokens: words.is_exact().then_some(t.input_length),
+            input_tokens: words.is_exact().then_some(input_length),
             output_tokens: t.output_length,
-            at: Some(Duration::try_from_secs_f64(ms / 1000.0).unwrap_or(Duration::MAX)),
+            at,
+            shared,
         });
     }
     if out.is_empty() {
@@ -351,6 +408,8 @@ pub fn trace(
             path.display()
         )));
     }
+    // Turns timed by their session's delay may fall between later lines.
+    out.sort_by_key(|e| e.at);
     Ok(out)
 }
 
@@ -401,6 +460,7 @@ pub fn prompts_file(path: &Path, osl: u32) -> Result<Vec<Entry>, Error> {
             input_tokens: None,
             output_tokens: max.unwrap_or(osl).max(1),
             at: None,
+            shared: Shared::default(),
         });
     }
     if out.is_empty() {

@@ -15,6 +15,7 @@ pub mod arrival;
 pub mod client;
 pub mod dataset;
 pub mod metrics;
+pub mod oracle;
 pub mod plot;
 pub mod report;
 pub mod run;

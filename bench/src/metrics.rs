@@ -226,6 +226,10 @@ pub struct Summary {
     /// What was run: endpoint, load, dataset.
     #[serde(default)]
     pub config: serde_json::Value,
+    /// With `--oracle`: the prefix-cache hit rate of a cache-perfect router on this workload
+    /// ([`crate::oracle`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oracle_hit_rate: Option<f64>,
 }
 
 /// Compute the summary of a run's measured records.
@@ -308,6 +312,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         interrupted: false,
         client_cpu_s: 0.0,
         config: serde_json::Value::Null,
+        oracle_hit_rate: None,
     }
 }
 

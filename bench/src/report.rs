@@ -75,6 +75,9 @@ pub fn table(s: &Summary) -> String {
     if let Some(g) = s.goodput {
         let _ = writeln!(out, "goodput: {g:.2} requests/s");
     }
+    if let Some(h) = s.oracle_hit_rate {
+        let _ = writeln!(out, "oracle prefix-cache hit rate: {h:.3}");
+    }
     if s.requests.sent > 0 {
         let _ = writeln!(
             out,

@@ -109,6 +109,14 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
+    /// Also compute the hit rate a cache-perfect router would reach on this workload over
+    /// WORKERSxBLOCKS caches (e.g. 4x1024), to compare with the servers' own
+    #[arg(long, value_parser = parse_oracle)]
+    oracle: Option<(usize, usize)>,
+    /// Tokens per KV block for --oracle
+    #[arg(long, default_value_t = 16, requires = "oracle")]
+    oracle_block_size: usize,
+
     /// Service-level objectives for goodput, e.g. ttft_ms=200,itl_ms=20
     #[arg(long)]
     slo: Option<Slo>,
@@ -137,6 +145,16 @@ enum ArrivalArg {
     Poisson,
     Gamma,
     Constant,
+}
+
+/// `WORKERSxBLOCKS`, e.g. `4x1024`.
+fn parse_oracle(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("expected WORKERSxBLOCKS, e.g. 4x1024, got {s:?}");
+    let (w, b) = s.split_once('x').ok_or_else(bad)?;
+    match (w.trim().parse(), b.trim().parse()) {
+        (Ok(w), Ok(b)) if w > 0 && b > 0 => Ok((w, b)),
+        _ => Err(bad()),
+    }
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
@@ -231,7 +249,18 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
 
     let Some(levels) = &args.sweep_concurrency else {
         let entries = source.load(&words, count, args.seed)?;
-        let out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer, &interrupted))?;
+        let mut out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer, &interrupted))?;
+        if let Some((workers, blocks)) = args.oracle {
+            // The entries the run sent, in order (a closed loop cycles through them).
+            let sent = out.summary.requests.sent as usize + args.warmup;
+            let order: Vec<_> = entries.iter().cycle().take(sent).cloned().collect();
+            out.summary.oracle_hit_rate = Some(dyn_bench::oracle::hit_rate(
+                &order,
+                workers,
+                blocks,
+                args.oracle_block_size.max(1),
+            ));
+        }
         print!("{}", report::table(&out.summary));
         if let Some(dir) = &args.output {
             report::write(dir, &out.summary, &out.records)?;

@@ -275,6 +275,14 @@ fn print_workers(r: &WorkersAnswer) {
     if let Some(d) = &r.decisions {
         println!("prefill decisions: {}", json!(d));
     }
+    if let Some(q) = &r.quality {
+        let (achieved, reachable) = q.hit_rates();
+        println!(
+            "routing: {} decisions; best-matching worker chosen {} of {} times; hit rate \
+             expected {achieved:.3} of {reachable:.3} reachable; {} avoidable prefill tokens",
+            q.decisions, q.best_match_decisions, q.match_decisions, q.avoidable_prefill_tokens
+        );
+    }
     println!(
         "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
         "worker",
@@ -307,32 +315,48 @@ fn print_workers(r: &WorkersAnswer) {
 
 fn print_route(r: &RouteAnswer) {
     println!(
-        "prompt: {} tokens, {} blocks of {}; policy {} (overlap_weight {}, temperature {}) → worker {}",
-        r.prompt_tokens,
-        r.prompt_blocks,
-        r.block_size,
-        r.policy,
-        r.overlap_weight,
-        r.temperature,
-        r.worker_id,
+        "prompt: {} tokens, {} blocks of {}; policy {} → worker {}",
+        r.prompt_tokens, r.prompt_blocks, r.block_size, r.policy, r.worker_id,
     );
-    if r.candidates.is_empty() {
+    let Some(p) = &r.pricing else {
         return;
-    }
+    };
     println!(
-        "  {:<18} {:>8} {:>13} {:>7} {:>13} {:>9}",
-        "worker", "matched", "prefill blks", "active", "decode blks", "cost"
+        "cost {:?}: miss_weight {}, overlap_weight {}, overlap_credit {}, load_bound {}, temperature {}",
+        p.model, p.miss_weight, p.overlap_weight, p.overlap_credit, p.load_bound, p.temperature
+    );
+    println!("why: {}", r.reason);
+    println!(
+        "  {:<18} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>9} {:>10} {:>9} {:>9}  left out",
+        "worker",
+        "cached",
+        "indexed",
+        "pending",
+        "prefill",
+        "reqs",
+        "queued",
+        "queue ms",
+        "prefill ms",
+        "ttft ms",
+        "cost"
     );
     for c in &r.candidates {
+        let id = format!("{:x}", c.worker);
         println!(
-            "{} {:<18} {:>8} {:>13} {:>7} {:>13} {:>9.3}",
-            if c.worker_id == r.worker_id { "*" } else { " " },
-            c.worker_id,
+            "{} {:<18} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>9.2} {:>10.2} {:>9.2} {:>9.3}  {}",
+            if id == r.worker_id { "*" } else { " " },
+            id,
             c.matched_blocks,
-            c.prefill_blocks,
-            c.active_requests,
-            c.decode_blocks,
+            c.indexed_blocks,
+            c.pending_blocks,
+            c.prefill_tokens,
+            c.requests,
+            c.queued_tokens,
+            c.queue_ms,
+            c.prefill_ms,
+            c.ttft_ms(),
             c.cost,
+            c.excluded.as_deref().unwrap_or("-"),
         );
     }
 }

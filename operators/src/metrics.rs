@@ -196,6 +196,55 @@ impl WorkerGauges {
     }
 }
 
+/// Routing quality of the `kv` policy, per route node: how much of the cache that was there
+/// to hit the router actually sent requests to.
+pub struct Router {
+    pub decisions: IntCounterVec,
+    pub match_decisions: IntCounterVec,
+    pub best_match_decisions: IntCounterVec,
+    pub prompt_blocks: IntCounterVec,
+    pub reachable_blocks: IntCounterVec,
+    pub achieved_blocks: IntCounterVec,
+    pub avoidable_tokens: IntCounterVec,
+}
+
+pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
+    let l: &[&str] = &["node"];
+    Router {
+        decisions: counter_vec("dyn_router_decisions_total", "Requests routed", l),
+        match_decisions: counter_vec(
+            "dyn_router_match_decisions_total",
+            "Requests routed while some worker cached part of the prompt",
+            l,
+        ),
+        best_match_decisions: counter_vec(
+            "dyn_router_best_match_decisions_total",
+            "Of those, requests sent to a worker caching the most of the prompt",
+            l,
+        ),
+        prompt_blocks: counter_vec(
+            "dyn_router_prompt_blocks_total",
+            "Full prompt blocks routed",
+            l,
+        ),
+        reachable_blocks: counter_vec(
+            "dyn_router_reachable_hit_blocks_total",
+            "Prompt blocks the best-matching worker cached (the reachable hits)",
+            l,
+        ),
+        achieved_blocks: counter_vec(
+            "dyn_router_achieved_hit_blocks_total",
+            "Prompt blocks the chosen worker cached (the hits the router expects)",
+            l,
+        ),
+        avoidable_tokens: counter_vec(
+            "dyn_router_avoidable_prefill_tokens_total",
+            "Prompt tokens prefilled that the best-matching worker cached",
+            l,
+        ),
+    }
+});
+
 /// Disaggregated serving: where prompts were prefilled, and how KV transfers went.
 pub struct Disagg {
     /// `decision`: remote|local; `reason`: remote, below_threshold, queue_full,

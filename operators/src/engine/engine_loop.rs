@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::handle::{Command, EngineItem, OfferResult};
 use super::pool::BlockId;
 use super::scheduler::{Scheduler, SeqId};
+use super::step_model::StepModel;
 use super::{EngineError, Executor};
 use crate::llm::kv::{KvCacheEvent, KvEventData, LoadMetrics, RouterEvent};
 use crate::llm::types::Generated;
@@ -96,6 +97,8 @@ pub(super) struct EngineLoop {
     pub(super) events: mpsc::Sender<(String, Bytes)>,
     pub(super) gauges: WorkerGauges,
     pub(super) last_load: Option<((u32, u32, u32), Instant)>,
+    /// Step times, for the speed the load metrics report.
+    pub(super) step_model: StepModel,
 }
 
 /// Load metrics are published when they change, at most this often (and always on idle).
@@ -131,6 +134,7 @@ impl EngineLoop {
             self.reap_cancelled();
             self.unpin();
             let (exec, imports) = (&mut self.exec, &mut self.imports);
+            let started = Instant::now();
             let stepped = self.sched.step(|work| {
                 for w in work.iter().filter(|w| w.import) {
                     if let Some(mut data) = imports.remove(&w.id) {
@@ -151,6 +155,9 @@ impl EngineLoop {
             if out.prefill_tokens == 0 && out.decode_seqs == 0 && out.tokens.is_empty() {
                 // Nothing could run (waiting for blocks, or only undelivered output).
                 std::thread::sleep(Duration::from_millis(1));
+            } else {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                self.step_model.observe(out.prefill_tokens, ms);
             }
             for (id, token, finish) in out.tokens {
                 if let Some(o) = self.outboxes.get_mut(&id) {
@@ -386,6 +393,7 @@ impl EngineLoop {
         };
         if due {
             self.last_load = Some((now, Instant::now()));
+            let (step_ms, prefill_ms_per_token) = self.step_model.fit();
             let m = LoadMetrics {
                 worker_id: self.worker_id,
                 requests_running: running,
@@ -398,6 +406,9 @@ impl EngineLoop {
                     c.prompt_blocks_hit as f64 / c.prompt_blocks as f64
                 },
                 block_size: self.sched.block_size() as u32,
+                pending_prefill_tokens: self.sched.pending_prefill_tokens() as u64,
+                step_ms,
+                prefill_ms_per_token,
             };
             self.send(self.load_subject.clone(), &m);
         }

@@ -131,6 +131,7 @@ impl EngineHandle {
             events: events_tx,
             gauges: gauges.clone(),
             last_load: None,
+            step_model: Default::default(),
         };
         // Routers that lost events ask for a full dump; the engine publishes it in order
         // with its other events.

@@ -23,6 +23,7 @@ pub mod native;
 pub mod pool;
 pub mod scheduler;
 pub mod settings;
+pub mod step_model;
 pub mod transfer;
 
 use bytes::Bytes;

@@ -182,6 +182,14 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Prompt tokens not computed yet, waiting or in the batch (prefix-cache hits of waiting
+    /// requests are not known before admission: they count).
+    pub fn pending_prefill_tokens(&self) -> usize {
+        let prompt_left = |s: &Seq| s.spec.prompt.len().saturating_sub(s.computed);
+        self.waiting.iter().map(prompt_left).sum::<usize>()
+            + self.running.iter().map(prompt_left).sum::<usize>()
+    }
+
     /// Requests that have not started running yet.
     pub fn unadmitted(&self) -> usize {
         self.unadmitted

@@ -112,6 +112,17 @@ pub struct LoadMetrics {
     /// Tokens per KV block in the worker's engine: what routers hash prompts with.
     #[serde(default)]
     pub block_size: u32,
+    /// Prompt tokens admitted or waiting but not yet computed: the prefill queue the router
+    /// prices in time.
+    #[serde(default)]
+    pub pending_prefill_tokens: u64,
+    /// The worker's measured step time ([`crate::engine::step_model`]): milliseconds of a step
+    /// without prefill at its current batch, and milliseconds per prompt token computed.
+    /// 0 = not measured yet (engines that report no step times, like external servers).
+    #[serde(default)]
+    pub step_ms: f64,
+    #[serde(default)]
+    pub prefill_ms_per_token: f64,
 }
 
 /// Event-plane subject of a node's KV events.

@@ -100,7 +100,8 @@ impl OperatorConfig for RemotePrefillConfig {
         // The pool is routed like any worker node, but shown through this node, not on its own.
         let pool = RouteConfig {
             policy: Policy::Kv,
-            overlap_weight: self.overlap_weight,
+            cost: crate::llm::route::cost::CostModel::Blocks,
+            overlap_weight: Some(self.overlap_weight),
             ..RouteConfig::default()
         }
         .start(cx, &self.pool)

@@ -1,150 +1,365 @@
-//! The `kv` policy's price of each worker for one prompt.
+//! The `kv` policy's price of each worker for one prompt, and the choice among them.
 //!
-//! [`candidates`] prices each worker as Dynamo's KV router does:
-//! `overlap_weight × (prompt blocks − blocks already cached there) + decode blocks`, the
-//! decode blocks being those active there plus the prompt's blocks not among them,
-//! and [`choose`] takes the cheapest (ties: fewer active requests, then at random), or with
-//! `temperature > 0` samples from a softmax over the costs normalised to `0..=1`.
+//! Two cost models ([`CostModel`]):
+//!
+//! - `time` (the default): the worker's predicted time to first token for this prompt —
+//!   its prefill queue (prompt tokens routed or waiting there and not computed yet) and the
+//!   prompt's own uncached tokens, in milliseconds from the step time and per-token prefill
+//!   cost the worker measures and reports ([`crate::engine::step_model`]) — with the prompt's
+//!   own prefill weighted by `miss_weight`. At 1 that is the request's TTFT alone; above 1 a
+//!   cache miss also pays for what it does to the others: the compute they wait behind and
+//!   the cached prefix it evicts. A cached prefix thus keeps its requests home until the home
+//!   worker's queue is `miss_weight × the saved prefill` longer than elsewhere, however many
+//!   requests are decoding there; a load of one more request no longer outweighs it.
+//! - `blocks` (Dynamo's): `overlap_weight × uncached prompt blocks + decode blocks`.
+//!
+//! Either way a prompt's blocks count as cached on a worker if the index says so or if this
+//! router's own active requests there hold them (a burst of siblings follows the first one
+//! before any KV event arrives). Then bounds apply, as in consistent hashing with bounded
+//! loads, SGLang's balance thresholds and Dynamo's busy thresholds: a worker whose requests
+//! would pass both `load_bound × the mean` and `load_slack` above the least loaded worker, or
+//! whose KV usage or prefill queue passes a busy threshold, is left out while any worker is
+//! not. [`choose`] takes the cheapest of the rest (ties: fewer requests, then fewer
+//! cached blocks — the emptier cache takes new prefixes — then at random), or samples a softmax
+//! over normalised costs with `temperature > 0`.
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::sequences::{ActiveSequences, Load};
+use super::sequences::Load;
+use crate::llm::kv::LoadMetrics;
+
+/// How a worker is priced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostModel {
+    #[default]
+    Time,
+    Blocks,
+}
+
+/// The `kv` policy's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pricing {
+    pub model: CostModel,
+    /// `blocks`: weight of uncached prompt blocks against decode blocks.
+    pub overlap_weight: f64,
+    /// `time`: weight of the prompt's own uncached prefill time against queueing.
+    pub miss_weight: f64,
+    /// Share of a cached block that counts as cached (Dynamo's `overlap_score_credit`).
+    pub overlap_credit: f64,
+    /// Leave out workers whose requests would pass this × the mean (0 = no bound)...
+    pub load_bound: f64,
+    /// ... and this many more than the least loaded worker's (small loads are not skewed).
+    pub load_slack: u32,
+    /// Leave out workers whose KV usage (0..1) passes this.
+    pub busy_kv_usage: Option<f64>,
+    /// Leave out workers with more prompt tokens than this waiting for prefill.
+    pub busy_prefill_tokens: Option<u64>,
+    pub temperature: f64,
+    /// Step time and prefill cost for workers that report none (nor does any other).
+    pub step_ms: f64,
+    pub prefill_ms_per_token: f64,
+}
+
+impl Default for Pricing {
+    fn default() -> Self {
+        Self {
+            model: CostModel::Time,
+            overlap_weight: 1.0,
+            miss_weight: 2.0,
+            overlap_credit: 1.0,
+            load_bound: 1.5,
+            load_slack: 4,
+            busy_kv_usage: None,
+            busy_prefill_tokens: None,
+            temperature: 0.0,
+            step_ms: 5.0,
+            prefill_ms_per_token: 0.02,
+        }
+    }
+}
+
+/// What the router knows of one live worker for one prompt.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerView<'a> {
+    pub worker: u64,
+    /// Leading prompt blocks the KV index says it caches.
+    pub indexed_blocks: usize,
+    /// Leading prompt blocks this router's active requests there hold.
+    pub pending_blocks: usize,
+    /// This router's load there, `decode_blocks` counting the prompt's blocks it would add.
+    pub load: Load,
+    /// Blocks the index holds for it in all (the tie-break toward emptier caches).
+    pub cached_total: usize,
+    /// Its last load metrics.
+    pub reported: Option<&'a LoadMetrics>,
+}
 
 /// One worker's terms for one prompt: the decision and what `dyn inspect route` shows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Candidate {
+    /// A hex string in JSON, as logs and `/metrics` print worker ids.
+    #[serde(with = "hex_id")]
     pub worker: u64,
-    /// Leading prompt blocks the worker already caches.
+    /// Leading prompt blocks counted as cached: the larger of `indexed` and `pending`.
     pub matched_blocks: usize,
-    /// Prompt blocks it would have to prefill.
+    pub indexed_blocks: usize,
+    pub pending_blocks: usize,
+    /// Prompt blocks and tokens it would have to prefill.
     pub prefill_blocks: usize,
+    pub prefill_tokens: usize,
+    /// This router's outstanding work there.
     pub load: Load,
+    /// Requests there: this router's or the reported running + waiting, whichever is more.
+    pub requests: u32,
+    /// Prompt tokens queued for prefill there (this router's or reported, whichever is more).
+    pub queued_tokens: u64,
+    /// Predicted wait before this prompt's prefill, and the prefill itself (`time` model).
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
     pub cost: f64,
+    /// Why it was left out, if it was.
+    pub excluded: Option<String>,
 }
 
-/// Price every live worker for a prompt whose block hashes are `hashes` (`prompt_blocks`
-/// blocks, counting a last partial one), given the indexer's matches (workers with none are
-/// absent) and the active sequences.
-pub fn candidates(
-    workers: &[u64],
-    matches: &[(u64, usize)],
-    hashes: &[u64],
-    prompt_blocks: usize,
-    overlap_weight: f64,
-    active: &ActiveSequences,
-) -> Vec<Candidate> {
+impl Candidate {
+    /// Predicted time to first token, milliseconds (`time` model).
+    pub fn ttft_ms(&self) -> f64 {
+        self.queue_ms + self.prefill_ms
+    }
+}
+
+/// A worker's step time and prefill cost per token: its own report, else the mean of the
+/// others' reports, else the configured defaults.
+fn speeds(workers: &[WorkerView<'_>], p: &Pricing) -> Vec<(f64, f64)> {
+    let mean = |f: fn(&LoadMetrics) -> f64, default: f64| {
+        let known: Vec<f64> = workers
+            .iter()
+            .filter_map(|w| w.reported.map(f))
+            .filter(|v| *v > 0.0)
+            .collect();
+        if known.is_empty() {
+            default
+        } else {
+            known.iter().sum::<f64>() / known.len() as f64
+        }
+    };
+    let step = mean(|m| m.step_ms, p.step_ms);
+    let per_token = mean(|m| m.prefill_ms_per_token, p.prefill_ms_per_token);
     workers
         .iter()
-        .map(|&w| {
-            let matched = matches
-                .iter()
-                .find(|(id, _)| *id == w)
-                .map_or(0, |(_, n)| (*n).min(prompt_blocks));
-            let (mut load, new_blocks) = active.load_and_new_blocks(w, hashes);
-            load.decode_blocks += (new_blocks + prompt_blocks - hashes.len()) as u64;
-            let prefill_blocks = prompt_blocks - matched;
-            Candidate {
-                worker: w,
-                matched_blocks: matched,
-                prefill_blocks,
-                load,
-                cost: overlap_weight * prefill_blocks as f64 + load.decode_blocks as f64,
-            }
+        .map(|w| {
+            let own = |f: fn(&LoadMetrics) -> f64, fallback| {
+                w.reported.map(f).filter(|v| *v > 0.0).unwrap_or(fallback)
+            };
+            (
+                own(|m| m.step_ms, step),
+                own(|m| m.prefill_ms_per_token, per_token),
+            )
         })
         .collect()
 }
 
-/// The index of the chosen candidate; `None` without candidates.
-pub fn choose(c: &[Candidate], temperature: f64, rng: &mut impl Rng) -> Option<usize> {
-    if c.is_empty() {
-        return None;
-    }
-    if temperature > 0.0 {
-        let (lo, hi) = c.iter().fold((f64::MAX, f64::MIN), |(lo, hi), x| {
-            (lo.min(x.cost), hi.max(x.cost))
-        });
-        let span = if hi > lo { hi - lo } else { 1.0 };
-        let weights: Vec<f64> = c
-            .iter()
-            .map(|x| (-((x.cost - lo) / span) / temperature).exp())
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut r = rng.random::<f64>() * total;
-        for (i, w) in weights.iter().enumerate() {
-            if r < *w {
-                return Some(i);
+/// Price every live worker for a prompt of `prompt_tokens` tokens (`prompt_blocks` blocks of
+/// `block_size`, counting a last partial one).
+pub fn candidates(
+    workers: &[WorkerView<'_>],
+    prompt_tokens: usize,
+    prompt_blocks: usize,
+    block_size: usize,
+    p: &Pricing,
+) -> Vec<Candidate> {
+    let speeds = speeds(workers, p);
+    let mut out: Vec<Candidate> = workers
+        .iter()
+        .zip(speeds)
+        .map(|(w, (step_ms, per_token))| {
+            let matched = w.indexed_blocks.max(w.pending_blocks).min(prompt_blocks);
+            let credited = (matched as f64 * p.overlap_credit).floor() as usize;
+            let prefill_blocks = prompt_blocks - credited;
+            let prefill_tokens = prompt_tokens.saturating_sub(credited * block_size);
+            let reported = w.reported;
+            let requests = w
+                .load
+                .requests
+                .max(reported.map_or(0, |m| m.requests_running.saturating_add(m.requests_waiting)));
+            let queued_tokens = w
+                .load
+                .prefill_tokens
+                .max(reported.map_or(0, |m| m.pending_prefill_tokens));
+            // A busy worker is mid-step: half a step on average before this prompt joins.
+            let in_step = if requests > 0 { step_ms / 2.0 } else { 0.0 };
+            let queue_ms = in_step + queued_tokens as f64 * per_token;
+            let own_ms = prefill_tokens as f64 * per_token;
+            let cost = match p.model {
+                CostModel::Time => queue_ms + step_ms + p.miss_weight * own_ms,
+                CostModel::Blocks => {
+                    p.overlap_weight * prefill_blocks as f64 + w.load.decode_blocks as f64
+                }
+            };
+            Candidate {
+                worker: w.worker,
+                matched_blocks: matched,
+                indexed_blocks: w.indexed_blocks,
+                pending_blocks: w.pending_blocks,
+                prefill_blocks,
+                prefill_tokens,
+                load: w.load,
+                requests,
+                queued_tokens,
+                queue_ms,
+                prefill_ms: step_ms + own_ms,
+                cost,
+                excluded: None,
             }
-            r -= w;
-        }
-        return Some(c.len() - 1);
-    }
-    let best = c.iter().map(|x| x.cost).fold(f64::MAX, f64::min);
-    let tied: Vec<usize> = (0..c.len()).filter(|&i| c[i].cost <= best).collect();
-    let fewest = tied.iter().map(|&i| c[i].load.requests).min()?;
-    let tied: Vec<usize> = tied
-        .into_iter()
-        .filter(|&i| c[i].load.requests == fewest)
+        })
         .collect();
-    Some(tied[rng.random_range(0..tied.len())])
+    exclude(&mut out, workers, p);
+    out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::SeedableRng;
-    use rand::rngs::StdRng;
-    use std::sync::Arc;
-
-    #[test]
-    fn cost_is_uncached_prefill_plus_decode_blocks() {
-        let active = Arc::new(ActiveSequences::default());
-        // Worker 2 decodes a request holding blocks 100..130 and the prompt's first two.
-        let mut held: Vec<u64> = (100..130).collect();
-        held.extend([1, 2]);
-        let _busy = active.start(2, 0, held);
-        let prompt: Vec<u64> = (1..=10).collect();
-        let c = candidates(&[1, 2, 3], &[(1, 2), (2, 10)], &prompt, 10, 1.5, &active);
-        let costs: Vec<f64> = c.iter().map(|c| c.cost).collect();
-        // w1: 1.5 × 8 + 10 new; w2: 0 + 32 active + 8 new; w3: 1.5 × 10 + 10.
-        assert_eq!(costs, [22.0, 40.0, 25.0]);
-        assert_eq!(c[1].matched_blocks, 10);
-        assert_eq!(c[1].load.decode_blocks, 40);
-        let mut rng = StdRng::seed_from_u64(0);
-        assert_eq!(choose(&c, 0.0, &mut rng), Some(0));
+/// Mark the workers over a bound.
+fn exclude(c: &mut [Candidate], workers: &[WorkerView<'_>], p: &Pricing) {
+    let n = c.len().max(1) as f64;
+    let total: u64 = c.iter().map(|c| u64::from(c.requests)).sum();
+    // Bounded loads: with this request, no worker above `load_bound` × the mean, nor
+    // `load_slack` above the least loaded (a bound of 1.5 alone would send the second of two
+    // requests away from its prefix on an idle pool). The least loaded worker is always within
+    // it for a bound of at least 1.
+    let least = c.iter().map(|c| c.requests).min().unwrap_or(0);
+    let cap = (p.load_bound * (total + 1) as f64 / n)
+        .ceil()
+        .max(f64::from(least.saturating_add(p.load_slack)));
+    for (c, w) in c.iter_mut().zip(workers) {
+        let kv_usage = w.reported.and_then(|m| {
+            (m.kv_total_blocks > 0)
+                .then(|| f64::from(m.kv_active_blocks) / f64::from(m.kv_total_blocks))
+        });
+        c.excluded = if p.load_bound > 0.0 && f64::from(c.requests) + 1.0 > cap {
+            Some(format!("{} requests + 1 > load bound {cap}", c.requests))
+        } else if let (Some(limit), Some(u)) = (p.busy_kv_usage, kv_usage)
+            && u > limit
+        {
+            Some(format!("KV usage {u:.2} > busy threshold {limit}"))
+        } else if let Some(limit) = p.busy_prefill_tokens
+            && c.queued_tokens > limit
+        {
+            Some(format!(
+                "{} queued prefill tokens > busy threshold {limit}",
+                c.queued_tokens
+            ))
+        } else {
+            None
+        };
     }
-
-    #[test]
-    fn ties_go_to_fewer_requests_then_random() {
-        let active = Arc::new(ActiveSequences::default());
-        let _a = active.start(1, 0, Vec::new());
-        let c = candidates(&[1, 2, 3], &[], &[7; 4], 4, 1.0, &active);
-        assert!(c.iter().all(|c| c.cost == 8.0), "{c:?}");
-        let mut rng = StdRng::seed_from_u64(1);
-        let mut picked = std::collections::HashSet::new();
-        for _ in 0..50 {
-            picked.insert(c[choose(&c, 0.0, &mut rng).unwrap()].worker);
+    // Every worker busy: none is left out (the request waits where it is cheapest rather
+    // than failing).
+    if c.iter().all(|c| c.excluded.is_some()) {
+        for c in c.iter_mut() {
+            c.excluded = None;
         }
-        assert_eq!(
-            picked,
-            [2, 3].into(),
-            "worker 1 has a request; 2 and 3 split the rest"
+    }
+}
+
+/// The chosen candidate's index and why; `None` without candidates.
+pub fn choose(
+    c: &[Candidate],
+    cached_total: &[usize],
+    temperature: f64,
+    rng: &mut impl Rng,
+) -> Option<(usize, String)> {
+    let eligible: Vec<usize> = (0..c.len()).filter(|&i| c[i].excluded.is_none()).collect();
+    if eligible.is_empty() {
+        return None;
+    }
+    let i = if temperature > 0.0 {
+        sample(c, &eligible, temperature, rng)
+    } else {
+        cheapest(c, cached_total, &eligible, rng)
+    };
+    Some((i, reason(c, i)))
+}
+
+fn cheapest(
+    c: &[Candidate],
+    cached_total: &[usize],
+    eligible: &[usize],
+    rng: &mut impl Rng,
+) -> usize {
+    let best = eligible.iter().map(|&i| c[i].cost).fold(f64::MAX, f64::min);
+    // Costs within a microsecond (or a thousandth of a block) are a tie.
+    let tied: Vec<usize> = eligible
+        .iter()
+        .copied()
+        .filter(|&i| c[i].cost <= best + 1e-3)
+        .collect();
+    let key = |i: usize| (c[i].requests, cached_total.get(i).copied().unwrap_or(0));
+    let fewest = tied.iter().map(|&i| key(i)).min().unwrap_or_default();
+    let tied: Vec<usize> = tied.into_iter().filter(|&i| key(i) == fewest).collect();
+    tied[rng.random_range(0..tied.len())]
+}
+
+fn sample(c: &[Candidate], eligible: &[usize], temperature: f64, rng: &mut impl Rng) -> usize {
+    let (lo, hi) = eligible.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &i| {
+        (lo.min(c[i].cost), hi.max(c[i].cost))
+    });
+    let span = if hi > lo { hi - lo } else { 1.0 };
+    let weights: Vec<f64> = eligible
+        .iter()
+        .map(|&i| (-((c[i].cost - lo) / span) / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut r = rng.random::<f64>() * total;
+    for (k, w) in weights.iter().enumerate() {
+        if r < *w {
+            return eligible[k];
+        }
+        r -= w;
+    }
+    eligible[eligible.len() - 1]
+}
+
+/// Why candidate `i` won, in terms of the worker holding the most of the prompt.
+fn reason(c: &[Candidate], i: usize) -> String {
+    let most = c.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+    if most == 0 {
+        return "no worker caches the prompt: the cheapest".into();
+    }
+    if c[i].matched_blocks == most {
+        return format!(
+            "holds the most of the prompt ({most} blocks) and is the cheapest of those"
         );
-        assert_eq!(choose(&[], 0.0, &mut rng), None);
+    }
+    let Some(best) = c
+        .iter()
+        .filter(|b| b.matched_blocks == most)
+        .min_by(|a, b| a.cost.total_cmp(&b.cost))
+    else {
+        return "the cheapest".into();
+    };
+    match &best.excluded {
+        Some(why) => format!(
+            "{:x} holds {most} blocks but is left out: {why}",
+            best.worker
+        ),
+        None => format!(
+            "{:x} holds {most} blocks but costs more ({:.3} > {:.3}): its queue outweighs the saved prefill",
+            best.worker, best.cost, c[i].cost
+        ),
+    }
+}
+
+/// Worker ids as hex strings.
+mod hex_id {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{id:x}"))
     }
 
-    #[test]
-    fn temperature_samples_cheaper_workers_more_often() {
-        let active = Arc::new(ActiveSequences::default());
-        // Costs 0 + 8 and 8 + 8.
-        let c = candidates(&[1, 2], &[(1, 8)], &[0; 8], 8, 1.0, &active);
-        let mut rng = StdRng::seed_from_u64(2);
-        let n = 10_000;
-        let first = (0..n)
-            .filter(|_| choose(&c, 0.5, &mut rng) == Some(0))
-            .count() as f64
-            / n as f64;
-        // Normalised costs 0 and 1: weights 1 and e^-2, so p = 1 / (1 + e^-2) ≈ 0.881.
-        assert!((first - 0.881).abs() < 0.02, "{first}");
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let s = String::deserialize(d)?;
+        u64::from_str_radix(&s, 16).map_err(serde::de::Error::custom)
     }
 }

@@ -13,7 +13,9 @@ use serde_json::Value;
 use dyn_pipeline::Inspect;
 
 use super::Inner;
+use super::cost::{Candidate, Pricing};
 use super::policy::Policy;
+use super::quality::QualityRow;
 
 pub fn hex(id: u64) -> String {
     format!("{id:x}")
@@ -38,6 +40,9 @@ pub struct WorkersAnswer {
     /// A `remote_prefill` node's queue (absent for a `route` node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<String>,
+    /// `kv`: how well the router used the caches so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<QualityRow>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -74,9 +79,13 @@ pub struct RouteAnswer {
     pub prompt_tokens: usize,
     pub block_size: usize,
     pub prompt_blocks: usize,
-    pub overlap_weight: f64,
-    pub temperature: f64,
-    pub candidates: Vec<CandidateRow>,
+    /// `kv`: the settings the costs come from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pricing: Option<Pricing>,
+    /// `kv`: why the chosen worker won.
+    #[serde(default)]
+    pub reason: String,
+    pub candidates: Vec<Candidate>,
 }
 
 impl RouteAnswer {
@@ -84,20 +93,10 @@ impl RouteAnswer {
     pub fn cached_tokens(&self) -> usize {
         self.candidates
             .iter()
-            .find(|c| c.worker_id == self.worker_id)
+            .find(|c| hex(c.worker) == self.worker_id)
             .map_or(0, |c| c.matched_blocks * self.block_size)
             .min(self.prompt_tokens)
     }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CandidateRow {
-    pub worker_id: String,
-    pub matched_blocks: usize,
-    pub prefill_blocks: usize,
-    pub active_requests: u32,
-    pub decode_blocks: u64,
-    pub cost: f64,
 }
 
 /// `kv` arguments: one worker only (hex id), and how many shared prefixes to list.
@@ -196,32 +195,21 @@ impl Inner {
             workers,
             decisions: None,
             queue: None,
+            quality: self.kv.is_some().then(|| self.quality.row()),
         }
     }
 
     pub fn route_answer(&self, tokens: &[u32]) -> Result<RouteAnswer, String> {
         let d = self.decide(tokens).map_err(|e| e.message)?;
-        let candidates = d
-            .candidates
-            .iter()
-            .map(|c| CandidateRow {
-                worker_id: hex(c.worker),
-                matched_blocks: c.matched_blocks,
-                prefill_blocks: c.prefill_blocks,
-                active_requests: c.load.requests,
-                decode_blocks: c.load.decode_blocks,
-                cost: c.cost,
-            })
-            .collect();
         Ok(RouteAnswer {
             policy: self.config.policy,
             worker_id: hex(d.worker),
             prompt_tokens: tokens.len(),
             block_size: d.block_size,
             prompt_blocks: d.prompt_blocks,
-            overlap_weight: self.config.overlap_weight,
-            temperature: self.config.temperature,
-            candidates,
+            pricing: self.kv.as_ref().map(|kv| kv.pricing.clone()),
+            reason: d.reason,
+            candidates: d.candidates,
         })
     }
 

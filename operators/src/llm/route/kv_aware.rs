@@ -1,7 +1,8 @@
 //! The `kv` policy: route each prompt where its prefix is cached, priced against load.
 //!
-//! It hashes the prompt into blocks, asks the [`Indexer`] how much of it each worker caches,
-//! and takes the cheapest worker by [`cost::candidates`]. The index is fed by the workers' KV
+//! It hashes the prompt into blocks, asks the [`Indexer`] how much of it each worker caches
+//! (and this router's active requests how much they hold), and takes the cheapest worker by
+//! [`cost::candidates`] within the load bounds. The index is fed by the workers' KV
 //! events ([`super::follow`]). In approximate mode (`kv_events: false`, or the event plane
 //! down) the router records its own decisions in the index instead, and forgets each after
 //! `approx_ttl_s` unless routed again.
@@ -14,7 +15,7 @@ use parking_lot::{Mutex, RwLock};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::cost;
+use super::cost::{self, Pricing, WorkerView};
 use super::indexer::Indexer;
 use super::policy::{Decision, RoutingPolicy, View};
 use crate::llm::kv::{BlockHash, KvEventData, block_hashes};
@@ -29,21 +30,26 @@ pub struct KvAware {
     block_size: AtomicU32,
     /// Approximate mode: when each (worker, block) the router sent there was last routed.
     approx: Mutex<HashMap<(u64, u64), Instant>>,
-    overlap_weight: f64,
-    temperature: f64,
+    pub pricing: Pricing,
     rng: Mutex<StdRng>,
 }
 
 impl KvAware {
-    pub fn new(block_size: Option<u32>, overlap_weight: f64, temperature: f64) -> Self {
+    pub fn new(block_size: Option<u32>, pricing: Pricing) -> Self {
         Self {
             index: RwLock::new(Indexer::new()),
             block_size: AtomicU32::new(block_size.unwrap_or(0)),
             approx: Mutex::new(HashMap::new()),
-            overlap_weight,
-            temperature,
+            pricing,
             rng: Mutex::new(StdRng::from_os_rng()),
         }
+    }
+
+    /// Draw ties and samples from a fixed seed (deterministic simulations).
+    #[cfg(test)]
+    pub fn seeded(self, seed: u64) -> Self {
+        *self.rng.lock() = StdRng::seed_from_u64(seed);
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -115,23 +121,45 @@ impl RoutingPolicy for KvAware {
         let bs = self.block_size();
         let blocks = block_hashes(tokens, bs);
         let seqs: Vec<u64> = blocks.iter().map(|b| b.block_hash).collect();
-        let matches = self.index.read().find_matches(&seqs);
         let prompt_blocks = tokens.len().div_ceil(bs);
-        let candidates = cost::candidates(
-            view.live,
-            &matches,
-            &seqs,
-            prompt_blocks,
-            self.overlap_weight,
-            view.active,
-        );
-        let i = cost::choose(&candidates, self.temperature, &mut *self.rng.lock())?;
+        let workers: Vec<WorkerView<'_>> = {
+            let index = self.index.read();
+            let matches = index.find_matches(&seqs);
+            view.live
+                .iter()
+                .map(|&w| {
+                    let (mut load, new_blocks, held) = view.active.load_new_and_held(w, &seqs);
+                    // The prompt's blocks this worker would add, a last partial one included.
+                    load.decode_blocks += (new_blocks + prompt_blocks - seqs.len()) as u64;
+                    WorkerView {
+                        worker: w,
+                        indexed_blocks: matches
+                            .iter()
+                            .find(|(id, _)| *id == w)
+                            .map_or(0, |(_, n)| *n),
+                        pending_blocks: held,
+                        load,
+                        cached_total: index.worker_blocks(w),
+                        reported: view.metrics.get(&w),
+                    }
+                })
+                .collect()
+        };
+        let candidates = cost::candidates(&workers, tokens.len(), prompt_blocks, bs, &self.pricing);
+        let cached_total: Vec<usize> = workers.iter().map(|w| w.cached_total).collect();
+        let (i, reason) = cost::choose(
+            &candidates,
+            &cached_total,
+            self.pricing.temperature,
+            &mut *self.rng.lock(),
+        )?;
         Some(Decision {
             worker: candidates[i].worker,
             candidates,
             prompt_blocks,
             block_size: bs,
             blocks,
+            reason,
         })
     }
 }

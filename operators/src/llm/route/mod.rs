@@ -24,7 +24,10 @@ pub mod indexer;
 pub mod inspect;
 pub mod kv_aware;
 pub mod policy;
+pub mod quality;
 pub mod sequences;
+#[cfg(test)]
+mod sim;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,14 +45,12 @@ use serde::Deserialize;
 
 use super::kv::LoadMetrics;
 use super::types::PreprocessedRequest;
+use cost::{CostModel, Pricing};
 use kv_aware::KvAware;
 pub use policy::{Decision, Policy};
 use policy::{RoutingPolicy, View};
 use sequences::ActiveSequences;
 
-fn one() -> f64 {
-    1.0
-}
 fn yes() -> bool {
     true
 }
@@ -57,37 +58,109 @@ fn ttl() -> f64 {
     120.0
 }
 
+/// A `route` node's settings. Dynamo's names for the same knobs are accepted as aliases
+/// (`router_temperature`, `overlap_score_weight`, `kv_overlap_score_credit`, `busy_threshold`,
+/// `router_ttl_secs`, `kv_cache_block_size`, ...), so a Dynamo router's settings carry over.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     #[serde(default)]
     pub policy: Policy,
-    /// `kv`: weight of the blocks a worker would have to prefill against its decode load.
-    #[serde(default = "one")]
-    pub overlap_weight: f64,
-    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
+    /// `kv`: price workers by predicted time (`time`, the default) or by blocks (`blocks`,
+    /// Dynamo's cost).
     #[serde(default)]
+    pub cost: CostModel,
+    /// `kv`, `cost: time`: how many times its own prefill time a cache miss costs.
+    #[serde(default = "two")]
+    pub miss_weight: f64,
+    /// `kv`, `cost: blocks`: weight of the blocks a worker would have to prefill against its
+    /// decode load (default 1).
+    #[serde(
+        default,
+        alias = "overlap_score_weight",
+        alias = "kv_overlap_score_weight"
+    )]
+    pub overlap_weight: Option<f64>,
+    /// `kv`: share of a cached block that counts as cached, 0..=1 (0: load only).
+    #[serde(
+        default = "one",
+        alias = "overlap_score_credit",
+        alias = "kv_overlap_score_credit"
+    )]
+    pub overlap_credit: f64,
+    /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
+    #[serde(default = "one_and_a_half")]
+    pub load_bound: f64,
+    /// ... and `load_slack` more than the least loaded worker's.
+    #[serde(default = "four")]
+    pub load_slack: u32,
+    /// `kv`: leave out workers whose KV usage (0..=1) passes this, while any worker does not.
+    #[serde(default, alias = "active_decode_blocks_threshold")]
+    pub busy_threshold: Option<f64>,
+    /// `kv`: leave out workers with more prompt tokens than this waiting for prefill.
+    #[serde(default)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
+    #[serde(default, alias = "router_temperature")]
     pub temperature: f64,
     /// `kv`: the workers publish KV events; `false` makes the router track its own decisions.
-    #[serde(default = "yes")]
+    #[serde(default = "yes", alias = "use_kv_events", alias = "router_kv_events")]
     pub kv_events: bool,
     /// `kv` without events: how long a routed prompt counts as cached on its worker.
-    #[serde(default = "ttl")]
+    #[serde(default = "ttl", alias = "router_ttl_secs", alias = "router_ttl")]
     pub approx_ttl_s: f64,
     /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
-    #[serde(default)]
+    #[serde(default, alias = "kv_cache_block_size")]
     pub block_size: Option<u32>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn two() -> f64 {
+    2.0
+}
+fn one_and_a_half() -> f64 {
+    1.5
+}
+fn four() -> u32 {
+    4
 }
 
 impl Default for RouteConfig {
     fn default() -> Self {
         Self {
             policy: Policy::default(),
-            overlap_weight: one(),
+            cost: CostModel::default(),
+            miss_weight: two(),
+            overlap_weight: None,
+            overlap_credit: one(),
+            load_bound: one_and_a_half(),
+            load_slack: four(),
+            busy_threshold: None,
+            active_prefill_tokens_threshold: None,
             temperature: 0.0,
             kv_events: true,
             approx_ttl_s: ttl(),
             block_size: None,
+        }
+    }
+}
+
+impl RouteConfig {
+    /// The `kv` policy's runtime settings.
+    pub fn pricing(&self) -> Pricing {
+        Pricing {
+            model: self.cost,
+            overlap_weight: self.overlap_weight.unwrap_or(1.0),
+            miss_weight: self.miss_weight,
+            overlap_credit: self.overlap_credit,
+            load_bound: self.load_bound,
+            load_slack: self.load_slack,
+            busy_kv_usage: self.busy_threshold,
+            busy_prefill_tokens: self.active_prefill_tokens_threshold,
+            temperature: self.temperature,
+            ..Pricing::default()
         }
     }
 }
@@ -105,14 +178,41 @@ impl OperatorConfig for RouteConfig {
                 out.push(Invalid::field(name, what));
             }
         };
+        let number = |v: f64, lo: f64| v.is_finite() && v >= lo;
         check(
             "overlap_weight",
-            self.overlap_weight.is_finite() && self.overlap_weight >= 0.0,
+            self.overlap_weight.is_none_or(|w| number(w, 0.0)),
             "must be a number ≥ 0",
         );
         check(
+            "overlap_weight",
+            self.overlap_weight.is_none() || self.cost == CostModel::Blocks,
+            "weighs blocks in `cost: blocks` only; with `cost: time` use miss_weight \
+             (or overlap_credit: 0 to ignore caches)",
+        );
+        check(
+            "miss_weight",
+            number(self.miss_weight, 0.0),
+            "must be a number ≥ 0",
+        );
+        check(
+            "overlap_credit",
+            (0.0..=1.0).contains(&self.overlap_credit),
+            "must be between 0 and 1",
+        );
+        check(
+            "load_bound",
+            self.load_bound == 0.0 || number(self.load_bound, 1.0),
+            "must be 0 (no bound) or a number ≥ 1",
+        );
+        check(
+            "busy_threshold",
+            self.busy_threshold.is_none_or(|t| (0.0..=1.0).contains(&t)),
+            "must be a KV usage between 0 and 1",
+        );
+        check(
             "temperature",
-            self.temperature.is_finite() && self.temperature >= 0.0,
+            number(self.temperature, 0.0),
             "must be a number ≥ 0",
         );
         check(
@@ -163,13 +263,8 @@ impl RouteConfig {
                     .and_then(serde_json::Value::as_u64)
             })
             .and_then(|b| u32::try_from(b).ok());
-        let kv = (self.policy == Policy::Kv).then(|| {
-            Arc::new(KvAware::new(
-                self.block_size.or(announced),
-                self.overlap_weight,
-                self.temperature,
-            ))
-        });
+        let kv = (self.policy == Policy::Kv)
+            .then(|| Arc::new(KvAware::new(self.block_size.or(announced), self.pricing())));
         let policy: Arc<dyn RoutingPolicy> = match &kv {
             Some(kv) => kv.clone(),
             None => self.policy.build_load_only().into(),
@@ -183,6 +278,7 @@ impl RouteConfig {
             kv,
             metrics: Mutex::new(HashMap::new()),
             planes: cx.planes.clone(),
+            quality: quality::Quality::new(&cx.node),
         });
         let follow = follow::follow_workers(
             inner.clone(),
@@ -260,6 +356,8 @@ pub(crate) struct Inner {
     metrics: Mutex<HashMap<u64, LoadMetrics>>,
     /// For the request plane's view of unreachable workers and the event plane's health.
     planes: Planes,
+    /// How well the `kv` policy uses the caches.
+    quality: quality::Quality,
 }
 impl Inner {
     fn unavailable(&self) -> OpError {
@@ -290,11 +388,13 @@ impl Inner {
             return Err(self.unavailable());
         }
         let is_down = |id| self.planes.is_down(id);
+        let metrics = self.metrics.lock();
         let view = View {
             live: &live,
             instances: &self.workers,
             is_down: &is_down,
             active: &self.active,
+            metrics: &metrics,
         };
         self.policy
             .decide(tokens, &view)
@@ -305,6 +405,7 @@ impl Inner {
     /// how many of the prompt's tokens it caches.
     fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<(u64, usize), OpError> {
         let d = self.decide(tokens)?;
+        self.quality.record(&d);
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;
         if let Some(kv) = &self.kv
@@ -469,8 +570,8 @@ mod tests {
         assert_eq!(d.worker, 11);
         let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
         assert_eq!(
-            (c11.matched_blocks, c11.prefill_blocks, c11.cost),
-            (4, 0, 4.0)
+            (c11.matched_blocks, c11.prefill_blocks, c11.prefill_tokens),
+            (4, 0, 0)
         );
         // While the request is active its blocks count against worker 11; once it is over
         // they are released.
@@ -558,14 +659,26 @@ mod tests {
     #[test]
     fn bad_settings_are_reported() {
         let c = RouteConfig {
-            overlap_weight: -1.0,
+            overlap_weight: Some(-1.0),
+            miss_weight: -1.0,
+            overlap_credit: 1.5,
+            load_bound: 0.5,
+            busy_threshold: Some(2.0),
             temperature: f64::NAN,
             approx_ttl_s: 0.0,
             block_size: Some(0),
             ..RouteConfig::default()
         };
-        assert_eq!(c.validate().len(), 4);
+        let fields = c.validate();
+        // overlap_weight twice: negative, and given with `cost: time`.
+        assert_eq!(fields.len(), 9, "{fields:#?}");
         assert!(RouteConfig::default().validate().is_empty());
+        let blocks = RouteConfig {
+            cost: CostModel::Blocks,
+            overlap_weight: Some(2.0),
+            ..RouteConfig::default()
+        };
+        assert!(blocks.validate().is_empty());
     }
 
     #[tokio::test]

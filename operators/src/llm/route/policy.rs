@@ -6,6 +6,8 @@
 //! workers' caches, is [`super::kv_aware`]. A new policy is a new type and a line in
 //! `Policy::build_load_only`.
 
+use std::collections::HashMap;
+
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -15,7 +17,7 @@ use dyn_pipeline::planes::LiveInstances;
 
 use super::cost::Candidate;
 use super::sequences::ActiveSequences;
-use crate::llm::kv::BlockHash;
+use crate::llm::kv::{BlockHash, LoadMetrics};
 
 /// The policy a `route` node is configured with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,6 +65,8 @@ pub struct View<'a> {
     pub is_down: &'a (dyn Fn(u64) -> bool + Sync),
     /// What this router has outstanding on each worker.
     pub active: &'a ActiveSequences,
+    /// The workers' last load metrics.
+    pub metrics: &'a HashMap<u64, LoadMetrics>,
 }
 
 /// One routing decision, with what it was based on.
@@ -75,6 +79,8 @@ pub struct Decision {
     pub block_size: usize,
     /// The prompt's full blocks (`kv` only).
     pub blocks: Vec<BlockHash>,
+    /// Why this worker (`kv` only).
+    pub reason: String,
 }
 
 impl Decision {
@@ -86,6 +92,7 @@ impl Decision {
             prompt_blocks: 0,
             block_size: 0,
             blocks: Vec::new(),
+            reason: String::new(),
         }
     }
 

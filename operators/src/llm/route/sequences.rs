@@ -90,14 +90,20 @@ impl ActiveSequences {
             .collect()
     }
 
-    /// `worker`'s load, and how many of `hashes` no active request there holds (one lock).
-    pub(super) fn load_and_new_blocks(&self, worker: u64, hashes: &[u64]) -> (Load, usize) {
+    /// `worker`'s load, how many of `hashes` no active request there holds, and how many
+    /// leading ones an active request there does (hashes chain, so held means a held prefix);
+    /// one lock.
+    pub(super) fn load_new_and_held(&self, worker: u64, hashes: &[u64]) -> (Load, usize, usize) {
         match self.per_worker.lock().get(&worker) {
             Some(a) => (
                 a.load(),
                 hashes.iter().filter(|h| !a.blocks.contains_key(h)).count(),
+                hashes
+                    .iter()
+                    .take_while(|h| a.blocks.contains_key(h))
+                    .count(),
             ),
-            None => (Load::default(), hashes.len()),
+            None => (Load::default(), hashes.len(), 0),
         }
     }
 
