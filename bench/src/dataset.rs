@@ -63,6 +63,9 @@ pub struct Synthetic {
     /// share their first `prefix_len` tokens. 0 = no shared prefixes.
     pub prefix_groups: usize,
     pub prefix_len: usize,
+    /// Seed of the prefixes' text (default: the run's seed), so clients with different seeds
+    /// can share the same prefixes.
+    pub prefix_seed: Option<u64>,
 }
 
 /// Where entries come from.
@@ -240,7 +243,8 @@ pub fn synthetic(
     }
     let prefixes: Vec<String> = (0..s.prefix_groups)
         .map(|g| {
-            let mut rng = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15 ^ g as u64);
+            let base = s.prefix_seed.unwrap_or(seed);
+            let mut rng = StdRng::seed_from_u64(base ^ 0x9e37_79b9_7f4a_7c15 ^ g as u64);
             let mut p = String::new();
             words.random(&mut rng, s.prefix_len, &mut p);
             p
@@ -515,6 +519,7 @@ mod tests {
             osl_stddev: 0.0,
             prefix_groups: groups,
             prefix_len: prefix,
+            prefix_seed: None,
         }
     }
 
@@ -600,6 +605,34 @@ mod tests {
         assert_eq!(ids[0][..512], ids[1][..512], "hash id 1 is the same block");
         assert_ne!(ids[0][512..600], ids[1][512..600], "ids 2 and 9 differ");
         assert_eq!(e[1].output_tokens, 7);
+    }
+
+    #[test]
+    fn dynamo_and_aiperf_trace_fields_are_read() {
+        let words = Words::approximate();
+        // A session's later turns carry `delay` instead of `timestamp`; `text_input` is the
+        // prompt itself.
+        let path = write(
+            "sessions.jsonl",
+            r#"{"session_id": "a", "timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}
+{"session_id": "b", "timestamp": 100, "input_length": 40, "output_length": 2, "hash_ids": [2]}
+{"session_id": "a", "delay": 500, "input_length": 80, "output_length": 2, "hash_ids": [1, 3]}
+{"session_id": 7, "timestamp": 200, "text_input": "hello there", "output_length": 3}
+"#,
+        );
+        let e = trace(&path, 1.0, 32, &words, 0).unwrap();
+        let at: Vec<u128> = e.iter().map(|e| e.at.unwrap().as_millis()).collect();
+        assert_eq!(at, [0, 100, 200, 500], "sorted by send time");
+        assert_eq!(text(&e[2]), "hello there");
+        assert_eq!(e[3].shared.ids, [1, 3]);
+        assert_eq!(e[3].shared.unit, 32);
+        let path = write(
+            "no-length.jsonl",
+            r#"{"timestamp": 0, "output_length": 2}
+"#,
+        );
+        let err = trace(&path, 1.0, 32, &words, 0).unwrap_err().to_string();
+        assert!(err.contains("no-length.jsonl:1: input_length"), "{err}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Plots of a run, each written as PNG and SVG with plotters: TTFT and ITL CDFs, output
-//! throughput over time, and a sweep's tokens/s/user against tokens/s.
+//! throughput over time, a sweep's tokens/s/user against tokens/s, and ratios between two
+//! setups across a grid of workloads ([`ratios`]).
 //!
 //! Text is drawn with DejaVu Sans embedded in the binary (plotters' `ab_glyph` backend), so
 //! plots look the same on a machine with no fonts installed.
@@ -76,22 +77,144 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, c: &Chart) -> Result<(
 
 /// Write `dir/name.png` and `dir/name.svg`.
 fn save(dir: &Path, name: &str, c: &Chart) -> Result<(), Error> {
+    save_with(dir, name, SIZE, |root| draw(root, c), |root| draw(root, c))
+}
+
+/// Write `dir/name.png` and `dir/name.svg` with one drawing function per backend.
+fn save_with(
+    dir: &Path,
+    name: &str,
+    size: (u32, u32),
+    png_draw: impl FnOnce(DrawingArea<BitMapBackend<'_>, Shift>) -> Result<(), String>,
+    svg_draw: impl FnOnce(DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), String>,
+) -> Result<(), Error> {
     font().map_err(|message| Error::Output {
         path: dir.join(name),
         message,
     })?;
     let png = dir.join(format!("{name}.png"));
-    draw(BitMapBackend::new(&png, SIZE).into_drawing_area(), c).map_err(|message| {
+    png_draw(BitMapBackend::new(&png, size).into_drawing_area()).map_err(|message| {
         Error::Output {
             path: png.clone(),
             message,
         }
     })?;
     let svg = dir.join(format!("{name}.svg"));
-    draw(SVGBackend::new(&svg, SIZE).into_drawing_area(), c).map_err(|message| Error::Output {
+    svg_draw(SVGBackend::new(&svg, size).into_drawing_area()).map_err(|message| Error::Output {
         path: svg.clone(),
         message,
     })
+}
+
+/// One workload of a grid: its label and the ratios to plot (baseline ÷ candidate, so above
+/// 1 means the candidate is better).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct RatioCell {
+    pub cell: String,
+    pub p50: f64,
+    pub p99: f64,
+}
+
+fn draw_ratios<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    title: &str,
+    cells: &[RatioCell],
+) -> Result<(), String> {
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let top = cells
+        .iter()
+        .flat_map(|c| [c.p50, c.p99])
+        .filter(|v| v.is_finite())
+        .fold(2.0, f64::max)
+        * 1.1;
+    let n = cells.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 24))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)
+        .map_err(e)?;
+    let label = |x: &f64| {
+        let i = x.floor() as usize;
+        if (x - x.floor() - 0.5).abs() < 1e-6 && i < cells.len() {
+            cells[i].cell.clone()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(2 * n + 1)
+        .x_label_formatter(&label)
+        .x_label_style(("sans-serif", 13))
+        .y_desc("round robin ÷ kv (above 1: kv better)")
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    let bar = |i: usize, v: f64, left: bool, color: RGBColor| {
+        let x0 = i as f64 + if left { 0.12 } else { 0.5 };
+        Rectangle::new([(x0, 0.0), (x0 + 0.38, v.max(0.0))], color.filled())
+    };
+    chart
+        .draw_series(
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| bar(i, c.p50, true, BLUE)),
+        )
+        .map_err(e)?
+        .label("TTFT p50")
+        .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.filled()));
+    chart
+        .draw_series(
+            cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| bar(i, c.p99, false, RGBColor(240, 150, 40))),
+        )
+        .map_err(e)?
+        .label("TTFT p99")
+        .legend(|(x, y)| {
+            Rectangle::new(
+                [(x, y - 5), (x + 12, y + 5)],
+                RGBColor(240, 150, 40).filled(),
+            )
+        });
+    for (level, color) in [(1.0, BLACK), (1.5, RGBColor(0, 150, 0))] {
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, level), (n as f64, level)],
+                color.stroke_width(1),
+            ))
+            .map_err(e)?
+            .label(format!("{level}×"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 12, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)
+}
+
+/// Bars of baseline ÷ candidate TTFT (p50 and p99) per workload cell, with lines at 1× and
+/// 1.5×, as `dir/name.png` and `.svg`.
+pub fn ratios(dir: &Path, name: &str, title: &str, cells: &[RatioCell]) -> Result<(), Error> {
+    // Room for each cell's label under its bars.
+    let size = (SIZE.0.max(40 + 120 * cells.len() as u32), SIZE.1);
+    save_with(
+        dir,
+        name,
+        size,
+        |root| draw_ratios(root, title, cells),
+        |root| draw_ratios(root, title, cells),
+    )
 }
 
 /// The empirical CDF of `values`.

@@ -1,6 +1,6 @@
 //! `dyn bench`: argument parsing and output for the load generator in `dyn-bench`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// Tokens of the shared prefix (part of --isl)
     #[arg(long, default_value_t = 0)]
     prefix_len: usize,
+    /// Seed of the shared prefixes' text [default: --seed]: clients with different seeds
+    /// sharing the same prefixes
+    #[arg(long, requires = "prefix_groups")]
+    prefix_seed: Option<u64>,
     /// Replay a Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids)
     #[arg(long, group = "load", conflicts_with = "prompts")]
     trace: Option<PathBuf>,
@@ -132,6 +136,15 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// Print two summaries side by side with the ratio B/A
     Compare { a: PathBuf, b: PathBuf },
+    /// Plot TTFT ratios across a grid of workloads (scripts/route-grid): a JSONL file of
+    /// {"cell": LABEL, "p50": RATIO, "p99": RATIO} → OUT.png and OUT.svg
+    PlotRatios {
+        input: PathBuf,
+        /// Output path without extension
+        output: PathBuf,
+        #[arg(long, default_value = "TTFT, round robin ÷ kv")]
+        title: String,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -147,6 +160,38 @@ enum ArrivalArg {
     Constant,
 }
 
+fn plot_ratios(input: &Path, output: &Path, title: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(input)
+        .with_context(|| format!("cannot read {}", input.display()))?;
+    let cells = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str::<dyn_bench::plot::RatioCell>(l)
+                .with_context(|| format!("{}:{}", input.display(), i + 1))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if cells.is_empty() {
+        bail!("{}: no cells", input.display());
+    }
+    let dir = output
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = output
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("the output needs a file name")?;
+    dyn_bench::plot::ratios(dir, name, title, &cells)?;
+    println!(
+        "wrote {}.png and {}.svg",
+        output.display(),
+        output.display()
+    );
+    Ok(())
+}
+
 /// `WORKERSxBLOCKS`, e.g. `4x1024`.
 fn parse_oracle(s: &str) -> Result<(usize, usize), String> {
     let bad = || format!("expected WORKERSxBLOCKS, e.g. 4x1024, got {s:?}");
@@ -158,10 +203,18 @@ fn parse_oracle(s: &str) -> Result<(usize, usize), String> {
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    if let Some(BenchCommand::Compare { a, b }) = &args.command {
-        let (a, b) = (report::load(a)?, report::load(b)?);
-        print!("{}", report::compare(&a, &b));
-        return Ok(());
+    match &args.command {
+        Some(BenchCommand::Compare { a, b }) => {
+            let (a, b) = (report::load(a)?, report::load(b)?);
+            print!("{}", report::compare(&a, &b));
+            return Ok(());
+        }
+        Some(BenchCommand::PlotRatios {
+            input,
+            output,
+            title,
+        }) => return plot_ratios(input, output, title),
+        None => {}
     }
     let words = match &args.tokenizer {
         Some(dir) => Words::from_tokenizer(dir)?,
@@ -187,6 +240,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             osl_stddev: args.osl_stddev,
             prefix_groups: args.prefix_groups,
             prefix_len: args.prefix_len,
+            prefix_seed: args.prefix_seed,
         })
     };
     let stop = match (args.requests, args.duration) {

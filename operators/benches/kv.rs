@@ -1,16 +1,25 @@
-//! KV routing hot paths: hashing a prompt into blocks, `find_matches` in a large index, and
-//! applying KV events.
+//! KV routing hot paths: hashing a prompt into blocks, `find_matches` in a large index,
+//! applying KV events, and a whole `kv` decision with each cost model.
 //!
 //! ```text
 //! cargo bench -p dyn-operators --bench kv
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark: fail loudly
 
+use std::collections::HashMap;
 use std::hint::black_box;
+use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use dyn_operators::llm::kv::{BlockHash, KvCacheEvent, KvEventData, block_hashes, chain_hash};
+use dyn_operators::llm::kv::{
+    BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash,
+};
+use dyn_operators::llm::route::cost::{CostModel, Pricing};
 use dyn_operators::llm::route::indexer::Indexer;
+use dyn_operators::llm::route::kv_aware::KvAware;
+use dyn_operators::llm::route::policy::{RoutingPolicy, View};
+use dyn_operators::llm::route::sequences::ActiveSequences;
+use dyn_pipeline::planes::{LiveInstances, Planes};
 
 const BLOCK: usize = 16;
 const WORKERS: u64 = 64;
@@ -129,5 +138,94 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(kv, benches);
+/// One routing decision as the router makes it: hash a 1,152-token prompt (a 1,024-token
+/// prefix of 48 and its own suffix), look it up, price 16 workers with 8 active requests of
+/// 72 blocks each and load metrics, choose. Dynamo's `blocks` cost (the policy before the
+/// `time` cost) and the `time` cost in the same run.
+fn decisions(c: &mut Criterion) {
+    const WORKERS: u64 = 16;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let planes = Planes::embedded();
+    let instances = rt
+        .block_on(LiveInstances::watch(&*planes.discovery, "bench/"))
+        .unwrap();
+    let live: Vec<u64> = (0..WORKERS).collect();
+    let active = Arc::new(ActiveSequences::default());
+    let _held: Vec<_> = (0..WORKERS)
+        .flat_map(|w| (0..8u64).map(move |r| (w, r)))
+        .map(|(w, r)| {
+            active.start(
+                w,
+                128,
+                (0..72).map(|k| mix(w << 32 | r << 16 | k)).collect(),
+            )
+        })
+        .collect();
+    let metrics: HashMap<u64, LoadMetrics> = live
+        .iter()
+        .map(|&w| {
+            let m = LoadMetrics {
+                worker_id: w,
+                requests_running: 8,
+                step_ms: 5.0,
+                prefill_ms_per_token: 0.02,
+                ..LoadMetrics::default()
+            };
+            (w, m)
+        })
+        .collect();
+    let prefix = |g: u64| (0..1024u64).map(move |i| (mix(g << 20 | i) % 50_000) as u32);
+    let prompts: Vec<Vec<u32>> = (0..256u64)
+        .map(|i| {
+            prefix(i % 48)
+                .chain((0..128u64).map(|k| (mix(1 << 40 | i << 10 | k) % 50_000) as u32))
+                .collect()
+        })
+        .collect();
+    let is_down = |_| false;
+    let view = View {
+        live: &live,
+        instances: &instances,
+        is_down: &is_down,
+        active: &active,
+        metrics: &metrics,
+        own_at_report: &HashMap::new(),
+    };
+    let mut g = c.benchmark_group("decide");
+    for (name, model) in [
+        ("blocks_cost", CostModel::Blocks),
+        ("time_cost", CostModel::Time),
+    ] {
+        let kv = KvAware::new(
+            Some(BLOCK as u32),
+            Pricing {
+                model,
+                ..Pricing::default()
+            },
+        );
+        for grp in 0..48u64 {
+            let tokens: Vec<u32> = prefix(grp).collect();
+            kv.index.write().apply_data(
+                grp % WORKERS,
+                &KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: block_hashes(&tokens, BLOCK),
+                },
+            );
+        }
+        let mut next = 0usize;
+        g.bench_function(format!("1152_tokens_16_workers_{name}"), |b| {
+            b.iter(|| {
+                next = (next + 1) % prompts.len();
+                kv.decide(black_box(&prompts[next]), &view).unwrap().worker
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(kv, benches, decisions);
 criterion_main!(kv);

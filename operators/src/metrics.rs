@@ -200,6 +200,7 @@ impl WorkerGauges {
 /// to hit the router actually sent requests to.
 pub struct Router {
     pub decisions: IntCounterVec,
+    pub routed: IntCounterVec,
     pub match_decisions: IntCounterVec,
     pub best_match_decisions: IntCounterVec,
     pub prompt_blocks: IntCounterVec,
@@ -212,6 +213,11 @@ pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
     let l: &[&str] = &["node"];
     Router {
         decisions: counter_vec("dyn_router_decisions_total", "Requests routed", l),
+        routed: counter_vec(
+            "dyn_router_routed_requests_total",
+            "Requests routed, by worker (every policy)",
+            &["node", "worker_id"],
+        ),
         match_decisions: counter_vec(
             "dyn_router_match_decisions_total",
             "Requests routed while some worker cached part of the prompt",

@@ -676,3 +676,108 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
     assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
 }
+
+/// A second frontend on the cluster's pool: the same graph with only its frontend nodes.
+fn second_frontend(c: &Cluster) -> Graph {
+    let control = format!("etcd://{}", c.etcd.address());
+    let events = format!("nats://{}", c.nats.address());
+    let dir = scratch_dir(&format!("run-b-{}", c.etcd.address().replace(':', "-")));
+    let args = [
+        "--control",
+        &control,
+        "--events",
+        &events,
+        "--only",
+        "http,preprocess,route,postprocess",
+        "--lease-ttl",
+        "2",
+    ];
+    Graph::start(
+        c.file,
+        "http",
+        &args,
+        &[("DYN_RUN_DIR", &dir.display().to_string())],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_frontends_route_on_one_view_of_the_workers() {
+    let Some(c) = Cluster::up(AGG_KV, 4, &["--set", "decode.mocker.speedup=20"]) else {
+        return;
+    };
+    let b = second_frontend(&c);
+    let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
+    let live = |url: &str| {
+        dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
+            .as_array()
+            .map_or(0, |w| w.iter().filter(|w| w["live"] == true).count())
+    };
+    c.wait_for(
+        |_| live(&url_b) == 4,
+        "the second router sees the 4 workers",
+    );
+
+    // Prompts served through frontend A are cached on their workers; router B, which never
+    // saw them, routes them to the same workers from the shared KV events, and both routers
+    // explain the same choice.
+    for i in 0..4 {
+        let prompt = long_prompt(100 + i);
+        let (status, _) = dyn_tests::completion(
+            &url_a,
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 200);
+        let route = |url: &str| dyn_tests::inspect_json(url, &["route", "--prompt", &prompt]);
+        let cached = |r: &Value| {
+            let worker = r["replicas"][0]["worker_id"].clone();
+            let c = r["replicas"][0]["candidates"]
+                .as_array()
+                .and_then(|c| c.iter().find(|c| c["worker_id"] == worker).cloned())
+                .unwrap_or_default();
+            (worker, c["indexed_blocks"].as_u64().unwrap_or(0))
+        };
+        c.wait_for(
+            |_| cached(&route(&url_b)).1 > 0,
+            "router B's index holds the prompt served through A",
+        );
+        let (a, b) = (cached(&route(&url_a)), cached(&route(&url_b)));
+        assert_eq!(a, b, "both routers choose the worker caching prompt {i}");
+    }
+
+    // Both frontends under load at once: nothing fails, and each router's load view counts
+    // the other's requests (the workers' reported running + waiting).
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let la = tokio::spawn(load(url_a.clone(), 4, stop_rx.clone()));
+    let lb = tokio::spawn(load(url_b.clone(), 4, stop_rx));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let reported = |url: &str| -> u64 {
+        dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
+            .as_array()
+            .map_or(0, |w| {
+                w.iter()
+                    .map(|w| {
+                        w["requests_running"].as_u64().unwrap_or(0)
+                            + w["requests_waiting"].as_u64().unwrap_or(0)
+                    })
+                    .sum()
+            })
+    };
+    let own = |url: &str| -> u64 {
+        dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
+            .as_array()
+            .map_or(0, |w| {
+                w.iter().filter_map(|w| w["active_requests"].as_u64()).sum()
+            })
+    };
+    c.wait_for(
+        |_| reported(&url_b) > own(&url_b),
+        "router B sees more requests on the workers than its own",
+    );
+    stop_tx.send(true).unwrap();
+    for l in [la, lb] {
+        let (ok, failed) = l.await.unwrap();
+        assert!(failed.is_empty(), "{failed:?}");
+        assert!(ok > 0);
+    }
+}

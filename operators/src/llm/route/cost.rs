@@ -70,7 +70,7 @@ impl Default for Pricing {
             miss_weight: 2.0,
             overlap_credit: 1.0,
             load_bound: 1.5,
-            load_slack: 4,
+            load_slack: 8,
             busy_kv_usage: None,
             busy_prefill_tokens: None,
             temperature: 0.0,
@@ -92,15 +92,16 @@ pub struct WorkerView<'a> {
     pub load: Load,
     /// Blocks the index holds for it in all (the tie-break toward emptier caches).
     pub cached_total: usize,
-    /// Its last load metrics.
+    /// Its last load metrics, and this router's load there when they arrived.
     pub reported: Option<&'a LoadMetrics>,
+    pub own_at_report: Load,
 }
 
 /// One worker's terms for one prompt: the decision and what `dyn inspect route` shows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Candidate {
-    /// A hex string in JSON, as logs and `/metrics` print worker ids.
-    #[serde(with = "hex_id")]
+    /// `worker_id` in JSON, a hex string as logs and `/metrics` print worker ids.
+    #[serde(rename = "worker_id", with = "hex_id")]
     pub worker: u64,
     /// Leading prompt blocks counted as cached: the larger of `indexed` and `pending`.
     pub matched_blocks: usize,
@@ -111,9 +112,10 @@ pub struct Candidate {
     pub prefill_tokens: usize,
     /// This router's outstanding work there.
     pub load: Load,
-    /// Requests there: this router's or the reported running + waiting, whichever is more.
+    /// Requests there: the reported running + waiting plus what this router sent since, or
+    /// this router's own, whichever is more.
     pub requests: u32,
-    /// Prompt tokens queued for prefill there (this router's or reported, whichever is more).
+    /// Prompt tokens queued for prefill there, counted the same way.
     pub queued_tokens: u64,
     /// Predicted wait before this prompt's prefill, and the prefill itself (`time` model).
     pub queue_ms: f64,
@@ -179,15 +181,19 @@ pub fn candidates(
             let credited = (matched as f64 * p.overlap_credit).floor() as usize;
             let prefill_blocks = prompt_blocks - credited;
             let prefill_tokens = prompt_tokens.saturating_sub(credited * block_size);
-            let reported = w.reported;
-            let requests = w
-                .load
-                .requests
-                .max(reported.map_or(0, |m| m.requests_running.saturating_add(m.requests_waiting)));
-            let queued_tokens = w
-                .load
-                .prefill_tokens
-                .max(reported.map_or(0, |m| m.pending_prefill_tokens));
+            // The worker's report counts every router's requests as of then; this router's
+            // since are added (with several routers, each sees the others' through the
+            // reports). Never less than this router's own count.
+            let (own, then) = (w.load, w.own_at_report);
+            let requests = own.requests.max(w.reported.map_or(0, |m| {
+                m.requests_running
+                    .saturating_add(m.requests_waiting)
+                    .saturating_add(own.requests.saturating_sub(then.requests))
+            }));
+            let queued_tokens = own.prefill_tokens.max(w.reported.map_or(0, |m| {
+                m.pending_prefill_tokens
+                    .saturating_add(own.prefill_tokens.saturating_sub(then.prefill_tokens))
+            }));
             // A busy worker is mid-step: half a step on average before this prompt joins.
             let in_step = if requests > 0 { step_ms / 2.0 } else { 0.0 };
             let queue_ms = in_step + queued_tokens as f64 * per_token;

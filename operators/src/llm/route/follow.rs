@@ -88,11 +88,13 @@ pub(super) async fn follow_workers(
                     if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.set_block_size(m.block_size);
                     }
+                    inner.own_at_report.lock().insert(m.worker_id, inner.active.load(m.worker_id));
                     inner.metrics.lock().insert(m.worker_id, m);
                 }
                 _ = tick.tick() => {
                     let live = inner.live();
                     inner.metrics.lock().retain(|w, _| live.contains(w));
+                    inner.own_at_report.lock().retain(|w, _| live.contains(w));
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
                     if !gone.is_empty() {

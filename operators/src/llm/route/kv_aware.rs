@@ -141,6 +141,7 @@ impl RoutingPolicy for KvAware {
                         load,
                         cached_total: index.worker_blocks(w),
                         reported: view.metrics.get(&w),
+                        own_at_report: view.own_at_report.get(&w).copied().unwrap_or_default(),
                     }
                 })
                 .collect()

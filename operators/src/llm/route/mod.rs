@@ -4,9 +4,11 @@
 //! The router watches discovery for the instances of the node that takes its output, so
 //! workers joining or leaving are seen at once. Policies:
 //!
-//! - `kv` (KV-cache aware, [`kv_aware`]): takes the worker where the prompt's prefix is
-//!   cached, priced against its load ([`cost`]), from an index ([`indexer`]) the workers' KV
-//!   events feed ([`follow`]), or its own decisions when there are no events;
+//! - `kv` (KV-cache aware, [`kv_aware`]): takes the worker with the lowest predicted time to
+//!   first token ([`cost`]: its prefill queue and the prompt's uncached tokens, from the step
+//!   times workers report), within load bounds, from an index ([`indexer`]) the workers' KV
+//!   events feed ([`follow`]) — or its own decisions when there are no events — and this
+//!   router's pending requests; [`quality`] counts how well it used the caches;
 //! - `round_robin`, `random`, `least_loaded` (fewest active requests from this router),
 //!   `power_of_two` (the less loaded of two random workers) ([`policy`]).
 //!
@@ -15,7 +17,7 @@
 //! asks through [`inspect`].
 //!
 //! ```yaml
-//! route: {kind: route, inputs: [preprocess], config: {policy: kv, overlap_weight: 1.0}}
+//! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
 //! ```
 
 pub mod cost;
@@ -92,7 +94,7 @@ pub struct RouteConfig {
     #[serde(default = "one_and_a_half")]
     pub load_bound: f64,
     /// ... and `load_slack` more than the least loaded worker's.
-    #[serde(default = "four")]
+    #[serde(default = "eight")]
     pub load_slack: u32,
     /// `kv`: leave out workers whose KV usage (0..=1) passes this, while any worker does not.
     #[serde(default, alias = "active_decode_blocks_threshold")]
@@ -123,8 +125,8 @@ fn two() -> f64 {
 fn one_and_a_half() -> f64 {
     1.5
 }
-fn four() -> u32 {
-    4
+fn eight() -> u32 {
+    8
 }
 
 impl Default for RouteConfig {
@@ -136,7 +138,7 @@ impl Default for RouteConfig {
             overlap_weight: None,
             overlap_credit: one(),
             load_bound: one_and_a_half(),
-            load_slack: four(),
+            load_slack: eight(),
             busy_threshold: None,
             active_prefill_tokens_threshold: None,
             temperature: 0.0,
@@ -277,6 +279,7 @@ impl RouteConfig {
             policy,
             kv,
             metrics: Mutex::new(HashMap::new()),
+            own_at_report: Mutex::new(HashMap::new()),
             planes: cx.planes.clone(),
             quality: quality::Quality::new(&cx.node),
         });
@@ -354,6 +357,9 @@ pub(crate) struct Inner {
     kv: Option<Arc<KvAware>>,
     /// The latest load metrics per worker.
     metrics: Mutex<HashMap<u64, LoadMetrics>>,
+    /// This router's own load on each worker when its latest metrics arrived: what it sent
+    /// since is not in them yet (several routers: the others' requests are, as of then).
+    own_at_report: Mutex<HashMap<u64, sequences::Load>>,
     /// For the request plane's view of unreachable workers and the event plane's health.
     planes: Planes,
     /// How well the `kv` policy uses the caches.
@@ -389,12 +395,14 @@ impl Inner {
         }
         let is_down = |id| self.planes.is_down(id);
         let metrics = self.metrics.lock();
+        let own_at_report = self.own_at_report.lock();
         let view = View {
             live: &live,
             instances: &self.workers,
             is_down: &is_down,
             active: &self.active,
             metrics: &metrics,
+            own_at_report: &own_at_report,
         };
         self.policy
             .decide(tokens, &view)

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use dyn_pipeline::planes::LiveInstances;
 
 use super::cost::Candidate;
-use super::sequences::ActiveSequences;
+use super::sequences::{ActiveSequences, Load};
 use crate::llm::kv::{BlockHash, LoadMetrics};
 
 /// The policy a `route` node is configured with.
@@ -65,8 +65,9 @@ pub struct View<'a> {
     pub is_down: &'a (dyn Fn(u64) -> bool + Sync),
     /// What this router has outstanding on each worker.
     pub active: &'a ActiveSequences,
-    /// The workers' last load metrics.
+    /// The workers' last load metrics, and this router's load on each when they arrived.
     pub metrics: &'a HashMap<u64, LoadMetrics>,
+    pub own_at_report: &'a HashMap<u64, Load>,
 }
 
 /// One routing decision, with what it was based on.

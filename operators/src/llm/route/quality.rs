@@ -3,7 +3,8 @@
 //! For every `kv` decision it counts the prompt's blocks, the most any live worker cached
 //! (reachable hits), what the chosen worker cached (achieved hits), the tokens between the two
 //! (avoidable prefill), and whether the chosen worker was one caching the most. They go to
-//! `/metrics` (`dyn_router_*`) and `dyn inspect workers`. Reachable is an upper bound for one
+//! `/metrics` (`dyn_router_*`) and `dyn inspect workers`, with the requests routed to each
+//! worker (every policy), which is how several routers' combined placements are compared. Reachable is an upper bound for one
 //! decision, not for the run: sending a request away from its prefix can be the right call
 //! when that worker is overloaded, and the ratio says how often that happened.
 
@@ -17,6 +18,7 @@ use crate::metrics::ROUTER;
 /// This node's counters: its own totals (for `dyn inspect`; a process may build a node's
 /// router more than once, and the Prometheus series are per node name) and its series.
 pub struct Quality {
+    node: String,
     own: Mutex<QualityRow>,
     decisions: IntCounter,
     match_decisions: IntCounter,
@@ -54,6 +56,7 @@ impl Quality {
         let r = &*ROUTER;
         let l = [node];
         Self {
+            node: node.to_owned(),
             own: Mutex::default(),
             decisions: r.decisions.with_label_values(&l),
             match_decisions: r.match_decisions.with_label_values(&l),
@@ -66,6 +69,10 @@ impl Quality {
     }
 
     pub fn record(&self, d: &Decision) {
+        ROUTER
+            .routed
+            .with_label_values(&[self.node.as_str(), &format!("{:x}", d.worker)])
+            .inc();
         let mut own = self.own.lock();
         own.decisions += 1;
         self.decisions.inc();

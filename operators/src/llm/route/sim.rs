@@ -10,7 +10,7 @@ use dyn_pipeline::planes::{LiveInstances, Planes};
 use super::cost::Pricing;
 use super::kv_aware::KvAware;
 use super::policy::{Decision, RoutingPolicy, View};
-use super::sequences::{ActiveRequest, ActiveSequences};
+use super::sequences::{ActiveRequest, ActiveSequences, Load};
 use crate::llm::kv::{KvEventData, LoadMetrics, block_hashes};
 
 const BS: usize = 16;
@@ -23,6 +23,7 @@ struct Sim {
     active: Arc<ActiveSequences>,
     live: Vec<u64>,
     metrics: HashMap<u64, LoadMetrics>,
+    own_at_report: HashMap<u64, Load>,
     /// Unused by the `kv` policy, required by [`View`].
     instances: LiveInstances,
     next_suffix: u32,
@@ -39,6 +40,7 @@ impl Sim {
             active: Arc::default(),
             live: workers.to_vec(),
             metrics: HashMap::new(),
+            own_at_report: HashMap::new(),
             instances,
             next_suffix: 0,
         }
@@ -61,6 +63,7 @@ impl Sim {
             is_down: &|_| false,
             active: &self.active,
             metrics: &self.metrics,
+            own_at_report: &self.own_at_report,
         };
         self.kv.decide(tokens, &view).expect("a decision")
     }
@@ -133,15 +136,15 @@ async fn a_hot_prefix_spreads_past_the_threshold_and_returns_home_when_it_clears
     // A burst on the hot prefix, none finishing: the first `load_slack` stay home (a
     // request's prefill there is a suffix; elsewhere the whole prompt), then the bound sends
     // the next one away.
+    let slack = Pricing::default().load_slack as usize;
     let mut held = Vec::new();
     let mut placed = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..slack + 4 {
         let p = sim.prompt(9);
         let (w, r) = sim.arrive(&p);
         placed.push(w);
         held.push(r);
     }
-    let slack = Pricing::default().load_slack as usize;
     assert!(placed[..slack].iter().all(|w| *w == home), "{placed:?}");
     let away = placed[slack];
     assert_ne!(away, home, "{placed:?}");
@@ -229,5 +232,33 @@ async fn the_time_model_uses_the_speed_workers_report() {
     assert!((c[&1].queue_ms - (2.5 + 80.0)).abs() < 1e-9, "{:?}", c[&1]);
     assert!((c[&1].prefill_ms - (5.0 + 1152.0 * 0.02)).abs() < 1e-9);
     assert!((c[&2].ttft_ms() - (20.0 + 1152.0 * 0.02)).abs() < 1e-9);
+    assert_eq!(d.worker, 2);
+}
+
+#[tokio::test]
+async fn another_routers_requests_count_through_the_workers_reports() {
+    let mut sim = Sim::new(&[1, 2]).await;
+    let p = sim.prompt(1);
+    // This router sent one request to worker 1 before its last report and two since; the
+    // report says 5 (three of them another router's).
+    let _held: Vec<_> = (0..3).map(|_| sim.active.start(1, 0, Vec::new())).collect();
+    sim.own_at_report.insert(
+        1,
+        Load {
+            requests: 1,
+            ..Load::default()
+        },
+    );
+    sim.metrics.insert(
+        1,
+        LoadMetrics {
+            worker_id: 1,
+            requests_running: 5,
+            ..LoadMetrics::default()
+        },
+    );
+    let d = sim.decide(&p);
+    let c = d.candidates.iter().find(|c| c.worker == 1).expect("1");
+    assert_eq!(c.requests, 5 + 2);
     assert_eq!(d.worker, 2);
 }
