@@ -207,7 +207,7 @@ fn draw_ratios<DB: DrawingBackend>(
 /// 1.5×, as `dir/name.png` and `.svg`.
 pub fn ratios(dir: &Path, name: &str, title: &str, cells: &[RatioCell]) -> Result<(), Error> {
     // Room for each cell's label under its bars.
-    let size = (SIZE.0.max(40 + 120 * cells.len() as u32), SIZE.1);
+    let size = (SIZE.0.max(80 + 165 * cells.len() as u32), SIZE.1);
     save_with(
         dir,
         name,

@@ -69,7 +69,7 @@ impl Default for Pricing {
             overlap_weight: 1.0,
             miss_weight: 2.0,
             overlap_credit: 1.0,
-            load_bound: 1.5,
+            load_bound: 2.0,
             load_slack: 8,
             busy_kv_usage: None,
             busy_prefill_tokens: None,
@@ -112,8 +112,8 @@ pub struct Candidate {
     pub prefill_tokens: usize,
     /// This router's outstanding work there.
     pub load: Load,
-    /// Requests there: the reported running + waiting plus what this router sent since, or
-    /// this router's own, whichever is more.
+    /// Requests there: the other routers' as last reported (running + waiting less this
+    /// router's then) plus this router's now.
     pub requests: u32,
     /// Prompt tokens queued for prefill there, counted the same way.
     pub queued_tokens: u64,
@@ -181,19 +181,22 @@ pub fn candidates(
             let credited = (matched as f64 * p.overlap_credit).floor() as usize;
             let prefill_blocks = prompt_blocks - credited;
             let prefill_tokens = prompt_tokens.saturating_sub(credited * block_size);
-            // The worker's report counts every router's requests as of then; this router's
-            // since are added (with several routers, each sees the others' through the
-            // reports). Never less than this router's own count.
+            // The worker's report counts every router's requests as of then: the others' are
+            // the report less this router's then, to which this router's now are added (with
+            // several routers, each sees the others' through the reports). Never less than
+            // this router's own count.
             let (own, then) = (w.load, w.own_at_report);
-            let requests = own.requests.max(w.reported.map_or(0, |m| {
-                m.requests_running
-                    .saturating_add(m.requests_waiting)
-                    .saturating_add(own.requests.saturating_sub(then.requests))
-            }));
-            let queued_tokens = own.prefill_tokens.max(w.reported.map_or(0, |m| {
+            let requests = w.reported.map_or(own.requests, |m| {
+                let reported = m.requests_running.saturating_add(m.requests_waiting);
+                reported
+                    .saturating_sub(then.requests)
+                    .saturating_add(own.requests)
+            });
+            let queued_tokens = w.reported.map_or(own.prefill_tokens, |m| {
                 m.pending_prefill_tokens
-                    .saturating_add(own.prefill_tokens.saturating_sub(then.prefill_tokens))
-            }));
+                    .saturating_sub(then.prefill_tokens)
+                    .saturating_add(own.prefill_tokens)
+            });
             // A busy worker is mid-step: half a step on average before this prompt joins.
             let in_step = if requests > 0 { step_ms / 2.0 } else { 0.0 };
             let queue_ms = in_step + queued_tokens as f64 * per_token;
@@ -268,23 +271,22 @@ fn exclude(c: &mut [Candidate], workers: &[WorkerView<'_>], p: &Pricing) {
     }
 }
 
-/// The chosen candidate's index and why; `None` without candidates.
+/// The chosen candidate's index; `None` without candidates.
 pub fn choose(
     c: &[Candidate],
     cached_total: &[usize],
     temperature: f64,
     rng: &mut impl Rng,
-) -> Option<(usize, String)> {
+) -> Option<usize> {
     let eligible: Vec<usize> = (0..c.len()).filter(|&i| c[i].excluded.is_none()).collect();
     if eligible.is_empty() {
         return None;
     }
-    let i = if temperature > 0.0 {
+    Some(if temperature > 0.0 {
         sample(c, &eligible, temperature, rng)
     } else {
         cheapest(c, cached_total, &eligible, rng)
-    };
-    Some((i, reason(c, i)))
+    })
 }
 
 fn cheapest(
@@ -326,8 +328,9 @@ fn sample(c: &[Candidate], eligible: &[usize], temperature: f64, rng: &mut impl 
     eligible[eligible.len() - 1]
 }
 
-/// Why candidate `i` won, in terms of the worker holding the most of the prompt.
-fn reason(c: &[Candidate], i: usize) -> String {
+/// Why candidate `i` won, in terms of the worker holding the most of the prompt (for
+/// `dyn inspect route`; not built per request).
+pub fn reason(c: &[Candidate], i: usize) -> String {
     let most = c.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
     if most == 0 {
         return "no worker caches the prompt: the cheapest".into();

@@ -88,7 +88,8 @@ pub(super) async fn follow_workers(
                     if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.set_block_size(m.block_size);
                     }
-                    inner.own_at_report.lock().insert(m.worker_id, inner.active.load(m.worker_id));
+                    let own = inner.active.load(m.worker_id);
+                    inner.own_at_report.lock().insert(m.worker_id, own);
                     inner.metrics.lock().insert(m.worker_id, m);
                 }
                 _ = tick.tick() => {

@@ -208,7 +208,7 @@ impl Inner {
             block_size: d.block_size,
             prompt_blocks: d.prompt_blocks,
             pricing: self.kv.as_ref().map(|kv| kv.pricing.clone()),
-            reason: d.reason,
+            reason: d.reason(),
             candidates: d.candidates,
         })
     }

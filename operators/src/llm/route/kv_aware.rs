@@ -148,7 +148,7 @@ impl RoutingPolicy for KvAware {
         };
         let candidates = cost::candidates(&workers, tokens.len(), prompt_blocks, bs, &self.pricing);
         let cached_total: Vec<usize> = workers.iter().map(|w| w.cached_total).collect();
-        let (i, reason) = cost::choose(
+        let i = cost::choose(
             &candidates,
             &cached_total,
             self.pricing.temperature,
@@ -160,7 +160,6 @@ impl RoutingPolicy for KvAware {
             prompt_blocks,
             block_size: bs,
             blocks,
-            reason,
         })
     }
 }

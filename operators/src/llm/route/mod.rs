@@ -91,7 +91,7 @@ pub struct RouteConfig {
     )]
     pub overlap_credit: f64,
     /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
-    #[serde(default = "one_and_a_half")]
+    #[serde(default = "two_load")]
     pub load_bound: f64,
     /// ... and `load_slack` more than the least loaded worker's.
     #[serde(default = "eight")]
@@ -122,8 +122,8 @@ fn one() -> f64 {
 fn two() -> f64 {
     2.0
 }
-fn one_and_a_half() -> f64 {
-    1.5
+fn two_load() -> f64 {
+    2.0
 }
 fn eight() -> u32 {
     8
@@ -137,7 +137,7 @@ impl Default for RouteConfig {
             miss_weight: two(),
             overlap_weight: None,
             overlap_credit: one(),
-            load_bound: one_and_a_half(),
+            load_bound: two_load(),
             load_slack: eight(),
             busy_threshold: None,
             active_prefill_tokens_threshold: None,

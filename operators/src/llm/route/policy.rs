@@ -80,8 +80,6 @@ pub struct Decision {
     pub block_size: usize,
     /// The prompt's full blocks (`kv` only).
     pub blocks: Vec<BlockHash>,
-    /// Why this worker (`kv` only).
-    pub reason: String,
 }
 
 impl Decision {
@@ -93,8 +91,16 @@ impl Decision {
             prompt_blocks: 0,
             block_size: 0,
             blocks: Vec::new(),
-            reason: String::new(),
         }
+    }
+
+    /// Why this worker (`kv`; empty otherwise).
+    pub fn reason(&self) -> String {
+        self.candidates
+            .iter()
+            .position(|c| c.worker == self.worker)
+            .map(|i| super::cost::reason(&self.candidates, i))
+            .unwrap_or_default()
     }
 
     /// Prompt tokens the chosen worker caches (`kv` only; 0 otherwise).

@@ -107,7 +107,7 @@ async fn scripted_arrivals_and_completions_give_the_expected_placements() {
     // (the router's own pending blocks count as cached there).
     let (wa, r1) = sim.arrive(&a1);
     let d = sim.decide(&a2);
-    assert_eq!(d.worker, wa, "{}", d.reason);
+    assert_eq!(d.worker, wa, "{}", d.reason());
     let home = d.candidates.iter().find(|c| c.worker == wa).expect("home");
     assert_eq!((home.indexed_blocks, home.pending_blocks), (0, PREFIX / BS));
     let (_, r2) = sim.arrive(&a2);
@@ -124,7 +124,7 @@ async fn scripted_arrivals_and_completions_give_the_expected_placements() {
     let (a3, b2) = (sim.prompt(1), sim.prompt(2));
     let d = sim.decide(&a3);
     assert_eq!(d.worker, wa);
-    assert!(d.reason.starts_with("holds the most"), "{}", d.reason);
+    assert!(d.reason().starts_with("holds the most"), "{}", d.reason());
     assert_eq!(sim.decide(&b2).worker, wb);
 }
 
