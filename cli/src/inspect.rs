@@ -322,8 +322,14 @@ fn print_route(r: &RouteAnswer) {
         return;
     };
     println!(
-        "cost {:?}: miss_weight {}, overlap_weight {}, overlap_credit {}, load_bound {}, temperature {}",
-        p.model, p.miss_weight, p.overlap_weight, p.overlap_credit, p.load_bound, p.temperature
+        "cost {}: miss_weight {}, overlap_weight {}, overlap_credit {}, load_bound {} (slack {}), temperature {}",
+        format!("{:?}", p.model).to_lowercase(),
+        p.miss_weight,
+        p.overlap_weight,
+        p.overlap_credit,
+        p.load_bound,
+        p.load_slack,
+        p.temperature
     );
     println!("why: {}", r.reason);
     println!(

@@ -98,6 +98,19 @@ async fn workers_route_kv_and_events() {
     let full_blocks = r["prompt_tokens"].as_u64().unwrap() / 16;
     assert_eq!(chosen["matched_blocks"].as_u64().unwrap(), full_blocks);
     assert_eq!(r["candidates"].as_array().unwrap().len(), 4);
+    // In the `time` cost's terms: why, and each candidate's predicted times.
+    assert!(
+        r["reason"].as_str().unwrap().starts_with("holds the most"),
+        "{r}"
+    );
+    assert_eq!(r["pricing"]["model"], "time");
+    assert!(chosen["prefill_ms"].as_f64().unwrap() > 0.0, "{chosen}");
+    assert!(chosen["excluded"].is_null());
+    // The router's quality figures count the decisions it made.
+    let w = inspect(&g, &["workers"]);
+    let q = &w["replicas"][0]["quality"];
+    assert!(q["decisions"].as_u64().unwrap() > 0, "{w}");
+    assert!(q["prompt_blocks"].as_u64().unwrap() > 0, "{w}");
 
     let out: Output = events.wait_with_output().unwrap();
     let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)

@@ -233,9 +233,9 @@ fn exclude(c: &mut [Candidate], workers: &[WorkerView<'_>], p: &Pricing) {
     let n = c.len().max(1) as f64;
     let total: u64 = c.iter().map(|c| u64::from(c.requests)).sum();
     // Bounded loads: with this request, no worker above `load_bound` × the mean, nor
-    // `load_slack` above the least loaded (a bound of 1.5 alone would send the second of two
-    // requests away from its prefix on an idle pool). The least loaded worker is always within
-    // it for a bound of at least 1.
+    // `load_slack` above the least loaded (the mean's bound alone would send the second
+    // request on an idle pool of four away from its prefix). The least loaded worker is
+    // always within it for a bound of at least 1.
     let least = c.iter().map(|c| c.requests).min().unwrap_or(0);
     let cap = (p.load_bound * (total + 1) as f64 / n)
         .ceil()

@@ -689,6 +689,42 @@ mod tests {
         assert!(blocks.validate().is_empty());
     }
 
+    #[test]
+    fn dynamo_router_settings_carry_over_under_their_names() {
+        let c: RouteConfig = serde_json::from_value(serde_json::json!({
+            "policy": "kv",
+            "router_temperature": 0.5,
+            "kv_overlap_score_credit": 0.25,
+            "busy_threshold": 0.9,
+            "router_ttl_secs": 60.0,
+            "kv_cache_block_size": 32,
+            "use_kv_events": false,
+        }))
+        .expect("Dynamo's names parse");
+        assert_eq!(
+            (c.temperature, c.overlap_credit, c.busy_threshold),
+            (0.5, 0.25, Some(0.9))
+        );
+        assert_eq!(
+            (c.approx_ttl_s, c.block_size, c.kv_events),
+            (60.0, Some(32), false)
+        );
+        assert!(c.validate().is_empty());
+        // Dynamo's overlap weight is the blocks cost's.
+        let c: RouteConfig = serde_json::from_value(serde_json::json!({
+            "policy": "kv", "cost": "blocks", "overlap_score_weight": 2.0,
+        }))
+        .expect("parses");
+        assert_eq!(c.pricing().overlap_weight, 2.0);
+        assert!(c.validate().is_empty());
+        // A Dynamo knob with no counterpart is an unknown field, as any other.
+        let e = serde_json::from_value::<RouteConfig>(serde_json::json!({
+            "policy": "kv", "router_replica_sync": true,
+        }))
+        .expect_err("unknown");
+        assert!(e.to_string().contains("router_replica_sync"), "{e}");
+    }
+
     #[tokio::test]
     async fn needs_exactly_one_consumer() {
         let planes = Planes::embedded();
