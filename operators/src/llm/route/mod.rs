@@ -91,7 +91,7 @@ pub struct RouteConfig {
     )]
     pub overlap_credit: f64,
     /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
-    #[serde(default = "two_load")]
+    #[serde(default = "two")]
     pub load_bound: f64,
     /// ... and `load_slack` more than the least loaded worker's.
     #[serde(default = "eight")]
@@ -122,9 +122,6 @@ fn one() -> f64 {
 fn two() -> f64 {
     2.0
 }
-fn two_load() -> f64 {
-    2.0
-}
 fn eight() -> u32 {
     8
 }
@@ -137,7 +134,7 @@ impl Default for RouteConfig {
             miss_weight: two(),
             overlap_weight: None,
             overlap_credit: one(),
-            load_bound: two_load(),
+            load_bound: two(),
             load_slack: eight(),
             busy_threshold: None,
             active_prefill_tokens_threshold: None,

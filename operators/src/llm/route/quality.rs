@@ -4,9 +4,10 @@
 //! (reachable hits), what the chosen worker cached (achieved hits), the tokens between the two
 //! (avoidable prefill), and whether the chosen worker was one caching the most. They go to
 //! `/metrics` (`dyn_router_*`) and `dyn inspect workers`, with the requests routed to each
-//! worker (every policy), which is how several routers' combined placements are compared. Reachable is an upper bound for one
-//! decision, not for the run: sending a request away from its prefix can be the right call
-//! when that worker is overloaded, and the ratio says how often that happened.
+//! worker (every policy), which is how several routers' combined placements are compared.
+//! Reachable is an upper bound for one decision, not for the run: sending a request away from
+//! its prefix can be the right call when that worker is overloaded, and the ratio says how
+//! often that happened.
 
 use parking_lot::Mutex;
 use prometheus::IntCounter;
