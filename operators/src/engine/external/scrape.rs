@@ -6,6 +6,13 @@
 //! `vllm:prefix_cache_{hits,queries}_total`, and `vllm:cache_config_info`'s `block_size` and
 //! `num_gpu_blocks` labels. llama.cpp (`--metrics`): `llamacpp:requests_processing`,
 //! `llamacpp:requests_deferred`, `llamacpp:prompt_tokens_{cached_,}total`.
+//!
+//! vLLM's speed, for the `kv` router's time cost, comes from its lifetime histograms: the step
+//! time from the mean inter-token latency (`vllm:inter_token_latency_seconds`, or
+//! `vllm:time_per_output_token_seconds` in older versions), the prefill cost per token from
+//! `vllm:request_prefill_time_seconds` over the prompt tokens it computed (prompt tokens less
+//! prefix-cache hits). llama.cpp reports neither: routers use the pool's other workers' or
+//! their defaults.
 
 use std::time::Duration;
 
@@ -40,6 +47,23 @@ pub fn read(kind: ExternalKind, text: &str, block_size: u32) -> LoadMetrics {
         let s = f.iter_samples().next()?;
         s.get_labelset().ok()?.get_label_value(label)?.parse().ok()
     };
+    // Σ sum and Σ count of a histogram.
+    let histogram = |name: &str| -> (f64, f64) {
+        scrape.families.get(name).map_or((0.0, 0.0), |f| {
+            f.iter_samples()
+                .fold((0.0, 0.0), |(s, n), x| match &x.value {
+                    PrometheusValue::Histogram(h) => (
+                        s + h.sum.as_ref().map_or(0.0, |v| v.as_f64()),
+                        n + h.count.unwrap_or(0) as f64,
+                    ),
+                    _ => (s, n),
+                })
+        })
+    };
+    let mean_ms = |name: &str| {
+        let (sum, n) = histogram(name);
+        if n > 0.0 { sum * 1e3 / n } else { 0.0 }
+    };
     let count = |v: f64| v.max(0.0).round() as u32;
     let rate = |hits: f64, total: f64| if total > 0.0 { hits / total } else { 0.0 };
     match kind {
@@ -56,6 +80,20 @@ pub fn read(kind: ExternalKind, text: &str, block_size: u32) -> LoadMetrics {
                     sum("vllm:prefix_cache_queries_total"),
                 ),
                 block_size,
+                step_ms: match mean_ms("vllm:inter_token_latency_seconds") {
+                    0.0 => mean_ms("vllm:time_per_output_token_seconds"),
+                    ms => ms,
+                },
+                prefill_ms_per_token: {
+                    let computed =
+                        sum("vllm:prompt_tokens_total") - sum("vllm:prefix_cache_hits_total");
+                    let (seconds, _) = histogram("vllm:request_prefill_time_seconds");
+                    if computed >= 1.0 {
+                        seconds * 1e3 / computed
+                    } else {
+                        0.0
+                    }
+                },
                 ..LoadMetrics::default()
             }
         }
@@ -150,6 +188,17 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="364",enable_prefix_caching="True"} 1.0
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 250.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1",model_name="m"} 10.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 10.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 0.3
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 10.0
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 2.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.4
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 2.0
 "#;
         let m = read(ExternalKind::Vllm, vllm, 16);
         assert_eq!(
@@ -163,6 +212,13 @@ vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="364",enable_pr
             (3, 1, 91, 364, 32)
         );
         assert!((m.prefix_cache_hit_rate - 0.25).abs() < 1e-9);
+        // 30 ms a token; 400 ms of prefill over 250 − 50 computed tokens.
+        assert!((m.step_ms - 30.0).abs() < 1e-9, "{}", m.step_ms);
+        assert!(
+            (m.prefill_ms_per_token - 2.0).abs() < 1e-9,
+            "{}",
+            m.prefill_ms_per_token
+        );
         let llama = "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 10\n\
             # TYPE llamacpp:prompt_tokens_cached_total counter\nllamacpp:prompt_tokens_cached_total 5\n\
             # TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n";
