@@ -69,12 +69,17 @@ fn mix(a: u64, b: u64) -> u64 {
 }
 
 /// Fraction of full prompt blocks found cached, routing `entries` in order.
-pub fn hit_rate(entries: &[Entry], workers: usize, capacity: usize, block_size: usize) -> f64 {
+pub fn hit_rate<'a>(
+    entries: impl IntoIterator<Item = &'a Entry>,
+    workers: usize,
+    capacity: usize,
+    block_size: usize,
+) -> f64 {
     let workers = workers.max(1);
     let block_size = block_size.max(1);
     let mut caches: Vec<Lru> = (0..workers).map(|_| Lru::default()).collect();
     let (mut total, mut hits, mut clock) = (0u64, 0u64, 0u64);
-    for (n, e) in entries.iter().enumerate() {
+    for (n, e) in entries.into_iter().enumerate() {
         let ids = blocks(e, n, block_size);
         let held = |c: &Lru| ids.iter().take_while(|b| c.at.contains_key(b)).count();
         let (w, hit) = caches

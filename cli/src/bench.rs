@@ -307,9 +307,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         if let Some((workers, blocks)) = args.oracle {
             // The entries the run sent, in order (a closed loop cycles through them).
             let sent = out.summary.requests.sent as usize + args.warmup;
-            let order: Vec<_> = entries.iter().cycle().take(sent).cloned().collect();
             out.summary.oracle_hit_rate = Some(dyn_bench::oracle::hit_rate(
-                &order,
+                entries.iter().cycle().take(sent),
                 workers,
                 blocks,
                 args.oracle_block_size.max(1),

@@ -17,7 +17,7 @@ use dyn_operators::llm::kv::{
 use dyn_operators::llm::route::cost::{CostModel, Pricing};
 use dyn_operators::llm::route::indexer::Indexer;
 use dyn_operators::llm::route::kv_aware::KvAware;
-use dyn_operators::llm::route::policy::{RoutingPolicy, View};
+use dyn_operators::llm::route::policy::{Reported, RoutingPolicy, View};
 use dyn_operators::llm::route::sequences::ActiveSequences;
 use dyn_pipeline::planes::{LiveInstances, Planes};
 
@@ -164,17 +164,18 @@ fn decisions(c: &mut Criterion) {
             )
         })
         .collect();
-    let metrics: HashMap<u64, LoadMetrics> = live
+    let reported: HashMap<u64, Reported> = live
         .iter()
         .map(|&w| {
-            let m = LoadMetrics {
+            let metrics = LoadMetrics {
                 worker_id: w,
                 requests_running: 8,
                 step_ms: 5.0,
                 prefill_ms_per_token: 0.02,
                 ..LoadMetrics::default()
             };
-            (w, m)
+            let own_then = Default::default();
+            (w, Reported { metrics, own_then })
         })
         .collect();
     let prefix = |g: u64| (0..1024u64).map(move |i| (mix(g << 20 | i) % 50_000) as u32);
@@ -191,8 +192,7 @@ fn decisions(c: &mut Criterion) {
         instances: &instances,
         is_down: &is_down,
         active: &active,
-        metrics: &metrics,
-        own_at_report: &HashMap::new(),
+        reported: &reported,
     };
     let mut g = c.benchmark_group("decide");
     for (name, model) in [

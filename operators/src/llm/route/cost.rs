@@ -26,6 +26,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use super::policy::Reported;
 use super::sequences::Load;
 use crate::llm::kv::LoadMetrics;
 
@@ -93,8 +94,7 @@ pub struct WorkerView<'a> {
     /// Blocks the index holds for it in all (the tie-break toward emptier caches).
     pub cached_total: usize,
     /// Its last load metrics, and this router's load there when they arrived.
-    pub reported: Option<&'a LoadMetrics>,
-    pub own_at_report: Load,
+    pub reported: Option<&'a Reported>,
 }
 
 /// One worker's terms for one prompt: the decision and what `dyn inspect route` shows.
@@ -136,16 +136,12 @@ impl Candidate {
 /// others' reports, else the configured defaults.
 fn speeds(workers: &[WorkerView<'_>], p: &Pricing) -> Vec<(f64, f64)> {
     let mean = |f: fn(&LoadMetrics) -> f64, default: f64| {
-        let known: Vec<f64> = workers
+        let (sum, n) = workers
             .iter()
-            .filter_map(|w| w.reported.map(f))
+            .filter_map(|w| w.reported.map(|r| f(&r.metrics)))
             .filter(|v| *v > 0.0)
-            .collect();
-        if known.is_empty() {
-            default
-        } else {
-            known.iter().sum::<f64>() / known.len() as f64
-        }
+            .fold((0.0, 0.0), |(s, n), v| (s + v, n + 1.0));
+        if n > 0.0 { sum / n } else { default }
     };
     let step = mean(|m| m.step_ms, p.step_ms);
     let per_token = mean(|m| m.prefill_ms_per_token, p.prefill_ms_per_token);
@@ -153,7 +149,10 @@ fn speeds(workers: &[WorkerView<'_>], p: &Pricing) -> Vec<(f64, f64)> {
         .iter()
         .map(|w| {
             let own = |f: fn(&LoadMetrics) -> f64, fallback| {
-                w.reported.map(f).filter(|v| *v > 0.0).unwrap_or(fallback)
+                w.reported
+                    .map(|r| f(&r.metrics))
+                    .filter(|v| *v > 0.0)
+                    .unwrap_or(fallback)
             };
             (
                 own(|m| m.step_ms, step),
@@ -185,16 +184,18 @@ pub fn candidates(
             // the report less this router's then, to which this router's now are added (with
             // several routers, each sees the others' through the reports). Never less than
             // this router's own count.
-            let (own, then) = (w.load, w.own_at_report);
-            let requests = w.reported.map_or(own.requests, |m| {
+            let own = w.load;
+            let requests = w.reported.map_or(own.requests, |r| {
+                let (m, then) = (&r.metrics, r.own_then);
                 let reported = m.requests_running.saturating_add(m.requests_waiting);
                 reported
                     .saturating_sub(then.requests)
                     .saturating_add(own.requests)
             });
-            let queued_tokens = w.reported.map_or(own.prefill_tokens, |m| {
-                m.pending_prefill_tokens
-                    .saturating_sub(then.prefill_tokens)
+            let queued_tokens = w.reported.map_or(own.prefill_tokens, |r| {
+                r.metrics
+                    .pending_prefill_tokens
+                    .saturating_sub(r.own_then.prefill_tokens)
                     .saturating_add(own.prefill_tokens)
             });
             // A busy worker is mid-step: half a step on average before this prompt joins.
@@ -241,7 +242,7 @@ fn exclude(c: &mut [Candidate], workers: &[WorkerView<'_>], p: &Pricing) {
         .ceil()
         .max(f64::from(least.saturating_add(p.load_slack)));
     for (c, w) in c.iter_mut().zip(workers) {
-        let kv_usage = w.reported.and_then(|m| {
+        let kv_usage = w.reported.map(|r| &r.metrics).and_then(|m| {
             (m.kv_total_blocks > 0)
                 .then(|| f64::from(m.kv_active_blocks) / f64::from(m.kv_total_blocks))
         });

@@ -13,6 +13,7 @@ use futures::StreamExt;
 
 use super::Inner;
 use super::indexer::Applied;
+use super::policy::Reported;
 use crate::llm::kv::{
     KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject, kv_resync_subject,
     load_metrics_subject,
@@ -88,14 +89,12 @@ pub(super) async fn follow_workers(
                     if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.set_block_size(m.block_size);
                     }
-                    let own = inner.active.load(m.worker_id);
-                    inner.own_at_report.lock().insert(m.worker_id, own);
-                    inner.metrics.lock().insert(m.worker_id, m);
+                    let own_then = inner.active.load(m.worker_id);
+                    inner.metrics.lock().insert(m.worker_id, Reported { metrics: m, own_then });
                 }
                 _ = tick.tick() => {
                     let live = inner.live();
                     inner.metrics.lock().retain(|w, _| live.contains(w));
-                    inner.own_at_report.lock().retain(|w, _| live.contains(w));
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
                     if !gone.is_empty() {

@@ -173,7 +173,7 @@ impl Inner {
             .iter()
             .map(|&w| {
                 let load = self.active.load(w);
-                let m = metrics.get(&w);
+                let m = metrics.get(&w).map(|r| &r.metrics);
                 WorkerRow {
                     worker_id: hex(w),
                     live: live.contains(&w),

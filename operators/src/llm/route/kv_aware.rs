@@ -140,8 +140,7 @@ impl RoutingPolicy for KvAware {
                         pending_blocks: held,
                         load,
                         cached_total: index.worker_blocks(w),
-                        reported: view.metrics.get(&w),
-                        own_at_report: view.own_at_report.get(&w).copied().unwrap_or_default(),
+                        reported: view.reported.get(&w),
                     }
                 })
                 .collect()

@@ -45,12 +45,11 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
 
-use super::kv::LoadMetrics;
 use super::types::PreprocessedRequest;
 use cost::{CostModel, Pricing};
 use kv_aware::KvAware;
 pub use policy::{Decision, Policy};
-use policy::{RoutingPolicy, View};
+use policy::{Reported, RoutingPolicy, View};
 use sequences::ActiveSequences;
 
 fn yes() -> bool {
@@ -276,7 +275,6 @@ impl RouteConfig {
             policy,
             kv,
             metrics: Mutex::new(HashMap::new()),
-            own_at_report: Mutex::new(HashMap::new()),
             planes: cx.planes.clone(),
             quality: quality::Quality::new(&cx.node),
         });
@@ -320,8 +318,8 @@ impl Route {
             .live()
             .into_iter()
             .map(|w| {
-                let reported = metrics.get(&w).map_or(0, |m| {
-                    u64::from(m.requests_running) + u64::from(m.requests_waiting)
+                let reported = metrics.get(&w).map_or(0, |r| {
+                    u64::from(r.metrics.requests_running) + u64::from(r.metrics.requests_waiting)
                 });
                 reported.max(u64::from(self.inner.active.load(w).requests))
             })
@@ -353,10 +351,7 @@ pub(crate) struct Inner {
     /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
     kv: Option<Arc<KvAware>>,
     /// The latest load metrics per worker.
-    metrics: Mutex<HashMap<u64, LoadMetrics>>,
-    /// This router's own load on each worker when its latest metrics arrived: what it sent
-    /// since is not in them yet (several routers: the others' requests are, as of then).
-    own_at_report: Mutex<HashMap<u64, sequences::Load>>,
+    metrics: Mutex<HashMap<u64, Reported>>,
     /// For the request plane's view of unreachable workers and the event plane's health.
     planes: Planes,
     /// How well the `kv` policy uses the caches.
@@ -391,15 +386,13 @@ impl Inner {
             return Err(self.unavailable());
         }
         let is_down = |id| self.planes.is_down(id);
-        let metrics = self.metrics.lock();
-        let own_at_report = self.own_at_report.lock();
+        let reported = self.metrics.lock();
         let view = View {
             live: &live,
             instances: &self.workers,
             is_down: &is_down,
             active: &self.active,
-            metrics: &metrics,
-            own_at_report: &own_at_report,
+            reported: &reported,
         };
         self.policy
             .decide(tokens, &view)

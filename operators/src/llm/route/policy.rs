@@ -65,9 +65,17 @@ pub struct View<'a> {
     pub is_down: &'a (dyn Fn(u64) -> bool + Sync),
     /// What this router has outstanding on each worker.
     pub active: &'a ActiveSequences,
-    /// The workers' last load metrics, and this router's load on each when they arrived.
-    pub metrics: &'a HashMap<u64, LoadMetrics>,
-    pub own_at_report: &'a HashMap<u64, Load>,
+    /// Each worker's last load metrics, with this router's load there when they arrived.
+    pub reported: &'a HashMap<u64, Reported>,
+}
+
+/// A worker's last load metrics, and this router's own load on it when they arrived: what
+/// the router sent since is not in them yet (with several routers, the others' requests
+/// are, as of then).
+#[derive(Debug, Clone, Default)]
+pub struct Reported {
+    pub metrics: LoadMetrics,
+    pub own_then: Load,
 }
 
 /// One routing decision, with what it was based on.

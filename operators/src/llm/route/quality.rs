@@ -9,6 +9,8 @@
 //! its prefix can be the right call when that worker is overloaded, and the ratio says how
 //! often that happened.
 
+use std::collections::HashMap;
+
 use parking_lot::Mutex;
 use prometheus::IntCounter;
 use serde::{Deserialize, Serialize};
@@ -20,7 +22,7 @@ use crate::metrics::ROUTER;
 /// router more than once, and the Prometheus series are per node name) and its series.
 pub struct Quality {
     node: String,
-    own: Mutex<QualityRow>,
+    own: Mutex<Own>,
     decisions: IntCounter,
     match_decisions: IntCounter,
     best_match: IntCounter,
@@ -28,6 +30,13 @@ pub struct Quality {
     reachable: IntCounter,
     achieved: IntCounter,
     avoidable_tokens: IntCounter,
+}
+
+#[derive(Default)]
+struct Own {
+    row: QualityRow,
+    /// Each worker's series of routed requests, bound once (not a label lookup per request).
+    routed: HashMap<u64, IntCounter>,
 }
 
 /// What `dyn inspect workers` shows of them.
@@ -70,11 +79,15 @@ impl Quality {
     }
 
     pub fn record(&self, d: &Decision) {
-        ROUTER
-            .routed
-            .with_label_values(&[self.node.as_str(), &format!("{:x}", d.worker)])
+        let mut guard = self.own.lock();
+        let Own { row: own, routed } = &mut *guard;
+        routed
+            .entry(d.worker)
+            .or_insert_with(|| {
+                let id = format!("{:x}", d.worker);
+                ROUTER.routed.with_label_values(&[self.node.as_str(), &id])
+            })
             .inc();
-        let mut own = self.own.lock();
         own.decisions += 1;
         self.decisions.inc();
         if d.candidates.is_empty() {
@@ -119,6 +132,6 @@ impl Quality {
     }
 
     pub fn row(&self) -> QualityRow {
-        self.own.lock().clone()
+        self.own.lock().row.clone()
     }
 }

@@ -9,7 +9,7 @@ use dyn_pipeline::planes::{LiveInstances, Planes};
 
 use super::cost::Pricing;
 use super::kv_aware::KvAware;
-use super::policy::{Decision, RoutingPolicy, View};
+use super::policy::{Decision, Reported, RoutingPolicy, View};
 use super::sequences::{ActiveRequest, ActiveSequences, Load};
 use crate::llm::kv::{KvEventData, LoadMetrics, block_hashes};
 
@@ -22,8 +22,7 @@ struct Sim {
     kv: KvAware,
     active: Arc<ActiveSequences>,
     live: Vec<u64>,
-    metrics: HashMap<u64, LoadMetrics>,
-    own_at_report: HashMap<u64, Load>,
+    reported: HashMap<u64, Reported>,
     /// Unused by the `kv` policy, required by [`View`].
     instances: LiveInstances,
     next_suffix: u32,
@@ -39,8 +38,7 @@ impl Sim {
             kv: KvAware::new(Some(BS as u32), Pricing::default()).seeded(7),
             active: Arc::default(),
             live: workers.to_vec(),
-            metrics: HashMap::new(),
-            own_at_report: HashMap::new(),
+            reported: HashMap::new(),
             instances,
             next_suffix: 0,
         }
@@ -62,10 +60,20 @@ impl Sim {
             instances: &self.instances,
             is_down: &|_| false,
             active: &self.active,
-            metrics: &self.metrics,
-            own_at_report: &self.own_at_report,
+            reported: &self.reported,
         };
         self.kv.decide(tokens, &view).expect("a decision")
+    }
+
+    /// Worker `m.worker_id` reports its load; this router had `own_then` there at the time.
+    fn report(&mut self, m: LoadMetrics, own_then: Load) {
+        self.reported.insert(
+            m.worker_id,
+            Reported {
+                metrics: m,
+                own_then,
+            },
+        );
     }
 
     /// Route a request as the router does; the handle finishes it when dropped.
@@ -206,8 +214,7 @@ async fn the_time_model_uses_the_speed_workers_report() {
     let mut sim = Sim::new(&[1, 2]).await;
     let p = sim.prompt(1);
     // Worker 1 has a long prefill queue; worker 2 none but a slow step.
-    sim.metrics.insert(
-        1,
+    sim.report(
         LoadMetrics {
             worker_id: 1,
             pending_prefill_tokens: 4000,
@@ -216,15 +223,16 @@ async fn the_time_model_uses_the_speed_workers_report() {
             prefill_ms_per_token: 0.02,
             ..LoadMetrics::default()
         },
+        Load::default(),
     );
-    sim.metrics.insert(
-        2,
+    sim.report(
         LoadMetrics {
             worker_id: 2,
             step_ms: 20.0,
             prefill_ms_per_token: 0.02,
             ..LoadMetrics::default()
         },
+        Load::default(),
     );
     let d = sim.decide(&p);
     let c: HashMap<u64, _> = d.candidates.iter().map(|c| (c.worker, c)).collect();
@@ -242,19 +250,15 @@ async fn another_routers_requests_count_through_the_workers_reports() {
     // This router sent one request to worker 1 before its last report and two since; the
     // report says 5 (three of them another router's).
     let _held: Vec<_> = (0..3).map(|_| sim.active.start(1, 0, Vec::new())).collect();
-    sim.own_at_report.insert(
-        1,
-        Load {
-            requests: 1,
-            ..Load::default()
-        },
-    );
-    sim.metrics.insert(
-        1,
+    sim.report(
         LoadMetrics {
             worker_id: 1,
             requests_running: 5,
             ..LoadMetrics::default()
+        },
+        Load {
+            requests: 1,
+            ..Load::default()
         },
     );
     let d = sim.decide(&p);
