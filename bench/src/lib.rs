@@ -16,6 +16,7 @@ pub mod client;
 pub mod dataset;
 pub mod metrics;
 pub mod oracle;
+pub mod planner;
 pub mod plot;
 pub mod report;
 pub mod run;

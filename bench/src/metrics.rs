@@ -230,6 +230,10 @@ pub struct Summary {
     /// ([`crate::oracle`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oracle_hit_rate: Option<f64>,
+    /// With `--planner`: replicas × seconds of the scaled nodes over the run, from the
+    /// planner's decisions sampled once a second ([`crate::planner`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_seconds: Option<f64>,
 }
 
 /// Compute the summary of a run's measured records.
@@ -313,6 +317,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         client_cpu_s: 0.0,
         config: serde_json::Value::Null,
         oracle_hit_rate: None,
+        replica_seconds: None,
     }
 }
 

@@ -284,3 +284,144 @@ pub fn sweep(dir: &Path, name: &str, points: &[SweepPoint]) -> Result<(), Error>
         },
     )
 }
+
+/// A planner run over time: TTFT (p90 per time bin, with the target) above, replicas per
+/// scaled node (actual, and desired dashed) below, on one time axis.
+pub fn timeline(
+    dir: &Path,
+    name: &str,
+    ttft_p90: &[(f64, f64)],
+    ttft_target: Option<f64>,
+    replicas: &[crate::planner::PlannerSample],
+) -> Result<(), Error> {
+    let size = (960, 720);
+    save_with(
+        dir,
+        name,
+        size,
+        |root| draw_timeline(root, ttft_p90, ttft_target, replicas),
+        |root| draw_timeline(root, ttft_p90, ttft_target, replicas),
+    )
+}
+
+fn draw_timeline<DB: DrawingBackend>(
+    root: DrawingArea<DB, Shift>,
+    ttft: &[(f64, f64)],
+    target: Option<f64>,
+    replicas: &[crate::planner::PlannerSample],
+) -> Result<(), String> {
+    let e = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(e)?;
+    let root = root
+        .titled("TTFT and replicas over the run", ("sans-serif", 28))
+        .map_err(e)?;
+    let (top, bottom) = root.split_vertically(root.dim_in_pixel().1 * 11 / 20);
+    let x_max = ttft
+        .iter()
+        .map(|p| p.0)
+        .chain(replicas.iter().map(|s| s.t_s))
+        .fold(1.0, f64::max);
+    let y_max = ttft.iter().map(|p| p.1).chain(target).fold(1.0, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&top)
+        .margin(15)
+        .x_label_area_size(30)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .y_desc("TTFT p90 (ms)")
+        .label_style(("sans-serif", 16))
+        .draw()
+        .map_err(e)?;
+    chart
+        .draw_series(LineSeries::new(ttft.iter().copied(), BLUE.stroke_width(2)))
+        .map_err(e)?
+        .label("TTFT p90 per bin")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    if let Some(t) = target {
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(0.0, t), (x_max, t)],
+                8,
+                6,
+                RED.stroke_width(2),
+            ))
+            .map_err(e)?
+            .label("target")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .draw()
+        .map_err(e)?;
+
+    let r_max = replicas
+        .iter()
+        .map(|s| s.actual.max(s.desired))
+        .max()
+        .unwrap_or(1);
+    let mut chart = ChartBuilder::on(&bottom)
+        .margin(15)
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0.0..x_max, 0.0..f64::from(r_max) + 0.5)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("time (s)")
+        .y_desc("replicas")
+        .label_style(("sans-serif", 16))
+        .draw()
+        .map_err(e)?;
+    let mut nodes: Vec<&str> = replicas.iter().map(|s| s.node.as_str()).collect();
+    nodes.dedup();
+    nodes.sort_unstable();
+    nodes.dedup();
+    for (i, node) in nodes.iter().enumerate() {
+        let colour = Palette99::pick(i + 2).to_rgba();
+        // Steps: each count holds until the next sample.
+        let steps = |f: fn(&crate::planner::PlannerSample) -> u32| {
+            let mut pts = Vec::new();
+            let mine = replicas.iter().filter(|s| s.node == *node);
+            for s in mine {
+                if let Some(&(_, y)) = pts.last() {
+                    pts.push((s.t_s, y));
+                }
+                pts.push((s.t_s, f64::from(f(s))));
+            }
+            pts
+        };
+        chart
+            .draw_series(LineSeries::new(steps(|s| s.actual), colour.stroke_width(3)))
+            .map_err(e)?
+            .label(format!("{node} actual"))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(3))
+            });
+        chart
+            .draw_series(DashedLineSeries::new(
+                steps(|s| s.desired),
+                6,
+                4,
+                colour.mix(0.6).stroke_width(2),
+            ))
+            .map_err(e)?
+            .label(format!("{node} desired"))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], colour.mix(0.6).stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)
+}

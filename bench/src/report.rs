@@ -153,6 +153,45 @@ pub fn write(dir: &Path, summary: &Summary, records: &[Record]) -> Result<(), Er
     Ok(())
 }
 
+/// With `--planner`: `planner.csv` (the sampled replicas) and `timeline.png/svg` (TTFT p90
+/// per time bin by send time, against the TTFT SLO if given, over replicas).
+pub fn write_planner(
+    dir: &Path,
+    summary: &Summary,
+    records: &[Record],
+    samples: &[crate::planner::PlannerSample],
+) -> Result<(), Error> {
+    create_dir(dir)?;
+    let path = dir.join("planner.csv");
+    let fail = |e: &dyn std::fmt::Display| Error::Output {
+        path: path.clone(),
+        message: e.to_string(),
+    };
+    let mut w = csv::Writer::from_path(&path).map_err(|e| fail(&e))?;
+    for s in samples {
+        w.serialize(s).map_err(|e| fail(&e))?;
+    }
+    w.flush().map_err(|e| fail(&e))?;
+    let width = (summary.duration_s / 60.0).clamp(1.0, 10.0);
+    let mut bins: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for r in records.iter().filter(|r| r.error.is_none()) {
+        if let Some(t) = r.ttft() {
+            let bin = (r.intended.as_secs_f64() / width) as u64;
+            bins.entry(bin).or_default().push(ms(t));
+        }
+    }
+    let p90: Vec<(f64, f64)> = bins
+        .into_iter()
+        .map(|(b, mut v)| {
+            v.sort_by(f64::total_cmp);
+            let i = ((v.len() as f64 * 0.9).ceil() as usize).clamp(1, v.len()) - 1;
+            ((b as f64 + 0.5) * width, v[i])
+        })
+        .collect();
+    let target = summary.slo.as_ref().and_then(|s| s.ttft_ms);
+    plot::timeline(dir, "timeline", &p90, target, samples)
+}
+
 /// One level of a concurrency sweep.
 #[derive(Debug, Clone, Serialize)]
 pub struct SweepPoint {

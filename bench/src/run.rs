@@ -19,7 +19,7 @@ use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::Error;
-use crate::arrival::{Arrival, Schedule};
+use crate::arrival::{Arrival, Rate, Schedule};
 use crate::client::{Client, Job, Live};
 use crate::dataset::{Entry, Prompt};
 use crate::metrics::{Record, Slo, Summary, summarize};
@@ -43,13 +43,13 @@ impl Endpoint {
 }
 
 /// How requests are paced.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Load {
     /// Closed loop: this many requests in flight at all times.
     Concurrency(usize),
     /// Open loop at `rate` requests per second.
     Rate {
-        rate: f64,
+        rate: Rate,
         arrival: Arrival,
         burstiness: f64,
     },
@@ -87,6 +87,8 @@ pub struct Config {
     pub slo: Option<Slo>,
     /// Show a progress bar on stderr (hidden anyway when stderr is not a terminal).
     pub progress: bool,
+    /// Sample the server's SLA planner during the run (see [`crate::planner`]).
+    pub planner: bool,
 }
 
 /// A finished run.
@@ -94,6 +96,8 @@ pub struct Outcome {
     pub summary: Summary,
     /// One per request sent in the measured phase, in send order.
     pub records: Vec<Record>,
+    /// With [`Config::planner`]: the planner's replicas over the run.
+    pub planner: Vec<crate::planner::PlannerSample>,
 }
 
 /// Run the benchmark over `entries` (cycled when more requests are asked for than there are
@@ -138,17 +142,18 @@ pub async fn run(
         },
     });
 
-    let pace = match cfg.load {
+    let pace = match &cfg.load {
         Load::Concurrency(0) => {
             return Err(Error::Invalid("--concurrency must be at least 1".into()));
         }
-        Load::Concurrency(n) => Pace::Closed(n),
+        Load::Concurrency(n) => Pace::Closed(*n),
         Load::Rate {
             rate,
             arrival,
             burstiness,
         } => Pace::Open(Box::new(
-            Schedule::new(rate, arrival, burstiness, cfg.seed).map_err(Error::Invalid)?,
+            Schedule::with_rate(rate.clone(), *arrival, *burstiness, cfg.seed)
+                .map_err(Error::Invalid)?,
         )),
         Load::Trace => {
             let times: Vec<Duration> = dataset.at.iter().map(|t| t.unwrap_or_default()).collect();
@@ -179,21 +184,45 @@ pub async fn run(
         }
     }
 
-    let stop = match (cfg.load, cfg.stop) {
+    let stop = match (&cfg.load, cfg.stop) {
         // A trace replays once unless fewer requests are asked for.
         (Load::Trace, Stop::Requests(n)) => Stop::Requests(n.min(entries.len())),
         (_, s) => s,
     };
     let bar = progress_bar(cfg.progress, stop);
     let cpu0 = cpu_seconds();
+    let sampled = Arc::new(AtomicBool::new(false));
+    let sampler = cfg.planner.then(|| {
+        tokio::spawn(crate::planner::sample(
+            base.clone(),
+            std::time::Instant::now(),
+            sampled.clone(),
+        ))
+    });
     let records = phase(&client, dataset, pace, stop, bar, interrupted).await;
     let cpu = cpu_seconds().zip(cpu0).map_or(0.0, |(b, a)| b - a);
+    sampled.store(true, Ordering::Relaxed);
+    let planner = match sampler {
+        Some(task) => task.await.unwrap_or_default(),
+        None => Vec::new(),
+    };
 
     let mut summary = summarize(&records, cfg.slo.as_ref());
     summary.client_cpu_s = cpu;
     summary.interrupted = interrupted.load(Ordering::Relaxed);
     summary.config = describe(cfg, &model, entries.len());
-    Ok(Outcome { summary, records })
+    if cfg.planner {
+        let end = records
+            .iter()
+            .map(|r| r.end.as_secs_f64())
+            .fold(0.0, f64::max);
+        summary.replica_seconds = Some(crate::planner::replica_seconds(&planner, end));
+    }
+    Ok(Outcome {
+        summary,
+        records,
+        planner,
+    })
 }
 
 /// Request bodies and what the dataset knows, shared by the sending tasks.
@@ -455,7 +484,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
-    let load = match cfg.load {
+    let load = match &cfg.load {
         Load::Concurrency(n) => json!({"mode": "concurrency", "concurrency": n}),
         Load::Rate {
             rate,
@@ -463,7 +492,11 @@ fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
             burstiness,
         } => json!({
             "mode": "request_rate",
-            "request_rate": rate,
+            // A number when constant, `SECONDS:RATE,…` when it changes.
+            "request_rate": match rate.points() {
+                [(_, r)] => json!(r),
+                _ => json!(rate.to_string()),
+            },
             "arrival": format!("{arrival:?}").to_lowercase(),
             "burstiness": burstiness,
         }),

@@ -41,9 +41,10 @@ pub struct BenchArgs {
     /// Closed loop: keep this many requests in flight [default: 1]
     #[arg(long, group = "load")]
     concurrency: Option<usize>,
-    /// Open loop: send this many requests per second, whatever the server's state
+    /// Open loop: send this many requests per second, whatever the server's state; or a rate
+    /// changing over the run, SECONDS:RATE points joined by lines (0:2,60:40,90:40,100:2)
     #[arg(long, group = "load")]
-    request_rate: Option<f64>,
+    request_rate: Option<dyn_bench::arrival::Rate>,
     /// Gaps between open-loop requests
     #[arg(long, value_enum, default_value_t = ArrivalArg::Poisson, requires = "request_rate")]
     arrival: ArrivalArg,
@@ -130,6 +131,11 @@ pub struct BenchArgs {
     /// No progress bar
     #[arg(long)]
     no_progress: bool,
+    /// Follow the graph's SLA planner during the run (its /admin/planner, once a second):
+    /// replica-seconds in the summary; with --output, planner.csv and a timeline plot of
+    /// TTFT and replicas
+    #[arg(long)]
+    planner: bool,
 }
 
 #[derive(Subcommand)]
@@ -261,7 +267,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let load = if args.trace.is_some() {
         Load::Trace
-    } else if let Some(rate) = args.request_rate {
+    } else if let Some(rate) = args.request_rate.clone() {
         Load::Rate {
             rate,
             arrival: match args.arrival {
@@ -291,6 +297,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         seed: args.seed,
         slo: args.slo.clone(),
         progress: !args.no_progress,
+        planner: args.planner,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -315,8 +322,14 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             ));
         }
         print!("{}", report::table(&out.summary));
+        if let Some(rs) = out.summary.replica_seconds {
+            println!("replica-seconds (planner): {rs:.1}");
+        }
         if let Some(dir) = &args.output {
             report::write(dir, &out.summary, &out.records)?;
+            if args.planner {
+                report::write_planner(dir, &out.summary, &out.records, &out.planner)?;
+            }
             println!("wrote {}", dir.display());
         }
         if out.summary.requests.ok == 0 {

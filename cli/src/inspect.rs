@@ -10,6 +10,7 @@ use dyn_operators::http::admin::EventLine;
 use dyn_operators::llm::kv::KvEventData;
 use dyn_operators::llm::remote_prefill::PrefillRouteAnswer;
 use dyn_operators::llm::route::inspect::{KvAnswer, KvArgs, Replicas, RouteAnswer, WorkersAnswer};
+use dyn_operators::planner::state::PlannerState;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -20,7 +21,8 @@ Examples:
   dyn inspect route --prompt 'Hello there'  where that prompt would go, and why (not sent)
   dyn inspect route --messages chat.json    the same for a chat message list
   dyn inspect kv --top 10                   the KV index: blocks per worker, shared prefixes
-  dyn inspect events --follow               KV events as the workers publish them";
+  dyn inspect events --follow               KV events as the workers publish them
+  dyn inspect planner                       the SLA planner: load, prediction, replicas, why";
 
 #[derive(Args)]
 #[command(after_help = EXAMPLES)]
@@ -63,6 +65,8 @@ enum InspectCommand {
         #[arg(long, default_value_t = 5)]
         top: usize,
     },
+    /// The SLA planner's latest decision: observed load, prediction, targets, replicas, why
+    Planner,
     /// KV events as they arrive
     Events {
         /// Keep printing until interrupted
@@ -103,6 +107,16 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
             args.json,
         )
         .await;
+    }
+    if let InspectCommand::Planner = &args.command {
+        let url = format!("{base}/planner");
+        let v = send(http.get(&url), &url).await?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            print_planner(&typed(v)?);
+        }
+        return Ok(());
     }
     if let InspectCommand::Route { prompt, messages } = &args.command {
         // Without --node every node on the path explains its part (router, remote prefill).
@@ -154,7 +168,9 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
                 };
                 post(&http, &format!("{base}/nodes/{node}/kv"), &json!(kv_args)).await?
             }
-            InspectCommand::Route { .. } | InspectCommand::Events { .. } => {
+            InspectCommand::Route { .. }
+            | InspectCommand::Events { .. }
+            | InspectCommand::Planner => {
                 unreachable!("handled above")
             }
         };
@@ -263,6 +279,76 @@ async fn all_nodes(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Str
         bail!("the graph has no inspectable node (a route or remote_prefill node)");
     }
     Ok(nodes)
+}
+
+fn print_planner(s: &PlannerState) {
+    let o = &s.observed;
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1} ms"));
+    let tokens = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.0}"));
+    println!(
+        "planner: {} ({} predictor), scaling {}; every {} s, cool-down {} s",
+        s.mode,
+        serde_json::to_value(s.predictor)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default(),
+        s.connector,
+        s.interval_s,
+        s.cooldown_s
+    );
+    println!(
+        "targets:   TTFT p{0} ≤ {1} ms, ITL p{0} ≤ {2} ms",
+        s.percentile, s.ttft_ms, s.itl_ms
+    );
+    println!(
+        "observed:  {:.2} req/s over {:.1} s ({} finished, {} failed, {} in flight), ISL {}, OSL {}, TTFT p{} {}, ITL {}",
+        o.request_rate,
+        o.interval_s,
+        o.finished,
+        o.errors,
+        o.inflight,
+        tokens(o.isl),
+        tokens(o.osl),
+        s.percentile,
+        ms(o.ttft_ms),
+        ms(o.itl_ms)
+    );
+    println!(
+        "predicted: {:.2} req/s, ISL {:.0}, OSL {:.0}",
+        s.predicted.request_rate, s.predicted.isl, s.predicted.osl
+    );
+    println!(
+        "\n  {:<14} {:<8} {:>5} {:>7} {:>7} {:>6} {:>7} {:>7} {:>8}  REASON",
+        "NODE", "PHASE", "MIN", "MAX", "WORKERS", "QUEUED", "CURRENT", "DESIRED", "ACTUAL"
+    );
+    for n in &s.nodes {
+        let d = &n.decision;
+        let load = o.nodes.get(&d.node).cloned().unwrap_or_default();
+        let phase = serde_json::to_value(d.phase)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let needed = d
+            .needed
+            .map_or(String::new(), |n| format!(" [needs {n:.2}]"));
+        let error = n
+            .error
+            .as_ref()
+            .map_or(String::new(), |e| format!(" [error: {e}]"));
+        println!(
+            "  {:<14} {:<8} {:>5} {:>7} {:>7} {:>6} {:>7} {:>7} {:>8}  {}{needed}{error}",
+            d.node,
+            phase,
+            d.min,
+            d.max,
+            load.workers,
+            load.waiting,
+            d.current,
+            d.desired,
+            n.actual,
+            d.reason
+        );
+    }
 }
 
 /// An optional figure, `-` when absent.

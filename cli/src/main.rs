@@ -17,6 +17,7 @@ use dyn_pipeline::spec::Override;
 use dyn_pipeline::{
     CompiledGraph, Diagnostics, EXIT_CONFIG, Placement, Plan, RunOptions, load_and_compile,
 };
+use futures::FutureExt as _;
 
 const EXAMPLES: &str = "\
 Examples:
@@ -373,8 +374,18 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
                 shutdown_signal().await;
             }
         };
+        // The planner runs beside an embedded graph, or in the supervisor of a distributed
+        // one (below), never in its processes.
+        let planner = if supervised {
+            None
+        } else {
+            planner_plan(&graph)?
+        };
+        let attach = move |a: dyn_pipeline::Attach| {
+            planner.map(|p| dyn_operators::planner::run(p, a.planes.events, a.replicas).boxed())
+        };
         return rt
-            .block_on(dyn_pipeline::run(&graph, opts, stop))
+            .block_on(dyn_pipeline::run_attached(&graph, opts, stop, attach))
             .map_err(Into::into);
     }
     // Distributed: supervise one process per process-group replica (of the selected nodes).
@@ -386,32 +397,57 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
             continue;
         }
         for replica in 0..p.replicas {
-            let a = child_args(&args, &graph, log, &format!("{}:{replica}", p.name));
-            groups.push(procs::Group {
-                process: p.name.clone(),
-                replica,
-                args: a,
-            });
+            groups.push((p.name.clone(), replica));
         }
     }
     if groups.is_empty() {
         anyhow::bail!("--only selects no node of graph '{}'", graph.name);
     }
-    let file = procs::StateFile::create(state(
-        "distributed",
-        groups
-            .iter()
-            .map(|g| procs::ProcState {
-                process: g.process.clone(),
-                replica: g.replica,
-                pid: None,
-                restarts: 0,
-                status: "starting".into(),
-            })
-            .collect(),
-    ))?;
+    let planner = planner_plan(&graph)?;
+    let file = procs::StateFile::create(state("distributed", Vec::new()))?;
+    let groups_of = graph
+        .nodes
+        .iter()
+        .map(|n| (n.id.clone(), n.process.clone()))
+        .collect();
+    let args_for: procs::ArgsFor = {
+        let graph = graph.clone();
+        Box::new(move |process, replica| {
+            child_args(&args, &graph, log, &format!("{process}:{replica}"))
+        })
+    };
     tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
-    rt.block_on(procs::supervise(groups, file, grace, shutdown_signal()))
+    rt.block_on(async {
+        let sup = procs::Supervisor::new(file, args_for, groups_of)?;
+        for (process, replica) in &groups {
+            sup.start(process, *replica);
+        }
+        let _planner = match planner {
+            Some(p) => {
+                let events = match &graph.events {
+                    PlaneAddr::Nats(eps) => dyn_pipeline::planes::NatsEventBus::connect(eps)
+                        .await
+                        .context("the planner cannot reach NATS")?,
+                    _ => anyhow::bail!(
+                        "the planner of a multi-process graph observes it over NATS: give --events nats://HOST:PORT"
+                    ),
+                };
+                let connector: std::sync::Arc<dyn dyn_pipeline::Connector> = sup.clone();
+                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                    dyn_operators::planner::run(p, std::sync::Arc::new(events), connector),
+                )))
+            }
+            None => None,
+        };
+        sup.run(grace, shutdown_signal()).await
+    })
+}
+
+/// The graph's planner, with its profile loaded (a bad profile stops `dyn graph up` here).
+fn planner_plan(
+    graph: &CompiledGraph,
+) -> anyhow::Result<Option<dyn_operators::planner::run::Plan>> {
+    dyn_operators::planner::run::Plan::of(graph).map_err(Into::into)
 }
 
 /// The arguments of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)

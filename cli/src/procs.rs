@@ -147,62 +147,202 @@ pub struct Group {
     pub args: Vec<String>,
 }
 
-/// Run `groups` as child processes until `shutdown`, restarting them when they exit.
-pub async fn supervise(
-    groups: Vec<Group>,
+/// The arguments of the `dyn` process running replica `replica` of process group `process`.
+pub type ArgsFor = Box<dyn Fn(&str, u32) -> Vec<String> + Send + Sync>;
+
+/// A running replica and the switch that stops it.
+type Replica = (u32, watch::Sender<bool>);
+
+/// The supervised processes, by group: started at `dyn graph up`, and added or removed by
+/// the planner through [`Connector`](dyn_pipeline::Connector).
+pub struct Supervisor {
+    exe: PathBuf,
     state: Arc<StateFile>,
-    grace: Duration,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("cannot find the dyn binary")?;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = tokio::task::JoinSet::new();
-    for (slot, g) in groups.into_iter().enumerate() {
-        tasks.spawn(keep_running(
-            exe.clone(),
-            g,
-            slot,
-            state.clone(),
-            stop_rx.clone(),
-        ));
+    args_for: ArgsFor,
+    /// Scaled node → its process group.
+    groups_of: std::collections::BTreeMap<String, String>,
+    /// Running replicas per group, each with the switch that stops it.
+    running: Mutex<std::collections::BTreeMap<String, Vec<Replica>>>,
+    tasks: Mutex<tokio::task::JoinSet<()>>,
+    stopping: std::sync::atomic::AtomicBool,
+}
+
+impl Supervisor {
+    pub fn new(
+        state: Arc<StateFile>,
+        args_for: ArgsFor,
+        groups_of: std::collections::BTreeMap<String, String>,
+    ) -> anyhow::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            exe: std::env::current_exe().context("cannot find the dyn binary")?,
+            state,
+            args_for,
+            groups_of,
+            running: Mutex::default(),
+            tasks: Mutex::new(tokio::task::JoinSet::new()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
+        }))
     }
-    shutdown.await;
-    tracing::info!("Stopping: every process drains its requests (SIGTERM)");
-    let _ = stop_tx.send(true);
-    // Each task sends SIGTERM and waits for its process; past the grace, SIGKILL.
-    let all = async { while tasks.join_next().await.is_some() {} };
-    if tokio::time::timeout(grace + Duration::from_secs(10), all)
-        .await
-        .is_err()
-    {
-        tracing::warn!("Processes still running after the grace period; killing them");
-        let pids: Vec<u32> = state
-            .state
+
+    /// Start replica `replica` of `process` and keep it running until told to stop.
+    pub fn start(&self, process: &str, replica: u32) {
+        let (tx, rx) = watch::channel(false);
+        self.running
             .lock()
-            .processes
-            .iter()
-            .filter_map(|p| p.pid)
-            .collect();
-        for pid in pids {
-            signal(pid, Signal::SIGKILL);
-        }
-        tasks.abort_all();
+            .entry(process.to_owned())
+            .or_default()
+            .push((replica, tx));
+        self.state.update(|s| {
+            s.processes.push(ProcState {
+                process: process.to_owned(),
+                replica,
+                pid: None,
+                restarts: 0,
+                status: "starting".into(),
+            })
+        });
+        let g = Group {
+            process: process.to_owned(),
+            replica,
+            args: (self.args_for)(process, replica),
+        };
+        self.tasks
+            .lock()
+            .spawn(keep_running(self.exe.clone(), g, self.state.clone(), rx));
     }
-    Ok(())
+
+    /// Stop the newest replica of `process` (SIGTERM: it deregisters, drains, exits).
+    fn stop_newest(&self, process: &str) -> bool {
+        let mut running = self.running.lock();
+        let Some(list) = running.get_mut(process) else {
+            return false;
+        };
+        let Some(i) = list
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, (r, _))| *r)
+            .map(|(i, _)| i)
+        else {
+            return false;
+        };
+        let (replica, stop) = list.remove(i);
+        tracing::info!(
+            process,
+            replica,
+            "Scaling down: the process drains and stops"
+        );
+        let _ = stop.send(true);
+        true
+    }
+
+    fn count(&self, process: &str) -> u32 {
+        let n = self.running.lock().get(process).map_or(0, Vec::len);
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    fn group(&self, node: &str) -> Result<&str, dyn_pipeline::ScaleError> {
+        self.groups_of
+            .get(node)
+            .map(String::as_str)
+            .ok_or_else(|| dyn_pipeline::ScaleError::UnknownNode(node.to_owned()))
+    }
+
+    /// Run until `shutdown`, then stop every process (each drains) and wait for them.
+    pub async fn run(
+        &self,
+        grace: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> anyhow::Result<()> {
+        shutdown.await;
+        tracing::info!("Stopping: every process drains its requests (SIGTERM)");
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        for list in self.running.lock().values() {
+            for (_, stop) in list {
+                let _ = stop.send(true);
+            }
+        }
+        let mut tasks = std::mem::take(&mut *self.tasks.lock());
+        // Each task sends SIGTERM and waits for its process; past the grace, SIGKILL.
+        let all = async { while tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(grace + Duration::from_secs(10), all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("Processes still running after the grace period; killing them");
+            let pids: Vec<u32> = self
+                .state
+                .state
+                .lock()
+                .processes
+                .iter()
+                .filter_map(|p| p.pid)
+                .collect();
+            for pid in pids {
+                signal(pid, Signal::SIGKILL);
+            }
+            tasks.abort_all();
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl dyn_pipeline::Connector for Supervisor {
+    fn name(&self) -> &'static str {
+        "processes"
+    }
+
+    async fn replicas(&self, node: &str) -> Result<u32, dyn_pipeline::ScaleError> {
+        Ok(self.count(self.group(node)?))
+    }
+
+    async fn set_replicas(&self, node: &str, n: u32) -> Result<(), dyn_pipeline::ScaleError> {
+        let process = self.group(node)?.to_owned();
+        if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        while self.count(&process) < n {
+            let next = self
+                .running
+                .lock()
+                .get(&process)
+                .and_then(|l| l.iter().map(|(r, _)| r + 1).max())
+                .unwrap_or(0);
+            self.start(&process, next);
+        }
+        while self.count(&process) > n {
+            if !self.stop_newest(&process) {
+                break;
+            }
+        }
+        Ok(())
+    }
 }
 
 async fn keep_running(
     exe: PathBuf,
     g: Group,
-    slot: usize,
     state: Arc<StateFile>,
     mut stop: watch::Receiver<bool>,
 ) {
     let name = format!("{}.{}", g.process, g.replica);
+    let (process, replica) = (g.process.clone(), g.replica);
+    let update = |f: &dyn Fn(&mut ProcState)| {
+        state.update(|s| {
+            if let Some(p) = s
+                .processes
+                .iter_mut()
+                .find(|p| p.process == process && p.replica == replica)
+            {
+                f(p);
+            }
+        })
+    };
     let mut backoff = Duration::from_millis(500);
     loop {
         if *stop.borrow() {
-            return;
+            break;
         }
         let started = Instant::now();
         let child = tokio::process::Command::new(&exe)
@@ -220,9 +360,9 @@ async fn keep_running(
             }
         };
         let pid = child.id();
-        state.update(|s| {
-            s.processes[slot].pid = pid;
-            s.processes[slot].status = "running".into();
+        update(&|p| {
+            p.pid = pid;
+            p.status = "running".into();
         });
         tracing::info!(process = %name, pid, "Process started");
         if let Some(out) = child.stdout.take() {
@@ -237,17 +377,14 @@ async fn keep_running(
                 if let Some(pid) = pid {
                     signal(pid, Signal::SIGTERM);
                 }
+                update(&|p| p.status = "draining".into());
                 let s = child.wait().await;
-                state.update(|st| {
-                    st.processes[slot].status = "stopped".into();
-                    st.processes[slot].pid = None;
-                });
                 tracing::info!(process = %name, status = ?s.as_ref().ok(), "Process stopped");
-                return;
+                break;
             }
         };
         if *stop.borrow() {
-            return;
+            break;
         }
         if started.elapsed() > Duration::from_secs(30) {
             backoff = Duration::from_millis(500);
@@ -257,17 +394,22 @@ async fn keep_running(
             .map(|s| s.to_string())
             .unwrap_or_else(|e| e.to_string());
         tracing::warn!(process = %name, status = %shown, restart_in = ?backoff, "Process exited; restarting");
-        state.update(|s| {
-            s.processes[slot].pid = None;
-            s.processes[slot].restarts += 1;
-            s.processes[slot].status = format!("restarting ({shown})");
+        update(&|p| {
+            p.pid = None;
+            p.restarts += 1;
+            p.status = format!("restarting ({shown})");
         });
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = stopped(&mut stop) => return,
+            _ = stopped(&mut stop) => break,
         }
         backoff = (backoff * 2).min(Duration::from_secs(10));
     }
+    // Stopped (scaled down or shut down): it leaves the state file.
+    state.update(|s| {
+        s.processes
+            .retain(|p| !(p.process == process && p.replica == replica))
+    });
 }
 
 /// Resolves when this process's parent (the supervisor) has gone: the process was re-parented.

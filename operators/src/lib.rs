@@ -9,6 +9,7 @@ pub mod engine;
 pub mod http;
 pub mod llm;
 pub mod metrics;
+pub mod planner;
 pub mod prefill;
 pub mod types;
 
@@ -29,4 +30,5 @@ pub fn registry() -> Registry {
         .operator::<prefill::PrefillConfig>()
         .operator::<decode::DecodeConfig>()
         .operator::<llm::postprocess::PostprocessConfig>()
+        .section::<planner::PlannerConfig>()
 }

@@ -15,7 +15,9 @@ use marked_yaml::Node;
 
 use crate::diag::{Diagnostic, Diagnostics, Pos};
 use crate::payload::PayloadType;
-use crate::registry::{DynConfig, Kind, Ports, Registry, Role};
+use crate::registry::{
+    AnySection, DynConfig, Kind, Ports, Registry, Role, SectionConfig, SectionNode,
+};
 use crate::spec::{self, GraphSpec, ModelSpec, Override};
 
 /// Where a plane lives, parsed from the `planes:` section.
@@ -69,6 +71,8 @@ pub struct CompiledGraph {
     pub base_dir: PathBuf,
     pub nodes: Vec<CompiledNode>,
     pub chains: Vec<ChainPath>,
+    /// Parsed sections (`planner:`), by name; see [`crate::registry::SectionConfig`].
+    pub sections: BTreeMap<String, AnySection>,
     /// Warnings (never errors) found while compiling.
     pub warnings: Diagnostics,
 }
@@ -76,6 +80,11 @@ pub struct CompiledGraph {
 impl CompiledGraph {
     pub fn node(&self, id: &str) -> Option<&CompiledNode> {
         self.nodes.iter().find(|n| n.id == id)
+    }
+
+    /// The graph's section of type `C`, if the file has one.
+    pub fn section<C: SectionConfig>(&self) -> Option<&C> {
+        self.sections.get(C::NAME)?.downcast_ref::<C>()
     }
 }
 
@@ -201,12 +210,13 @@ struct Compiler<'a> {
     /// Per node: its replica count, from `replicas` or else from its config (see
     /// [`crate::OperatorConfig::replicas`]).
     replicas: Vec<u32>,
+    sections: BTreeMap<String, AnySection>,
 }
 
 impl<'a> Compiler<'a> {
     /// The passes, in order. Each reports everything it finds; later passes look only at what
     /// earlier ones let through (a node whose config failed to parse has no type to check).
-    const PASSES: [(&'static str, Pass<'a>); 10] = [
+    const PASSES: [(&'static str, Pass<'a>); 11] = [
         ("nodes", Self::parse_nodes),
         ("edges", Self::link_edges),
         ("calls", Self::resolve_calls),
@@ -217,6 +227,7 @@ impl<'a> Compiler<'a> {
         ("roles", Self::check_roles),
         ("process groups", Self::check_process_groups),
         ("wire codecs", Self::check_wire_codecs),
+        ("sections", Self::check_sections),
     ];
 
     fn new(spec: &'a GraphSpec, registry: &'a Registry, diags: Diagnostics) -> Self {
@@ -238,6 +249,7 @@ impl<'a> Compiler<'a> {
             chains: Vec::new(),
             on_chain: vec![false; n],
             replicas: spec.nodes.iter().map(|n| n.replicas).collect(),
+            sections: BTreeMap::new(),
         }
     }
 
@@ -570,6 +582,71 @@ impl<'a> Compiler<'a> {
         }
     }
 
+    /// Top-level sections: a registered name, a config that parses, and its own checks
+    /// against the nodes that compiled.
+    fn check_sections(&mut self) {
+        let spec = self.spec;
+        let mut groups: BTreeMap<&str, usize> = BTreeMap::new();
+        for n in &spec.nodes {
+            *groups.entry(n.process.as_str()).or_default() += 1;
+        }
+        let nodes: Vec<SectionNode<'_>> = spec
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| {
+                let (kind, _) = self.parsed[i].as_ref()?;
+                Some(SectionNode {
+                    id: &n.id,
+                    kind: kind.name,
+                    role: kind.role,
+                    replicas: self.replicas[i],
+                    process: &n.process,
+                    process_nodes: groups.get(n.process.as_str()).copied().unwrap_or(1),
+                })
+            })
+            .collect();
+        for s in &spec.sections {
+            let Some(kind) = self.registry.get_section(&s.name) else {
+                let mut known = vec!["name", "namespace", "planes", "model", "nodes"];
+                known.extend(self.registry.section_names());
+                self.diags.push(Diagnostic::error(
+                    s.pos,
+                    None,
+                    format!(
+                        "unknown top-level key `{}`; expected one of: {}",
+                        s.name,
+                        known.join(", ")
+                    ),
+                ));
+                continue;
+            };
+            let parsed = match (kind.parse)(&s.node) {
+                Ok(p) => p,
+                Err(e) => {
+                    let (pos, msg) = spec::from_node_diag(&e, s.pos);
+                    self.diags
+                        .push(Diagnostic::error(pos, None, format!("{}: {msg}", s.name)));
+                    continue;
+                }
+            };
+            for inv in (kind.validate)(&parsed, &nodes) {
+                let pos = inv
+                    .field
+                    .as_deref()
+                    .and_then(|f| field_pos(&s.node, f))
+                    .or(Pos::of_span(s.node.span()))
+                    .or(s.pos);
+                let msg = match &inv.field {
+                    Some(f) => format!("{}: field `{f}`: {}", s.name, inv.message),
+                    None => format!("{}: {}", s.name, inv.message),
+                };
+                self.diags.push(Diagnostic::error(pos, None, msg));
+            }
+            self.sections.insert(s.name.clone(), parsed);
+        }
+    }
+
     fn finish(
         mut self,
         control: PlaneAddr,
@@ -608,6 +685,7 @@ impl<'a> Compiler<'a> {
             base_dir,
             nodes,
             chains: self.chains,
+            sections: self.sections,
             warnings: self.diags,
         })
     }

@@ -16,6 +16,7 @@ pub mod plan;
 pub mod planes;
 pub mod registry;
 pub mod runtime;
+pub mod scale;
 pub mod services;
 pub mod spec;
 
@@ -28,8 +29,10 @@ pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
 pub use plan::{Format, Plan};
 pub use registry::{
     BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Readiness, Registry, Role,
+    SectionConfig, SectionNode,
 };
-pub use runtime::{Placement, RunOptions, run};
+pub use runtime::{Attach, Placement, RunOptions, run, run_attached};
+pub use scale::{Connector, ScaleError};
 pub use services::{Service, Services};
 
 /// Exit code for configuration errors (`EX_CONFIG` from sysexits.h).

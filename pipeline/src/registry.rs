@@ -326,10 +326,50 @@ impl Kind {
     }
 }
 
-/// The explicit list of kinds a graph may use.
+/// A top-level section of a graph file that is not a node (`planner:`): a serde config type
+/// (`deny_unknown_fields`) the registry knows by name, checked against the graph's nodes.
+/// The compiled graph keeps the parsed value for whoever runs it
+/// ([`crate::CompiledGraph::section`]).
+pub trait SectionConfig: DeserializeOwned + Send + Sync + 'static {
+    const NAME: &'static str;
+    const SUMMARY: &'static str;
+
+    /// Checks against the compiled nodes (names it refers to, their roles).
+    fn validate(&self, _nodes: &[SectionNode<'_>]) -> Vec<Invalid> {
+        Vec::new()
+    }
+}
+
+/// What a section's `validate` sees of a node.
+#[derive(Debug, Clone, Copy)]
+pub struct SectionNode<'a> {
+    pub id: &'a str,
+    pub kind: &'a str,
+    pub role: Role,
+    pub replicas: u32,
+    pub process: &'a str,
+    /// Nodes in this node's process group, itself included.
+    pub process_nodes: usize,
+}
+
+/// A parsed section, type-erased.
+pub type AnySection = Arc<dyn std::any::Any + Send + Sync>;
+
+type SectionParseFn = fn(&marked_yaml::Node) -> Result<AnySection, marked_yaml::FromNodeError>;
+type SectionCheckFn = fn(&AnySection, &[SectionNode<'_>]) -> Vec<Invalid>;
+
+/// One registered section type.
+#[derive(Clone)]
+pub(crate) struct SectionKind {
+    pub(crate) parse: SectionParseFn,
+    pub(crate) validate: SectionCheckFn,
+}
+
+/// The explicit list of kinds (and sections) a graph may use.
 #[derive(Clone, Default)]
 pub struct Registry {
     kinds: BTreeMap<&'static str, Kind>,
+    sections: BTreeMap<&'static str, SectionKind>,
 }
 
 impl Registry {
@@ -375,6 +415,30 @@ impl Registry {
             },
         );
         self
+    }
+
+    pub fn section<C: SectionConfig>(mut self) -> Self {
+        self.sections.insert(
+            C::NAME,
+            SectionKind {
+                parse: |node| marked_yaml::from_node::<C>(node).map(|c| Arc::new(c) as AnySection),
+                validate: |any, nodes| {
+                    any.downcast_ref::<C>()
+                        .map(|c| c.validate(nodes))
+                        .unwrap_or_default()
+                },
+            },
+        );
+        self
+    }
+
+    pub(crate) fn get_section(&self, name: &str) -> Option<&SectionKind> {
+        self.sections.get(name)
+    }
+
+    /// Names of the sections this registry knows.
+    pub fn section_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.sections.keys().copied()
     }
 
     pub fn get(&self, name: &str) -> Option<&Kind> {

@@ -27,11 +27,12 @@ use tokio_util::task::TaskTracker;
 
 use crate::compile::{CompiledGraph, CompiledNode, PlaneAddr};
 use crate::ctx::{Ctx, RequestId};
-use crate::operator::{DynChain, ErrorKind, Input, OpError, Output, ShutdownSignal};
+use crate::operator::{DynChain, DynOperator, ErrorKind, Input, OpError, Output, ShutdownSignal};
 use crate::payload::{AnyPayload, Resume};
 use crate::planes::request::EndpointTypes;
 use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
 use crate::registry::{BuildCx, BuildError, Built, Ports, Readiness, Role};
+use crate::scale::{Connector, ScaleError};
 
 /// The endpoint name every node serves its requests on.
 pub const ENDPOINT: &str = "generate";
@@ -113,6 +114,16 @@ fn random_instance_id() -> u64 {
     uuid::Uuid::new_v4().as_u64_pair().0
 }
 
+/// What a process may attach to its running graph (the SLA planner): the planes, and a
+/// connector that adds and removes replicas of the operator nodes running here.
+pub struct Attach {
+    pub planes: Planes,
+    pub replicas: Arc<dyn Connector>,
+}
+
+/// A task attached to a running graph; it is stopped when the drain starts.
+pub type Attached = BoxFuture<'static, ()>;
+
 /// Run `graph` (this process's part of it) until `shutdown` resolves or an ingress fails, then
 /// drain and stop. The phases, in order: `nodes_here` (what this process runs),
 /// `connect_planes`, `Startup::serve_operators` (build, serve and register every operator
@@ -123,18 +134,41 @@ pub async fn run(
     opts: RunOptions,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RuntimeError> {
+    run_attached(graph, opts, shutdown, |_| None).await
+}
+
+/// [`run`], and once the graph is up, `attach` may start a task beside it (see [`Attach`]).
+pub async fn run_attached(
+    graph: &CompiledGraph,
+    opts: RunOptions,
+    shutdown: impl Future<Output = ()> + Send,
+    attach: impl FnOnce(Attach) -> Option<Attached>,
+) -> Result<(), RuntimeError> {
     let here = nodes_here(graph, &opts)?;
+    let planes = connect_planes(graph, &opts).await?;
+    let replicas = Arc::new(ReplicaSet {
+        graph: Arc::new(graph.clone()),
+        planes: planes.clone(),
+        services: crate::Services::default(),
+        opts: opts.clone(),
+        served: Mutex::default(),
+        scaling: tokio::sync::Mutex::new(()),
+    });
     let startup = Startup {
         graph,
-        planes: connect_planes(graph, &opts).await?,
-        services: crate::Services::default(),
+        planes,
         root: Ctx::with_id("runtime"),
         opts,
+        replicas,
     };
-    let mut followers = JoinSet::new();
-    let served = startup.serve_operators(&here, &mut followers).await?;
-    let mut running = startup.start_ingresses(served, followers).await?;
+    startup.serve_operators(&here).await?;
+    let mut running = startup.start_ingresses().await?;
     tracing::info!(graph = %graph.name, nodes = here.len(), "Graph is up");
+    let attached = attach(Attach {
+        planes: running.planes.clone(),
+        replicas: running.replicas.clone(),
+    })
+    .map(|task| tokio_util::task::AbortOnDropHandle::new(tokio::spawn(task)));
 
     let failure = tokio::select! {
         _ = shutdown => {
@@ -143,6 +177,7 @@ pub async fn run(
         }
         Some(done) = running.ingresses.join_next() => ingress_result(done),
     };
+    drop(attached);
     running.drain(failure).await
 }
 
@@ -197,111 +232,41 @@ struct Startup<'g> {
     graph: &'g CompiledGraph,
     opts: RunOptions,
     planes: Planes,
-    services: crate::Services,
     /// Parent of every request context: killing it aborts whatever is left after the grace.
     root: Ctx,
+    replicas: Arc<ReplicaSet>,
 }
 
 impl Startup<'_> {
-    fn cx(&self, node: &str, replica: u32, instance_id: u64, readiness: Readiness) -> BuildCx {
-        let g = self.graph;
-        BuildCx {
-            graph: g.name.clone(),
-            namespace: g.namespace.clone(),
-            node: node.to_owned(),
-            replica,
-            instance_id,
-            consumers: workers_after(g, node),
-            model: g.model.clone(),
-            base_dir: g.base_dir.clone(),
-            planes: self.planes.clone(),
-            services: self.services.clone(),
-            readiness,
-        }
-    }
-
-    async fn build(
-        &self,
-        n: &CompiledNode,
-        replica: u32,
-        id: u64,
-        readiness: Readiness,
-    ) -> Result<Built, RuntimeError> {
-        n.config
-            .clone()
-            .build(self.cx(&n.id, replica, id, readiness))
-            .await
-            .map_err(|source| RuntimeError::Build {
-                node: n.id.clone(),
-                replica,
-                source,
-            })
-    }
-
     /// Phase 3: build every replica of every operator node placed here, serve it on the
     /// request plane and keep it registered in discovery while it is ready (see
-    /// [`Readiness`]); `followers` holds the tasks that do the latter.
-    async fn serve_operators(
-        &self,
-        here: &[&CompiledNode],
-        followers: &mut JoinSet<()>,
-    ) -> Result<Vec<Instance>, RuntimeError> {
-        let mut served = Vec::new();
+    /// [`Readiness`]).
+    async fn serve_operators(&self, here: &[&CompiledNode]) -> Result<(), RuntimeError> {
         for n in here {
-            let Ports::Operator { input, output } = n.kind.ports else {
+            if !matches!(n.kind.ports, Ports::Operator { .. }) {
                 continue;
-            };
-            let types = EndpointTypes { input, output };
+            }
             for replica in self.opts.replicas(n) {
-                let instance_id = random_instance_id();
-                let readiness = Readiness::default();
-                let built = self
-                    .build(n, replica, instance_id, readiness.clone())
-                    .await?;
-                let Built::Operator(op) = built else {
-                    return Err(wrong_build(n, replica, "kind built an ingress"));
-                };
-                let mut metadata = n.config.metadata();
-                metadata.insert("kind".into(), n.kind.name.into());
-                if let Some(m) = &self.graph.model {
-                    metadata.insert("model".into(), m.name.clone().into());
-                }
-                let mut instance = Instance {
-                    namespace: self.graph.namespace.clone(),
-                    component: n.id.clone(),
-                    endpoint: ENDPOINT.to_owned(),
-                    instance_id,
-                    transport: Transport::InProcess,
-                    metadata,
-                };
-                instance.transport = self.planes.requests.serve(&instance, types, op).await?;
-                let mut ready = readiness.subscribe();
-                if *ready.borrow_and_update() {
-                    self.planes.discovery.register(instance.clone()).await?;
-                } else {
-                    tracing::warn!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, "Replica not ready; registered once it is");
-                }
-                followers.spawn(follow_readiness(
-                    self.planes.clone(),
-                    instance.clone(),
-                    ready,
-                ));
-                tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
-                served.push(instance);
+                self.replicas.start(n, replica).await?;
             }
         }
-        Ok(served)
+        Ok(())
     }
 
     /// Phase 4: for each ingress placed here, the stages of its request path (one edge client
     /// per node, shared by paths through it), then the ingress itself, serving until told to stop.
-    async fn start_ingresses(
-        self,
-        served: Vec<Instance>,
-        followers: JoinSet<()>,
-    ) -> Result<Running, RuntimeError> {
+    async fn start_ingresses(self) -> Result<Running, RuntimeError> {
         let graph = self.graph;
-        let local: Arc<HashSet<u64>> = Arc::new(served.iter().map(|i| i.instance_id).collect());
+        // Replicas started here later (by the planner) are called over the planes like any
+        // other; preferring the first ones in-process is only a shortcut.
+        let local: Arc<HashSet<u64>> = Arc::new(
+            self.replicas
+                .served
+                .lock()
+                .iter()
+                .map(|r| r.instance.instance_id)
+                .collect(),
+        );
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let signal: ShutdownSignal = async move {
             let _ = stop_rx.await;
@@ -345,6 +310,7 @@ impl Startup<'_> {
                 Placement::Group { replica, .. } => *replica,
             };
             let built = self
+                .replicas
                 .build(n, replica, random_instance_id(), Readiness::default())
                 .await?;
             let Built::Ingress(ingress) = built else {
@@ -364,8 +330,7 @@ impl Startup<'_> {
             grace: self.opts.grace,
             planes: self.planes,
             root: self.root,
-            served,
-            followers,
+            replicas: self.replicas,
             ingresses,
             stop: stop_tx,
         })
@@ -405,15 +370,258 @@ fn wrong_build(n: &CompiledNode, replica: u32, message: &str) -> RuntimeError {
     }
 }
 
+/// The operator replicas this process serves: built, served on the request plane and kept in
+/// discovery while ready. Start-up fills it; the planner's embedded connector grows and
+/// shrinks it while the graph runs.
+struct ReplicaSet {
+    graph: Arc<CompiledGraph>,
+    planes: Planes,
+    services: crate::Services,
+    opts: RunOptions,
+    served: Mutex<Vec<ServedReplica>>,
+    /// One scaling change (or the drain) at a time.
+    scaling: tokio::sync::Mutex<()>,
+}
+
+struct ServedReplica {
+    node: String,
+    replica: u32,
+    instance: Instance,
+    /// Keeps the replica registered while it is ready; aborted when it leaves.
+    follower: tokio::task::AbortHandle,
+    /// One token per call in flight on this replica: a replica being removed waits on it.
+    calls: TaskTracker,
+}
+
+impl ReplicaSet {
+    fn cx(&self, node: &str, replica: u32, instance_id: u64, readiness: Readiness) -> BuildCx {
+        let g = &self.graph;
+        BuildCx {
+            graph: g.name.clone(),
+            namespace: g.namespace.clone(),
+            node: node.to_owned(),
+            replica,
+            instance_id,
+            consumers: workers_after(g, node),
+            model: g.model.clone(),
+            base_dir: g.base_dir.clone(),
+            planes: self.planes.clone(),
+            services: self.services.clone(),
+            readiness,
+        }
+    }
+
+    async fn build(
+        &self,
+        n: &CompiledNode,
+        replica: u32,
+        id: u64,
+        readiness: Readiness,
+    ) -> Result<Built, RuntimeError> {
+        n.config
+            .clone()
+            .build(self.cx(&n.id, replica, id, readiness))
+            .await
+            .map_err(|source| RuntimeError::Build {
+                node: n.id.clone(),
+                replica,
+                source,
+            })
+    }
+
+    /// Build replica `replica` of operator node `n`, serve it and follow its readiness.
+    async fn start(&self, n: &CompiledNode, replica: u32) -> Result<(), RuntimeError> {
+        let Ports::Operator { input, output } = n.kind.ports else {
+            return Err(wrong_build(
+                n,
+                replica,
+                "an ingress has no replicas to serve",
+            ));
+        };
+        let types = EndpointTypes { input, output };
+        let instance_id = random_instance_id();
+        let readiness = Readiness::default();
+        let built = self
+            .build(n, replica, instance_id, readiness.clone())
+            .await?;
+        let Built::Operator(op) = built else {
+            return Err(wrong_build(n, replica, "kind built an ingress"));
+        };
+        let calls = TaskTracker::new();
+        // Workers are what scaling removes, so only their calls are counted (one more stream
+        // layer per call; the other nodes do without it).
+        let op: Arc<dyn DynOperator> = if n.kind.role == Role::Worker {
+            Arc::new(Counted {
+                inner: op,
+                calls: calls.clone(),
+            })
+        } else {
+            op
+        };
+        let mut metadata = n.config.metadata();
+        metadata.insert("kind".into(), n.kind.name.into());
+        if let Some(m) = &self.graph.model {
+            metadata.insert("model".into(), m.name.clone().into());
+        }
+        let mut instance = Instance {
+            namespace: self.graph.namespace.clone(),
+            component: n.id.clone(),
+            endpoint: ENDPOINT.to_owned(),
+            instance_id,
+            transport: Transport::InProcess,
+            metadata,
+        };
+        instance.transport = self.planes.requests.serve(&instance, types, op).await?;
+        let mut ready = readiness.subscribe();
+        if *ready.borrow_and_update() {
+            self.planes.discovery.register(instance.clone()).await?;
+        } else {
+            tracing::warn!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, "Replica not ready; registered once it is");
+        }
+        let follower = tokio::spawn(follow_readiness(
+            self.planes.clone(),
+            instance.clone(),
+            ready,
+        ))
+        .abort_handle();
+        tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
+        self.served.lock().push(ServedReplica {
+            node: n.id.clone(),
+            replica,
+            instance,
+            follower,
+            calls,
+        });
+        Ok(())
+    }
+
+    async fn deregister(&self, instance: &Instance) {
+        if let Err(e) = self.planes.discovery.deregister(&instance.key()).await {
+            tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
+        }
+    }
+
+    /// Take the newest replica of `node` out: deregister it now; in the background, wait for
+    /// the calls it holds (up to the grace period), then stop serving it.
+    async fn remove_one(&self, node: &str) -> bool {
+        let r = {
+            let mut served = self.served.lock();
+            let newest = served
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.node == node)
+                .max_by_key(|(_, r)| r.replica)
+                .map(|(i, _)| i);
+            match newest {
+                Some(i) => served.remove(i),
+                None => return false,
+            }
+        };
+        r.follower.abort();
+        self.deregister(&r.instance).await;
+        tracing::info!(
+            node,
+            worker_id = format_args!("{:x}", r.instance.instance_id),
+            replica = r.replica,
+            in_flight = r.calls.len(),
+            "Replica deregistered; draining"
+        );
+        let requests = self.planes.requests.clone();
+        let grace = self.opts.grace;
+        tokio::spawn(async move {
+            // Routers that chose it a moment before it left still reach it: their calls are
+            // counted from the first, so waiting on the tracker covers them.
+            r.calls.close();
+            if tokio::time::timeout(grace, r.calls.wait()).await.is_err() {
+                tracing::warn!(node = %r.node, replica = r.replica, "Replica still busy after the grace period; stopping it");
+            }
+            if let Err(e) = requests.unserve(r.instance.instance_id).await {
+                tracing::warn!(error = %e, "Cannot stop serving the replica");
+            }
+            tracing::info!(node = %r.node, worker_id = format_args!("{:x}", r.instance.instance_id), replica = r.replica, "Replica stopped");
+        });
+        true
+    }
+
+    fn count(&self, node: &str) -> u32 {
+        let n = self.served.lock().iter().filter(|r| r.node == node).count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    fn scalable(&self, node: &str) -> Result<&CompiledNode, ScaleError> {
+        self.graph
+            .node(node)
+            .filter(|n| n.kind.role == Role::Worker && self.opts.runs_node(n))
+            .ok_or_else(|| ScaleError::UnknownNode(node.to_owned()))
+    }
+}
+
+#[async_trait::async_trait]
+impl Connector for ReplicaSet {
+    fn name(&self) -> &'static str {
+        "embedded"
+    }
+
+    async fn replicas(&self, node: &str) -> Result<u32, ScaleError> {
+        self.scalable(node)?;
+        Ok(self.count(node))
+    }
+
+    async fn set_replicas(&self, node: &str, n: u32) -> Result<(), ScaleError> {
+        let compiled = self.scalable(node)?.clone();
+        let _one = self.scaling.lock().await;
+        while self.count(node) < n {
+            let next = self
+                .served
+                .lock()
+                .iter()
+                .filter(|r| r.node == node)
+                .map(|r| r.replica + 1)
+                .max()
+                .unwrap_or(0);
+            self.start(&compiled, next)
+                .await
+                .map_err(|e| ScaleError::Failed {
+                    node: node.to_owned(),
+                    message: e.to_string(),
+                })?;
+        }
+        while self.count(node) > n {
+            if !self.remove_one(node).await {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A replica's operator, counting the calls in flight on it.
+struct Counted {
+    inner: Arc<dyn DynOperator>,
+    calls: TaskTracker,
+}
+
+impl DynOperator for Counted {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let token = self.calls.token();
+        let mut out = self.inner.call(ctx, input);
+        async_stream::stream! {
+            let _token = token;
+            while let Some(item) = out.next().await {
+                yield item;
+            }
+        }
+        .boxed()
+    }
+}
+
 /// A graph that is up: what the drain needs.
 struct Running {
     graph_name: String,
     grace: Duration,
     planes: Planes,
     root: Ctx,
-    served: Vec<Instance>,
-    /// Keep each served replica registered while it is ready; stopped before the drain.
-    followers: JoinSet<()>,
+    replicas: Arc<ReplicaSet>,
     ingresses: JoinSet<(String, Result<(), OpError>)>,
     stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -423,12 +631,14 @@ impl Running {
     /// its work), tell the ingresses to drain, wait for them and for requests other processes
     /// sent here; after the grace period kill whatever is left.
     async fn drain(mut self, mut failure: Option<RuntimeError>) -> Result<(), RuntimeError> {
-        self.followers.abort_all();
-        while self.followers.join_next().await.is_some() {}
-        for instance in &self.served {
-            if let Err(e) = self.planes.discovery.deregister(&instance.key()).await {
-                tracing::warn!(error = %e, "Deregistration failed; the lease will expire instead");
-            }
+        // The scaling lock is held to the end: no replica starts or stops during the drain.
+        let _scaling = self.replicas.scaling.lock().await;
+        let served = std::mem::take(&mut *self.replicas.served.lock());
+        for r in &served {
+            r.follower.abort();
+        }
+        for r in &served {
+            self.replicas.deregister(&r.instance).await;
         }
         let _ = self.stop.send(());
         let ingresses = &mut self.ingresses;
@@ -453,8 +663,8 @@ impl Running {
                 self.ingresses.abort_all();
             }
         }
-        for instance in self.served {
-            self.planes.requests.unserve(instance.instance_id).await?;
+        for r in served {
+            self.planes.requests.unserve(r.instance.instance_id).await?;
         }
         tracing::info!(graph = %self.graph_name, "Graph stopped");
         failure.map_or(Ok(()), Err)

@@ -29,6 +29,9 @@ pub struct GraphSpec {
     pub planes: PlanesSpec,
     pub model: Option<ModelSpec>,
     pub nodes: Vec<NodeSpec>,
+    /// Top-level keys other than the header's and `nodes`: sections a registry defines
+    /// (`planner:`), checked by the compiler against the registry.
+    pub sections: Vec<SectionSpec>,
     /// Ids of nodes whose own fields did not parse (already reported); edges to them are not
     /// reported again as dangling.
     pub broken: Vec<String>,
@@ -48,6 +51,17 @@ pub struct ModelSpec {
     pub name: String,
     pub path: String,
 }
+
+/// A top-level section as written, kept as a marked node for its registered config type.
+#[derive(Debug, Clone)]
+pub struct SectionSpec {
+    pub name: String,
+    pub pos: Option<Pos>,
+    pub node: Node,
+}
+
+/// The graph's own top-level keys; any other is a section (see [`SectionSpec`]).
+const HEADER_KEYS: &[&str] = &["name", "namespace", "planes", "model", "nodes"];
 
 /// One node as written.
 #[derive(Debug, Clone)]
@@ -73,7 +87,10 @@ pub struct NodeSpec {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct HeaderRaw {
-    name: Spanned<String>,
+    // Optional here so a missing name is reported beside the other errors (an unknown
+    // top-level key is often a misspelt `name`).
+    #[serde(default)]
+    name: Option<Spanned<String>>,
     #[serde(default)]
     namespace: Option<Spanned<String>>,
     #[serde(default)]
@@ -286,6 +303,25 @@ pub fn load_str(
     }
 
     let root_pos = Pos::of_span(root.span());
+    // Sections are taken out before the header is parsed with `deny_unknown_fields`; the
+    // compiler reports the ones no registered config claims.
+    let mut sections = Vec::new();
+    if let Some(map) = root.as_mapping_mut() {
+        let names: Vec<String> = map
+            .keys()
+            .map(|k| k.as_str().to_owned())
+            .filter(|k| !HEADER_KEYS.contains(&k.as_str()))
+            .collect();
+        for name in names {
+            let pos = map
+                .keys()
+                .find(|k| k.as_str() == name)
+                .and_then(|k| Pos::of_span(k.span()));
+            if let Some(node) = map.remove(name.as_str()) {
+                sections.push(SectionSpec { name, pos, node });
+            }
+        }
+    }
     let header = match marked_yaml::from_node::<HeaderRaw>(&root) {
         Ok(h) => h,
         Err(e) => {
@@ -302,8 +338,15 @@ pub fn load_str(
         Some(s) => (s.to_string(), pos_of(&s)),
         None => ("embedded".to_owned(), None),
     };
+    let name = match &header.name {
+        Some(n) => n.to_string(),
+        None => {
+            diags.push(Diagnostic::error(root_pos, None, "missing field `name`"));
+            String::new()
+        }
+    };
     let mut spec = GraphSpec {
-        name: header.name.to_string(),
+        name,
         namespace: header
             .namespace
             .map(|n| n.to_string())
@@ -314,6 +357,7 @@ pub fn load_str(
         },
         model: header.model,
         nodes: Vec::new(),
+        sections,
         broken: Vec::new(),
     };
 
@@ -430,8 +474,16 @@ fn apply_override(root: &mut Node, source: usize, o: &Override) -> Result<(), Di
     let root = root
         .as_mapping_mut()
         .ok_or_else(|| err("a graph file must be a YAML mapping".into()))?;
-    let node = if HEADER_SECTIONS.contains(&o.node.as_str()) {
-        // The graph's own sections (`model.path`, `planes.control`), made if absent.
+    let is_node = root
+        .get_node("nodes")
+        .and_then(Node::as_mapping)
+        .is_some_and(|m| m.get_node(o.node.as_str()).is_some());
+    let is_section = !is_node
+        && !HEADER_KEYS.contains(&o.node.as_str())
+        && root.get_node(o.node.as_str()).is_some();
+    let node = if HEADER_SECTIONS.contains(&o.node.as_str()) || is_section {
+        // The graph's own sections (`model.path`, `planes.control`), made if absent, and the
+        // registered sections the file has (`planner.ttft_ms`).
         let k = marked_yaml::types::MarkedScalarNode::new(span, o.node.as_str());
         root.entry(k)
             .or_insert_with(|| {

@@ -781,3 +781,101 @@ async fn two_frontends_route_on_one_view_of_the_workers() {
         assert!(ok > 0);
     }
 }
+
+/// The SLA planner over processes: an open-loop ramp (4 → 40 req/s over 40 s, held, then
+/// down to 3 req/s) makes the decode processes grow and TTFT p90 come back under its target
+/// while the load is held; the drop makes them shrink, and no request fails throughout
+/// (a scaled-down process deregisters, drains, stops).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_planner_grows_decode_with_a_ramp_and_shrinks_it_after_without_a_failure() {
+    let Some(c) = Cluster::up(
+        "graphs/planner.yaml",
+        1,
+        &[
+            "--set",
+            "planner.interval_s=3",
+            "--set",
+            "planner.cooldown_s=9",
+        ],
+    ) else {
+        return;
+    };
+    let dir = scratch_dir("planner-ramp");
+    let url = format!("http://{}", c.g.addr);
+    let out = tokio::task::spawn_blocking({
+        let dir = dir.clone();
+        move || {
+            dyn_cmd()
+                .args(["bench", "--url", &url, "--no-progress", "--planner"])
+                .args(["--request-rate", "0:4,40:40,70:40,72:3"])
+                .args(["--duration", "110", "--isl", "256", "--osl", "64"])
+                .args(["--slo", "ttft_ms=300", "--output", dir.to_str().unwrap()])
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["requests"]["failed"], 0, "{stdout}");
+    // Replicas over the run, from the planner's decisions as the frontend served them.
+    let planner = std::fs::read_to_string(dir.join("planner.csv")).unwrap();
+    let actual: Vec<(f64, u64)> = planner
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[0].parse().unwrap(), f[3].parse().unwrap())
+        })
+        .collect();
+    let peak = actual.iter().map(|a| a.1).max().unwrap();
+    let peak_at = actual.iter().find(|a| a.1 == peak).unwrap().0;
+    let last = actual.last().unwrap().1;
+    assert!(peak >= 3, "decode grew with the ramp: {actual:?}");
+    assert!(last < peak, "and shrank after the drop: {actual:?}");
+    assert!(dir.join("timeline.png").exists() && dir.join("timeline.svg").exists());
+    // TTFT p90 of the requests sent while the load was held (50–70 s) is under the target.
+    let text = std::fs::read_to_string(dir.join("requests.csv")).unwrap();
+    let mut held: Vec<f64> = text
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            let at: f64 = f[1].parse().ok()?;
+            ((50_000.0..70_000.0).contains(&at)).then(|| f[5].parse().ok())?
+        })
+        .collect();
+    held.sort_by(f64::total_cmp);
+    let p90 = held[(held.len() * 9 / 10).min(held.len() - 1)];
+    assert!(
+        p90 < 300.0,
+        "TTFT p90 {p90} ms while held (peak {peak} replicas at {peak_at:.0} s): {actual:?}"
+    );
+    // What was stopped left discovery: the registered decode instances are what the planner
+    // says runs now.
+    let mut registered = 0;
+    for _ in 0..50 {
+        registered = c.instances("decode").len() as u64;
+        let now = inspect_planner(&c);
+        if registered == now {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(registered, inspect_planner(&c));
+}
+
+/// `dyn inspect planner --json`: the decode node's actual replicas.
+fn inspect_planner(c: &Cluster) -> u64 {
+    let v = dyn_tests::inspect_json(&format!("http://{}", c.g.addr), &["planner"]);
+    assert_eq!(v["connector"], "processes", "{v}");
+    assert!(v["observed"]["request_rate"].is_number(), "{v}");
+    v["nodes"][0]["actual"].as_u64().unwrap()
+}

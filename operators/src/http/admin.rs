@@ -8,7 +8,8 @@
 //! - `POST /admin/route` with `{"node"?, "prompt" | "messages"}`: the prompt goes through the
 //!   same chat template and tokenizer as a real request, then the router explains where it
 //!   would send it, without sending it;
-//! - `GET /admin/events[?node=NODE]`: the workers' KV events as server-sent events.
+//! - `GET /admin/events[?node=NODE]`: the workers' KV events as server-sent events;
+//! - `GET /admin/planner`: the SLA planner's latest decision (404 while none was published).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use crate::llm::preprocess::Preprocess;
 use crate::llm::remote_prefill::PrefillRouteAnswer;
 use crate::llm::route::inspect::{Replicas, RouteAnswer, RouteArgs};
 use crate::llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
+use crate::planner::state::PlannerView;
 
 /// What the admin routes need from the process they run in.
 #[derive(Clone)]
@@ -43,6 +45,8 @@ pub struct Admin {
     pub model: String,
     /// Tokenizes prompts for `/admin/route` exactly as `preprocess` would.
     pub preprocess: Arc<Preprocess>,
+    /// The SLA planner's latest decision, wherever it runs.
+    pub planner: Arc<PlannerView>,
 }
 
 pub fn router(admin: Admin) -> axum::Router {
@@ -51,6 +55,7 @@ pub fn router(admin: Admin) -> axum::Router {
         .route("/admin/nodes/{node}/{query}", post(query))
         .route("/admin/route", post(route))
         .route("/admin/events", get(events))
+        .route("/admin/planner", get(planner))
         .route_layer(axum::middleware::from_fn(loopback_only))
         .with_state(admin)
 }
@@ -70,6 +75,19 @@ async fn loopback_only(req: Request, next: Next) -> Response {
         "the admin endpoint answers loopback clients only",
     )
     .into_response()
+}
+
+async fn planner(State(admin): State<Admin>) -> Response {
+    match admin.planner.latest() {
+        Some(s) => Json(s).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "no_planner",
+            "no planner decision seen yet: the graph has no `planner:` section, or its first interval has not ended",
+        )
+        .into_response(),
+    }
 }
 
 fn not_found(node: &str) -> ApiError {

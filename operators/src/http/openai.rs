@@ -37,6 +37,8 @@ use crate::llm::types::{
     ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
 };
 use crate::metrics::FRONTEND;
+use crate::planner::state::PlannerView;
+use crate::planner::stats::FrontendStats;
 
 /// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
 #[derive(Debug, Clone, Deserialize)]
@@ -69,7 +71,9 @@ impl IngressConfig for HttpConfig {
                 namespace: cx.namespace.clone(),
                 model: model.name.clone(),
                 preprocess: Arc::new(preprocess),
+                planner: cx.service::<PlannerView>().await?,
             },
+            stats: cx.service::<FrontendStats>().await?,
         })
     }
 }
@@ -79,6 +83,7 @@ pub struct Http {
     config: ServerConfig,
     model: String,
     admin: Admin,
+    stats: Arc<FrontendStats>,
 }
 
 type AppChain = Chain<LlmRequest, LlmDelta>;
@@ -88,6 +93,8 @@ struct App {
     chain: AppChain,
     model: Arc<str>,
     created: u64,
+    /// The planner's view of this frontend's traffic.
+    stats: Arc<FrontendStats>,
 }
 
 impl Ingress for Http {
@@ -103,6 +110,7 @@ impl Ingress for Http {
             chain: chain.clone(),
             model: self.model.into(),
             created: unix_now(),
+            stats: self.stats,
         };
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -378,14 +386,25 @@ struct Track {
     endpoint: &'static str,
     stream: bool,
     start: Instant,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Tokens after the first one's delta, for the request's mean ITL.
+    later_tokens: u32,
+    usage: Option<(u32, u32)>,
     status: Option<&'static str>,
+    stats: Arc<FrontendStats>,
 }
 
 impl Track {
-    fn new(model: Arc<str>, endpoint: Endpoint, stream: bool) -> Self {
+    fn new(app: &App, endpoint: Endpoint, stream: bool) -> Self {
+        let model = app.model.clone();
         FRONTEND.inflight.with_label_values(&[&*model]).inc();
+        app.stats.arrived();
         Self {
+            stats: app.stats.clone(),
+            first_token: None,
+            later_tokens: 0,
+            usage: None,
             model,
             endpoint: match endpoint {
                 Endpoint::Chat => "chat_completions",
@@ -405,17 +424,25 @@ impl Track {
         let now = Instant::now();
         let m = [&*self.model];
         match self.last_token {
-            None => FRONTEND
-                .ttft
-                .with_label_values(&m)
-                .observe((now - self.start).as_secs_f64()),
-            Some(last) => FRONTEND
-                .itl
-                .with_label_values(&m)
-                .observe((now - last).as_secs_f64() / f64::from(d.tokens)),
+            None => {
+                FRONTEND
+                    .ttft
+                    .with_label_values(&m)
+                    .observe((now - self.start).as_secs_f64());
+                self.stats.first_token(now - self.start);
+                self.first_token = Some(now);
+            }
+            Some(last) => {
+                FRONTEND
+                    .itl
+                    .with_label_values(&m)
+                    .observe((now - last).as_secs_f64() / f64::from(d.tokens));
+                self.later_tokens += d.tokens;
+            }
         }
         self.last_token = Some(now);
         if let Some(u) = d.usage {
+            self.usage = Some((u.prompt_tokens, u.completion_tokens));
             FRONTEND
                 .input_tokens
                 .with_label_values(&m)
@@ -442,6 +469,14 @@ impl Drop for Track {
             .requests
             .with_label_values(&[m, self.endpoint, kind, status])
             .inc();
+        let itl = match (self.first_token, self.last_token) {
+            (Some(first), Some(last)) if self.later_tokens > 0 => {
+                Some((last - first) / self.later_tokens)
+            }
+            _ => None,
+        };
+        // A cancelled request is the client's doing, not a failure of the deployment.
+        self.stats.finished(status != "error", self.usage, itl);
         if status == "success" {
             FRONTEND
                 .duration
@@ -468,12 +503,12 @@ async fn serve(
     let (req, opts) = match parsed {
         Ok(r) => r,
         Err(e) => {
-            let mut t = Track::new(app.model.clone(), endpoint, false);
+            let mut t = Track::new(&app, endpoint, false);
             t.finish("error");
             return e.into_response();
         }
     };
-    let mut track = Track::new(app.model.clone(), endpoint, opts.stream);
+    let mut track = Track::new(&app, endpoint, opts.stream);
     let ctx = app.chain.ctx(super::request_id(&headers));
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",

@@ -1,0 +1,189 @@
+//! The planner's loop: observe, predict, decide, act, publish — once per interval.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dyn_pipeline::planes::EventBus;
+use dyn_pipeline::{CompiledGraph, Connector};
+
+use super::config::PlannerConfig;
+use super::decide::{Phase, Prediction, decide};
+use super::observe::Observer;
+use super::predict::{Predictor, Smoothed};
+use super::profile::{Profile, ProfileError};
+use super::state::{NodeState, PlannerState, state_subject};
+
+/// What the planner needs from the graph, resolved before it starts (so a bad profile is an
+/// error at `dyn graph up`, not a log line later).
+pub struct Plan {
+    pub cfg: PlannerConfig,
+    pub namespace: String,
+    pub phases: BTreeMap<String, Phase>,
+    pub profile: Option<Profile>,
+}
+
+impl Plan {
+    /// The graph's planner, if it has a `planner:` section.
+    pub fn of(graph: &CompiledGraph) -> Result<Option<Self>, ProfileError> {
+        let Some(cfg) = graph.section::<PlannerConfig>() else {
+            return Ok(None);
+        };
+        // A graph with prefill workers is disaggregated: its decode workers only decode.
+        let disaggregated = graph.nodes.iter().any(|n| n.kind.name == "prefill");
+        let phases = cfg
+            .nodes
+            .keys()
+            .map(|id| {
+                let kind = graph.node(id).map_or("", |n| n.kind.name);
+                let phase = match kind {
+                    "prefill" => Phase::Prefill,
+                    _ if disaggregated => Phase::Decode,
+                    _ => Phase::Both,
+                };
+                (id.clone(), phase)
+            })
+            .collect();
+        let profile = match &cfg.profile {
+            Some(p) => Some(Profile::load(&resolve(&graph.base_dir, p))?),
+            None => None,
+        };
+        Ok(Some(Self {
+            cfg: cfg.clone(),
+            namespace: graph.namespace.clone(),
+            phases,
+            profile,
+        }))
+    }
+}
+
+fn resolve(base: &Path, p: &Path) -> std::path::PathBuf {
+    if p.is_absolute() {
+        p.to_owned()
+    } else {
+        base.join(p)
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Run the planner until dropped.
+pub async fn run(plan: Plan, events: Arc<dyn EventBus>, connector: Arc<dyn Connector>) {
+    let cfg = &plan.cfg;
+    let nodes: Vec<String> = cfg.nodes.keys().cloned().collect();
+    let observer = match Observer::start(
+        events.clone(),
+        &plan.namespace,
+        nodes.clone(),
+        cfg.quantile(),
+    )
+    .await
+    {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, "The planner cannot follow the event plane; not scaling");
+            return;
+        }
+    };
+    let interval = Duration::from_secs_f64(cfg.interval_s);
+    let mut rate = Predictor::new(cfg.predictor);
+    let (mut isl, mut osl) = (Smoothed::default(), Smoothed::default());
+    // Start-up counts as a change: no scale-down within the first cool-down.
+    let mut changed: BTreeMap<String, Instant> =
+        nodes.iter().map(|n| (n.clone(), Instant::now())).collect();
+    let subject = state_subject(&plan.namespace);
+    let mode = if plan.profile.is_some() {
+        "profile"
+    } else {
+        "reactive"
+    };
+    tracing::info!(connector = connector.name(), mode, interval_s = cfg.interval_s, nodes = ?nodes, "Planner started");
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    let mut last = Instant::now();
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let obs = observer.take(now - last);
+        last = now;
+        rate.observe(obs.request_rate);
+        if let Some(x) = obs.isl {
+            isl.observe(x);
+        }
+        if let Some(x) = obs.osl {
+            osl.observe(x);
+        }
+        let fallback = plan.profile.as_ref().and_then(|p| p.decode.first());
+        let pred = Prediction {
+            request_rate: rate.predict().unwrap_or(0.0),
+            isl: isl.get().or(fallback.map(|d| d.isl)).unwrap_or(0.0),
+            osl: osl.get().or(fallback.map(|d| d.osl)).unwrap_or(0.0),
+        };
+        let mut states = Vec::new();
+        for node in &nodes {
+            let current = match connector.replicas(node).await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(node, error = %e, "Planner cannot count replicas");
+                    continue;
+                }
+            };
+            let since = changed
+                .get(node)
+                .map_or(f64::INFINITY, |t| t.elapsed().as_secs_f64());
+            let st = super::decide::NodeState {
+                node,
+                phase: plan.phases.get(node).copied().unwrap_or(Phase::Both),
+                bounds: cfg.nodes[node],
+                current,
+                since_change_s: since,
+            };
+            let d = decide(cfg, plan.profile.as_ref(), &obs, &pred, &st);
+            let mut error = None;
+            if d.desired != current {
+                tracing::info!(node, from = current, to = d.desired, reason = %d.reason, "Planner scaling");
+                if let Err(e) = connector.set_replicas(node, d.desired).await {
+                    tracing::warn!(node, error = %e, "Planner could not scale");
+                    error = Some(e.to_string());
+                }
+                changed.insert(node.clone(), Instant::now());
+            } else {
+                tracing::debug!(node, replicas = current, reason = %d.reason, "Planner keeps");
+            }
+            let actual = connector.replicas(node).await.unwrap_or(current);
+            states.push(NodeState {
+                decision: d,
+                actual,
+                error,
+            });
+        }
+        let state = PlannerState {
+            at_unix_ms: unix_ms(),
+            connector: connector.name().into(),
+            mode: mode.into(),
+            predictor: cfg.predictor,
+            ttft_ms: cfg.ttft_ms,
+            itl_ms: cfg.itl_ms,
+            percentile: cfg.percentile,
+            interval_s: cfg.interval_s,
+            cooldown_s: cfg.cooldown_s,
+            observed: obs,
+            predicted: pred,
+            nodes: states,
+        };
+        match serde_json::to_vec(&state) {
+            Ok(body) => {
+                if let Err(e) = events.publish(&subject, body.into()).await {
+                    tracing::debug!(error = %e, "Cannot publish the planner's state");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "Cannot encode the planner's state"),
+        }
+    }
+}
