@@ -5,6 +5,7 @@
 mod bench;
 mod inspect;
 mod procs;
+mod profile;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,6 +29,7 @@ Examples:
   dyn graph ps graphs/agg.yaml              processes and registered instances
   dyn graph down graphs/agg.yaml            drain and stop
   dyn graph kinds                           list the operator kinds this build knows
+  dyn graph profile graphs/planner.yaml --node decode -o decode.profile.json
   dyn bench --concurrency 8 --requests 200 --output out/
   dyn inspect route --prompt 'Hello'        where a prompt would be routed, and why";
 
@@ -96,6 +98,9 @@ enum GraphCommand {
     },
     /// List the operator kinds this build knows, with their payload types
     Kinds,
+    /// Measure one replica of a worker node (prefill and decode sweeps with `dyn bench`) and
+    /// write the performance profile the SLA planner reads
+    Profile(Box<profile::ProfileArgs>),
 }
 
 #[derive(clap::Args)]
@@ -242,6 +247,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         GraphCommand::Up(args) => up(*args, &registry, cli.log_format),
+        GraphCommand::Profile(args) => profile::profile(*args, &registry),
         GraphCommand::Ps { file, planes, json } => {
             let mut g = compile(&file, &[], &registry)?;
             planes.apply(&mut g);
