@@ -172,6 +172,27 @@ fn field_pos(config: &Node, field: &str) -> Option<Pos> {
     Pos::of_span(node.span())
 }
 
+/// Where and how to report what a config's `validate()` found: at the field it names (else
+/// the config, else `fallback`), the message prefixed with `what` (`echo config`, `planner`).
+fn invalid_at(
+    config: &Node,
+    inv: &crate::registry::Invalid,
+    fallback: Option<Pos>,
+    what: &str,
+) -> (Option<Pos>, String) {
+    let pos = inv
+        .field
+        .as_deref()
+        .and_then(|f| field_pos(config, f))
+        .or(Pos::of_span(config.span()))
+        .or(fallback);
+    let msg = match &inv.field {
+        Some(f) => format!("{what}: field `{f}`: {}", inv.message),
+        None => format!("{what}: {}", inv.message),
+    };
+    (pos, msg)
+}
+
 /// Compile a loaded spec, adding to the diagnostics its loading produced.
 pub fn compile(
     spec: &GraphSpec,
@@ -286,16 +307,8 @@ impl<'a> Compiler<'a> {
                 }
             };
             for inv in config.validate() {
-                let pos = inv
-                    .field
-                    .as_deref()
-                    .and_then(|f| field_pos(&n.config, f))
-                    .or(Pos::of_span(n.config.span()))
-                    .or(n.pos);
-                let msg = match &inv.field {
-                    Some(f) => format!("{} config: field `{f}`: {}", kind.name, inv.message),
-                    None => format!("{} config: {}", kind.name, inv.message),
-                };
+                let (pos, msg) =
+                    invalid_at(&n.config, &inv, n.pos, &format!("{} config", kind.name));
                 self.error(pos, i, msg);
             }
             if let Some(k) = config.replicas() {
@@ -631,16 +644,7 @@ impl<'a> Compiler<'a> {
                 }
             };
             for inv in (kind.validate)(&parsed, &nodes) {
-                let pos = inv
-                    .field
-                    .as_deref()
-                    .and_then(|f| field_pos(&s.node, f))
-                    .or(Pos::of_span(s.node.span()))
-                    .or(s.pos);
-                let msg = match &inv.field {
-                    Some(f) => format!("{}: field `{f}`: {}", s.name, inv.message),
-                    None => format!("{}: {}", s.name, inv.message),
-                };
+                let (pos, msg) = invalid_at(&s.node, &inv, s.pos, &s.name);
                 self.diags.push(Diagnostic::error(pos, None, msg));
             }
             self.sections.insert(s.name.clone(), parsed);

@@ -362,21 +362,17 @@ mod tests {
     fn reactive_spike_scales_up_fast_and_holds_while_missed() {
         let cfg = cfg();
         // Quiet, a spike missing the TTFT target by 5× for three intervals, then quiet.
-        let series = [
-            Rec(5.0, 40.0, 6.0, 0),
+        let quiet = Rec(5.0, 40.0, 6.0, 0);
+        let series: Vec<Rec> = [
+            quiet,
             Rec(60.0, 1000.0, 9.0, 40),
             Rec(60.0, 1000.0, 9.0, 30),
             Rec(60.0, 300.0, 9.0, 5),
             Rec(60.0, 90.0, 8.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-            Rec(5.0, 40.0, 6.0, 0),
-        ];
+        ]
+        .into_iter()
+        .chain(std::iter::repeat_n(quiet, 8))
+        .collect();
         let counts = replay(&cfg, None, &series);
         // 5× over: +1 (half of 1, at least 1) → 2; 5× over again: +1 → 3; 1.5× over: +1 → 4.
         assert_eq!(&counts[..4], &[1, 2, 3, 4], "{counts:?}");
