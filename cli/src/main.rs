@@ -409,7 +409,13 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
     if groups.is_empty() {
         anyhow::bail!("--only selects no node of graph '{}'", graph.name);
     }
-    let planner = planner_plan(&graph)?;
+    // One planner per graph: the supervisor of the whole graph runs it; one started with
+    // `--only` (more workers on another machine) leaves it to that one.
+    let planner = if args.only.is_some() {
+        None
+    } else {
+        planner_plan(&graph)?
+    };
     let file = procs::StateFile::create(state("distributed", Vec::new()))?;
     let groups_of = graph
         .nodes

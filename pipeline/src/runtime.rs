@@ -7,6 +7,11 @@
 //! NATS the same code runs one process group replica per OS process ([`Placement::Group`]),
 //! and the planes carry the calls between them.
 //!
+//! The replicas served here live in a `ReplicaSet`, which is also the embedded scaling
+//! [`Connector`]: the SLA planner, attached with [`run_attached`], adds replicas the way
+//! start-up does and removes one by deregistering it, waiting for the calls it holds and only
+//! then stopping it.
+//!
 //! Shutdown is a drain: leave discovery first (no router picks this process any more), let the
 //! ingresses answer 503 and finish their requests, wait for requests other processes sent
 //! here, and after the grace period kill whatever is left. A request whose replica is lost

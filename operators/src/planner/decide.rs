@@ -5,7 +5,8 @@
 //! per second predicted ÷ what one replica prefills per second, output tokens per second ÷
 //! what one replica decodes per second with its ITL under the target, each at
 //! `utilization` of the profiled figure; an aggregated worker does both, so it needs the
-//! sum. When the targets are missed although the model says the current count suffices, one
+//! sum. Requests queued at the workers count as load to serve within the next interval
+//! (Dynamo's planner sizes for the arrival rate alone, so a burst's backlog lingers). When the targets are missed although the model says the current count suffices, one
 //! more replica is added anyway: the profile is a model, the latencies are what users see.
 //! Without a profile the planner is reactive: a missed target adds a replica (half the
 //! current count again when missed by more than twice); targets met with room to spare (TTFT
@@ -93,14 +94,24 @@ pub struct NodeDecision {
     pub reason: String,
 }
 
-/// Replicas (fractional) the predicted load needs, from the profile.
-pub fn needed(cfg: &PlannerConfig, profile: &Profile, pred: &Prediction, phase: Phase) -> f64 {
+/// Replicas (fractional) the predicted load needs, from the profile. `queued` requests
+/// waiting at the node's workers are work for the next interval too: they count as
+/// `queued / interval_s` more requests per second, so a backlog left by a burst is drained
+/// within an interval instead of being carried while TTFT stays over its target.
+pub fn needed(
+    cfg: &PlannerConfig,
+    profile: &Profile,
+    pred: &Prediction,
+    queued: u32,
+    phase: Phase,
+) -> f64 {
     let u = cfg.utilization;
-    let prefill = pred.request_rate * pred.isl / (profile.prefill_tps(pred.isl) * u);
+    let rate = pred.request_rate + f64::from(queued) / cfg.interval_s;
+    let prefill = rate * pred.isl / (profile.prefill_tps(pred.isl) * u);
     let decode = match profile.decode_tps(cfg.itl_ms, cfg.quantile()) {
-        Some(tps) => pred.request_rate * pred.osl / (tps * u),
+        Some(tps) => rate * pred.osl / (tps * u),
         // No batch meets the ITL target: as many replicas as there may be.
-        None if pred.request_rate > 0.0 => f64::INFINITY,
+        None if rate > 0.0 => f64::INFINITY,
         None => 0.0,
     };
     match phase {
@@ -142,9 +153,15 @@ pub fn decide(
         pred.request_rate, pred.isl, pred.osl
     );
     let current = st.current;
+    let queued = obs.nodes.get(st.node).map_or(0, |l| l.waiting);
+    let load = if queued > 0 {
+        format!("{load} and {queued} queued")
+    } else {
+        load
+    };
     let (mut desired, needed, mut reason) = match profile {
         Some(p) => {
-            let need = needed(cfg, p, pred, st.phase);
+            let need = needed(cfg, p, pred, queued, st.phase);
             let by_model = if need.is_finite() {
                 (need - 1e-9).ceil().max(0.0) as u32
             } else {
@@ -169,7 +186,6 @@ pub fn decide(
             }
         }
         None => {
-            let queued = obs.nodes.get(st.node).map_or(0, |l| l.waiting);
             let roomy = obs.ttft_ms.is_none_or(|t| t <= 0.5 * cfg.ttft_ms)
                 && obs.itl_ms.is_none_or(|t| t <= 0.7 * cfg.itl_ms)
                 && queued == 0
@@ -335,7 +351,7 @@ mod tests {
             isl: 512.0,
             osl: 64.0,
         };
-        let need_45 = needed(&cfg, &p, &at(45.0), Phase::Both);
+        let need_45 = needed(&cfg, &p, &at(45.0), 0, Phase::Both);
         assert!((need_45 - 2.25).abs() < 0.01, "{need_45}");
         assert!(counts[..15].windows(2).all(|w| w[1] >= w[0]), "{counts:?}");
         assert_eq!(counts[14], 3, "{counts:?}");
@@ -421,6 +437,34 @@ mod tests {
         let d = decide(&cfg, None, &over, &none, &st);
         assert_eq!(d.desired, 3);
         assert!(d.reason.contains("held at max"), "{}", d.reason);
+    }
+
+    #[test]
+    fn a_backlog_is_work_for_the_next_interval() {
+        let mut cfg = cfg();
+        cfg.profile = Some("p.json".into());
+        let p = mocker_like();
+        let pred = Prediction {
+            request_rate: 5.0,
+            isl: 512.0,
+            osl: 64.0,
+        };
+        let st = NodeState {
+            node: "decode",
+            phase: Phase::Both,
+            bounds: Bounds { min: 1, max: 6 },
+            current: 1,
+            since_change_s: f64::INFINITY,
+        };
+        // 5 req/s alone: 0.25 replicas. With 100 requests queued and a 5 s interval, 25 req/s
+        // of work: 1.25 → 2 (its TTFT is fine: the model, not the miss, asks for it).
+        let mut obs = observation(Rec(5.0, 100.0, 6.0, 0), 5.0);
+        assert_eq!(decide(&cfg, Some(&p), &obs, &pred, &st).desired, 1);
+        obs.nodes.get_mut("decode").unwrap().waiting = 100;
+        let d = decide(&cfg, Some(&p), &obs, &pred, &st);
+        assert_eq!(d.desired, 2, "{}", d.reason);
+        assert!((d.needed.unwrap() - 1.25).abs() < 0.01, "{:?}", d.needed);
+        assert!(d.reason.contains("100 queued"), "{}", d.reason);
     }
 
     #[test]
