@@ -11,6 +11,10 @@
 //!
 //! A supervised process checks every second that its supervisor is still its parent, and
 //! drains and exits when it is not: a supervisor killed with SIGKILL leaves nothing behind.
+//!
+//! The supervisor is also the SLA planner's multi-process connector ([`Supervisor`]): scaling
+//! a node up starts the next replica of its process group, scaling down sends SIGTERM to the
+//! newest one, which drains like any stopping process; the state file follows.
 
 use std::path::PathBuf;
 use std::process::Stdio;
