@@ -113,6 +113,15 @@ impl Samples {
 
 const NS_PER_MS: f64 = 1e6;
 
+/// Stats in milliseconds of `values`, computed as the summary's are; `None` when empty.
+pub fn duration_stats(values: impl IntoIterator<Item = Duration>) -> Option<Stats> {
+    let mut s = Samples::new();
+    for v in values {
+        s.add(ns(v));
+    }
+    s.stats(NS_PER_MS)
+}
+
 fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

@@ -193,14 +193,25 @@ fn draw_ratios<DB: DrawingBackend>(
             .label(format!("{level}×"))
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 12, y)], color));
     }
-    chart
-        .configure_series_labels()
+    legend(&mut chart, 14, None)?;
+    root.present().map_err(e)
+}
+
+/// The series' legend, on a translucent white box; `position` as plotters places it if none.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    font: u32,
+    position: Option<SeriesLabelPosition>,
+) -> Result<(), String> {
+    let mut labels = chart.configure_series_labels();
+    labels
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(e)?;
-    root.present().map_err(e)
+        .label_font(("sans-serif", font));
+    if let Some(p) = position {
+        labels.position(p);
+    }
+    labels.draw().map_err(|e| e.to_string())
 }
 
 /// Bars of baseline ÷ candidate TTFT (p50 and p99) per workload cell, with lines at 1× and
@@ -351,13 +362,7 @@ fn draw_timeline<DB: DrawingBackend>(
             .label("target")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .draw()
-        .map_err(e)?;
+    legend(&mut chart, 16, None)?;
 
     let r_max = replicas
         .iter()
@@ -415,13 +420,6 @@ fn draw_timeline<DB: DrawingBackend>(
                 PathElement::new(vec![(x, y), (x + 20, y)], colour.mix(0.6).stroke_width(2))
             });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .draw()
-        .map_err(e)?;
+    legend(&mut chart, 16, Some(SeriesLabelPosition::UpperLeft))?;
     root.present().map_err(e)
 }

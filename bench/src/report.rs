@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::metrics::{Record, Stats, Summary, throughput_over_time};
+use crate::metrics::{Record, Stats, Summary, duration_stats, throughput_over_time};
 use crate::{Error, plot};
 
 /// The rows of the table and of `compare`: label, and how to read the stats off a summary.
@@ -173,20 +173,16 @@ pub fn write_planner(
     }
     w.flush().map_err(|e| fail(&e))?;
     let width = (summary.duration_s / 60.0).clamp(1.0, 10.0);
-    let mut bins: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    let mut bins: std::collections::BTreeMap<u64, Vec<Duration>> = Default::default();
     for r in records.iter().filter(|r| r.error.is_none()) {
         if let Some(t) = r.ttft() {
             let bin = (r.intended.as_secs_f64() / width) as u64;
-            bins.entry(bin).or_default().push(ms(t));
+            bins.entry(bin).or_default().push(t);
         }
     }
     let p90: Vec<(f64, f64)> = bins
         .into_iter()
-        .map(|(b, mut v)| {
-            v.sort_by(f64::total_cmp);
-            let i = ((v.len() as f64 * 0.9).ceil() as usize).clamp(1, v.len()) - 1;
-            ((b as f64 + 0.5) * width, v[i])
-        })
+        .filter_map(|(b, v)| Some(((b as f64 + 0.5) * width, duration_stats(v)?.p90)))
         .collect();
     let target = summary.slo.as_ref().and_then(|s| s.ttft_ms);
     plot::timeline(dir, "timeline", &p90, target, samples)

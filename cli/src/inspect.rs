@@ -281,6 +281,14 @@ async fn all_nodes(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Str
     Ok(nodes)
 }
 
+/// A unit enum's name as it is written in the JSON (`holt`, `prefill`).
+fn name(v: impl serde::Serialize) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
 fn print_planner(s: &PlannerState) {
     let o = &s.observed;
     let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1} ms"));
@@ -288,10 +296,7 @@ fn print_planner(s: &PlannerState) {
     println!(
         "planner: {} ({} predictor), scaling {}; every {} s, cool-down {} s",
         s.mode,
-        serde_json::to_value(s.predictor)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default(),
+        name(s.predictor),
         s.connector,
         s.interval_s,
         s.cooldown_s
@@ -324,10 +329,7 @@ fn print_planner(s: &PlannerState) {
     for n in &s.nodes {
         let d = &n.decision;
         let load = o.nodes.get(&d.node).cloned().unwrap_or_default();
-        let phase = serde_json::to_value(d.phase)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default();
+        let phase = name(d.phase);
         let needed = d
             .needed
             .map_or(String::new(), |n| format!(" [needs {n:.2}]"));

@@ -307,16 +307,12 @@ pub fn load_str(
     // compiler reports the ones no registered config claims.
     let mut sections = Vec::new();
     if let Some(map) = root.as_mapping_mut() {
-        let names: Vec<String> = map
+        let names: Vec<(String, Option<Pos>)> = map
             .keys()
-            .map(|k| k.as_str().to_owned())
             .filter(|k| !HEADER_KEYS.contains(&k.as_str()))
+            .map(|k| (k.as_str().to_owned(), Pos::of_span(k.span())))
             .collect();
-        for name in names {
-            let pos = map
-                .keys()
-                .find(|k| k.as_str() == name)
-                .and_then(|k| Pos::of_span(k.span()));
+        for (name, pos) in names {
             if let Some(node) = map.remove(name.as_str()) {
                 sections.push(SectionSpec { name, pos, node });
             }

@@ -128,26 +128,31 @@ pub fn decide(
     pred: &Prediction,
     st: &NodeState<'_>,
 ) -> NodeDecision {
-    let ttft_over = obs.ttft_ms.filter(|t| *t > cfg.ttft_ms);
-    let itl_over = obs.itl_ms.filter(|t| *t > cfg.itl_ms);
     let pct = cfg.percentile;
-    // Which target this node answers for.
-    let missed = match st.phase {
-        Phase::Prefill => ttft_over.map(|t| format!("TTFT p{pct} {t:.0} ms > {} ms", cfg.ttft_ms)),
-        Phase::Decode => itl_over.map(|t| format!("ITL p{pct} {t:.1} ms > {} ms", cfg.itl_ms)),
-        Phase::Both => ttft_over
-            .map(|t| format!("TTFT p{pct} {t:.0} ms > {} ms", cfg.ttft_ms))
-            .or_else(|| itl_over.map(|t| format!("ITL p{pct} {t:.1} ms > {} ms", cfg.itl_ms))),
-    };
-    let how_far = match st.phase {
-        Phase::Prefill => ttft_over.map(|t| t / cfg.ttft_ms),
-        Phase::Decode => itl_over.map(|t| t / cfg.itl_ms),
-        Phase::Both => match (ttft_over, itl_over) {
-            (Some(t), Some(i)) => Some((t / cfg.ttft_ms).max(i / cfg.itl_ms)),
-            (t, i) => t.map(|t| t / cfg.ttft_ms).or(i.map(|i| i / cfg.itl_ms)),
-        },
-    }
-    .unwrap_or(1.0);
+    // The targets this node answers for that the interval missed, with how far over each was.
+    let ttft = obs
+        .ttft_ms
+        .filter(|t| st.phase != Phase::Decode && *t > cfg.ttft_ms)
+        .map(|t| {
+            (
+                format!("TTFT p{pct} {t:.0} ms > {} ms", cfg.ttft_ms),
+                t / cfg.ttft_ms,
+            )
+        });
+    let itl = obs
+        .itl_ms
+        .filter(|t| st.phase != Phase::Prefill && *t > cfg.itl_ms)
+        .map(|t| {
+            (
+                format!("ITL p{pct} {t:.1} ms > {} ms", cfg.itl_ms),
+                t / cfg.itl_ms,
+            )
+        });
+    let how_far = [&ttft, &itl]
+        .into_iter()
+        .flatten()
+        .fold(1.0, |far: f64, (_, x)| far.max(*x));
+    let missed = ttft.or(itl).map(|(m, _)| m);
     let load = format!(
         "predicted {:.1} req/s × {:.0} in / {:.0} out tokens",
         pred.request_rate, pred.isl, pred.osl

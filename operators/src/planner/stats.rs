@@ -49,9 +49,34 @@ pub struct FrontendWindow {
     pub itl_seen: u64,
 }
 
+/// The window's latency samples (its counts are filled in from [`Counts`] when it is
+/// published), so only a request's first token and its end take the lock.
 #[derive(Default)]
 struct Window {
     w: FrontendWindow,
+}
+
+/// The window's counts, kept apart from the lock: every request adds to them.
+#[derive(Default)]
+struct Counts {
+    arrivals: AtomicU64,
+    finished: AtomicU64,
+    errors: AtomicU64,
+    input_tokens: AtomicU64,
+    output_tokens: AtomicU64,
+    inflight: AtomicU64,
+}
+
+impl Counts {
+    /// Move the window's counts into `w` and start the next window (in flight carries on).
+    fn take_into(&self, w: &mut FrontendWindow) {
+        w.arrivals = self.arrivals.swap(0, Ordering::Relaxed);
+        w.finished = self.finished.swap(0, Ordering::Relaxed);
+        w.errors = self.errors.swap(0, Ordering::Relaxed);
+        w.input_tokens = self.input_tokens.swap(0, Ordering::Relaxed);
+        w.output_tokens = self.output_tokens.swap(0, Ordering::Relaxed);
+        w.inflight = self.inflight.load(Ordering::Relaxed);
+    }
 }
 
 impl Window {
@@ -74,26 +99,22 @@ impl Window {
 pub struct FrontendStats {
     id: u64,
     window: Arc<Mutex<Window>>,
-    inflight: Arc<AtomicU64>,
+    counts: Arc<Counts>,
 }
 
 impl Service for FrontendStats {
     async fn start(cx: &BuildCx) -> Result<Self, BuildError> {
         let window: Arc<Mutex<Window>> = Arc::default();
-        let inflight = Arc::new(AtomicU64::new(0));
+        let counts: Arc<Counts> = Arc::default();
         let id = cx.instance_id;
         tokio::spawn(publish(
             Arc::downgrade(&window),
-            inflight.clone(),
+            counts.clone(),
             id,
             cx.planes.events.clone(),
             stats_subject(&cx.namespace),
         ));
-        Ok(Self {
-            id,
-            window,
-            inflight,
-        })
+        Ok(Self { id, window, counts })
     }
 }
 
@@ -103,8 +124,8 @@ impl FrontendStats {
     }
 
     pub fn arrived(&self) {
-        self.inflight.fetch_add(1, Ordering::Relaxed);
-        self.window.lock().w.arrivals += 1;
+        self.counts.inflight.fetch_add(1, Ordering::Relaxed);
+        self.counts.arrivals.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn first_token(&self, ttft: Duration) {
@@ -120,19 +141,19 @@ impl FrontendStats {
     /// A request ended: `ok` or failed, its token counts (when known), and its mean gap
     /// between tokens (when it had two or more).
     pub fn finished(&self, ok: bool, tokens: Option<(u32, u32)>, itl: Option<Duration>) {
-        self.inflight.fetch_sub(1, Ordering::Relaxed);
-        let mut g = self.window.lock();
-        let w = &mut g.w;
-        if ok {
-            w.finished += 1;
-        } else {
-            w.errors += 1;
-        }
+        let c = &self.counts;
+        c.inflight.fetch_sub(1, Ordering::Relaxed);
+        let done = if ok { &c.finished } else { &c.errors };
+        done.fetch_add(1, Ordering::Relaxed);
         if let Some((input, output)) = tokens {
-            w.input_tokens += u64::from(input);
-            w.output_tokens += u64::from(output);
+            c.input_tokens
+                .fetch_add(u64::from(input), Ordering::Relaxed);
+            c.output_tokens
+                .fetch_add(u64::from(output), Ordering::Relaxed);
         }
         if let Some(itl) = itl {
+            let mut g = self.window.lock();
+            let w = &mut g.w;
             Window::sample(&mut w.itl_ms, &mut w.itl_seen, itl.as_secs_f32() * 1000.0);
         }
     }
@@ -140,7 +161,7 @@ impl FrontendStats {
 
 async fn publish(
     window: Weak<Mutex<Window>>,
-    inflight: Arc<AtomicU64>,
+    counts: Arc<Counts>,
     id: u64,
     events: Arc<dyn dyn_pipeline::planes::EventBus>,
     subject: String,
@@ -154,12 +175,14 @@ async fn publish(
         let Some(window) = window.upgrade() else {
             return;
         };
+        // A request ending at the cut may be counted in one window and sampled in the next:
+        // the planner sums several windows, so that does not matter.
         let mut w = std::mem::take(&mut window.lock().w);
+        counts.take_into(&mut w);
         drop(window);
         let now = Instant::now();
         w.frontend_id = id;
         w.window_ms = u64::try_from((now - opened).as_millis()).unwrap_or(u64::MAX);
-        w.inflight = inflight.load(Ordering::Relaxed);
         opened = now;
         match serde_json::to_vec(&w) {
             Ok(body) => {
