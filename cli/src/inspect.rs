@@ -460,9 +460,15 @@ fn print_kv(r: &KvAnswer) {
         "index: {} prefixes, {} stored blocks (block size {}), {} bytes ({:.3} bytes/block)",
         r.tree_nodes, r.stored_blocks, r.block_size, r.bytes, r.bytes_per_block,
     );
-    println!("{:<18} {:>8}", "worker", "blocks");
+    println!(
+        "{:<18} {:>8} {:>8} {:>8} {:>8}",
+        "worker", "blocks", "GPU", "CPU", "DISK"
+    );
     for w in &r.workers {
-        println!("{:<18} {:>8}", w.worker_id, w.blocks);
+        println!(
+            "{:<18} {:>8} {:>8} {:>8} {:>8}",
+            w.worker_id, w.blocks, w.gpu, w.cpu, w.disk
+        );
     }
     if !r.top_shared_prefixes.is_empty() {
         println!("top shared prefixes:");
@@ -493,7 +499,12 @@ fn describe_event(line: &EventLine) -> String {
         KvEventData::Removed { block_hashes } => format!("removed {} blocks", block_hashes.len()),
         KvEventData::Cleared => "cleared".to_owned(),
     };
-    format!("worker {:x} #{} {what}", e.worker_id, e.event.event_id)
+    format!(
+        "worker {:x} #{} {} {what}",
+        e.worker_id,
+        e.event.event_id,
+        e.event.medium.name()
+    )
 }
 
 async fn events(

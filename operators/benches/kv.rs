@@ -57,6 +57,7 @@ fn stored(id: u64, blocks: Vec<BlockHash>) -> KvCacheEvent {
     KvCacheEvent {
         event_id: id,
         dp_rank: 0,
+        medium: Default::default(),
         data: KvEventData::Stored {
             parent_hash: None,
             blocks,

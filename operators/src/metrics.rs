@@ -99,6 +99,7 @@ struct WorkerMetrics {
     total_blocks: IntGaugeVec,
     prompt_blocks: IntCounterVec,
     prompt_blocks_hit: IntCounterVec,
+    prefill_tokens: IntCounterVec,
     preemptions: IntCounterVec,
 }
 
@@ -131,6 +132,11 @@ static WORKER: LazyLock<WorkerMetrics> = LazyLock::new(|| {
             "Full prompt blocks found in the prefix cache",
             l,
         ),
+        prefill_tokens: counter_vec(
+            "dyn_worker_prefill_tokens_total",
+            "Prompt tokens computed (not found in the prefix cache nor onboarded from a tier)",
+            l,
+        ),
         preemptions: counter_vec("dyn_worker_preemptions_total", "Sequences preempted", l),
     }
 });
@@ -144,6 +150,7 @@ pub struct WorkerGauges {
     total: prometheus::IntGauge,
     prompt: prometheus::IntCounter,
     hit: prometheus::IntCounter,
+    prefill: prometheus::IntCounter,
     preempt: prometheus::IntCounter,
 }
 
@@ -159,40 +166,129 @@ impl WorkerGauges {
             total: w.total_blocks.with_label_values(&l),
             prompt: w.prompt_blocks.with_label_values(&l),
             hit: w.prompt_blocks_hit.with_label_values(&l),
+            prefill: w.prefill_tokens.with_label_values(&l),
             preempt: w.preemptions.with_label_values(&l),
         }
     }
 
     /// Update from the engine's absolute numbers.
-    #[allow(clippy::too_many_arguments)]
     pub fn set(
         &self,
         running: u32,
         waiting: u32,
         active: u32,
         total: u32,
-        prompt: u64,
-        hit: u64,
-        preempt: u64,
+        c: &crate::engine::scheduler::Counters,
     ) {
         self.running.set(i64::from(running));
         self.waiting.set(i64::from(waiting));
         self.active.set(i64::from(active));
         self.total.set(i64::from(total));
         for (c, v) in [
-            (&self.prompt, prompt),
-            (&self.hit, hit),
-            (&self.preempt, preempt),
+            (&self.prompt, c.prompt_blocks),
+            (&self.hit, c.prompt_blocks_hit),
+            (&self.prefill, c.prefill_tokens),
+            (&self.preempt, c.preemptions),
         ] {
-            let d = v.saturating_sub(c.get());
-            if d > 0 {
-                c.inc_by(d);
-            }
+            set_counter(c, v);
         }
     }
 
     pub fn active_blocks(&self) -> i64 {
         self.active.get()
+    }
+}
+
+/// Bring a counter up to an absolute count kept elsewhere.
+fn set_counter(c: &prometheus::IntCounter, v: u64) {
+    let d = v.saturating_sub(c.get());
+    if d > 0 {
+        c.inc_by(d);
+    }
+}
+
+struct TierMetrics {
+    blocks: IntGaugeVec,
+    capacity: IntGaugeVec,
+    offloaded: IntCounterVec,
+    onboarded: IntCounterVec,
+    dropped: IntCounterVec,
+    corrupt: IntCounterVec,
+    bytes: IntCounterVec,
+}
+
+static TIERS: LazyLock<TierMetrics> = LazyLock::new(|| {
+    let l: &[&str] = &["node", "worker_id"];
+    let t: &[&str] = &["node", "worker_id", "tier"];
+    TierMetrics {
+        blocks: gauge(
+            "dyn_worker_kv_tier_blocks",
+            "KV blocks held in an offload tier (CPU: host memory, DISK: local disk)",
+            t,
+        ),
+        capacity: gauge(
+            "dyn_worker_kv_tier_capacity_blocks",
+            "KV blocks an offload tier can hold",
+            t,
+        ),
+        offloaded: counter_vec(
+            "dyn_worker_kv_offload_blocks_total",
+            "KV blocks written to an offload tier",
+            t,
+        ),
+        onboarded: counter_vec(
+            "dyn_worker_kv_onboard_blocks_total",
+            "Prompt blocks served from an offload tier instead of computed (hits per tier)",
+            t,
+        ),
+        dropped: counter_vec(
+            "dyn_worker_kv_offload_dropped_blocks_total",
+            "Evicted KV blocks dropped because the offload queue was full",
+            l,
+        ),
+        corrupt: counter_vec(
+            "dyn_worker_kv_disk_corrupt_blocks_total",
+            "KV blocks on disk that failed their checks and were recomputed",
+            l,
+        ),
+        bytes: counter_vec(
+            "dyn_worker_kv_offload_bytes_total",
+            "Bytes copied out of the engine's pool (out) and onboarded into it (in)",
+            &["node", "worker_id", "direction"],
+        ),
+    }
+});
+
+/// What a worker's offload tiers hold and did, as absolute numbers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounts {
+    /// `(blocks, capacity)` per tier: host memory, disk.
+    pub occupancy: [(usize, usize); 2],
+    pub offloaded: [u64; 2],
+    pub hits: [u64; 2],
+    pub dropped: u64,
+    pub corrupt: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+}
+
+/// Publish a worker's tier numbers on `/metrics`.
+pub fn set_tier_counts(node: &str, worker_id: u64, c: &TierCounts) {
+    let id = format!("{worker_id:x}");
+    let m = &*TIERS;
+    for (i, tier) in ["CPU", "DISK"].into_iter().enumerate() {
+        let l = [node, id.as_str(), tier];
+        m.blocks.with_label_values(&l).set(c.occupancy[i].0 as i64);
+        m.capacity
+            .with_label_values(&l)
+            .set(c.occupancy[i].1 as i64);
+        set_counter(&m.offloaded.with_label_values(&l), c.offloaded[i]);
+        set_counter(&m.onboarded.with_label_values(&l), c.hits[i]);
+    }
+    set_counter(&m.dropped.with_label_values(&[node, &id]), c.dropped);
+    set_counter(&m.corrupt.with_label_values(&[node, &id]), c.corrupt);
+    for (dir, v) in [("out", c.bytes_out), ("in", c.bytes_in)] {
+        set_counter(&m.bytes.with_label_values(&[node, &id, dir]), v);
     }
 }
 

@@ -15,12 +15,14 @@ use dyn_gpu::transfer::{BlockFormat, KvTransferAgent};
 use dyn_pipeline::OpError;
 use tokio::sync::{mpsc, oneshot};
 
+use super::events::KvPublisher;
 use super::handle::{Command, EngineItem, OfferResult};
-use super::pool::BlockId;
+use super::offload::{Meta, Tiers};
+use super::pool::{BlockId, Evicted};
 use super::scheduler::{Scheduler, SeqId};
 use super::step_model::StepModel;
 use super::{EngineError, Executor};
-use crate::llm::kv::{KvCacheEvent, KvEventData, LoadMetrics, RouterEvent};
+use crate::llm::kv::{LoadMetrics, Medium, dump_events};
 use crate::llm::types::Generated;
 use crate::metrics::WorkerGauges;
 
@@ -91,8 +93,10 @@ pub(super) struct EngineLoop {
     /// How exported blocks are described to the transfer agent.
     pub(super) format: BlockFormat,
     pub(super) worker_id: u64,
-    pub(super) event_id: u64,
-    pub(super) kv_subject: String,
+    pub(super) node: String,
+    pub(super) kv: Arc<KvPublisher>,
+    /// Offload tiers below the pool, if configured.
+    pub(super) tiers: Option<Arc<Tiers>>,
     pub(super) load_subject: String,
     pub(super) events: mpsc::Sender<(String, Bytes)>,
     pub(super) gauges: WorkerGauges,
@@ -133,15 +137,23 @@ impl EngineLoop {
             }
             self.reap_cancelled();
             self.unpin();
-            let (exec, imports) = (&mut self.exec, &mut self.imports);
+            let (exec, imports, tiers) = (&mut self.exec, &mut self.imports, &self.tiers);
             let started = Instant::now();
-            let stepped = self.sched.step(|work| {
+            let stepped = self.sched.step(|work, evicted| {
+                // Evicted blocks leave before anything is written over them.
+                if let Some(t) = tiers {
+                    offload(t, exec.as_mut(), evicted);
+                }
                 for w in work.iter().filter(|w| w.import) {
                     if let Some(mut data) = imports.remove(&w.id) {
                         let skip = w.import_skip.min(data.len());
                         let blocks = &w.blocks[skip.min(w.blocks.len())..];
                         exec.import(blocks, data.split_off(skip))?;
                     }
+                }
+                for w in work.iter().filter(|w| !w.onboard.is_empty()) {
+                    let end = (w.onboard_at + w.onboard.len()).min(w.blocks.len());
+                    exec.import(&w.blocks[w.onboard_at..end], w.onboard.to_vec())?;
                 }
                 exec.execute(work)
             });
@@ -210,13 +222,19 @@ impl EngineLoop {
                 );
             }
             Command::Dump => {
-                let events = self.sched.pool.dump();
+                let g1 = self
+                    .sched
+                    .pool
+                    .held()
+                    .map(|(h, p, t)| (Medium::Gpu, h, p, t));
+                let lower = self.tiers.as_ref().map(|t| t.held()).unwrap_or_default();
+                let events = dump_events(g1.chain(lower));
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
                     events = events.len(),
                     "Publishing a full KV dump"
                 );
-                self.publish_kv(events);
+                self.kv.publish_mixed(events);
             }
         }
     }
@@ -354,36 +372,16 @@ impl EngineLoop {
         }
     }
 
-    fn publish_kv(&mut self, events: Vec<KvEventData>) {
-        for data in events {
-            let ev = RouterEvent {
-                worker_id: self.worker_id,
-                event: KvCacheEvent {
-                    event_id: self.event_id,
-                    dp_rank: 0,
-                    data,
-                },
-            };
-            self.event_id += 1;
-            self.send(self.kv_subject.clone(), &ev);
-        }
-    }
-
     fn publish(&mut self) {
-        let events = self.sched.pool.take_events();
-        self.publish_kv(events);
+        self.kv.publish(Medium::Gpu, self.sched.pool.take_events());
         let (running, waiting) = (self.sched.running() as u32, self.sched.waiting() as u32);
         let active = self.sched.pool.active();
         let c = self.sched.counters;
-        self.gauges.set(
-            running,
-            waiting,
-            active,
-            self.sched.pool.total(),
-            c.prompt_blocks,
-            c.prompt_blocks_hit,
-            c.preemptions,
-        );
+        self.gauges
+            .set(running, waiting, active, self.sched.pool.total(), &c);
+        if let Some(t) = &self.tiers {
+            crate::metrics::set_tier_counts(&self.node, self.worker_id, &t.counts());
+        }
         let now = (running, waiting, active);
         let due = match self.last_load {
             None => true,
@@ -422,6 +420,35 @@ impl EngineLoop {
                 }
             }
             Err(e) => tracing::error!(error = %e, "Cannot encode an engine event"),
+        }
+    }
+}
+
+/// Copy evicted blocks out for the offload tiers (those host memory lacks), before the step
+/// writes over them. A failed copy loses the blocks, not the step.
+fn offload(tiers: &Tiers, exec: &mut dyn Executor, evicted: &[Evicted]) {
+    let fresh: Vec<&Evicted> = evicted.iter().filter(|e| !tiers.holds(e.hash)).collect();
+    if fresh.is_empty() {
+        return;
+    }
+    let ids: Vec<BlockId> = fresh.iter().map(|e| e.id).collect();
+    let hashes: Vec<u64> = fresh.iter().map(|e| e.hash).collect();
+    match exec.export_cached(&ids, &hashes) {
+        Ok(data) => tiers.offload(
+            fresh
+                .iter()
+                .zip(data)
+                .map(|(e, d)| {
+                    let meta = Meta {
+                        parent: e.parent,
+                        tokens_hash: e.tokens_hash,
+                    };
+                    (e.hash, meta, d)
+                })
+                .collect(),
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, blocks = ids.len(), "Cannot copy evicted KV blocks out; dropped")
         }
     }
 }

@@ -15,6 +15,8 @@ use dyn_pipeline::{BuildCx, BuildError, OpError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine_loop::EngineLoop;
+use super::events::KvPublisher;
+use super::offload::Tiers;
 use super::scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec};
 use super::settings::EngineSettings;
 use super::{EngineError, Executor, transfer};
@@ -73,9 +75,15 @@ pub struct EngineHandle {
     import: ImportCheck,
     node: String,
     worker_id: u64,
+    tiers: Option<Arc<Tiers>>,
 }
 
 impl EngineHandle {
+    /// The worker's offload tiers, if it has them.
+    pub fn tiers(&self) -> Option<&Arc<Tiers>> {
+        self.tiers.as_ref()
+    }
+
     /// Start the engine thread for `exec` and the tasks that carry its events.
     pub async fn start(
         config: EngineSettings,
@@ -89,7 +97,7 @@ impl EngineHandle {
         let worker_id = cx.instance_id;
         let gauges = WorkerGauges::new(&cx.node, worker_id);
         // Visible on /metrics from the start, not only after the first request.
-        gauges.set(0, 0, 0, sched.num_blocks, 0, 0, 0);
+        gauges.set(0, 0, 0, sched.num_blocks, &Default::default());
         // Events leave the engine thread through a bounded queue; if the plane cannot keep
         // up they are dropped, and consumers see the gap in event ids.
         let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
@@ -103,6 +111,48 @@ impl EngineHandle {
         });
         let queued = Arc::new(AtomicUsize::new(0));
         let agent = cx.service::<transfer::TransferAgent>().await?.0.clone();
+        let kv = Arc::new(KvPublisher::new(
+            worker_id,
+            kv_events_subject(&cx.namespace, &cx.node),
+            events_tx.clone(),
+        ));
+        let tiers = if config.offload.enabled() {
+            let f = &import.format;
+            let format = format!(
+                "{}/{}/{}x{}",
+                f.layout, f.dtype, sched.block_size, f.block_bytes
+            );
+            let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
+            let t = Tiers::start(
+                &config.offload,
+                dir,
+                &cx.node,
+                &format,
+                config.offload_model,
+                kv.clone(),
+            )
+            .map_err(|e| BuildError::new(format!("cannot start the KV offload tiers: {e}")))?;
+            tracing::info!(
+                node = %cx.node,
+                host_blocks = config.offload.host_blocks,
+                disk_blocks = config.offload.disk_blocks,
+                "KV offload tiers ready"
+            );
+            Some(t)
+        } else {
+            None
+        };
+        let mut scheduler = Scheduler::new(
+            Limits {
+                block_size: sched.block_size as usize,
+                max_num_seqs: sched.max_num_seqs as usize,
+                max_num_batched_tokens: sched.max_num_batched_tokens as usize,
+            },
+            sched.num_blocks,
+        );
+        if let Some(t) = &tiers {
+            scheduler = scheduler.with_lower(Box::new(t.clone()));
+        }
         let (unpin_tx, unpin_rx) = std_mpsc::channel();
         let engine = EngineLoop {
             agent: agent.clone(),
@@ -112,21 +162,15 @@ impl EngineHandle {
             unpin_rx,
             queued: queued.clone(),
             received_unadmitted: 0,
-            sched: Scheduler::new(
-                Limits {
-                    block_size: sched.block_size as usize,
-                    max_num_seqs: sched.max_num_seqs as usize,
-                    max_num_batched_tokens: sched.max_num_batched_tokens as usize,
-                },
-                sched.num_blocks,
-            ),
+            sched: scheduler,
             outboxes: HashMap::new(),
             exec,
             imports: HashMap::new(),
             format: import.format.clone(),
             worker_id,
-            event_id: 0,
-            kv_subject: kv_events_subject(&cx.namespace, &cx.node),
+            node: cx.node.clone(),
+            kv,
+            tiers: tiers.clone(),
             load_subject: load_metrics_subject(&cx.namespace, &cx.node),
             events: events_tx,
             gauges: gauges.clone(),
@@ -155,6 +199,7 @@ impl EngineHandle {
             import,
             node: cx.node.clone(),
             worker_id,
+            tiers,
         });
         // Weak: the engine thread stops when the last handle goes, and this task must not be
         // one.

@@ -16,6 +16,7 @@ use dyn_gpu::transfer::{BlockFormat, BlockLayout};
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
+use super::offload::Modelled;
 use super::settings::{EngineSettings, SchedulerConfig, engine_section};
 
 use super::pool::BlockId;
@@ -86,11 +87,13 @@ impl MockerConfig {
             scheduler: self.scheduler(),
             vocab_size: None,
             seed_from_prompt: true,
+            offload: self.offload.clone(),
+            offload_model: Some(self.offload_model()),
         }
     }
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = self.scheduler().validate(prefix);
+        let mut out = self.validate_shared(prefix);
         for (name, v) in [
             ("speedup", self.speedup),
             ("transfer_gbps", self.transfer_gbps),
@@ -118,6 +121,16 @@ impl MockerConfig {
             ));
         }
         out
+    }
+
+    /// The transfer times of its offload tiers, for blocks of a real model's size.
+    pub fn offload_model(&self) -> Modelled {
+        Modelled {
+            block_bytes: (self.kv_bytes_per_token * u64::from(self.block_size)) as f64,
+            host_gbps: self.offload.host_gbps,
+            disk_gbps: self.offload.disk_gbps,
+            speedup: self.speedup,
+        }
     }
 
     /// Simulated time to move the KV of `tokens` tokens from a prefill worker.
@@ -186,6 +199,7 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         timing: config.timing.clone(),
         speedup: config.speedup,
         block_size: bs,
+        offload: config.offload_model(),
     };
     let c = config.clone();
     let import = ImportCheck {
@@ -209,13 +223,15 @@ struct MockerExec {
     timing: Timing,
     speedup: f64,
     block_size: usize,
+    offload: Modelled,
 }
 
 impl Executor for MockerExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
         let started = Instant::now();
-        let (mut prefill, mut decode, mut context) = (0, 0, 0);
+        let (mut prefill, mut decode, mut context, mut onboard) = (0, 0, 0, 0);
         for w in work {
+            onboard += w.onboard.len();
             if w.len == 1 && w.generated > 0 {
                 decode += 1;
             } else {
@@ -225,8 +241,10 @@ impl Executor for MockerExec {
         }
         if prefill + decode > 0 {
             let ms = self.timing.step(prefill, decode, context);
-            let left = Duration::from_secs_f64(ms / 1000.0 / self.speedup)
-                .saturating_sub(started.elapsed());
+            // Onboarded blocks are copied in before the step computes.
+            let left = (Duration::from_secs_f64(ms / 1000.0 / self.speedup)
+                + self.offload.onboard(onboard))
+            .saturating_sub(started.elapsed());
             // A step's tokens exist once its compute is done, as in a real engine: delivering
             // them before the simulated time would hide the prefill from TTFT.
             if left >= MIN_SLEEP {
@@ -244,8 +262,21 @@ impl Executor for MockerExec {
         Ok(block_payloads(tokens, self.block_size))
     }
 
+    fn export_cached(
+        &mut self,
+        _blocks: &[BlockId],
+        hashes: &[u64],
+    ) -> Result<Vec<Bytes>, EngineError> {
+        // A simulated block's content is its identity: the sequence hash.
+        Ok(hashes
+            .iter()
+            .map(|h| Bytes::copy_from_slice(&h.to_le_bytes()))
+            .collect())
+    }
+
     fn import(&mut self, _blocks: &[BlockId], _data: Vec<Bytes>) -> Result<(), EngineError> {
-        // Checked against the prompt when pulled; nothing to store.
+        // Pulled blocks were checked against the prompt, onboarded ones by their tier;
+        // nothing to store.
         Ok(())
     }
 }

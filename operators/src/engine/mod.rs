@@ -11,15 +11,21 @@
 //! exported by the executor and offered to the transfer agent; a decode worker pulls them,
 //! and its executor writes them into the blocks the scheduler gives the sequence.
 //!
+//! Evicted cached blocks may live on below the pool, in host memory and on disk
+//! ([`offload`]), and come back on a prefix hit.
+//!
 //! Files: [`handle`] (what a node holds: submit, import, the thread's start), `engine_loop`
 //! (the thread), [`settings`] (the scheduler settings every engine shares), [`transfer`] (the
-//! KV transfer agent service); an engine adds an [`Executor`] and its config section.
+//! KV transfer agent service), [`offload`] (the tiers below the pool), [`events`] (the KV
+//! event stream); an engine adds an [`Executor`] and its config section.
 
 mod engine_loop;
+pub mod events;
 pub mod external;
 pub mod handle;
 pub mod mocker;
 pub mod native;
+pub mod offload;
 pub mod pool;
 pub mod scheduler;
 pub mod settings;
@@ -41,7 +47,18 @@ pub trait Executor: Send + 'static {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError>;
     /// The bytes of `blocks` (holding `tokens`' KV), for a prefill offer.
     fn export(&mut self, blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, EngineError>;
-    /// Write KV pulled from a prefill worker into `blocks`.
+    /// The bytes of cached `blocks` (sequence hashes `hashes`) the pool is evicting, for an
+    /// offload tier.
+    fn export_cached(
+        &mut self,
+        blocks: &[BlockId],
+        hashes: &[u64],
+    ) -> Result<Vec<Bytes>, EngineError> {
+        let _ = hashes;
+        self.export(blocks, &[])
+    }
+    /// Write KV pulled from a prefill worker, or onboarded from an offload tier, into
+    /// `blocks`.
     fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError>;
 }
 

@@ -98,11 +98,13 @@ impl NativeConfig {
             scheduler: self.scheduler(),
             vocab_size: vocab,
             seed_from_prompt: false,
+            offload: self.offload.clone(),
+            offload_model: None,
         }
     }
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
-        let mut out = self.scheduler().validate(prefix);
+        let mut out = self.validate_shared(prefix);
         if self.device == DeviceChoice::Cuda && !dyn_gpu::cuda_compiled() {
             out.push(Invalid::field(
                 format!("{prefix}device"),

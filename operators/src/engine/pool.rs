@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::llm::kv::{BlockHash, KvEventData};
+use crate::llm::kv::{BlockHash, KvEventData, push_stored};
 
 pub type BlockId = u32;
 
@@ -36,6 +36,18 @@ pub struct Pool {
     /// Events since the last [`Pool::take_events`]; removals are merged into one event.
     events: Vec<KvEventData>,
     removed: Vec<u64>,
+    /// Cached blocks evicted for reuse since the last [`Pool::take_evicted`], while a tier
+    /// below wants them (their bytes must be copied out before the step overwrites them).
+    evicted: Option<Vec<Evicted>>,
+}
+
+/// A cached block evicted to be reused: where it is and which prefix it held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    pub id: BlockId,
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub tokens_hash: u64,
 }
 
 impl Pool {
@@ -49,7 +61,21 @@ impl Pool {
             active: 0,
             events: Vec::new(),
             removed: Vec::new(),
+            evicted: None,
         }
+    }
+
+    /// Keep a list of evicted blocks for [`Pool::take_evicted`] (an offload tier is below).
+    pub fn track_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// Blocks evicted since the last call.
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     pub fn total(&self) -> u32 {
@@ -103,6 +129,14 @@ impl Pool {
                 if let Some(h) = b.hash.take() {
                     self.by_hash.remove(&h);
                     self.removed.push(h);
+                    if let Some(ev) = &mut self.evicted {
+                        ev.push(Evicted {
+                            id,
+                            hash: h,
+                            parent: b.parent,
+                            tokens_hash: b.tokens_hash,
+                        });
+                    }
                 }
                 id
             }
@@ -141,61 +175,15 @@ impl Pool {
         b.parent = parent;
         b.tokens_hash = hash.tokens_hash;
         self.by_hash.insert(hash.block_hash, id);
-        match self.events.last_mut() {
-            // Extend a chain stored in the same step.
-            Some(KvEventData::Stored { blocks, .. })
-                if blocks.last().map(|b| b.block_hash) == parent =>
-            {
-                blocks.push(hash)
-            }
-            _ => self.events.push(KvEventData::Stored {
-                parent_hash: parent,
-                blocks: vec![hash],
-            }),
-        }
+        push_stored(&mut self.events, parent, hash);
     }
 
-    /// Everything the cache holds, as events a router can rebuild its view from: `cleared`,
-    /// then stored chains parents first. Blocks whose parent was evicted are left out, as no
-    /// prompt can reach them.
-    pub fn dump(&self) -> Vec<KvEventData> {
-        let mut children: HashMap<Option<u64>, Vec<BlockHash>> = HashMap::new();
-        for b in &self.blocks {
-            if let Some(h) = b.hash {
-                children.entry(b.parent).or_default().push(BlockHash {
-                    block_hash: h,
-                    tokens_hash: b.tokens_hash,
-                });
-            }
-        }
-        let mut out = vec![KvEventData::Cleared];
-        let mut queue: Vec<Option<u64>> = vec![None];
-        while let Some(parent) = queue.pop() {
-            if let Some(blocks) = children.remove(&parent) {
-                queue.extend(blocks.iter().map(|b| Some(b.block_hash)));
-                out.push(KvEventData::Stored {
-                    parent_hash: parent,
-                    blocks,
-                });
-            }
-        }
-        // Each event is a list of siblings, not a chain: split into one event per block so
-        // every block names its own parent.
-        out.into_iter()
-            .flat_map(|e| match e {
-                KvEventData::Stored {
-                    parent_hash,
-                    blocks,
-                } => blocks
-                    .into_iter()
-                    .map(|b| KvEventData::Stored {
-                        parent_hash,
-                        blocks: vec![b],
-                    })
-                    .collect::<Vec<_>>(),
-                other => vec![other],
-            })
-            .collect()
+    /// Every hashed block: `(sequence hash, parent, local hash)`, for a full dump
+    /// ([`crate::llm::kv::dump_events`]).
+    pub fn held(&self) -> impl Iterator<Item = (u64, Option<u64>, u64)> + '_ {
+        self.blocks
+            .iter()
+            .filter_map(|b| Some((b.hash?, b.parent, b.tokens_hash)))
     }
 
     /// Events since the last call, removals first (a store may reuse a just-evicted block).
@@ -214,6 +202,7 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::llm::kv::{Medium, dump_events};
 
     fn h(n: u64) -> BlockHash {
         BlockHash {
@@ -267,6 +256,13 @@ mod tests {
         assert_eq!(p.allocate(), None, "every block is active");
     }
 
+    fn stored_at(parent: Option<u64>, n: u64) -> KvEventData {
+        KvEventData::Stored {
+            parent_hash: parent,
+            blocks: vec![h(n)],
+        }
+    }
+
     #[test]
     fn dump_lists_reachable_blocks_parents_first() {
         let mut p = Pool::new(4);
@@ -275,8 +271,21 @@ mod tests {
         p.register(ids[1], Some(1), h(2));
         p.register(ids[2], Some(1), h(3));
         p.register(ids[3], Some(99), h(4)); // parent long gone
-        let d = p.dump();
-        assert_eq!(d[0], KvEventData::Cleared);
+        // Block 5 lives in host memory only, child of 2; block 2 is in both tiers.
+        let lower = [(Medium::Cpu, 5, Some(2), 5), (Medium::Cpu, 2, Some(1), 2)];
+        let all = p.held().map(|(h, parent, t)| (Medium::Gpu, h, parent, t));
+        let d = dump_events(all.chain(lower));
+        assert_eq!(d[0], (Medium::Gpu, KvEventData::Cleared));
+        assert!(d.contains(&(Medium::Cpu, stored_at(Some(2), 5))));
+        assert!(d.contains(&(Medium::Cpu, stored_at(Some(1), 2))));
+        let five = d.iter().position(|e| e.1 == stored_at(Some(2), 5));
+        let two = d.iter().position(|e| e.1 == stored_at(Some(1), 2));
+        assert!(two < five, "parents first: {d:?}");
+        let d: Vec<KvEventData> = d
+            .into_iter()
+            .filter(|(m, _)| *m == Medium::Gpu)
+            .map(|(_, e)| e)
+            .collect();
         let stored = |parent, n| KvEventData::Stored {
             parent_hash: parent,
             blocks: vec![h(n)],

@@ -10,11 +10,19 @@
 //! already in the prefix cache are not computed again. The planned [`Work`] goes to the
 //! engine's executor, which computes it and samples a token for each sequence whose KV is
 //! complete; the scheduler then ends sequences on `max_tokens` or a stop token.
+//!
+//! With offload tiers below the pool ([`Lower`]), a prompt's prefix continues past the pool's
+//! hit into host memory: those blocks are onboarded (their bytes ride on the [`Work`] and the
+//! engine copies them into the new blocks before computing) and count as computed. Blocks
+//! only on disk are read first: the sequence waits aside once (`loading`) while others are
+//! admitted, then takes what arrived.
 
 use std::collections::VecDeque;
 
+use bytes::Bytes;
+
 use super::EngineError;
-use super::pool::{BlockId, Pool};
+use super::pool::{BlockId, Evicted, Pool};
 use crate::llm::kv::{BlockHash, chain_hash, local_hash};
 use crate::llm::types::FinishReason;
 
@@ -62,6 +70,23 @@ pub struct Work<'a> {
     pub import_skip: usize,
     /// Output tokens so far (the position, for the mocker's deterministic output).
     pub generated: u32,
+    /// KV onboarded from an offload tier, for `blocks[onboard_at..]` in order: the engine
+    /// writes it before computing the step.
+    pub onboard: &'a [Bytes],
+    pub onboard_at: usize,
+}
+
+/// The offload tiers below the pool, as the scheduler sees them (sequence hashes in).
+pub trait Lower: Send {
+    /// How many leading blocks of `hashes` can be onboarded now.
+    fn ready(&self, hashes: &[u64]) -> usize;
+    /// The bytes of the leading blocks of `hashes` ready now (possibly fewer than `ready`
+    /// said, if a tier dropped one since).
+    fn take(&mut self, hashes: &[u64]) -> Vec<Bytes>;
+    /// Start reading slower tiers' blocks that continue the prefix; how many are on their way.
+    fn fetch(&mut self, hashes: &[u64]) -> usize;
+    /// Whether a block of `hashes` is still on its way.
+    fn pending(&self, hashes: &[u64]) -> bool;
 }
 
 /// What a worker does with a sequence.
@@ -95,6 +120,12 @@ struct Seq {
     preemptions: u32,
     /// Leading blocks taken from the prefix cache at admission.
     hit_blocks: usize,
+    /// Offload tiers were asked for this prompt's blocks (it waits for a read only once).
+    fetched: bool,
+    /// Blocks it waits for, while aside in `loading`.
+    loading: Vec<u64>,
+    /// Onboarded KV for its first step, for the blocks after `hit_blocks`.
+    onboard: Vec<Bytes>,
 }
 
 /// What one step did, for the timing model and for delivering output.
@@ -119,6 +150,10 @@ pub struct StepOutcome {
 pub struct Counters {
     pub prompt_blocks: u64,
     pub prompt_blocks_hit: u64,
+    /// Prompt blocks onboarded from an offload tier instead of computed.
+    pub prompt_blocks_onboarded: u64,
+    /// Prompt tokens computed (recomputation after a preemption included).
+    pub prefill_tokens: u64,
     pub preemptions: u64,
 }
 
@@ -130,6 +165,9 @@ pub struct Scheduler {
     pub counters: Counters,
     /// Sequences added but never admitted to the batch yet (the engine's queue depth).
     unadmitted: usize,
+    lower: Option<Box<dyn Lower>>,
+    /// Sequences waiting aside for blocks read from a slower tier.
+    loading: Vec<Seq>,
 }
 
 /// The mocker's deterministic output: splitmix64 over seed and position, into `vocab`.
@@ -152,7 +190,17 @@ impl Scheduler {
             running: Vec::new(),
             counters: Counters::default(),
             unadmitted: 0,
+            lower: None,
+            loading: Vec::new(),
         }
+    }
+
+    /// Offload tiers below the pool: evicted blocks are reported to the executor, and
+    /// prompts onboard from the tiers.
+    pub fn with_lower(mut self, lower: Box<dyn Lower>) -> Self {
+        self.pool.track_evictions();
+        self.lower = Some(lower);
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -171,6 +219,9 @@ impl Scheduler {
             hashes: Vec::new(),
             preemptions: 0,
             hit_blocks: 0,
+            fetched: false,
+            loading: Vec::new(),
+            onboard: Vec::new(),
         });
     }
 
@@ -179,7 +230,7 @@ impl Scheduler {
     }
 
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.loading.len()
     }
 
     /// Prompt tokens not computed yet, waiting or in the batch (prefix-cache hits of waiting
@@ -188,6 +239,7 @@ impl Scheduler {
         let prompt_left = |s: &Seq| s.spec.prompt.len().saturating_sub(s.computed);
         self.waiting.iter().map(prompt_left).sum::<usize>()
             + self.running.iter().map(prompt_left).sum::<usize>()
+            + self.loading.iter().map(prompt_left).sum::<usize>()
     }
 
     /// Requests that have not started running yet.
@@ -196,7 +248,7 @@ impl Scheduler {
     }
 
     pub fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.running.is_empty() && self.waiting.is_empty() && self.loading.is_empty()
     }
 
     /// Remove a sequence (finished or cancelled) and free its blocks.
@@ -212,6 +264,13 @@ impl Scheduler {
                 }
                 self.free(seq);
             }
+            true
+        } else if let Some(i) = self.loading.iter().position(|s| s.id == id) {
+            let seq = self.loading.remove(i);
+            if seq.preemptions == 0 {
+                self.unadmitted -= 1;
+            }
+            self.free(seq);
             true
         } else {
             false
@@ -257,6 +316,7 @@ impl Scheduler {
         }
         seq.computed = 0;
         seq.hashes.clear();
+        seq.onboard.clear();
         seq.preemptions += 1;
         // Transferred KV is gone with the blocks: the prompt is computed here from now on.
         if matches!(seq.spec.role, SeqRole::Imported { .. }) {
@@ -272,11 +332,13 @@ impl Scheduler {
     }
 
     /// Plan one step, have `exec` compute it (it returns a token for each [`Work`] with
-    /// `sample` set, in order), and advance the sequences. When `exec` fails nothing
-    /// advances, and the error is returned with the ids of the sequences the step held.
+    /// `sample` set, in order), and advance the sequences. `exec` also gets the cached blocks
+    /// evicted for this step (with offload tiers): their bytes are still there, to be copied
+    /// out before anything is written. When `exec` fails nothing advances, and the error is
+    /// returned with the ids of the sequences the step held.
     pub fn step(
         &mut self,
-        exec: impl FnOnce(&[Work<'_>]) -> Result<Vec<u32>, EngineError>,
+        exec: impl FnOnce(&[Work<'_>], &[Evicted]) -> Result<Vec<u32>, EngineError>,
     ) -> Result<StepOutcome, (EngineError, Vec<SeqId>)> {
         let Limits {
             block_size,
@@ -325,6 +387,19 @@ impl Scheduler {
             }
         }
 
+        // Sequences whose blocks arrived from a slower tier go back to the head of the queue.
+        if let Some(lower) = &self.lower
+            && !self.loading.is_empty()
+        {
+            let (ready, still): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.loading)
+                .into_iter()
+                .partition(|s| !lower.pending(&s.loading));
+            self.loading = still;
+            for seq in ready.into_iter().rev() {
+                self.waiting.push_front(seq);
+            }
+        }
+
         // Admit waiting sequences.
         while budget > 0 && self.running.len() < max_num_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
@@ -335,26 +410,63 @@ impl Scheduler {
             let hashes = crate::llm::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
             let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
             let hit = self.pool.cached_prefix(&seq_hashes);
+            // Imported KV costs no compute, only blocks for the whole prompt.
+            let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
+            // The prefix may go on in the tiers below the pool.
+            let mut lower_ready = 0;
+            if !imported
+                && hit < full
+                && let Some(lower) = self.lower.as_mut()
+            {
+                let rest = &seq_hashes[hit..];
+                if !seq.fetched {
+                    seq.fetched = true;
+                    let coming = lower.fetch(rest);
+                    if coming > 0 {
+                        seq.loading = rest.to_vec();
+                        self.loading.push(seq);
+                        continue;
+                    }
+                }
+                lower_ready = lower.ready(rest);
+            }
             if seq.preemptions == 0 {
                 self.counters.prompt_blocks += full as u64;
                 self.counters.prompt_blocks_hit += hit as u64;
             }
-            // Imported KV costs no compute, only blocks for the whole prompt.
-            let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
-            let want = if imported {
-                0
-            } else {
-                (seq.tokens.len() - hit * block_size).min(budget)
+            let len = seq.tokens.len();
+            let plan = |cached: usize| {
+                let want = if imported {
+                    0
+                } else {
+                    (len - cached * block_size).min(budget)
+                };
+                let reach = if imported {
+                    len
+                } else {
+                    cached * block_size + want
+                };
+                (want, reach)
             };
-            let reach = if imported {
-                seq.tokens.len()
-            } else {
-                hit * block_size + want
-            };
+            let (mut want, mut reach) = plan(hit + lower_ready);
             let new_blocks = reach.div_ceil(block_size) - hit;
             if new_blocks as u32 > self.pool.available() {
                 self.waiting.push_front(seq);
                 break;
+            }
+            let mut onboarded = 0;
+            if lower_ready > 0
+                && let Some(lower) = self.lower.as_mut()
+            {
+                seq.onboard = lower.take(&seq_hashes[hit..hit + lower_ready]);
+                onboarded = seq.onboard.len();
+                if onboarded < lower_ready {
+                    // A tier dropped a block since: compute from there (needs fewer blocks).
+                    (want, reach) = plan(hit + onboarded);
+                }
+                if seq.preemptions == 0 {
+                    self.counters.prompt_blocks_onboarded += onboarded as u64;
+                }
             }
             for h in &hashes[..hit] {
                 if let Some(b) = self.pool.acquire_cached(h.block_hash) {
@@ -371,8 +483,15 @@ impl Scheduler {
                 }
                 seq.hashes.clear();
                 seq.computed = 0;
+                seq.onboard.clear();
                 self.waiting.push_front(seq);
                 break;
+            }
+            if onboarded > 0 {
+                // The onboarded blocks are written before this step computes anything: they
+                // count as computed, and are findable from now on.
+                seq.computed = (hit + onboarded) * block_size;
+                Self::register_full(&mut self.pool, &mut seq, block_size);
             }
             if imported {
                 seq.computed = reach;
@@ -404,11 +523,14 @@ impl Scheduler {
                     import,
                     import_skip: if import { seq.hit_blocks } else { 0 },
                     generated: seq.generated,
+                    onboard: &seq.onboard,
+                    onboard_at: seq.hit_blocks,
                 }
             })
             .collect();
         let wanted = work.iter().filter(|w| w.sample).count();
-        let sampled = match exec(&work) {
+        let evicted = self.pool.take_evicted();
+        let sampled = match exec(&work, &evicted) {
             Ok(t) if t.len() == wanted => t,
             result => {
                 let e = match result {
@@ -431,8 +553,10 @@ impl Scheduler {
                 out.decode_seqs += 1;
             } else {
                 out.prefill_tokens += n;
+                self.counters.prefill_tokens += n as u64;
             }
             seq.computed += n;
+            seq.onboard.clear();
             out.context_tokens += seq.computed;
             Self::register_full(&mut self.pool, seq, block_size);
             if seq.computed == seq.tokens.len() {
@@ -504,7 +628,7 @@ mod tests {
     /// A step with the mocker's output.
     fn step(s: &mut Scheduler) -> StepOutcome {
         let v = vocab();
-        s.step(|work| {
+        s.step(|work, _| {
             Ok(work
                 .iter()
                 .filter(|w| w.sample)
@@ -580,7 +704,7 @@ mod tests {
             let mut got = Vec::new();
             while !s.is_idle() {
                 let out = s
-                    .step(|w| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
+                    .step(|w, _| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
                     .unwrap();
                 got.extend(out.tokens.into_iter().map(|(_, _, f)| f));
             }
@@ -595,9 +719,9 @@ mod tests {
         let mut s = Scheduler::new(limits(8, 64), 16);
         s.add(1, spec(vec![1, 2, 3], 4));
         let boom = || EngineError::Internal("boom".into());
-        let (e, ids) = s.step(|_| Err(boom())).unwrap_err();
+        let (e, ids) = s.step(|_, _| Err(boom())).unwrap_err();
         assert_eq!((e.to_string(), ids), ("boom".into(), vec![1]));
-        let (e, _) = s.step(|_| Ok(vec![])).unwrap_err();
+        let (e, _) = s.step(|_, _| Ok(vec![])).unwrap_err();
         assert!(e.to_string().contains("sampled 0 tokens for 1"), "{e}");
         // Still in the batch with nothing computed: a good step runs it from the start.
         assert_eq!(step(&mut s).prefill_tokens, 3);

@@ -63,6 +63,9 @@ pub struct EngineSettings {
     /// Unseeded requests are seeded by their prompt (the mocker's reproducible output)
     /// rather than at random.
     pub seed_from_prompt: bool,
+    /// Offload tiers below the pool, and (the mocker's) modelled transfer times.
+    pub offload: super::offload::OffloadConfig,
+    pub offload_model: Option<super::offload::Modelled>,
 }
 
 /// Declares an engine's config section: the [`SchedulerConfig`] fields (with the engine's
@@ -95,6 +98,8 @@ macro_rules! engine_section {
             pub max_queued_requests: u32,
             /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
             pub pin_ttl_s: f64,
+            /// KV offload tiers below the pool (host memory, disk); off by default.
+            pub offload: $crate::engine::offload::OffloadConfig,
             $( $(#[$fmeta])* pub $field: $ty, )*
         }
 
@@ -108,12 +113,20 @@ macro_rules! engine_section {
                     max_num_batched_tokens: d.max_num_batched_tokens,
                     max_queued_requests: d.max_queued_requests,
                     pin_ttl_s: d.pin_ttl_s,
+                    offload: Default::default(),
                     $( $field: $default, )*
                 }
             }
         }
 
         impl $name {
+            /// Problems with the shared settings (scheduler and offload), under `prefix`.
+            pub fn validate_shared(&self, prefix: &str) -> Vec<dyn_pipeline::Invalid> {
+                let mut out = self.scheduler().validate(prefix);
+                out.extend(self.offload.validate(&format!("{prefix}offload.")));
+                out
+            }
+
             /// The scheduler settings, shared by every engine.
             pub fn scheduler(&self) -> $crate::engine::settings::SchedulerConfig {
                 $crate::engine::settings::SchedulerConfig {
@@ -174,6 +187,25 @@ mod tests {
                 .field
                 .as_deref(),
             Some("x.num_blocks")
+        );
+        // The offload section is shared too, and checked with the rest.
+        let s = parse("offload: {disk_blocks: 10, host_gbps: 0}\n").unwrap();
+        let fields: Vec<String> = s
+            .validate_shared("x.")
+            .into_iter()
+            .filter_map(|i| i.field)
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "x.offload.disk_dir",
+                "x.offload.host_blocks",
+                "x.offload.host_gbps"
+            ]
+        );
+        assert!(
+            parse("offload: {host_block: 1}\n").is_err(),
+            "typos are errors"
         );
     }
 }

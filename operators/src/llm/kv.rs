@@ -84,12 +84,60 @@ pub enum KvEventData {
     Cleared,
 }
 
+/// Where a worker holds a block, as vLLM's events name it: `GPU` is the engine's own pool
+/// (G1, whatever the device), `CPU` host memory it offloaded to (G2), `DISK` local disk (G3).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Medium {
+    #[default]
+    Gpu,
+    Cpu,
+    Disk,
+}
+
+impl Medium {
+    pub const ALL: [Medium; 3] = [Medium::Gpu, Medium::Cpu, Medium::Disk];
+
+    /// vLLM's name for a tier (`GPU`, `CPU`, `CPU_PINNED`, `DISK`…); `None` for one dyn does
+    /// not price.
+    pub fn from_vllm(name: &str) -> Option<Medium> {
+        let n = name.to_ascii_uppercase();
+        match n.as_str() {
+            "GPU" | "CUDA" | "DEVICE" => Some(Medium::Gpu),
+            "DISK" | "SSD" | "NVME" => Some(Medium::Disk),
+            _ if n.starts_with("CPU") || n.starts_with("HOST") => Some(Medium::Cpu),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::Disk => "DISK",
+        }
+    }
+
+    /// Bit of this tier in a per-block mask.
+    pub fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvCacheEvent {
     /// Increases by one per event of a worker; a gap means events were lost.
     pub event_id: u64,
     pub dp_rank: u32,
+    /// The tier the event is about; absent means the engine's own pool (`GPU`), so events
+    /// of engines without tiers read as before.
+    #[serde(default, skip_serializing_if = "is_gpu")]
+    pub medium: Medium,
     pub data: KvEventData,
+}
+
+fn is_gpu(m: &Medium) -> bool {
+    *m == Medium::Gpu
 }
 
 /// A KV event as published on the event plane.
@@ -123,6 +171,59 @@ pub struct LoadMetrics {
     pub step_ms: f64,
     #[serde(default)]
     pub prefill_ms_per_token: f64,
+}
+
+/// Add a stored block to `events`: it extends the last stored chain when it continues it
+/// (blocks stored in one step form one event), or starts a new one.
+pub fn push_stored(events: &mut Vec<KvEventData>, parent: Option<u64>, block: BlockHash) {
+    match events.last_mut() {
+        Some(KvEventData::Stored { blocks, .. })
+            if blocks.last().map(|b| b.block_hash) == parent =>
+        {
+            blocks.push(block)
+        }
+        _ => events.push(KvEventData::Stored {
+            parent_hash: parent,
+            blocks: vec![block],
+        }),
+    }
+}
+
+/// A cached block for a full dump: its tier, sequence hash, parent's and local hash.
+pub type HeldBlock = (Medium, u64, Option<u64>, u64);
+
+/// Everything a worker holds, as events a router can rebuild its view from: `Cleared` (in
+/// the engine's pool), then one `Stored` per block and tier, parents before children. A block
+/// whose parent is held nowhere is left out: no prompt can reach it.
+pub fn dump_events(blocks: impl IntoIterator<Item = HeldBlock>) -> Vec<(Medium, KvEventData)> {
+    let mut children: std::collections::HashMap<Option<u64>, Vec<(Medium, BlockHash)>> =
+        std::collections::HashMap::new();
+    for (medium, hash, parent, tokens_hash) in blocks {
+        children.entry(parent).or_default().push((
+            medium,
+            BlockHash {
+                block_hash: hash,
+                tokens_hash,
+            },
+        ));
+    }
+    let mut out = vec![(Medium::Gpu, KvEventData::Cleared)];
+    let mut queue: Vec<Option<u64>> = vec![None];
+    while let Some(parent) = queue.pop() {
+        for (medium, b) in children.remove(&parent).unwrap_or_default() {
+            // A block held in two tiers is one node: its children are queued once (the
+            // second `remove` of its entry finds nothing).
+            queue.push(Some(b.block_hash));
+            out.push((
+                medium,
+                KvEventData::Stored {
+                    parent_hash: parent,
+                    blocks: vec![b],
+                },
+            ));
+        }
+    }
+    out
 }
 
 /// Event-plane subject of a node's KV events.
@@ -200,6 +301,7 @@ mod tests {
             event: KvCacheEvent {
                 event_id: 3,
                 dp_rank: 0,
+                medium: Default::default(),
                 data: KvEventData::Stored {
                     parent_hash: None,
                     blocks: vec![BlockHash {
@@ -215,5 +317,13 @@ mod tests {
         );
         let cleared = serde_json::to_string(&KvEventData::Cleared).expect("json");
         assert_eq!(cleared, r#""cleared""#);
+        // An offload tier's event names it, as vLLM's do; absent reads as the pool.
+        let mut e = e.event;
+        e.medium = Medium::Cpu;
+        let json = serde_json::to_string(&e).expect("json");
+        assert!(json.contains(r#""medium":"CPU""#), "{json}");
+        assert_eq!(serde_json::from_str::<KvCacheEvent>(&json).expect("back"), e);
+        assert_eq!(Medium::from_vllm("CPU_PINNED"), Some(Medium::Cpu));
+        assert_eq!(Medium::from_vllm("tape"), None);
     }
 }

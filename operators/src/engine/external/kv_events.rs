@@ -35,7 +35,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use super::server::Endpoint;
 use crate::llm::kv::{
-    BlockHash, KvCacheEvent, KvEventData, ResyncRequest, RouterEvent, chain_hash,
+    BlockHash, KvCacheEvent, KvEventData, Medium, ResyncRequest, RouterEvent, chain_hash,
     kv_events_subject, kv_resync_subject, local_hash,
 };
 
@@ -114,23 +114,27 @@ pub fn decode_batch(payload: &[u8]) -> Result<VllmBatch, rmp_serde::decode::Erro
     rmp_serde::from_slice(payload)
 }
 
-/// Only the cache the engine computes in counts (not an offload tier's copies).
-fn in_engine_cache(medium: &Option<String>) -> bool {
-    medium.as_deref().is_none_or(|m| m == "GPU")
+/// The tier an event is about; `None` for a medium dyn does not know (skipped).
+fn tier(medium: &Option<String>) -> Option<Medium> {
+    medium
+        .as_deref()
+        .map_or(Some(Medium::Gpu), Medium::from_vllm)
 }
 
 /// The server's cache as dyn names it.
 #[derive(Default)]
 pub struct Mirror {
-    /// vLLM hash → (dyn hashes, parent's vLLM hash).
-    blocks: HashMap<VllmHash, (BlockHash, Option<VllmHash>)>,
+    /// vLLM hash → (dyn hashes, parent's vLLM hash, tiers holding it as [`Medium::bit`]s).
+    blocks: HashMap<VllmHash, (BlockHash, Option<VllmHash>, u8)>,
     /// The block size the server announced in its events (0 until then).
     pub block_size: u32,
 }
 
 impl Mirror {
-    /// dyn events for a vLLM batch's events, the mirror updated.
-    pub fn apply(&mut self, events: Vec<VllmEvent>) -> Vec<KvEventData> {
+    /// dyn events (each with its tier) for a vLLM batch's events, the mirror updated. An
+    /// offload tier's copy of a block the mirror knows needs no token ids: vLLM names a block
+    /// by the same hash in every tier.
+    pub fn apply(&mut self, events: Vec<VllmEvent>) -> Vec<(Medium, KvEventData)> {
         let mut out = Vec::new();
         for ev in events {
             match ev {
@@ -141,14 +145,16 @@ impl Mirror {
                     block_size,
                     medium,
                 } => {
-                    if !in_engine_cache(&medium) || block_size == 0 {
+                    let Some(medium) = tier(&medium) else {
                         continue;
+                    };
+                    if block_size > 0 {
+                        self.block_size = block_size;
                     }
-                    self.block_size = block_size;
                     let parent = match &parent_block_hash {
                         None => None,
                         Some(p) => match self.blocks.get(p) {
-                            Some((h, _)) => Some(h.block_hash),
+                            Some((h, _, _)) => Some(h.block_hash),
                             None => {
                                 // Stored before dyn followed and not replayable: the
                                 // chain cannot be named; the blocks are left out.
@@ -162,46 +168,68 @@ impl Mirror {
                     let mut chain = parent;
                     let mut parent_v = parent_block_hash;
                     let mut blocks = Vec::with_capacity(block_hashes.len());
-                    for (v, tokens) in block_hashes
-                        .into_iter()
-                        .zip(token_ids.chunks_exact(block_size as usize))
-                    {
-                        let local = local_hash(tokens);
-                        let seq = chain_hash(chain, local);
-                        let h = BlockHash {
-                            block_hash: seq,
-                            tokens_hash: local,
+                    let mut tokens = token_ids.chunks_exact(block_size.max(1) as usize);
+                    for v in block_hashes {
+                        let h = match (self.blocks.get_mut(&v), tokens.next()) {
+                            (Some(known), _) => {
+                                known.2 |= medium.bit();
+                                known.0
+                            }
+                            (None, Some(tokens)) if block_size > 0 => {
+                                let local = local_hash(tokens);
+                                let h = BlockHash {
+                                    block_hash: chain_hash(chain, local),
+                                    tokens_hash: local,
+                                };
+                                self.blocks
+                                    .insert(v.clone(), (h, parent_v.take(), medium.bit()));
+                                h
+                            }
+                            // Neither known nor given: the rest of the chain cannot be named.
+                            _ => break,
                         };
-                        self.blocks.insert(v.clone(), (h, parent_v.take()));
                         parent_v = Some(v);
-                        chain = Some(seq);
+                        chain = Some(h.block_hash);
                         blocks.push(h);
                     }
                     if !blocks.is_empty() {
-                        out.push(KvEventData::Stored {
-                            parent_hash: parent,
-                            blocks,
-                        });
+                        out.push((
+                            medium,
+                            KvEventData::Stored {
+                                parent_hash: parent,
+                                blocks,
+                            },
+                        ));
                     }
                 }
                 VllmEvent::BlockRemoved {
                     block_hashes,
                     medium,
                 } => {
-                    if !in_engine_cache(&medium) {
+                    let Some(medium) = tier(&medium) else {
                         continue;
+                    };
+                    let mut gone = Vec::new();
+                    for v in &block_hashes {
+                        let Some(entry) = self.blocks.get_mut(v) else {
+                            continue;
+                        };
+                        if entry.2 & medium.bit() == 0 {
+                            continue;
+                        }
+                        entry.2 &= !medium.bit();
+                        gone.push(entry.0.block_hash);
+                        if entry.2 == 0 {
+                            self.blocks.remove(v);
+                        }
                     }
-                    let gone: Vec<u64> = block_hashes
-                        .iter()
-                        .filter_map(|v| self.blocks.remove(v).map(|(h, _)| h.block_hash))
-                        .collect();
                     if !gone.is_empty() {
-                        out.push(KvEventData::Removed { block_hashes: gone });
+                        out.push((medium, KvEventData::Removed { block_hashes: gone }));
                     }
                 }
                 VllmEvent::AllBlocksCleared => {
                     self.blocks.clear();
-                    out.push(KvEventData::Cleared);
+                    out.push((Medium::Gpu, KvEventData::Cleared));
                 }
                 VllmEvent::Other => {}
             }
@@ -209,29 +237,19 @@ impl Mirror {
         out
     }
 
-    /// The whole cache: `Cleared`, then one `Stored` per block, parents first.
-    pub fn dump(&self) -> Vec<KvEventData> {
-        let mut children: HashMap<Option<&VllmHash>, Vec<&VllmHash>> = HashMap::new();
-        for (v, (_, parent)) in &self.blocks {
-            children.entry(parent.as_ref()).or_default().push(v);
-        }
-        let mut out = vec![KvEventData::Cleared];
-        let mut queue: Vec<Option<&VllmHash>> = vec![None];
-        while let Some(parent) = queue.pop() {
-            let parent_hash = parent
+    /// The whole cache: `Cleared`, then one `Stored` per block and tier, parents first.
+    pub fn dump(&self) -> Vec<(Medium, KvEventData)> {
+        let held = self.blocks.values().flat_map(|(h, parent_v, mask)| {
+            let parent = parent_v
+                .as_ref()
                 .and_then(|p| self.blocks.get(p))
-                .map(|(h, _)| h.block_hash);
-            for v in children.remove(&parent).unwrap_or_default() {
-                if let Some((h, _)) = self.blocks.get(v) {
-                    out.push(KvEventData::Stored {
-                        parent_hash,
-                        blocks: vec![*h],
-                    });
-                    queue.push(Some(v));
-                }
-            }
-        }
-        out
+                .map(|(p, _, _)| p.block_hash);
+            Medium::ALL
+                .into_iter()
+                .filter(move |m| mask & m.bit() != 0)
+                .map(move |m| (m, h.block_hash, parent, h.tokens_hash))
+        });
+        crate::llm::kv::dump_events(held)
     }
 }
 
@@ -310,7 +328,7 @@ impl Follower {
         mut endpoint: watch::Receiver<Option<Endpoint>>,
     ) -> Result<(), String> {
         let worker_id = cx.instance_id;
-        let (tx, rx) = mpsc::channel::<Vec<KvEventData>>(1024);
+        let (tx, rx) = mpsc::channel::<Vec<(Medium, KvEventData)>>(1024);
         tokio::spawn(publish(
             rx,
             cx.planes.events.clone(),
@@ -404,15 +422,15 @@ impl Follower {
         }
     }
 
-    async fn restart(&self, tx: &mpsc::Sender<Vec<KvEventData>>) {
+    async fn restart(&self, tx: &mpsc::Sender<Vec<(Medium, KvEventData)>>) {
         self.mirror.lock().blocks.clear();
-        let _ = tx.send(vec![KvEventData::Cleared]).await;
+        let _ = tx.send(vec![(Medium::Gpu, KvEventData::Cleared)]).await;
     }
 
     async fn apply_all(
         &self,
         batches: Vec<(u64, Bytes)>,
-        tx: &mpsc::Sender<Vec<KvEventData>>,
+        tx: &mpsc::Sender<Vec<(Medium, KvEventData)>>,
         next_seq: &mut Option<u64>,
     ) {
         for (seq, payload) in batches {
@@ -482,19 +500,20 @@ fn frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
 
 /// Publish dyn events in order with consecutive ids.
 async fn publish(
-    mut rx: mpsc::Receiver<Vec<KvEventData>>,
+    mut rx: mpsc::Receiver<Vec<(Medium, KvEventData)>>,
     events: Arc<dyn EventBus>,
     subject: String,
     worker_id: u64,
 ) {
     let mut event_id = 0u64;
     while let Some(batch) = rx.recv().await {
-        for data in batch {
+        for (medium, data) in batch {
             let ev = RouterEvent {
                 worker_id,
                 event: KvCacheEvent {
                     event_id,
                     dp_rank: 0,
+                    medium,
                     data,
                 },
             };
@@ -534,46 +553,73 @@ mod tests {
         let mut m = Mirror::default();
         let out = m.apply(decoded.events);
         let want = block_hashes(&tokens, 16);
+        let gpu = |e| (Medium::Gpu, e);
         assert_eq!(
             out,
             vec![
-                KvEventData::Stored {
+                gpu(KvEventData::Stored {
                     parent_hash: None,
                     blocks: want[..2].to_vec()
-                },
-                KvEventData::Stored {
+                }),
+                gpu(KvEventData::Stored {
                     parent_hash: Some(want[1].block_hash),
                     blocks: want[2..].to_vec()
-                },
+                }),
             ]
         );
         assert_eq!(m.block_size, 16);
         let dump = m.dump();
-        assert_eq!(dump[0], KvEventData::Cleared);
+        assert_eq!(dump[0], gpu(KvEventData::Cleared));
         assert_eq!(dump.len(), 5);
         assert_eq!(
             dump[4],
-            KvEventData::Stored {
+            gpu(KvEventData::Stored {
                 parent_hash: Some(want[2].block_hash),
                 blocks: vec![want[3]]
-            }
+            })
         );
+        // The offload tier's copy of a known block: named without token ids.
+        let offloaded = batch(serde_json::json!([
+            {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": 12,
+             "token_ids": [], "block_size": 16, "lora_id": null, "medium": "CPU", "lora_name": null},
+        ]));
+        assert_eq!(
+            m.apply(decode_batch(&offloaded).expect("batch").events),
+            vec![(
+                Medium::Cpu,
+                KvEventData::Stored {
+                    parent_hash: Some(want[1].block_hash),
+                    blocks: vec![want[2]]
+                }
+            )]
+        );
+        assert_eq!(m.dump().len(), 6, "block 13 in two tiers");
         let removed = batch(serde_json::json!([
             {"type": "BlockRemoved", "block_hashes": [14, 99], "medium": "GPU"},
             {"type": "BlockRemoved", "block_hashes": [13], "medium": "CPU"},
+            {"type": "BlockRemoved", "block_hashes": [12], "medium": "TAPE"},
         ]));
         assert_eq!(
             m.apply(decode_batch(&removed).expect("batch").events),
-            vec![KvEventData::Removed {
-                block_hashes: vec![want[3].block_hash]
-            }]
+            vec![
+                gpu(KvEventData::Removed {
+                    block_hashes: vec![want[3].block_hash]
+                }),
+                (
+                    Medium::Cpu,
+                    KvEventData::Removed {
+                        block_hashes: vec![want[2].block_hash]
+                    }
+                ),
+            ]
         );
+        assert_eq!(m.dump().len(), 4, "13 is still on the GPU");
         let cleared = batch(serde_json::json!([{"type": "AllBlocksCleared"}]));
         assert_eq!(
             m.apply(decode_batch(&cleared).expect("batch").events),
-            vec![KvEventData::Cleared]
+            vec![gpu(KvEventData::Cleared)]
         );
-        assert_eq!(m.dump(), vec![KvEventData::Cleared]);
+        assert_eq!(m.dump(), vec![gpu(KvEventData::Cleared)]);
     }
 
     #[test]

@@ -49,6 +49,9 @@ pub struct Pricing {
     pub miss_weight: f64,
     /// Share of a cached block that counts as cached (Dynamo's `overlap_score_credit`).
     pub overlap_credit: f64,
+    /// Share of a block held only in host memory, and only on disk, that counts as cached
+    /// (it is onboarded, not recomputed).
+    pub tier_credit: [f64; 2],
     /// Leave out workers whose requests would pass this × the mean (0 = no bound)...
     pub load_bound: f64,
     /// ... and this many more than the least loaded worker's (small loads are not skewed).
@@ -70,6 +73,7 @@ impl Default for Pricing {
             overlap_weight: 1.0,
             miss_weight: 2.0,
             overlap_credit: 1.0,
+            tier_credit: [0.75, 0.25],
             load_bound: 2.0,
             load_slack: 8,
             busy_kv_usage: None,
@@ -85,8 +89,10 @@ impl Default for Pricing {
 #[derive(Debug, Clone, Default)]
 pub struct WorkerView<'a> {
     pub worker: u64,
-    /// Leading prompt blocks the KV index says it caches.
+    /// Leading prompt blocks the KV index says it caches (in any tier)...
     pub indexed_blocks: usize,
+    /// ... of which only in host memory, and only on disk.
+    pub indexed_lower: [usize; 2],
     /// Leading prompt blocks this router's active requests there hold.
     pub pending_blocks: usize,
     /// This router's load there, `decode_blocks` counting the prompt's blocks it would add.
@@ -106,6 +112,12 @@ pub struct Candidate {
     /// Leading prompt blocks counted as cached: the larger of `indexed` and `pending`.
     pub matched_blocks: usize,
     pub indexed_blocks: usize,
+    /// Of the indexed blocks, those only in host memory and only on disk (onboarded, credited
+    /// at `host_credit` / `disk_credit`).
+    #[serde(default)]
+    pub host_blocks: usize,
+    #[serde(default)]
+    pub disk_blocks: usize,
     pub pending_blocks: usize,
     /// Prompt blocks and tokens it would have to prefill.
     pub prefill_blocks: usize,
@@ -177,7 +189,15 @@ pub fn candidates(
         .zip(speeds)
         .map(|(w, (step_ms, per_token))| {
             let matched = w.indexed_blocks.max(w.pending_blocks).min(prompt_blocks);
-            let credited = (matched as f64 * p.overlap_credit).floor() as usize;
+            // Blocks below the pool cost an onboard: each counts for its tier's credit. This
+            // router's own requests' blocks are in the pool.
+            let [host, disk] = w.indexed_lower;
+            let onboard_cost =
+                host as f64 * (1.0 - p.tier_credit[0]) + disk as f64 * (1.0 - p.tier_credit[1]);
+            let effective = (w.indexed_blocks as f64 - onboard_cost)
+                .max(w.pending_blocks as f64)
+                .min(matched as f64);
+            let credited = (effective * p.overlap_credit).floor() as usize;
             let prefill_blocks = prompt_blocks - credited;
             let prefill_tokens = prompt_tokens.saturating_sub(credited * block_size);
             // The worker's report counts every router's requests as of then: the others' are
@@ -212,6 +232,8 @@ pub fn candidates(
                 worker: w.worker,
                 matched_blocks: matched,
                 indexed_blocks: w.indexed_blocks,
+                host_blocks: host,
+                disk_blocks: disk,
                 pending_blocks: w.pending_blocks,
                 prefill_blocks,
                 prefill_tokens,
@@ -371,5 +393,42 @@ mod hex_id {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         let s = String::deserialize(d)?;
         u64::from_str_radix(&s, 16).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_onboard_is_priced_between_a_pool_hit_and_a_recompute() {
+        // Ten prompt blocks of 16, all indexed on three workers: in the pool, only in host
+        // memory, only on disk; a fourth holds none.
+        let view = |worker, lower| WorkerView {
+            worker,
+            indexed_blocks: if worker == 4 { 0 } else { 10 },
+            indexed_lower: lower,
+            ..WorkerView::default()
+        };
+        let workers = [
+            view(1, [0, 0]),
+            view(2, [10, 0]),
+            view(3, [0, 10]),
+            view(4, [0, 0]),
+        ];
+        let c = candidates(&workers, 160, 10, 16, &Pricing::default());
+        let tokens: Vec<usize> = c.iter().map(|c| c.prefill_tokens).collect();
+        // Credit 0.75 in host memory, 0.25 on disk: 7 and 2 of the 10 blocks count.
+        assert_eq!(tokens, [0, 48, 128, 160]);
+        assert!(c[0].cost < c[1].cost && c[1].cost < c[2].cost && c[2].cost < c[3].cost);
+        assert_eq!((c[1].host_blocks, c[2].disk_blocks), (10, 10));
+        assert_eq!(choose(&c, &[10, 10, 10, 0], 0.0, &mut rand::rng()), Some(0));
+        // With full credit a host block is as good as a pool block.
+        let p = Pricing {
+            tier_credit: [1.0, 1.0],
+            ..Pricing::default()
+        };
+        let c = candidates(&workers, 160, 10, 16, &p);
+        assert_eq!(c[1].prefill_tokens, 0);
     }
 }

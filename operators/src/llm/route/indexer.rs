@@ -15,6 +15,12 @@
 //! worker slots ([`MAX_WORKERS`] of them). A node lives while a worker holds it or it has
 //! children; the last one out prunes it and any parent left empty.
 //!
+//! Blocks may be held in a worker's offload tiers too (events with `medium` `CPU` or `DISK`):
+//! each worker's block carries a mask of the tiers holding it, and a node held by a worker
+//! only below its pool has that worker's bit in a side table ([`Indexer::find_tiered`]
+//! counts those blocks per tier). Without tiers the side table is empty and lookups never
+//! touch it.
+//!
 //! Event ids must start at 0 and increase by one per worker. A gap (or a first event that is
 //! not 0: a router that joined late) means events were lost: the worker's blocks are dropped
 //! and its events ignored until it sends a full dump, which starts with `cleared` (see
@@ -23,7 +29,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::llm::kv::{KvCacheEvent, KvEventData, chain_hash};
+use crate::llm::kv::{KvCacheEvent, KvEventData, Medium, chain_hash};
 
 /// The most workers one indexer tracks (the width of the membership bit set).
 pub const MAX_WORKERS: usize = 128;
@@ -82,8 +88,8 @@ impl Slot {
 #[derive(Debug, Default)]
 struct WorkerBlocks {
     slot: usize,
-    /// The worker's own block hash → node.
-    blocks: IdMap<u32>,
+    /// The worker's own block hash → node, and the tiers holding it ([`Medium::bit`]).
+    blocks: IdMap<(u32, u8)>,
     last_event: Option<u64>,
     /// Events were lost: ignore everything until a dump (starting with `cleared`) arrives.
     awaiting_dump: bool,
@@ -118,11 +124,29 @@ pub struct IndexStats {
     pub bytes: usize,
 }
 
+/// A worker's match for a prompt: leading blocks it holds anywhere, and how many of those it
+/// holds only in host memory, or only on disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierMatch {
+    pub blocks: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+impl TierMatch {
+    /// Blocks in the worker's pool.
+    pub fn device(&self) -> usize {
+        self.blocks - self.host - self.disk
+    }
+}
+
 #[derive(Default)]
 pub struct Indexer {
     nodes: Vec<Node>,
     free: Vec<u32>,
     by_seq: IdMap<Slot>,
+    /// Sequence hash → workers holding it only in host memory, and only on disk.
+    off: IdMap<[u128; 2]>,
     workers: HashMap<u64, WorkerBlocks>,
     slots: Vec<Option<u64>>,
 }
@@ -177,12 +201,16 @@ impl Indexer {
                 got: ev.event_id,
             };
         }
-        self.apply_data(worker_id, &ev.data)
+        self.apply_in(worker_id, ev.medium, &ev.data)
     }
 
     /// Apply an event's data without event-id bookkeeping: for the router's own records in
     /// approximate mode.
     pub fn apply_data(&mut self, worker_id: u64, data: &KvEventData) -> Applied {
+        self.apply_in(worker_id, Medium::Gpu, data)
+    }
+
+    fn apply_in(&mut self, worker_id: u64, medium: Medium, data: &KvEventData) -> Applied {
         if self.worker(worker_id).is_none() {
             return Applied::Full;
         }
@@ -190,10 +218,10 @@ impl Indexer {
             KvEventData::Stored {
                 parent_hash,
                 blocks,
-            } => self.store(worker_id, *parent_hash, blocks),
+            } => self.store(worker_id, medium, *parent_hash, blocks),
             KvEventData::Removed { block_hashes } => {
                 for h in block_hashes {
-                    self.remove_block(worker_id, *h);
+                    self.remove_block(worker_id, medium, *h);
                 }
                 Applied::Ok
             }
@@ -207,6 +235,7 @@ impl Indexer {
     fn store(
         &mut self,
         worker_id: u64,
+        medium: Medium,
         parent_hash: Option<u64>,
         blocks: &[crate::llm::kv::BlockHash],
     ) -> Applied {
@@ -217,7 +246,7 @@ impl Indexer {
         let (mut parent, mut parent_seq) = match parent_hash {
             None => (NONE, None),
             Some(h) => match w.blocks.get(&h) {
-                Some(&n) => (n, Some(self.nodes[n as usize].seq)),
+                Some(&(n, _)) => (n, Some(self.nodes[n as usize].seq)),
                 None => return Applied::Orphan,
             },
         };
@@ -250,25 +279,41 @@ impl Indexer {
             });
             slot.set_workers(slot.workers() | bit);
             let node = slot.node;
-            if let Some(old) = w.blocks.insert(b.block_hash, node)
-                && old != node
-            {
-                // The worker reused a block hash for another prefix: the old one is gone.
-                Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, old, bit);
-            }
+            let mask = match w.blocks.get(&b.block_hash) {
+                Some(&(old, mask)) if old == node => mask | medium.bit(),
+                Some(&(old, _)) => {
+                    // The worker reused a block hash for another prefix: the old one is gone.
+                    let old_seq = self.nodes[old as usize].seq;
+                    set_off(&mut self.off, old_seq, bit, 0);
+                    Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, old, bit);
+                    medium.bit()
+                }
+                None => medium.bit(),
+            };
+            w.blocks.insert(b.block_hash, (node, mask));
+            set_off(&mut self.off, seq, bit, mask);
             parent = node;
             parent_seq = Some(seq);
         }
         Applied::Ok
     }
 
-    fn remove_block(&mut self, worker_id: u64, hash: u64) {
+    fn remove_block(&mut self, worker_id: u64, medium: Medium, hash: u64) {
         let Some(w) = self.workers.get_mut(&worker_id) else {
             return;
         };
-        if let Some(node) = w.blocks.remove(&hash) {
-            let bit = 1u128 << w.slot;
+        let Some(&(node, mask)) = w.blocks.get(&hash) else {
+            return;
+        };
+        let bit = 1u128 << w.slot;
+        let seq = self.nodes[node as usize].seq;
+        let mask = mask & !medium.bit();
+        set_off(&mut self.off, seq, bit, mask);
+        if mask == 0 {
+            w.blocks.remove(&hash);
             Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, node, bit);
+        } else {
+            w.blocks.insert(hash, (node, mask));
         }
     }
 
@@ -305,7 +350,8 @@ impl Indexer {
             return;
         };
         let bit = 1u128 << w.slot;
-        for (_, node) in w.blocks.drain() {
+        for (_, (node, _)) in w.blocks.drain() {
+            set_off(&mut self.off, self.nodes[node as usize].seq, bit, 0);
             Self::drop_bit(&mut self.nodes, &mut self.free, &mut self.by_seq, node, bit);
         }
     }
@@ -328,44 +374,101 @@ impl Indexer {
         self.workers.get(&worker_id).map_or(0, |w| w.blocks.len())
     }
 
-    /// For a prompt's sequence hashes, how many leading blocks each worker holds; workers
-    /// holding none are left out.
+    /// Blocks the index holds for `worker_id` per tier (GPU, CPU, DISK); a block in two
+    /// tiers counts in both.
+    pub fn worker_tier_blocks(&self, worker_id: u64) -> [usize; 3] {
+        let mut out = [0; 3];
+        if let Some(w) = self.workers.get(&worker_id) {
+            for &(_, mask) in w.blocks.values() {
+                for (i, m) in Medium::ALL.iter().enumerate() {
+                    if mask & m.bit() != 0 {
+                        out[i] += 1;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// For a prompt's sequence hashes, how many leading blocks each worker holds (in any
+    /// tier); workers holding none are left out.
     pub fn find_matches(&self, seq_hashes: &[u64]) -> Vec<(u64, usize)> {
+        self.find_tiered(seq_hashes)
+            .into_iter()
+            .map(|(w, m)| (w, m.blocks))
+            .collect()
+    }
+
+    /// [`Indexer::find_matches`], with the blocks each worker holds only below its pool.
+    pub fn find_tiered(&self, seq_hashes: &[u64]) -> Vec<(u64, TierMatch)> {
         let mut out = Vec::new();
         let mut active = u128::MAX;
         let mut depth = 0;
+        // Per worker slot: blocks of the match only in host memory, only on disk.
+        let mut lower: Option<Box<[[u32; 2]; MAX_WORKERS]>> = None;
         for h in seq_hashes {
             let Some(slot) = self.by_seq.get(h) else {
                 break;
             };
             let held = slot.workers() & active;
             if depth > 0 {
-                self.push_bits(active & !held, depth, &mut out);
+                self.push_bits(active & !held, depth, lower.as_deref(), &mut out);
             }
             active = held;
             if active == 0 {
                 break;
             }
+            if !self.off.is_empty()
+                && let Some(off) = self.off.get(h)
+            {
+                let counts = lower.get_or_insert_with(|| Box::new([[0; 2]; MAX_WORKERS]));
+                for (tier, bits) in off.iter().enumerate() {
+                    let mut b = bits & active;
+                    while b != 0 {
+                        counts[b.trailing_zeros() as usize][tier] += 1;
+                        b &= b - 1;
+                    }
+                }
+            }
             depth += 1;
         }
         if depth > 0 {
-            self.push_bits(active, depth, &mut out);
+            self.push_bits(active, depth, lower.as_deref(), &mut out);
         }
         out
     }
 
-    fn push_bits(&self, bits: u128, depth: usize, out: &mut Vec<(u64, usize)>) {
-        out.extend(self.ids(bits).map(|id| (id, depth)));
+    fn push_bits(
+        &self,
+        bits: u128,
+        depth: usize,
+        lower: Option<&[[u32; 2]; MAX_WORKERS]>,
+        out: &mut Vec<(u64, TierMatch)>,
+    ) {
+        out.extend(self.slot_ids(bits).map(|(slot, id)| {
+            let [host, disk] = lower.map_or([0; 2], |l| l[slot]);
+            let m = TierMatch {
+                blocks: depth,
+                host: host as usize,
+                disk: disk as usize,
+            };
+            (id, m)
+        }));
     }
 
     /// The workers whose slots are set in `bits`.
-    fn ids(&self, mut bits: u128) -> impl Iterator<Item = u64> + '_ {
+    fn ids(&self, bits: u128) -> impl Iterator<Item = u64> + '_ {
+        self.slot_ids(bits).map(|(_, id)| id)
+    }
+
+    /// `(slot, worker)` for the slots set in `bits`.
+    fn slot_ids(&self, mut bits: u128) -> impl Iterator<Item = (usize, u64)> + '_ {
         std::iter::from_fn(move || {
             while bits != 0 {
                 let slot = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 if let Some(Some(id)) = self.slots.get(slot) {
-                    return Some(*id);
+                    return Some((slot, *id));
                 }
             }
             None
@@ -379,6 +482,7 @@ impl Indexer {
         let bytes = self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free.capacity() * 4
             + map(self.by_seq.capacity(), 8 + std::mem::size_of::<Slot>())
+            + map(self.off.capacity(), 8 + 32)
             + self
                 .workers
                 .values()
@@ -428,17 +532,40 @@ impl Indexer {
     }
 }
 
+/// Record in `off` whether the worker with `bit` holds `seq` only in host memory, or only on
+/// disk, given the tiers holding it (`mask`; 0 = none).
+fn set_off(off: &mut IdMap<[u128; 2]>, seq: u64, bit: u128, mask: u8) {
+    let (gpu, cpu, disk) = (Medium::Gpu.bit(), Medium::Cpu.bit(), Medium::Disk.bit());
+    let host_only = mask & gpu == 0 && mask & cpu != 0;
+    let disk_only = mask & (gpu | cpu) == 0 && mask & disk != 0;
+    if !host_only && !disk_only && !off.contains_key(&seq) {
+        return;
+    }
+    let e = off.entry(seq).or_insert([0; 2]);
+    for (i, on) in [host_only, disk_only].into_iter().enumerate() {
+        if on {
+            e[i] |= bit;
+        } else {
+            e[i] &= !bit;
+        }
+    }
+    if *e == [0; 2] {
+        off.remove(&seq);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::llm::kv::{BlockHash, block_hashes};
     use proptest::prelude::*;
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashMap;
 
     fn ev(id: u64, data: KvEventData) -> KvCacheEvent {
         KvCacheEvent {
             event_id: id,
             dp_rank: 0,
+            medium: Default::default(),
             data,
         }
     }
@@ -575,36 +702,53 @@ mod tests {
         assert_eq!(ix.apply(1_000, &ev(0, KvEventData::Cleared)), Applied::Ok);
     }
 
-    /// The reference: per worker, the set of sequence hashes it holds.
+    /// The reference: per worker, the sequence hashes it holds and the tiers holding each.
     #[derive(Default)]
     struct Model {
-        held: HashMap<u64, HashSet<u64>>,
+        held: HashMap<u64, HashMap<u64, u8>>,
     }
 
     impl Model {
-        fn find(&self, hashes: &[u64]) -> Vec<(u64, usize)> {
-            let mut out: Vec<(u64, usize)> = self
+        fn find(&self, hashes: &[u64]) -> Vec<(u64, TierMatch)> {
+            let (gpu, cpu, disk) = (Medium::Gpu.bit(), Medium::Cpu.bit(), Medium::Disk.bit());
+            let mut out: Vec<(u64, TierMatch)> = self
                 .held
                 .iter()
-                .map(|(w, set)| (*w, hashes.iter().take_while(|h| set.contains(h)).count()))
-                .filter(|(_, n)| *n > 0)
+                .map(|(w, set)| {
+                    let masks: Vec<u8> = hashes.iter().map_while(|h| set.get(h).copied()).collect();
+                    let m = TierMatch {
+                        blocks: masks.len(),
+                        host: masks
+                            .iter()
+                            .filter(|m| *m & gpu == 0 && *m & cpu != 0)
+                            .count(),
+                        disk: masks
+                            .iter()
+                            .filter(|m| *m & (gpu | cpu) == 0 && *m & disk != 0)
+                            .count(),
+                    };
+                    (*w, m)
+                })
+                .filter(|(_, m)| m.blocks > 0)
                 .collect();
-            out.sort_unstable();
+            out.sort_unstable_by_key(|(w, _)| *w);
             out
         }
     }
 
     #[derive(Debug, Clone)]
     enum Op {
-        /// Worker stores blocks `from..to` of sequence `seq`.
+        /// Worker stores blocks `from..to` of sequence `seq` in a tier.
         Store {
             worker: u64,
+            medium: Medium,
             seq: usize,
             from: usize,
             to: usize,
         },
         Remove {
             worker: u64,
+            medium: Medium,
             seq: usize,
             block: usize,
         },
@@ -618,9 +762,11 @@ mod tests {
 
     fn op() -> impl Strategy<Value = Op> {
         let w = 0u64..4;
+        let m =
+            prop_oneof![3 => Just(Medium::Gpu), 1 => Just(Medium::Cpu), 1 => Just(Medium::Disk)];
         prop_oneof![
-            6 => (w.clone(), 0usize..4, 0usize..6, 1usize..4).prop_map(|(worker, seq, from, len)| Op::Store { worker, seq, from, to: (from + len).min(6) }),
-            3 => (w.clone(), 0usize..4, 0usize..6).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
+            6 => (w.clone(), m.clone(), 0usize..4, 0usize..6, 1usize..4).prop_map(|(worker, medium, seq, from, len)| Op::Store { worker, medium, seq, from, to: (from + len).min(6) }),
+            3 => (w.clone(), m, 0usize..4, 0usize..6).prop_map(|(worker, medium, seq, block)| Op::Remove { worker, medium, seq, block }),
             1 => w.clone().prop_map(|worker| Op::Clear { worker }),
             1 => w.prop_map(|worker| Op::Leave { worker }),
         ]
@@ -642,26 +788,36 @@ mod tests {
             let mut next_id: HashMap<u64, u64> = HashMap::new();
             for op in ops {
                 match op {
-                    Op::Store { worker, seq, from, to } => {
+                    Op::Store { worker, medium, seq, from, to } => {
                         let h = &seqs_h[seq];
                         let parent = from.checked_sub(1).map(|p| h[p].block_hash);
                         let id = next_id.entry(worker).or_insert(0);
-                        let r = ix.apply(worker, &ev(*id, stored(parent, &h[from..to])));
+                        let e = KvCacheEvent { medium, ..ev(*id, stored(parent, &h[from..to])) };
+                        let r = ix.apply(worker, &e);
                         *id += 1;
                         let set = model.held.entry(worker).or_default();
-                        if parent.is_none_or(|p| set.contains(&p)) {
+                        if parent.is_none_or(|p| set.contains_key(&p)) {
                             prop_assert_eq!(r, Applied::Ok);
-                            set.extend(h[from..to].iter().map(|b| b.block_hash));
+                            for b in &h[from..to] {
+                                *set.entry(b.block_hash).or_default() |= medium.bit();
+                            }
                         } else {
                             prop_assert_eq!(r, Applied::Orphan);
                         }
                     }
-                    Op::Remove { worker, seq, block } => {
+                    Op::Remove { worker, medium, seq, block } => {
                         let hash = seqs_h[seq][block].block_hash;
                         let id = next_id.entry(worker).or_insert(0);
-                        ix.apply(worker, &ev(*id, KvEventData::Removed { block_hashes: vec![hash] }));
+                        let e = KvCacheEvent { medium, ..ev(*id, KvEventData::Removed { block_hashes: vec![hash] }) };
+                        ix.apply(worker, &e);
                         *id += 1;
-                        model.held.entry(worker).or_default().remove(&hash);
+                        let set = model.held.entry(worker).or_default();
+                        if let Some(m) = set.get_mut(&hash) {
+                            *m &= !medium.bit();
+                            if *m == 0 {
+                                set.remove(&hash);
+                            }
+                        }
                     }
                     Op::Clear { worker } => {
                         let id = next_id.entry(worker).or_insert(0);
@@ -676,11 +832,11 @@ mod tests {
                     }
                 }
                 for h in &seqs_h {
-                    let mut got = ix.find_matches(&seqs(h));
-                    got.sort_unstable();
+                    let mut got = ix.find_tiered(&seqs(h));
+                    got.sort_unstable_by_key(|(w, _)| *w);
                     prop_assert_eq!(got, model.find(&seqs(h)));
                 }
-                let held: usize = model.held.values().map(HashSet::len).sum();
+                let held: usize = model.held.values().map(HashMap::len).sum();
                 prop_assert_eq!(ix.stats().worker_blocks, held);
             }
             // Everyone leaves: the tree is empty, nothing leaks.
@@ -688,6 +844,7 @@ mod tests {
                 ix.remove_worker(w);
             }
             prop_assert_eq!(ix.stats().nodes, 0);
+            prop_assert!(ix.off.is_empty());
             prop_assert_eq!(ix.free.len(), ix.nodes.len());
         }
     }

@@ -127,7 +127,16 @@ pub struct KvAnswer {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KvWorkerRow {
     pub worker_id: String,
+    /// Distinct blocks held, in any tier.
     pub blocks: usize,
+    /// Blocks per tier: the engine's pool (GPU), host memory (CPU), disk (DISK); a block
+    /// in two tiers counts in both.
+    #[serde(default)]
+    pub gpu: usize,
+    #[serde(default)]
+    pub cpu: usize,
+    #[serde(default)]
+    pub disk: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -234,9 +243,15 @@ impl Inner {
         ids.sort_unstable();
         let workers = ids
             .iter()
-            .map(|&w| KvWorkerRow {
-                worker_id: hex(w),
-                blocks: ix.worker_blocks(w),
+            .map(|&w| {
+                let [gpu, cpu, disk] = ix.worker_tier_blocks(w);
+                KvWorkerRow {
+                    worker_id: hex(w),
+                    blocks: ix.worker_blocks(w),
+                    gpu,
+                    cpu,
+                    disk,
+                }
             })
             .collect();
         let top_shared_prefixes = ix

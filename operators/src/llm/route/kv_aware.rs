@@ -124,19 +124,22 @@ impl RoutingPolicy for KvAware {
         let prompt_blocks = tokens.len().div_ceil(bs);
         let workers: Vec<WorkerView<'_>> = {
             let index = self.index.read();
-            let matches = index.find_matches(&seqs);
+            let matches = index.find_tiered(&seqs);
             view.live
                 .iter()
                 .map(|&w| {
                     let (mut load, new_blocks, held) = view.active.load_new_and_held(w, &seqs);
                     // The prompt's blocks this worker would add, a last partial one included.
                     load.decode_blocks += (new_blocks + prompt_blocks - seqs.len()) as u64;
+                    let m = matches
+                        .iter()
+                        .find(|(id, _)| *id == w)
+                        .map(|(_, m)| *m)
+                        .unwrap_or_default();
                     WorkerView {
                         worker: w,
-                        indexed_blocks: matches
-                            .iter()
-                            .find(|(id, _)| *id == w)
-                            .map_or(0, |(_, n)| *n),
+                        indexed_blocks: m.blocks,
+                        indexed_lower: [m.host, m.disk],
                         pending_blocks: held,
                         load,
                         cached_total: index.worker_blocks(w),

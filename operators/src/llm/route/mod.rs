@@ -89,6 +89,13 @@ pub struct RouteConfig {
         alias = "kv_overlap_score_credit"
     )]
     pub overlap_credit: f64,
+    /// `kv`: share of a block a worker holds only in host memory (G2) that counts as cached
+    /// — it costs an onboard, not a recompute — 0..=1 (Dynamo's default, 0.75).
+    #[serde(default = "host_credit")]
+    pub host_credit: f64,
+    /// `kv`: the same for a block only on the worker's local disk (G3), 0..=1.
+    #[serde(default = "disk_credit")]
+    pub disk_credit: f64,
     /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
     #[serde(default = "two")]
     pub load_bound: f64,
@@ -118,6 +125,12 @@ pub struct RouteConfig {
 fn one() -> f64 {
     1.0
 }
+fn host_credit() -> f64 {
+    0.75
+}
+fn disk_credit() -> f64 {
+    0.25
+}
 fn two() -> f64 {
     2.0
 }
@@ -133,6 +146,8 @@ impl Default for RouteConfig {
             miss_weight: two(),
             overlap_weight: None,
             overlap_credit: one(),
+            host_credit: host_credit(),
+            disk_credit: disk_credit(),
             load_bound: two(),
             load_slack: eight(),
             busy_threshold: None,
@@ -153,6 +168,7 @@ impl RouteConfig {
             overlap_weight: self.overlap_weight.unwrap_or(1.0),
             miss_weight: self.miss_weight,
             overlap_credit: self.overlap_credit,
+            tier_credit: [self.host_credit, self.disk_credit],
             load_bound: self.load_bound,
             load_slack: self.load_slack,
             busy_kv_usage: self.busy_threshold,
@@ -193,11 +209,13 @@ impl OperatorConfig for RouteConfig {
             number(self.miss_weight, 0.0),
             "must be a number ≥ 0",
         );
-        check(
-            "overlap_credit",
-            (0.0..=1.0).contains(&self.overlap_credit),
-            "must be between 0 and 1",
-        );
+        for (name, v) in [
+            ("overlap_credit", self.overlap_credit),
+            ("host_credit", self.host_credit),
+            ("disk_credit", self.disk_credit),
+        ] {
+            check(name, (0.0..=1.0).contains(&v), "must be between 0 and 1");
+        }
         check(
             "load_bound",
             self.load_bound == 0.0 || number(self.load_bound, 1.0),
@@ -525,6 +543,7 @@ mod tests {
             event: crate::llm::kv::KvCacheEvent {
                 event_id: 0,
                 dp_rank: 0,
+                medium: Default::default(),
                 data: KvEventData::Stored {
                     parent_hash: None,
                     blocks: block_hashes(tokens, 16),
