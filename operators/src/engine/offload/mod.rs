@@ -50,7 +50,7 @@ pub struct OffloadConfig {
     /// G3: directory for blocks on local disk, relative to the graph file. Each worker locks
     /// its own slot directory under `{disk_dir}/{node}/` and reuses it after a restart.
     pub disk_dir: Option<String>,
-    /// G3: blocks kept on disk.
+    /// G3: blocks kept on disk (0: no disk tier).
     pub disk_blocks: u32,
     /// Evicted blocks waiting for the offload thread, at most; more are dropped.
     pub queue_blocks: u32,
@@ -83,14 +83,10 @@ impl OffloadConfig {
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
         let mut out = Vec::new();
         let field = |f: &str| format!("{prefix}{f}");
-        if self.disk_dir.is_some() != (self.disk_blocks > 0) {
+        if self.disk_blocks > 0 && self.disk_dir.is_none() {
             out.push(Invalid::field(
-                field(if self.disk_dir.is_some() {
-                    "disk_blocks"
-                } else {
-                    "disk_dir"
-                }),
-                "the disk tier needs both `disk_dir` and `disk_blocks`",
+                field("disk_dir"),
+                "the disk tier needs a directory (or `disk_blocks: 0` for none)",
             ));
         }
         if self.disk_blocks > 0 && self.host_blocks == 0 {
