@@ -70,6 +70,23 @@ pub trait Backend: Send {
         Ok(())
     }
 
+    /// Blocks' KV in this backend's own layout, for its offload tiers (host memory, disk),
+    /// which only this kind of backend reads back: no reordering into the exchanged layout.
+    /// [`Backend::saved_layout`] names the layout (disk files record it).
+    fn save_blocks(&mut self, blocks: &[u32]) -> Result<Vec<Vec<u8>>, ComputeError> {
+        self.export_blocks(blocks)
+    }
+
+    /// Write [`Backend::save_blocks`]'s bytes back into `blocks`.
+    fn load_blocks(&mut self, blocks: &[u32], data: &[&[u8]]) -> Result<(), ComputeError> {
+        self.import_blocks(blocks, data)
+    }
+
+    /// The layout of [`Backend::save_blocks`]'s bytes.
+    fn saved_layout(&self) -> &'static str {
+        "layer-kv-head-slot-dim"
+    }
+
     fn kv_dtype(&self) -> DType;
 
     /// For logs: `cpu f32`, `cuda:0 bf16`.

@@ -25,8 +25,9 @@ pub trait Elem: Copy + Send + Sync + 'static {
     const ZERO: Self;
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
-    fn put_le(self, out: &mut Vec<u8>);
-    /// From `DTYPE.size()` little-endian bytes.
+    /// Into `size_of::<Self>()` (= `DTYPE.size()`) little-endian bytes.
+    fn write_le(self, out: &mut [u8]);
+    /// From `size_of::<Self>()` little-endian bytes.
     fn from_le(b: &[u8]) -> Self;
     /// Sixteen elements at `p` widened into one vector.
     ///
@@ -49,9 +50,11 @@ macro_rules! elem {
             fn to_f32(self) -> f32 {
                 ($to)(self)
             }
-            fn put_le(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
+            #[inline(always)]
+            fn write_le(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
             }
+            #[inline(always)]
             fn from_le(b: &[u8]) -> Self {
                 let mut a = [0; std::mem::size_of::<$t>()];
                 a.copy_from_slice(b);
@@ -179,54 +182,141 @@ impl<T: Elem> Cache<T> {
         }
     }
 
-    /// Block `block` in the exchanged layout.
-    pub fn export(&self, block: usize, geo: Geometry) -> Vec<u8> {
+    /// Block `block` as the cache holds it (per layer its keys, then its values: no
+    /// reordering, so a memcpy each), for this backend's own offload tiers.
+    pub fn save(&self, block: usize, geo: Geometry) -> Vec<u8> {
         let n = geo.block_elems();
         let at = block * n;
-        let mut out = Vec::with_capacity(self.k.len() * 2 * n * T::DTYPE.size());
-        let mut keys = vec![T::ZERO; n];
+        let mut out = Vec::with_capacity(self.k.len() * 2 * n * std::mem::size_of::<T>());
         for (k, v) in self.k.iter().zip(&self.v) {
-            transpose_heads(&k[at..at + n], &mut keys, geo.d, geo.bs);
-            for x in keys.iter().chain(&v[at..at + n]) {
-                x.put_le(&mut out);
+            put_raw(&k[at..at + n], &mut out);
+            put_raw(&v[at..at + n], &mut out);
+        }
+        out
+    }
+
+    /// Block `block` from [`Cache::save`]'s bytes.
+    pub fn load(&mut self, block: usize, geo: Geometry, bytes: &[u8]) {
+        let n = geo.block_elems();
+        let at = block * n;
+        let half = n * std::mem::size_of::<T>();
+        for ((k, v), layer) in self
+            .k
+            .iter_mut()
+            .zip(&mut self.v)
+            .zip(bytes.chunks_exact(2 * half))
+        {
+            let (keys, values) = layer.split_at(half);
+            get_raw(keys, &mut k[at..at + n]);
+            get_raw(values, &mut v[at..at + n]);
+        }
+    }
+
+    /// Block `block` in the exchanged layout. Written element by element straight into the
+    /// output (keys transposed on the way), with no intermediate copy: offloading and
+    /// disaggregation move every evicted or prefilled block through here.
+    pub fn export(&self, block: usize, geo: Geometry) -> Vec<u8> {
+        let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
+        let at = block * n;
+        let mut out = vec![0u8; self.k.len() * 2 * n * size];
+        for ((k, v), layer) in self
+            .k
+            .iter()
+            .zip(&self.v)
+            .zip(out.chunks_exact_mut(2 * n * size))
+        {
+            let (keys, values) = layer.split_at_mut(n * size);
+            // The cache's keys are `[dim][slot]` per head; the exchanged ones `[slot][dim]`.
+            for (head, dst) in k[at..at + n]
+                .chunks_exact(geo.bs * geo.d)
+                .zip(keys.chunks_exact_mut(geo.bs * geo.d * size))
+            {
+                for (j, col) in head.chunks_exact(geo.bs).enumerate() {
+                    for (i, x) in col.iter().enumerate() {
+                        let o = (i * geo.d + j) * size;
+                        x.write_le(&mut dst[o..o + size]);
+                    }
+                }
+            }
+            for (x, o) in v[at..at + n].iter().zip(values.chunks_exact_mut(size)) {
+                x.write_le(o);
             }
         }
         out
     }
 
     /// Block `block` from the exchanged layout (`bytes` is a whole block: the backend
-    /// checks its length against `Backend::block_bytes` first).
+    /// checks its length against `Backend::block_bytes` first), read straight into the
+    /// cache: onboarding and imports move every block through here.
     pub fn import(&mut self, block: usize, geo: Geometry, bytes: &[u8]) {
-        let n = geo.block_elems();
+        let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
         let at = block * n;
-        let elems: Vec<T> = bytes
-            .chunks_exact(T::DTYPE.size())
-            .map(T::from_le)
-            .collect();
         for ((k, v), layer) in self
             .k
             .iter_mut()
             .zip(&mut self.v)
-            .zip(elems.chunks_exact(2 * n))
+            .zip(bytes.chunks_exact(2 * n * size))
         {
-            let (keys, values) = layer.split_at(n);
-            transpose_heads(keys, &mut k[at..at + n], geo.bs, geo.d);
-            v[at..at + n].copy_from_slice(values);
+            let (keys, values) = layer.split_at(n * size);
+            for (head, src) in k[at..at + n]
+                .chunks_exact_mut(geo.bs * geo.d)
+                .zip(keys.chunks_exact(geo.bs * geo.d * size))
+            {
+                // Each cache row (one dimension, every slot) gathers a column of the source.
+                for (j, row) in head.chunks_exact_mut(geo.bs).enumerate() {
+                    for (i, x) in row.iter_mut().enumerate() {
+                        let o = (i * geo.d + j) * size;
+                        *x = T::from_le(&src[o..o + size]);
+                    }
+                }
+            }
+            for (x, b) in v[at..at + n].iter_mut().zip(values.chunks_exact(size)) {
+                *x = T::from_le(b);
+            }
         }
     }
 }
 
-/// Each head's `[rows][cols]` block of `src` into `[cols][rows]` in `dst` (a block's keys
-/// between the exchanged `[slot][dim]` and the cache's `[dim][slot]`).
-fn transpose_heads<T: Copy>(src: &[T], dst: &mut [T], rows: usize, cols: usize) {
-    for (s, t) in src
-        .chunks_exact(rows * cols)
-        .zip(dst.chunks_exact_mut(rows * cols))
+/// Append `src` as little-endian bytes.
+fn put_raw<T: Elem>(src: &[T], out: &mut Vec<u8>) {
+    debug_assert_eq!(T::DTYPE.size(), std::mem::size_of::<T>());
+    #[cfg(target_endian = "little")]
     {
-        for (i, row) in s.chunks_exact(cols).enumerate() {
-            for (j, x) in row.iter().enumerate() {
-                t[j * rows + i] = *x;
-            }
-        }
+        // SAFETY: `Elem` is implemented for f32, bf16 and f16 only (above): plain values
+        // without padding, whose in-memory bytes on a little-endian target are their
+        // little-endian encoding; the slice is `size_of_val(src)` initialised bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src))
+        };
+        out.extend_from_slice(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for x in src {
+        let at = out.len();
+        out.resize(at + std::mem::size_of::<T>(), 0);
+        x.write_le(&mut out[at..]);
+    }
+}
+
+/// Fill `dst` from little-endian bytes (`bytes.len()` is `size_of_val(dst)`).
+fn get_raw<T: Elem>(bytes: &[u8], dst: &mut [T]) {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: as in `put_raw`; every bit pattern is a valid f32, bf16 or f16, and the
+        // destination is `size_of_val(dst)` writable bytes.
+        let raw = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(dst),
+            )
+        };
+        raw.copy_from_slice(bytes);
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (x, b) in dst
+        .iter_mut()
+        .zip(bytes.chunks_exact(std::mem::size_of::<T>()))
+    {
+        *x = T::from_le(b);
     }
 }

@@ -349,6 +349,46 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn save_blocks(&mut self, blocks: &[u32]) -> Result<Vec<Vec<u8>>, ComputeError> {
+        let geo = self.geometry();
+        blocks
+            .iter()
+            .map(|&b| {
+                if b as usize >= self.kv.num_blocks {
+                    return Err(ComputeError::Invalid(format!("no block {b}")));
+                }
+                Ok(on_cache!(&self.cache, c => c.save(b as usize, geo)))
+            })
+            .collect()
+    }
+
+    fn load_blocks(&mut self, blocks: &[u32], data: &[&[u8]]) -> Result<(), ComputeError> {
+        let (geo, bytes) = (self.geometry(), self.block_bytes());
+        if blocks.len() != data.len() {
+            return Err(ComputeError::Invalid(format!(
+                "{} blocks and {} payloads",
+                blocks.len(),
+                data.len()
+            )));
+        }
+        for (&b, d) in blocks.iter().zip(data) {
+            if b as usize >= self.kv.num_blocks || d.len() != bytes {
+                return Err(ComputeError::Invalid(format!(
+                    "block {b} with {} bytes: this cache has {} blocks of {bytes} bytes",
+                    d.len(),
+                    self.kv.num_blocks,
+                )));
+            }
+            on_cache!(&mut self.cache, c => c.load(b as usize, geo, d));
+        }
+        Ok(())
+    }
+
+    fn saved_layout(&self) -> &'static str {
+        // `kv.rs`: per layer, keys `[kv_head][dim][slot]`, then values `[kv_head][slot][dim]`.
+        "cpu-k-head-dim-slot-v-head-slot-dim"
+    }
+
     fn kv_dtype(&self) -> DType {
         self.dtype
     }

@@ -153,7 +153,7 @@ impl EngineLoop {
                 }
                 for w in work.iter().filter(|w| !w.onboard.is_empty()) {
                     let end = (w.onboard_at + w.onboard.len()).min(w.blocks.len());
-                    exec.import(&w.blocks[w.onboard_at..end], w.onboard.to_vec())?;
+                    exec.onboard(&w.blocks[w.onboard_at..end], w.onboard.to_vec())?;
                 }
                 exec.execute(work)
             });

@@ -117,10 +117,15 @@ impl EngineHandle {
             events_tx.clone(),
         ));
         let tiers = if config.offload.enabled() {
+            // What a block file must match to be read back: the engine's own layout, dtype
+            // and block geometry.
             let f = &import.format;
             let format = format!(
                 "{}/{}/{}x{}",
-                f.layout, f.dtype, sched.block_size, f.block_bytes
+                exec.offload_layout(),
+                f.dtype,
+                sched.block_size,
+                f.block_bytes
             );
             let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
             let t = Tiers::start(

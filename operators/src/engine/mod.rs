@@ -48,7 +48,8 @@ pub trait Executor: Send + 'static {
     /// The bytes of `blocks` (holding `tokens`' KV), for a prefill offer.
     fn export(&mut self, blocks: &[BlockId], tokens: &[u32]) -> Result<Vec<Bytes>, EngineError>;
     /// The bytes of cached `blocks` (sequence hashes `hashes`) the pool is evicting, for an
-    /// offload tier.
+    /// offload tier: in the engine's own layout ([`Executor::offload_layout`]), which only
+    /// [`Executor::onboard`] reads.
     fn export_cached(
         &mut self,
         blocks: &[BlockId],
@@ -57,8 +58,15 @@ pub trait Executor: Send + 'static {
         let _ = hashes;
         self.export(blocks, &[])
     }
-    /// Write KV pulled from a prefill worker, or onboarded from an offload tier, into
-    /// `blocks`.
+    /// Write [`Executor::export_cached`]'s bytes back into `blocks`.
+    fn onboard(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {
+        self.import(blocks, data)
+    }
+    /// Names the layout of [`Executor::export_cached`]'s bytes (disk files record it).
+    fn offload_layout(&self) -> String {
+        "exchanged".into()
+    }
+    /// Write KV pulled from a prefill worker into `blocks`.
     fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError>;
 }
 

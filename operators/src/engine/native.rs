@@ -252,6 +252,20 @@ impl Executor for NativeExec {
         let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
         Ok(self.backend.import_blocks(blocks, &data)?)
     }
+
+    fn export_cached(&mut self, blocks: &[BlockId], _: &[u64]) -> Result<Vec<Bytes>, EngineError> {
+        let data = self.backend.save_blocks(blocks)?;
+        Ok(data.into_iter().map(Bytes::from).collect())
+    }
+
+    fn onboard(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {
+        let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
+        Ok(self.backend.load_blocks(blocks, &data)?)
+    }
+
+    fn offload_layout(&self) -> String {
+        self.backend.saved_layout().into()
+    }
 }
 
 #[cfg(test)]

@@ -322,7 +322,10 @@ mod tests {
         e.medium = Medium::Cpu;
         let json = serde_json::to_string(&e).expect("json");
         assert!(json.contains(r#""medium":"CPU""#), "{json}");
-        assert_eq!(serde_json::from_str::<KvCacheEvent>(&json).expect("back"), e);
+        assert_eq!(
+            serde_json::from_str::<KvCacheEvent>(&json).expect("back"),
+            e
+        );
         assert_eq!(Medium::from_vllm("CPU_PINNED"), Some(Medium::Cpu));
         assert_eq!(Medium::from_vllm("tape"), None);
     }

@@ -90,8 +90,13 @@ impl DiskDir {
                 .strip_suffix(".kvb")
                 .and_then(|h| u64::from_str_radix(h, 16).ok());
             let header = hash.and_then(|h| {
-                let mut f = File::open(&path).ok()?;
-                let (meta, _, _) = read_header(&mut f, h, &self.format).ok()?;
+                let mut head = Vec::new();
+                File::open(&path)
+                    .ok()?
+                    .take(HEADER_MAX)
+                    .read_to_end(&mut head)
+                    .ok()?;
+                let (meta, _) = parse_header(&head, h, &self.format).ok()?;
                 let at = e.metadata().and_then(|m| m.modified()).ok()?;
                 Some((at, h, meta))
             });
@@ -128,19 +133,18 @@ impl DiskDir {
         fs::rename(&tmp, &path)
     }
 
-    /// Read and check a block.
+    /// Read and check a block: one read of the whole file, the payload handed out in place.
     pub fn read(&self, hash: u64) -> Result<Bytes, BadBlock> {
-        let mut f = File::open(self.path(hash))?;
-        let (_, len, sum) = read_header(&mut f, hash, &self.format)?;
-        let mut data = Vec::new();
-        f.read_to_end(&mut data)?;
-        if data.len() as u64 != len {
+        let file = Bytes::from(fs::read(self.path(hash))?);
+        let (_, h) = parse_header(&file, hash, &self.format)?;
+        let data = file.slice(h.start..);
+        if data.len() as u64 != h.len {
             return Err(BadBlock::Invalid("truncated (or grown) payload"));
         }
-        if xxh3_64(&data) != sum {
+        if xxh3_64(&data) != h.checksum {
             return Err(BadBlock::Invalid("checksum mismatch"));
         }
-        Ok(Bytes::from(data))
+        Ok(data)
     }
 
     pub fn remove(&self, hash: u64) {
@@ -148,42 +152,50 @@ impl DiskDir {
     }
 }
 
-/// The header of a block file: its meta, payload length and checksum, if it is the block
-/// `hash` in `format`.
-fn read_header(f: &mut File, hash: u64, format: &str) -> Result<(Meta, u64, u64), BadBlock> {
-    let mut fixed = [0u8; 8 + 8 + 8 + 1 + 8 + 2];
-    f.read_exact(&mut fixed)?;
-    let u64_at = |i: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&fixed[i..i + 8]);
-        u64::from_le_bytes(b)
+/// Headers are read with at most this many bytes (a format name is short).
+const HEADER_MAX: u64 = 4096;
+
+/// Where a block file's payload starts, how long it is and its checksum.
+struct Payload {
+    start: usize,
+    len: u64,
+    checksum: u64,
+}
+
+/// The header at the start of `buf`: the block's meta and where its payload is, if it is the
+/// block `hash` in `format`.
+fn parse_header(buf: &[u8], hash: u64, format: &str) -> Result<(Meta, Payload), BadBlock> {
+    const SHORT: BadBlock = BadBlock::Invalid("truncated header");
+    let fixed = buf.get(..35).ok_or(SHORT)?;
+    let u64_at = |b: &[u8], i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(a)
     };
     if &fixed[..8] != MAGIC {
         return Err(BadBlock::Invalid("not a dyn KV block file"));
     }
-    if u64_at(8) != hash {
+    if u64_at(fixed, 8) != hash {
         return Err(BadBlock::Invalid("the file holds another block"));
     }
-    let parent = (fixed[24] == 1).then(|| u64_at(16));
-    let tokens_hash = u64_at(25);
+    let parent = (fixed[24] == 1).then(|| u64_at(fixed, 16));
+    let tokens_hash = u64_at(fixed, 25);
     let flen = u16::from_le_bytes([fixed[33], fixed[34]]) as usize;
-    let mut fmt = vec![0u8; flen];
-    f.read_exact(&mut fmt)?;
+    let fmt = buf.get(35..35 + flen).ok_or(SHORT)?;
     if fmt != format.as_bytes() {
         return Err(BadBlock::Invalid("the block is in another layout"));
     }
-    let mut tail = [0u8; 16];
-    f.read_exact(&mut tail)?;
-    let len = u64::from_le_bytes(tail[..8].try_into().unwrap_or_default());
-    let sum = u64::from_le_bytes(tail[8..].try_into().unwrap_or_default());
-    Ok((
-        Meta {
-            parent,
-            tokens_hash,
-        },
-        len,
-        sum,
-    ))
+    let tail = buf.get(35 + flen..35 + flen + 16).ok_or(SHORT)?;
+    let meta = Meta {
+        parent,
+        tokens_hash,
+    };
+    let payload = Payload {
+        start: 35 + flen + 16,
+        len: u64_at(tail, 0),
+        checksum: u64_at(tail, 8),
+    };
+    Ok((meta, payload))
 }
 
 #[cfg(test)]

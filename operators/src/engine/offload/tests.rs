@@ -56,18 +56,26 @@ fn prompt(i: u32) -> Vec<u32> {
 
 /// A native worker on CPU with an 8-block pool (one prompt and its answer fill it).
 async fn native_worker(offload: OffloadConfig, id: u64) -> Arc<EngineHandle> {
+    native_on(DeviceChoice::Cpu, offload, id)
+        .await
+        .expect("starts")
+}
+
+async fn native_on(
+    device: DeviceChoice,
+    offload: OffloadConfig,
+    id: u64,
+) -> Result<Arc<EngineHandle>, dyn_pipeline::BuildError> {
     let planes = Planes::embedded();
     let config = NativeConfig {
         num_blocks: 8,
         block_size: 4,
-        device: DeviceChoice::Cpu,
+        device,
         threads: 1,
         offload,
         ..NativeConfig::default()
     };
-    native::start(&config, &crate::testing::cx("decode", id, &[], &planes))
-        .await
-        .expect("starts")
+    native::start(&config, &crate::testing::cx("decode", id, &[], &planes)).await
 }
 
 #[tokio::test]
@@ -100,6 +108,39 @@ async fn a_prompt_evicted_to_host_memory_comes_back_with_the_same_greedy_output(
     );
     assert_eq!(stat(&t, |s| &s.hits_disk), 0);
     assert_eq!(stat(&t, |s| &s.dropped), 0);
+}
+
+#[tokio::test]
+async fn on_cuda_blocks_leave_and_return_through_host_memory() {
+    // The same path on the CUDA backend: export is a device→host copy, onboarding a
+    // host→device one. Skipped, visibly, without the feature or a GPU.
+    if !dyn_gpu::cuda_compiled() {
+        println!(
+            "SKIPPED: built without the `cuda` feature (cargo test -p dyn-operators --features cuda)"
+        );
+        return;
+    }
+    let plain = match native_on(DeviceChoice::Cuda, OffloadConfig::default(), 0x0fa).await {
+        Ok(m) => m,
+        Err(e) => {
+            println!("SKIPPED: no usable CUDA device ({e})");
+            return;
+        }
+    };
+    let expected = run(&plain, &greedy(prompt(0), 6)).await;
+    let offload = OffloadConfig {
+        host_blocks: 64,
+        ..OffloadConfig::default()
+    };
+    let m = native_on(DeviceChoice::Cuda, offload, 0x0fb)
+        .await
+        .expect("starts");
+    let t = m.tiers().expect("tiers").clone();
+    assert_eq!(run(&m, &greedy(prompt(0), 6)).await, expected);
+    run(&m, &greedy(prompt(1), 6)).await;
+    until("the offload", || stat(&t, |s| &s.offloaded_host) >= 6).await;
+    assert_eq!(run(&m, &greedy(prompt(0), 6)).await, expected);
+    assert_eq!(stat(&t, |s| &s.hits_host), 6);
 }
 
 #[tokio::test]
