@@ -212,8 +212,9 @@ async fn a_prompt_evicted_to_disk_comes_back_and_a_corrupted_block_is_recomputed
 
 #[test]
 fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
-    // What offload and onboarding do to a block, on the native executor: copy it out, write
-    // the bytes into another block, copy that out again.
+    // What offload and onboarding do to a block on the native CPU backend: copy it out
+    // (`save_blocks`, as at eviction), write the bytes into other blocks (`load_blocks`, as an
+    // onboard), copy those out again. The exchanged layout (disaggregation) round-trips too.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
     let shape = dyn_gpu::model::ModelConfig::load(&dir).expect("config");
     let weights = dyn_gpu::model::Checkpoint::open(&dir)
@@ -222,7 +223,7 @@ fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
         })
         .expect("weights");
     let kv = dyn_gpu::backend::KvShape {
-        num_blocks: 4,
+        num_blocks: 6,
         block_size: 4,
     };
     let mut backend: Box<dyn dyn_gpu::backend::Backend> =
@@ -236,11 +237,18 @@ fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
             logits: false,
         }])
         .expect("forward");
-    let out = backend.export_blocks(&[0, 1]).expect("export");
-    assert!(out[0].iter().any(|b| *b != 0), "the block holds KV");
-    let data: Vec<&[u8]> = out.iter().map(|b| b.as_slice()).collect();
-    backend.import_blocks(&[3, 2], &data).expect("import");
-    assert_eq!(backend.export_blocks(&[3, 2]).expect("export"), out);
+    let saved = backend.save_blocks(&[0, 1]).expect("save");
+    assert!(saved[0].iter().any(|b| *b != 0), "the block holds KV");
+    let data: Vec<&[u8]> = saved.iter().map(|b| b.as_slice()).collect();
+    backend.load_blocks(&[3, 2], &data).expect("load");
+    assert_eq!(backend.save_blocks(&[3, 2]).expect("save"), saved);
+    let exchanged = backend.export_blocks(&[0, 1]).expect("export");
+    assert_eq!(backend.export_blocks(&[3, 2]).expect("export"), exchanged);
+    let data: Vec<&[u8]> = exchanged.iter().map(|b| b.as_slice()).collect();
+    backend.import_blocks(&[5, 4], &data).expect("import");
+    assert_eq!(backend.save_blocks(&[5, 4]).expect("save"), saved);
+    // A payload of the wrong size is refused, not written.
+    assert!(backend.load_blocks(&[4], &[&saved[0][1..]]).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
