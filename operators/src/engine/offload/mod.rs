@@ -25,7 +25,7 @@ mod tests;
 use std::collections::HashSet;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -189,6 +189,9 @@ pub struct Tiers {
     events: Arc<KvPublisher>,
     host_capacity: usize,
     disk_capacity: usize,
+    /// Evicted blocks queued for the offload thread, and how many may be.
+    queued: AtomicUsize,
+    queue_capacity: usize,
 }
 
 impl Tiers {
@@ -248,6 +251,8 @@ impl Tiers {
             events,
             host_capacity,
             disk_capacity,
+            queued: AtomicUsize::new(0),
+            queue_capacity: config.queue_blocks.max(1) as usize,
         });
         let weak = Arc::downgrade(&tiers);
         std::thread::Builder::new()
@@ -305,11 +310,18 @@ impl Tiers {
         if blocks.is_empty() {
             return;
         }
-        let n = blocks.len() as u64;
+        let n = blocks.len();
         let bytes: usize = blocks.iter().map(|b| b.2.len()).sum();
+        let drop = |t: &Tiers| {
+            t.queued.fetch_sub(n, Ordering::AcqRel);
+            add(&t.stats.dropped, n as u64);
+        };
+        if self.queued.fetch_add(n, Ordering::AcqRel) + n > self.queue_capacity {
+            return drop(self);
+        }
         match self.jobs.try_send(Job::Store(blocks)) {
             Ok(()) => add(&self.stats.bytes_out, bytes as u64),
-            Err(_) => add(&self.stats.dropped, n),
+            Err(_) => drop(self),
         }
     }
 
@@ -568,7 +580,11 @@ fn offload_thread(tiers: Weak<Tiers>, rx: std_mpsc::Receiver<Job>, dir: Option<D
     while let Ok(job) = rx.recv() {
         let Some(t) = tiers.upgrade() else { break };
         match job {
-            Job::Store(blocks) => t.store(blocks, None, dir.as_ref()),
+            Job::Store(blocks) => {
+                let n = blocks.len();
+                t.store(blocks, None, dir.as_ref());
+                t.queued.fetch_sub(n, Ordering::AcqRel);
+            }
             Job::Fetch(hashes) => match &dir {
                 Some(dir) => t.fetch_from(hashes, dir),
                 None => {

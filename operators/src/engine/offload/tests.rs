@@ -264,8 +264,8 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
             host_blocks: 48,
             disk_dir: Some(dir.display().to_string()),
             disk_blocks: 96,
-            // One step's evictions at a time: most are dropped under this load.
-            queue_blocks: 1,
+            // A few blocks at a time: most are dropped under this load.
+            queue_blocks: 4,
             ..OffloadConfig::default()
         },
         ..mocker::MockerConfig::default()
