@@ -272,23 +272,57 @@ pub struct TierCounts {
     pub bytes_in: u64,
 }
 
-/// Publish a worker's tier numbers on `/metrics`.
-pub fn set_tier_counts(node: &str, worker_id: u64, c: &TierCounts) {
-    let id = format!("{worker_id:x}");
-    let m = &*TIERS;
-    for (i, tier) in ["CPU", "DISK"].into_iter().enumerate() {
-        let l = [node, id.as_str(), tier];
-        m.blocks.with_label_values(&l).set(c.occupancy[i].0 as i64);
-        m.capacity
-            .with_label_values(&l)
-            .set(c.occupancy[i].1 as i64);
-        set_counter(&m.offloaded.with_label_values(&l), c.offloaded[i]);
-        set_counter(&m.onboarded.with_label_values(&l), c.hits[i]);
+/// One tier's series of a worker (host memory or disk).
+struct TierSeries {
+    blocks: prometheus::IntGauge,
+    capacity: prometheus::IntGauge,
+    offloaded: prometheus::IntCounter,
+    onboarded: prometheus::IntCounter,
+}
+
+/// A worker's offload-tier series, bound to its labels once (the engine updates them after
+/// every step).
+pub struct TierGauges {
+    tiers: [TierSeries; 2],
+    dropped: prometheus::IntCounter,
+    corrupt: prometheus::IntCounter,
+    bytes: [prometheus::IntCounter; 2],
+}
+
+impl TierGauges {
+    pub fn new(node: &str, worker_id: u64) -> Self {
+        let id = format!("{worker_id:x}");
+        let m = &*TIERS;
+        let tier = |tier: &str| {
+            let l = [node, id.as_str(), tier];
+            TierSeries {
+                blocks: m.blocks.with_label_values(&l),
+                capacity: m.capacity.with_label_values(&l),
+                offloaded: m.offloaded.with_label_values(&l),
+                onboarded: m.onboarded.with_label_values(&l),
+            }
+        };
+        let bytes = |dir: &str| m.bytes.with_label_values(&[node, id.as_str(), dir]);
+        Self {
+            tiers: [tier("CPU"), tier("DISK")],
+            dropped: m.dropped.with_label_values(&[node, &id]),
+            corrupt: m.corrupt.with_label_values(&[node, &id]),
+            bytes: [bytes("out"), bytes("in")],
+        }
     }
-    set_counter(&m.dropped.with_label_values(&[node, &id]), c.dropped);
-    set_counter(&m.corrupt.with_label_values(&[node, &id]), c.corrupt);
-    for (dir, v) in [("out", c.bytes_out), ("in", c.bytes_in)] {
-        set_counter(&m.bytes.with_label_values(&[node, &id, dir]), v);
+
+    /// Update from the tiers' absolute numbers.
+    pub fn set(&self, c: &TierCounts) {
+        for (i, t) in self.tiers.iter().enumerate() {
+            t.blocks.set(c.occupancy[i].0 as i64);
+            t.capacity.set(c.occupancy[i].1 as i64);
+            set_counter(&t.offloaded, c.offloaded[i]);
+            set_counter(&t.onboarded, c.hits[i]);
+        }
+        set_counter(&self.dropped, c.dropped);
+        set_counter(&self.corrupt, c.corrupt);
+        set_counter(&self.bytes[0], c.bytes_out);
+        set_counter(&self.bytes[1], c.bytes_in);
     }
 }
 

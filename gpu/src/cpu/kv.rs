@@ -213,8 +213,8 @@ impl<T: Elem> Cache<T> {
     }
 
     /// Block `block` in the exchanged layout. Written element by element straight into the
-    /// output (keys transposed on the way), with no intermediate copy: offloading and
-    /// disaggregation move every evicted or prefilled block through here.
+    /// output (keys transposed on the way), with no intermediate copy: disaggregation moves
+    /// every prefilled block through here (offload tiers use [`Cache::save`]).
     pub fn export(&self, block: usize, geo: Geometry) -> Vec<u8> {
         let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
         let at = block * n;
@@ -247,7 +247,7 @@ impl<T: Elem> Cache<T> {
 
     /// Block `block` from the exchanged layout (`bytes` is a whole block: the backend
     /// checks its length against `Backend::block_bytes` first), read straight into the
-    /// cache: onboarding and imports move every block through here.
+    /// cache: a decode worker's imports move every block through here.
     pub fn import(&mut self, block: usize, geo: Geometry, bytes: &[u8]) {
         let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
         let at = block * n;

@@ -24,7 +24,7 @@ use super::step_model::StepModel;
 use super::{EngineError, Executor};
 use crate::llm::kv::{LoadMetrics, Medium, dump_events};
 use crate::llm::types::Generated;
-use crate::metrics::WorkerGauges;
+use crate::metrics::{TierGauges, WorkerGauges};
 
 /// Tokens a sequence produced that its consumer has not taken yet.
 pub(super) struct Outbox {
@@ -93,10 +93,9 @@ pub(super) struct EngineLoop {
     /// How exported blocks are described to the transfer agent.
     pub(super) format: BlockFormat,
     pub(super) worker_id: u64,
-    pub(super) node: String,
     pub(super) kv: Arc<KvPublisher>,
-    /// Offload tiers below the pool, if configured.
-    pub(super) tiers: Option<Arc<Tiers>>,
+    /// Offload tiers below the pool, if configured, and their series on `/metrics`.
+    pub(super) tiers: Option<(Arc<Tiers>, TierGauges)>,
     pub(super) load_subject: String,
     pub(super) events: mpsc::Sender<(String, Bytes)>,
     pub(super) gauges: WorkerGauges,
@@ -137,7 +136,8 @@ impl EngineLoop {
             }
             self.reap_cancelled();
             self.unpin();
-            let (exec, imports, tiers) = (&mut self.exec, &mut self.imports, &self.tiers);
+            let (exec, imports) = (&mut self.exec, &mut self.imports);
+            let tiers = self.tiers.as_ref().map(|(t, _)| t);
             let started = Instant::now();
             let stepped = self.sched.step(|work, evicted| {
                 // Evicted blocks leave before anything is written over them.
@@ -227,7 +227,11 @@ impl EngineLoop {
                     .pool
                     .held()
                     .map(|(h, p, t)| (Medium::Gpu, h, p, t));
-                let lower = self.tiers.as_ref().map(|t| t.held()).unwrap_or_default();
+                let lower = self
+                    .tiers
+                    .as_ref()
+                    .map(|(t, _)| t.held())
+                    .unwrap_or_default();
                 let events = dump_events(g1.chain(lower));
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
@@ -379,8 +383,8 @@ impl EngineLoop {
         let c = self.sched.counters;
         self.gauges
             .set(running, waiting, active, self.sched.pool.total(), &c);
-        if let Some(t) = &self.tiers {
-            crate::metrics::set_tier_counts(&self.node, self.worker_id, &t.counts());
+        if let Some((t, gauges)) = &self.tiers {
+            gauges.set(&t.counts());
         }
         let now = (running, waiting, active);
         let due = match self.last_load {
@@ -427,7 +431,7 @@ impl EngineLoop {
 /// Copy evicted blocks out for the offload tiers (those host memory lacks), before the step
 /// writes over them. A failed copy loses the blocks, not the step.
 fn offload(tiers: &Tiers, exec: &mut dyn Executor, evicted: &[Evicted]) {
-    let fresh: Vec<&Evicted> = evicted.iter().filter(|e| !tiers.holds(e.hash)).collect();
+    let fresh = tiers.lacking(evicted, |e| e.hash);
     if fresh.is_empty() {
         return;
     }

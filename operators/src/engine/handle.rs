@@ -173,9 +173,10 @@ impl EngineHandle {
             imports: HashMap::new(),
             format: import.format.clone(),
             worker_id,
-            node: cx.node.clone(),
             kv,
-            tiers: tiers.clone(),
+            tiers: tiers
+                .clone()
+                .map(|t| (t, crate::metrics::TierGauges::new(&cx.node, worker_id))),
             load_subject: load_metrics_subject(&cx.namespace, &cx.node),
             events: events_tx,
             gauges: gauges.clone(),

@@ -185,7 +185,7 @@ pub struct Tiers {
     inner: Mutex<Inner>,
     jobs: std_mpsc::SyncSender<Job>,
     pub stats: Stats,
-    pub model: Option<Modelled>,
+    model: Option<Modelled>,
     events: Arc<KvPublisher>,
     host_capacity: usize,
     disk_capacity: usize,
@@ -299,10 +299,14 @@ impl Tiers {
             .count()
     }
 
-    /// Whether host memory holds `hash` (it then counts as just used): an evicted block found
-    /// there needs no copy.
-    pub fn holds(&self, hash: u64) -> bool {
-        self.inner.lock().host.get(&hash).is_some()
+    /// The items (evicted blocks, by `hash`) host memory lacks; those it holds count as just
+    /// used and need no copy. One lock for the whole step's evictions.
+    pub fn lacking<'a, E>(&self, items: &'a [E], hash: impl Fn(&E) -> u64) -> Vec<&'a E> {
+        let mut g = self.inner.lock();
+        items
+            .iter()
+            .filter(|e| g.host.get(&hash(e)).is_none())
+            .collect()
     }
 
     /// Queue evicted blocks for the offload thread; dropped when its queue is full.
