@@ -180,6 +180,12 @@ impl std::fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// mimalloc rather than glibc's malloc: the serving path allocates and frees small buffers per
+/// token on several threads, where glibc's arenas spent about a fifth of the frontend's CPU
+/// (BENCHMARKS.md, "Frontend cost").
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);

@@ -19,6 +19,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::serve::ListenerExt as _;
 use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
 use serde::Deserialize;
 use serde_json::json;
@@ -309,6 +310,13 @@ pub async fn serve<Req: Payload, Resp: Payload>(
         );
         chain.drained().await;
     };
+    // Streamed tokens are small writes: with Nagle's algorithm on, each one after the first
+    // waits for the client's (delayed) ACK, ~40 ms on Linux, which paced every stream.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     // Peer addresses reach the handlers: the admin routes answer loopback clients only.
     axum::serve(
         listener,

@@ -10,14 +10,93 @@
 //! character). [`Detokenizer::finish`] flushes the rest, so the concatenated output always
 //! equals a full decode.
 //!
+//! For byte-level tokenizers (GPT-2 style: Llama 3, SmolLM2, Qwen) the decode is a
+//! concatenation of each token's bytes, so [`TokenBytes`] holds every token's bytes once and
+//! the detokenizer appends them and emits the complete UTF-8 characters — no decode call, no
+//! allocation per token beyond the emitted text. Two Hugging Face decodes per token were the
+//! frontend's largest remaining cost per token. The table is built only when the tokenizer's
+//! decoder is `ByteLevel` and every token's bytes decode as Hugging Face decodes that token.
+//!
 //! [`StopMatcher`] holds back text that could be the start of a stop string, so a stop string
 //! split across deltas is still found and never sent to the client.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokenizers::Tokenizer;
+use tokenizers::{DecoderWrapper, Tokenizer};
 
 const REPLACEMENT: char = '\u{FFFD}';
+
+/// Every token's bytes for a byte-level tokenizer, special tokens empty (skipped, as serving
+/// decodes with `skip_special_tokens`).
+pub struct TokenBytes {
+    data: Vec<u8>,
+    /// Token `i` is `data[ends[i - 1]..ends[i]]` (`ends[-1]` = 0).
+    ends: Vec<u32>,
+}
+
+impl TokenBytes {
+    /// `None` unless `t` decodes byte-level and the table agrees with `t` token by token.
+    pub fn new(t: &Tokenizer) -> Option<Self> {
+        if !matches!(t.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
+            return None;
+        }
+        let chars = byte_level_chars();
+        let n = u32::try_from(t.get_vocab_size(true)).ok()?;
+        let (mut data, mut ends) = (Vec::new(), Vec::with_capacity(n as usize));
+        for id in 0..n {
+            let skipped = t
+                .id_to_token(id)
+                .filter(|tok| !t.get_added_vocabulary().is_special_token(tok));
+            if let Some(tok) = skipped {
+                // As the ByteLevel decoder does: a token with a char outside the byte map is
+                // taken as its UTF-8 bytes (added tokens written as plain text).
+                match tok.chars().map(|c| chars.get(&c).copied()).collect() {
+                    Some(bytes) => data.extend_from_slice(&bytes as &Vec<u8>),
+                    None => data.extend_from_slice(tok.as_bytes()),
+                }
+            }
+            ends.push(u32::try_from(data.len()).ok()?);
+        }
+        let table = Self { data, ends };
+        // Every token alone decodes as Hugging Face decodes it (lossily where it is part of a
+        // character); anything else means a decoder detail this table does not model.
+        let agrees = (0..n).all(|id| {
+            t.decode(&[id], true)
+                .is_ok_and(|d| String::from_utf8_lossy(table.get(id)) == d)
+        });
+        agrees.then_some(table)
+    }
+
+    fn get(&self, id: u32) -> &[u8] {
+        let i = id as usize;
+        match self.ends.get(i) {
+            Some(&end) => {
+                let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+                &self.data[start..end as usize]
+            }
+            None => &[],
+        }
+    }
+}
+
+/// GPT-2's map from the printable characters byte-level BPE uses back to the bytes they stand
+/// for (`bytes_to_unicode` inverted).
+fn byte_level_chars() -> HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            let c = if printable(b) {
+                u32::from(b)
+            } else {
+                next += 1;
+                next - 1
+            };
+            (char::from_u32(c).unwrap_or(REPLACEMENT), b)
+        })
+        .collect()
+}
 
 pub struct Detokenizer {
     tokenizer: Arc<Tokenizer>,
@@ -25,6 +104,8 @@ pub struct Detokenizer {
     prefix: usize,
     read: usize,
     skip_special: bool,
+    /// The byte-table path: the table and the bytes not yet emitted (an incomplete character).
+    bytes: Option<(Arc<TokenBytes>, Vec<u8>)>,
 }
 
 impl Detokenizer {
@@ -35,7 +116,40 @@ impl Detokenizer {
             prefix: 0,
             read: 0,
             skip_special: true,
+            bytes: None,
         }
+    }
+
+    /// Decoding through `table` (built from `tokenizer`).
+    pub fn with_bytes(tokenizer: Arc<Tokenizer>, table: Arc<TokenBytes>) -> Self {
+        Self {
+            bytes: Some((table, Vec::new())),
+            ..Self::new(tokenizer)
+        }
+    }
+
+    /// The byte path's text that became final: complete characters, and U+FFFD for bytes
+    /// that can never become one (as `String::from_utf8_lossy` over the whole output).
+    fn drain_bytes(pending: &mut Vec<u8>, all: bool) -> String {
+        let mut out = String::new();
+        let mut used = 0;
+        for chunk in pending.utf8_chunks() {
+            out.push_str(chunk.valid());
+            used += chunk.valid().len();
+            let invalid = chunk.invalid().len();
+            if invalid == 0 {
+                continue;
+            }
+            // The last chunk's invalid bytes may be a character still arriving.
+            let complete = used + invalid < pending.len()
+                || std::str::from_utf8(&pending[used..]).is_err_and(|e| e.error_len().is_some());
+            if complete || all {
+                out.push(REPLACEMENT);
+                used += invalid;
+            }
+        }
+        pending.drain(..used);
+        out
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, tokenizers::Error> {
@@ -44,6 +158,11 @@ impl Detokenizer {
 
     /// Add one token; returns the text that became final (often empty mid-character).
     pub fn push(&mut self, id: u32) -> Result<String, tokenizers::Error> {
+        if let Some((table, pending)) = &mut self.bytes {
+            self.read += 1;
+            pending.extend_from_slice(table.get(id));
+            return Ok(Self::drain_bytes(pending, false));
+        }
         self.ids.push(id);
         let before = self.decode(&self.ids[self.prefix..self.read])?;
         let now = self.decode(&self.ids[self.prefix..])?;
@@ -64,6 +183,9 @@ impl Detokenizer {
 
     /// Everything not yet returned, incomplete characters included.
     pub fn finish(&mut self) -> Result<String, tokenizers::Error> {
+        if let Some((_, pending)) = &mut self.bytes {
+            return Ok(Self::drain_bytes(pending, true));
+        }
         let before = self.decode(&self.ids[self.prefix..self.read])?;
         let now = self.decode(&self.ids[self.prefix..])?;
         self.prefix = self.ids.len();
@@ -75,7 +197,11 @@ impl Detokenizer {
     }
 
     pub fn tokens(&self) -> usize {
-        self.ids.len()
+        if self.bytes.is_some() {
+            self.read
+        } else {
+            self.ids.len()
+        }
     }
 }
 
@@ -154,11 +280,56 @@ mod tests {
         crate::llm::model::tests::tiny().tokenizer
     }
 
+    fn table() -> Arc<TokenBytes> {
+        static T: std::sync::OnceLock<Arc<TokenBytes>> = std::sync::OnceLock::new();
+        T.get_or_init(|| Arc::new(TokenBytes::new(&tokenizer()).expect("byte-level")))
+            .clone()
+    }
+
+    /// The chunks both ways: Hugging Face decodes, then the byte table.
+    fn streams(tok: &Arc<Tokenizer>, ids: &[u32]) -> [Vec<String>; 2] {
+        [
+            Detokenizer::new(tok.clone()),
+            Detokenizer::with_bytes(tok.clone(), table()),
+        ]
+        .map(|mut d| {
+            let mut out: Vec<String> = ids.iter().map(|&id| d.push(id).expect("push")).collect();
+            assert_eq!(d.tokens(), ids.len());
+            out.push(d.finish().expect("finish"));
+            out
+        })
+    }
+
     fn stream(tok: &Arc<Tokenizer>, ids: &[u32]) -> Vec<String> {
-        let mut d = Detokenizer::new(tok.clone());
-        let mut out: Vec<String> = ids.iter().map(|&id| d.push(id).expect("push")).collect();
-        out.push(d.finish().expect("finish"));
-        out
+        let [hf, bytes] = streams(tok, ids);
+        assert_eq!(hf.concat(), bytes.concat(), "{ids:?}");
+        bytes
+    }
+
+    #[test]
+    fn byte_table_is_built_only_for_byte_level_decoders() {
+        assert!(TokenBytes::new(&tokenizer()).is_some());
+        let mut t = (*tokenizer()).clone();
+        t.with_decoder(Some(tokenizers::decoders::metaspace::Metaspace::default()));
+        assert!(TokenBytes::new(&t).is_none());
+    }
+
+    #[test]
+    fn invalid_bytes_come_out_as_from_utf8_lossy_does() {
+        for bytes in [
+            &b"ok \xe6\x97\xa5 then \xe6\x97 cut"[..],
+            b"\xff\xfe lone",
+            b"end \xf0\x9f\x99",
+        ] {
+            let mut pending = Vec::new();
+            let mut out = String::new();
+            for b in bytes {
+                pending.push(*b);
+                out += &Detokenizer::drain_bytes(&mut pending, false);
+            }
+            out += &Detokenizer::drain_bytes(&mut pending, true);
+            assert_eq!(out, String::from_utf8_lossy(bytes), "{bytes:?}");
+        }
     }
 
     #[test]

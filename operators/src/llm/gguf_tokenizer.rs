@@ -252,14 +252,38 @@ mod tests {
             return;
         };
         let m = ModelDir::load("smollm2", &path).expect("loads");
+        assert!(m.encoder.is_fast(), "fastokens loads the GGUF's tokenizer");
+        let table = m
+            .token_bytes
+            .clone()
+            .expect("a byte-level tokenizer gets a byte table");
         let r = reference();
         for case in r["tokenize"].as_array().expect("cases") {
             let text = case["text"].as_str().expect("text");
             let got = m.tokenizer.encode_fast(text, false).expect("encodes");
             assert_eq!(got.get_ids(), ids(&case["ids"]), "{text:?}");
+            // The prompt encoder (fastokens here) agrees with transformers too.
+            assert_eq!(
+                m.encoder.encode(text, false).expect("encodes"),
+                ids(&case["ids"]),
+                "{text:?}"
+            );
             // And back: decoding gives the text again.
             let back = m.tokenizer.decode(got.get_ids(), false).expect("decodes");
             assert_eq!(back, text);
+            // Streamed through the byte table too (special tokens are skipped there).
+            let mut d =
+                crate::llm::detok::Detokenizer::with_bytes(m.tokenizer.clone(), table.clone());
+            let mut streamed: String = got
+                .get_ids()
+                .iter()
+                .map(|&id| d.push(id).expect("push"))
+                .collect();
+            streamed += &d.finish().expect("finish");
+            assert_eq!(
+                streamed,
+                m.tokenizer.decode(got.get_ids(), true).expect("decodes")
+            );
         }
         assert_eq!(m.eos_token_ids, vec![2]);
         assert_eq!(m.bos_token.as_deref(), Some("<|im_start|>"));

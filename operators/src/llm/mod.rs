@@ -3,6 +3,7 @@
 //! behind `decode` in [`crate::decode`].
 
 pub mod detok;
+pub mod encoder;
 pub mod gguf_tokenizer;
 pub mod kv;
 pub mod model;

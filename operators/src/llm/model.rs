@@ -20,12 +20,20 @@ use dyn_pipeline::{BuildCx, BuildError, Service};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+use super::detok::TokenBytes;
+use super::encoder::Encoder;
+
 /// The parts of a model directory the LLM operators use.
 pub struct ModelDir {
     /// The name clients use (`model` in requests).
     pub name: String,
     pub path: PathBuf,
+    /// Decoding (and the vocabulary).
     pub tokenizer: Arc<Tokenizer>,
+    /// Encoding prompts: fastokens where it agrees with `tokenizer`.
+    pub encoder: Arc<Encoder>,
+    /// Each token's bytes where the tokenizer is byte-level (detokenizing without decoding).
+    pub token_bytes: Option<Arc<TokenBytes>>,
     pub chat_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
@@ -170,8 +178,13 @@ impl ModelDir {
         let gen_config =
             read_json(&path.join("generation_config.json"), false)?.unwrap_or_default();
         let tok_path = path.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&tok_path)
-            .map_err(|e| BuildError::new(format!("cannot load {}: {e}", tok_path.display())))?;
+        let tok_json = std::fs::read_to_string(&tok_path)
+            .map_err(|e| BuildError::new(format!("cannot read {}: {e}", tok_path.display())))?;
+        let tokenizer =
+            Arc::new(tok_json.parse::<Tokenizer>().map_err(|e| {
+                BuildError::new(format!("cannot load {}: {e}", tok_path.display()))
+            })?);
+        let encoder = Arc::new(Encoder::new(tokenizer.clone(), &tok_json));
 
         let eos_token = tok_config.get("eos_token").and_then(token_string);
         let mut eos_token_ids = ids(gen_config.get("eos_token_id"));
@@ -209,7 +222,9 @@ impl ModelDir {
         Ok(ModelDir {
             name: name.to_owned(),
             path: path.to_owned(),
-            tokenizer: Arc::new(tokenizer),
+            token_bytes: TokenBytes::new(&tokenizer).map(Arc::new),
+            tokenizer,
+            encoder,
             chat_template,
             bos_token: tok_config.get("bos_token").and_then(token_string),
             eos_token,
@@ -226,7 +241,7 @@ impl ModelDir {
         let err = |e: String| BuildError::new(format!("{}: {e}", path.display()));
         let g = Gguf::open(path).map_err(|e| BuildError::new(e.to_string()))?;
         let config = g.config().map_err(|e| BuildError::new(e.to_string()))?;
-        let tokenizer = super::gguf_tokenizer::tokenizer(&g).map_err(err)?;
+        let tokenizer = Arc::new(super::gguf_tokenizer::tokenizer(&g).map_err(err)?);
         let ids = super::gguf_tokenizer::special_ids(&g);
         let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
         // eos and end-of-turn, once each (they are often the same token).
@@ -247,7 +262,12 @@ impl ModelDir {
             eos_token_ids,
             context_length: u32::try_from(config.max_position).unwrap_or(u32::MAX),
             vocab_size: u32::try_from(config.vocab).unwrap_or(u32::MAX),
-            tokenizer: Arc::new(tokenizer),
+            encoder: Arc::new(match tokenizer.to_string(false) {
+                Ok(json) => Encoder::new(tokenizer.clone(), &json),
+                Err(_) => Encoder::hf(tokenizer.clone()),
+            }),
+            token_bytes: TokenBytes::new(&tokenizer).map(Arc::new),
+            tokenizer,
             defaults: GenerationDefaults::default(),
         })
     }

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
-use super::detok::{Detokenizer, Matched, StopMatcher};
+use super::detok::{Detokenizer, Matched, StopMatcher, TokenBytes};
 use super::model::ModelDir;
 use super::types::{FinishReason, Generated, LlmDelta, Usage};
 
@@ -32,19 +32,24 @@ impl OperatorConfig for PostprocessConfig {
     type Op = Postprocess;
 
     async fn build(&self, cx: &BuildCx) -> Result<Postprocess, BuildError> {
+        let model = ModelDir::shared(cx).await?;
         Ok(Postprocess {
-            tokenizer: ModelDir::shared(cx).await?.tokenizer.clone(),
+            tokenizer: model.tokenizer.clone(),
+            bytes: model.token_bytes.clone(),
         })
     }
 }
 
 pub struct Postprocess {
     tokenizer: Arc<Tokenizer>,
+    /// Byte-level tokenizers: each token's bytes, so detokenizing needs no decode call.
+    bytes: Option<Arc<TokenBytes>>,
 }
 
 impl Postprocess {
     pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
-        Self { tokenizer }
+        let bytes = TokenBytes::new(&tokenizer).map(Arc::new);
+        Self { tokenizer, bytes }
     }
 }
 
@@ -58,6 +63,7 @@ impl Operator for Postprocess {
 
     fn call(&self, ctx: Ctx, mut input: Input<Generated>) -> Output<LlmDelta> {
         let tokenizer = self.tokenizer.clone();
+        let bytes = self.bytes.clone();
         async_stream::try_stream! {
             let spec = match input.next().await {
                 Some(Generated::Start(spec)) => spec,
@@ -65,7 +71,10 @@ impl Operator for Postprocess {
                 // The engine ended without a word: its error, if any, reaches the ingress.
                 None => return,
             };
-            let mut detok = Detokenizer::new(tokenizer);
+            let mut detok = match bytes {
+                Some(table) => Detokenizer::with_bytes(tokenizer, table),
+                None => Detokenizer::new(tokenizer),
+            };
             let mut stops = StopMatcher::new(spec.stop);
             let usage = |tokens: usize| Usage {
                 prompt_tokens: spec.prompt_tokens,

@@ -2,12 +2,15 @@
 //!
 //! Chat messages go through the model's chat template (minijinja, with Python string methods
 //! and `raise_exception` as Hugging Face templates expect) and are tokenized without adding
-//! special tokens again; completion prompts are tokenized with them. Tokenizing a long prompt
-//! takes a while, so it runs on tokio's blocking pool, never on a runtime worker. Sampling
-//! parameters and lengths are checked here, so every later node can trust them.
+//! special tokens again; completion prompts are tokenized with them, by fastokens where it
+//! agrees with the model's Hugging Face tokenizer ([`super::encoder`]). A prompt of a few
+//! KiB encodes in microseconds, on the runtime worker that holds the request (a hop to the
+//! blocking pool would cost more than the work); a long one runs on tokio's blocking pool,
+//! never on a runtime worker. Sampling parameters and lengths are checked here, so every
+//! later node can trust them.
 //!
 //! ```yaml
-//! preprocess: {kind: preprocess, inputs: [http]}
+//! preprocess: {kind: preprocess, inputs: [http], config: {tokenizer: fast}}
 //! ```
 
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use futures::StreamExt;
 use minijinja::{Environment, context};
 use serde::Deserialize;
 
+use super::encoder::Encoder;
 use super::model::ModelDir;
 use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions};
 
@@ -25,9 +29,31 @@ use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopCond
 const MAX_STOP_LEN: usize = 256;
 const MAX_STOPS: usize = 16;
 
+/// Prompts longer than this (bytes of text) are encoded on the blocking pool: fastokens takes
+/// ~5 ns a byte, so 16 KiB is ~80 µs on a runtime worker at most; Hugging Face tokenizers
+/// takes ~80× that, so with it every prompt goes to the blocking pool.
+const INLINE_ENCODE_BYTES: usize = 16 << 10;
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PreprocessConfig {}
+pub struct PreprocessConfig {
+    /// Which encoder tokenizes prompts.
+    #[serde(default)]
+    pub tokenizer: TokenizerChoice,
+}
+
+/// `tokenizer:` of `preprocess`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerChoice {
+    /// fastokens where it loads the model's tokenizer and agrees with Hugging Face
+    /// tokenizers on a probe set; Hugging Face tokenizers otherwise.
+    #[default]
+    Fast,
+    /// Hugging Face tokenizers always (for comparisons, or a tokenizer fastokens gets wrong
+    /// in a way the probes miss).
+    Hf,
+}
 
 impl OperatorConfig for PreprocessConfig {
     const KIND: &'static str = "preprocess";
@@ -36,12 +62,18 @@ impl OperatorConfig for PreprocessConfig {
     type Op = Preprocess;
 
     async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
-        Preprocess::new(ModelDir::shared(cx).await?)
+        let mut p = Preprocess::new(ModelDir::shared(cx).await?)?;
+        if self.tokenizer == TokenizerChoice::Hf {
+            p.encoder = Arc::new(p.encoder.without_fast());
+        }
+        tracing::info!(node = %cx.node, fast = p.encoder.is_fast(), "prompt encoder");
+        Ok(p)
     }
 }
 
 pub struct Preprocess {
     model: Arc<ModelDir>,
+    encoder: Arc<Encoder>,
     env: Option<Arc<Environment<'static>>>,
 }
 
@@ -75,7 +107,11 @@ impl Preprocess {
             })?)),
             None => None,
         };
-        Ok(Self { model, env })
+        Ok(Self {
+            encoder: model.encoder.clone(),
+            model,
+            env,
+        })
     }
 
     /// Everything up to tokenization; pure and fast.
@@ -184,14 +220,16 @@ impl Preprocess {
             Prompt::Tokens(_) => (None, false),
         };
         let token_ids = match (text, req.prompt) {
+            (Some(text), _) if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES => self
+                .encoder
+                .encode(&text, add_special)
+                .map_err(|e| OpError::internal(format!("tokenizer: {e}")))?,
             (Some(text), _) => {
-                let tok = self.model.tokenizer.clone();
-                tokio::task::spawn_blocking(move || tok.encode_fast(text, add_special))
+                let enc = self.encoder.clone();
+                tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
                     .await
                     .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
                     .map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
-                    .get_ids()
-                    .to_vec()
             }
             (None, Prompt::Tokens(t)) => t,
             (None, _) => Vec::new(),
@@ -255,6 +293,7 @@ impl Operator for Preprocess {
     fn call(&self, _ctx: Ctx, mut input: Input<LlmRequest>) -> Output<PreprocessedRequest> {
         let this = Preprocess {
             model: self.model.clone(),
+            encoder: self.encoder.clone(),
             env: self.env.clone(),
         };
         async_stream::stream! {
