@@ -7,10 +7,12 @@
 //! buffer, and bounded channels carry that back to the operator on either side. Cancellation is
 //! the connection itself: a caller that drops the stream (or whose context is killed) closes
 //! the socket, and the serving side kills the request's context when its read returns end of
-//! file. One connection per request keeps cancellation that simple; a loopback connect costs
-//! tens of microseconds (BENCHMARKS.md, embedded vs multi-process). The server also accepts
-//! several requests one after another on a connection, so pooling can come later without a
-//! protocol change.
+//! file. So a connection carries one request at a time; the server accepts several one after
+//! another on it, and a caller whose request ended cleanly (its done mark read, its input all
+//! sent) keeps the connection in a per-address pool for the next call ([`ConnPool`]): a
+//! connect, an accept and two closes per request were a tenth of the multi-process CPU. A
+//! pooled connection the other side has closed (a restarted worker) reads end of file
+//! without blocking and is dropped, not used.
 //!
 //! Calls to an instance served by this same process skip the socket and the codecs. A failed
 //! connection marks the instance down in [`InstanceHealth`] so routers stop choosing it before
@@ -24,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use async_trait::async_trait;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::stream::{self, StreamExt};
-use futures::{SinkExt, Stream};
+use futures::{FutureExt, SinkExt, Stream};
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,6 +49,11 @@ const ITEM: u8 = b'I';
 const END_INPUT: u8 = b'E';
 const ERROR: u8 = b'X';
 const DONE: u8 = b'D';
+/// Caller to server: the caller no longer wants the current request's output (its consumer
+/// stopped early); the server kills it and ends with a done mark, keeping the connection.
+const CANCEL: u8 = b'C';
+/// A done mark on the wire: the length-delimited codec's 4-byte length, then the tag.
+const DONE_FRAME: &[u8] = &[0, 0, 0, 1, DONE];
 
 /// Limits and timeouts of the TCP plane.
 #[derive(Debug, Clone)]
@@ -152,9 +159,110 @@ struct Shared {
     opts: TcpOptions,
 }
 
+type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, LengthDelimitedCodec>;
+type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>;
+
+/// Idle connections to other processes' request planes, by address.
+#[derive(Default)]
+struct ConnPool {
+    idle: Mutex<HashMap<String, Vec<(Reader, Writer)>>>,
+}
+
+/// Idle connections kept per address: enough for the concurrency one frontend sends a worker.
+const POOL_PER_ADDRESS: usize = 256;
+
+impl ConnPool {
+    /// An idle connection to `address` that is still open.
+    fn take(&self, address: &str) -> Option<(Reader, Writer)> {
+        loop {
+            let (r, w) = self.idle.lock().get_mut(address)?.pop()?;
+            // Nothing may arrive on an idle connection: end of file (or anything else) means
+            // the other side is gone or confused, and the connection is dropped.
+            let mut probe = [0u8; 1];
+            match r.get_ref().try_read(&mut probe) {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock && r.read_buffer().is_empty() =>
+                {
+                    return Some((r, w));
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    fn put(&self, address: &str, conn: (Reader, Writer)) {
+        let mut idle = self.idle.lock();
+        let list = idle.entry(address.to_owned()).or_default();
+        if list.len() < POOL_PER_ADDRESS {
+            list.push(conn);
+        }
+    }
+}
+
+/// How long a caller that stopped reading waits for the server to confirm the cancel before it
+/// drops the connection instead.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A call's connection. Dropped before the response's done mark (the consumer stopped early,
+/// or the context was killed), it sends a cancel and reads up to the done mark on a task of
+/// its own, then goes back to the pool; a connection in an unknown state is closed instead
+/// (`reader` or `writer` taken), which the server also reads as a cancellation.
+struct Conn {
+    reader: Option<Reader>,
+    writer: Option<Writer>,
+    pool: Arc<ConnPool>,
+    address: String,
+}
+
+impl Conn {
+    /// Back to the pool now (the done mark has been read).
+    fn recycle(&mut self) {
+        if let (Some(r), Some(w)) = (self.reader.take(), self.writer.take())
+            && w.write_buffer().is_empty()
+        {
+            self.pool.put(&self.address, (r, w));
+        }
+    }
+
+    /// Never reused (a protocol error).
+    fn poison(&mut self) {
+        self.reader = None;
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        let (Some(mut r), Some(mut w)) = (self.reader.take(), self.writer.take()) else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (pool, address) = (self.pool.clone(), std::mem::take(&mut self.address));
+        rt.spawn(async move {
+            let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+                w.send(frame(CANCEL, b"")).await.ok()?;
+                while let Some(Ok(f)) = r.next().await {
+                    if f.first() == Some(&DONE) {
+                        return Some(());
+                    }
+                }
+                None
+            })
+            .await;
+            if let Ok(Some(())) = drained
+                && w.write_buffer().is_empty()
+            {
+                pool.put(&address, (r, w));
+            }
+        });
+    }
+}
+
 /// The TCP request plane. See the module docs.
 pub struct TcpRequestPlane {
     shared: Arc<Shared>,
+    pool: Arc<ConnPool>,
     health: Arc<InstanceHealth>,
     /// The address peers use, once the listener is up.
     address: Mutex<Option<String>>,
@@ -169,6 +277,7 @@ impl TcpRequestPlane {
                 in_flight: TaskTracker::new(),
                 opts,
             }),
+            pool: Arc::default(),
             health,
             address: Mutex::new(None),
             listener: tokio::sync::Mutex::new(None),
@@ -283,6 +392,12 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
                     }
                 }
                 END_INPUT => input_tx = None,
+                // For the request being served; one that already ended has nothing to stop.
+                CANCEL => {
+                    if let Some(ctx) = reader_current.lock().as_ref() {
+                        ctx.kill();
+                    }
+                }
                 _ => {
                     tracing::warn!(tag, "Request plane: unknown frame; closing the connection");
                     break;
@@ -354,7 +469,20 @@ async fn serve_one(
         .filter_map(|r| futures::future::ready(r.ok()))
         .boxed();
     let mut out = handler.call(ctx, input);
-    while let Some(item) = out.next().await {
+    // Frames are buffered while the handler has more ready and flushed when it has none: the
+    // tokens of a step, and the last item with the done mark, go out in one write (a write per
+    // frame was a third of a worker process's CPU).
+    loop {
+        let item = match out.next().now_or_never() {
+            Some(item) => item,
+            None => {
+                if SinkExt::<Bytes>::flush(writer).await.is_err() {
+                    return false;
+                }
+                out.next().await
+            }
+        };
+        let Some(item) = item else { break };
         let frame = match item {
             Ok(v) => match (out_codec.encode)(v.as_ref()) {
                 Ok(bytes) if bytes.len() < shared.opts.max_message_bytes => frame(ITEM, &bytes),
@@ -368,7 +496,7 @@ async fn serve_one(
             Err(e) => error_frame(&e),
         };
         let last = frame.first() == Some(&ERROR);
-        if writer.send(frame).await.is_err() {
+        if writer.feed(frame).await.is_err() {
             return false;
         }
         if last {
@@ -378,7 +506,7 @@ async fn serve_one(
     drop(out);
     let failed = decode_error.lock().take();
     if let Some(e) = failed
-        && writer.send(error_frame(&e)).await.is_err()
+        && writer.feed(error_frame(&e)).await.is_err()
     {
         return false;
     }
@@ -467,6 +595,7 @@ impl RequestPlane for TcpRequestPlane {
             types,
             opts: self.shared.opts.clone(),
             health: self.health.clone(),
+            pool: self.pool.clone(),
         };
         call.run(ctx, input).boxed()
     }
@@ -483,9 +612,39 @@ struct RemoteCall {
     types: EndpointTypes,
     opts: TcpOptions,
     health: Arc<InstanceHealth>,
+    pool: Arc<ConnPool>,
 }
 
 impl RemoteCall {
+    async fn connect(&self) -> Result<(Reader, Writer), OpError> {
+        if let Some(conn) = self.pool.take(&self.address) {
+            return Ok(conn);
+        }
+        let connect =
+            tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&self.address));
+        let stream = match connect.await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                self.health.report_down(self.instance_id);
+                return Err(self.lost(format!("cannot connect: {e}")));
+            }
+            Err(_) => {
+                self.health.report_down(self.instance_id);
+                return Err(self.lost(format!(
+                    "no connection within {:?}",
+                    self.opts.connect_timeout
+                )));
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let max = self.opts.max_message_bytes;
+        Ok((
+            FramedRead::new(r, length_codec(max)),
+            FramedWrite::new(w, length_codec(max)),
+        ))
+    }
+
     fn lost(&self, what: impl std::fmt::Display) -> OpError {
         OpError::unavailable(format!(
             "instance {:x} of '{}' at {}: {what}",
@@ -507,25 +666,17 @@ impl RemoteCall {
                     return;
                 }
             };
-            let connect = tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&self.address));
-            let stream = match connect.await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    self.health.report_down(self.instance_id);
-                    yield Err(self.lost(format!("cannot connect: {e}")));
-                    return;
-                }
-                Err(_) => {
-                    self.health.report_down(self.instance_id);
-                    yield Err(self.lost(format!("no connection within {:?}", self.opts.connect_timeout)));
+            let mut conn = match self.connect().await {
+                Ok((r, w)) => Conn { reader: Some(r), writer: Some(w), pool: self.pool.clone(), address: self.address.clone() },
+                Err(e) => {
+                    yield Err(e);
                     return;
                 }
             };
-            let _ = stream.set_nodelay(true);
-            let (r, w) = stream.into_split();
+            let (Some(reader), Some(writer)) = (conn.reader.as_mut(), conn.writer.as_mut()) else {
+                return;
+            };
             let max = self.opts.max_message_bytes;
-            let mut reader = FramedRead::new(r, length_codec(max));
-            let mut writer = FramedWrite::new(w, length_codec(max));
             let header = Header {
                 instance_id: self.instance_id,
                 request_id: ctx.id().to_string(),
@@ -540,11 +691,23 @@ impl RemoteCall {
             let header = frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default());
             // Input goes out while outputs come back; an input item that cannot be encoded
             // fails the call.
-            let send_input = async move {
+            // The input borrows the writer so that a call whose response ends before its input
+            // does (a router keeps its input open until the answer is over) can still hand the
+            // connection back.
+            let mut send_input = Box::pin(async move {
                 let lost = |e: std::io::Error| SendFailed::Lost(format!("send failed: {e}"));
-                writer.send(header).await.map_err(lost)?;
+                // Buffered like the serving side's output: a one-item request is one write.
+                writer.feed(header).await.map_err(lost)?;
                 let mut input = input;
-                while let Some(item) = input.next().await {
+                loop {
+                    let item = match input.next().now_or_never() {
+                        Some(item) => item,
+                        None => {
+                            SinkExt::<Bytes>::flush(writer).await.map_err(lost)?;
+                            input.next().await
+                        }
+                    };
+                    let Some(item) = item else { break };
                     let bytes = (in_codec.encode)(item.as_ref())
                         .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
                     if bytes.len() >= max {
@@ -553,21 +716,21 @@ impl RemoteCall {
                             bytes.len()
                         )));
                     }
-                    writer.send(frame(ITEM, &bytes)).await.map_err(lost)?;
+                    writer.feed(frame(ITEM, &bytes)).await.map_err(lost)?;
                 }
                 writer.send(frame(END_INPUT, b"")).await.map_err(lost)?;
-                // Keep the write half open until the response is done: closing it would read
+                // The write half stays open until the response is done: closing it would read
                 // as a cancellation on the other side.
-                Ok::<_, SendFailed>(writer)
-            };
-            tokio::pin!(send_input);
-            let mut sent = None;
+                Ok::<_, SendFailed>(())
+            });
+            let mut sent = false;
             let mut got_any = false;
             loop {
                 tokio::select! {
-                    res = &mut send_input, if sent.is_none() => match res {
-                        Ok(w) => sent = Some(w),
+                    res = &mut send_input, if !sent => match res {
+                        Ok(()) => sent = true,
                         Err(SendFailed::Lost(msg)) => {
+                            conn.reader = None;
                             if !got_any { self.health.report_down(self.instance_id); }
                             yield Err(self.lost(msg));
                             return;
@@ -581,11 +744,15 @@ impl RemoteCall {
                         let frame = match frame {
                             Some(Ok(f)) => f,
                             Some(Err(e)) => {
+                                drop(send_input);
+                                conn.poison();
                                 self.health.report_down(self.instance_id);
                                 yield Err(self.lost(format!("connection failed: {e}")));
                                 return;
                             }
                             None => {
+                                drop(send_input);
+                                conn.poison();
                                 self.health.report_down(self.instance_id);
                                 yield Err(self.lost("connection closed mid-response"));
                                 return;
@@ -594,8 +761,25 @@ impl RemoteCall {
                         got_any = true;
                         match frame.split_first() {
                             Some((&ITEM, body)) => match (out_codec.decode)(body) {
+                                // The serving side writes its last item and the done mark
+                                // together; a consumer stops polling at the last item (the
+                                // finish), so the mark is read now, while it is at hand, or
+                                // the connection could never be reused.
+                                Ok(v) if reader.read_buffer().as_ref() == DONE_FRAME => {
+                                    drop(send_input);
+                                    if let Some(Some(Ok(_))) = reader.next().now_or_never() {
+                                        conn.recycle();
+                                    }
+                                    yield Ok(v);
+                                    if ctx.is_killed() {
+                                        yield Err(OpError::cancelled());
+                                    }
+                                    return;
+                                }
                                 Ok(v) => yield Ok(v),
                                 Err(e) => {
+                                    drop(send_input);
+                                    conn.poison();
                                     yield Err(OpError::internal(format!("cannot decode a response from '{}': {e}", self.component)));
                                     return;
                                 }
@@ -603,10 +787,19 @@ impl RemoteCall {
                             Some((&ERROR, body)) => {
                                 let e = serde_json::from_slice::<OpError>(body)
                                     .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
+                                // The process is there but no longer serves the instance.
+                                if e.code.as_deref() == Some(INSTANCE_LOST) {
+                                    self.health.report_down(self.instance_id);
+                                }
                                 yield Err(e);
                                 return;
                             }
                             Some((&DONE, _)) => {
+                                // A clean end: the connection is free for the next call once no
+                                // part of a frame is left unsent (the serving side ignores input
+                                // that was still to come; the next header starts afresh).
+                                drop(send_input);
+                                conn.recycle();
                                 // The serving side saw the deadline first and ended early.
                                 if ctx.is_killed() {
                                     yield Err(OpError::cancelled());
@@ -614,13 +807,15 @@ impl RemoteCall {
                                 return;
                             }
                             _ => {
+                                drop(send_input);
+                                conn.poison();
                                 yield Err(OpError::internal(format!("unexpected frame from '{}'", self.component)));
                                 return;
                             }
                         }
                     }
                     _ = ctx.killed() => {
-                        // Dropping the socket tells the other side.
+                        // Dropping the call sends the other side a cancel (`Conn`).
                         yield Err(OpError::cancelled());
                         return;
                     }
@@ -742,6 +937,68 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_cleanly_ended_call_leaves_its_connection_for_the_next_and_a_closed_one_is_not_used()
+    {
+        let (server, inst, _) = served(3, Duration::ZERO, TcpOptions::default()).await;
+        let client = TcpRequestPlane::new(TcpOptions::default(), Arc::default());
+        let Transport::Tcp { address } = inst.transport.clone() else {
+            panic!("served over TCP")
+        };
+        let idle = |c: &TcpRequestPlane| c.pool.idle.lock().get(&address).map_or(0, Vec::len);
+        for round in 0..3 {
+            let out: Vec<_> = client
+                .call(&inst, types(), Ctx::new(), nums(&[10 * round]))
+                .collect()
+                .await;
+            let base = 10 * round;
+            assert_eq!(collect_nums(out).0, vec![base, base + 1, base + 2]);
+            assert_eq!(idle(&client), 1, "one connection, reused");
+        }
+        // An error ends the call before its done mark is read: the dropped call reads up to the
+        // mark on a task of its own, then the connection is back.
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::with_id("fail"), nums(&[1]))
+            .collect()
+            .await;
+        assert!(collect_nums(out).1.is_some());
+        for _ in 0..100 {
+            if idle(&client) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(idle(&client), 1);
+        drop(server);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_other_side_closed_is_dropped_not_used() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let pool = ConnPool::default();
+        let conn = |s: TcpStream| {
+            let (r, w) = s.into_split();
+            (
+                FramedRead::new(r, length_codec(1024)),
+                FramedWrite::new(w, length_codec(1024)),
+            )
+        };
+        // One connection whose peer stays, one whose peer closed (a restarted worker).
+        let open = TcpStream::connect(&address).await.unwrap();
+        let (_kept, _) = listener.accept().await.unwrap();
+        let closed = TcpStream::connect(&address).await.unwrap();
+        drop(listener.accept().await.unwrap());
+        pool.put(&address, conn(open));
+        pool.put(&address, conn(closed));
+        // Let the FIN arrive.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Last in, first out: the closed one is found closed and dropped, the open one returned.
+        assert!(pool.take(&address).is_some());
+        assert!(pool.take(&address).is_none(), "nothing else was kept");
+        assert!(pool.idle.lock()[&address].is_empty());
+    }
+
+    #[tokio::test]
     async fn streams_across_a_socket_and_carries_errors() {
         let (server, inst, _) = served(3, Duration::ZERO, TcpOptions::default()).await;
         // A second plane is "another process": it has no local handler for the instance.
@@ -794,6 +1051,22 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(server.in_flight(), 0);
+        // The cancel travelled in band: the connection survives for the next call.
+        let Transport::Tcp { address } = inst.transport.clone() else {
+            panic!("served over TCP")
+        };
+        while client.pool.idle.lock().get(&address).map_or(0, Vec::len) == 0
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut out = client.call(&inst, types(), Ctx::new(), nums(&[0]));
+        assert!(out.next().await.is_some_and(|r| r.is_ok()));
+        assert_eq!(
+            client.pool.idle.lock()[&address].len(),
+            0,
+            "the pooled one is in use"
+        );
     }
 
     #[tokio::test]
