@@ -1,18 +1,20 @@
-//! The request plane between processes: one TCP connection per request, length-delimited
-//! frames (tokio-util's codec), payloads in their types' wire codecs.
+//! The request plane between processes: one request at a time per TCP connection, connections
+//! pooled per address, length-delimited frames (tokio-util's codec), payloads in their types'
+//! wire codecs.
 //!
-//! A call opens a connection to the instance's address and writes a header (request id,
-//! instance, time left), the input items and an end-of-input mark, while it reads output items
-//! back until a done mark. TCP does the flow control: a slow reader stops the writer's socket
-//! buffer, and bounded channels carry that back to the operator on either side. Cancellation is
-//! the connection itself: a caller that drops the stream (or whose context is killed) closes
-//! the socket, and the serving side kills the request's context when its read returns end of
-//! file. So a connection carries one request at a time; the server accepts several one after
-//! another on it, and a caller whose request ended cleanly (its done mark read, its input all
-//! sent) keeps the connection in a per-address pool for the next call ([`ConnPool`]): a
-//! connect, an accept and two closes per request were a tenth of the multi-process CPU. A
-//! pooled connection the other side has closed (a restarted worker) reads end of file
-//! without blocking and is dropped, not used.
+//! A call takes an idle connection to the instance's address ([`ConnPool`]) or opens one, and
+//! writes a header (request id, instance, time left), the input items and an end-of-input
+//! mark, while it reads output items back until a done mark. TCP does the flow control: a slow
+//! reader stops the writer's socket buffer, and bounded channels carry that back to the
+//! operator on either side. A caller that drops the stream before the done mark (its consumer
+//! stopped early, or its context was killed) sends a cancel frame and, on a task of its own,
+//! reads up to the done mark the server then sends ([`Conn`]); closing the socket cancels too
+//! (the serving side kills the request's context when its read returns end of file). After
+//! the done mark the connection goes back to the pool: a connect, an accept and two closes per
+//! request were a tenth of the multi-process CPU. A pooled connection the other side has
+//! closed (a restarted worker) reads end of file without blocking and is dropped, not used.
+//! Both sides buffer frames while more are ready and flush when none is: a request is one
+//! write, and so are a step's tokens or the last item with the done mark.
 //!
 //! Calls to an instance served by this same process skip the socket and the codecs. A failed
 //! connection marks the instance down in [`InstanceHealth`] so routers stop choosing it before
