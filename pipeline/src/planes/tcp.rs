@@ -348,6 +348,9 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 struct Incoming {
     header: Header,
     input: mpsc::Receiver<Bytes>,
+    ctx: Ctx,
+    /// Which request of the connection this is (see `current`).
+    n: u64,
 }
 
 /// Serve requests on one connection, one after another.
@@ -356,12 +359,16 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
     let max = shared.opts.max_message_bytes;
     let mut reader = FramedRead::new(r, length_codec(max));
     let mut writer = FramedWrite::new(w, length_codec(max));
-    // The request being served, so the reader can kill it when the caller goes away.
-    let current: Arc<Mutex<Option<Ctx>>> = Arc::default();
+    // The request being served, so the reader can kill it when the caller cancels or goes
+    // away. The reader sets it as it reads the header — a cancel may follow the header before
+    // the request is even started — and the server clears it only if it is still its own (the
+    // caller may already have sent the next request on this connection).
+    let current: Arc<Mutex<Option<(u64, Ctx)>>> = Arc::default();
     let (req_tx, mut req_rx) = mpsc::channel::<Incoming>(1);
     let reader_current = current.clone();
     let read_task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
         let mut input_tx: Option<mpsc::Sender<Bytes>> = None;
+        let mut n = 0u64;
         loop {
             let frame = match reader.next().await {
                 Some(Ok(f)) => f,
@@ -382,7 +389,19 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
                     };
                     let (tx, rx) = mpsc::channel(16);
                     input_tx = Some(tx);
-                    if req_tx.send(Incoming { header, input: rx }).await.is_err() {
+                    let mut ctx = Ctx::with_id(header.request_id.clone());
+                    if let Some(ms) = header.timeout_ms {
+                        ctx = ctx.with_timeout(Duration::from_millis(ms));
+                    }
+                    n += 1;
+                    *reader_current.lock() = Some((n, ctx.clone()));
+                    let incoming = Incoming {
+                        header,
+                        input: rx,
+                        ctx,
+                        n,
+                    };
+                    if req_tx.send(incoming).await.is_err() {
                         break;
                     }
                 }
@@ -396,7 +415,7 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
                 END_INPUT => input_tx = None,
                 // For the request being served; one that already ended has nothing to stop.
                 CANCEL => {
-                    if let Some(ctx) = reader_current.lock().as_ref() {
+                    if let Some((_, ctx)) = reader_current.lock().as_ref() {
                         ctx.kill();
                     }
                 }
@@ -407,22 +426,27 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
             }
         }
         // The caller closed the connection: whatever it asked for is no longer wanted.
-        if let Some(ctx) = reader_current.lock().take() {
+        if let Some((_, ctx)) = reader_current.lock().take() {
             ctx.kill();
         }
     }));
 
-    while let Some(Incoming { header, input }) = req_rx.recv().await {
-        let mut ctx = Ctx::with_id(header.request_id.clone());
-        if let Some(ms) = header.timeout_ms {
-            ctx = ctx.with_timeout(Duration::from_millis(ms));
-        }
-        *current.lock() = Some(ctx.clone());
+    while let Some(Incoming {
+        header,
+        input,
+        ctx,
+        n,
+    }) = req_rx.recv().await
+    {
         let ok = shared
             .in_flight
             .track_future(serve_one(&shared, &header, ctx.clone(), input, &mut writer))
             .await;
-        current.lock().take();
+        let mut cur = current.lock();
+        if cur.as_ref().is_some_and(|(m, _)| *m == n) {
+            *cur = None;
+        }
+        drop(cur);
         if !ok {
             ctx.kill();
             break;
@@ -1033,6 +1057,27 @@ mod tests {
             .collect()
             .await;
         assert_eq!(collect_nums(out).0, vec![5, 6, 7]);
+    }
+
+    #[tokio::test]
+    async fn a_call_dropped_before_its_first_item_still_kills_the_remote_request() {
+        let (server, inst, killed) =
+            served(1000, Duration::from_millis(20), TcpOptions::default()).await;
+        let client = TcpRequestPlane::new(TcpOptions::default(), Arc::default());
+        let mut out = client.call(&inst, types(), Ctx::new(), nums(&[0]));
+        // Polled once: the header and input are out, no item has come back yet.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(2), out.next())
+                .await
+                .is_err()
+        );
+        drop(out);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(killed.load(Ordering::SeqCst), 1);
+        drop(server);
     }
 
     #[tokio::test]
