@@ -631,8 +631,11 @@ struct Chunks {
     /// Whether the content slot comes before the finish reason slot.
     content_first: bool,
     chat: bool,
-    role: Vec<u8>,
 }
+
+/// The first chat chunk's delta, as serde_json renders it (rendered once per process).
+static ROLE_DELTA: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| json!({"role": "assistant", "content": ""}).to_string());
 
 impl Chunks {
     fn new(shape: &Shape, include_usage: bool) -> Self {
@@ -657,9 +660,6 @@ impl Chunks {
             pieces: [head, p1.as_bytes().to_vec(), tail],
             content_first: first == content,
             chat: shape.endpoint == Endpoint::Chat,
-            role: json!({"role": "assistant", "content": ""})
-                .to_string()
-                .into_bytes(),
         }
     }
 
@@ -690,7 +690,7 @@ impl Chunks {
 
     /// The first chat chunk: the assistant's role and empty content.
     fn role(&self) -> Bytes {
-        self.render(|b| b.extend_from_slice(&self.role), None)
+        self.render(|b| b.extend_from_slice(ROLE_DELTA.as_bytes()), None)
     }
 
     fn delta(&self, text: &str, finish: Option<FinishReason>) -> Bytes {

@@ -51,10 +51,8 @@ impl TokenBytes {
             if let Some(tok) = skipped {
                 // As the ByteLevel decoder does: a token with a char outside the byte map is
                 // taken as its UTF-8 bytes (added tokens written as plain text).
-                match tok.chars().map(|c| chars.get(&c).copied()).collect() {
-                    Some(bytes) => data.extend_from_slice(&bytes as &Vec<u8>),
-                    None => data.extend_from_slice(tok.as_bytes()),
-                }
+                let mapped: Option<Vec<u8>> = tok.chars().map(|c| chars.get(&c).copied()).collect();
+                data.extend_from_slice(mapped.as_deref().unwrap_or(tok.as_bytes()));
             }
             ends.push(u32::try_from(data.len()).ok()?);
         }
@@ -129,23 +127,30 @@ impl Detokenizer {
     }
 
     /// The byte path's text that became final: complete characters, and U+FFFD for bytes
-    /// that can never become one (as `String::from_utf8_lossy` over the whole output).
+    /// that can never become one (as `String::from_utf8_lossy` over the whole output); with
+    /// `all`, an unfinished character at the end too.
     fn drain_bytes(pending: &mut Vec<u8>, all: bool) -> String {
         let mut out = String::new();
         let mut used = 0;
-        for chunk in pending.utf8_chunks() {
-            out.push_str(chunk.valid());
-            used += chunk.valid().len();
-            let invalid = chunk.invalid().len();
-            if invalid == 0 {
-                continue;
-            }
-            // The last chunk's invalid bytes may be a character still arriving.
-            let complete = used + invalid < pending.len()
-                || std::str::from_utf8(&pending[used..]).is_err_and(|e| e.error_len().is_some());
-            if complete || all {
-                out.push(REPLACEMENT);
-                used += invalid;
+        while used < pending.len() {
+            match std::str::from_utf8(&pending[used..]) {
+                Ok(rest) => {
+                    out.push_str(rest);
+                    used = pending.len();
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    // Checked by `from_utf8` just now.
+                    out.push_str(std::str::from_utf8(&pending[used..used + valid]).unwrap_or(""));
+                    used += valid;
+                    match e.error_len() {
+                        Some(bad) => used += bad,
+                        // A character still arriving: wait for it unless this is the end.
+                        None if !all => break,
+                        None => used = pending.len(),
+                    }
+                    out.push(REPLACEMENT);
+                }
             }
         }
         pending.drain(..used);
@@ -158,12 +163,11 @@ impl Detokenizer {
 
     /// Add one token; returns the text that became final (often empty mid-character).
     pub fn push(&mut self, id: u32) -> Result<String, tokenizers::Error> {
+        self.ids.push(id);
         if let Some((table, pending)) = &mut self.bytes {
-            self.read += 1;
             pending.extend_from_slice(table.get(id));
             return Ok(Self::drain_bytes(pending, false));
         }
-        self.ids.push(id);
         let before = self.decode(&self.ids[self.prefix..self.read])?;
         let now = self.decode(&self.ids[self.prefix..])?;
         if now.len() > before.len() && !now.ends_with(REPLACEMENT) {
@@ -197,11 +201,7 @@ impl Detokenizer {
     }
 
     pub fn tokens(&self) -> usize {
-        if self.bytes.is_some() {
-            self.read
-        } else {
-            self.ids.len()
-        }
+        self.ids.len()
     }
 }
 

@@ -68,20 +68,28 @@ impl Encoder {
     /// Token ids of `text`; `add_special` adds the post-processor's special tokens (a completion
     /// prompt), as `tokenizers`' `encode(text, add_special)` does.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, String> {
-        if let Some(fast) = &self.fast {
-            match catch_unwind(AssertUnwindSafe(|| {
-                fast.encode_with_special_tokens(text, add_special)
-            })) {
-                Ok(Ok(ids)) => return Ok(ids),
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "fastokens failed; encoding with Hugging Face tokenizers")
-                }
-                Err(_) => {
-                    tracing::error!("fastokens panicked; encoding with Hugging Face tokenizers")
-                }
+        match self.encode_fast(text, add_special) {
+            Some(ids) => Ok(ids),
+            None => self.encode_hf(text, add_special),
+        }
+    }
+
+    /// fastokens' ids; `None` without it, or when it fails or panics (logged).
+    fn encode_fast(&self, text: &str, add_special: bool) -> Option<Vec<u32>> {
+        let fast = self.fast.as_ref()?;
+        match catch_unwind(AssertUnwindSafe(|| {
+            fast.encode_with_special_tokens(text, add_special)
+        })) {
+            Ok(Ok(ids)) => Some(ids),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "fastokens failed; encoding with Hugging Face tokenizers");
+                None
+            }
+            Err(_) => {
+                tracing::error!("fastokens panicked; encoding with Hugging Face tokenizers");
+                None
             }
         }
-        self.encode_hf(text, add_special)
     }
 
     fn encode_hf(&self, text: &str, add_special: bool) -> Result<Vec<u32>, String> {
@@ -93,17 +101,11 @@ impl Encoder {
 
     /// The first probe string the two encoders disagree on (with or without special tokens).
     fn disagreement(&self) -> Option<String> {
-        let fast = self.fast.as_ref()?;
+        self.fast.as_ref()?;
         probes(&self.hf).into_iter().find(|p| {
-            [false, true].into_iter().any(|special| {
-                let a = self.encode_hf(p, special).ok();
-                let b = catch_unwind(AssertUnwindSafe(|| {
-                    fast.encode_with_special_tokens(p, special).ok()
-                }))
-                .ok()
-                .flatten();
-                a != b
-            })
+            [false, true]
+                .into_iter()
+                .any(|special| self.encode_hf(p, special).ok() != self.encode_fast(p, special))
         })
     }
 }

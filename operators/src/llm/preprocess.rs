@@ -220,16 +220,16 @@ impl Preprocess {
             Prompt::Tokens(_) => (None, false),
         };
         let token_ids = match (text, req.prompt) {
-            (Some(text), _) if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES => self
-                .encoder
-                .encode(&text, add_special)
-                .map_err(|e| OpError::internal(format!("tokenizer: {e}")))?,
             (Some(text), _) => {
-                let enc = self.encoder.clone();
-                tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
-                    .await
-                    .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
-                    .map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
+                let ids = if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES {
+                    self.encoder.encode(&text, add_special)
+                } else {
+                    let enc = self.encoder.clone();
+                    tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
+                        .await
+                        .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
+                };
+                ids.map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
             }
             (None, Prompt::Tokens(t)) => t,
             (None, _) => Vec::new(),

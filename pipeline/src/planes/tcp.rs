@@ -192,7 +192,12 @@ impl ConnPool {
         }
     }
 
+    /// Keep a connection whose last request ended with its done mark read; one with part of a
+    /// frame still unsent is dropped (the next request would follow a torn frame).
     fn put(&self, address: &str, conn: (Reader, Writer)) {
+        if !conn.1.write_buffer().is_empty() {
+            return;
+        }
         let mut idle = self.idle.lock();
         let list = idle.entry(address.to_owned()).or_default();
         if list.len() < POOL_PER_ADDRESS {
@@ -219,9 +224,7 @@ struct Conn {
 impl Conn {
     /// Back to the pool now (the done mark has been read).
     fn recycle(&mut self) {
-        if let (Some(r), Some(w)) = (self.reader.take(), self.writer.take())
-            && w.write_buffer().is_empty()
-        {
+        if let (Some(r), Some(w)) = (self.reader.take(), self.writer.take()) {
             self.pool.put(&self.address, (r, w));
         }
     }
@@ -252,9 +255,7 @@ impl Drop for Conn {
                 None
             })
             .await;
-            if let Ok(Some(())) = drained
-                && w.write_buffer().is_empty()
-            {
+            if let Ok(Some(())) = drained {
                 pool.put(&address, (r, w));
             }
         });
@@ -904,6 +905,14 @@ mod tests {
         ctx.id().as_str() == "fail"
     }
 
+    /// Waits up to 5 s for `cond` (what another task or process does meanwhile).
+    async fn eventually(mut cond: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !cond() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     fn types() -> EndpointTypes {
         EndpointTypes {
             input: PayloadType::of::<Num>(),
@@ -987,12 +996,7 @@ mod tests {
             .collect()
             .await;
         assert!(collect_nums(out).1.is_some());
-        for _ in 0..100 {
-            if idle(&client) == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        eventually(|| idle(&client) == 1).await;
         assert_eq!(idle(&client), 1);
         drop(server);
     }
@@ -1072,10 +1076,7 @@ mod tests {
                 .is_err()
         );
         drop(out);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(|| killed.load(Ordering::SeqCst) > 0).await;
         assert_eq!(killed.load(Ordering::SeqCst), 1);
         drop(server);
     }
@@ -1089,24 +1090,23 @@ mod tests {
         assert!(out.next().await.is_some_and(|r| r.is_ok()));
         assert_eq!(server.in_flight(), 1);
         drop(out);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(|| killed.load(Ordering::SeqCst) > 0).await;
         assert_eq!(killed.load(Ordering::SeqCst), 1);
-        while server.in_flight() > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(|| server.in_flight() == 0).await;
         assert_eq!(server.in_flight(), 0);
         // The cancel travelled in band: the connection survives for the next call.
         let Transport::Tcp { address } = inst.transport.clone() else {
             panic!("served over TCP")
         };
-        while client.pool.idle.lock().get(&address).map_or(0, Vec::len) == 0
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(|| {
+            client
+                .pool
+                .idle
+                .lock()
+                .get(&address)
+                .is_some_and(|v| !v.is_empty())
+        })
+        .await;
         let mut out = client.call(&inst, types(), Ctx::new(), nums(&[0]));
         assert!(out.next().await.is_some_and(|r| r.is_ok()));
         assert_eq!(
@@ -1166,10 +1166,7 @@ mod tests {
         let (ok, err) = collect_nums(out);
         assert!(ok.len() < 1000);
         assert_eq!(err.map(|e| e.kind), Some(ErrorKind::Cancelled));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while killed.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually(|| killed.load(Ordering::SeqCst) > 0).await;
         assert!(killed.load(Ordering::SeqCst) >= 1);
     }
 }
