@@ -210,7 +210,7 @@ impl Operator for Decode {
                 },
                 None => None,
             };
-            let mut rx = match engine.submit(&req, kv) {
+            let rx = match engine.submit(&req, kv) {
                 Ok(rx) => rx,
                 Err(e) => {
                     yield Err(e);
@@ -218,8 +218,7 @@ impl Operator for Decode {
                 }
             };
             yield Ok::<_, OpError>(Generated::Start(req.output));
-            let tokens = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
-            let out = until_killed(&ctx, tokens);
+            let out = until_killed(&ctx, crate::engine::handle::request_items(rx));
             tokio::pin!(out);
             while let Some(g) = out.next().await {
                 yield g;

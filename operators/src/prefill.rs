@@ -125,10 +125,13 @@ async fn prefill(
                 break;
             }
         }
-        let first = first.ok_or_else(|| OpError::internal("the prefill ended without a token"))?;
+        // A channel closed early is the engine thread gone: the replica was lost.
+        let first = first.ok_or_else(|| {
+            OpError::instance_lost("the engine stopped before the prefill's token")
+        })?;
         let transfer = offer
             .await
-            .map_err(|_| OpError::internal("the engine stopped before offering the KV"))?
+            .map_err(|_| OpError::instance_lost("the engine stopped before offering the KV"))?
             .map_err(|e| OpError::internal(format!("cannot offer the KV: {e}")))?;
         Ok(Prefilled {
             worker_id,

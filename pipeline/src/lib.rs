@@ -24,11 +24,14 @@ pub use compile::{CompiledGraph, compile, load_and_compile};
 pub use ctx::{Ctx, RequestId};
 pub use diag::{Diagnostic, Diagnostics, Pos, Severity};
 pub use inspect::{Inspect, Inspectables};
-pub use operator::{Chain, ErrorKind, Ingress, Input, OpError, Operator, Output, ShutdownSignal};
+pub use operator::{
+    Chain, ErrorKind, INSTANCE_LOST, Ingress, Input, OpError, Operator, Output, ShutdownSignal,
+    WORKER_BUSY,
+};
 pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
 pub use plan::{Format, Plan};
 pub use registry::{
-    BuildCx, BuildError, IngressConfig, Invalid, OperatorConfig, Readiness, Registry, Role,
+    BuildCx, BuildError, Health, IngressConfig, Invalid, OperatorConfig, Readiness, Registry, Role,
     SectionConfig, SectionNode,
 };
 pub use runtime::{Attach, Placement, RunOptions, run, run_attached};

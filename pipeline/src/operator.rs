@@ -56,8 +56,16 @@ pub struct OpError {
 pub enum ErrorKind {
     /// The request itself is wrong (4xx).
     InvalidRequest,
-    /// No replica can take the request now (503).
+    /// No replica can take the request now (503): none is registered, or none is up.
     Unavailable,
+    /// The replica is alive but refused the request because it is full (its queue, an
+    /// external server's 429). Never migrated: sending it on at once only moves the overload
+    /// (503 with a `Retry-After`).
+    Overloaded,
+    /// The replica serving the request was lost: it died, could not be reached, was leaving,
+    /// or broke off the stream. The one kind request migration resends (503 once migration
+    /// gives up).
+    InstanceLost,
     /// The request was cancelled or passed its deadline.
     Cancelled,
     /// A bug or an unexpected failure (500).
@@ -90,6 +98,14 @@ impl OpError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Unavailable, message)
     }
+    /// A replica refusing work it has no room for (code `worker_busy` unless another is set).
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Overloaded, message).with_code(WORKER_BUSY)
+    }
+    /// The replica serving the request is gone (code `instance_lost`).
+    pub fn instance_lost(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InstanceLost, message).with_code(INSTANCE_LOST)
+    }
     pub fn cancelled() -> Self {
         Self::new(ErrorKind::Cancelled, "request cancelled")
     }
@@ -97,6 +113,11 @@ impl OpError {
         Self::new(ErrorKind::Internal, message)
     }
 }
+
+/// The code of an [`ErrorKind::InstanceLost`] error.
+pub const INSTANCE_LOST: &str = "instance_lost";
+/// The default code of an [`ErrorKind::Overloaded`] error.
+pub const WORKER_BUSY: &str = "worker_busy";
 
 /// The type-erased operator the runtime holds.
 pub trait DynOperator: Send + Sync + 'static {

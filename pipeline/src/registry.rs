@@ -86,28 +86,64 @@ pub struct BuildCx {
 /// here. The runtime keeps the replica in discovery while it is ready and takes it out while
 /// it is not, so routers choose only among replicas that can answer, and a request finds
 /// none (503) rather than a dead one.
+///
+/// A replica that cannot recover (its engine thread panicked) reports [`Readiness::fail`]:
+/// terminal. The runtime takes it out of discovery for good, stops serving it and starts a
+/// replacement.
 #[derive(Clone)]
-pub struct Readiness(Arc<tokio::sync::watch::Sender<bool>>);
+pub struct Readiness(Arc<tokio::sync::watch::Sender<Health>>);
+
+/// What [`Readiness`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    Ready,
+    NotReady,
+    /// Failed for good, with the reason.
+    Failed(String),
+}
 
 impl Default for Readiness {
     fn default() -> Self {
-        Self(Arc::new(tokio::sync::watch::Sender::new(true)))
+        Self(Arc::new(tokio::sync::watch::Sender::new(Health::Ready)))
     }
 }
 
 impl Readiness {
-    /// Report a change; telling the same thing twice does nothing.
+    /// Report a change; telling the same thing twice does nothing, and nothing is heard
+    /// after a failure.
     pub fn set(&self, ready: bool) {
-        self.0
-            .send_if_modified(|r| std::mem::replace(r, ready) != ready);
+        let now = if ready {
+            Health::Ready
+        } else {
+            Health::NotReady
+        };
+        self.0.send_if_modified(|h| {
+            if matches!(h, Health::Failed(_)) || *h == now {
+                return false;
+            }
+            *h = now;
+            true
+        });
+    }
+
+    /// The replica is broken for good (the first reason is kept). Callable from any thread.
+    pub fn fail(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.0.send_if_modified(|h| {
+            if matches!(h, Health::Failed(_)) {
+                return false;
+            }
+            *h = Health::Failed(reason);
+            true
+        });
     }
 
     pub fn is_ready(&self) -> bool {
-        *self.0.borrow()
+        *self.0.borrow() == Health::Ready
     }
 
     /// Follow the changes (the runtime registers and deregisters on them).
-    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<bool> {
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Health> {
         self.0.subscribe()
     }
 }

@@ -10,23 +10,26 @@
 //! The replicas served here live in a `ReplicaSet`, which is also the embedded scaling
 //! [`Connector`]: the SLA planner, attached with [`run_attached`], adds replicas the way
 //! start-up does and removes one by deregistering it, waiting for the calls it holds and only
-//! then stopping it.
+//! then stopping it. It also supervises them: a replica that reports itself failed
+//! ([`Readiness::fail`], e.g. its engine thread panicked) leaves discovery, is stopped and is
+//! replaced by a fresh build, with a growing pause when the replacement fails again soon.
 //!
 //! Shutdown is a drain: leave discovery first (no router picks this process any more), let the
 //! ingresses answer 503 and finish their requests, wait for requests other processes sent
 //! here, and after the grace period kill whatever is left. A request whose replica is lost
 //! midway is resent elsewhere (`Migrating`), so the client never sees the loss.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{self, StreamExt};
 use parking_lot::Mutex;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::task::TaskTracker;
 
@@ -36,7 +39,7 @@ use crate::operator::{DynChain, DynOperator, ErrorKind, Input, OpError, Output, 
 use crate::payload::{AnyPayload, Resume};
 use crate::planes::request::EndpointTypes;
 use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
-use crate::registry::{BuildCx, BuildError, Built, Ports, Readiness, Role};
+use crate::registry::{BuildCx, BuildError, Built, Health, Ports, Readiness, Role};
 use crate::scale::{Connector, ScaleError};
 
 /// The endpoint name every node serves its requests on.
@@ -151,6 +154,7 @@ pub async fn run_attached(
 ) -> Result<(), RuntimeError> {
     let here = nodes_here(graph, &opts)?;
     let planes = connect_planes(graph, &opts).await?;
+    let (failed, failures) = mpsc::channel(64);
     let replicas = Arc::new(ReplicaSet {
         graph: Arc::new(graph.clone()),
         planes: planes.clone(),
@@ -158,7 +162,11 @@ pub async fn run_attached(
         opts: opts.clone(),
         served: Mutex::default(),
         scaling: tokio::sync::Mutex::new(()),
+        failed,
+        closed: AtomicBool::new(false),
     });
+    // Holds only a weak reference: the set goes with the graph, and the task with it.
+    tokio::spawn(supervise(Arc::downgrade(&replicas), failures));
     let startup = Startup {
         graph,
         planes,
@@ -342,12 +350,27 @@ impl Startup<'_> {
     }
 }
 
-/// Registers `instance` whenever its readiness turns true and deregisters it whenever it turns
-/// false, until aborted (at the drain) or the replica is gone.
-async fn follow_readiness(planes: Planes, instance: Instance, mut ready: watch::Receiver<bool>) {
+/// Registers `instance` whenever its readiness turns ready and deregisters it whenever it turns
+/// not ready, until aborted (at the drain) or the replica is gone. A failed replica is
+/// deregistered for good and its id sent to `failed`, whose receiver replaces it.
+async fn follow_readiness(
+    planes: Planes,
+    instance: Instance,
+    mut ready: watch::Receiver<Health>,
+    failed: mpsc::Sender<u64>,
+) {
     while ready.changed().await.is_ok() {
-        let now = *ready.borrow_and_update();
+        let health = ready.borrow_and_update().clone();
         let id = format!("{:x}", instance.instance_id);
+        if let Health::Failed(reason) = health {
+            tracing::error!(node = %instance.component, worker_id = %id, reason, "Replica failed; taking it out of discovery to replace it");
+            if let Err(e) = planes.discovery.deregister(&instance.key()).await {
+                tracing::warn!(node = %instance.component, worker_id = %id, error = %e, "Cannot deregister the failed replica; its lease will expire instead");
+            }
+            let _ = failed.send(instance.instance_id).await;
+            return;
+        }
+        let now = health == Health::Ready;
         let result = if now {
             planes.discovery.register(instance.clone()).await
         } else {
@@ -384,8 +407,12 @@ struct ReplicaSet {
     services: crate::Services,
     opts: RunOptions,
     served: Mutex<Vec<ServedReplica>>,
-    /// One scaling change (or the drain) at a time.
+    /// One scaling change (or the drain, or a replacement) at a time.
     scaling: tokio::sync::Mutex<()>,
+    /// Where followers send the ids of replicas that failed (see [`supervise`]).
+    failed: mpsc::Sender<u64>,
+    /// Set by the drain: failed replicas are no longer replaced.
+    closed: AtomicBool,
 }
 
 struct ServedReplica {
@@ -478,15 +505,26 @@ impl ReplicaSet {
         };
         instance.transport = self.planes.requests.serve(&instance, types, op).await?;
         let mut ready = readiness.subscribe();
-        if *ready.borrow_and_update() {
-            self.planes.discovery.register(instance.clone()).await?;
-        } else {
-            tracing::warn!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, "Replica not ready; registered once it is");
+        let health = ready.borrow_and_update().clone();
+        match health {
+            Health::Ready => self.planes.discovery.register(instance.clone()).await?,
+            Health::NotReady => {
+                tracing::warn!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, "Replica not ready; registered once it is")
+            }
+            Health::Failed(reason) => {
+                let _ = self.planes.requests.unserve(instance_id).await;
+                return Err(wrong_build(
+                    n,
+                    replica,
+                    &format!("failed as it started: {reason}"),
+                ));
+            }
         }
         let follower = tokio::spawn(follow_readiness(
             self.planes.clone(),
             instance.clone(),
             ready,
+            self.failed.clone(),
         ))
         .abort_handle();
         tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
@@ -531,6 +569,13 @@ impl ReplicaSet {
             in_flight = r.calls.len(),
             "Replica deregistered; draining"
         );
+        self.retire(r);
+        true
+    }
+
+    /// In the background, wait for the calls `r` holds (up to the grace period), then stop
+    /// serving it. It must already be out of discovery.
+    fn retire(&self, r: ServedReplica) {
         let requests = self.planes.requests.clone();
         let grace = self.opts.grace;
         tokio::spawn(async move {
@@ -545,7 +590,35 @@ impl ReplicaSet {
             }
             tracing::info!(node = %r.node, worker_id = format_args!("{:x}", r.instance.instance_id), replica = r.replica, "Replica stopped");
         });
-        true
+    }
+
+    /// Replace the failed replica `instance_id`: stop serving it and build the same replica
+    /// afresh. Returns the replaced replica's node and number (`None`: it was already gone —
+    /// removed by scaling, or the graph is draining).
+    async fn replace(&self, instance_id: u64) -> Option<(String, u32)> {
+        let _one = self.scaling.lock().await;
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let r = {
+            let mut served = self.served.lock();
+            let i = served
+                .iter()
+                .position(|r| r.instance.instance_id == instance_id)?;
+            served.remove(i)
+        };
+        r.follower.abort();
+        let (node, replica) = (r.node.clone(), r.replica);
+        // Its requests already failed as lost (and migrated); what is left ends with it.
+        self.retire(r);
+        let compiled = self.graph.node(&node).cloned()?;
+        match self.start(&compiled, replica).await {
+            Ok(()) => tracing::info!(node, replica, "Failed replica replaced"),
+            Err(e) => {
+                tracing::error!(node, replica, error = %e, "Cannot replace the failed replica; the planner or a restart must")
+            }
+        }
+        Some((node, replica))
     }
 
     fn count(&self, node: &str) -> u32 {
@@ -600,6 +673,40 @@ impl Connector for ReplicaSet {
     }
 }
 
+/// Replace the replicas whose followers report them failed, one at a time. A replica that
+/// fails again within a minute of its replacement waits longer before the next (1 s, 2 s, …
+/// 30 s), so a replica that cannot start sanely does not spin.
+async fn supervise(set: Weak<ReplicaSet>, mut failed: mpsc::Receiver<u64>) {
+    let mut recent: HashMap<(String, u32), (u32, Instant)> = HashMap::new();
+    while let Some(id) = failed.recv().await {
+        let Some(set) = set.upgrade() else { return };
+        let key = set
+            .served
+            .lock()
+            .iter()
+            .find(|r| r.instance.instance_id == id)
+            .map(|r| (r.node.clone(), r.replica));
+        let Some(key) = key else { continue };
+        let pause = match recent.get(&key) {
+            Some((n, at)) if at.elapsed() < Duration::from_secs(60) => {
+                Duration::from_secs(1 << (*n).min(5)).min(Duration::from_secs(30))
+            }
+            _ => Duration::ZERO,
+        };
+        if !pause.is_zero() {
+            tracing::warn!(node = %key.0, replica = key.1, pause = ?pause, "Replica failed again soon after its replacement; waiting before the next");
+            tokio::time::sleep(pause).await;
+        }
+        if set.replace(id).await.is_some() {
+            let n = match recent.get(&key) {
+                Some((n, at)) if at.elapsed() < Duration::from_secs(60) => n + 1,
+                _ => 0,
+            };
+            recent.insert(key, (n, Instant::now()));
+        }
+    }
+}
+
 /// A replica's operator, counting the calls in flight on it.
 struct Counted {
     inner: Arc<dyn DynOperator>,
@@ -638,6 +745,7 @@ impl Running {
     async fn drain(mut self, mut failure: Option<RuntimeError>) -> Result<(), RuntimeError> {
         // The scaling lock is held to the end: no replica starts or stops during the drain.
         let _scaling = self.replicas.scaling.lock().await;
+        self.replicas.closed.store(true, Ordering::Release);
         let served = std::mem::take(&mut *self.replicas.served.lock());
         for r in &served {
             r.follower.abort();
@@ -755,8 +863,7 @@ impl EdgeClient {
                 .find(|i| i.instance_id == t && !self.planes.is_down(t))
                 .cloned()
                 .ok_or_else(|| {
-                    OpError::unavailable(format!("instance {t:x} of '{}' is gone", self.node))
-                        .with_code(crate::planes::INSTANCE_LOST)
+                    OpError::instance_lost(format!("instance {t:x} of '{}' is gone", self.node))
                 });
         }
         self.instances
@@ -900,9 +1007,12 @@ fn run_path<S: Step>(steps: &[S], ctx: &Ctx, input: Input<AnyPayload>) -> Output
 }
 
 /// Request migration: the segment's (unary) request is kept, every output the caller gets is
-/// folded into it, and when the replica is lost (an `Unavailable` error: it died, was
-/// unreachable, or was draining) the request is sent again, up to `limit` times, continuing
-/// where the caller's stream stopped. The caller sees one stream.
+/// folded into it, and when the replica is lost (an [`ErrorKind::InstanceLost`] error: it
+/// died, was unreachable, or was leaving) the request is sent again, up to `limit` times,
+/// continuing where the caller's stream stopped. The caller sees one stream. Nothing else is
+/// resent: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an empty pool
+/// ([`ErrorKind::Unavailable`]) reaches the client at once, since resending would only add
+/// load where there is too much already.
 struct Migrating {
     steps: Vec<Arc<EdgeClient>>,
     resume: Resume,
@@ -939,7 +1049,7 @@ impl Migrating {
                             (this.resume.absorb)(kept.as_mut(), v.as_ref());
                             yield Ok(v);
                         }
-                        Err(e) if e.kind == ErrorKind::Unavailable && attempt < this.limit && !ctx.is_killed() => {
+                        Err(e) if e.kind == ErrorKind::InstanceLost && attempt < this.limit && !ctx.is_killed() => {
                             lost = Some(e);
                             break;
                         }
@@ -952,8 +1062,15 @@ impl Migrating {
                 let Some(e) = lost else { return };
                 attempt += 1;
                 tracing::warn!(request_id = %ctx.id(), attempt, limit = this.limit, error = %e.message, "Replica lost; migrating the request");
-                // Give discovery a moment when nothing else is left to pick (50, 100, 200 ms…).
-                tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(4))).await;
+                // Give discovery a moment when nothing else is left to pick (50, 100, 200 ms…),
+                // unless the client leaves first.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(4))) => {}
+                    _ = ctx.killed() => {
+                        yield Err(OpError::cancelled());
+                        return;
+                    }
+                }
                 let Some(mut again) = (this.resume.copy)(kept.as_ref()) else { return };
                 (this.resume.clear_target)(again.as_mut());
                 request = Some(again);
@@ -1081,7 +1198,8 @@ mod tests {
         readiness.set(false);
         let mut ready = readiness.subscribe();
         ready.borrow_and_update();
-        let follower = tokio::spawn(follow_readiness(planes.clone(), instance, ready));
+        let (failed, mut failures) = mpsc::channel(1);
+        let follower = tokio::spawn(follow_readiness(planes.clone(), instance, ready, failed));
         let registered = || async { planes.discovery.list("").await.unwrap().len() };
         let until = |want: usize| async move {
             for _ in 0..200 {
@@ -1099,7 +1217,14 @@ mod tests {
         until(0).await;
         readiness.set(true);
         until(1).await;
-        follower.abort();
+        // A failure is for good: out of discovery, reported, and nothing after it counts.
+        readiness.fail("engine thread panicked");
+        assert_eq!(failures.recv().await, Some(7));
+        until(0).await;
+        readiness.set(true);
+        assert!(!readiness.is_ready());
+        assert!(follower.await.is_ok(), "the follower ends after a failure");
+        assert_eq!(registered().await, 0);
     }
 
     #[tokio::test]
@@ -1181,7 +1306,7 @@ mod tests {
     }
 
     /// Streams a header, then positions `pos..pos+left`; the first call to get 3 tokens out
-    /// dies with `Unavailable`, as a lost replica does.
+    /// dies with `InstanceLost`, as a lost replica does.
     struct Flaky {
         died: Arc<std::sync::atomic::AtomicBool>,
     }
@@ -1196,7 +1321,7 @@ mod tests {
                 yield Ok(N(HEADER));
                 for (i, p) in (req.pos..req.pos + req.left).enumerate() {
                     if i == 3 && !died.swap(true, Ordering::SeqCst) {
-                        yield Err(OpError::unavailable("replica lost"));
+                        yield Err(OpError::instance_lost("replica lost"));
                         return;
                     }
                     yield Ok(N(p));
@@ -1259,6 +1384,130 @@ mod tests {
             .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
             .collect()
             .await;
-        assert!(matches!(out.last(), Some(Err(e)) if e.kind == ErrorKind::Unavailable));
+        assert!(matches!(out.last(), Some(Err(e)) if e.kind == ErrorKind::InstanceLost));
+    }
+
+    /// Answers every call with `error` and counts the calls.
+    struct Refusing {
+        error: OpError,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+    impl Operator for Refusing {
+        type In = Req;
+        type Out = N;
+        fn call(&self, _ctx: Ctx, _input: Input<Req>) -> Output<N> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            stream::iter([Err(self.error.clone())]).boxed()
+        }
+    }
+
+    /// A migrating segment over `replicas` workers that all answer with `error`.
+    async fn refused_by(
+        replicas: u64,
+        error: OpError,
+    ) -> (ChainRunner, Arc<std::sync::atomic::AtomicUsize>) {
+        let planes = Planes::embedded();
+        let types = EndpointTypes {
+            input: crate::PayloadType::of::<Req>(),
+            output: crate::PayloadType::of::<N>(),
+        };
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for id in 1..=replicas {
+            let instance = Instance {
+                namespace: "t".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+                metadata: Default::default(),
+            };
+            let op = erase(Refusing {
+                error: error.clone(),
+                calls: calls.clone(),
+            });
+            planes.requests.serve(&instance, types, op).await.unwrap();
+            planes.discovery.register(instance).await.unwrap();
+        }
+        let edge = Arc::new(
+            EdgeClient::start(&planes, "t", "decode", Role::Worker, types, Arc::default())
+                .await
+                .unwrap(),
+        );
+        let runner = ChainRunner {
+            stages: vec![Stage::Migrating(Arc::new(Migrating {
+                steps: vec![edge],
+                resume: Resume::of::<Req>(),
+                limit: 3,
+            }))],
+            root: Ctx::new(),
+            in_flight: TaskTracker::new(),
+        };
+        (runner, calls)
+    }
+
+    // Paused clocks: a back-off slept shows as virtual time passed, with nothing timed for real.
+    #[tokio::test(start_paused = true)]
+    async fn busy_workers_refuse_once_and_are_not_retried() {
+        let (runner, calls) = refused_by(3, OpError::overloaded("the worker is busy")).await;
+        let started = tokio::time::Instant::now();
+        let out: Vec<_> = runner
+            .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
+            .collect()
+            .await;
+        assert!(
+            matches!(&out[..], [Err(e)] if e.kind == ErrorKind::Overloaded && e.code.as_deref() == Some(crate::WORKER_BUSY)),
+            "{out:?}"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one call, no resends");
+        // No back-off was slept (the old path slept 50 + 100 + 200 ms).
+        assert_eq!(started.elapsed(), Duration::ZERO);
+
+        // An empty pool is not retried either.
+        let (runner, calls) = refused_by(2, OpError::unavailable("no worker")).await;
+        let out: Vec<_> = runner
+            .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
+            .collect()
+            .await;
+        assert!(matches!(&out[..], [Err(e)] if e.kind == ErrorKind::Unavailable));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_leaves_during_the_back_off_ends_the_migration_at_once() {
+        let (runner, calls) = refused_by(2, OpError::instance_lost("gone")).await;
+        let ctx = Ctx::new();
+        let killer = ctx.clone();
+        let mut out = runner.call(ctx, Box::new(Req { pos: 0, left: 10 }));
+        // The first loss starts a 50 ms back-off; the client leaves inside it.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            killer.kill();
+        });
+        let started = tokio::time::Instant::now();
+        let last = out.next().await;
+        assert!(
+            matches!(&last, Some(Err(e)) if e.kind == ErrorKind::Cancelled),
+            "{last:?}"
+        );
+        assert!(out.next().await.is_none());
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "nothing resent after the kill"
+        );
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(10),
+            "not the 50 ms back-off"
+        );
+
+        // Left alone, a lost request is resent up to the limit (1 + 3 calls).
+        let (runner, calls) = refused_by(2, OpError::instance_lost("gone")).await;
+        let out: Vec<_> = runner
+            .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
+            .collect()
+            .await;
+        assert!(matches!(&out[..], [Err(e)] if e.kind == ErrorKind::InstanceLost));
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
     }
 }

@@ -541,3 +541,58 @@ async fn models_health_and_metrics() {
     assert_eq!(metric(&g, "dyn_frontend_output_tokens_total").await, 4.0);
     assert_eq!(metric(&g, "dyn_worker_kv_total_blocks").await, 2.0 * 4096.0);
 }
+
+#[tokio::test]
+async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
+    // Each replica's engine thread panics in its 20th step (a replacement counts afresh), as a
+    // kernel assert would: the request in flight there is lost midway.
+    let g = up(&["--set", "decode.mocker.panic_at_step=20"]);
+    let (status, body) = post(
+        &g,
+        "/v1/chat/completions",
+        chat("hi", json!({"max_tokens": 30, "ignore_eos": true})),
+    )
+    .await;
+    // Migrated to the other replica, the client sees one whole answer.
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 30, "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    let replaced = |g: &Graph| {
+        g.logs()
+            .iter()
+            .filter(|l| l.contains("Failed replica replaced"))
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while replaced(&g) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let logs = g.logs();
+    assert_eq!(replaced(&g), 1, "{logs:#?}");
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("Replica failed") && l.contains("injected panic at step 20")),
+        "{logs:#?}"
+    );
+    // Both replicas serve again: short requests on either finish.
+    for _ in 0..4 {
+        let (status, body) = post(
+            &g,
+            "/v1/chat/completions",
+            chat("hi", json!({"max_tokens": 3, "ignore_eos": true})),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+    }
+    let text = client()
+        .get(g.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let errors = dyn_tests::metric_sum(&text, "dyn_frontend_requests_total", &["status=\"error\""]);
+    assert_eq!(errors, 0.0, "{text}");
+}

@@ -35,6 +35,45 @@ pub struct ImportCheck {
 /// Checks pulled blocks against the prompt they should hold.
 pub type VerifyImport = Box<dyn Fn(&[Bytes], &[u32]) -> Result<(), EngineError> + Send + Sync>;
 
+/// A panic's message, when it has one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)")
+}
+
+/// One request's items from the engine, ending after its last token or its error. A channel
+/// that closes before either means the engine thread is gone (it panicked, or stopped): the
+/// request was lost with its replica, and says so ([`OpError::instance_lost`]) so it
+/// migrates.
+pub fn request_items(
+    mut rx: mpsc::Receiver<EngineItem>,
+) -> impl futures::Stream<Item = EngineItem> + Send + 'static {
+    let mut ended = false;
+    futures::stream::poll_fn(move |cx| {
+        if ended {
+            return std::task::Poll::Ready(None);
+        }
+        let item = match std::task::ready!(rx.poll_recv(cx)) {
+            Some(item) => item,
+            None => Err(OpError::instance_lost(
+                "the engine stopped before the request finished",
+            )),
+        };
+        ended = matches!(
+            item,
+            Err(_)
+                | Ok(Generated::Tokens {
+                    finish: Some(_),
+                    ..
+                })
+        );
+        std::task::Poll::Ready(Some(item))
+    })
+}
+
 /// A prompt's KV, pulled from a prefill worker, and the first token the prefill sampled.
 pub struct ImportedKv {
     pub first_token: u32,
@@ -191,9 +230,26 @@ impl EngineHandle {
             .subscribe(&kv_resync_subject(&cx.namespace, &cx.node))
             .await
             .map_err(|e| BuildError::new(format!("cannot subscribe to resync requests: {e}")))?;
+        // The thread is owned: a panic in it (a kernel's assert, a bug) is caught here and
+        // fails the replica, which the runtime takes out of discovery and replaces. Its
+        // requests' channels close as the loop unwinds, so they end as lost and migrate.
+        let readiness = cx.readiness.clone();
+        let engine_name = name.to_owned();
         std::thread::Builder::new()
             .name(format!("{name}-{}", cx.replica))
-            .spawn(move || engine.run(rx))
+            .spawn(move || {
+                let run =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || engine.run(rx)));
+                if let Err(panic) = run {
+                    let what = panic_message(panic.as_ref());
+                    tracing::error!(
+                        worker_id = format_args!("{worker_id:x}"),
+                        panic = what,
+                        "Engine thread panicked; the replica is failed"
+                    );
+                    readiness.fail(format!("the {engine_name} engine thread panicked: {what}"));
+                }
+            })
             .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))?;
         let worker = Arc::new(EngineHandle {
             commands,
@@ -388,10 +444,9 @@ impl EngineHandle {
         let max_queued = self.settings.scheduler.max_queued_requests as usize;
         if self.queued.fetch_add(1, Ordering::AcqRel) >= max_queued {
             self.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(OpError::unavailable(format!(
+            return Err(OpError::overloaded(format!(
                 "the worker is busy: {max_queued} requests are already waiting"
-            ))
-            .with_code("worker_busy"));
+            )));
         }
         match self.commands.try_send(Command::Add {
             id,
@@ -403,10 +458,14 @@ impl EngineHandle {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
-                Err(OpError::unavailable(match e {
-                    std_mpsc::TrySendError::Full(_) => "the engine's request queue is full",
-                    std_mpsc::TrySendError::Disconnected(_) => "the engine has stopped",
-                }))
+                Err(match e {
+                    std_mpsc::TrySendError::Full(_) => {
+                        OpError::overloaded("the engine's request queue is full")
+                    }
+                    std_mpsc::TrySendError::Disconnected(_) => {
+                        OpError::instance_lost("the engine has stopped")
+                    }
+                })
             }
         }
     }
@@ -419,6 +478,85 @@ mod tests {
     use crate::llm::kv::{KvEventData, LoadMetrics, RouterEvent};
     use dyn_pipeline::planes::Planes;
     use futures::StreamExt;
+
+    #[tokio::test]
+    async fn a_panicking_engine_fails_its_replica_and_its_requests_as_lost() {
+        let planes = Planes::embedded();
+        let config = mocker::MockerConfig {
+            speedup: 1000.0,
+            panic_at_step: 4,
+            ..mocker::MockerConfig::default()
+        };
+        let cx = crate::testing::cx("decode", 0xabc, &[], &planes);
+        let readiness = cx.readiness.clone();
+        let mut health = readiness.subscribe();
+        let m = mocker::start(&config, &cx).await.expect("starts");
+        let rx = m
+            .submit(&crate::testing::preprocessed((0..40).collect(), 20), None)
+            .expect("submitted");
+        let items: Vec<EngineItem> = request_items(rx).collect().await;
+        // Three steps of tokens (prefill, two decodes), then the loss, and nothing after.
+        let (last, tokens) = items.split_last().expect("items");
+        assert!(tokens.iter().all(Result::is_ok), "{items:?}");
+        assert_eq!(tokens.len(), 3, "{items:?}");
+        let lost = last.as_ref().expect_err("ends in an error");
+        assert_eq!(lost.kind, dyn_pipeline::ErrorKind::InstanceLost, "{lost:?}");
+        // The replica is failed for good (the runtime replaces it), with the panic's message.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(5),
+            health.wait_for(|h| matches!(h, dyn_pipeline::Health::Failed(_))),
+        )
+        .await
+        .expect("fails in time")
+        .expect("open")
+        .clone();
+        let dyn_pipeline::Health::Failed(reason) = failed else {
+            unreachable!()
+        };
+        assert!(reason.contains("injected panic at step 4"), "{reason}");
+        assert!(!readiness.is_ready());
+        // What still reaches it is refused as lost, so routers' picks migrate.
+        let e = m
+            .submit(&crate::testing::preprocessed((0..40).collect(), 20), None)
+            .expect_err("refused");
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::InstanceLost, "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_is_overloaded_not_lost() {
+        let planes = Planes::embedded();
+        let config = mocker::MockerConfig {
+            speedup: 0.01,
+            max_num_seqs: 1,
+            max_queued_requests: 1,
+            ..mocker::MockerConfig::default()
+        };
+        let m = mocker::start(&config, &crate::testing::cx("decode", 1, &[], &planes))
+            .await
+            .expect("starts");
+        let req = crate::testing::preprocessed((0..40).collect(), 50);
+        let _running = m.submit(&req, None).expect("runs");
+        let mut refused = None;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            match m.submit(&req, None) {
+                Ok(rx) => held.push(rx),
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        let e = refused.expect("one is refused");
+        assert_eq!(
+            (e.kind, e.code.as_deref()),
+            (
+                dyn_pipeline::ErrorKind::Overloaded,
+                Some(dyn_pipeline::WORKER_BUSY)
+            ),
+            "{e:?}"
+        );
+    }
 
     async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
         let mut rx = m.submit(req, None).expect("submitted");

@@ -45,6 +45,10 @@ engine_section! {
         pub kv_bytes_per_token: u64 = 32 * 2 * 8 * 128 * 2,
         /// Disaggregation: KV transfer bandwidth between workers, in GB/s (25: one 200 Gb/s NIC).
         pub transfer_gbps: f64 = 25.0,
+        /// Fault injection: the engine thread panics in its Nth computed step (counted from
+        /// the replica's start; a replacement counts afresh), as a kernel assert would.
+        /// 0 (the default) never. For testing supervision and migration.
+        pub panic_at_step: u64 = 0,
     }
 }
 
@@ -200,6 +204,8 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         speedup: config.speedup,
         block_size: bs,
         offload: config.offload_model(),
+        panic_at_step: config.panic_at_step,
+        steps: 0,
     };
     let c = config.clone();
     let import = ImportCheck {
@@ -224,10 +230,17 @@ struct MockerExec {
     speedup: f64,
     block_size: usize,
     offload: Modelled,
+    panic_at_step: u64,
+    steps: u64,
 }
 
 impl Executor for MockerExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
+        self.steps += 1;
+        // Fault injection (`panic_at_step`): what a failed kernel assert does to a real engine.
+        if self.steps == self.panic_at_step {
+            panic!("mocker: injected panic at step {}", self.steps);
+        }
         let started = Instant::now();
         let (mut prefill, mut decode, mut context, mut onboard) = (0, 0, 0, 0);
         for w in work {

@@ -140,6 +140,18 @@ impl From<OpError> for ApiError {
                 e.code.unwrap_or(Cow::Borrowed("no_worker_available")),
                 e.message,
             ),
+            ErrorKind::Overloaded => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::WORKER_BUSY)),
+                e.message,
+            ),
+            ErrorKind::InstanceLost => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::INSTANCE_LOST)),
+                e.message,
+            ),
             ErrorKind::Cancelled => ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "request_cancelled",
@@ -163,6 +175,15 @@ impl From<OpError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        // A refusal for want of room may be asked again shortly; say when (RFC 9110 §10.2.3).
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            return (
+                self.status,
+                [(axum::http::header::RETRY_AFTER, "1")],
+                Json(self.body()),
+            )
+                .into_response();
+        }
         (self.status, Json(self.body())).into_response()
     }
 }

@@ -21,6 +21,7 @@ pub mod tcp;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
+pub use crate::operator::INSTANCE_LOST;
 pub use discovery::{
     Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
 };
@@ -29,7 +30,7 @@ pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use nats::{NatsEventBus, NatsWorkQueue};
 pub use queue::{EmbeddedWorkQueue, WorkQueue};
 pub use request::{EmbeddedRequestPlane, RequestPlane};
-pub use tcp::{INSTANCE_LOST, InstanceHealth, TcpOptions, TcpRequestPlane};
+pub use tcp::{InstanceHealth, TcpOptions, TcpRequestPlane};
 
 /// Errors from any plane implementation.
 #[derive(Debug, thiserror::Error)]

@@ -94,10 +94,12 @@ impl RequestPlane for EmbeddedRequestPlane {
         let handler = self.handlers.read().get(&instance.instance_id).cloned();
         match handler {
             Some(h) => h.call(ctx, input),
-            None => stream::once(futures::future::ready(Err(OpError::unavailable(format!(
-                "instance {:x} of '{}' is gone",
-                instance.instance_id, instance.component
-            )))))
+            None => stream::once(futures::future::ready(Err(OpError::instance_lost(
+                format!(
+                    "instance {:x} of '{}' is gone",
+                    instance.instance_id, instance.component
+                ),
+            ))))
             .boxed(),
         }
     }

@@ -38,12 +38,8 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 use super::request::EndpointTypes;
 use super::{Instance, PlaneError, RequestPlane, Transport};
 use crate::ctx::Ctx;
-use crate::operator::{DynOperator, Input, OpError, Output};
+use crate::operator::{DynOperator, ErrorKind, Input, OpError, Output};
 use crate::payload::{AnyPayload, Codec, PayloadType};
-
-/// The error code of a call whose instance could not be reached or went away mid-stream.
-/// Callers may resend such a request elsewhere (see request migration in the runtime).
-pub const INSTANCE_LOST: &str = "instance_lost";
 
 /// Frame tags (first byte of every frame).
 const HEADER: u8 = b'H';
@@ -470,11 +466,10 @@ async fn serve_one(
         .get(&header.instance_id)
         .map(|s| (s.handler.clone(), s.types));
     let Some((handler, types)) = found else {
-        let e = OpError::unavailable(format!(
+        let e = OpError::instance_lost(format!(
             "instance {:x} is not served here",
             header.instance_id
-        ))
-        .with_code(INSTANCE_LOST);
+        ));
         return send_error_and_done(writer, &e).await;
     };
     let (in_codec, out_codec) = match (codec_of(types.input), codec_of(types.output)) {
@@ -606,13 +601,10 @@ impl RequestPlane for TcpRequestPlane {
         let address = match &instance.transport {
             Transport::Tcp { address } => address.clone(),
             Transport::InProcess => {
-                return error_stream(
-                    OpError::unavailable(format!(
-                        "instance {:x} of '{}' is in another process but has no address",
-                        instance.instance_id, instance.component
-                    ))
-                    .with_code(INSTANCE_LOST),
-                );
+                return error_stream(OpError::instance_lost(format!(
+                    "instance {:x} of '{}' is in another process but has no address",
+                    instance.instance_id, instance.component
+                )));
             }
         };
         let call = RemoteCall {
@@ -673,11 +665,10 @@ impl RemoteCall {
     }
 
     fn lost(&self, what: impl std::fmt::Display) -> OpError {
-        OpError::unavailable(format!(
+        OpError::instance_lost(format!(
             "instance {:x} of '{}' at {}: {what}",
             self.instance_id, self.component, self.address
         ))
-        .with_code(INSTANCE_LOST)
     }
 
     fn run(
@@ -815,7 +806,7 @@ impl RemoteCall {
                                 let e = serde_json::from_slice::<OpError>(body)
                                     .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
                                 // The process is there but no longer serves the instance.
-                                if e.code.as_deref() == Some(INSTANCE_LOST) {
+                                if e.kind == ErrorKind::InstanceLost {
                                     self.health.report_down(self.instance_id);
                                 }
                                 yield Err(e);
@@ -855,7 +846,7 @@ impl RemoteCall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::operator::{ErrorKind, Operator, erase};
+    use crate::operator::{INSTANCE_LOST, Operator, erase};
     use crate::payload::{Payload, downcast};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -1129,7 +1120,7 @@ mod tests {
         let err = collect_nums(out).1.expect("error");
         assert_eq!(
             (err.kind, err.code.as_deref()),
-            (ErrorKind::Unavailable, Some(INSTANCE_LOST))
+            (ErrorKind::InstanceLost, Some(INSTANCE_LOST))
         );
         drop(server);
         // Nothing listens there any more.

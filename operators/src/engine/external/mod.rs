@@ -15,8 +15,9 @@
 //! A request streams over its own HTTP connection; a client that goes away drops the stream,
 //! which closes the connection, and the server aborts the request. A server that fails
 //! mid-stream (refused, reset, closed before the end) is a lost replica: the request fails
-//! `Unavailable`, which migrates it (`migration_limit`) with the tokens already sent appended
-//! to its prompt, and the replica is checked at once and leaves discovery if it is down.
+//! `InstanceLost`, which migrates it (`migration_limit`) with the tokens already sent appended
+//! to its prompt, and the replica is checked at once and leaves discovery if it is down. A
+//! server's 429 is `Overloaded`: the client hears it at once, nothing is resent.
 
 pub mod config;
 mod kv_events;
@@ -145,7 +146,7 @@ impl ExternalEngine {
         let this = self.clone();
         async_stream::stream! {
             let Some(ep) = this.server.endpoint() else {
-                yield Err(OpError::unavailable("the engine server is down"));
+                yield Err(OpError::instance_lost("the engine server is down"));
                 return;
             };
             let stop = &req.stop;
@@ -197,7 +198,7 @@ impl ExternalEngine {
                     Ok(r) => r,
                     Err(e) => {
                         this.server.suspect();
-                        yield Err(OpError::unavailable(format!("the engine server at {} did not take the request: {e}", ep.base)));
+                        yield Err(OpError::instance_lost(format!("the engine server at {} did not take the request: {e}", ep.base)));
                         return;
                     }
                 };
@@ -221,7 +222,7 @@ impl ExternalEngine {
                         ev = events.next() => ev,
                         changed = health.changed() => {
                             if changed.is_err() || health.borrow_and_update().as_ref() != Some(&ep) {
-                                yield Err(OpError::unavailable(format!("the engine server at {} went down", ep.base)));
+                                yield Err(OpError::instance_lost(format!("the engine server at {} went down", ep.base)));
                                 return;
                             }
                             continue;
@@ -232,7 +233,7 @@ impl ExternalEngine {
                         Ok(ev) => ev.data,
                         Err(e) => {
                             this.server.suspect();
-                            yield Err(OpError::unavailable(format!("the engine server at {} broke off the stream: {e}", ep.base)));
+                            yield Err(OpError::instance_lost(format!("the engine server at {} broke off the stream: {e}", ep.base)));
                             return;
                         }
                     };
@@ -281,7 +282,7 @@ impl ExternalEngine {
                 match finish {
                     None => {
                         this.server.suspect();
-                        yield Err(OpError::unavailable(format!("the engine server at {} closed the stream before the request finished", ep.base)));
+                        yield Err(OpError::instance_lost(format!("the engine server at {} closed the stream before the request finished", ep.base)));
                         return;
                     }
                     Some(Some(_)) => return,
@@ -306,11 +307,12 @@ fn refused(server: &Server, status: reqwest::StatusCode, body: &str) -> OpError 
         })
         .unwrap_or_else(|| body.chars().take(300).collect());
     let msg = format!("the engine server refused the request ({status}): {detail}");
-    if status.is_server_error() {
+    if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
+        // Full, not broken: the client hears it now rather than after resends elsewhere.
+        OpError::overloaded(msg)
+    } else if status.is_server_error() {
         server.suspect();
-        OpError::unavailable(msg)
-    } else if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
-        OpError::unavailable(msg)
+        OpError::instance_lost(msg)
     } else {
         OpError::invalid(msg)
     }
