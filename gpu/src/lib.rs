@@ -23,11 +23,3 @@ pub use backend::{Backend, ComputeError, KvShape, SeqStep};
 pub const fn cuda_compiled() -> bool {
     cfg!(feature = "cuda")
 }
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn cuda_flag_matches_feature() {
-        assert_eq!(super::cuda_compiled(), cfg!(feature = "cuda"));
-    }
-}

@@ -102,8 +102,10 @@ mod gpu {
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
             match dyn_gpu::cuda::compile_kernels(dtype) {
                 Ok(bytes) => println!("{dtype:?}: {bytes} bytes of PTX"),
+                // NVRTC is software (a PyPI wheel): the test command provides it, so there
+                // a missing NVRTC fails the test; only a bare `cargo test` skips.
                 Err(e) if !e.to_string().contains("compiling") => {
-                    println!("SKIPPED: {e}");
+                    dyn_tests::skip(&format!("NVRTC cannot be loaded: {e}"));
                     return;
                 }
                 Err(e) => panic!("{dtype:?}: {e}"),

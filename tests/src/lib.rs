@@ -172,6 +172,11 @@ impl Graph {
         self.logs.lock().unwrap().clone()
     }
 
+    /// The log lines as they keep coming, also after [`Graph::wait`] took the graph.
+    pub fn log_sink(&self) -> Arc<Mutex<Vec<String>>> {
+        self.logs.clone()
+    }
+
     /// The `dyn graph up` process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)

@@ -240,6 +240,18 @@ async fn sigterm_after_grace_period_kills_and_still_exits_zero() {
         json!({"text": "a b c d e f g h i j k l m n o p", "stream": true}),
     );
     tokio::time::sleep(Duration::from_millis(700)).await;
+    let logs = g.log_sink();
     assert_eq!(terminate_and_wait(g).await, Some(0));
-    let _ = slow.await;
+    // The request was cut off at the end of the grace period, not waited for: 16 words at
+    // 500 ms each would take 8 s.
+    let text = slow.await.unwrap();
+    let logs = logs.lock().unwrap().join("\n");
+    assert!(
+        logs.contains("Grace period over; aborting requests still in flight"),
+        "{logs}"
+    );
+    assert!(
+        text.matches("data:").count() < 16,
+        "the request ran to its end: {text}"
+    );
 }

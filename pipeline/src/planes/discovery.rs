@@ -11,7 +11,6 @@ use futures::stream::{BoxStream, StreamExt};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
-use tokio_stream::wrappers::BroadcastStream;
 
 use super::PlaneError;
 
@@ -127,22 +126,44 @@ impl LiveInstances {
     }
 }
 
+/// The events that take a watcher who knew `known` to `now`: deletes of what left, puts of
+/// what is new or changed. Used where a watch lost events and lists again.
+pub(crate) fn catch_up(
+    known: &BTreeMap<String, Instance>,
+    now: &BTreeMap<String, Instance>,
+) -> Vec<DiscoveryEvent> {
+    let gone = known
+        .keys()
+        .filter(|k| !now.contains_key(*k))
+        .map(|key| DiscoveryEvent::Delete { key: key.clone() });
+    let changed = now
+        .iter()
+        .filter(|(k, i)| known.get(*k) != Some(*i))
+        .map(|(_, i)| DiscoveryEvent::Put(i.clone()));
+    gone.chain(changed).collect()
+}
+
 /// In-process discovery.
 pub struct EmbeddedDiscovery {
-    state: Mutex<BTreeMap<String, Instance>>,
+    state: std::sync::Arc<Mutex<BTreeMap<String, Instance>>>,
     changes: broadcast::Sender<DiscoveryEvent>,
 }
 
 impl Default for EmbeddedDiscovery {
     fn default() -> Self {
-        Self {
-            state: Mutex::new(BTreeMap::new()),
-            changes: broadcast::channel(1024).0,
-        }
+        Self::with_capacity(1024)
     }
 }
 
 impl EmbeddedDiscovery {
+    /// `capacity`: changes a watcher may fall behind by before it lists again.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            state: Default::default(),
+            changes: broadcast::channel(capacity).0,
+        }
+    }
+
     fn snapshot(state: &BTreeMap<String, Instance>, prefix: &str) -> Vec<Instance> {
         state
             .range(prefix.to_owned()..)
@@ -182,21 +203,50 @@ impl Discovery for EmbeddedDiscovery {
     ) -> Result<(Vec<Instance>, BoxStream<'static, DiscoveryEvent>), PlaneError> {
         // Subscribe while holding the lock so no change falls between snapshot and stream.
         let state = self.state.lock();
-        let rx = self.changes.subscribe();
+        let mut rx = self.changes.subscribe();
         let snapshot = Self::snapshot(&state, prefix);
         drop(state);
         let prefix = prefix.to_owned();
-        let stream = BroadcastStream::new(rx).filter_map(move |ev| {
-            let keep = match &ev {
-                Ok(DiscoveryEvent::Put(i)) => i.key().starts_with(&prefix),
-                Ok(DiscoveryEvent::Delete { key }) => key.starts_with(&prefix),
-                Err(e) => {
-                    tracing::warn!(error = %e, "discovery watcher fell behind");
-                    false
+        let shared = self.state.clone();
+        let mut known: BTreeMap<String, Instance> =
+            snapshot.iter().map(|i| (i.key(), i.clone())).collect();
+        let stream = async_stream::stream! {
+            loop {
+                let ev = match rx.recv().await {
+                    Ok(ev) => ev,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        // Changes were lost: list again (as the etcd watcher does after a
+                        // compaction) and report the difference, so no watcher keeps a dead
+                        // instance or misses a new one. The changes still buffered follow; each
+                        // key ends as its last change left it, so the view converges.
+                        tracing::warn!(missed, prefix, "Discovery watcher fell behind; listing again");
+                        let now: BTreeMap<String, Instance> =
+                            Self::snapshot(&shared.lock(), &prefix)
+                                .into_iter()
+                                .map(|i| (i.key(), i))
+                                .collect();
+                        for ev in catch_up(&known, &now) {
+                            yield ev;
+                        }
+                        known = now;
+                        continue;
+                    }
+                };
+                let key = match &ev {
+                    DiscoveryEvent::Put(i) => i.key(),
+                    DiscoveryEvent::Delete { key } => key.clone(),
+                };
+                if !key.starts_with(&prefix) {
+                    continue;
                 }
-            };
-            futures::future::ready(if keep { ev.ok() } else { None })
-        });
+                match &ev {
+                    DiscoveryEvent::Put(i) => known.insert(key, i.clone()),
+                    DiscoveryEvent::Delete { .. } => known.remove(&key),
+                };
+                yield ev;
+            }
+        };
         Ok((snapshot, stream.boxed()))
     }
 }
@@ -238,5 +288,58 @@ mod tests {
         );
         assert_eq!(d.list(&prefix).await.unwrap(), vec![inst("a", 0x1f)]);
         assert_eq!(inst("a", 0x1f).key(), "v1/instances/ns/a/generate/1f");
+    }
+
+    #[tokio::test]
+    async fn a_watcher_that_falls_behind_lists_again_and_misses_nothing() {
+        // Room for 4 changes; the watcher reads none while 40 happen.
+        let d = EmbeddedDiscovery::with_capacity(4);
+        for id in 0..10 {
+            d.register(inst("a", id)).await.unwrap();
+        }
+        let prefix = Instance::prefix("ns", "a", "generate");
+        let (snap, mut changes) = d.watch(&prefix).await.unwrap();
+        assert_eq!(snap.len(), 10);
+        for id in 0..8 {
+            d.deregister(&inst("a", id).key()).await.unwrap();
+        }
+        for id in 100..130 {
+            d.register(inst("a", id)).await.unwrap();
+        }
+        for id in 100..102 {
+            d.deregister(&inst("a", id).key()).await.unwrap();
+        }
+        // The watcher's view, rebuilt from its snapshot and events, equals the registry.
+        let mut view: BTreeMap<String, Instance> = snap.into_iter().map(|i| (i.key(), i)).collect();
+        let want: BTreeMap<String, Instance> = d
+            .list(&prefix)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| (i.key(), i))
+            .collect();
+        while view != want {
+            let ev = tokio::time::timeout(std::time::Duration::from_secs(5), changes.next())
+                .await
+                .expect("the watcher catches up")
+                .expect("open");
+            match ev {
+                DiscoveryEvent::Put(i) => {
+                    view.insert(i.key(), i);
+                }
+                DiscoveryEvent::Delete { key } => {
+                    view.remove(&key);
+                }
+            }
+        }
+        assert_eq!(view.len(), 30);
+        // And it goes on following after catching up.
+        d.register(inst("a", 7)).await.unwrap();
+        loop {
+            let ev = changes.next().await.expect("open");
+            if ev == DiscoveryEvent::Put(inst("a", 7)) {
+                break;
+            }
+        }
     }
 }

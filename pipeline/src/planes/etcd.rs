@@ -395,18 +395,8 @@ async fn follow(
         };
         client = members.client();
         let now: BTreeMap<String, Instance> = now.into_iter().map(|i| (i.key(), i)).collect();
-        for key in known
-            .keys()
-            .filter(|k| !now.contains_key(*k))
-            .cloned()
-            .collect::<Vec<_>>()
-        {
-            if tx.send(DiscoveryEvent::Delete { key }).await.is_err() {
-                return;
-            }
-        }
-        for (k, i) in &now {
-            if known.get(k) != Some(i) && tx.send(DiscoveryEvent::Put(i.clone())).await.is_err() {
+        for ev in super::discovery::catch_up(&known, &now) {
+            if tx.send(ev).await.is_err() {
                 return;
             }
         }
