@@ -116,6 +116,11 @@ pub trait KvTransferAgent: Send + Sync + 'static {
 
     /// Fetch the blocks `desc` names, in order; the offer is released.
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError>;
+
+    /// End an offer of this agent's that nobody will pull (its request was cancelled, or
+    /// prefilled elsewhere), so its blocks are free now rather than at the TTL. True when
+    /// there was such an offer.
+    fn discard(&self, desc: &TransferDescriptor) -> bool;
 }
 
 struct Offer {
@@ -242,6 +247,11 @@ impl KvTransferAgent for InProcessAgent {
             return Err(TransferError::Unreachable(desc.agent.clone()));
         }
         Ok(self.offers.take(desc.transfer_id)?.blocks)
+    }
+
+    fn discard(&self, desc: &TransferDescriptor) -> bool {
+        // The hold goes with the offer: the engine releases the blocks.
+        desc.agent == self.name && self.offers.map.lock().remove(&desc.transfer_id).is_some()
     }
 }
 
@@ -379,6 +389,10 @@ impl KvTransferAgent for TcpAgent {
         hold: Option<Hold>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.local.offer_held(block_ids, blocks, format, ttl, hold)
+    }
+
+    fn discard(&self, desc: &TransferDescriptor) -> bool {
+        self.local.discard(desc)
     }
 
     async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {

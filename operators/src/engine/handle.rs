@@ -118,6 +118,11 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// How long a prefill's offered blocks stay pinned for a decode worker to pull.
+    pub fn pin_ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.settings.scheduler.pin_ttl_s.max(0.0))
+    }
+
     /// The worker's offload tiers, if it has them.
     pub fn tiers(&self) -> Option<&Arc<Tiers>> {
         self.tiers.as_ref()
@@ -167,14 +172,19 @@ impl EngineHandle {
                 f.block_bytes
             );
             let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
-            let t = Tiers::start(
-                &config.offload,
-                dir,
-                &cx.node,
-                &format,
+            // Opening the disk tier reads and checks every block file: a blocking scan, kept
+            // off the runtime (a replica may start under load, added by the planner).
+            let (offload, node, model, kv) = (
+                config.offload.clone(),
+                cx.node.clone(),
                 config.offload_model,
                 kv.clone(),
-            )
+            );
+            let t = tokio::task::spawn_blocking(move || {
+                Tiers::start(&offload, dir, &node, &format, model, kv)
+            })
+            .await
+            .map_err(|e| BuildError::new(format!("the KV offload tiers' start failed: {e}")))?
             .map_err(|e| BuildError::new(format!("cannot start the KV offload tiers: {e}")))?;
             tracing::info!(
                 node = %cx.node,

@@ -12,6 +12,13 @@
 //! ([`PreprocessedRequest::prefilled`]) to the decode worker, which pulls the KV. A prefill
 //! that fails, times out, or whose worker leaves falls back to local prefill.
 //!
+//! A job the sender stops waiting for (the request was cancelled, timed out, or fell back to
+//! local prefill) is cancelled on the worker: a [`PrefillCancel`] on the worker's cancel
+//! subject kills the job if it runs, skips it if it has not started, and releases its pinned
+//! KV if it is done, so the work is not done twice and the blocks are not held for the pin
+//! TTL. A job carries its time budget (`timeout_ms`), counted from when the worker takes it:
+//! no clock is compared across machines.
+//!
 //! ```yaml
 //! remote_prefill:
 //!   kind: remote_prefill
@@ -22,7 +29,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
@@ -132,6 +139,7 @@ impl OperatorConfig for RemotePrefillConfig {
         });
         let inner = Arc::new(Inner {
             node: cx.node.clone(),
+            namespace: cx.namespace.clone(),
             queue: queue_name(&cx.namespace, &self.pool),
             config: self.clone(),
             pool,
@@ -173,8 +181,21 @@ pub struct PrefillJob {
     /// Event-plane subject the worker answers on.
     pub reply: String,
     pub request: PreprocessedRequest,
-    /// Unix time (ms) after which the sender no longer waits: the worker skips the job.
-    pub deadline_unix_ms: u64,
+    /// Milliseconds the worker may spend on the job from when it takes it; the sender waits
+    /// no longer than this in all, and cancels the job when it stops waiting.
+    pub timeout_ms: u64,
+}
+
+/// The sender no longer waits for job `id` (of reply subject `reply`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PrefillCancel {
+    pub reply: String,
+    pub id: u64,
+}
+
+/// The subject on which prefill worker `worker_id` of node `pool` hears cancels.
+pub fn cancel_subject(namespace: &str, pool: &str, worker_id: u64) -> String {
+    format!("dyn.{namespace}.{pool}.prefill_cancel.{worker_id:x}")
 }
 
 /// A prefill worker's answer to a [`PrefillJob`].
@@ -182,13 +203,6 @@ pub struct PrefillJob {
 pub struct PrefillReply {
     pub id: u64,
     pub result: Result<Prefilled, String>,
-}
-
-/// Milliseconds since the Unix epoch (deadlines cross processes, so not `Instant`).
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Where a prompt is prefilled, and why.
@@ -257,6 +271,7 @@ pub struct RemotePrefill {
 
 struct Inner {
     node: String,
+    namespace: String,
     queue: String,
     config: RemotePrefillConfig,
     /// KV-aware routing among the prefill workers.
@@ -327,7 +342,7 @@ impl Inner {
             id,
             reply: self.reply.clone(),
             request,
-            deadline_unix_ms: unix_ms() + timeout.as_millis() as u64,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         };
         let body = serde_json::to_vec(&job).map_err(|e| e.to_string())?;
         self.planes
@@ -351,7 +366,30 @@ impl Inner {
             _ = ctx.killed() => Err("request cancelled".to_owned()),
         };
         pctx.first_output();
+        if result.is_err() {
+            self.cancel(worker, id).await;
+        }
         result
+    }
+
+    /// Tell prefill worker `worker` that nobody waits for job `id` any more.
+    async fn cancel(&self, worker: u64, id: u64) {
+        let cancel = PrefillCancel {
+            reply: self.reply.clone(),
+            id,
+        };
+        let subject = cancel_subject(&self.namespace, &self.config.pool, worker);
+        let sent = match serde_json::to_vec(&cancel) {
+            Ok(body) => self.planes.events.publish(&subject, body.into()).await,
+            Err(e) => {
+                tracing::error!(error = %e, "Cannot encode a prefill cancel");
+                return;
+            }
+        };
+        if let Err(e) = sent {
+            // The job then runs to its budget and its KV to the pin TTL: wasted, not wrong.
+            tracing::warn!(error = %e, job = id, "Cannot cancel a remote prefill");
+        }
     }
 }
 
