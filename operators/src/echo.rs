@@ -15,7 +15,7 @@ use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, Invalid, Operator, OperatorC
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::types::Text;
+use dyn_llm::text::Text;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -11,10 +11,9 @@ pub mod llm;
 pub mod metrics;
 pub mod planner;
 pub mod prefill;
-pub mod types;
 
 #[cfg(test)]
-pub(crate) mod testing;
+pub(crate) use dyn_llm::testing;
 
 use dyn_pipeline::Registry;
 

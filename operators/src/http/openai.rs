@@ -133,7 +133,7 @@ fn unix_now() -> u64 {
 async fn metrics() -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::metrics::render(),
+        dyn_llm::metrics::render(),
     )
         .into_response()
 }

@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use super::{ApiError, ServerConfig};
-use crate::types::Text;
+use dyn_llm::text::Text;
 
 /// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
 #[derive(Debug, Clone, Deserialize)]

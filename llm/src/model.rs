@@ -371,7 +371,7 @@ pub(crate) mod tests {
             (Some(0.2), Some(0.9), Some(50), Some(64))
         );
         // A request's own parameters win; missing ones take the model's.
-        let mut s = crate::llm::types::Sampling {
+        let mut s = crate::types::Sampling {
             temperature: Some(0.0),
             ..Default::default()
         };

@@ -222,7 +222,7 @@ fn sentencepiece_merges(tokens: &[&str], scores: &[f64]) -> Vec<Json> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::model::ModelDir;
+    use crate::model::ModelDir;
 
     fn smollm2() -> Option<std::path::PathBuf> {
         let p = std::path::PathBuf::from(std::env::var_os("DYN_SMOLLM2_GGUF")?);
@@ -273,7 +273,7 @@ mod tests {
             assert_eq!(back, text);
             // Streamed through the byte table too (special tokens are skipped there).
             let mut d =
-                crate::llm::detok::Detokenizer::with_bytes(m.tokenizer.clone(), table.clone());
+                crate::detok::Detokenizer::with_bytes(m.tokenizer.clone(), table.clone());
             let mut streamed: String = got
                 .get_ids()
                 .iter()

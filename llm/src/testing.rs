@@ -3,7 +3,7 @@
 use dyn_pipeline::BuildCx;
 use dyn_pipeline::planes::Planes;
 
-use crate::llm::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
+use crate::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
 
 /// A build context for `node` with the repository's tiny model, on `planes`.
 pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> BuildCx {

@@ -277,7 +277,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn tokenizer() -> Arc<Tokenizer> {
-        crate::llm::model::tests::tiny().tokenizer
+        crate::model::tests::tiny().tokenizer
     }
 
     fn table() -> Arc<TokenBytes> {

@@ -130,11 +130,11 @@ impl Operator for Postprocess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::types::OutputSpec;
+    use crate::types::OutputSpec;
     use futures::stream;
 
     async fn run(stop: &[&str], min_tokens: u32, text: &str) -> Vec<LlmDelta> {
-        let tok = crate::llm::model::tests::tiny().tokenizer;
+        let tok = crate::model::tests::tiny().tokenizer;
         let ids = tok.encode(text, false).expect("encode").get_ids().to_vec();
         let n = ids.len();
         let mut items = vec![Generated::Start(OutputSpec {
@@ -196,7 +196,7 @@ mod tests {
 
     #[tokio::test]
     async fn tokens_before_start_are_an_error() {
-        let tok = crate::llm::model::tests::tiny().tokenizer;
+        let tok = crate::model::tests::tiny().tokenizer;
         let out: Vec<_> = Postprocess::new(tok)
             .call(
                 Ctx::new(),

@@ -308,10 +308,10 @@ impl Operator for Preprocess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::types::{ChatMessage, Endpoint, Limits, Sampling};
+    use crate::types::{ChatMessage, Endpoint, Limits, Sampling};
 
     fn pre() -> Preprocess {
-        Preprocess::new(Arc::new(crate::llm::model::tests::tiny())).expect("builds")
+        Preprocess::new(Arc::new(crate::model::tests::tiny())).expect("builds")
     }
 
     fn chat(content: &str) -> LlmRequest {
