@@ -272,8 +272,7 @@ mod tests {
             let back = m.tokenizer.decode(got.get_ids(), false).expect("decodes");
             assert_eq!(back, text);
             // Streamed through the byte table too (special tokens are skipped there).
-            let mut d =
-                crate::detok::Detokenizer::with_bytes(m.tokenizer.clone(), table.clone());
+            let mut d = crate::detok::Detokenizer::with_bytes(m.tokenizer.clone(), table.clone());
             let mut streamed: String = got
                 .get_ids()
                 .iter()

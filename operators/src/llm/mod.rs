@@ -2,8 +2,7 @@
 //! `postprocess` kinds. The `http` ingress lives in [`crate::http::openai`] and the engines
 //! behind `decode` in [`crate::decode`].
 
-pub mod kv;
-pub mod remote_prefill;
-pub mod route;
+pub use dyn_router as route;
+pub use dyn_router::{kv, remote_prefill};
 
 pub use dyn_llm::{detok, encoder, gguf_tokenizer, model, postprocess, preprocess, types};

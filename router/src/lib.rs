@@ -1,3 +1,9 @@
+//! dyn-router: the `route` kind and everything it routes by — KV block hashing and the KV
+//! event and load wire formats ([`kv`]), the radix index of workers' caches ([`indexer`]), the
+//! cost model and policies — plus the `remote_prefill` kind ([`remote_prefill`]) and the
+//! router's and disaggregated serving's metrics ([`metrics`]). Like `dynamo-kv-router`, it is
+//! usable without the frontend: it must not depend on the frontend, the planner or any engine.
+//!
 //! `route`: picks the worker that will serve each request, and records it in the request
 //! (`target`) so the runtime sends it there.
 //!
@@ -24,9 +30,12 @@ pub mod cost;
 pub mod follow;
 pub mod indexer;
 pub mod inspect;
+pub mod kv;
 pub mod kv_aware;
+pub mod metrics;
 pub mod policy;
 pub mod quality;
+pub mod remote_prefill;
 pub mod sequences;
 #[cfg(test)]
 mod sim;
@@ -34,6 +43,7 @@ mod sim;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use dyn_llm::types::PreprocessedRequest;
 use dyn_pipeline::planes::{Instance, LiveInstances, Planes};
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::runtime::ENDPOINT;
@@ -45,7 +55,6 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
 
-use super::types::PreprocessedRequest;
 use cost::{CostModel, Pricing};
 use kv_aware::KvAware;
 pub use policy::{Decision, Policy};
@@ -459,19 +468,19 @@ impl Operator for Route {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::kv::{KvEventData, RouterEvent, block_hashes};
+    use crate::kv::{KvEventData, RouterEvent, block_hashes};
     use dyn_pipeline::planes::{Planes, Transport};
     use futures::stream;
     use std::time::Duration;
 
     fn cx(planes: &Planes) -> BuildCx {
-        crate::testing::cx("route", 1, &["decode"], planes)
+        dyn_llm::testing::cx("route", 1, &["decode"], planes)
     }
 
     async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
         let mut out = r.call(
             Ctx::new(),
-            stream::iter([crate::testing::preprocessed(vec![1], 1)]).boxed(),
+            stream::iter([dyn_llm::testing::preprocessed(vec![1], 1)]).boxed(),
         );
         out.next().await.expect("one item")
     }
@@ -540,7 +549,7 @@ mod tests {
     async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
         let ev = RouterEvent {
             worker_id: worker,
-            event: crate::llm::kv::KvCacheEvent {
+            event: crate::kv::KvCacheEvent {
                 event_id: 0,
                 dp_rank: 0,
                 medium: Default::default(),
@@ -561,7 +570,7 @@ mod tests {
     async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
         let mut out = r.call(
             ctx,
-            stream::iter([crate::testing::preprocessed(tokens, 1)]).boxed(),
+            stream::iter([dyn_llm::testing::preprocessed(tokens, 1)]).boxed(),
         );
         out.next()
             .await

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use dyn_llm::types::{Prefilled, PreprocessedRequest};
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -34,9 +35,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
-use super::route::{Policy, Route, RouteConfig};
-use super::types::{Prefilled, PreprocessedRequest};
 use crate::metrics::DISAGG;
+use crate::{Policy, Route, RouteConfig};
 
 fn d_min_remote_tokens() -> u32 {
     512
@@ -100,7 +100,7 @@ impl OperatorConfig for RemotePrefillConfig {
         // The pool is routed like any worker node, but shown through this node, not on its own.
         let pool = RouteConfig {
             policy: Policy::Kv,
-            cost: crate::llm::route::cost::CostModel::Blocks,
+            cost: crate::cost::CostModel::Blocks,
             overlap_weight: Some(self.overlap_weight),
             ..RouteConfig::default()
         }
@@ -431,11 +431,9 @@ impl Inspect for Inner {
                 answer.queue = Some(self.queue.clone());
                 to_value(json!(answer))
             }
-            "kv" => to_value(json!(
-                self.pool.kv_answer(&super::route::inspect::args(args)?)?
-            )),
+            "kv" => to_value(json!(self.pool.kv_answer(&crate::inspect::args(args)?)?)),
             "route" => {
-                let a: super::route::inspect::RouteArgs = super::route::inspect::args(args)?;
+                let a: crate::inspect::RouteArgs = crate::inspect::args(args)?;
                 // The queue's depth is not read: an admin query does not wait on the queue's
                 // server. The decision shown assumes the queue has room.
                 let workers = self.pool.live().len();

@@ -17,7 +17,7 @@ use dyn_pipeline::planes::LiveInstances;
 
 use super::cost::Candidate;
 use super::sequences::{ActiveSequences, Load};
-use crate::llm::kv::{BlockHash, LoadMetrics};
+use crate::kv::{BlockHash, LoadMetrics};
 
 /// The policy a `route` node is configured with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

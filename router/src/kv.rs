@@ -281,7 +281,7 @@ mod tests {
             cases: Vec<Case>,
         }
         let v: Vectors =
-            serde_json::from_str(include_str!("../../tests/fixtures/kv_hash_vectors.json"))
+            serde_json::from_str(include_str!("../tests/fixtures/kv_hash_vectors.json"))
                 .expect("fixture");
         assert_eq!(v.cases.len(), 6);
         for c in v.cases {

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use super::policy::Reported;
 use super::sequences::Load;
-use crate::llm::kv::LoadMetrics;
+use crate::kv::LoadMetrics;
 
 /// How a worker is priced.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 //! applying KV events, and a whole `kv` decision with each cost model.
 //!
 //! ```text
-//! cargo bench -p dyn-operators --bench kv
+//! cargo bench -p dyn-router --bench kv
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark: fail loudly
 
@@ -11,15 +11,13 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use dyn_operators::llm::kv::{
-    BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash,
-};
-use dyn_operators::llm::route::cost::{CostModel, Pricing};
-use dyn_operators::llm::route::indexer::Indexer;
-use dyn_operators::llm::route::kv_aware::KvAware;
-use dyn_operators::llm::route::policy::{Reported, RoutingPolicy, View};
-use dyn_operators::llm::route::sequences::ActiveSequences;
 use dyn_pipeline::planes::{LiveInstances, Planes};
+use dyn_router::cost::{CostModel, Pricing};
+use dyn_router::indexer::Indexer;
+use dyn_router::kv::{BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash};
+use dyn_router::kv_aware::KvAware;
+use dyn_router::policy::{Reported, RoutingPolicy, View};
+use dyn_router::sequences::ActiveSequences;
 
 const BLOCK: usize = 16;
 const WORKERS: u64 = 64;
