@@ -9,7 +9,7 @@ pub mod engine;
 pub mod http;
 pub mod llm;
 pub mod metrics;
-pub mod planner;
+pub use dyn_planner as planner;
 pub mod prefill;
 
 #[cfg(test)]

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dyn_pipeline::planes::EventBus;
+use dyn_router::kv::{LoadMetrics, load_metrics_subject};
 use futures::StreamExt;
 use parking_lot::Mutex;
 
 use super::decide::{NodeLoad, Observation};
 use super::stats::{FrontendWindow, stats_subject};
-use crate::llm::kv::{LoadMetrics, load_metrics_subject};
 
 /// A worker that has not reported for this long is not counted.
 const STALE: Duration = Duration::from_secs(10);

@@ -255,9 +255,9 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::planner::config::PredictorKind;
-    use crate::planner::predict::{Predictor, Smoothed};
-    use crate::planner::profile::tests::mocker_like;
+    use crate::config::PredictorKind;
+    use crate::predict::{Predictor, Smoothed};
+    use crate::profile::tests::mocker_like;
 
     fn cfg() -> PlannerConfig {
         PlannerConfig {

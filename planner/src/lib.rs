@@ -1,3 +1,8 @@
+//! dyn-planner: the SLA planner (its config, observations, predictors, profiles, decisions
+//! and published state) and its `dyn_planner_*` metrics ([`metrics`]). It must not depend on
+//! the frontend or any engine: the frontend reads its published state, engines only report
+//! load on the event plane.
+//!
 //! The SLA planner: replica counts follow the load so TTFT and ITL stay under their targets.
 //!
 //! Every `interval_s` the planner takes what the frontends and workers published on the event
@@ -27,6 +32,7 @@
 
 pub mod config;
 pub mod decide;
+pub mod metrics;
 pub mod observe;
 pub mod predict;
 pub mod profile;
