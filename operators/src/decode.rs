@@ -1,7 +1,7 @@
 //! `decode`: runs an engine. `config.engine` selects it: `mocker` (a simulated vLLM-style
 //! engine) or `native` (a Llama-family model on this project's CPU or CUDA backend), both on
 //! the shared engine loop in [`crate::engine`]; or an external server per replica — `vllm`,
-//! `llamacpp`, `openai` — given by URL or launched by dyn ([`crate::engine::external`]). The engine's stream starts with the request's output spec
+//! `llamacpp`, `openai` — given by URL or launched by dyn ([`dyn_external`]). The engine's stream starts with the request's output spec
 //! (see [`Generated`]) and then carries token batches; when the consumer drops the stream or
 //! the request is killed, the engine frees the request. A request prefilled on a prefill
 //! worker (`prefilled`, from `remote_prefill`) has its KV pulled first and starts decoding at
@@ -24,6 +24,7 @@
 
 use std::sync::Arc;
 
+use dyn_external::{ExternalConfig, ExternalEngine, ExternalKind};
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -32,7 +33,6 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::engine::EngineHandle;
-use crate::engine::external::{ExternalConfig, ExternalEngine, ExternalKind};
 use crate::engine::mocker::{self, MockerConfig};
 use crate::engine::native::{self, NativeConfig};
 use crate::llm::types::{Generated, PreprocessedRequest};

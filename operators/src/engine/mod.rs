@@ -21,7 +21,6 @@
 
 mod engine_loop;
 pub mod events;
-pub mod external;
 pub mod handle;
 pub mod mocker;
 pub mod native;

@@ -1,3 +1,7 @@
+//! dyn-external: external engine servers (vLLM, llama.cpp, OpenAI-compatible) supervised as
+//! `decode` workers. It must not depend on the native engine (dyn-engine), the planner or the
+//! frontend.
+//!
 //! External engine servers as `decode` workers: vLLM, llama.cpp's `llama-server`, or any
 //! OpenAI-compatible server, one server per replica.
 //!
@@ -27,6 +31,8 @@ mod server;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dyn_llm::model::ModelDir;
+use dyn_llm::types::{FinishReason, Generated, PreprocessedRequest};
 use dyn_pipeline::{BuildCx, BuildError, OpError};
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
@@ -37,9 +43,6 @@ use tokio_util::task::AbortOnDropHandle;
 pub use config::{ExternalConfig, ExternalKind};
 use protocol::{Ask, Chunk, Prompt};
 use server::{Server, ServerSpec};
-
-use crate::llm::model::ModelDir;
-use crate::llm::types::{FinishReason, Generated, PreprocessedRequest};
 
 /// A replica whose engine is an external server.
 pub struct ExternalEngine {

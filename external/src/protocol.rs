@@ -7,10 +7,10 @@
 //! request resolved them (preprocess already applied the model's defaults), so every server
 //! samples the same way dyn's own engines do.
 
+use dyn_llm::types::{FinishReason, PreprocessedRequest};
 use serde_json::{Map, Value, json};
 
 use super::config::ExternalKind;
-use crate::llm::types::{FinishReason, PreprocessedRequest};
 
 /// One call to a server.
 pub struct Call {
@@ -177,7 +177,7 @@ mod tests {
     use super::*;
 
     fn req() -> PreprocessedRequest {
-        let mut r = crate::testing::preprocessed(vec![1, 2, 3], 8);
+        let mut r = dyn_llm::testing::preprocessed(vec![1, 2, 3], 8);
         r.stop.eos_token_ids = vec![2, 0];
         r.sampling.temperature = Some(0.0);
         r

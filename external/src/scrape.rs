@@ -17,13 +17,13 @@
 use std::time::Duration;
 
 use dyn_pipeline::BuildCx;
+use dyn_router::kv::{LoadMetrics, load_metrics_subject};
 use openmetrics_parser::PrometheusValue;
 use openmetrics_parser::prometheus::parse_prometheus;
 use tokio::sync::watch;
 
 use super::config::ExternalKind;
 use super::server::Endpoint;
-use crate::llm::kv::{LoadMetrics, load_metrics_subject};
 
 /// Read a scrape into load metrics; `block_size` where the server does not say.
 pub fn read(kind: ExternalKind, text: &str, block_size: u32) -> LoadMetrics {

@@ -27,6 +27,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use dyn_pipeline::BuildCx;
 use dyn_pipeline::planes::EventBus;
+use dyn_router::kv::{
+    BlockHash, KvCacheEvent, KvEventData, Medium, ResyncRequest, RouterEvent, chain_hash,
+    kv_events_subject, kv_resync_subject, local_hash,
+};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -34,10 +38,6 @@ use tokio::sync::{mpsc, watch};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::server::Endpoint;
-use crate::llm::kv::{
-    BlockHash, KvCacheEvent, KvEventData, Medium, ResyncRequest, RouterEvent, chain_hash,
-    kv_events_subject, kv_resync_subject, local_hash,
-};
 
 /// A vLLM block hash: an integer, or bytes in some hash modes. (Read by hand: serde's
 /// untagged enums buffer values and lose msgpack's 64-bit unsigned integers.)
@@ -249,7 +249,7 @@ impl Mirror {
                 .filter(move |m| mask & m.bit() != 0)
                 .map(move |m| (m, h.block_hash, parent, h.tokens_hash))
         });
-        crate::llm::kv::dump_events(held)
+        dyn_router::kv::dump_events(held)
     }
 }
 
@@ -531,7 +531,7 @@ async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llm::kv::block_hashes;
+    use dyn_router::kv::block_hashes;
 
     /// A batch as vLLM's msgspec encoder writes it (maps tagged by `type`, batch as array).
     fn batch(events: serde_json::Value) -> Vec<u8> {
