@@ -1,6 +1,6 @@
 //! `decode`: runs an engine. `config.engine` selects it: `mocker` (a simulated vLLM-style
 //! engine) or `native` (a Llama-family model on this project's CPU or CUDA backend), both on
-//! the shared engine loop in [`crate::engine`]; or an external server per replica — `vllm`,
+//! the shared engine loop in [`dyn_engine`]; or an external server per replica — `vllm`,
 //! `llamacpp`, `openai` — given by URL or launched by dyn ([`dyn_external`]). The engine's stream starts with the request's output spec
 //! (see [`Generated`]) and then carries token batches; when the consumer drops the stream or
 //! the request is killed, the engine frees the request. A request prefilled on a prefill
@@ -24,6 +24,9 @@
 
 use std::sync::Arc;
 
+use dyn_engine::EngineHandle;
+use dyn_engine::mocker::{self, MockerConfig};
+use dyn_engine::native::{self, NativeConfig};
 use dyn_external::{ExternalConfig, ExternalEngine, ExternalKind};
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
@@ -32,9 +35,6 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::engine::EngineHandle;
-use crate::engine::mocker::{self, MockerConfig};
-use crate::engine::native::{self, NativeConfig};
 use crate::llm::types::{Generated, PreprocessedRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

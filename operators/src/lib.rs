@@ -5,15 +5,11 @@
 
 pub mod decode;
 pub mod echo;
-pub mod engine;
 pub mod http;
 pub mod llm;
 pub mod metrics;
 pub use dyn_planner as planner;
 pub mod prefill;
-
-#[cfg(test)]
-pub(crate) use dyn_llm::testing;
 
 use dyn_pipeline::Registry;
 

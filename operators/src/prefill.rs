@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use dyn_engine::EngineHandle;
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -24,7 +25,6 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::decode::DecodeConfig;
-use crate::engine::EngineHandle;
 use crate::llm::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
 use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 

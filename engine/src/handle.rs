@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_gpu::transfer::{BlockFormat, KvTransferAgent, TransferDescriptor};
+use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
 use dyn_pipeline::{BuildCx, BuildError, OpError};
+use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
 use tokio::sync::{mpsc, oneshot};
 
 use super::engine_loop::EngineLoop;
@@ -20,8 +22,6 @@ use super::offload::Tiers;
 use super::scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec};
 use super::settings::EngineSettings;
 use super::{EngineError, Executor, transfer};
-use crate::llm::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
-use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 use crate::metrics::WorkerGauges;
 
 /// How a decode worker takes KV from a prefill worker: the block format it expects, the
@@ -288,7 +288,7 @@ impl EngineHandle {
         }
         .await;
         let id = format!("{:x}", self.worker_id);
-        let m = &crate::metrics::DISAGG;
+        let m = &dyn_router::metrics::DISAGG;
         match result {
             Ok(blocks) => {
                 m.transfers
@@ -360,7 +360,7 @@ impl EngineHandle {
         };
         let seed = req.sampling.seed.unwrap_or_else(|| {
             if self.settings.seed_from_prompt {
-                crate::llm::kv::local_hash(&req.token_ids[..prompt_len])
+                dyn_router::kv::local_hash(&req.token_ids[..prompt_len])
             } else {
                 rand::random()
             }
@@ -415,9 +415,9 @@ impl EngineHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::mocker;
-    use crate::llm::kv::{KvEventData, LoadMetrics, RouterEvent};
+    use crate::mocker;
     use dyn_pipeline::planes::Planes;
+    use dyn_router::kv::{KvEventData, LoadMetrics, RouterEvent};
     use futures::StreamExt;
 
     async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
@@ -451,18 +451,25 @@ mod tests {
             speedup: 1000.0,
             ..mocker::MockerConfig::default()
         };
-        let m = mocker::start(&config, &crate::testing::cx("decode", 0xabc, &[], &planes))
-            .await
-            .expect("starts");
-        let a = run(&m, &crate::testing::preprocessed((0..40).collect(), 10)).await;
+        let m = mocker::start(
+            &config,
+            &dyn_llm::testing::cx("decode", 0xabc, &[], &planes),
+        )
+        .await
+        .expect("starts");
+        let a = run(&m, &dyn_llm::testing::preprocessed((0..40).collect(), 10)).await;
         assert_eq!(a.len(), 10);
         // Same seed and prompt again: same output, and the prompt's blocks come from the cache.
         assert_eq!(
-            run(&m, &crate::testing::preprocessed((0..40).collect(), 10)).await,
+            run(&m, &dyn_llm::testing::preprocessed((0..40).collect(), 10)).await,
             a
         );
         // A different prompt needs the blocks back: the cached ones are evicted.
-        run(&m, &crate::testing::preprocessed((100..140).collect(), 10)).await;
+        run(
+            &m,
+            &dyn_llm::testing::preprocessed((100..140).collect(), 10),
+        )
+        .await;
 
         let mut seen = Vec::new();
         while seen.len() < 3 {
@@ -483,7 +490,7 @@ mod tests {
         else {
             panic!("first event stores the prompt's blocks: {:?}", seen[0]);
         };
-        let expected = crate::llm::kv::block_hashes(&(0..40).collect::<Vec<_>>(), 16);
+        let expected = dyn_router::kv::block_hashes(&(0..40).collect::<Vec<_>>(), 16);
         assert_eq!(blocks[..2], expected[..]);
         assert!(
             seen.iter()
@@ -537,12 +544,12 @@ mod tests {
         for w in dump.windows(2) {
             assert_eq!(w[1].event_id, w[0].event_id + 1);
         }
-        let mut ix = crate::llm::route::indexer::Indexer::new();
+        let mut ix = dyn_router::indexer::Indexer::new();
         for e in &dump {
-            assert_eq!(ix.apply(0xabc, e), crate::llm::route::indexer::Applied::Ok);
+            assert_eq!(ix.apply(0xabc, e), dyn_router::indexer::Applied::Ok);
         }
         // The last prompt's first two blocks are what the cache holds now.
-        let last = crate::llm::kv::block_hashes(&(100..140).collect::<Vec<_>>(), 16);
+        let last = dyn_router::kv::block_hashes(&(100..140).collect::<Vec<_>>(), 16);
         let seqs: Vec<u64> = last.iter().map(|b| b.block_hash).collect();
         assert_eq!(ix.find_matches(&seqs), vec![(0xabc, 2)]);
     }

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_gpu::transfer::{BlockFormat, KvTransferAgent};
+use dyn_llm::types::Generated;
 use dyn_pipeline::OpError;
+use dyn_router::kv::{LoadMetrics, Medium, dump_events};
 use tokio::sync::{mpsc, oneshot};
 
 use super::events::KvPublisher;
@@ -22,15 +24,13 @@ use super::pool::{BlockId, Evicted};
 use super::scheduler::{Scheduler, SeqId};
 use super::step_model::StepModel;
 use super::{EngineError, Executor};
-use crate::llm::kv::{LoadMetrics, Medium, dump_events};
-use crate::llm::types::Generated;
 use crate::metrics::{TierGauges, WorkerGauges};
 
 /// Tokens a sequence produced that its consumer has not taken yet.
 pub(super) struct Outbox {
     tx: mpsc::Sender<EngineItem>,
     pending: Vec<u32>,
-    finish: Option<crate::llm::types::FinishReason>,
+    finish: Option<dyn_llm::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
     offer: Option<oneshot::Sender<OfferResult>>,
 }
@@ -179,7 +179,7 @@ impl EngineLoop {
             }
             for id in std::mem::take(&mut out.ended) {
                 if let Some(o) = self.outboxes.get_mut(&id) {
-                    o.finish = Some(crate::llm::types::FinishReason::Length);
+                    o.finish = Some(dyn_llm::types::FinishReason::Length);
                 }
             }
             for (id, blocks, tokens) in std::mem::take(&mut out.pinned) {

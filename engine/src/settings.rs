@@ -99,13 +99,13 @@ macro_rules! engine_section {
             /// Prefill role: seconds a prompt's blocks stay pinned for a decode worker to pull.
             pub pin_ttl_s: f64,
             /// KV offload tiers below the pool (host memory, disk); off by default.
-            pub offload: $crate::engine::offload::OffloadConfig,
+            pub offload: $crate::offload::OffloadConfig,
             $( $(#[$fmeta])* pub $field: $ty, )*
         }
 
         impl Default for $name {
             fn default() -> Self {
-                let d: $crate::engine::settings::SchedulerConfig = $defaults;
+                let d: $crate::settings::SchedulerConfig = $defaults;
                 Self {
                     num_blocks: d.num_blocks,
                     block_size: d.block_size,
@@ -128,8 +128,8 @@ macro_rules! engine_section {
             }
 
             /// The scheduler settings, shared by every engine.
-            pub fn scheduler(&self) -> $crate::engine::settings::SchedulerConfig {
-                $crate::engine::settings::SchedulerConfig {
+            pub fn scheduler(&self) -> $crate::settings::SchedulerConfig {
+                $crate::settings::SchedulerConfig {
                     num_blocks: self.num_blocks,
                     block_size: self.block_size,
                     max_num_seqs: self.max_num_seqs,

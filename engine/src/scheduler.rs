@@ -20,11 +20,11 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
+use dyn_llm::types::FinishReason;
+use dyn_router::kv::{BlockHash, chain_hash, local_hash};
 
 use super::EngineError;
 use super::pool::{BlockId, Evicted, Pool};
-use crate::llm::kv::{BlockHash, chain_hash, local_hash};
-use crate::llm::types::FinishReason;
 
 /// Limits of one engine's scheduler.
 #[derive(Debug, Clone, Copy)]
@@ -407,7 +407,7 @@ impl Scheduler {
             };
             // Reuse cached full blocks, but always compute at least the last token.
             let full = (seq.tokens.len() - 1) / block_size;
-            let hashes = crate::llm::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
+            let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
             let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
             let hit = self.pool.cached_prefix(&seq_hashes);
             // Imported KV costs no compute, only blocks for the whole prompt.

@@ -1,3 +1,9 @@
+//! dyn-engine: the engine every native and mocked worker runs — scheduler, block pool, engine
+//! loop, handle, settings, step model, KV events, offload tiers, the mocker, the native
+//! executor, the process's KV transfer agent — and the workers' metrics ([`metrics`]). It must
+//! not depend on the frontend (dyn-frontend), the planner or the external engines: touching the
+//! scheduler must not recompile the frontend.
+//!
 //! The engine loop the `decode` and `prefill` kinds run, shared by the engines: the
 //! simulated [`mocker`] and the [`native`] model.
 //!
@@ -22,6 +28,7 @@
 mod engine_loop;
 pub mod events;
 pub mod handle;
+pub mod metrics;
 pub mod mocker;
 pub mod native;
 pub mod offload;

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use dyn_gpu::transfer::{BlockFormat, BlockLayout};
+use dyn_llm::model::ModelDir;
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
@@ -22,7 +23,6 @@ use super::settings::{EngineSettings, SchedulerConfig, engine_section};
 use super::pool::BlockId;
 use super::scheduler::{Work, token_at};
 use super::{EngineError, EngineHandle, Executor, ImportCheck};
-use crate::llm::model::ModelDir;
 
 engine_section! {
     /// `config.mocker` of `decode` with `engine: mocker`. Defaults resemble a vLLM worker

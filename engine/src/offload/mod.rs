@@ -32,12 +32,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_pipeline::Invalid;
+use dyn_router::kv::{BlockHash, HeldBlock, KvEventData, Medium, push_stored};
 use lru::LruCache;
 use parking_lot::Mutex;
 use serde::Deserialize;
 
 use super::events::KvPublisher;
-use crate::llm::kv::{BlockHash, HeldBlock, KvEventData, Medium, push_stored};
 use disk::DiskDir;
 
 /// `offload:` of an engine's config: the tiers below its pool. Off unless `host_blocks` is
@@ -231,7 +231,7 @@ impl Tiers {
                     blocks = kept.len(),
                     "Reusing the KV blocks a previous worker left on disk"
                 );
-                let stored = crate::llm::kv::dump_events(kept)
+                let stored = dyn_router::kv::dump_events(kept)
                     .into_iter()
                     .filter(|(_, e)| *e != KvEventData::Cleared)
                     .collect();

@@ -9,7 +9,7 @@
 //! the pool's layout is 4 KiB, as SmolLM2-135M's are with 16-token blocks; 256 blocks, 8 MiB.
 //!
 //! ```text
-//! cargo bench -p dyn-operators --bench offload
+//! cargo bench -p dyn-engine --bench offload
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark: fail loudly
 
@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use dyn_engine::events::KvPublisher;
+use dyn_engine::offload::disk::DiskDir;
+use dyn_engine::offload::{Meta, OffloadConfig, Tiers};
 use dyn_gpu::backend::{Backend, KvShape};
-use dyn_operators::engine::events::KvPublisher;
-use dyn_operators::engine::offload::disk::DiskDir;
-use dyn_operators::engine::offload::{Meta, OffloadConfig, Tiers};
 
 const BLOCKS: usize = 256;
 const BLOCK_TOKENS: usize = 64;
