@@ -35,7 +35,7 @@ use dyn_pipeline::{
 use futures::StreamExt;
 use serde::Deserialize;
 
-use crate::llm::types::{Generated, PreprocessedRequest};
+use dyn_llm::types::{Generated, PreprocessedRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -5,10 +5,6 @@
 
 pub mod decode;
 pub mod echo;
-pub mod http;
-pub mod llm;
-pub mod metrics;
-pub use dyn_planner as planner;
 pub mod prefill;
 
 use dyn_pipeline::Registry;
@@ -16,14 +12,14 @@ use dyn_pipeline::Registry;
 /// The kinds this build of dyn knows.
 pub fn registry() -> Registry {
     Registry::new()
-        .ingress::<http::openai::HttpConfig>()
-        .ingress::<http::text::HttpTextConfig>()
+        .ingress::<dyn_frontend::openai::HttpConfig>()
+        .ingress::<dyn_frontend::text::HttpTextConfig>()
         .operator::<echo::EchoConfig>()
-        .operator::<llm::preprocess::PreprocessConfig>()
-        .operator::<llm::route::RouteConfig>()
-        .operator::<llm::remote_prefill::RemotePrefillConfig>()
+        .operator::<dyn_llm::preprocess::PreprocessConfig>()
+        .operator::<dyn_router::RouteConfig>()
+        .operator::<dyn_router::remote_prefill::RemotePrefillConfig>()
         .operator::<prefill::PrefillConfig>()
         .operator::<decode::DecodeConfig>()
-        .operator::<llm::postprocess::PostprocessConfig>()
-        .section::<planner::PlannerConfig>()
+        .operator::<dyn_llm::postprocess::PostprocessConfig>()
+        .section::<dyn_planner::PlannerConfig>()
 }

@@ -17,16 +17,16 @@
 use std::sync::Arc;
 
 use dyn_engine::EngineHandle;
+use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
 use dyn_pipeline::registry::Role;
 use dyn_pipeline::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
 };
+use dyn_router::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
 use futures::StreamExt;
 use serde::Deserialize;
 
 use crate::decode::DecodeConfig;
-use crate::llm::remote_prefill::{PrefillJob, PrefillReply, queue_name, unix_ms};
-use crate::llm::types::{Generated, Prefilled, PreprocessedRequest};
 
 /// `{engine: mocker|native, mocker|native: {...}}`, exactly as for `decode`.
 #[derive(Debug, Clone, Deserialize)]

@@ -22,19 +22,19 @@ use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dyn_llm::preprocess::Preprocess;
+use dyn_llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
 use dyn_pipeline::Inspectables;
 use dyn_pipeline::planes::EventBus;
+use dyn_planner::state::PlannerView;
+use dyn_router::inspect::{Replicas, RouteAnswer, RouteArgs};
+use dyn_router::kv::RouterEvent;
+use dyn_router::remote_prefill::PrefillRouteAnswer;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::ApiError;
-use crate::llm::kv::RouterEvent;
-use crate::llm::preprocess::Preprocess;
-use crate::llm::remote_prefill::PrefillRouteAnswer;
-use crate::llm::route::inspect::{Replicas, RouteAnswer, RouteArgs};
-use crate::llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
-use crate::planner::state::PlannerView;
 
 /// What the admin routes need from the process they run in.
 #[derive(Clone)]

@@ -14,6 +14,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use dyn_llm::text::Text;
 use dyn_pipeline::{
     BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
@@ -24,7 +25,6 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use super::{ApiError, ServerConfig};
-use dyn_llm::text::Text;
 
 /// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
 #[derive(Debug, Clone, Deserialize)]

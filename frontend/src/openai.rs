@@ -19,9 +19,16 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dyn_llm::model::ModelDir;
+use dyn_llm::preprocess::Preprocess;
+use dyn_llm::types::{
+    ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
+};
 use dyn_pipeline::{
     BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
+use dyn_planner::state::PlannerView;
+use dyn_planner::stats::FrontendStats;
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use serde::Deserialize;
@@ -30,14 +37,7 @@ use tokio::net::TcpListener;
 
 use super::admin::Admin;
 use super::{ApiError, ServerConfig};
-use crate::llm::model::ModelDir;
-use crate::llm::preprocess::Preprocess;
-use crate::llm::types::{
-    ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
-};
 use crate::metrics::FRONTEND;
-use crate::planner::state::PlannerView;
-use crate::planner::stats::FrontendStats;
 
 /// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
 #[derive(Debug, Clone, Deserialize)]

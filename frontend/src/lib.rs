@@ -1,3 +1,8 @@
+//! dyn-frontend: the HTTP ingresses — the OpenAI-compatible `http` kind ([`openai`]) with its
+//! admin routes ([`admin`]) and `/metrics`, and the debugging `http_text` kind ([`text`]) —
+//! and the frontend's metrics ([`metrics`]). It must not depend on any engine (dyn-engine,
+//! dyn-external): changing an engine must not recompile the frontend.
+//!
 //! HTTP ingresses and the plumbing they share: binding, OpenAI-style error objects, API keys,
 //! health endpoints, body limits and graceful shutdown.
 //!
@@ -6,6 +11,7 @@
 //! meant for operators goes to the log.
 
 pub mod admin;
+pub mod metrics;
 pub mod openai;
 pub mod text;
 

@@ -1,4 +1,6 @@
-//! Prometheus metrics, served by the `http` ingress at `GET /metrics`.
+//! The frontend's Prometheus series. The `http` ingress serves the whole default registry at
+//! `GET /metrics` ([`dyn_llm::metrics::render`]): the router's, workers' and planner's series
+//! live in their crates.
 //!
 //! Everything registers in the process's default registry, so one scrape of a process shows
 //! its frontend and every worker it runs. Names follow Prometheus conventions (`_total` for
