@@ -17,8 +17,8 @@ use dyn_pipeline::OpError;
 use dyn_router::kv::{LoadMetrics, Medium, dump_events};
 use tokio::sync::{mpsc, oneshot};
 
+use super::command::{Command, EngineItem, OfferResult};
 use super::events::KvPublisher;
-use super::handle::{Command, EngineItem, OfferResult};
 use super::offload::{Meta, Tiers};
 use super::pool::{BlockId, Evicted};
 use super::scheduler::{Scheduler, SeqId};

@@ -10,16 +10,18 @@ use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_gpu::transfer::{BlockFormat, KvTransferAgent, TransferDescriptor};
-use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
+use dyn_gpu::transfer::{BlockFormat, KvTransferAgent};
+use dyn_llm::types::{Prefilled, PreprocessedRequest};
 use dyn_pipeline::{BuildCx, BuildError, OpError};
 use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
 use tokio::sync::{mpsc, oneshot};
 
+use super::command::Command;
+pub use super::command::{EngineItem, OfferResult};
 use super::engine_loop::EngineLoop;
 use super::events::KvPublisher;
 use super::offload::Tiers;
-use super::scheduler::{Limits, Scheduler, SeqId, SeqRole, SeqSpec};
+use super::scheduler::{Limits, Scheduler, SeqRole, SeqSpec};
 use super::settings::EngineSettings;
 use super::{EngineError, Executor, transfer};
 use crate::metrics::WorkerGauges;
@@ -39,26 +41,6 @@ pub type VerifyImport = Box<dyn Fn(&[Bytes], &[u32]) -> Result<(), EngineError> 
 pub struct ImportedKv {
     pub first_token: u32,
     pub blocks: Vec<Bytes>,
-}
-
-/// What a request's channel carries: tokens, or the engine's failure.
-pub type EngineItem = Result<Generated, OpError>;
-
-/// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
-pub type OfferResult = Result<TransferDescriptor, EngineError>;
-
-pub(super) enum Command {
-    Add {
-        id: SeqId,
-        spec: SeqSpec,
-        /// Imported KV for the sequence's blocks.
-        kv: Option<Vec<Bytes>>,
-        tx: mpsc::Sender<EngineItem>,
-        /// Prefill role: where to send the offer of the prompt's blocks.
-        offer: Option<oneshot::Sender<OfferResult>>,
-    },
-    /// Publish the whole cache (a router lost events).
-    Dump,
 }
 
 /// A running engine worker; dropping the last handle stops its thread.
@@ -416,6 +398,7 @@ impl EngineHandle {
 mod tests {
     use super::*;
     use crate::mocker;
+    use dyn_llm::types::Generated;
     use dyn_pipeline::planes::Planes;
     use dyn_router::kv::{KvEventData, LoadMetrics, RouterEvent};
     use futures::StreamExt;

@@ -25,6 +25,7 @@
 //! KV transfer agent service), [`offload`] (the tiers below the pool), [`events`] (the KV
 //! event stream); an engine adds an [`Executor`] and its config section.
 
+mod command;
 mod engine_loop;
 pub mod events;
 pub mod handle;

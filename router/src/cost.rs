@@ -26,8 +26,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use super::policy::Reported;
-use super::sequences::Load;
+use super::sequences::{Load, Reported};
 use crate::kv::LoadMetrics;
 
 /// How a worker is priced.

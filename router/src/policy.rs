@@ -16,8 +16,9 @@ use serde::{Deserialize, Serialize};
 use dyn_pipeline::planes::LiveInstances;
 
 use super::cost::Candidate;
-use super::sequences::{ActiveSequences, Load};
-use crate::kv::{BlockHash, LoadMetrics};
+use super::sequences::ActiveSequences;
+pub use super::sequences::Reported;
+use crate::kv::BlockHash;
 
 /// The policy a `route` node is configured with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,15 +68,6 @@ pub struct View<'a> {
     pub active: &'a ActiveSequences,
     /// Each worker's last load metrics, with this router's load there when they arrived.
     pub reported: &'a HashMap<u64, Reported>,
-}
-
-/// A worker's last load metrics, and this router's own load on it when they arrived: what
-/// the router sent since is not in them yet (with several routers, the others' requests
-/// are, as of then).
-#[derive(Debug, Clone, Default)]
-pub struct Reported {
-    pub metrics: LoadMetrics,
-    pub own_then: Load,
 }
 
 /// One routing decision, with what it was based on.

@@ -14,6 +14,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::kv::LoadMetrics;
+
+/// A worker's last load metrics, and this router's own load on it when they arrived: what
+/// the router sent since is not in them yet (with several routers, the others' requests
+/// are, as of then).
+#[derive(Debug, Clone, Default)]
+pub struct Reported {
+    pub metrics: LoadMetrics,
+    pub own_then: Load,
+}
+
 /// What the router has outstanding on one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Load {
