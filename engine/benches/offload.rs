@@ -19,26 +19,29 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use dyn_compute::backend::{Backend, KvShape};
 use dyn_engine::events::KvPublisher;
 use dyn_engine::offload::disk::DiskDir;
 use dyn_engine::offload::{Meta, OffloadConfig, Tiers};
-use dyn_gpu::backend::{Backend, KvShape};
 
 const BLOCKS: usize = 256;
 const BLOCK_TOKENS: usize = 64;
 
 fn backend() -> Box<dyn Backend> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
-    let shape = dyn_gpu::model::ModelConfig::load(&dir).unwrap();
-    let ck = dyn_gpu::model::Checkpoint::open(&dir).unwrap();
-    let weights =
-        dyn_gpu::model::ModelWeights::from_checkpoint(shape, &ck, dyn_gpu::model::DType::F32)
-            .unwrap();
+    let shape = dyn_compute::model::ModelConfig::load(&dir).unwrap();
+    let ck = dyn_compute::model::Checkpoint::open(&dir).unwrap();
+    let weights = dyn_compute::model::ModelWeights::from_checkpoint(
+        shape,
+        &ck,
+        dyn_compute::model::DType::F32,
+    )
+    .unwrap();
     let kv = KvShape {
         num_blocks: BLOCKS,
         block_size: BLOCK_TOKENS,
     };
-    Box::new(dyn_gpu::cpu::CpuBackend::with_threads(weights, kv, 1).unwrap())
+    Box::new(dyn_compute::cpu::CpuBackend::with_threads(weights, kv, 1).unwrap())
 }
 
 fn onboard(c: &mut Criterion) {

@@ -3,7 +3,7 @@
 //! so the loop does not depend on the handle.
 
 use bytes::Bytes;
-use dyn_gpu::transfer::TransferDescriptor;
+use dyn_compute::transfer::TransferDescriptor;
 use dyn_llm::types::Generated;
 use dyn_pipeline::OpError;
 use tokio::sync::{mpsc, oneshot};

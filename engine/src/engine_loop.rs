@@ -11,7 +11,7 @@ use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_gpu::transfer::{BlockFormat, KvTransferAgent};
+use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
 use dyn_llm::types::Generated;
 use dyn_pipeline::OpError;
 use dyn_router::kv::{LoadMetrics, Medium, dump_events};

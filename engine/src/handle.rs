@@ -10,7 +10,7 @@ use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_gpu::transfer::{BlockFormat, KvTransferAgent};
+use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
 use dyn_llm::types::{Prefilled, PreprocessedRequest};
 use dyn_pipeline::{BuildCx, BuildError, OpError};
 use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
@@ -357,7 +357,7 @@ impl EngineHandle {
                 req.stop.eos_token_ids.clone().into()
             },
             min_tokens: req.stop.min_tokens,
-            sampling: dyn_gpu::sample::SamplingParams {
+            sampling: dyn_compute::sample::SamplingParams {
                 temperature: s.temperature.unwrap_or(1.0),
                 top_k: s.top_k.unwrap_or(0) as usize,
                 top_p: s.top_p.unwrap_or(1.0),

@@ -40,8 +40,8 @@ pub mod step_model;
 pub mod transfer;
 
 use bytes::Bytes;
-use dyn_gpu::backend::ComputeError;
-use dyn_gpu::transfer::TransferError;
+use dyn_compute::backend::ComputeError;
+use dyn_compute::transfer::TransferError;
 
 pub use handle::{EngineHandle, EngineItem, ImportCheck, ImportedKv, OfferResult, VerifyImport};
 use pool::BlockId;

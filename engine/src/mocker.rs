@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use dyn_gpu::transfer::{BlockFormat, BlockLayout};
+use dyn_compute::transfer::{BlockFormat, BlockLayout};
 use dyn_llm::model::ModelDir;
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;

@@ -1,5 +1,5 @@
 //! The `native` engine: a Llama-family model (llama, qwen2, mistral checkpoints in
-//! safetensors) computed by this project's own backends in `dyn-gpu` — CPU everywhere, CUDA
+//! safetensors) computed by this project's own backends in `dyn-compute` — CPU everywhere, CUDA
 //! where built with the `cuda` feature and a GPU is present.
 //!
 //! It runs on the shared engine loop and scheduler ([`super`]): the scheduler's blocks *are*
@@ -7,7 +7,7 @@
 //! prefix-cache hits skip real compute, and a prefill worker's blocks are the bytes the
 //! transfer agent moves. The executor turns each planned step into one batched forward pass
 //! and samples with each request's parameters, seeded per position (see
-//! [`dyn_gpu::sample`]), so output does not depend on batching or preemption.
+//! [`dyn_compute::sample`]), so output does not depend on batching or preemption.
 //!
 //! ```yaml
 //! decode:
@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-use dyn_gpu::model::{DType, ModelConfig, ModelWeights, gguf};
-use dyn_gpu::transfer::{BlockFormat, BlockLayout};
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::model::{DType, ModelConfig, ModelWeights, gguf};
+use dyn_compute::transfer::{BlockFormat, BlockLayout};
 use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
@@ -105,7 +105,7 @@ impl NativeConfig {
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
         let mut out = self.validate_shared(prefix);
-        if self.device == DeviceChoice::Cuda && !dyn_gpu::cuda_compiled() {
+        if self.device == DeviceChoice::Cuda && !dyn_compute::cuda_compiled() {
             out.push(Invalid::field(
                 format!("{prefix}device"),
                 "`cuda` needs a dyn built with `--features cuda` (or use `auto`)",
@@ -175,7 +175,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
         });
         // The shape read above decides the dtype; the checkpoint is read against it
         // (config.json once).
-        dyn_gpu::model::Checkpoint::open(dir)
+        dyn_compute::model::Checkpoint::open(dir)
             .and_then(|ck| ModelWeights::from_checkpoint(shape, &ck, dtype))
             .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?
     };
@@ -185,7 +185,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
     };
     let cpu = |weights| -> Result<Box<dyn Backend>, BuildError> {
         Ok(Box::new(
-            dyn_gpu::cpu::CpuBackend::with_threads(weights, kv, c.threads)
+            dyn_compute::cpu::CpuBackend::with_threads(weights, kv, c.threads)
                 .map_err(|e| BuildError::new(e.to_string()))?,
         ))
     };
@@ -193,7 +193,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
         DeviceChoice::Cpu => cpu(weights),
         DeviceChoice::Cuda => cuda(&weights, kv, c.gpu).map_err(BuildError::new),
         DeviceChoice::Auto => {
-            if !dyn_gpu::cuda_compiled() {
+            if !dyn_compute::cuda_compiled() {
                 return cpu(weights);
             }
             match cuda(&weights, kv, c.gpu) {
@@ -209,7 +209,7 @@ fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, Bui
 
 #[cfg(feature = "cuda")]
 fn cuda(weights: &ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
-    dyn_gpu::cuda::load(weights, kv, ordinal).map_err(|e| e.to_string())
+    dyn_compute::cuda::load(weights, kv, ordinal).map_err(|e| e.to_string())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -239,7 +239,7 @@ impl Executor for NativeExec {
             .iter()
             .filter(|w| w.sample)
             .zip(&logits)
-            .map(|(w, l)| dyn_gpu::sample::sample(l, &w.spec.sampling, w.tokens.len() as u64))
+            .map(|(w, l)| dyn_compute::sample::sample(l, &w.spec.sampling, w.tokens.len() as u64))
             .collect())
     }
 
@@ -274,7 +274,7 @@ mod tests {
 
     fn gpu_here() -> bool {
         #[cfg(feature = "cuda")]
-        return dyn_gpu::cuda::driver_present();
+        return dyn_compute::cuda::driver_present();
         #[cfg(not(feature = "cuda"))]
         false
     }

@@ -42,7 +42,7 @@ pub struct SeqSpec {
     /// Stop tokens (none end the output before `min_tokens`); empty with `ignore_eos`.
     pub stop_tokens: std::sync::Arc<[u32]>,
     pub min_tokens: u32,
-    pub sampling: dyn_gpu::sample::SamplingParams,
+    pub sampling: dyn_compute::sample::SamplingParams,
     /// Output tokens generated before this request (a migrated request resumes at this
     /// position, so its output continues the original one exactly).
     pub offset: u32,
@@ -172,7 +172,7 @@ pub struct Scheduler {
 
 /// The mocker's deterministic output: splitmix64 over seed and position, into `vocab`.
 pub fn token_at(spec: &SeqSpec, vocab: &[u32], position: u32) -> u32 {
-    let z = dyn_gpu::sample::splitmix(
+    let z = dyn_compute::sample::splitmix(
         spec.sampling.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15),
     );
     match vocab.len() {
@@ -617,7 +617,7 @@ mod tests {
             max_tokens,
             stop_tokens: Vec::new().into(),
             min_tokens: 0,
-            sampling: dyn_gpu::sample::SamplingParams {
+            sampling: dyn_compute::sample::SamplingParams {
                 seed: 42,
                 ..Default::default()
             },
@@ -668,7 +668,7 @@ mod tests {
         s.add(1, a.clone());
         assert_eq!(drain(&mut s)[&1], toks);
         let b = SeqSpec {
-            sampling: dyn_gpu::sample::SamplingParams {
+            sampling: dyn_compute::sample::SamplingParams {
                 seed: 43,
                 ..a.sampling
             },

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dyn_gpu::transfer::{InProcessAgent, KvTransferAgent, TcpAgent};
+use dyn_compute::transfer::{InProcessAgent, KvTransferAgent, TcpAgent};
 use dyn_pipeline::{BuildCx, BuildError, Service};
 
 /// This process's agent: over TCP (on the request plane's host, any port) when other

@@ -116,7 +116,7 @@ pub struct Prefilled {
     /// The token ids the KV covers (the decode worker checks its prompt against this count).
     pub prompt_tokens: u32,
     pub first_token: u32,
-    pub transfer: dyn_gpu::transfer::TransferDescriptor,
+    pub transfer: dyn_compute::transfer::TransferDescriptor,
 }
 
 /// Why a response ended.

@@ -114,7 +114,7 @@ async fn a_prompt_evicted_to_host_memory_comes_back_with_the_same_greedy_output(
 async fn on_cuda_blocks_leave_and_return_through_host_memory() {
     // The same path on the CUDA backend: export is a device→host copy, onboarding a
     // host→device one. Skipped, visibly, without the feature or a GPU.
-    if !dyn_gpu::cuda_compiled() {
+    if !dyn_compute::cuda_compiled() {
         println!(
             "SKIPPED: built without the `cuda` feature (cargo test -p dyn-operators --features cuda)"
         );
@@ -216,21 +216,25 @@ fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
     // (`save_blocks`, as at eviction), write the bytes into other blocks (`load_blocks`, as an
     // onboard), copy those out again. The exchanged layout (disaggregation) round-trips too.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
-    let shape = dyn_gpu::model::ModelConfig::load(&dir).expect("config");
-    let weights = dyn_gpu::model::Checkpoint::open(&dir)
+    let shape = dyn_compute::model::ModelConfig::load(&dir).expect("config");
+    let weights = dyn_compute::model::Checkpoint::open(&dir)
         .and_then(|ck| {
-            dyn_gpu::model::ModelWeights::from_checkpoint(shape, &ck, dyn_gpu::model::DType::F32)
+            dyn_compute::model::ModelWeights::from_checkpoint(
+                shape,
+                &ck,
+                dyn_compute::model::DType::F32,
+            )
         })
         .expect("weights");
-    let kv = dyn_gpu::backend::KvShape {
+    let kv = dyn_compute::backend::KvShape {
         num_blocks: 6,
         block_size: 4,
     };
-    let mut backend: Box<dyn dyn_gpu::backend::Backend> =
-        Box::new(dyn_gpu::cpu::CpuBackend::with_threads(weights, kv, 1).expect("backend"));
+    let mut backend: Box<dyn dyn_compute::backend::Backend> =
+        Box::new(dyn_compute::cpu::CpuBackend::with_threads(weights, kv, 1).expect("backend"));
     let tokens = prompt(3);
     backend
-        .forward(&[dyn_gpu::backend::SeqStep {
+        .forward(&[dyn_compute::backend::SeqStep {
             tokens: &tokens[..8],
             start: 0,
             blocks: &[0, 1],

@@ -6,10 +6,10 @@
 mod common;
 
 use common::{MODELS, dir, max_diff, reference};
-use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-use dyn_gpu::cpu::CpuBackend;
-use dyn_gpu::model::{DType, ModelWeights};
-use dyn_gpu::sample::argmax;
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::{DType, ModelWeights};
+use dyn_compute::sample::argmax;
 
 fn backend(model: &str, dtype: DType, block_size: usize) -> CpuBackend {
     let w = ModelWeights::load(&dir(model), dtype).unwrap();

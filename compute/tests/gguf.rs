@@ -10,11 +10,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{dir, max_diff, reference};
-use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-use dyn_gpu::cpu::CpuBackend;
-use dyn_gpu::model::gguf::Gguf;
-use dyn_gpu::model::{DType, ModelWeights};
-use dyn_gpu::sample::argmax;
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::gguf::Gguf;
+use dyn_compute::model::{DType, ModelWeights};
+use dyn_compute::sample::argmax;
 
 /// A minimal GGUF writer (version 3), for fixtures and corrupt files.
 #[derive(Default)]
@@ -99,7 +99,7 @@ fn permute(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 
 /// models/tiny as a GGUF, written as llama.cpp's converter writes a llama checkpoint.
 fn tiny_gguf() -> Writer {
-    let ck = dyn_gpu::model::Checkpoint::open(&dir("tiny")).unwrap();
+    let ck = dyn_compute::model::Checkpoint::open(&dir("tiny")).unwrap();
     let (h, i, v, layers, heads, kvh) = (64usize, 128usize, 689usize, 2, 4, 2);
     let d = h / heads;
     let t = |n: &str, shape: &[usize]| ck.get_f32(n, shape).unwrap();
@@ -238,7 +238,7 @@ fn a_llama_gguf_runs_exactly_as_its_safetensors_original() {
     let from_gguf = ModelWeights::load(&path, DType::F32).unwrap();
     let original = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
     // GGUF has no torch_dtype; everything else is the same shape.
-    let shape = dyn_gpu::model::ModelConfig {
+    let shape = dyn_compute::model::ModelConfig {
         torch_dtype: None,
         ..original.config.clone()
     };

@@ -2,7 +2,7 @@
 //! for benchmarks: both this engine and Hugging Face transformers load the same files.
 //!
 //! ```text
-//! cargo run --release -p dyn-gpu --example random_model -- DIR [hidden layers heads kv_heads intermediate vocab dtype]
+//! cargo run --release -p dyn-compute --example random_model -- DIR [hidden layers heads kv_heads intermediate vocab dtype]
 //! ```
 //! Defaults: the ~100M config of BENCHMARKS.md (768 12 12 4 2048 8192 f32).
 

@@ -1,5 +1,5 @@
 //! KV transfer throughput against a raw loopback socket copy of the same bytes, in one run:
-//! `cargo bench -p dyn-gpu --bench transfer`. The ratio of the two is the figure in
+//! `cargo bench -p dyn-compute --bench transfer`. The ratio of the two is the figure in
 //! BENCHMARKS.md (target: the agent reaches at least 70 % of the raw copy).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a panic is a failure report
 
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use dyn_gpu::transfer::{BlockFormat, KvTransferAgent, TcpAgent};
+use dyn_compute::transfer::{BlockFormat, KvTransferAgent, TcpAgent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// 256 blocks of 256 KiB: 64 MiB, a long prompt's KV for a 1B-class model.
@@ -69,7 +69,7 @@ fn bench(c: &mut Criterion) {
     });
     let format = BlockFormat {
         block_bytes: BLOCK_BYTES as u32,
-        layout: dyn_gpu::transfer::BlockLayout::LayerKvHeadSlotDim,
+        layout: dyn_compute::transfer::BlockLayout::LayerKvHeadSlotDim,
         dtype: "bf16".into(),
     };
     g.bench_function("tcp_agent_pull", |b| {

@@ -1,5 +1,5 @@
 //! The CPU backend's batched-decode product on one core, against the `gemm` crate on the same
-//! shape, in one run: `cargo bench -p dyn-gpu --bench linear`. Throughput is reported in
+//! shape, in one run: `cargo bench -p dyn-compute --bench linear`. Throughput is reported in
 //! multiply-adds ×2 (flops) per second, so `elem/s` reads as FLOPS.
 //!
 //! The shape is a decode step's: 16 rows (sixteen sequences) against a 49152 × 768 matrix
@@ -13,9 +13,9 @@
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use dyn_gpu::cpu::gemm::{Strides, matmul};
-use dyn_gpu::cpu::linear::{Linear, Scratch, Write};
-use dyn_gpu::model::{Host, Matrix};
+use dyn_compute::cpu::gemm::{Strides, matmul};
+use dyn_compute::cpu::linear::{Linear, Scratch, Write};
+use dyn_compute::model::{Host, Matrix};
 use half::bf16;
 
 const ROWS: usize = 16;

@@ -2,7 +2,7 @@
 //! batch 1 and with 16 sequences decoding together, measured in one run.
 //!
 //! ```text
-//! cargo run --release -p dyn-gpu --example native_bench -- MODEL [f32|bf16|f16|quant] [steps] [rounds] [cpu|cuda]
+//! cargo run --release -p dyn-compute --example native_bench -- MODEL [f32|bf16|f16|quant] [steps] [rounds] [cpu|cuda]
 //! ```
 //! MODEL is a checkpoint directory or a GGUF file; `quant` keeps a GGUF's quantized matrices
 //! quantized (the roofline is then their bytes). Prompt processing (one 512-token prefill)
@@ -14,10 +14,10 @@
 
 use std::time::Instant;
 
-use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-use dyn_gpu::cpu::CpuBackend;
-use dyn_gpu::model::{DType, ModelWeights};
-use dyn_gpu::sample::argmax;
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::{DType, ModelWeights};
+use dyn_compute::sample::argmax;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 
@@ -145,7 +145,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?);
     bar.set_message("loading");
     let w = if kind == "quant" {
-        let g = dyn_gpu::model::gguf::Gguf::open(&dir)?;
+        let g = dyn_compute::model::gguf::Gguf::open(&dir)?;
         g.weights(g.config()?, DType::F32, true)?
     } else {
         ModelWeights::load(&dir, dtype)?
@@ -167,8 +167,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         #[cfg(feature = "cuda")]
         "cuda" => (
-            dyn_gpu::cuda::load(&w, kv, 0)?,
-            Box::new(|| dyn_gpu::cuda::copy_bandwidth(0).unwrap_or(f64::NAN)),
+            dyn_compute::cuda::load(&w, kv, 0)?,
+            Box::new(|| dyn_compute::cuda::copy_bandwidth(0).unwrap_or(f64::NAN)),
         ),
         other => {
             return Err(

@@ -8,7 +8,7 @@
 #[test]
 fn cuda_tests_need_the_cuda_feature() {
     println!(
-        "SKIPPED: dyn-gpu built without the `cuda` feature (cargo test -p dyn-gpu --features cuda)"
+        "SKIPPED: dyn-compute built without the `cuda` feature (cargo test -p dyn-compute --features cuda)"
     );
 }
 
@@ -18,14 +18,14 @@ mod common;
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::common::{dir, max_diff, reference};
-    use dyn_gpu::backend::{Backend, KvShape, SeqStep};
-    use dyn_gpu::model::{DType, ModelWeights};
-    use dyn_gpu::sample::argmax;
+    use dyn_compute::backend::{Backend, KvShape, SeqStep};
+    use dyn_compute::model::{DType, ModelWeights};
+    use dyn_compute::sample::argmax;
 
     /// The backend, or `None` (with the reason printed) where there is no GPU.
     fn gpu(model: &str, dtype: DType) -> Option<Box<dyn Backend>> {
         let w = ModelWeights::load(&dir(model), dtype).unwrap();
-        match dyn_gpu::cuda::load(
+        match dyn_compute::cuda::load(
             &w,
             KvShape {
                 num_blocks: 256,
@@ -44,7 +44,7 @@ mod gpu {
     fn cpu(model: &str) -> Box<dyn Backend> {
         let w = ModelWeights::load(&dir(model), DType::F32).unwrap();
         Box::new(
-            dyn_gpu::cpu::CpuBackend::new(
+            dyn_compute::cpu::CpuBackend::new(
                 w,
                 KvShape {
                     num_blocks: 256,
@@ -100,7 +100,7 @@ mod gpu {
     #[test]
     fn kernels_compile_with_nvrtc_for_every_dtype() {
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
-            match dyn_gpu::cuda::compile_kernels(dtype) {
+            match dyn_compute::cuda::compile_kernels(dtype) {
                 Ok(bytes) => println!("{dtype:?}: {bytes} bytes of PTX"),
                 Err(e) if !e.to_string().contains("compiling") => {
                     println!("SKIPPED: {e}");
@@ -114,7 +114,7 @@ mod gpu {
     #[test]
     fn no_driver_is_an_error_not_a_panic() {
         let w = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
-        match dyn_gpu::cuda::load(
+        match dyn_compute::cuda::load(
             &w,
             KvShape {
                 num_blocks: 4,
@@ -124,7 +124,7 @@ mod gpu {
         ) {
             Ok(b) => println!("a GPU is present: {}", b.describe()),
             Err(e) => {
-                assert!(!dyn_gpu::cuda::driver_present() || !e.to_string().is_empty());
+                assert!(!dyn_compute::cuda::driver_present() || !e.to_string().is_empty());
                 println!("SKIPPED (the error path ran): {e}");
             }
         }

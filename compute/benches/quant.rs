@@ -1,5 +1,5 @@
 //! The quantized products on one core, every GGUF type against f32 on the same shape, in one
-//! run: `cargo bench -p dyn-gpu --bench quant`. Throughput is in weights per second (one row
+//! run: `cargo bench -p dyn-compute --bench quant`. Throughput is in weights per second (one row
 //! of input); at one row, bytes of weights read per second is that times the type's bytes per
 //! weight.
 //!
@@ -12,9 +12,9 @@
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use dyn_gpu::cpu::linear::{Linear, Scratch, Write};
-use dyn_gpu::model::{Host, Matrix};
-use dyn_gpu::quant::{QTensor, QType};
+use dyn_compute::cpu::linear::{Linear, Scratch, Write};
+use dyn_compute::model::{Host, Matrix};
+use dyn_compute::quant::{QTensor, QType};
 
 const OUT: usize = 4096;
 const INP: usize = 1536;

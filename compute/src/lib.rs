@@ -1,4 +1,4 @@
-//! dyn-gpu: the native engine's compute, and KV transfer between workers.
+//! dyn-compute: the native engine's compute, and KV transfer between workers.
 //!
 //! - [`model`] reads a Llama-family checkpoint (Hugging Face `config.json` and safetensors)
 //!   into the weights every backend uses.
