@@ -1,5 +1,5 @@
 //! The `dyn` command. Only argument parsing, output and exit codes live here; the work is done
-//! by `dyn-pipeline` (compile, plan, run), `dyn-operators` (the kinds) and `dyn-bench` (the load
+//! by `dyn-pipeline` (compile, plan, run), `dyn-kinds` (the kinds) and `dyn-bench` (the load
 //! generator).
 
 mod bench;
@@ -219,7 +219,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => return bench::bench(*args),
         Command::Inspect(args) => return inspect::inspect(args),
     };
-    let registry = dyn_operators::registry();
+    let registry = dyn_kinds::registry();
     match cmd {
         GraphCommand::Validate { files } => {
             let mut failed = false;

@@ -5,7 +5,7 @@
 //! - `time` (the default): the worker's predicted time to first token for this prompt —
 //!   its prefill queue (prompt tokens routed or waiting there and not computed yet) and the
 //!   prompt's own uncached tokens, in milliseconds from the step time and per-token prefill
-//!   cost the worker measures and reports ([`crate::engine::step_model`]) — with the prompt's
+//!   cost the worker measures and reports (`dyn_engine::step_model`) — with the prompt's
 //!   own prefill weighted by `miss_weight`. At 1 that is the request's TTFT alone; above 1 a
 //!   cache miss also pays for what it does to the others: the compute they wait behind and
 //!   the cached prefix it evicts. A cached prefix thus keeps its requests home until the home

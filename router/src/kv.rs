@@ -164,7 +164,7 @@ pub struct LoadMetrics {
     /// prices in time.
     #[serde(default)]
     pub pending_prefill_tokens: u64,
-    /// The worker's measured step time ([`crate::engine::step_model`]): milliseconds of a step
+    /// The worker's measured step time (`dyn_engine::step_model`): milliseconds of a step
     /// without prefill at its current batch, and milliseconds per prompt token computed.
     /// 0 = not measured yet (engines that report no step times, like external servers).
     #[serde(default)]

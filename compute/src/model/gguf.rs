@@ -7,7 +7,7 @@
 //! (through the same checks as `config.json`); [`Gguf::weights`] reads the tensors by their
 //! GGUF names into [`ModelWeights`], quantized matrices either kept as they are (the CPU
 //! backend multiplies them directly) or widened to a dtype. Tokenizer and chat template
-//! metadata are read by the serving side (`dyn-operators`) through [`Gguf::meta`].
+//! metadata are read by the serving side (`dyn-llm`) through [`Gguf::meta`].
 
 #![allow(unsafe_code)]
 

@@ -116,7 +116,7 @@ async fn on_cuda_blocks_leave_and_return_through_host_memory() {
     // host→device one. Skipped, visibly, without the feature or a GPU.
     if !dyn_compute::cuda_compiled() {
         println!(
-            "SKIPPED: built without the `cuda` feature (cargo test -p dyn-operators --features cuda)"
+            "SKIPPED: built without the `cuda` feature (cargo test -p dyn-engine --features cuda)"
         );
         return;
     }

@@ -1,4 +1,4 @@
-//! dyn-operators: every operator kind a graph can name, and the registry that lists them.
+//! dyn-kinds: every operator kind a graph can name, and the registry that lists them.
 //!
 //! One module per kind. Kinds are registered explicitly in [`registry`]; a kind missing from
 //! that list cannot be used in a graph.
