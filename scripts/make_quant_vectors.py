@@ -1,7 +1,7 @@
-"""Test vectors for dyn's GGML block formats (gpu/src/quant): random blocks of each type with
+"""Test vectors for dyn's GGML block formats (compute/src/quant): random blocks of each type with
 sane f16 scales, and their values as ggml's own Python package (`gguf`) dequantizes them.
 
-    python scripts/make_quant_vectors.py > gpu/tests/data/quant_vectors.json
+    python scripts/make_quant_vectors.py > compute/tests/data/quant_vectors.json
 """
 
 import json

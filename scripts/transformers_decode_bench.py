@@ -1,5 +1,5 @@
 """Decode tokens/s of Hugging Face transformers (eager attention, CPU torch) on a checkpoint
-directory, at batch 1 and 16, the same way gpu/examples/native_bench.rs measures this engine:
+directory, at batch 1 and 16, the same way compute/examples/native_bench.rs measures this engine:
 a 32-token prompt per sequence, then timed greedy decode steps with the KV cache.
 
     python scripts/transformers_decode_bench.py MODEL_DIR f32|bf16 STEPS

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
-use dyn_operators::http::admin::EventLine;
-use dyn_operators::llm::kv::KvEventData;
-use dyn_operators::llm::remote_prefill::PrefillRouteAnswer;
-use dyn_operators::llm::route::inspect::{KvAnswer, KvArgs, Replicas, RouteAnswer, WorkersAnswer};
-use dyn_operators::planner::state::PlannerState;
+use dyn_frontend::admin::EventLine;
+use dyn_planner::state::PlannerState;
+use dyn_router::inspect::{KvAnswer, KvArgs, Replicas, RouteAnswer, WorkersAnswer};
+use dyn_router::kv::KvEventData;
+use dyn_router::remote_prefill::PrefillRouteAnswer;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};

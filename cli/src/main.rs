@@ -1,5 +1,5 @@
 //! The `dyn` command. Only argument parsing, output and exit codes live here; the work is done
-//! by `dyn-pipeline` (compile, plan, run), `dyn-operators` (the kinds) and `dyn-bench` (the load
+//! by `dyn-pipeline` (compile, plan, run), `dyn-kinds` (the kinds) and `dyn-bench` (the load
 //! generator).
 
 mod bench;
@@ -219,7 +219,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => return bench::bench(*args),
         Command::Inspect(args) => return inspect::inspect(args),
     };
-    let registry = dyn_operators::registry();
+    let registry = dyn_kinds::registry();
     match cmd {
         GraphCommand::Validate { files } => {
             let mut failed = false;
@@ -394,7 +394,7 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
             planner_plan(&graph)?
         };
         let attach = move |a: dyn_pipeline::Attach| {
-            planner.map(|p| dyn_operators::planner::run(p, a.planes.events, a.replicas).boxed())
+            planner.map(|p| dyn_planner::run(p, a.planes.events, a.replicas).boxed())
         };
         return rt
             .block_on(dyn_pipeline::run_attached(&graph, opts, stop, attach))
@@ -452,7 +452,7 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
                 };
                 let connector: std::sync::Arc<dyn dyn_pipeline::Connector> = sup.clone();
                 Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                    dyn_operators::planner::run(p, std::sync::Arc::new(events), connector),
+                    dyn_planner::run(p, std::sync::Arc::new(events), connector),
                 )))
             }
             None => None,
@@ -462,10 +462,8 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
 }
 
 /// The graph's planner, with its profile loaded (a bad profile stops `dyn graph up` here).
-fn planner_plan(
-    graph: &CompiledGraph,
-) -> anyhow::Result<Option<dyn_operators::planner::run::Plan>> {
-    dyn_operators::planner::run::Plan::of(graph).map_err(Into::into)
+fn planner_plan(graph: &CompiledGraph) -> anyhow::Result<Option<dyn_planner::run::Plan>> {
+    dyn_planner::run::Plan::of(graph).map_err(Into::into)
 }
 
 /// The arguments of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)

@@ -5,7 +5,7 @@
 //! Dynamo's pre-deployment profiling does: prefill — lone requests of growing prompt length,
 //! one output token, their median TTFT; decode — closed loops at growing concurrency, ITL
 //! percentiles and output tokens per second. The result is the JSON file the planner's
-//! `profile:` names ([`dyn_operators::planner::profile::Profile`]).
+//! `profile:` names ([`dyn_planner::profile::Profile`]).
 
 use std::path::PathBuf;
 
@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use dyn_bench::dataset::{Source, Synthetic, Words};
 use dyn_bench::{Config, Endpoint, Load, Stop};
-use dyn_operators::planner::profile::{DecodePoint, PrefillPoint, Profile};
 use dyn_pipeline::spec::Override;
+use dyn_planner::profile::{DecodePoint, PrefillPoint, Profile};
 
 #[derive(clap::Args)]
 pub struct ProfileArgs {

@@ -3,8 +3,9 @@
 //! It owns the operator abstraction ([`Operator`], one typed stream in and one out per request,
 //! with a [`Ctx`]), the registry of operator kinds, the graph spec and its compiler (every
 //! error at once, with `FILE:LINE:COL`), the planner, the three planes (discovery, events,
-//! requests) and the embedded runtime. It knows nothing about LLMs: those operators live in
-//! `dyn-operators`.
+//! requests) and the embedded runtime. It knows nothing about LLMs and must not depend on
+//! any other dyn crate: the LLM kinds live in `dyn-llm`, `dyn-router`, `dyn-engine`,
+//! `dyn-external`, `dyn-frontend` and `dyn-planner`, and `dyn-kinds` lists them.
 
 pub mod compile;
 pub mod ctx;

@@ -1,0 +1,25 @@
+//! dyn-compute: the native engine's compute, and KV transfer between workers.
+//!
+//! - [`model`] reads a Llama-family checkpoint (Hugging Face `config.json` and safetensors)
+//!   into the weights every backend uses.
+//! - [`backend`] is the trait the engine drives: a batch of sequences through the model over
+//!   a paged KV cache. [`cpu`] implements it everywhere; `cuda` (feature `cuda`) on NVIDIA
+//!   GPUs through cudarc, loading the driver at run time.
+//! - [`sample`] picks tokens from logits.
+//! - [`transfer`] moves KV-cache blocks between workers (disaggregated prefill).
+
+pub mod backend;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod model;
+pub mod quant;
+pub mod sample;
+pub mod transfer;
+
+pub use backend::{Backend, ComputeError, KvShape, SeqStep};
+
+/// True when the `cuda` feature was enabled at build time.
+pub const fn cuda_compiled() -> bool {
+    cfg!(feature = "cuda")
+}

@@ -1,0 +1,200 @@
+//! The CUDA backend against the same references as the CPU backend. These tests always
+//! compile (with `--features cuda`); where no CUDA driver or GPU is present each one prints
+//! `SKIPPED` and passes, so CI (which has no GPU) shows they were not exercised.
+//! `scripts/test` runs them with `--nocapture` for that reason.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_tests_need_the_cuda_feature() {
+    println!(
+        "SKIPPED: dyn-compute built without the `cuda` feature (cargo test -p dyn-compute --features cuda)"
+    );
+}
+
+#[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::common::{dir, max_diff, reference};
+    use dyn_compute::backend::{Backend, KvShape, SeqStep};
+    use dyn_compute::model::{DType, ModelWeights};
+    use dyn_compute::sample::argmax;
+
+    /// The backend, or `None` (with the reason printed) where there is no GPU.
+    fn gpu(model: &str, dtype: DType) -> Option<Box<dyn Backend>> {
+        let w = ModelWeights::load(&dir(model), dtype).unwrap();
+        match dyn_compute::cuda::load(
+            &w,
+            KvShape {
+                num_blocks: 256,
+                block_size: 4,
+            },
+            0,
+        ) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                println!("SKIPPED: no usable CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    fn cpu(model: &str) -> Box<dyn Backend> {
+        let w = ModelWeights::load(&dir(model), DType::F32).unwrap();
+        Box::new(
+            dyn_compute::cpu::CpuBackend::new(
+                w,
+                KvShape {
+                    num_blocks: 256,
+                    block_size: 4,
+                },
+            )
+            .unwrap(),
+        )
+    }
+
+    /// A sequence being decoded: tokens, tokens computed, blocks, logits per step.
+    type Seq = (Vec<u32>, usize, Vec<u32>, Vec<Vec<f32>>);
+
+    /// Greedy decoding of several prompts batched together; (tokens, logits per step).
+    fn greedy(
+        b: &mut dyn Backend,
+        prompts: &[Vec<u32>],
+        steps: usize,
+    ) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+        let per = 16u32;
+        let mut seqs: Vec<Seq> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                (
+                    p.clone(),
+                    0,
+                    (i as u32 * per..(i as u32 + 1) * per).collect(),
+                    Vec::new(),
+                )
+            })
+            .collect();
+        for _ in 0..steps {
+            let batch: Vec<SeqStep<'_>> = seqs
+                .iter()
+                .map(|(t, c, bl, _)| SeqStep {
+                    tokens: &t[*c..],
+                    start: *c,
+                    blocks: bl,
+                    logits: true,
+                })
+                .collect();
+            let logits = b.forward(&batch).unwrap();
+            for (s, l) in seqs.iter_mut().zip(logits) {
+                s.1 = s.0.len();
+                s.0.push(argmax(&l));
+                s.3.push(l);
+            }
+        }
+        seqs.into_iter().map(|(t, _, _, l)| (t, l)).collect()
+    }
+
+    #[test]
+    fn kernels_compile_with_nvrtc_for_every_dtype() {
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            match dyn_compute::cuda::compile_kernels(dtype) {
+                Ok(bytes) => println!("{dtype:?}: {bytes} bytes of PTX"),
+                // NVRTC is software (a PyPI wheel): the test command provides it, so there
+                // a missing NVRTC fails the test; only a bare `cargo test` skips.
+                Err(e) if !e.to_string().contains("compiling") => {
+                    dyn_tests::skip(&format!("NVRTC cannot be loaded: {e}"));
+                    return;
+                }
+                Err(e) => panic!("{dtype:?}: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        let w = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
+        match dyn_compute::cuda::load(
+            &w,
+            KvShape {
+                num_blocks: 4,
+                block_size: 4,
+            },
+            0,
+        ) {
+            Ok(b) => println!("a GPU is present: {}", b.describe()),
+            Err(e) => {
+                assert!(!dyn_compute::cuda::driver_present() || !e.to_string().is_empty());
+                println!("SKIPPED (the error path ran): {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn logits_and_greedy_tokens_match_transformers_batched() {
+        for model in ["tiny", "tiny-qwen2", "tiny-mistral"] {
+            let Some(mut b) = gpu(model, DType::F32) else {
+                return;
+            };
+            let r = reference(model);
+            let prompts: Vec<Vec<u32>> = r.prompts.iter().map(|c| c.prompt.clone()).collect();
+            let got = greedy(b.as_mut(), &prompts, r.prompts[0].greedy.len());
+            for (c, (tokens, logits)) in r.prompts.iter().zip(&got) {
+                assert_eq!(&tokens[c.prompt.len()..], &c.greedy[..], "{model}");
+                for (step, want) in c.logits.iter().enumerate() {
+                    let d = max_diff(&logits[step], want);
+                    assert!(d < 1e-3, "{model} step {step}: logits differ by {d}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kv_blocks_move_between_gpu_and_cpu_backends_of_one_dtype() {
+        let Some(mut g) = gpu("tiny", DType::F32) else {
+            return;
+        };
+        let mut c = cpu("tiny");
+        assert_eq!(g.block_bytes(), c.block_bytes());
+        let r = reference("tiny");
+        let case = &r.prompts[1];
+        // Prefill on the GPU, move the blocks to the CPU backend, decode there.
+        let blocks: Vec<u32> = (0..16).collect();
+        let step = SeqStep {
+            tokens: &case.prompt,
+            start: 0,
+            blocks: &blocks,
+            logits: true,
+        };
+        let first = argmax(&g.forward(&[step]).unwrap()[0]);
+        assert_eq!(first, case.greedy[0]);
+        let used: Vec<u32> = blocks[..case.prompt.len().div_ceil(4)].to_vec();
+        let data = g.export_blocks(&used).unwrap();
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        c.import_blocks(&used, &refs).unwrap();
+        let mut tokens = case.prompt.clone();
+        tokens.push(first);
+        let step = SeqStep {
+            tokens: &tokens[case.prompt.len()..],
+            start: case.prompt.len(),
+            blocks: &blocks,
+            logits: true,
+        };
+        assert_eq!(argmax(&c.forward(&[step]).unwrap()[0]), case.greedy[1]);
+    }
+
+    #[test]
+    fn bf16_weights_stay_close() {
+        let Some(mut b) = gpu("tiny", DType::Bf16) else {
+            return;
+        };
+        let r = reference("tiny");
+        let got = greedy(b.as_mut(), &[r.prompts[1].prompt.clone()], 1);
+        let want = &r.prompts[1].logits[0];
+        let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(&got[0].1[0], want);
+        assert!(d < 0.05 * scale.max(1.0), "bf16 logits differ by {d}");
+    }
+}

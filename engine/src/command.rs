@@ -1,0 +1,32 @@
+//! What the handle sends the engine loop ([`Command`]) and what comes back on a request's
+//! channel ([`EngineItem`]) or a prefill's offer ([`OfferResult`]): the types both sides share,
+//! so the loop does not depend on the handle.
+
+use bytes::Bytes;
+use dyn_compute::transfer::TransferDescriptor;
+use dyn_llm::types::Generated;
+use dyn_pipeline::OpError;
+use tokio::sync::{mpsc, oneshot};
+
+use super::EngineError;
+use super::scheduler::{SeqId, SeqSpec};
+
+/// What a request's channel carries: tokens, or the engine's failure.
+pub type EngineItem = Result<Generated, OpError>;
+
+/// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
+pub type OfferResult = Result<TransferDescriptor, EngineError>;
+
+pub(super) enum Command {
+    Add {
+        id: SeqId,
+        spec: SeqSpec,
+        /// Imported KV for the sequence's blocks.
+        kv: Option<Vec<Bytes>>,
+        tx: mpsc::Sender<EngineItem>,
+        /// Prefill role: where to send the offer of the prompt's blocks.
+        offer: Option<oneshot::Sender<OfferResult>>,
+    },
+    /// Publish the whole cache (a router lost events).
+    Dump,
+}

@@ -1,0 +1,687 @@
+//! [`EngineHandle`]: what a `decode` or `prefill` node holds of its engine. It starts the
+//! engine thread (`engine_loop.rs`), queues requests to it (refusing with 503 when its
+//! queue is full), pulls a prefill worker's KV for a request, and forwards routers' resync
+//! requests. Dropping the last handle stops the thread.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
+use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
+use dyn_pipeline::{BuildCx, BuildError, OpError};
+use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
+use tokio::sync::{mpsc, oneshot};
+
+use super::command::Command;
+pub use super::command::{EngineItem, OfferResult};
+use super::engine_loop::EngineLoop;
+use super::events::KvPublisher;
+use super::offload::Tiers;
+use super::scheduler::{Limits, Scheduler, SeqRole, SeqSpec};
+use super::settings::EngineSettings;
+use super::{EngineError, Executor, transfer};
+use crate::metrics::WorkerGauges;
+
+/// How a decode worker takes KV from a prefill worker: the block format it expects, the
+/// modelled delay before pulling (the mocker's), and a check of the pulled bytes.
+pub struct ImportCheck {
+    pub format: BlockFormat,
+    pub delay: Box<dyn Fn(usize) -> Duration + Send + Sync>,
+    pub verify: VerifyImport,
+}
+
+/// Checks pulled blocks against the prompt they should hold.
+pub type VerifyImport = Box<dyn Fn(&[Bytes], &[u32]) -> Result<(), EngineError> + Send + Sync>;
+
+/// A panic's message, when it has one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)")
+}
+
+/// One request's items from the engine, ending after its last token or its error. A channel
+/// that closes before either means the engine thread is gone (it panicked, or stopped): the
+/// request was lost with its replica, and says so ([`OpError::instance_lost`]) so it
+/// migrates.
+pub fn request_items(
+    mut rx: mpsc::Receiver<EngineItem>,
+) -> impl futures::Stream<Item = EngineItem> + Send + 'static {
+    let mut ended = false;
+    futures::stream::poll_fn(move |cx| {
+        if ended {
+            return std::task::Poll::Ready(None);
+        }
+        let item = match std::task::ready!(rx.poll_recv(cx)) {
+            Some(item) => item,
+            None => Err(OpError::instance_lost(
+                "the engine stopped before the request finished",
+            )),
+        };
+        ended = matches!(
+            item,
+            Err(_)
+                | Ok(Generated::Tokens {
+                    finish: Some(_),
+                    ..
+                })
+        );
+        std::task::Poll::Ready(Some(item))
+    })
+}
+
+/// A prompt's KV, pulled from a prefill worker, and the first token the prefill sampled.
+pub struct ImportedKv {
+    pub first_token: u32,
+    pub blocks: Vec<Bytes>,
+}
+
+/// A running engine worker; dropping the last handle stops its thread.
+pub struct EngineHandle {
+    commands: std_mpsc::SyncSender<Command>,
+    /// Requests submitted but not yet running: in the command queue or the scheduler's.
+    queued: Arc<AtomicUsize>,
+    settings: EngineSettings,
+    next_id: AtomicU64,
+    /// Gauges of this worker (also on `/metrics`).
+    pub gauges: WorkerGauges,
+    /// Pulls prompts' KV from prefill workers (and offers this worker's, in the prefill role).
+    agent: Arc<dyn KvTransferAgent>,
+    import: ImportCheck,
+    node: String,
+    worker_id: u64,
+    tiers: Option<Arc<Tiers>>,
+}
+
+impl EngineHandle {
+    /// How long a prefill's offered blocks stay pinned for a decode worker to pull.
+    pub fn pin_ttl(&self) -> Duration {
+        Duration::from_secs_f64(self.settings.scheduler.pin_ttl_s.max(0.0))
+    }
+
+    /// The worker's offload tiers, if it has them.
+    pub fn tiers(&self) -> Option<&Arc<Tiers>> {
+        self.tiers.as_ref()
+    }
+
+    /// Start the engine thread for `exec` and the tasks that carry its events.
+    pub async fn start(
+        config: EngineSettings,
+        import: ImportCheck,
+        exec: Box<dyn Executor>,
+        cx: &BuildCx,
+        name: &str,
+    ) -> Result<Arc<EngineHandle>, BuildError> {
+        let sched = &config.scheduler;
+        let (commands, rx) = std_mpsc::sync_channel(sched.max_queued_requests as usize);
+        let worker_id = cx.instance_id;
+        let gauges = WorkerGauges::new(&cx.node, worker_id);
+        // Visible on /metrics from the start, not only after the first request.
+        gauges.set(0, 0, 0, sched.num_blocks, &Default::default());
+        // Events leave the engine thread through a bounded queue; if the plane cannot keep
+        // up they are dropped, and consumers see the gap in event ids.
+        let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
+        let planes = cx.planes.clone();
+        tokio::spawn(async move {
+            while let Some((subject, payload)) = events_rx.recv().await {
+                if let Err(e) = planes.events.publish(&subject, payload).await {
+                    tracing::warn!(error = %e, subject, "Cannot publish an engine event");
+                }
+            }
+        });
+        let queued = Arc::new(AtomicUsize::new(0));
+        let agent = cx.service::<transfer::TransferAgent>().await?.0.clone();
+        let kv = Arc::new(KvPublisher::new(
+            worker_id,
+            kv_events_subject(&cx.namespace, &cx.node),
+            events_tx.clone(),
+        ));
+        let tiers = if config.offload.enabled() {
+            // What a block file must match to be read back: the engine's own layout, dtype
+            // and block geometry.
+            let f = &import.format;
+            let format = format!(
+                "{}/{}/{}x{}",
+                exec.offload_layout(),
+                f.dtype,
+                sched.block_size,
+                f.block_bytes
+            );
+            let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
+            // Opening the disk tier reads and checks every block file: a blocking scan, kept
+            // off the runtime (a replica may start under load, added by the planner).
+            let (offload, node, model, kv) = (
+                config.offload.clone(),
+                cx.node.clone(),
+                config.offload_model,
+                kv.clone(),
+            );
+            let t = tokio::task::spawn_blocking(move || {
+                Tiers::start(&offload, dir, &node, &format, model, kv)
+            })
+            .await
+            .map_err(|e| BuildError::new(format!("the KV offload tiers' start failed: {e}")))?
+            .map_err(|e| BuildError::new(format!("cannot start the KV offload tiers: {e}")))?;
+            tracing::info!(
+                node = %cx.node,
+                host_blocks = config.offload.host_blocks,
+                disk_blocks = config.offload.disk_blocks,
+                "KV offload tiers ready"
+            );
+            Some(t)
+        } else {
+            None
+        };
+        let mut scheduler = Scheduler::new(
+            Limits {
+                block_size: sched.block_size as usize,
+                max_num_seqs: sched.max_num_seqs as usize,
+                max_num_batched_tokens: sched.max_num_batched_tokens as usize,
+            },
+            sched.num_blocks,
+        );
+        if let Some(t) = &tiers {
+            scheduler = scheduler.with_lower(Box::new(t.clone()));
+        }
+        let (unpin_tx, unpin_rx) = std_mpsc::channel();
+        let engine = EngineLoop {
+            agent: agent.clone(),
+            pin_ttl: Duration::from_secs_f64(sched.pin_ttl_s),
+            pinned: HashMap::new(),
+            unpin_tx,
+            unpin_rx,
+            queued: queued.clone(),
+            received_unadmitted: 0,
+            sched: scheduler,
+            outboxes: HashMap::new(),
+            exec,
+            imports: HashMap::new(),
+            format: import.format.clone(),
+            worker_id,
+            kv,
+            tiers: tiers
+                .clone()
+                .map(|t| (t, crate::metrics::TierGauges::new(&cx.node, worker_id))),
+            load_subject: load_metrics_subject(&cx.namespace, &cx.node),
+            events: events_tx,
+            gauges: gauges.clone(),
+            last_load: None,
+            step_model: Default::default(),
+        };
+        // Routers that lost events ask for a full dump; the engine publishes it in order
+        // with its other events.
+        let mut resync = cx
+            .planes
+            .events
+            .subscribe(&kv_resync_subject(&cx.namespace, &cx.node))
+            .await
+            .map_err(|e| BuildError::new(format!("cannot subscribe to resync requests: {e}")))?;
+        // The thread is owned: a panic in it (a kernel's assert, a bug) is caught here and
+        // fails the replica, which the runtime takes out of discovery and replaces. Its
+        // requests' channels close as the loop unwinds, so they end as lost and migrate.
+        let readiness = cx.readiness.clone();
+        let engine_name = name.to_owned();
+        std::thread::Builder::new()
+            .name(format!("{name}-{}", cx.replica))
+            .spawn(move || {
+                let run =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || engine.run(rx)));
+                if let Err(panic) = run {
+                    let what = panic_message(panic.as_ref());
+                    tracing::error!(
+                        worker_id = format_args!("{worker_id:x}"),
+                        panic = what,
+                        "Engine thread panicked; the replica is failed"
+                    );
+                    readiness.fail(format!("the {engine_name} engine thread panicked: {what}"));
+                }
+            })
+            .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))?;
+        let worker = Arc::new(EngineHandle {
+            commands,
+            queued,
+            settings: config,
+            next_id: AtomicU64::new(1),
+            gauges,
+            agent,
+            import,
+            node: cx.node.clone(),
+            worker_id,
+            tiers,
+        });
+        // Weak: the engine thread stops when the last handle goes, and this task must not be
+        // one.
+        let weak = Arc::downgrade(&worker);
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            while let Some(ev) = resync.next().await {
+                let Some(m) = weak.upgrade() else { break };
+                let Ok(req) = serde_json::from_slice::<ResyncRequest>(&ev.payload) else {
+                    tracing::warn!("Ignoring a malformed KV resync request");
+                    continue;
+                };
+                // A full command queue drops the request; the router asks again.
+                if req.worker_id == worker_id && m.commands.try_send(Command::Dump).is_err() {
+                    tracing::warn!("Engine busy; KV resync request dropped");
+                }
+            }
+        });
+        Ok(worker)
+    }
+
+    /// Queue a request; its tokens arrive on the returned channel. `kv`: the prompt's KV
+    /// imported from a prefill worker (decode role), or none (aggregated).
+    pub fn submit(
+        &self,
+        req: &PreprocessedRequest,
+        kv: Option<ImportedKv>,
+    ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
+        match kv {
+            Some(kv) => self.enqueue(
+                req,
+                SeqRole::Imported {
+                    first_token: kv.first_token,
+                },
+                Some(kv.blocks),
+                None,
+            ),
+            None => self.enqueue(req, SeqRole::Full, None, None),
+        }
+    }
+
+    /// Receive the KV a prefill worker computed for `req`: the modelled transfer time (if
+    /// any) passes first and then the blocks are pulled through the transfer agent, so a
+    /// prefill worker lost during the transfer fails the pull (as a read from a dead peer
+    /// would). `None` when the transfer failed or does not match the prompt: the request is
+    /// then prefilled here.
+    pub async fn import(&self, req: &PreprocessedRequest, p: &Prefilled) -> Option<ImportedKv> {
+        let started = Instant::now();
+        let want = &self.import.format;
+        let result = async {
+            if p.prompt_tokens as usize != req.token_ids.len()
+                || p.transfer.block_bytes != want.block_bytes
+                || p.transfer.layout != want.layout
+                || p.transfer.dtype != want.dtype
+            {
+                return Err(EngineError::Mismatch(format!(
+                    "the offer covers {} tokens in blocks of {} bytes ({}, {}); this worker has a {}-token prompt and blocks of {} bytes ({}, {})",
+                    p.prompt_tokens,
+                    p.transfer.block_bytes,
+                    p.transfer.layout,
+                    p.transfer.dtype,
+                    req.token_ids.len(),
+                    want.block_bytes,
+                    want.layout,
+                    want.dtype,
+                )));
+            }
+            tokio::time::sleep((self.import.delay)(req.token_ids.len())).await;
+            let blocks = self.agent.pull(&p.transfer).await?;
+            let bs = self.settings.scheduler.block_size as usize;
+            if blocks.len() != req.token_ids.len().div_ceil(bs) {
+                return Err(EngineError::Mismatch(format!(
+                    "{} blocks pulled for a {}-token prompt",
+                    blocks.len(),
+                    req.token_ids.len()
+                )));
+            }
+            (self.import.verify)(&blocks, &req.token_ids)?;
+            Ok(blocks)
+        }
+        .await;
+        let id = format!("{:x}", self.worker_id);
+        let m = &dyn_router::metrics::DISAGG;
+        match result {
+            Ok(blocks) => {
+                m.transfers
+                    .with_label_values(&[self.node.as_str(), &id, "pulled"])
+                    .inc();
+                m.transfer_seconds
+                    .with_label_values(&[self.node.as_str()])
+                    .observe(started.elapsed().as_secs_f64());
+                Some(ImportedKv {
+                    first_token: p.first_token,
+                    blocks,
+                })
+            }
+            Err(e) => {
+                m.transfers
+                    .with_label_values(&[self.node.as_str(), &id, "failed"])
+                    .inc();
+                tracing::warn!(worker_id = %id, prefill_worker = format_args!("{:x}", p.worker_id), error = %e, "KV transfer failed; prefilling locally");
+                None
+            }
+        }
+    }
+
+    /// Queue a prefill-only request: its first token arrives on the first channel, the offer
+    /// of its prompt's KV blocks on the second.
+    pub fn submit_prefill(
+        &self,
+        req: &PreprocessedRequest,
+    ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
+        let (otx, orx) = oneshot::channel();
+        Ok((self.enqueue(req, SeqRole::Prefill, None, Some(otx))?, orx))
+    }
+
+    fn enqueue(
+        &self,
+        req: &PreprocessedRequest,
+        role: SeqRole,
+        kv: Option<Vec<Bytes>>,
+        offer: Option<oneshot::Sender<OfferResult>>,
+    ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
+        if req.token_ids.is_empty() {
+            return Err(OpError::invalid("the prompt has no tokens"));
+        }
+        if let Some(vocab) = self.settings.vocab_size
+            && let Some(t) = req.token_ids.iter().find(|t| **t >= vocab)
+        {
+            return Err(OpError::invalid(format!(
+                "token id {t} is outside the model's vocabulary ({vocab} tokens)"
+            )));
+        }
+        let blocks = req
+            .token_ids
+            .len()
+            .div_ceil(self.settings.scheduler.block_size as usize);
+        if blocks > self.settings.scheduler.num_blocks as usize {
+            return Err(OpError::invalid(format!(
+                "the prompt needs {blocks} KV blocks; this worker has {}",
+                self.settings.scheduler.num_blocks
+            )));
+        }
+        let (tx, rx) = mpsc::channel(64);
+        // A migrated request carries the tokens already generated after its prompt; seeding
+        // by the original prompt and counting positions from it makes it continue exactly.
+        let prompt_len = (req.output.prompt_tokens as usize).min(req.token_ids.len());
+        let prompt_len = if prompt_len == 0 {
+            req.token_ids.len()
+        } else {
+            prompt_len
+        };
+        let seed = req.sampling.seed.unwrap_or_else(|| {
+            if self.settings.seed_from_prompt {
+                dyn_router::kv::local_hash(&req.token_ids[..prompt_len])
+            } else {
+                rand::random()
+            }
+        });
+        let s = &req.sampling;
+        let spec = SeqSpec {
+            prompt: req.token_ids.clone(),
+            max_tokens: req.stop.max_tokens,
+            stop_tokens: if req.stop.ignore_eos {
+                Vec::new().into()
+            } else {
+                req.stop.eos_token_ids.clone().into()
+            },
+            min_tokens: req.stop.min_tokens,
+            sampling: dyn_compute::sample::SamplingParams {
+                temperature: s.temperature.unwrap_or(1.0),
+                top_k: s.top_k.unwrap_or(0) as usize,
+                top_p: s.top_p.unwrap_or(1.0),
+                seed,
+            },
+            offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
+            role,
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let max_queued = self.settings.scheduler.max_queued_requests as usize;
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= max_queued {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(OpError::overloaded(format!(
+                "the worker is busy: {max_queued} requests are already waiting"
+            )));
+        }
+        match self.commands.try_send(Command::Add {
+            id,
+            spec,
+            kv,
+            tx,
+            offer,
+        }) {
+            Ok(()) => Ok(rx),
+            Err(e) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                Err(match e {
+                    std_mpsc::TrySendError::Full(_) => {
+                        OpError::overloaded("the engine's request queue is full")
+                    }
+                    std_mpsc::TrySendError::Disconnected(_) => {
+                        OpError::instance_lost("the engine has stopped")
+                    }
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mocker;
+    use dyn_llm::types::Generated;
+    use dyn_pipeline::planes::Planes;
+    use dyn_router::kv::{KvEventData, LoadMetrics, RouterEvent};
+    use futures::StreamExt;
+
+    #[tokio::test]
+    async fn a_panicking_engine_fails_its_replica_and_its_requests_as_lost() {
+        let planes = Planes::embedded();
+        let config = mocker::MockerConfig {
+            speedup: 1000.0,
+            panic_at_step: 4,
+            ..mocker::MockerConfig::default()
+        };
+        let cx = dyn_llm::testing::cx("decode", 0xabc, &[], &planes);
+        let readiness = cx.readiness.clone();
+        let mut health = readiness.subscribe();
+        let m = mocker::start(&config, &cx).await.expect("starts");
+        let rx = m
+            .submit(&dyn_llm::testing::preprocessed((0..40).collect(), 20), None)
+            .expect("submitted");
+        let items: Vec<EngineItem> = request_items(rx).collect().await;
+        // Three steps of tokens (prefill, two decodes), then the loss, and nothing after.
+        let (last, tokens) = items.split_last().expect("items");
+        assert!(tokens.iter().all(Result::is_ok), "{items:?}");
+        assert_eq!(tokens.len(), 3, "{items:?}");
+        let lost = last.as_ref().expect_err("ends in an error");
+        assert_eq!(lost.kind, dyn_pipeline::ErrorKind::InstanceLost, "{lost:?}");
+        // The replica is failed for good (the runtime replaces it), with the panic's message.
+        let failed = tokio::time::timeout(
+            Duration::from_secs(5),
+            health.wait_for(|h| matches!(h, dyn_pipeline::Health::Failed(_))),
+        )
+        .await
+        .expect("fails in time")
+        .expect("open")
+        .clone();
+        let dyn_pipeline::Health::Failed(reason) = failed else {
+            unreachable!()
+        };
+        assert!(reason.contains("injected panic at step 4"), "{reason}");
+        assert!(!readiness.is_ready());
+        // What still reaches it is refused as lost, so routers' picks migrate.
+        let e = m
+            .submit(&dyn_llm::testing::preprocessed((0..40).collect(), 20), None)
+            .expect_err("refused");
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::InstanceLost, "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_is_overloaded_not_lost() {
+        let planes = Planes::embedded();
+        let config = mocker::MockerConfig {
+            speedup: 0.01,
+            max_num_seqs: 1,
+            max_queued_requests: 1,
+            ..mocker::MockerConfig::default()
+        };
+        let m = mocker::start(&config, &dyn_llm::testing::cx("decode", 1, &[], &planes))
+            .await
+            .expect("starts");
+        let req = dyn_llm::testing::preprocessed((0..40).collect(), 50);
+        let _running = m.submit(&req, None).expect("runs");
+        let mut refused = None;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            match m.submit(&req, None) {
+                Ok(rx) => held.push(rx),
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        let e = refused.expect("one is refused");
+        assert_eq!(
+            (e.kind, e.code.as_deref()),
+            (
+                dyn_pipeline::ErrorKind::Overloaded,
+                Some(dyn_pipeline::WORKER_BUSY)
+            ),
+            "{e:?}"
+        );
+    }
+
+    async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
+        let mut rx = m.submit(req, None).expect("submitted");
+        let mut out = Vec::new();
+        while let Some(Ok(Generated::Tokens { ids, finish })) = rx.recv().await {
+            out.extend(ids);
+            if finish.is_some() {
+                break;
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn publishes_kv_events_with_consecutive_ids_and_load_metrics() {
+        let planes = Planes::embedded();
+        let mut events = planes
+            .events
+            .subscribe("dyn.ns.decode.kv_events")
+            .await
+            .expect("sub");
+        let mut load = planes
+            .events
+            .subscribe("dyn.ns.decode.load_metrics")
+            .await
+            .expect("sub");
+        // Two blocks of 16: a 40-token prompt fills two and the answer fills more.
+        let config = mocker::MockerConfig {
+            num_blocks: 4,
+            speedup: 1000.0,
+            ..mocker::MockerConfig::default()
+        };
+        let m = mocker::start(
+            &config,
+            &dyn_llm::testing::cx("decode", 0xabc, &[], &planes),
+        )
+        .await
+        .expect("starts");
+        let a = run(&m, &dyn_llm::testing::preprocessed((0..40).collect(), 10)).await;
+        assert_eq!(a.len(), 10);
+        // Same seed and prompt again: same output, and the prompt's blocks come from the cache.
+        assert_eq!(
+            run(&m, &dyn_llm::testing::preprocessed((0..40).collect(), 10)).await,
+            a
+        );
+        // A different prompt needs the blocks back: the cached ones are evicted.
+        run(
+            &m,
+            &dyn_llm::testing::preprocessed((100..140).collect(), 10),
+        )
+        .await;
+
+        let mut seen = Vec::new();
+        while seen.len() < 3 {
+            let e = tokio::time::timeout(Duration::from_secs(5), events.next())
+                .await
+                .expect("event")
+                .expect("open");
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            assert_eq!(ev.worker_id, 0xabc);
+            seen.push(ev.event);
+        }
+        let ids: Vec<u64> = seen.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, [0, 1, 2]);
+        let KvEventData::Stored {
+            parent_hash: None,
+            blocks,
+        } = &seen[0].data
+        else {
+            panic!("first event stores the prompt's blocks: {:?}", seen[0]);
+        };
+        let expected = dyn_router::kv::block_hashes(&(0..40).collect::<Vec<_>>(), 16);
+        assert_eq!(blocks[..2], expected[..]);
+        assert!(
+            seen.iter()
+                .any(|e| matches!(e.data, KvEventData::Removed { .. })),
+            "{seen:?}"
+        );
+
+        let l = tokio::time::timeout(Duration::from_secs(5), load.next())
+            .await
+            .expect("metrics")
+            .expect("open");
+        let l: LoadMetrics = serde_json::from_slice(&l.payload).expect("json");
+        assert_eq!((l.worker_id, l.kv_total_blocks), (0xabc, 4));
+        // The gauges are set after the last token is handed out: give the engine a moment.
+        for _ in 0..500 {
+            if m.gauges.active_blocks() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(m.gauges.active_blocks() == 0);
+        assert_eq!(l.block_size, 16);
+
+        // A router that lost events asks for a dump: cleared, then what the cache holds, with
+        // the event ids carrying on.
+        let req = serde_json::to_vec(&ResyncRequest { worker_id: 0xabc }).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_resync", req.into())
+            .await
+            .expect("publish");
+        let mut dump = Vec::new();
+        loop {
+            let e = tokio::time::timeout(Duration::from_secs(5), events.next())
+                .await
+                .expect("event")
+                .expect("open");
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            if ev.event.data == KvEventData::Cleared {
+                dump.push(ev.event);
+                break;
+            }
+        }
+        while let Ok(Some(e)) =
+            tokio::time::timeout(Duration::from_millis(200), events.next()).await
+        {
+            let ev: RouterEvent = serde_json::from_slice(&e.payload).expect("json");
+            dump.push(ev.event);
+        }
+        assert!(dump.len() >= 2, "{dump:?}");
+        for w in dump.windows(2) {
+            assert_eq!(w[1].event_id, w[0].event_id + 1);
+        }
+        let mut ix = dyn_router::indexer::Indexer::new();
+        for e in &dump {
+            assert_eq!(ix.apply(0xabc, e), dyn_router::indexer::Applied::Ok);
+        }
+        // The last prompt's first two blocks are what the cache holds now.
+        let last = dyn_router::kv::block_hashes(&(100..140).collect::<Vec<_>>(), 16);
+        let seqs: Vec<u64> = last.iter().map(|b| b.block_hash).collect();
+        assert_eq!(ix.find_matches(&seqs), vec![(0xabc, 2)]);
+    }
+}

@@ -1,0 +1,233 @@
+//! The workers' and their offload tiers' Prometheus series (the process's default registry,
+//! rendered by [`dyn_llm::metrics::render`]).
+
+use std::sync::LazyLock;
+
+use dyn_llm::metrics::{counter_vec, gauge, set_counter};
+use prometheus::{IntCounterVec, IntGaugeVec};
+
+struct WorkerMetrics {
+    running: IntGaugeVec,
+    waiting: IntGaugeVec,
+    active_blocks: IntGaugeVec,
+    total_blocks: IntGaugeVec,
+    prompt_blocks: IntCounterVec,
+    prompt_blocks_hit: IntCounterVec,
+    prefill_tokens: IntCounterVec,
+    preemptions: IntCounterVec,
+}
+
+static WORKER: LazyLock<WorkerMetrics> = LazyLock::new(|| {
+    let l: &[&str] = &["node", "worker_id"];
+    WorkerMetrics {
+        running: gauge(
+            "dyn_worker_requests_running",
+            "Sequences in the running batch",
+            l,
+        ),
+        waiting: gauge(
+            "dyn_worker_requests_waiting",
+            "Sequences waiting to be scheduled",
+            l,
+        ),
+        active_blocks: gauge(
+            "dyn_worker_kv_active_blocks",
+            "KV blocks held by sequences",
+            l,
+        ),
+        total_blocks: gauge("dyn_worker_kv_total_blocks", "KV blocks in the pool", l),
+        prompt_blocks: counter_vec(
+            "dyn_worker_prompt_blocks_total",
+            "Full prompt blocks looked up in the prefix cache",
+            l,
+        ),
+        prompt_blocks_hit: counter_vec(
+            "dyn_worker_prefix_cache_hit_blocks_total",
+            "Full prompt blocks found in the prefix cache",
+            l,
+        ),
+        prefill_tokens: counter_vec(
+            "dyn_worker_prefill_tokens_total",
+            "Prompt tokens computed (not found in the prefix cache nor onboarded from a tier)",
+            l,
+        ),
+        preemptions: counter_vec("dyn_worker_preemptions_total", "Sequences preempted", l),
+    }
+});
+
+/// One worker's series, bound to its labels once.
+#[derive(Clone)]
+pub struct WorkerGauges {
+    running: prometheus::IntGauge,
+    waiting: prometheus::IntGauge,
+    active: prometheus::IntGauge,
+    total: prometheus::IntGauge,
+    prompt: prometheus::IntCounter,
+    hit: prometheus::IntCounter,
+    prefill: prometheus::IntCounter,
+    preempt: prometheus::IntCounter,
+}
+
+impl WorkerGauges {
+    pub fn new(node: &str, worker_id: u64) -> Self {
+        let id = format!("{worker_id:x}");
+        let l = [node, id.as_str()];
+        let w = &*WORKER;
+        Self {
+            running: w.running.with_label_values(&l),
+            waiting: w.waiting.with_label_values(&l),
+            active: w.active_blocks.with_label_values(&l),
+            total: w.total_blocks.with_label_values(&l),
+            prompt: w.prompt_blocks.with_label_values(&l),
+            hit: w.prompt_blocks_hit.with_label_values(&l),
+            prefill: w.prefill_tokens.with_label_values(&l),
+            preempt: w.preemptions.with_label_values(&l),
+        }
+    }
+
+    /// Update from the engine's absolute numbers.
+    pub fn set(
+        &self,
+        running: u32,
+        waiting: u32,
+        active: u32,
+        total: u32,
+        c: &crate::scheduler::Counters,
+    ) {
+        self.running.set(i64::from(running));
+        self.waiting.set(i64::from(waiting));
+        self.active.set(i64::from(active));
+        self.total.set(i64::from(total));
+        for (c, v) in [
+            (&self.prompt, c.prompt_blocks),
+            (&self.hit, c.prompt_blocks_hit),
+            (&self.prefill, c.prefill_tokens),
+            (&self.preempt, c.preemptions),
+        ] {
+            set_counter(c, v);
+        }
+    }
+
+    pub fn active_blocks(&self) -> i64 {
+        self.active.get()
+    }
+}
+
+struct TierMetrics {
+    blocks: IntGaugeVec,
+    capacity: IntGaugeVec,
+    offloaded: IntCounterVec,
+    onboarded: IntCounterVec,
+    dropped: IntCounterVec,
+    corrupt: IntCounterVec,
+    bytes: IntCounterVec,
+}
+
+static TIERS: LazyLock<TierMetrics> = LazyLock::new(|| {
+    let l: &[&str] = &["node", "worker_id"];
+    let t: &[&str] = &["node", "worker_id", "tier"];
+    TierMetrics {
+        blocks: gauge(
+            "dyn_worker_kv_tier_blocks",
+            "KV blocks held in an offload tier (CPU: host memory, DISK: local disk)",
+            t,
+        ),
+        capacity: gauge(
+            "dyn_worker_kv_tier_capacity_blocks",
+            "KV blocks an offload tier can hold",
+            t,
+        ),
+        offloaded: counter_vec(
+            "dyn_worker_kv_offload_blocks_total",
+            "KV blocks written to an offload tier",
+            t,
+        ),
+        onboarded: counter_vec(
+            "dyn_worker_kv_onboard_blocks_total",
+            "Prompt blocks served from an offload tier instead of computed (hits per tier)",
+            t,
+        ),
+        dropped: counter_vec(
+            "dyn_worker_kv_offload_dropped_blocks_total",
+            "Evicted KV blocks dropped because the offload queue was full",
+            l,
+        ),
+        corrupt: counter_vec(
+            "dyn_worker_kv_disk_corrupt_blocks_total",
+            "KV blocks on disk that failed their checks and were recomputed",
+            l,
+        ),
+        bytes: counter_vec(
+            "dyn_worker_kv_offload_bytes_total",
+            "Bytes copied out of the engine's pool (out) and onboarded into it (in)",
+            &["node", "worker_id", "direction"],
+        ),
+    }
+});
+
+/// What a worker's offload tiers hold and did, as absolute numbers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounts {
+    /// `(blocks, capacity)` per tier: host memory, disk.
+    pub occupancy: [(usize, usize); 2],
+    pub offloaded: [u64; 2],
+    pub hits: [u64; 2],
+    pub dropped: u64,
+    pub corrupt: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+}
+
+/// One tier's series of a worker (host memory or disk).
+struct TierSeries {
+    blocks: prometheus::IntGauge,
+    capacity: prometheus::IntGauge,
+    offloaded: prometheus::IntCounter,
+    onboarded: prometheus::IntCounter,
+}
+
+/// A worker's offload-tier series, bound to its labels once (the engine updates them after
+/// every step).
+pub struct TierGauges {
+    tiers: [TierSeries; 2],
+    dropped: prometheus::IntCounter,
+    corrupt: prometheus::IntCounter,
+    bytes: [prometheus::IntCounter; 2],
+}
+
+impl TierGauges {
+    pub fn new(node: &str, worker_id: u64) -> Self {
+        let id = format!("{worker_id:x}");
+        let m = &*TIERS;
+        let tier = |tier: &str| {
+            let l = [node, id.as_str(), tier];
+            TierSeries {
+                blocks: m.blocks.with_label_values(&l),
+                capacity: m.capacity.with_label_values(&l),
+                offloaded: m.offloaded.with_label_values(&l),
+                onboarded: m.onboarded.with_label_values(&l),
+            }
+        };
+        let bytes = |dir: &str| m.bytes.with_label_values(&[node, id.as_str(), dir]);
+        Self {
+            tiers: [tier("CPU"), tier("DISK")],
+            dropped: m.dropped.with_label_values(&[node, &id]),
+            corrupt: m.corrupt.with_label_values(&[node, &id]),
+            bytes: [bytes("out"), bytes("in")],
+        }
+    }
+
+    /// Update from the tiers' absolute numbers.
+    pub fn set(&self, c: &TierCounts) {
+        for (i, t) in self.tiers.iter().enumerate() {
+            t.blocks.set(c.occupancy[i].0 as i64);
+            t.capacity.set(c.occupancy[i].1 as i64);
+            set_counter(&t.offloaded, c.offloaded[i]);
+            set_counter(&t.onboarded, c.hits[i]);
+        }
+        set_counter(&self.dropped, c.dropped);
+        set_counter(&self.corrupt, c.corrupt);
+        set_counter(&self.bytes[0], c.bytes_out);
+        set_counter(&self.bytes[1], c.bytes_in);
+    }
+}

@@ -1,0 +1,317 @@
+//! The `native` engine: a Llama-family model (llama, qwen2, mistral checkpoints in
+//! safetensors) computed by this project's own backends in `dyn-compute` — CPU everywhere, CUDA
+//! where built with the `cuda` feature and a GPU is present.
+//!
+//! It runs on the shared engine loop and scheduler ([`super`]): the scheduler's blocks *are*
+//! the backend's KV-cache blocks, so the KV events routers index describe real cached KV,
+//! prefix-cache hits skip real compute, and a prefill worker's blocks are the bytes the
+//! transfer agent moves. The executor turns each planned step into one batched forward pass
+//! and samples with each request's parameters, seeded per position (see
+//! [`dyn_compute::sample`]), so output does not depend on batching or preemption.
+//!
+//! ```yaml
+//! decode:
+//!   kind: decode
+//!   inputs: [route]
+//!   config: {engine: native, native: {device: auto, dtype: auto, num_blocks: 1024}}
+//! ```
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::model::{DType, ModelConfig, ModelWeights, gguf};
+use dyn_compute::transfer::{BlockFormat, BlockLayout};
+use dyn_pipeline::{BuildCx, BuildError, Invalid};
+use serde::Deserialize;
+
+use super::pool::BlockId;
+use super::scheduler::Work;
+use super::settings::{EngineSettings, SchedulerConfig, engine_section};
+use super::{EngineError, EngineHandle, Executor, ImportCheck};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA when this build has it and a GPU answers; otherwise CPU, with a warning.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// The element type weights are kept in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeChoice {
+    /// The checkpoint's own (`torch_dtype`), f32 when it does not say; a GGUF file's
+    /// quantized matrices stay quantized.
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DtypeChoice {
+    /// The dtype named, or `None` for `auto` (the checkpoint decides).
+    fn fixed(self) -> Option<DType> {
+        match self {
+            DtypeChoice::Auto => None,
+            DtypeChoice::F32 => Some(DType::F32),
+            DtypeChoice::F16 => Some(DType::F16),
+            DtypeChoice::Bf16 => Some(DType::Bf16),
+        }
+    }
+}
+
+engine_section! {
+    /// `config.native` of `decode` / `prefill` with `engine: native`.
+    pub struct NativeConfig {
+        scheduler: SchedulerConfig {
+            num_blocks: 1024,
+            block_size: 16,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_queued_requests: 1024,
+            pin_ttl_s: 30.0,
+        },
+        /// Checkpoint directory (config.json and safetensors) or GGUF file, relative to the
+        /// graph file; the graph's `model.path` when absent.
+        pub model: Option<String> = None,
+        pub device: DeviceChoice = DeviceChoice::Auto,
+        pub dtype: DtypeChoice = DtypeChoice::Auto,
+        /// CUDA device ordinal.
+        pub gpu: usize = 0,
+        /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
+        pub threads: usize = 0,
+    }
+}
+
+impl NativeConfig {
+    /// The engine loop's settings, for a model with `vocab` tokens.
+    pub fn settings(&self, vocab: Option<u32>) -> EngineSettings {
+        EngineSettings {
+            scheduler: self.scheduler(),
+            vocab_size: vocab,
+            seed_from_prompt: false,
+            offload: self.offload.clone(),
+            offload_model: None,
+        }
+    }
+
+    pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
+        let mut out = self.validate_shared(prefix);
+        if self.device == DeviceChoice::Cuda && !dyn_compute::cuda_compiled() {
+            out.push(Invalid::field(
+                format!("{prefix}device"),
+                "`cuda` needs a dyn built with `--features cuda` (or use `auto`)",
+            ));
+        }
+        out
+    }
+
+    fn model_dir(&self, cx: &BuildCx) -> Result<PathBuf, BuildError> {
+        match (&self.model, &cx.model) {
+            (Some(p), _) => Ok(cx.resolve(p)),
+            (None, Some(m)) => Ok(cx.resolve(&m.path)),
+            (None, None) => Err(BuildError::new(
+                "engine native needs a model: set `native.model` or the graph's `model.path`",
+            )),
+        }
+    }
+}
+
+/// Load the model (on the blocking pool: it reads and converts every weight) and start a
+/// worker on it.
+pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
+    let dir = config.model_dir(cx)?;
+    let c = config.clone();
+    let backend = tokio::task::spawn_blocking(move || load(&c, &dir))
+        .await
+        .map_err(|e| BuildError::new(format!("model loading task failed: {e}")))??;
+    tracing::info!(node = %cx.node, backend = %backend.describe(), "Native engine loaded");
+    let format = BlockFormat {
+        block_bytes: u32::try_from(backend.block_bytes())
+            .map_err(|_| BuildError::new("a KV block is over 4 GiB: lower block_size"))?,
+        layout: BlockLayout::LayerKvHeadSlotDim,
+        dtype: backend.kv_dtype().name().into(),
+    };
+    let settings = config.settings(u32::try_from(backend.config().vocab).ok());
+    let import = ImportCheck {
+        format,
+        delay: Box::new(|_| Duration::ZERO),
+        // Sizes, layout and dtype are checked against the offer; the bytes are KV.
+        verify: Box::new(|_, _| Ok(())),
+    };
+    let exec = NativeExec { backend };
+    EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
+}
+
+fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, BuildError> {
+    let weights = if gguf::is_gguf(dir) {
+        // A GGUF file: `auto` keeps quantized matrices quantized (the CPU backend multiplies
+        // them as they are; CUDA widens them to f32), with f32 for the rest and the cache; a
+        // dtype widens everything to it.
+        let g = gguf::Gguf::open(dir).map_err(|e| BuildError::new(e.to_string()))?;
+        let shape = g.config().map_err(|e| BuildError::new(e.to_string()))?;
+        let (dtype, keep) = match c.dtype.fixed() {
+            None => (DType::F32, true),
+            Some(d) => (d, false),
+        };
+        g.weights(shape, dtype, keep)
+            .map_err(|e| BuildError::new(e.to_string()))?
+    } else {
+        let shape = ModelConfig::load(dir).map_err(|e| BuildError::new(e.to_string()))?;
+        let dtype = c.dtype.fixed().unwrap_or_else(|| {
+            shape
+                .torch_dtype
+                .as_deref()
+                .and_then(DType::from_torch)
+                .unwrap_or(DType::F32)
+        });
+        // The shape read above decides the dtype; the checkpoint is read against it
+        // (config.json once).
+        dyn_compute::model::Checkpoint::open(dir)
+            .and_then(|ck| ModelWeights::from_checkpoint(shape, &ck, dtype))
+            .map_err(|e| BuildError::new(format!("{}: {e}", dir.display())))?
+    };
+    let kv = KvShape {
+        num_blocks: c.num_blocks as usize,
+        block_size: c.block_size as usize,
+    };
+    let cpu = |weights| -> Result<Box<dyn Backend>, BuildError> {
+        Ok(Box::new(
+            dyn_compute::cpu::CpuBackend::with_threads(weights, kv, c.threads)
+                .map_err(|e| BuildError::new(e.to_string()))?,
+        ))
+    };
+    match c.device {
+        DeviceChoice::Cpu => cpu(weights),
+        DeviceChoice::Cuda => cuda(&weights, kv, c.gpu).map_err(BuildError::new),
+        DeviceChoice::Auto => {
+            if !dyn_compute::cuda_compiled() {
+                return cpu(weights);
+            }
+            match cuda(&weights, kv, c.gpu) {
+                Ok(b) => Ok(b),
+                Err(e) => {
+                    tracing::warn!(error = %e, "No usable CUDA device; the native engine runs on CPU");
+                    cpu(weights)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(weights: &ModelWeights, kv: KvShape, ordinal: usize) -> Result<Box<dyn Backend>, String> {
+    dyn_compute::cuda::load(weights, kv, ordinal).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &ModelWeights, _: KvShape, _: usize) -> Result<Box<dyn Backend>, String> {
+    Err("this dyn was built without the `cuda` feature".into())
+}
+
+struct NativeExec {
+    backend: Box<dyn Backend>,
+}
+
+impl Executor for NativeExec {
+    fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
+        let batch: Vec<SeqStep<'_>> = work
+            .iter()
+            .filter(|w| w.len > 0)
+            .map(|w| SeqStep {
+                tokens: &w.tokens[w.start..w.start + w.len],
+                start: w.start,
+                blocks: w.blocks,
+                logits: w.sample,
+            })
+            .collect();
+        let logits = self.backend.forward(&batch)?;
+        // Logits come in batch order for the sampling entries, which all have new tokens.
+        Ok(work
+            .iter()
+            .filter(|w| w.sample)
+            .zip(&logits)
+            .map(|(w, l)| dyn_compute::sample::sample(l, &w.spec.sampling, w.tokens.len() as u64))
+            .collect())
+    }
+
+    fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {
+        let data = self.backend.export_blocks(blocks)?;
+        Ok(data.into_iter().map(Bytes::from).collect())
+    }
+
+    fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {
+        let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
+        Ok(self.backend.import_blocks(blocks, &data)?)
+    }
+
+    fn export_cached(&mut self, blocks: &[BlockId], _: &[u64]) -> Result<Vec<Bytes>, EngineError> {
+        let data = self.backend.save_blocks(blocks)?;
+        Ok(data.into_iter().map(Bytes::from).collect())
+    }
+
+    fn onboard(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {
+        let data: Vec<&[u8]> = data.iter().map(|b| b.as_ref()).collect();
+        Ok(self.backend.load_blocks(blocks, &data)?)
+    }
+
+    fn offload_layout(&self) -> String {
+        self.backend.saved_layout().into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu_here() -> bool {
+        #[cfg(feature = "cuda")]
+        return dyn_compute::cuda::driver_present();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    #[test]
+    fn auto_falls_back_to_cpu_and_cuda_without_a_gpu_is_a_clean_error() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let small = NativeConfig {
+            num_blocks: 8,
+            ..NativeConfig::default()
+        };
+        let auto = load(&small, &dir).expect("auto always finds a device");
+        if !gpu_here() {
+            assert!(auto.describe().starts_with("cpu"), "{}", auto.describe());
+            let cuda = NativeConfig {
+                device: DeviceChoice::Cuda,
+                ..small
+            };
+            let Err(e) = load(&cuda, &dir) else {
+                panic!("device: cuda without a GPU must fail");
+            };
+            let e = e.to_string();
+            assert!(
+                e.contains("no CUDA driver") || e.contains("without the `cuda` feature"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bad_model_directory_is_an_error() {
+        let Err(e) = load(
+            &NativeConfig::default(),
+            std::path::Path::new("/nonexistent"),
+        ) else {
+            panic!("no model there");
+        };
+        assert!(e.to_string().contains("config.json"), "{e}");
+    }
+}

@@ -1,0 +1,897 @@
+//! The engines' scheduler: continuous batching with chunked prefill and preemption, in the
+//! manner of vLLM's v1 scheduler. The mocker and the native engine share it; only what runs a
+//! step differs.
+//!
+//! Each [`Scheduler::step`] gives every running sequence its tokens for this step (one for a
+//! decoding sequence, up to the remaining token budget for one still in prefill), preempting
+//! the most recently admitted sequence when a block cannot be found, then admits waiting
+//! sequences first come first served while the batch has room (`max_num_seqs`), tokens are
+//! left in the budget (`max_num_batched_tokens`) and blocks can be found. Prompt blocks
+//! already in the prefix cache are not computed again. The planned [`Work`] goes to the
+//! engine's executor, which computes it and samples a token for each sequence whose KV is
+//! complete; the scheduler then ends sequences on `max_tokens` or a stop token.
+//!
+//! With offload tiers below the pool ([`Lower`]), a prompt's prefix continues past the pool's
+//! hit into host memory: those blocks are onboarded (their bytes ride on the [`Work`] and the
+//! engine copies them into the new blocks before computing) and count as computed. Blocks
+//! only on disk are read first: the sequence waits aside once (`loading`) while others are
+//! admitted, then takes what arrived.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use dyn_llm::types::FinishReason;
+use dyn_router::kv::{BlockHash, chain_hash, local_hash};
+
+use super::EngineError;
+use super::pool::{BlockId, Evicted, Pool};
+
+/// Limits of one engine's scheduler.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+/// A request as the scheduler sees it.
+#[derive(Debug, Clone)]
+pub struct SeqSpec {
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    /// Stop tokens (none end the output before `min_tokens`); empty with `ignore_eos`.
+    pub stop_tokens: std::sync::Arc<[u32]>,
+    pub min_tokens: u32,
+    pub sampling: dyn_compute::sample::SamplingParams,
+    /// Output tokens generated before this request (a migrated request resumes at this
+    /// position, so its output continues the original one exactly).
+    pub offset: u32,
+    pub role: SeqRole,
+}
+
+/// One sequence's part of a step, for the executor.
+#[derive(Debug)]
+pub struct Work<'a> {
+    pub id: SeqId,
+    pub spec: &'a SeqSpec,
+    /// Prompt and generated tokens so far.
+    pub tokens: &'a [u32],
+    /// Compute the KV of `tokens[start..start + len]`.
+    pub start: usize,
+    pub len: usize,
+    /// The sequence's blocks, covering at least `start + len` positions.
+    pub blocks: &'a [BlockId],
+    /// Sample the next token (the KV is complete after this step).
+    pub sample: bool,
+    /// The first step of an imported sequence: its blocks are to be filled with the KV
+    /// pulled from the prefill worker, except the first `import_skip`, which came from this
+    /// worker's prefix cache (shared with other sequences, and already holding that KV).
+    pub import: bool,
+    pub import_skip: usize,
+    /// Output tokens so far (the position, for the mocker's deterministic output).
+    pub generated: u32,
+    /// KV onboarded from an offload tier, for `blocks[onboard_at..]` in order: the engine
+    /// writes it before computing the step.
+    pub onboard: &'a [Bytes],
+    pub onboard_at: usize,
+}
+
+/// The offload tiers below the pool, as the scheduler sees them (sequence hashes in).
+pub trait Lower: Send {
+    /// How many leading blocks of `hashes` can be onboarded now.
+    fn ready(&self, hashes: &[u64]) -> usize;
+    /// The bytes of the leading blocks of `hashes` ready now (possibly fewer than `ready`
+    /// said, if a tier dropped one since).
+    fn take(&mut self, hashes: &[u64]) -> Vec<Bytes>;
+    /// Start reading slower tiers' blocks that continue the prefix; how many are on their way.
+    fn fetch(&mut self, hashes: &[u64]) -> usize;
+    /// Whether a block of `hashes` is still on its way.
+    fn pending(&self, hashes: &[u64]) -> bool;
+}
+
+/// What a worker does with a sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SeqRole {
+    /// Prefill and decode (aggregated serving).
+    #[default]
+    Full,
+    /// Prefill only: stop after the first token and keep the prompt's blocks (they are handed
+    /// over in [`StepOutcome::pinned`] for a decode worker to pull).
+    Prefill,
+    /// The prompt's KV was computed elsewhere and transferred: the sequence is admitted with
+    /// its prompt already computed, and `first_token` is its first output.
+    Imported { first_token: u32 },
+}
+
+pub type SeqId = u64;
+
+#[derive(Debug)]
+struct Seq {
+    id: SeqId,
+    spec: SeqSpec,
+    /// Prompt plus generated tokens.
+    tokens: Vec<u32>,
+    generated: u32,
+    /// Tokens whose KV is in `blocks`.
+    computed: usize,
+    blocks: Vec<BlockId>,
+    /// Hashes of the full blocks registered so far.
+    hashes: Vec<BlockHash>,
+    preemptions: u32,
+    /// Leading blocks taken from the prefix cache at admission.
+    hit_blocks: usize,
+    /// Offload tiers were asked for this prompt's blocks (it waits for a read only once).
+    fetched: bool,
+    /// Blocks it waits for, while aside in `loading`.
+    loading: Vec<u64>,
+    /// Onboarded KV for its first step, for the blocks after `hit_blocks`.
+    onboard: Vec<Bytes>,
+}
+
+/// What one step did, for the timing model and for delivering output.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    pub prefill_tokens: usize,
+    pub decode_seqs: usize,
+    /// Sum of context lengths of the scheduled sequences.
+    pub context_tokens: usize,
+    /// New tokens by sequence, with a finish reason for those that ended.
+    pub tokens: Vec<(SeqId, u32, Option<FinishReason>)>,
+    pub preempted: usize,
+    /// Prefill-only sequences that finished, with the blocks holding their prompt's KV (still
+    /// referenced: release them with [`Pool::release`] once they are transferred) and the
+    /// prompt tokens.
+    pub pinned: Vec<(SeqId, Vec<BlockId>, Vec<u32>)>,
+    /// Sequences ended without a new token: they outgrew the whole cache.
+    pub ended: Vec<SeqId>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Counters {
+    pub prompt_blocks: u64,
+    pub prompt_blocks_hit: u64,
+    /// Prompt blocks onboarded from an offload tier instead of computed.
+    pub prompt_blocks_onboarded: u64,
+    /// Prompt tokens computed (recomputation after a preemption included).
+    pub prefill_tokens: u64,
+    pub preemptions: u64,
+}
+
+pub struct Scheduler {
+    limits: Limits,
+    pub pool: Pool,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    pub counters: Counters,
+    /// Sequences added but never admitted to the batch yet (the engine's queue depth).
+    unadmitted: usize,
+    lower: Option<Box<dyn Lower>>,
+    /// Sequences waiting aside for blocks read from a slower tier.
+    loading: Vec<Seq>,
+}
+
+/// The mocker's deterministic output: splitmix64 over seed and position, into `vocab`.
+pub fn token_at(spec: &SeqSpec, vocab: &[u32], position: u32) -> u32 {
+    let z = dyn_compute::sample::splitmix(
+        spec.sampling.seed ^ u64::from(position).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
+    match vocab.len() {
+        0 => 0,
+        n => vocab[(z % n as u64) as usize],
+    }
+}
+
+impl Scheduler {
+    pub fn new(limits: Limits, num_blocks: u32) -> Self {
+        Self {
+            limits,
+            pool: Pool::new(num_blocks),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            counters: Counters::default(),
+            unadmitted: 0,
+            lower: None,
+            loading: Vec::new(),
+        }
+    }
+
+    /// Offload tiers below the pool: evicted blocks are reported to the executor, and
+    /// prompts onboard from the tiers.
+    pub fn with_lower(mut self, lower: Box<dyn Lower>) -> Self {
+        self.pool.track_evictions();
+        self.lower = Some(lower);
+        self
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.limits.block_size
+    }
+
+    pub fn add(&mut self, id: SeqId, spec: SeqSpec) {
+        self.unadmitted += 1;
+        self.waiting.push_back(Seq {
+            id,
+            tokens: spec.prompt.clone(),
+            spec,
+            generated: 0,
+            computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            preemptions: 0,
+            hit_blocks: 0,
+            fetched: false,
+            loading: Vec::new(),
+            onboard: Vec::new(),
+        });
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len() + self.loading.len()
+    }
+
+    /// Prompt tokens not computed yet, waiting or in the batch (prefix-cache hits of waiting
+    /// requests are not known before admission: they count).
+    pub fn pending_prefill_tokens(&self) -> usize {
+        let prompt_left = |s: &Seq| s.spec.prompt.len().saturating_sub(s.computed);
+        self.waiting.iter().map(prompt_left).sum::<usize>()
+            + self.running.iter().map(prompt_left).sum::<usize>()
+            + self.loading.iter().map(prompt_left).sum::<usize>()
+    }
+
+    /// Requests that have not started running yet.
+    pub fn unadmitted(&self) -> usize {
+        self.unadmitted
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty() && self.loading.is_empty()
+    }
+
+    /// Remove a sequence (finished or cancelled) and free its blocks.
+    pub fn remove(&mut self, id: SeqId) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.free(seq);
+            true
+        } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            if let Some(seq) = self.waiting.remove(i) {
+                if seq.preemptions == 0 {
+                    self.unadmitted -= 1;
+                }
+                self.free(seq);
+            }
+            true
+        } else if let Some(i) = self.loading.iter().position(|s| s.id == id) {
+            let seq = self.loading.remove(i);
+            if seq.preemptions == 0 {
+                self.unadmitted -= 1;
+            }
+            self.free(seq);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn free(&mut self, seq: Seq) {
+        for b in seq.blocks {
+            self.pool.release(b);
+        }
+    }
+
+    /// Make sure `seq` has blocks for `tokens` tokens.
+    fn grow(pool: &mut Pool, seq: &mut Seq, tokens: usize, block_size: usize) -> bool {
+        while seq.blocks.len() * block_size < tokens {
+            match pool.allocate() {
+                Some(b) => seq.blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Register blocks that became full (the KV of their tokens is computed).
+    fn register_full(pool: &mut Pool, seq: &mut Seq, block_size: usize) {
+        let full = seq.computed / block_size;
+        while seq.hashes.len() < full {
+            let i = seq.hashes.len();
+            let parent = seq.hashes.last().map(|h| h.block_hash);
+            let local = local_hash(&seq.tokens[i * block_size..(i + 1) * block_size]);
+            let hash = BlockHash {
+                block_hash: chain_hash(parent, local),
+                tokens_hash: local,
+            };
+            pool.register(seq.blocks[i], parent, hash);
+            seq.hashes.push(hash);
+        }
+    }
+
+    fn preempt(&mut self, mut seq: Seq) {
+        for b in seq.blocks.drain(..) {
+            self.pool.release(b);
+        }
+        seq.computed = 0;
+        seq.hashes.clear();
+        seq.onboard.clear();
+        seq.preemptions += 1;
+        // Transferred KV is gone with the blocks: the prompt is computed here from now on.
+        if matches!(seq.spec.role, SeqRole::Imported { .. }) {
+            seq.spec.role = SeqRole::Full;
+        }
+        self.counters.preemptions += 1;
+        tracing::debug!(
+            seq = seq.id,
+            preemptions = seq.preemptions,
+            "Mocker preempted a sequence"
+        );
+        self.waiting.push_front(seq);
+    }
+
+    /// Plan one step, have `exec` compute it (it returns a token for each [`Work`] with
+    /// `sample` set, in order), and advance the sequences. `exec` also gets the cached blocks
+    /// evicted for this step (with offload tiers): their bytes are still there, to be copied
+    /// out before anything is written. When `exec` fails nothing advances, and the error is
+    /// returned with the ids of the sequences the step held.
+    pub fn step(
+        &mut self,
+        exec: impl FnOnce(&[Work<'_>], &[Evicted]) -> Result<Vec<u32>, EngineError>,
+    ) -> Result<StepOutcome, (EngineError, Vec<SeqId>)> {
+        let Limits {
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+        } = self.limits;
+        let mut out = StepOutcome::default();
+        let mut budget = max_num_batched_tokens;
+        let mut scheduled: Vec<(usize, usize)> = Vec::new(); // (index in running, tokens)
+
+        // Running sequences first, oldest first; the newest is preempted when blocks run out.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let want = (self.running[i].tokens.len() - self.running[i].computed).min(budget);
+            let target = self.running[i].computed + want;
+            loop {
+                let seq = &mut self.running[i];
+                if Self::grow(&mut self.pool, seq, target, block_size) {
+                    scheduled.push((i, want));
+                    budget -= want;
+                    i += 1;
+                    break;
+                }
+                // Preempt from the back; if that is this sequence, it stops here.
+                let victim = self.running.len() - 1;
+                if victim == 0 && self.pool.active() as usize == self.running[0].blocks.len() {
+                    // Alone, holding every block in use, and still short of one: the cache
+                    // is smaller than this sequence. Preempting it would only recompute it
+                    // into the same wall, forever; it ends here (`length`).
+                    let seq = self.running.remove(0);
+                    tracing::warn!(
+                        seq = seq.id,
+                        tokens = seq.tokens.len(),
+                        "A sequence outgrew the whole KV cache; ending it"
+                    );
+                    out.ended.push(seq.id);
+                    self.free(seq);
+                    break;
+                }
+                let seq = self.running.remove(victim);
+                out.preempted += 1;
+                self.preempt(seq);
+                if victim == i {
+                    break;
+                }
+            }
+        }
+
+        // Sequences whose blocks arrived from a slower tier go back to the head of the queue.
+        if let Some(lower) = &self.lower
+            && !self.loading.is_empty()
+        {
+            let (ready, still): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.loading)
+                .into_iter()
+                .partition(|s| !lower.pending(&s.loading));
+            self.loading = still;
+            for seq in ready.into_iter().rev() {
+                self.waiting.push_front(seq);
+            }
+        }
+
+        // Admit waiting sequences.
+        while budget > 0 && self.running.len() < max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            // Reuse cached full blocks, but always compute at least the last token.
+            let full = (seq.tokens.len() - 1) / block_size;
+            let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
+            let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
+            let hit = self.pool.cached_prefix(&seq_hashes);
+            // Imported KV costs no compute, only blocks for the whole prompt.
+            let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
+            // The prefix may go on in the tiers below the pool.
+            let mut lower_ready = 0;
+            if !imported
+                && hit < full
+                && let Some(lower) = self.lower.as_mut()
+            {
+                let rest = &seq_hashes[hit..];
+                if !seq.fetched {
+                    seq.fetched = true;
+                    let coming = lower.fetch(rest);
+                    if coming > 0 {
+                        seq.loading = rest.to_vec();
+                        self.loading.push(seq);
+                        continue;
+                    }
+                }
+                lower_ready = lower.ready(rest);
+            }
+            if seq.preemptions == 0 {
+                self.counters.prompt_blocks += full as u64;
+                self.counters.prompt_blocks_hit += hit as u64;
+            }
+            let len = seq.tokens.len();
+            let plan = |cached: usize| {
+                let want = if imported {
+                    0
+                } else {
+                    (len - cached * block_size).min(budget)
+                };
+                let reach = if imported {
+                    len
+                } else {
+                    cached * block_size + want
+                };
+                (want, reach)
+            };
+            let (mut want, mut reach) = plan(hit + lower_ready);
+            let new_blocks = reach.div_ceil(block_size) - hit;
+            if new_blocks as u32 > self.pool.available() {
+                self.waiting.push_front(seq);
+                break;
+            }
+            let mut onboarded = 0;
+            if lower_ready > 0
+                && let Some(lower) = self.lower.as_mut()
+            {
+                seq.onboard = lower.take(&seq_hashes[hit..hit + lower_ready]);
+                onboarded = seq.onboard.len();
+                if onboarded < lower_ready {
+                    // A tier dropped a block since: compute from there (needs fewer blocks).
+                    (want, reach) = plan(hit + onboarded);
+                }
+                if seq.preemptions == 0 {
+                    self.counters.prompt_blocks_onboarded += onboarded as u64;
+                }
+            }
+            for h in &hashes[..hit] {
+                if let Some(b) = self.pool.acquire_cached(h.block_hash) {
+                    seq.blocks.push(b);
+                }
+            }
+            seq.hashes = hashes[..hit].to_vec();
+            seq.hit_blocks = hit;
+            seq.computed = hit * block_size;
+            if !Self::grow(&mut self.pool, &mut seq, reach, block_size) {
+                // `available` said yes; only a bug gets here. Undo and wait.
+                for b in seq.blocks.drain(..) {
+                    self.pool.release(b);
+                }
+                seq.hashes.clear();
+                seq.computed = 0;
+                seq.onboard.clear();
+                self.waiting.push_front(seq);
+                break;
+            }
+            if onboarded > 0 {
+                // The onboarded blocks are written before this step computes anything: they
+                // count as computed, and are findable from now on.
+                seq.computed = (hit + onboarded) * block_size;
+                Self::register_full(&mut self.pool, &mut seq, block_size);
+            }
+            if imported {
+                seq.computed = reach;
+                Self::register_full(&mut self.pool, &mut seq, block_size);
+            }
+            budget -= want;
+            if seq.preemptions == 0 {
+                self.unadmitted -= 1;
+            }
+            self.running.push(seq);
+            scheduled.push((self.running.len() - 1, want));
+        }
+
+        // Run: the executor computes the KV and samples where a sequence's KV is complete.
+        let work: Vec<Work<'_>> = scheduled
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.running[i];
+                let import =
+                    matches!(seq.spec.role, SeqRole::Imported { .. }) && seq.generated == 0;
+                Work {
+                    id: seq.id,
+                    spec: &seq.spec,
+                    tokens: &seq.tokens,
+                    start: seq.computed,
+                    len: n,
+                    blocks: &seq.blocks,
+                    sample: seq.computed + n == seq.tokens.len() && !import,
+                    import,
+                    import_skip: if import { seq.hit_blocks } else { 0 },
+                    generated: seq.generated,
+                    onboard: &seq.onboard,
+                    onboard_at: seq.hit_blocks,
+                }
+            })
+            .collect();
+        let wanted = work.iter().filter(|w| w.sample).count();
+        let evicted = self.pool.take_evicted();
+        let sampled = match exec(&work, &evicted) {
+            Ok(t) if t.len() == wanted => t,
+            result => {
+                let e = match result {
+                    Err(e) => e,
+                    Ok(t) => EngineError::Internal(format!(
+                        "the executor sampled {} tokens for {wanted} sequences",
+                        t.len()
+                    )),
+                };
+                let ids = work.iter().map(|w| w.id).collect();
+                return Err((e, ids));
+            }
+        };
+        drop(work);
+        let mut sampled = sampled.into_iter();
+        let mut finished = Vec::new();
+        for (i, n) in scheduled {
+            let seq = &mut self.running[i];
+            if n == 1 && seq.generated > 0 {
+                out.decode_seqs += 1;
+            } else {
+                out.prefill_tokens += n;
+                self.counters.prefill_tokens += n as u64;
+            }
+            seq.computed += n;
+            seq.onboard.clear();
+            out.context_tokens += seq.computed;
+            Self::register_full(&mut self.pool, seq, block_size);
+            if seq.computed == seq.tokens.len() {
+                let t = match seq.spec.role {
+                    SeqRole::Imported { first_token } if seq.generated == 0 => first_token,
+                    // Counted above: one per sampling entry.
+                    _ => sampled.next().unwrap_or_default(),
+                };
+                seq.tokens.push(t);
+                seq.generated += 1;
+                let stopped = seq.spec.stop_tokens.contains(&t)
+                    && seq.spec.offset + seq.generated > seq.spec.min_tokens;
+                let finish = if stopped {
+                    Some(FinishReason::Stop)
+                } else {
+                    (seq.generated >= seq.spec.max_tokens || seq.spec.role == SeqRole::Prefill)
+                        .then_some(FinishReason::Length)
+                };
+                out.tokens.push((seq.id, t, finish));
+                if finish.is_some() {
+                    finished.push(seq.id);
+                }
+            }
+        }
+        for id in finished {
+            if let Some(i) = self
+                .running
+                .iter()
+                .position(|s| s.id == id && s.spec.role == SeqRole::Prefill)
+            {
+                // The blocks stay referenced until the decode worker has pulled them.
+                let mut seq = self.running.remove(i);
+                seq.tokens.truncate(seq.computed);
+                out.pinned
+                    .push((id, std::mem::take(&mut seq.blocks), seq.tokens));
+            } else {
+                self.remove(id);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VOCAB: std::ops::Range<u32> = 0..1000;
+
+    fn vocab() -> Vec<u32> {
+        VOCAB.collect()
+    }
+
+    fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
+        SeqSpec {
+            offset: 0,
+            prompt,
+            max_tokens,
+            stop_tokens: Vec::new().into(),
+            min_tokens: 0,
+            sampling: dyn_compute::sample::SamplingParams {
+                seed: 42,
+                ..Default::default()
+            },
+            role: SeqRole::Full,
+        }
+    }
+
+    /// A step with the mocker's output.
+    fn step(s: &mut Scheduler) -> StepOutcome {
+        let v = vocab();
+        s.step(|work, _| {
+            Ok(work
+                .iter()
+                .filter(|w| w.sample)
+                .map(|w| token_at(w.spec, &v, w.spec.offset + w.generated))
+                .collect())
+        })
+        .unwrap()
+    }
+
+    fn limits(max_num_seqs: usize, max_num_batched_tokens: usize) -> Limits {
+        Limits {
+            block_size: 4,
+            max_num_seqs,
+            max_num_batched_tokens,
+        }
+    }
+
+    /// Step until idle; the tokens each sequence got, in order.
+    fn drain(s: &mut Scheduler) -> std::collections::BTreeMap<SeqId, Vec<u32>> {
+        let mut out = std::collections::BTreeMap::<SeqId, Vec<u32>>::new();
+        for _ in 0..10_000 {
+            if s.is_idle() {
+                return out;
+            }
+            for (id, t, _) in step(s).tokens {
+                out.entry(id).or_default().push(t);
+            }
+        }
+        panic!("scheduler did not finish");
+    }
+
+    #[test]
+    fn output_is_deterministic_and_depends_on_the_seed() {
+        let a = spec(vec![1, 2, 3], 5);
+        let toks: Vec<u32> = (0..5).map(|i| token_at(&a, &vocab(), i)).collect();
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        s.add(1, a.clone());
+        assert_eq!(drain(&mut s)[&1], toks);
+        let b = SeqSpec {
+            sampling: dyn_compute::sample::SamplingParams {
+                seed: 43,
+                ..a.sampling
+            },
+            ..a
+        };
+        assert_ne!(
+            (0..5)
+                .map(|i| token_at(&b, &vocab(), i))
+                .collect::<Vec<_>>(),
+            toks
+        );
+    }
+
+    #[test]
+    fn output_comes_from_the_given_vocabulary() {
+        let s = spec(vec![1], 1);
+        assert!((0..100).all(|i| [7, 9].contains(&token_at(&s, &[7, 9], i))));
+    }
+
+    #[test]
+    fn a_stop_token_ends_the_output_once_min_tokens_are_out() {
+        // Every token is 7 and 7 stops: the first ends it, unless min_tokens holds it open.
+        let run = |min_tokens| {
+            let mut s = Scheduler::new(limits(8, 64), 16);
+            s.add(
+                1,
+                SeqSpec {
+                    stop_tokens: vec![7].into(),
+                    min_tokens,
+                    ..spec(vec![1, 2], 10)
+                },
+            );
+            let mut got = Vec::new();
+            while !s.is_idle() {
+                let out = s
+                    .step(|w, _| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
+                    .unwrap();
+                got.extend(out.tokens.into_iter().map(|(_, _, f)| f));
+            }
+            got
+        };
+        assert_eq!(run(0), [Some(FinishReason::Stop)]);
+        assert_eq!(run(2), [None, None, Some(FinishReason::Stop)]);
+    }
+
+    #[test]
+    fn a_failed_step_advances_nothing_and_names_its_sequences() {
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        s.add(1, spec(vec![1, 2, 3], 4));
+        let boom = || EngineError::Internal("boom".into());
+        let (e, ids) = s.step(|_, _| Err(boom())).unwrap_err();
+        assert_eq!((e.to_string(), ids), ("boom".into(), vec![1]));
+        let (e, _) = s.step(|_, _| Ok(vec![])).unwrap_err();
+        assert!(e.to_string().contains("sampled 0 tokens for 1"), "{e}");
+        // Still in the batch with nothing computed: a good step runs it from the start.
+        assert_eq!(step(&mut s).prefill_tokens, 3);
+    }
+
+    #[test]
+    fn a_repeated_prompt_reuses_its_cached_prefix() {
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        let prompt: Vec<u32> = (0..10).collect(); // two full blocks of 4, and 2 tokens
+        s.add(1, spec(prompt.clone(), 2));
+        drain(&mut s);
+        s.add(2, spec(prompt, 2));
+        let first = step(&mut s);
+        // Only the 2 tokens of the partial block are computed again.
+        assert_eq!(first.prefill_tokens, 2);
+        assert_eq!(
+            (s.counters.prompt_blocks, s.counters.prompt_blocks_hit),
+            (4, 2)
+        );
+    }
+
+    #[test]
+    fn long_prompts_are_prefilled_in_chunks() {
+        let mut s = Scheduler::new(limits(8, 8), 16);
+        s.add(1, spec((0..20).collect(), 1));
+        let steps: Vec<usize> = (0..3).map(|_| step(&mut s).prefill_tokens).collect();
+        assert_eq!(steps, vec![8, 8, 4]);
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn batch_limits_hold() {
+        let mut s = Scheduler::new(limits(2, 64), 64);
+        for id in 0..5 {
+            s.add(id, spec(vec![1, 2, 3], 3));
+        }
+        step(&mut s);
+        assert_eq!((s.running(), s.waiting()), (2, 3));
+        let mut s = Scheduler::new(limits(8, 6), 64);
+        for id in 0..3 {
+            s.add(id, spec(vec![1, 2, 3], 3));
+        }
+        let first = step(&mut s);
+        assert_eq!(first.prefill_tokens, 6, "token budget caps the step");
+        assert_eq!(s.running(), 2);
+    }
+
+    #[test]
+    fn running_out_of_blocks_preempts_the_newest_and_output_is_unchanged() {
+        // 4 blocks of 4 tokens; two sequences that each grow to 3 blocks cannot both fit.
+        let mut s = Scheduler::new(limits(8, 64), 4);
+        s.add(1, spec(vec![1, 2, 3], 8));
+        s.add(2, spec(vec![4, 5, 6], 8));
+        let got = drain(&mut s);
+        assert!(s.counters.preemptions > 0);
+        for (id, prompt) in [(1, vec![1, 2, 3]), (2, vec![4, 5, 6])] {
+            let sp = spec(prompt, 8);
+            assert_eq!(
+                got[&id],
+                (0..8)
+                    .map(|i| token_at(&sp, &vocab(), i))
+                    .collect::<Vec<_>>()
+            );
+        }
+        assert_eq!(s.pool.active(), 0);
+    }
+
+    #[test]
+    fn a_sequence_larger_than_the_cache_ends_instead_of_preempting_itself_forever() {
+        // 2 blocks of 4 tokens: a 3-token prompt can grow to 8 tokens and no further.
+        let mut s = Scheduler::new(limits(8, 64), 2);
+        s.add(1, spec(vec![1, 2, 3], 100));
+        let mut got = 0;
+        for _ in 0..100 {
+            let out = step(&mut s);
+            got += out.tokens.len();
+            if out.ended == [1] {
+                assert!(s.is_idle());
+                assert_eq!(s.pool.active(), 0);
+                assert_eq!(
+                    got, 6,
+                    "tokens until the cache was full (the last needs no slot)"
+                );
+                return;
+            }
+        }
+        panic!("the sequence never ended");
+    }
+
+    #[test]
+    fn removing_a_sequence_frees_its_blocks() {
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        s.add(1, spec((0..10).collect(), 100));
+        step(&mut s);
+        assert!(s.pool.active() > 0);
+        assert!(s.remove(1));
+        assert_eq!(s.pool.active(), 0);
+        assert!(!s.remove(1));
+    }
+
+    #[test]
+    fn prefill_then_import_gives_the_aggregated_output_and_moves_the_blocks() {
+        let prompt: Vec<u32> = (0..10).collect();
+        let full = spec(prompt.clone(), 4);
+        let expected: Vec<u32> = (0..4).map(|i| token_at(&full, &vocab(), i)).collect();
+
+        // Prefill worker: one token, and the prompt's 3 blocks (of 4 tokens) stay pinned.
+        let mut p = Scheduler::new(limits(8, 64), 16);
+        p.add(
+            1,
+            SeqSpec {
+                role: SeqRole::Prefill,
+                ..full.clone()
+            },
+        );
+        let out = step(&mut p);
+        assert_eq!(
+            out.tokens,
+            vec![(1, expected[0], Some(FinishReason::Length))]
+        );
+        let [(1, blocks, tokens)] = out.pinned.as_slice() else {
+            panic!("one pinned sequence: {:?}", out.pinned);
+        };
+        assert_eq!((blocks.len(), tokens.as_slice()), (3, prompt.as_slice()));
+        assert!(p.is_idle());
+        assert_eq!(p.pool.active(), 3, "pinned until released");
+        for b in blocks {
+            p.pool.release(*b);
+        }
+        assert_eq!(p.pool.active(), 0);
+
+        // Decode worker: admitted with the prompt computed, no prefill work, same output.
+        let mut d = Scheduler::new(limits(8, 64), 16);
+        d.add(
+            2,
+            SeqSpec {
+                role: SeqRole::Imported {
+                    first_token: expected[0],
+                },
+                ..full
+            },
+        );
+        let first = step(&mut d);
+        assert_eq!(first.prefill_tokens, 0);
+        assert_eq!(first.tokens, vec![(2, expected[0], None)]);
+        let mut got = vec![expected[0]];
+        got.extend(drain(&mut d)[&2].iter().copied());
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn a_preempted_import_recomputes_its_prompt() {
+        let mut s = Scheduler::new(limits(8, 64), 4);
+        s.add(1, spec(vec![1, 2, 3], 8));
+        s.add(
+            2,
+            SeqSpec {
+                role: SeqRole::Imported { first_token: 7 },
+                ..spec(vec![4, 5, 6], 8)
+            },
+        );
+        let got = drain(&mut s);
+        assert!(s.counters.preemptions > 0);
+        let sp = spec(vec![4, 5, 6], 8);
+        assert_eq!(got[&2][0], 7);
+        assert_eq!(
+            got[&2][1..],
+            (1..8)
+                .map(|i| token_at(&sp, &vocab(), i))
+                .collect::<Vec<_>>()[..]
+        );
+    }
+}

@@ -1,0 +1,285 @@
+//! What dyn sends each kind of server and how it reads the streamed answer.
+//!
+//! vLLM: `/v1/completions` with the prompt as token ids and `return_token_ids`, so each chunk
+//! carries the ids it adds. llama.cpp: its native `/completion` with a token array and
+//! `return_tokens`. A generic OpenAI server: `/v1/completions` with the prompt decoded to text;
+//! its text comes back and dyn tokenizes it again. Sampling parameters go through as the
+//! request resolved them (preprocess already applied the model's defaults), so every server
+//! samples the same way dyn's own engines do.
+
+use dyn_llm::types::{FinishReason, PreprocessedRequest};
+use serde_json::{Map, Value, json};
+
+use super::config::ExternalKind;
+
+/// One call to a server.
+pub struct Call {
+    pub path: &'static str,
+    pub body: Value,
+}
+
+/// What one call asks for; a request may take two (llama.cpp's `min_tokens`).
+pub struct Ask<'a> {
+    pub model: &'a str,
+    /// Token ids (vLLM, llama.cpp) or text (OpenAI) to continue.
+    pub prompt: Prompt<'a>,
+    pub max_tokens: u32,
+    /// No stop token ends the output before this many tokens (vLLM, OpenAI).
+    pub min_tokens: u32,
+    pub ignore_eos: bool,
+}
+
+pub enum Prompt<'a> {
+    Tokens(&'a [u32]),
+    Text(String),
+}
+
+impl Prompt<'_> {
+    fn value(&self) -> Value {
+        match self {
+            Prompt::Tokens(t) => json!(t),
+            Prompt::Text(s) => json!(s),
+        }
+    }
+}
+
+pub fn request(kind: ExternalKind, req: &PreprocessedRequest, ask: &Ask<'_>) -> Call {
+    let s = &req.sampling;
+    let mut body = Map::new();
+    let mut put = |k: &str, v: Value| {
+        body.insert(k.to_owned(), v);
+    };
+    put("stream", json!(true));
+    put("prompt", ask.prompt.value());
+    match kind {
+        ExternalKind::Vllm | ExternalKind::Openai => {
+            put("model", json!(ask.model));
+            put("max_tokens", json!(ask.max_tokens));
+            if let Some(t) = s.temperature {
+                put("temperature", json!(t));
+            }
+            if let Some(p) = s.top_p {
+                put("top_p", json!(p));
+            }
+            if let Some(seed) = s.seed {
+                put("seed", json!(seed));
+            }
+            // Extensions of vLLM (and SGLang): sent to other servers only when set, since
+            // OpenAI itself refuses unknown parameters.
+            if let Some(k) = s.top_k {
+                put("top_k", json!(k));
+            }
+            if ask.min_tokens > 0 {
+                put("min_tokens", json!(ask.min_tokens));
+            }
+            if ask.ignore_eos {
+                put("ignore_eos", json!(true));
+            }
+            if kind == ExternalKind::Vllm {
+                put("return_token_ids", json!(true));
+                // The model's eos ids as dyn knows them (config, generation config,
+                // tokenizer), not only the one vLLM reads.
+                if !ask.ignore_eos {
+                    put("stop_token_ids", json!(req.stop.eos_token_ids));
+                }
+            }
+            Call {
+                path: "/v1/completions",
+                body: Value::Object(body),
+            }
+        }
+        ExternalKind::Llamacpp => {
+            put("n_predict", json!(ask.max_tokens));
+            put("return_tokens", json!(true));
+            put("cache_prompt", json!(true));
+            put("ignore_eos", json!(ask.ignore_eos));
+            // llama.cpp's own defaults (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8)
+            // are not the OpenAI ones: say every parameter.
+            put("temperature", json!(s.temperature.unwrap_or(1.0)));
+            put("top_p", json!(s.top_p.unwrap_or(1.0)));
+            put("top_k", json!(s.top_k.unwrap_or(0)));
+            put("min_p", json!(0.0));
+            if let Some(seed) = s.seed {
+                put("seed", json!(seed));
+            }
+            Call {
+                path: "/completion",
+                body: Value::Object(body),
+            }
+        }
+    }
+}
+
+/// One streamed event, read.
+#[derive(Debug, PartialEq)]
+pub enum Chunk {
+    Tokens(Vec<u32>, Option<FinishReason>),
+    Text(String, Option<FinishReason>),
+    /// Nothing for the client (a usage-only chunk).
+    Nothing,
+}
+
+pub fn parse(kind: ExternalKind, data: &str) -> Result<Chunk, String> {
+    let v: Value = serde_json::from_str(data).map_err(|e| format!("unreadable chunk: {e}"))?;
+    if let Some(e) = v.get("error") {
+        let msg = e
+            .get("message")
+            .and_then(Value::as_str)
+            .map_or_else(|| e.to_string(), str::to_owned);
+        return Err(format!("the engine failed the request: {msg}"));
+    }
+    let ids = |v: Option<&Value>| -> Result<Vec<u32>, String> {
+        let Some(Value::Array(a)) = v else {
+            return Ok(Vec::new());
+        };
+        a.iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| format!("token id {t} out of range"))
+            })
+            .collect()
+    };
+    match kind {
+        ExternalKind::Vllm | ExternalKind::Openai => {
+            let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
+                return Ok(Chunk::Nothing);
+            };
+            let finish = match choice.get("finish_reason").and_then(Value::as_str) {
+                None => None,
+                Some("length") => Some(FinishReason::Length),
+                Some("abort") => return Err("the engine aborted the request".into()),
+                Some(_) => Some(FinishReason::Stop),
+            };
+            if kind == ExternalKind::Vllm {
+                if choice.get("token_ids").is_none_or(Value::is_null) && finish.is_none() {
+                    return Err("the server sent no token ids: is it vLLM 0.10.2 or later?".into());
+                }
+                Ok(Chunk::Tokens(ids(choice.get("token_ids"))?, finish))
+            } else {
+                let text = choice.get("text").and_then(Value::as_str).unwrap_or("");
+                Ok(Chunk::Text(text.to_owned(), finish))
+            }
+        }
+        ExternalKind::Llamacpp => {
+            let stop = v.get("stop").and_then(Value::as_bool).unwrap_or(false);
+            let finish = stop.then(|| match v.get("stop_type").and_then(Value::as_str) {
+                Some("limit") => FinishReason::Length,
+                _ => FinishReason::Stop,
+            });
+            Ok(Chunk::Tokens(ids(v.get("tokens"))?, finish))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> PreprocessedRequest {
+        let mut r = dyn_llm::testing::preprocessed(vec![1, 2, 3], 8);
+        r.stop.eos_token_ids = vec![2, 0];
+        r.sampling.temperature = Some(0.0);
+        r
+    }
+
+    fn ask(prompt: Prompt<'_>) -> Ask<'_> {
+        Ask {
+            model: "m",
+            prompt,
+            max_tokens: 8,
+            min_tokens: 2,
+            ignore_eos: false,
+        }
+    }
+
+    #[test]
+    fn vllm_gets_token_ids_and_dyns_stop_tokens() {
+        let r = req();
+        let c = request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids)));
+        assert_eq!(c.path, "/v1/completions");
+        assert_eq!(
+            c.body,
+            json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "min_tokens": 2, "temperature": 0.0,
+                   "seed": 5, "stream": true, "return_token_ids": true, "stop_token_ids": [2, 0]})
+        );
+        let chunk =
+            r#"{"choices":[{"index":0,"text":"x","finish_reason":null,"token_ids":[7,8]}]}"#;
+        assert_eq!(
+            parse(ExternalKind::Vllm, chunk),
+            Ok(Chunk::Tokens(vec![7, 8], None))
+        );
+        let last = r#"{"choices":[{"text":"","finish_reason":"length","token_ids":[9]}]}"#;
+        assert_eq!(
+            parse(ExternalKind::Vllm, last),
+            Ok(Chunk::Tokens(vec![9], Some(FinishReason::Length)))
+        );
+        assert_eq!(
+            parse(ExternalKind::Vllm, r#"{"choices":[],"usage":{}}"#),
+            Ok(Chunk::Nothing)
+        );
+        let e = parse(ExternalKind::Vllm, r#"{"error":{"message":"too long"}}"#).unwrap_err();
+        assert!(e.ends_with("too long"), "{e}");
+        let e = parse(ExternalKind::Vllm, r#"{"choices":[{"text":"x"}]}"#).unwrap_err();
+        assert!(e.contains("no token ids"), "{e}");
+    }
+
+    #[test]
+    fn llamacpp_gets_every_sampling_parameter_and_its_native_stream_is_read() {
+        let r = req();
+        let c = request(
+            ExternalKind::Llamacpp,
+            &r,
+            &ask(Prompt::Tokens(&r.token_ids)),
+        );
+        assert_eq!(c.path, "/completion");
+        assert_eq!(
+            c.body,
+            json!({"prompt": [1, 2, 3], "n_predict": 8, "stream": true, "return_tokens": true, "cache_prompt": true,
+                   "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5})
+        );
+        assert_eq!(
+            parse(
+                ExternalKind::Llamacpp,
+                r#"{"content":"a","tokens":[79],"stop":false}"#
+            ),
+            Ok(Chunk::Tokens(vec![79], None))
+        );
+        assert_eq!(
+            parse(
+                ExternalKind::Llamacpp,
+                r#"{"content":"","tokens":[],"stop":true,"stop_type":"limit"}"#
+            ),
+            Ok(Chunk::Tokens(vec![], Some(FinishReason::Length)))
+        );
+        assert_eq!(
+            parse(
+                ExternalKind::Llamacpp,
+                r#"{"tokens":[],"stop":true,"stop_type":"eos"}"#
+            ),
+            Ok(Chunk::Tokens(vec![], Some(FinishReason::Stop)))
+        );
+    }
+
+    #[test]
+    fn an_openai_server_gets_text_and_only_standard_fields_unless_set() {
+        let mut r = req();
+        r.sampling.seed = None;
+        let a = Ask {
+            min_tokens: 0,
+            ..ask(Prompt::Text("hi".into()))
+        };
+        let c = request(ExternalKind::Openai, &r, &a);
+        assert_eq!(
+            c.body,
+            json!({"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "stream": true})
+        );
+        assert_eq!(
+            parse(
+                ExternalKind::Openai,
+                r#"{"choices":[{"text":" there","finish_reason":"stop"}]}"#
+            ),
+            Ok(Chunk::Text(" there".into(), Some(FinishReason::Stop)))
+        );
+    }
+}

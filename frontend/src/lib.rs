@@ -1,0 +1,381 @@
+//! dyn-frontend: the HTTP ingresses — the OpenAI-compatible `http` kind ([`openai`]) with its
+//! admin routes ([`admin`]) and `/metrics`, and the debugging `http_text` kind ([`text`]) —
+//! and the frontend's metrics ([`metrics`]). It must not depend on any engine (dyn-engine,
+//! dyn-external): changing an engine must not recompile the frontend.
+//!
+//! HTTP ingresses and the plumbing they share: binding, OpenAI-style error objects, API keys,
+//! health endpoints, body limits and graceful shutdown.
+//!
+//! Errors that reach a client are OpenAI error objects
+//! (`{"error": {"message", "type", "param", "code"}}`) with a stable `type` and `code`; detail
+//! meant for operators goes to the log.
+
+pub mod admin;
+pub mod metrics;
+pub mod openai;
+pub mod text;
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::serve::ListenerExt as _;
+use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
+use serde::Deserialize;
+use serde_json::json;
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, SetRequestIdLayer};
+
+/// Settings every HTTP ingress accepts (flattened into its config).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to listen on. Loopback by default: exposing a server is a deliberate choice.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Largest request body accepted; bigger ones get 413.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    /// When non-empty, requests must carry `Authorization: Bearer <one of these>`.
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8000".to_owned()
+}
+
+fn default_max_body() -> usize {
+    4 << 20
+}
+
+impl ServerConfig {
+    pub fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        if self.listen.parse::<SocketAddr>().is_err() {
+            out.push(Invalid::field(
+                "listen",
+                format!("`{}` is not an address like 127.0.0.1:8000", self.listen),
+            ));
+        }
+        if self.max_body_bytes == 0 {
+            out.push(Invalid::field("max_body_bytes", "must be at least 1"));
+        }
+        if self.api_keys.iter().any(String::is_empty) {
+            out.push(Invalid::field("api_keys", "keys must not be empty"));
+        }
+        out
+    }
+
+    /// Bind at build time so a taken port fails start-up with a clear message.
+    pub async fn bind(&self, node: &str) -> Result<TcpListener, BuildError> {
+        let listener = TcpListener::bind(&self.listen)
+            .await
+            .map_err(|e| BuildError::new(format!("cannot listen on {}: {e}", self.listen)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| BuildError::new(format!("cannot read the bound address: {e}")))?;
+        tracing::info!(node, addr = %addr, "HTTP ingress listening");
+        Ok(listener)
+    }
+}
+
+/// An error response in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: Cow<'static, str>,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: impl Into<Cow<'static, str>>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            code: code.into(),
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn invalid(code: impl Into<Cow<'static, str>>, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl From<OpError> for ApiError {
+    fn from(e: OpError) -> Self {
+        let param = e.param;
+        let mut api = match e.kind {
+            ErrorKind::InvalidRequest => ApiError::invalid(
+                e.code.unwrap_or(Cow::Borrowed("invalid_request")),
+                e.message,
+            ),
+            ErrorKind::Unavailable => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.code.unwrap_or(Cow::Borrowed("no_worker_available")),
+                e.message,
+            ),
+            ErrorKind::Overloaded => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::WORKER_BUSY)),
+                e.message,
+            ),
+            ErrorKind::InstanceLost => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::INSTANCE_LOST)),
+                e.message,
+            ),
+            ErrorKind::Cancelled => ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_cancelled",
+                "cancelled",
+                e.message,
+            ),
+            ErrorKind::Internal => {
+                tracing::error!(error = %e.message, "Internal error answered as 500");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "internal_error",
+                    "internal error",
+                )
+            }
+        };
+        api.param = param;
+        api
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        // A refusal for want of room may be asked again shortly; say when (RFC 9110 §10.2.3).
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            return (
+                self.status,
+                [(axum::http::header::RETRY_AFTER, "1")],
+                Json(self.body()),
+            )
+                .into_response();
+        }
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// Turn an axum body rejection (too large, unreadable) into an OpenAI error.
+pub fn body_error(rejection: axum::extract::rejection::BytesRejection) -> ApiError {
+    let status = rejection.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            "request_too_large",
+            "request body is too large",
+        )
+    } else {
+        ApiError::new(
+            status,
+            "invalid_request_error",
+            "invalid_body",
+            rejection.body_text(),
+        )
+    }
+}
+
+/// Parse a JSON body with serde's message (line, column, field) as the client's error.
+pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
+}
+
+/// The request's `x-request-id` (the client's, or one [`app`]'s layer generated), if it is
+/// usable as ours.
+pub fn request_id(headers: &HeaderMap) -> Option<dyn_pipeline::RequestId> {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map(dyn_pipeline::RequestId::from)
+}
+
+/// The id of a request that comes without `x-request-id`: dyn's usual form (32 hex digits).
+#[derive(Clone, Copy)]
+struct NewRequestId;
+
+impl MakeRequestId for NewRequestId {
+    fn make_request_id<B>(
+        &mut self,
+        _request: &axum::http::Request<B>,
+    ) -> Option<tower_http::request_id::RequestId> {
+        axum::http::HeaderValue::from_str(dyn_pipeline::RequestId::random().as_str())
+            .ok()
+            .map(tower_http::request_id::RequestId::new)
+    }
+}
+
+/// Middleware: require `Authorization: Bearer KEY` when keys are configured.
+pub async fn require_api_key(
+    State(keys): State<std::sync::Arc<Vec<String>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if keys.is_empty() {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Every key is compared, each in constant time: how long the check takes says nothing
+    // about how much of a key was right.
+    let known = given.is_some_and(|g| {
+        keys.iter()
+            .fold(subtle::Choice::from(0), |hit, key| {
+                hit | key.as_bytes().ct_eq(g.as_bytes())
+            })
+            .into()
+    });
+    if known {
+        return next.run(req).await;
+    }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        "missing or invalid API key",
+    )
+    .into_response()
+}
+
+pub async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "healthy"}))
+}
+
+pub async fn live() -> Json<serde_json::Value> {
+    Json(json!({"status": "live"}))
+}
+
+pub async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        "no such route",
+    )
+}
+
+/// The whole app of an HTTP ingress: its `api` routes behind the API-key check, its `open`
+/// routes (metrics and the like) and the probes without it, a JSON 404 and the body limit.
+/// Every request has an `x-request-id` (the client's, or a UUID), echoed on the response.
+pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum::Router {
+    let keys = std::sync::Arc::new(config.api_keys.clone());
+    axum::Router::new()
+        .merge(api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)))
+        .merge(open)
+        .route("/health", axum::routing::get(health))
+        .route("/live", axum::routing::get(live))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(NewRequestId))
+}
+
+/// Serve `app` until shutdown, then drain: while requests sent down `chain` are still
+/// streaming, the listener stays open so load balancers can see `/health`
+/// answer 503 and new API requests get a 503 `draining` error; once nothing is in flight the
+/// server closes (the runtime bounds how long all this may take).
+pub async fn serve<Req: Payload, Resp: Payload>(
+    listener: TcpListener,
+    app: axum::Router,
+    shutdown: ShutdownSignal,
+    chain: Chain<Req, Resp>,
+) -> Result<(), OpError> {
+    let draining = Arc::new(AtomicBool::new(false));
+    let app = app.layer(axum::middleware::from_fn_with_state(
+        draining.clone(),
+        refuse_while_draining,
+    ));
+    let closed = async move {
+        shutdown.await;
+        draining.store(true, Ordering::Release);
+        tracing::info!(
+            in_flight = chain.in_flight(),
+            "Draining: /health answers 503, new requests are refused"
+        );
+        chain.drained().await;
+    };
+    // Streamed tokens are small writes: with Nagle's algorithm on, each one after the first
+    // waits for the client's (delayed) ACK, ~40 ms on Linux, which paced every stream.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
+    // Peer addresses reach the handlers: the admin routes answer loopback clients only.
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(closed)
+    .await
+    .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
+}
+
+async fn refuse_while_draining(
+    State(draining): State<Arc<AtomicBool>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if !draining.load(Ordering::Acquire) {
+        return next.run(req).await;
+    }
+    match req.uri().path() {
+        // Liveness and metrics still answer: the process is alive and finishing its work.
+        "/live" | "/metrics" => next.run(req).await,
+        "/health" => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response(),
+        _ => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "draining",
+            "the server is shutting down; retry on another replica",
+        )
+        .into_response(),
+    }
+}

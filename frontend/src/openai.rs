@@ -1,0 +1,882 @@
+//! `http`: the OpenAI-compatible ingress.
+//!
+//! `POST /v1/chat/completions` and `POST /v1/completions` (streaming as server-sent events
+//! ending in `data: [DONE]`, or one JSON answer), `GET /v1/models`, `GET /health`,
+//! `GET /live` and `GET /metrics` (Prometheus). Requests are parsed here into an
+//! [`LlmRequest`]; range checks on sampling parameters happen in `preprocess`, which knows the
+//! model. A streaming response is committed only once the first delta (or an error) is back,
+//! so a request the graph rejects still gets its 4xx status. A client that disconnects drops
+//! the response stream, which kills the request's context, which reaches the engine.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use dyn_llm::model::ModelDir;
+use dyn_llm::preprocess::Preprocess;
+use dyn_llm::types::{
+    ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
+};
+use dyn_pipeline::{
+    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
+};
+use dyn_planner::state::PlannerView;
+use dyn_planner::stats::FrontendStats;
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+use super::admin::Admin;
+use super::{ApiError, ServerConfig};
+use crate::metrics::FRONTEND;
+
+/// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(transparent)]
+pub struct HttpConfig {
+    pub server: ServerConfig,
+}
+
+impl IngressConfig for HttpConfig {
+    const KIND: &'static str = "http";
+    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/models, /metrics";
+    type Ingress = Http;
+
+    fn validate(&self) -> Vec<Invalid> {
+        self.server.validate()
+    }
+
+    async fn build(&self, cx: &BuildCx) -> Result<Http, BuildError> {
+        let model = cx.model.as_ref().ok_or_else(|| {
+            BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
+        })?;
+        let preprocess = Preprocess::new(ModelDir::shared(cx).await?)?;
+        Ok(Http {
+            listener: self.server.bind(&cx.node).await?,
+            config: self.server.clone(),
+            model: model.name.clone(),
+            admin: Admin {
+                inspect: cx.service::<dyn_pipeline::Inspectables>().await?,
+                events: cx.planes.events.clone(),
+                namespace: cx.namespace.clone(),
+                model: model.name.clone(),
+                preprocess: Arc::new(preprocess),
+                planner: cx.service::<PlannerView>().await?,
+            },
+            stats: cx.service::<FrontendStats>().await?,
+        })
+    }
+}
+
+pub struct Http {
+    listener: TcpListener,
+    config: ServerConfig,
+    model: String,
+    admin: Admin,
+    stats: Arc<FrontendStats>,
+}
+
+type AppChain = Chain<LlmRequest, LlmDelta>;
+
+#[derive(Clone)]
+struct App {
+    chain: AppChain,
+    model: Arc<str>,
+    created: u64,
+    /// The planner's view of this frontend's traffic.
+    stats: Arc<FrontendStats>,
+}
+
+impl Ingress for Http {
+    type Request = LlmRequest;
+    type Response = LlmDelta;
+
+    fn serve(
+        self: Box<Self>,
+        chain: AppChain,
+        shutdown: ShutdownSignal,
+    ) -> BoxFuture<'static, Result<(), OpError>> {
+        let state = App {
+            chain: chain.clone(),
+            model: self.model.into(),
+            created: unix_now(),
+            stats: self.stats,
+        };
+        let api = axum::Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/completions", post(completions))
+            .route("/v1/models", get(models))
+            .with_state(state);
+        let open = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .merge(super::admin::router(self.admin));
+        let app = super::app(&self.config, api, open);
+        super::serve(self.listener, app, shutdown, chain).boxed()
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn metrics() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        dyn_llm::metrics::render(),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<App>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": &*app.model, "object": "model", "created": app.created, "owned_by": "dyn"}],
+    }))
+}
+
+// ---- request bodies ------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of strings")]
+enum StopIn {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send many.
+#[derive(Debug, Deserialize)]
+struct Common {
+    model: String,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// vLLM's extension: keep the k most likely tokens; 0 or -1 keeps all.
+    top_k: Option<i64>,
+    seed: Option<u64>,
+    stop: Option<StopIn>,
+    n: Option<u32>,
+    logprobs: Option<Value>,
+    ignore_eos: Option<bool>,
+    min_tokens: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of content parts")]
+enum ContentIn {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessageIn {
+    role: String,
+    content: Option<ContentIn>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Vec<MessageIn>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of one string, or a list of token ids"
+)]
+enum PromptIn {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: PromptIn,
+    #[serde(default)]
+    echo: bool,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid("invalid_value", message).with_param(param)
+}
+
+/// The checks that need no model: the model name and parameters this server never supports.
+fn request(
+    app: &App,
+    endpoint: Endpoint,
+    prompt: Prompt,
+    c: Common,
+) -> Result<(LlmRequest, Options), ApiError> {
+    if c.model != *app.model {
+        return Err(ApiError::invalid(
+            "model_not_found",
+            format!(
+                "The model `{}` does not exist; this server serves `{}`",
+                c.model, app.model
+            ),
+        )
+        .with_param("model"));
+    }
+    if let Some(n) = c.n
+        && n != 1
+    {
+        return Err(invalid("n", format!("only n=1 is supported, got n={n}")));
+    }
+    if matches!(&c.logprobs, Some(v) if !v.is_null() && v != &Value::Bool(false)) {
+        return Err(invalid("logprobs", "logprobs are not supported"));
+    }
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(StopIn::One(s)) => vec![s],
+        Some(StopIn::Many(v)) => v,
+    };
+    let include_usage = c.stream_options.is_some_and(|o| o.include_usage);
+    if include_usage && !c.stream {
+        return Err(invalid(
+            "stream_options",
+            "stream_options is only allowed with stream: true",
+        ));
+    }
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) => Some(u32::try_from(k).map_err(|_| {
+            invalid(
+                "top_k",
+                format!("top_k must be -1, 0 or a positive count, got {k}"),
+            )
+        })?),
+    };
+    Ok((
+        LlmRequest {
+            endpoint,
+            model: c.model,
+            prompt,
+            sampling: Sampling {
+                temperature: c.temperature,
+                top_p: c.top_p,
+                top_k,
+                seed: c.seed,
+            },
+            limits: Limits {
+                max_tokens: c.max_completion_tokens.or(c.max_tokens),
+                min_tokens: c.min_tokens,
+                ignore_eos: c.ignore_eos.unwrap_or(false),
+                stop,
+            },
+        },
+        Options {
+            stream: c.stream,
+            include_usage,
+        },
+    ))
+}
+
+struct Options {
+    stream: bool,
+    include_usage: bool,
+}
+
+fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
+    let b: ChatBody = super::parse_json(body)?;
+    let mut messages = Vec::with_capacity(b.messages.len());
+    for (i, m) in b.messages.into_iter().enumerate() {
+        let content = match m.content {
+            None => String::new(),
+            Some(ContentIn::Text(t)) => t,
+            Some(ContentIn::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return Err(invalid(
+                                &format!("messages[{i}].content"),
+                                format!(
+                                    "content parts of type `{kind}` are not supported; only `text`"
+                                ),
+                            ));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage {
+            role: m.role,
+            content,
+        });
+    }
+    request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
+}
+
+fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
+    let b: CompletionBody = super::parse_json(body)?;
+    if b.echo {
+        return Err(invalid("echo", "echo is not supported"));
+    }
+    let prompt = match b.prompt {
+        PromptIn::Text(t) => Prompt::Text(t),
+        PromptIn::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
+        PromptIn::Texts(v) => {
+            return Err(invalid(
+                "prompt",
+                format!("only one prompt per request is supported, got {}", v.len()),
+            ));
+        }
+        PromptIn::Tokens(t) => Prompt::Tokens(t),
+    };
+    request(app, Endpoint::Completion, prompt, b.common)
+}
+
+// ---- handlers ------------------------------------------------------------------------------
+
+async fn chat(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(app, Endpoint::Chat, headers, body).await
+}
+
+async fn completions(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(app, Endpoint::Completion, headers, body).await
+}
+
+/// Counts one request in the frontend metrics from start to end; dropped without `finish`
+/// (the client went away) it counts as cancelled.
+struct Track {
+    model: Arc<str>,
+    endpoint: &'static str,
+    stream: bool,
+    start: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Tokens after the first one's delta, for the request's mean ITL.
+    later_tokens: u32,
+    usage: Option<(u32, u32)>,
+    status: Option<&'static str>,
+    stats: Arc<FrontendStats>,
+}
+
+impl Track {
+    fn new(app: &App, endpoint: Endpoint, stream: bool) -> Self {
+        let model = app.model.clone();
+        FRONTEND.inflight.with_label_values(&[&*model]).inc();
+        app.stats.arrived();
+        Self {
+            stats: app.stats.clone(),
+            first_token: None,
+            later_tokens: 0,
+            usage: None,
+            model,
+            endpoint: match endpoint {
+                Endpoint::Chat => "chat_completions",
+                Endpoint::Completion => "completions",
+            },
+            stream,
+            start: Instant::now(),
+            last_token: None,
+            status: None,
+        }
+    }
+
+    fn delta(&mut self, d: &LlmDelta) {
+        if d.tokens == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let m = [&*self.model];
+        match self.last_token {
+            None => {
+                FRONTEND
+                    .ttft
+                    .with_label_values(&m)
+                    .observe((now - self.start).as_secs_f64());
+                self.stats.first_token(now - self.start);
+                self.first_token = Some(now);
+            }
+            Some(last) => {
+                FRONTEND
+                    .itl
+                    .with_label_values(&m)
+                    .observe((now - last).as_secs_f64() / f64::from(d.tokens));
+                self.later_tokens += d.tokens;
+            }
+        }
+        self.last_token = Some(now);
+        if let Some(u) = d.usage {
+            self.usage = Some((u.prompt_tokens, u.completion_tokens));
+            FRONTEND
+                .input_tokens
+                .with_label_values(&m)
+                .inc_by(u64::from(u.prompt_tokens));
+            FRONTEND
+                .output_tokens
+                .with_label_values(&m)
+                .inc_by(u64::from(u.completion_tokens));
+        }
+    }
+
+    fn finish(&mut self, status: &'static str) {
+        self.status.get_or_insert(status);
+    }
+}
+
+impl Drop for Track {
+    fn drop(&mut self) {
+        let m = &*self.model;
+        FRONTEND.inflight.with_label_values(&[m]).dec();
+        let kind = if self.stream { "stream" } else { "unary" };
+        let status = self.status.unwrap_or("cancelled");
+        FRONTEND
+            .requests
+            .with_label_values(&[m, self.endpoint, kind, status])
+            .inc();
+        let itl = match (self.first_token, self.last_token) {
+            (Some(first), Some(last)) if self.later_tokens > 0 => {
+                Some((last - first) / self.later_tokens)
+            }
+            _ => None,
+        };
+        // A cancelled request is the client's doing, not a failure of the deployment.
+        self.stats.finished(status != "error", self.usage, itl);
+        if status == "success" {
+            FRONTEND
+                .duration
+                .with_label_values(&[m])
+                .observe(self.start.elapsed().as_secs_f64());
+        }
+    }
+}
+
+async fn serve(
+    app: App,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body.map_err(super::body_error) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let parsed = match endpoint {
+        Endpoint::Chat => chat_request(&app, &body),
+        Endpoint::Completion => completion_request(&app, &body),
+    };
+    let (req, opts) = match parsed {
+        Ok(r) => r,
+        Err(e) => {
+            let mut t = Track::new(&app, endpoint, false);
+            t.finish("error");
+            return e.into_response();
+        }
+    };
+    let mut track = Track::new(&app, endpoint, opts.stream);
+    let ctx = app.chain.ctx(super::request_id(&headers));
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Completion => "cmpl-",
+    };
+    let shape = Shape {
+        id: format!("{prefix}{}", ctx.id()),
+        endpoint,
+        model: app.model.clone(),
+        created: unix_now(),
+    };
+    // Dropped with this future or with the SSE stream: a client that hangs up kills the request.
+    let guard = ctx.kill_on_drop();
+    let mut out = app.chain.call(ctx, req);
+
+    if !opts.stream {
+        let (mut text, mut finish, mut usage) = (String::new(), None, Usage::default());
+        while let Some(item) = out.next().await {
+            match item {
+                Ok(d) => {
+                    track.delta(&d);
+                    text.push_str(&d.text);
+                    finish = d.finish.or(finish);
+                    usage = d.usage.unwrap_or(usage);
+                }
+                Err(e) => {
+                    track.finish("error");
+                    return ApiError::from(e).into_response();
+                }
+            }
+        }
+        guard.disarm();
+        track.finish("success");
+        return Json(shape.full(&text, finish, usage)).into_response();
+    }
+
+    // Wait for the first delta so an early failure still gets a proper status code.
+    let first = match out.next().await {
+        Some(Ok(d)) => Some(d),
+        Some(Err(e)) => {
+            track.finish("error");
+            return ApiError::from(e).into_response();
+        }
+        None => None,
+    };
+    let events = sse(shape, opts.include_usage, first, out, track, guard);
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(events),
+    )
+        .into_response()
+}
+
+fn sse(
+    shape: Shape,
+    include_usage: bool,
+    first: Option<LlmDelta>,
+    mut out: dyn_pipeline::Output<LlmDelta>,
+    mut track: Track,
+    guard: dyn_pipeline::ctx::KillOnDrop,
+) -> impl Stream<Item = Result<Bytes, Infallible>> {
+    async_stream::stream! {
+        let chunks = Chunks::new(&shape, include_usage);
+        if shape.endpoint == Endpoint::Chat {
+            yield Ok(chunks.role());
+        }
+        let mut next = first;
+        let mut usage = None;
+        while let Some(d) = next.take() {
+            track.delta(&d);
+            if d.usage.is_some() {
+                usage = d.usage;
+            }
+            if !d.text.is_empty() || d.finish.is_some() {
+                yield Ok(chunks.delta(&d.text, d.finish));
+            }
+            if d.finish.is_some() {
+                break;
+            }
+            match out.next().await {
+                Some(Ok(d)) => next = Some(d),
+                Some(Err(e)) => {
+                    track.finish("error");
+                    yield Ok(event(&ApiError::from(e).body().to_string()));
+                    break;
+                }
+                None => break,
+            }
+        }
+        if include_usage && let Some(u) = usage {
+            yield Ok(event(&shape.usage_chunk(u).to_string()));
+        }
+        guard.disarm();
+        track.finish("success");
+        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+}
+
+/// One server-sent event carrying `data` (a JSON text: no newlines).
+fn event(data: &str) -> Bytes {
+    let mut b = Vec::with_capacity(data.len() + 8);
+    b.extend_from_slice(b"data: ");
+    b.extend_from_slice(data.as_bytes());
+    b.extend_from_slice(b"\n\n");
+    b.into()
+}
+
+/// A streamed response's token chunks, rendered from pieces fixed per request: the envelope
+/// around the choice's content and its finish reason. Building every chunk as a
+/// `serde_json::Value` (maps, key strings, a tree per token) cost about a sixth of the
+/// frontend's CPU at 64 tokens a request; now a token costs its escaped text and a copy. The
+/// pieces are cut from a chunk serde_json rendered, so key order and escaping are its own
+/// (`streamed_chunks_are_the_json_values_they_replace` checks the bytes).
+struct Chunks {
+    /// `data: ` and the envelope up to the first slot; between the slots; after the second
+    /// slot, with the closing `\n\n`.
+    pieces: [Vec<u8>; 3],
+    /// Whether the content slot comes before the finish reason slot.
+    content_first: bool,
+    chat: bool,
+}
+
+/// The first chat chunk's delta, as serde_json renders it (rendered once per process).
+static ROLE_DELTA: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| json!({"role": "assistant", "content": ""}).to_string());
+
+impl Chunks {
+    fn new(shape: &Shape, include_usage: bool) -> Self {
+        const CONTENT: &str = "\u{1}dyn-content\u{1}";
+        const FINISH: &str = "\u{1}dyn-finish\u{1}";
+        let mut v = shape.chunk(Some(json!(CONTENT)), None, include_usage);
+        v["choices"][0]["finish_reason"] = json!(FINISH);
+        let text = v.to_string();
+        let mark = |m: &str| serde_json::to_string(m).unwrap_or_default();
+        let (content, finish) = (mark(CONTENT), mark(FINISH));
+        let (first, second) = match (text.find(&content), text.find(&finish)) {
+            (Some(c), Some(f)) if c < f => (content.as_str(), finish.as_str()),
+            _ => (finish.as_str(), content.as_str()),
+        };
+        let (p0, rest) = text.split_once(first).unwrap_or((&text, ""));
+        let (p1, p2) = rest.split_once(second).unwrap_or((rest, ""));
+        let mut head = b"data: ".to_vec();
+        head.extend_from_slice(p0.as_bytes());
+        let mut tail = p2.as_bytes().to_vec();
+        tail.extend_from_slice(b"\n\n");
+        Self {
+            pieces: [head, p1.as_bytes().to_vec(), tail],
+            content_first: first == content,
+            chat: shape.endpoint == Endpoint::Chat,
+        }
+    }
+
+    fn render(&self, content: impl FnOnce(&mut Vec<u8>), finish: Option<FinishReason>) -> Bytes {
+        let [p0, p1, p2] = &self.pieces;
+        let mut b = Vec::with_capacity(p0.len() + p1.len() + p2.len() + 64);
+        let finish = |b: &mut Vec<u8>| match finish {
+            Some(f) => {
+                b.push(b'"');
+                b.extend_from_slice(f.as_str().as_bytes());
+                b.push(b'"');
+            }
+            None => b.extend_from_slice(b"null"),
+        };
+        b.extend_from_slice(p0);
+        if self.content_first {
+            content(&mut b);
+            b.extend_from_slice(p1);
+            finish(&mut b);
+        } else {
+            finish(&mut b);
+            b.extend_from_slice(p1);
+            content(&mut b);
+        }
+        b.extend_from_slice(p2);
+        b.into()
+    }
+
+    /// The first chat chunk: the assistant's role and empty content.
+    fn role(&self) -> Bytes {
+        self.render(|b| b.extend_from_slice(ROLE_DELTA.as_bytes()), None)
+    }
+
+    fn delta(&self, text: &str, finish: Option<FinishReason>) -> Bytes {
+        self.render(
+            |b| {
+                let quoted = |b: &mut Vec<u8>| {
+                    // Writing a &str into a Vec cannot fail.
+                    let _ = serde_json::to_writer(&mut *b, text);
+                };
+                match (self.chat, text.is_empty()) {
+                    (true, true) => b.extend_from_slice(b"{}"),
+                    (true, false) => {
+                        b.extend_from_slice(br#"{"content":"#);
+                        quoted(b);
+                        b.push(b'}');
+                    }
+                    (false, _) => quoted(b),
+                }
+            },
+            finish,
+        )
+    }
+}
+
+/// What every response object of one request shares.
+struct Shape {
+    id: String,
+    endpoint: Endpoint,
+    model: Arc<str>,
+    created: u64,
+}
+
+fn usage_json(u: Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+impl Shape {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.endpoint, stream) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, stream: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(stream),
+            "created": self.created,
+            "model": &*self.model,
+            "choices": choices,
+        })
+    }
+
+    /// A chat chunk with `delta`, or a completion chunk.
+    fn chunk(
+        &self,
+        delta: Option<Value>,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
+        let finish = finish.map(FinishReason::as_str);
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({"index": 0, "delta": delta.unwrap_or_else(|| json!({})), "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": delta.unwrap_or_else(|| json!("")), "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut v = self.envelope(true, json!([choice]));
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// A token chunk as a `Value`: what [`Chunks::delta`] renders (its test reference).
+    #[cfg(test)]
+    fn delta(&self, text: &str, finish: Option<FinishReason>, include_usage: bool) -> Value {
+        let delta = match (self.endpoint, text.is_empty()) {
+            (Endpoint::Chat, true) => json!({}),
+            (Endpoint::Chat, false) => json!({"content": text}),
+            (Endpoint::Completion, _) => json!(text),
+        };
+        self.chunk(Some(delta), finish, include_usage)
+    }
+
+    fn usage_chunk(&self, u: Usage) -> Value {
+        let mut v = self.envelope(true, json!([]));
+        v["usage"] = usage_json(u);
+        v
+    }
+
+    fn full(&self, text: &str, finish: Option<FinishReason>, usage: Usage) -> Value {
+        let finish = finish.map(FinishReason::as_str);
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+            }
+            Endpoint::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+        };
+        let mut v = self.envelope(false, json!([choice]));
+        v["usage"] = usage_json(usage);
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_accepts_a_string_or_a_list_and_names_what_it_expected() {
+        let c: Common = serde_json::from_str(r#"{"model": "m", "stop": "x"}"#).expect("one");
+        assert!(matches!(c.stop, Some(StopIn::One(_))));
+        let c: Common =
+            serde_json::from_str(r#"{"model": "m", "stop": ["x", "y"]}"#).expect("many");
+        assert!(matches!(c.stop, Some(StopIn::Many(v)) if v.len() == 2));
+        let e = serde_json::from_str::<Common>(r#"{"model": "m", "stop": 3}"#).expect_err("bad");
+        assert!(
+            e.to_string().contains("a string or a list of strings"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn chunks_have_openai_shapes() {
+        let s = Shape {
+            id: "chatcmpl-1".into(),
+            endpoint: Endpoint::Chat,
+            model: "tiny".into(),
+            created: 5,
+        };
+        let c = s.delta("hi", None, true);
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["choices"][0]["delta"]["content"], "hi");
+        assert!(c["usage"].is_null() && c.get("usage").is_some());
+        let u = s.usage_chunk(Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+        });
+        assert_eq!(u["choices"], json!([]));
+        assert_eq!(u["usage"]["total_tokens"], 7);
+        let f = s.full("hey", Some(FinishReason::Length), Usage::default());
+        assert_eq!(f["choices"][0]["message"]["content"], "hey");
+        assert_eq!(f["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn streamed_chunks_are_the_json_values_they_replace() {
+        for endpoint in [Endpoint::Chat, Endpoint::Completion] {
+            let s = Shape {
+                id: "chatcmpl-\"quoted\"-1".into(),
+                endpoint,
+                model: "tiny/\u{e9}\\model".into(),
+                created: 1_795_448_917,
+            };
+            for include_usage in [false, true] {
+                let chunks = Chunks::new(&s, include_usage);
+                for text in ["", "hi", " \"quote\" \\ back\nline\t\u{1}", "日本語 🙂"] {
+                    for finish in [None, Some(FinishReason::Stop), Some(FinishReason::Length)] {
+                        let want = event(&s.delta(text, finish, include_usage).to_string());
+                        assert_eq!(
+                            chunks.delta(text, finish),
+                            want,
+                            "{endpoint:?} {text:?} {finish:?} usage {include_usage}"
+                        );
+                    }
+                }
+                if endpoint == Endpoint::Chat {
+                    let role = s.chunk(
+                        Some(json!({"role": "assistant", "content": ""})),
+                        None,
+                        include_usage,
+                    );
+                    assert_eq!(chunks.role(), event(&role.to_string()));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! dyn-kinds: every operator kind a graph can name, and the registry that lists them.
+//!
+//! One module per kind. Kinds are registered explicitly in [`registry`]; a kind missing from
+//! that list cannot be used in a graph.
+
+pub mod decode;
+pub mod echo;
+pub mod prefill;
+
+use dyn_pipeline::Registry;
+
+/// The kinds this build of dyn knows.
+pub fn registry() -> Registry {
+    Registry::new()
+        .ingress::<dyn_frontend::openai::HttpConfig>()
+        .ingress::<dyn_frontend::text::HttpTextConfig>()
+        .operator::<echo::EchoConfig>()
+        .operator::<dyn_llm::preprocess::PreprocessConfig>()
+        .operator::<dyn_router::RouteConfig>()
+        .operator::<dyn_router::remote_prefill::RemotePrefillConfig>()
+        .operator::<prefill::PrefillConfig>()
+        .operator::<decode::DecodeConfig>()
+        .operator::<dyn_llm::postprocess::PostprocessConfig>()
+        .section::<dyn_planner::PlannerConfig>()
+}

@@ -1,0 +1,67 @@
+//! The helpers every crate's Prometheus statics register through, and [`render`], served by the
+//! `http` ingress at `GET /metrics`.
+//!
+//! Everything registers in the process's default registry, so one scrape of a process shows
+//! its frontend and every worker it runs. Names follow Prometheus conventions (`_total` for
+//! counters, base units in seconds) under `dyn_frontend_` and `dyn_worker_`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, TextEncoder,
+    register_histogram_vec, register_int_counter_vec, register_int_gauge_vec,
+};
+
+fn or_unregistered<T>(r: prometheus::Result<T>, make: impl FnOnce() -> T) -> T {
+    // Registration only fails for a duplicate name, which these statics rule out; fall back to
+    // an unregistered metric rather than panic.
+    r.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "Metric registration failed");
+        make()
+    })
+}
+
+pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    or_unregistered(register_int_counter_vec!(name, help, labels), || {
+        IntCounterVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+/// Latency buckets (seconds) from 1 ms to 60 s.
+const LATENCY: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+pub fn histogram(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(LATENCY.to_vec());
+    or_unregistered(register_histogram_vec!(opts.clone(), labels), || {
+        HistogramVec::new(opts, labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+pub fn gauge(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    or_unregistered(register_int_gauge_vec!(name, help, labels), || {
+        IntGaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
+    })
+}
+
+/// Bring a counter up to an absolute count kept elsewhere.
+pub fn set_counter(c: &prometheus::IntCounter, v: u64) {
+    let d = v.saturating_sub(c.get());
+    if d > 0 {
+        c.inc_by(d);
+    }
+}
+
+/// The default registry in Prometheus text format.
+pub fn render() -> String {
+    let mut buf = Vec::new();
+    if let Err(e) = TextEncoder::new().encode(&prometheus::gather(), &mut buf) {
+        tracing::error!(error = %e, "Cannot encode metrics");
+    }
+    String::from_utf8(buf).unwrap_or_default()
+}
+
+pub fn float_gauge(name: &str, help: &str, labels: &[&str]) -> prometheus::GaugeVec {
+    or_unregistered(prometheus::register_gauge_vec!(name, help, labels), || {
+        prometheus::GaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
+    })
+}

@@ -1,0 +1,414 @@
+//! `preprocess`: turns an [`LlmRequest`] into token ids an engine can run.
+//!
+//! Chat messages go through the model's chat template (minijinja, with Python string methods
+//! and `raise_exception` as Hugging Face templates expect) and are tokenized without adding
+//! special tokens again; completion prompts are tokenized with them, by fastokens where it
+//! agrees with the model's Hugging Face tokenizer ([`super::encoder`]). A prompt of a few
+//! KiB encodes in microseconds, on the runtime worker that holds the request (a hop to the
+//! blocking pool would cost more than the work); a long one runs on tokio's blocking pool,
+//! never on a runtime worker. Sampling parameters and lengths are checked here, so every
+//! later node can trust them.
+//!
+//! ```yaml
+//! preprocess: {kind: preprocess, inputs: [http], config: {tokenizer: fast}}
+//! ```
+
+use std::sync::Arc;
+
+use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use futures::StreamExt;
+use minijinja::{Environment, context};
+use serde::Deserialize;
+
+use super::encoder::Encoder;
+use super::model::ModelDir;
+use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions};
+
+/// Longest accepted stop string, and most stop strings per request (vLLM has no limit; a cap
+/// keeps the matcher's cost per token bounded).
+const MAX_STOP_LEN: usize = 256;
+const MAX_STOPS: usize = 16;
+
+/// Prompts longer than this (bytes of text) are encoded on the blocking pool: fastokens takes
+/// ~5 ns a byte, so 16 KiB is ~80 µs on a runtime worker at most; Hugging Face tokenizers
+/// takes ~80× that, so with it every prompt goes to the blocking pool.
+const INLINE_ENCODE_BYTES: usize = 16 << 10;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreprocessConfig {
+    /// Which encoder tokenizes prompts.
+    #[serde(default)]
+    pub tokenizer: TokenizerChoice,
+}
+
+/// `tokenizer:` of `preprocess`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerChoice {
+    /// fastokens where it loads the model's tokenizer and agrees with Hugging Face
+    /// tokenizers on a probe set; Hugging Face tokenizers otherwise.
+    #[default]
+    Fast,
+    /// Hugging Face tokenizers always (for comparisons, or a tokenizer fastokens gets wrong
+    /// in a way the probes miss).
+    Hf,
+}
+
+impl OperatorConfig for PreprocessConfig {
+    const KIND: &'static str = "preprocess";
+    const SUMMARY: &'static str =
+        "Renders the chat template and tokenizes (Hugging Face tokenizer.json); checks parameters";
+    type Op = Preprocess;
+
+    async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
+        let mut p = Preprocess::new(ModelDir::shared(cx).await?)?;
+        if self.tokenizer == TokenizerChoice::Hf {
+            p.encoder = Arc::new(p.encoder.without_fast());
+        }
+        tracing::info!(node = %cx.node, fast = p.encoder.is_fast(), "prompt encoder");
+        Ok(p)
+    }
+}
+
+pub struct Preprocess {
+    model: Arc<ModelDir>,
+    encoder: Arc<Encoder>,
+    env: Option<Arc<Environment<'static>>>,
+}
+
+const TEMPLATE: &str = "chat";
+
+fn template_env(source: String) -> Result<Environment<'static>, minijinja::Error> {
+    let mut env = Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned(TEMPLATE, source)?;
+    Ok(env)
+}
+
+impl Preprocess {
+    pub fn new(model: Arc<ModelDir>) -> Result<Self, BuildError> {
+        let env = match &model.chat_template {
+            Some(src) => Some(Arc::new(template_env(src.clone()).map_err(|e| {
+                BuildError::new(format!(
+                    "{}: chat template does not compile: {e}",
+                    model.path.display()
+                ))
+            })?)),
+            None => None,
+        };
+        Ok(Self {
+            encoder: model.encoder.clone(),
+            model,
+            env,
+        })
+    }
+
+    /// Everything up to tokenization; pure and fast.
+    fn check(&self, req: &LlmRequest) -> Result<(), OpError> {
+        let s = &req.sampling;
+        if let Some(t) = s.temperature
+            && !(0.0..=2.0).contains(&t)
+        {
+            return Err(invalid(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {t}"),
+            ));
+        }
+        if let Some(p) = s.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {p}"),
+            ));
+        }
+        let l = &req.limits;
+        if l.max_tokens == Some(0) {
+            return Err(invalid("max_tokens", "max_tokens must be at least 1"));
+        }
+        if let (Some(min), Some(max)) = (l.min_tokens, l.max_tokens)
+            && min > max
+        {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({min}) is more than max_tokens ({max})"),
+            ));
+        }
+        if l.stop.len() > MAX_STOPS {
+            return Err(invalid(
+                "stop",
+                format!("at most {MAX_STOPS} stop strings, got {}", l.stop.len()),
+            ));
+        }
+        if let Some(bad) = l
+            .stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
+        {
+            return Err(invalid(
+                "stop",
+                format!(
+                    "stop strings must have 1 to {MAX_STOP_LEN} bytes, got {}",
+                    bad.len()
+                ),
+            ));
+        }
+        match &req.prompt {
+            Prompt::Messages(m) if m.is_empty() => {
+                Err(invalid("messages", "messages must not be empty"))
+            }
+            Prompt::Tokens(t) if t.is_empty() => Err(invalid("prompt", "prompt must not be empty")),
+            Prompt::Tokens(t) => match t.iter().find(|&&id| id >= self.model.vocab_size) {
+                Some(id) => Err(invalid(
+                    "prompt",
+                    format!(
+                        "token id {id} is outside the vocabulary (size {})",
+                        self.model.vocab_size
+                    ),
+                )),
+                None => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    fn render(&self, messages: &[super::types::ChatMessage]) -> Result<String, OpError> {
+        let env = self.env.as_ref().ok_or_else(|| {
+            invalid(
+                "messages",
+                format!(
+                    "model '{}' has no chat template; use /v1/completions",
+                    self.model.name
+                ),
+            )
+        })?;
+        let tmpl = env
+            .get_template(TEMPLATE)
+            .map_err(|e| OpError::internal(format!("chat template: {e}")))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.model.bos_token,
+            eos_token => self.model.eos_token,
+        })
+        .map_err(|e| {
+            invalid(
+                "messages",
+                format!("chat template rejected the messages: {e}"),
+            )
+        })
+    }
+
+    /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
+    pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
+        self.check(&req)?;
+        self.model.defaults.apply(&mut req.sampling);
+        let (text, add_special) = match &req.prompt {
+            Prompt::Messages(m) => (Some(self.render(m)?), false),
+            Prompt::Text(t) => (Some(t.clone()), true),
+            Prompt::Tokens(_) => (None, false),
+        };
+        let token_ids = match (text, req.prompt) {
+            (Some(text), _) => {
+                let ids = if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES {
+                    self.encoder.encode(&text, add_special)
+                } else {
+                    let enc = self.encoder.clone();
+                    tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
+                        .await
+                        .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
+                };
+                ids.map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
+            }
+            (None, Prompt::Tokens(t)) => t,
+            (None, _) => Vec::new(),
+        };
+        let ctx_len = self.model.context_length;
+        let prompt = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
+        let param = if matches!(req.endpoint, super::types::Endpoint::Chat) {
+            "messages"
+        } else {
+            "prompt"
+        };
+        if prompt >= ctx_len {
+            return Err(invalid(param, format!(
+                "This model's maximum context length is {ctx_len} tokens; the prompt has {prompt} tokens"
+            ))
+            .with_code("context_length_exceeded"));
+        }
+        let room = ctx_len - prompt;
+        let max_tokens = match req.limits.max_tokens {
+            Some(m) if m > room => {
+                return Err(invalid("max_tokens", format!(
+                    "This model's maximum context length is {ctx_len} tokens; you asked for {} tokens ({prompt} in the prompt, {m} to generate)",
+                    u64::from(prompt) + u64::from(m)
+                ))
+                .with_code("context_length_exceeded"));
+            }
+            Some(m) => m,
+            None => self.model.defaults.max_tokens.map_or(room, |d| d.min(room)),
+        };
+        let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
+        Ok(PreprocessedRequest {
+            model: req.model,
+            token_ids,
+            sampling: req.sampling,
+            stop: StopConditions {
+                max_tokens,
+                min_tokens,
+                ignore_eos: req.limits.ignore_eos,
+                eos_token_ids: self.model.eos_token_ids.clone(),
+            },
+            output: OutputSpec {
+                prompt_tokens: prompt,
+                min_tokens,
+                stop: req.limits.stop,
+            },
+            target: None,
+            cached_tokens: 0,
+            prefilled: None,
+        })
+    }
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> OpError {
+    OpError::invalid(message).with_param(param)
+}
+
+impl Operator for Preprocess {
+    type In = LlmRequest;
+    type Out = PreprocessedRequest;
+
+    fn call(&self, _ctx: Ctx, mut input: Input<LlmRequest>) -> Output<PreprocessedRequest> {
+        let this = Preprocess {
+            model: self.model.clone(),
+            encoder: self.encoder.clone(),
+            env: self.env.clone(),
+        };
+        async_stream::stream! {
+            while let Some(req) = input.next().await {
+                yield this.preprocess(req).await;
+            }
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{ChatMessage, Endpoint, Limits, Sampling};
+
+    fn pre() -> Preprocess {
+        Preprocess::new(Arc::new(crate::model::tests::tiny())).expect("builds")
+    }
+
+    fn chat(content: &str) -> LlmRequest {
+        LlmRequest {
+            endpoint: Endpoint::Chat,
+            model: "tiny".into(),
+            prompt: Prompt::Messages(vec![ChatMessage {
+                role: "user".into(),
+                content: content.into(),
+            }]),
+            sampling: Sampling::default(),
+            limits: Limits::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn chat_template_renders_headers_and_generation_prompt() {
+        let p = pre();
+        let text = p
+            .render(&[ChatMessage {
+                role: "user".into(),
+                content: " hi ".into(),
+            }])
+            .expect("render");
+        assert_eq!(
+            text,
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let out = p.preprocess(chat(" hi ")).await.expect("ok");
+        let bos = p.model.tokenizer.token_to_id("<|begin_of_text|>");
+        // One bos from the template, none added by the tokenizer.
+        assert_eq!(out.token_ids.first().copied(), bos);
+        assert_eq!(out.token_ids.iter().filter(|&&t| Some(t) == bos).count(), 1);
+        assert_eq!(out.stop.max_tokens, 4096 - out.output.prompt_tokens);
+    }
+
+    #[tokio::test]
+    async fn completions_get_bos_from_the_tokenizer() {
+        let p = pre();
+        let mut req = chat("");
+        req.endpoint = Endpoint::Completion;
+        req.prompt = Prompt::Text("Hello".into());
+        let out = p.preprocess(req).await.expect("ok");
+        assert_eq!(
+            out.token_ids.first().copied(),
+            p.model.tokenizer.token_to_id("<|begin_of_text|>")
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_parameters_name_their_field() {
+        let p = pre();
+        type Edit = Box<dyn Fn(&mut LlmRequest)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|r| r.sampling.temperature = Some(3.0)),
+                "temperature",
+            ),
+            (Box::new(|r| r.sampling.top_p = Some(0.0)), "top_p"),
+            (Box::new(|r| r.limits.max_tokens = Some(0)), "max_tokens"),
+            (Box::new(|r| r.limits.max_tokens = Some(5000)), "max_tokens"),
+            (
+                Box::new(|r| {
+                    r.limits.min_tokens = Some(9);
+                    r.limits.max_tokens = Some(3)
+                }),
+                "min_tokens",
+            ),
+            (Box::new(|r| r.limits.stop = vec![String::new()]), "stop"),
+            (
+                Box::new(|r| r.prompt = Prompt::Messages(vec![])),
+                "messages",
+            ),
+            (
+                Box::new(|r| r.prompt = Prompt::Tokens(vec![1, 999_999])),
+                "prompt",
+            ),
+            (
+                Box::new(|r| {
+                    r.prompt = Prompt::Messages(vec![ChatMessage {
+                        role: "user".into(),
+                        content: "word ".repeat(5000),
+                    }])
+                }),
+                "messages",
+            ),
+        ];
+        for (edit, param) in cases {
+            let mut req = chat("hi");
+            edit(&mut req);
+            let e = p.preprocess(req).await.expect_err(param);
+            assert_eq!(
+                e.kind,
+                dyn_pipeline::ErrorKind::InvalidRequest,
+                "{param}: {e}"
+            );
+            assert_eq!(e.param.as_deref(), Some(param), "{e}");
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! Fixtures shared by the unit tests of several kinds.
+
+use dyn_pipeline::BuildCx;
+use dyn_pipeline::planes::Planes;
+
+use crate::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
+
+/// A build context for `node` with the repository's tiny model, on `planes`.
+pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> BuildCx {
+    BuildCx {
+        instance_id,
+        consumers: consumers.iter().map(|c| c.to_string()).collect(),
+        model: Some(dyn_pipeline::spec::ModelSpec {
+            name: "tiny".into(),
+            path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
+        }),
+        ..BuildCx::for_tests(node, planes.clone())
+    }
+}
+
+/// A tokenized request for the tiny model with seed 5.
+pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
+    PreprocessedRequest {
+        model: "tiny".into(),
+        token_ids: tokens,
+        sampling: Sampling {
+            seed: Some(5),
+            ..Sampling::default()
+        },
+        stop: StopConditions {
+            max_tokens,
+            min_tokens: 0,
+            ignore_eos: false,
+            eos_token_ids: vec![],
+        },
+        output: OutputSpec::default(),
+        target: None,
+        cached_tokens: 0,
+        prefilled: None,
+    }
+}

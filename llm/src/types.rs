@@ -1,0 +1,229 @@
+//! The payloads of an LLM graph, in the order a request meets them:
+//!
+//! ```text
+//! http ──LlmRequest──▶ preprocess ──PreprocessedRequest──▶ route ──PreprocessedRequest──▶ decode
+//!      ◀──LlmDelta── postprocess ◀══Generated stream══
+//! ```
+//!
+//! All of them have a wire codec, so any edge may cross a process boundary.
+
+use dyn_pipeline::{Codec, Payload, Resumable, Resume};
+use serde::{Deserialize, Serialize};
+
+/// Which OpenAI endpoint a request came in on; decides how the prompt is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// One chat message with its content already flattened to text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Prompt {
+    /// A conversation, rendered through the model's chat template.
+    Messages(Vec<ChatMessage>),
+    /// Raw text, tokenized as is (with the tokenizer's special tokens, e.g. bos).
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<u32>),
+}
+
+/// Sampling parameters as the client sent them; `None` means the model's default.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Keep the k most likely tokens (vLLM's extension).
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    pub seed: Option<u64>,
+}
+
+/// Limits on the output as the client sent them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    pub max_tokens: Option<u32>,
+    pub min_tokens: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop: Vec<String>,
+}
+
+/// An OpenAI request after HTTP parsing: what the ingress sends down the graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlmRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub prompt: Prompt,
+    pub sampling: Sampling,
+    pub limits: Limits,
+}
+
+/// When the engine must stop, fully resolved by preprocess.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopConditions {
+    /// Output tokens at most; preprocess guarantees prompt + this fits the context.
+    pub max_tokens: u32,
+    /// No eos or stop string ends the output before this many tokens.
+    pub min_tokens: u32,
+    pub ignore_eos: bool,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// What postprocess needs to know about a request; the engine hands it back as the first
+/// item of its stream ([`Generated::Start`]), because postprocess only sees the engine's output.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputSpec {
+    pub prompt_tokens: u32,
+    pub min_tokens: u32,
+    /// Stop strings: the output ends before the first one and does not include it.
+    pub stop: Vec<String>,
+}
+
+/// A tokenized request, ready for an engine. `target` is filled in by `route`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreprocessedRequest {
+    pub model: String,
+    pub token_ids: Vec<u32>,
+    pub sampling: Sampling,
+    pub stop: StopConditions,
+    pub output: OutputSpec,
+    /// The worker (instance id) a router chose.
+    pub target: Option<u64>,
+    /// Prompt tokens the chosen worker already caches, as far as the router knows (0 when it
+    /// does not track caches).
+    #[serde(default)]
+    pub cached_tokens: u32,
+    /// The prompt was prefilled on another worker: where its KV waits to be pulled.
+    #[serde(default)]
+    pub prefilled: Option<Prefilled>,
+}
+
+/// The result of a remote prefill: the first output token and the prompt's KV blocks,
+/// pinned on the prefill worker until the decode worker pulls them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prefilled {
+    /// The prefill worker (instance id).
+    pub worker_id: u64,
+    /// The token ids the KV covers (the decode worker checks its prompt against this count).
+    pub prompt_tokens: u32,
+    pub first_token: u32,
+    pub transfer: dyn_compute::transfer::TransferDescriptor,
+}
+
+/// Why a response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An eos token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What an engine streams back for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Generated {
+    /// Always first: the request's [`OutputSpec`], echoed.
+    Start(OutputSpec),
+    /// New tokens (one or more, when the consumer lagged); `finish` on the last.
+    Tokens {
+        ids: Vec<u32>,
+        finish: Option<FinishReason>,
+    },
+}
+
+/// Token counts for a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// A piece of the answer after detokenization: what postprocess hands back to the ingress.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LlmDelta {
+    pub text: String,
+    /// Tokens this delta accounts for (they may decode to no text yet).
+    pub tokens: u32,
+    pub finish: Option<FinishReason>,
+    /// Present on the last delta.
+    pub usage: Option<Usage>,
+}
+
+macro_rules! json_payload {
+    ($($t:ty => $name:literal),* $(,)?) => {$(
+        impl Payload for $t {
+            const NAME: &'static str = $name;
+            fn codec() -> Option<Codec> {
+                Some(Codec::json::<Self>())
+            }
+        }
+    )*};
+}
+
+json_payload! {
+    Prefilled => "Prefilled",
+    LlmRequest => "LlmRequest",
+    Generated => "Generated",
+    LlmDelta => "LlmDelta",
+}
+
+impl Payload for PreprocessedRequest {
+    const NAME: &'static str = "PreprocessedRequest";
+    fn codec() -> Option<Codec> {
+        Some(Codec::json::<Self>())
+    }
+    fn target_instance(&self) -> Option<u64> {
+        self.target
+    }
+    fn resume() -> Option<Resume> {
+        Some(Resume::of::<Self>())
+    }
+}
+
+/// Migration: a request resent after losing its worker carries the tokens the client already
+/// has after its prompt (so the new worker continues from there, and reuses its prefix cache
+/// for the prompt), with that many fewer to generate. `output.prompt_tokens` keeps the
+/// original prompt length, for usage and for engines to know where the answer starts.
+impl Resumable for PreprocessedRequest {
+    type Output = Generated;
+
+    fn absorb(&mut self, output: &Generated) {
+        if let Generated::Tokens { ids, .. } = output {
+            self.token_ids.extend_from_slice(ids);
+            let n = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+            self.stop.max_tokens = self.stop.max_tokens.saturating_sub(n);
+            self.stop.min_tokens = self.stop.min_tokens.saturating_sub(n);
+        }
+    }
+
+    fn is_repeat(output: &Generated) -> bool {
+        matches!(output, Generated::Start(_))
+    }
+
+    fn clear_target(&mut self) {
+        self.target = None;
+        self.cached_tokens = 0;
+        // The offer was for the lost worker (and is pulled or expired by now).
+        self.prefilled = None;
+    }
+}

@@ -1,0 +1,753 @@
+//! dyn-router: the `route` kind and everything it routes by — KV block hashing and the KV
+//! event and load wire formats ([`kv`]), the radix index of workers' caches ([`indexer`]), the
+//! cost model and policies — plus the `remote_prefill` kind ([`remote_prefill`]) and the
+//! router's and disaggregated serving's metrics ([`metrics`]). Like `dynamo-kv-router`, it is
+//! usable without the frontend: it must not depend on the frontend, the planner or any engine.
+//!
+//! `route`: picks the worker that will serve each request, and records it in the request
+//! (`target`) so the runtime sends it there.
+//!
+//! The router watches discovery for the instances of the node that takes its output, so
+//! workers joining or leaving are seen at once. Policies:
+//!
+//! - `kv` (KV-cache aware, [`kv_aware`]): takes the worker with the lowest predicted time to
+//!   first token ([`cost`]: its prefill queue and the prompt's uncached tokens, from the step
+//!   times workers report), within load bounds, from an index ([`indexer`]) the workers' KV
+//!   events feed ([`follow`]) — or its own decisions when there are no events — and this
+//!   router's pending requests; [`quality`] counts how well it used the caches;
+//! - `round_robin`, `random`, `least_loaded` (fewest active requests from this router),
+//!   `power_of_two` (the less loaded of two random workers) ([`policy`]).
+//!
+//! Every policy tracks its requests per worker ([`sequences`]) through the request's context
+//! hooks: on route, first token, and when the request is over for any reason. `dyn inspect`
+//! asks through [`inspect`].
+//!
+//! ```yaml
+//! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
+//! ```
+
+pub mod cost;
+pub mod follow;
+pub mod indexer;
+pub mod inspect;
+pub mod kv;
+pub mod kv_aware;
+pub mod metrics;
+pub mod policy;
+pub mod quality;
+pub mod remote_prefill;
+pub mod sequences;
+#[cfg(test)]
+mod sim;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use dyn_llm::types::PreprocessedRequest;
+use dyn_pipeline::planes::{Instance, LiveInstances, Planes};
+use dyn_pipeline::registry::Role;
+use dyn_pipeline::runtime::ENDPOINT;
+use dyn_pipeline::{
+    BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
+    OperatorConfig, Output,
+};
+use futures::StreamExt;
+use parking_lot::Mutex;
+use serde::Deserialize;
+
+use cost::{CostModel, Pricing};
+use kv_aware::KvAware;
+pub use policy::{Decision, Policy};
+use policy::{Reported, RoutingPolicy, View};
+use sequences::ActiveSequences;
+
+fn yes() -> bool {
+    true
+}
+fn ttl() -> f64 {
+    120.0
+}
+
+/// A `route` node's settings. Dynamo's names for the same knobs are accepted as aliases
+/// (`router_temperature`, `overlap_score_weight`, `kv_overlap_score_credit`, `busy_threshold`,
+/// `router_ttl_secs`, `kv_cache_block_size`, ...), so a Dynamo router's settings carry over.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    #[serde(default)]
+    pub policy: Policy,
+    /// `kv`: price workers by predicted time (`time`, the default) or by blocks (`blocks`,
+    /// Dynamo's cost).
+    #[serde(default)]
+    pub cost: CostModel,
+    /// `kv`, `cost: time`: how many times its own prefill time a cache miss costs.
+    #[serde(default = "two")]
+    pub miss_weight: f64,
+    /// `kv`, `cost: blocks`: weight of the blocks a worker would have to prefill against its
+    /// decode load (default 1).
+    #[serde(
+        default,
+        alias = "overlap_score_weight",
+        alias = "kv_overlap_score_weight"
+    )]
+    pub overlap_weight: Option<f64>,
+    /// `kv`: share of a cached block that counts as cached, 0..=1 (0: load only).
+    #[serde(
+        default = "one",
+        alias = "overlap_score_credit",
+        alias = "kv_overlap_score_credit"
+    )]
+    pub overlap_credit: f64,
+    /// `kv`: share of a block a worker holds only in host memory (G2) that counts as cached
+    /// — it costs an onboard, not a recompute — 0..=1 (Dynamo's default, 0.75).
+    #[serde(default = "host_credit")]
+    pub host_credit: f64,
+    /// `kv`: the same for a block only on the worker's local disk (G3), 0..=1.
+    #[serde(default = "disk_credit")]
+    pub disk_credit: f64,
+    /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
+    #[serde(default = "two")]
+    pub load_bound: f64,
+    /// ... and `load_slack` more than the least loaded worker's.
+    #[serde(default = "eight")]
+    pub load_slack: u32,
+    /// `kv`: leave out workers whose KV usage (0..=1) passes this, while any worker does not.
+    #[serde(default, alias = "active_decode_blocks_threshold")]
+    pub busy_threshold: Option<f64>,
+    /// `kv`: leave out workers with more prompt tokens than this waiting for prefill.
+    #[serde(default)]
+    pub active_prefill_tokens_threshold: Option<u64>,
+    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
+    #[serde(default, alias = "router_temperature")]
+    pub temperature: f64,
+    /// `kv`: the workers publish KV events; `false` makes the router track its own decisions.
+    #[serde(default = "yes", alias = "use_kv_events", alias = "router_kv_events")]
+    pub kv_events: bool,
+    /// `kv` without events: how long a routed prompt counts as cached on its worker.
+    #[serde(default = "ttl", alias = "router_ttl_secs", alias = "router_ttl")]
+    pub approx_ttl_s: f64,
+    /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
+    #[serde(default, alias = "kv_cache_block_size")]
+    pub block_size: Option<u32>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn host_credit() -> f64 {
+    0.75
+}
+fn disk_credit() -> f64 {
+    0.25
+}
+fn two() -> f64 {
+    2.0
+}
+fn eight() -> u32 {
+    8
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            cost: CostModel::default(),
+            miss_weight: two(),
+            overlap_weight: None,
+            overlap_credit: one(),
+            host_credit: host_credit(),
+            disk_credit: disk_credit(),
+            load_bound: two(),
+            load_slack: eight(),
+            busy_threshold: None,
+            active_prefill_tokens_threshold: None,
+            temperature: 0.0,
+            kv_events: true,
+            approx_ttl_s: ttl(),
+            block_size: None,
+        }
+    }
+}
+
+impl RouteConfig {
+    /// The `kv` policy's runtime settings.
+    pub fn pricing(&self) -> Pricing {
+        Pricing {
+            model: self.cost,
+            overlap_weight: self.overlap_weight.unwrap_or(1.0),
+            miss_weight: self.miss_weight,
+            overlap_credit: self.overlap_credit,
+            tier_credit: [self.host_credit, self.disk_credit],
+            load_bound: self.load_bound,
+            load_slack: self.load_slack,
+            busy_kv_usage: self.busy_threshold,
+            busy_prefill_tokens: self.active_prefill_tokens_threshold,
+            temperature: self.temperature,
+            ..Pricing::default()
+        }
+    }
+}
+
+impl OperatorConfig for RouteConfig {
+    const KIND: &'static str = "route";
+    const SUMMARY: &'static str = "Chooses the worker for each request (policy: kv, round_robin, random, least_loaded, power_of_two)";
+    const ROLE: Role = Role::Router;
+    type Op = Route;
+
+    fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, ok: bool, what: &str| {
+            if !ok {
+                out.push(Invalid::field(name, what));
+            }
+        };
+        let number = |v: f64, lo: f64| v.is_finite() && v >= lo;
+        check(
+            "overlap_weight",
+            self.overlap_weight.is_none_or(|w| number(w, 0.0)),
+            "must be a number ≥ 0",
+        );
+        check(
+            "overlap_weight",
+            self.overlap_weight.is_none() || self.cost == CostModel::Blocks,
+            "weighs blocks in `cost: blocks` only; with `cost: time` use miss_weight \
+             (or overlap_credit: 0 to ignore caches)",
+        );
+        check(
+            "miss_weight",
+            number(self.miss_weight, 0.0),
+            "must be a number ≥ 0",
+        );
+        for (name, v) in [
+            ("overlap_credit", self.overlap_credit),
+            ("host_credit", self.host_credit),
+            ("disk_credit", self.disk_credit),
+        ] {
+            check(name, (0.0..=1.0).contains(&v), "must be between 0 and 1");
+        }
+        check(
+            "load_bound",
+            self.load_bound == 0.0 || number(self.load_bound, 1.0),
+            "must be 0 (no bound) or a number ≥ 1",
+        );
+        check(
+            "busy_threshold",
+            self.busy_threshold.is_none_or(|t| (0.0..=1.0).contains(&t)),
+            "must be a KV usage between 0 and 1",
+        );
+        check(
+            "temperature",
+            number(self.temperature, 0.0),
+            "must be a number ≥ 0",
+        );
+        check(
+            "approx_ttl_s",
+            self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0,
+            "must be a positive number of seconds",
+        );
+        check(
+            "block_size",
+            self.block_size != Some(0),
+            "must be at least 1",
+        );
+        out
+    }
+
+    async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
+        let [target] = cx.consumers.as_slice() else {
+            return Err(BuildError::new(
+                "route needs exactly one node taking its output (the workers to choose from)",
+            ));
+        };
+        let route = self.start(cx, target).await?;
+        let shown: Arc<dyn Inspect> = route.inner.clone();
+        cx.service::<Inspectables>()
+            .await?
+            .register(&cx.node, &shown);
+        Ok(route)
+    }
+}
+
+impl RouteConfig {
+    /// A router among the instances of node `target`, not shown in `dyn inspect` on its own
+    /// (kinds that route a pool of their own, like `remote_prefill`, show it through themselves).
+    pub async fn start(&self, cx: &BuildCx, target: &str) -> Result<Route, BuildError> {
+        let prefix = Instance::prefix(&cx.namespace, target, ENDPOINT);
+        let workers =
+            cx.planes.live(&prefix).await.map_err(|e| {
+                BuildError::new(format!("cannot watch the workers of '{target}': {e}"))
+            })?;
+        // A router that starts after its workers learns their block size from discovery, before
+        // any load metrics arrive.
+        let announced = workers
+            .read()
+            .iter()
+            .find_map(|i| {
+                i.metadata
+                    .get("block_size")
+                    .and_then(serde_json::Value::as_u64)
+            })
+            .and_then(|b| u32::try_from(b).ok());
+        let kv = (self.policy == Policy::Kv)
+            .then(|| Arc::new(KvAware::new(self.block_size.or(announced), self.pricing())));
+        let policy: Arc<dyn RoutingPolicy> = match &kv {
+            Some(kv) => kv.clone(),
+            None => self.policy.build_load_only().into(),
+        };
+        let inner = Arc::new(Inner {
+            target: target.to_owned(),
+            workers,
+            config: self.clone(),
+            active: Arc::default(),
+            policy,
+            kv,
+            metrics: Mutex::new(HashMap::new()),
+            planes: cx.planes.clone(),
+            quality: quality::Quality::new(&cx.node),
+        });
+        let follow = follow::follow_workers(
+            inner.clone(),
+            cx.planes.events.clone(),
+            cx.namespace.clone(),
+            self.policy == Policy::Kv && self.kv_events,
+        )
+        .await
+        .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
+        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
+        Ok(Route { inner, _task: task })
+    }
+}
+
+pub struct Route {
+    inner: Arc<Inner>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Route {
+    /// Route `tokens` among the workers, as a request through this node would be (for kinds
+    /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
+    /// the request until `ctx` is done.
+    pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+        self.inner.route(ctx, tokens).map(|(w, _)| w)
+    }
+
+    /// Live workers, less those the request plane saw fail.
+    pub fn live(&self) -> Vec<u64> {
+        self.inner.live()
+    }
+
+    /// Requests on the live workers: per worker, what its load metrics last said (running +
+    /// waiting, from every router) or what this router has sent it and not seen finish,
+    /// whichever is more (metrics lag a burst by up to their publishing interval).
+    pub fn busy(&self) -> u64 {
+        let metrics = self.inner.metrics.lock();
+        self.inner
+            .live()
+            .into_iter()
+            .map(|w| {
+                let reported = metrics.get(&w).map_or(0, |r| {
+                    u64::from(r.metrics.requests_running) + u64::from(r.metrics.requests_waiting)
+                });
+                reported.max(u64::from(self.inner.active.load(w).requests))
+            })
+            .sum()
+    }
+
+    /// What `dyn inspect workers` shows of this router.
+    pub fn workers_answer(&self) -> inspect::WorkersAnswer {
+        self.inner.workers_answer()
+    }
+
+    /// What `dyn inspect route` shows: where `tokens` would go.
+    pub fn route_answer(&self, tokens: &[u32]) -> Result<inspect::RouteAnswer, String> {
+        self.inner.route_answer(tokens)
+    }
+
+    /// What `dyn inspect kv` shows of this router's index.
+    pub fn kv_answer(&self, args: &inspect::KvArgs) -> Result<inspect::KvAnswer, String> {
+        self.inner.kv_answer(args)
+    }
+}
+
+pub(crate) struct Inner {
+    target: String,
+    workers: Arc<LiveInstances>,
+    config: RouteConfig,
+    active: Arc<ActiveSequences>,
+    policy: Arc<dyn RoutingPolicy>,
+    /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
+    kv: Option<Arc<KvAware>>,
+    /// The latest load metrics per worker.
+    metrics: Mutex<HashMap<u64, Reported>>,
+    /// For the request plane's view of unreachable workers and the event plane's health.
+    planes: Planes,
+    /// How well the `kv` policy uses the caches.
+    quality: quality::Quality,
+}
+impl Inner {
+    fn unavailable(&self) -> OpError {
+        OpError::unavailable(format!("no worker of '{}' is available", self.target))
+    }
+
+    /// Workers in discovery, less those the request plane just saw fail (their lease has
+    /// not run out yet, but a request sent there would be lost).
+    fn live(&self) -> Vec<u64> {
+        self.workers
+            .read()
+            .iter()
+            .map(|i| i.instance_id)
+            .filter(|id| !self.planes.is_down(*id))
+            .collect()
+    }
+
+    /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
+    /// or while the event plane is down. The router then records its own decisions.
+    fn approximate(&self) -> bool {
+        !self.config.kv_events || !self.planes.events.connected()
+    }
+
+    /// Decide where `tokens` would go, without recording anything.
+    fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
+        let live = self.live();
+        if live.is_empty() {
+            return Err(self.unavailable());
+        }
+        let is_down = |id| self.planes.is_down(id);
+        let reported = self.metrics.lock();
+        let view = View {
+            live: &live,
+            instances: &self.workers,
+            is_down: &is_down,
+            active: &self.active,
+            reported: &reported,
+        };
+        self.policy
+            .decide(tokens, &view)
+            .ok_or_else(|| self.unavailable())
+    }
+
+    /// Decide, and count the request against its worker until it is over; the worker and
+    /// how many of the prompt's tokens it caches.
+    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<(u64, usize), OpError> {
+        let d = self.decide(tokens)?;
+        self.quality.record(&d);
+        let cached = d.cached_tokens(tokens.len());
+        let prefill = (tokens.len() - cached) as u64;
+        if let Some(kv) = &self.kv
+            && self.approximate()
+        {
+            kv.record_own_decision(d.worker, &d.blocks);
+        }
+        let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
+        let active = Arc::new(self.active.start(d.worker, prefill, hashes));
+        let first = active.clone();
+        ctx.on_first_output(move || first.first_token());
+        ctx.on_done(move || drop(active));
+        Ok((d.worker, cached))
+    }
+}
+
+impl Operator for Route {
+    type In = PreprocessedRequest;
+    type Out = PreprocessedRequest;
+
+    fn call(&self, ctx: Ctx, input: Input<PreprocessedRequest>) -> Output<PreprocessedRequest> {
+        let inner = self.inner.clone();
+        input
+            .map(move |mut req| {
+                let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
+                tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
+                req.target = Some(worker);
+                req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
+                Ok(req)
+            })
+            .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KvEventData, RouterEvent, block_hashes};
+    use dyn_pipeline::planes::{Planes, Transport};
+    use futures::stream;
+    use std::time::Duration;
+
+    fn cx(planes: &Planes) -> BuildCx {
+        dyn_llm::testing::cx("route", 1, &["decode"], planes)
+    }
+
+    async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
+        let mut out = r.call(
+            Ctx::new(),
+            stream::iter([dyn_llm::testing::preprocessed(vec![1], 1)]).boxed(),
+        );
+        out.next().await.expect("one item")
+    }
+
+    #[tokio::test]
+    async fn cycles_through_live_workers_and_is_unavailable_without_any() {
+        let planes = Planes::embedded();
+        let r = RouteConfig::default()
+            .build(&cx(&planes))
+            .await
+            .expect("builds");
+        let e = route_once(&r).await.expect_err("no workers");
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Unavailable);
+
+        register(&planes, &[10, 11]).await;
+        // The watch applies registrations asynchronously.
+        until(|| r.inner.live().len() == 2).await;
+        let mut picked = Vec::new();
+        for _ in 0..4 {
+            picked.push(
+                route_once(&r)
+                    .await
+                    .expect("routed")
+                    .target
+                    .expect("target"),
+            );
+        }
+        picked.sort_unstable();
+        assert_eq!(picked, [10, 10, 11, 11]);
+    }
+
+    async fn register(planes: &Planes, ids: &[u64]) {
+        for &id in ids {
+            let i = Instance {
+                namespace: "ns".into(),
+                component: "decode".into(),
+                endpoint: ENDPOINT.into(),
+                instance_id: id,
+                transport: Transport::InProcess,
+                metadata: Default::default(),
+            };
+            planes.discovery.register(i).await.expect("register");
+        }
+    }
+
+    /// Poll until `f` holds (the route's watch and event task run asynchronously).
+    async fn until(mut f: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("condition never held");
+    }
+
+    /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
+    async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
+        let r = config.build(&cx(planes)).await.expect("builds");
+        register(planes, ids).await;
+        until(|| r.inner.live().len() == ids.len()).await;
+        r
+    }
+
+    /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
+    async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
+        let ev = RouterEvent {
+            worker_id: worker,
+            event: crate::kv::KvCacheEvent {
+                event_id: 0,
+                dp_rank: 0,
+                medium: Default::default(),
+                data: KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: block_hashes(tokens, 16),
+                },
+            },
+        };
+        let payload = serde_json::to_vec(&ev).expect("json");
+        planes
+            .events
+            .publish("dyn.ns.decode.kv_events", payload.into())
+            .await
+            .expect("publish");
+    }
+
+    async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
+        let mut out = r.call(
+            ctx,
+            stream::iter([dyn_llm::testing::preprocessed(tokens, 1)]).boxed(),
+        );
+        out.next()
+            .await
+            .expect("item")
+            .expect("routed")
+            .target
+            .expect("target")
+    }
+
+    #[tokio::test]
+    async fn kv_policy_follows_the_cached_prefix() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        let prompt: Vec<u32> = (0..64).collect();
+        publish_stored(&planes, 11, &prompt).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 4).await;
+        let d = r.inner.decide(&prompt).expect("decides");
+        assert_eq!(d.worker, 11);
+        let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
+        assert_eq!(
+            (c11.matched_blocks, c11.prefill_blocks, c11.prefill_tokens),
+            (4, 0, 0)
+        );
+        // While the request is active its blocks count against worker 11; once it is over
+        // they are released.
+        let ctx = Ctx::new();
+        assert_eq!(route_with(&r, ctx.clone(), prompt.clone()).await, 11);
+        assert_eq!(r.inner.active.load(11).decode_blocks, 4);
+        assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
+        drop(ctx);
+        until(|| r.inner.active.load(11) == sequences::Load::default()).await;
+    }
+
+    #[tokio::test]
+    async fn a_departed_worker_leaves_the_index() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until(|| kv.index.read().worker_blocks(11) == 2).await;
+        let key = Instance {
+            namespace: "ns".into(),
+            component: "decode".into(),
+            endpoint: ENDPOINT.into(),
+            instance_id: 11,
+            transport: Transport::InProcess,
+            metadata: Default::default(),
+        }
+        .key();
+        planes.discovery.deregister(&key).await.expect("deregister");
+        // Reconciled on the router's once-a-second tick.
+        until(|| kv.index.read().stats().nodes == 0).await;
+        assert_eq!(
+            kv.index.read().worker_ids().collect::<Vec<_>>(),
+            Vec::<u64>::new()
+        );
+    }
+
+    #[tokio::test]
+    async fn least_loaded_counts_active_requests_until_they_finish() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::LeastLoaded,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[1, 2]).await;
+        let a = Ctx::new();
+        let first = route_with(&r, a.clone(), vec![1, 2, 3]).await;
+        let b = Ctx::new();
+        let second = route_with(&r, b.clone(), vec![1, 2, 3]).await;
+        assert_ne!(first, second, "the busy worker is avoided");
+        a.first_output();
+        assert_eq!(r.inner.active.load(first).prefill_tokens, 0);
+        assert_eq!(r.inner.active.load(first).requests, 1);
+        drop(a);
+        assert_eq!(r.inner.active.load(first).requests, 0);
+        assert_eq!(route_with(&r, Ctx::new(), vec![1]).await, first);
+        drop(b);
+        assert!(r.inner.active.snapshot().is_empty());
+    }
+
+    #[tokio::test]
+    async fn approximate_kv_remembers_its_own_decisions_until_the_ttl() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            kv_events: false,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[1, 2, 3]).await;
+        let prompt: Vec<u32> = (100..164).collect();
+        let w = route_with(&r, Ctx::new(), prompt.clone()).await;
+        let kv = r.inner.kv.as_ref().expect("kv");
+        assert_eq!(r.inner.decide(&prompt).expect("decides").worker, w);
+        // Not yet expired with a long TTL; gone with a zero one.
+        kv.expire(Duration::from_secs(3600));
+        assert_eq!(kv.index.read().worker_blocks(w), 4);
+        kv.expire(Duration::ZERO);
+        assert_eq!(kv.index.read().worker_blocks(w), 0);
+        assert_eq!(kv.own_decisions(), 0);
+    }
+
+    #[test]
+    fn bad_settings_are_reported() {
+        let c = RouteConfig {
+            overlap_weight: Some(-1.0),
+            miss_weight: -1.0,
+            overlap_credit: 1.5,
+            load_bound: 0.5,
+            busy_threshold: Some(2.0),
+            temperature: f64::NAN,
+            approx_ttl_s: 0.0,
+            block_size: Some(0),
+            ..RouteConfig::default()
+        };
+        let fields = c.validate();
+        // overlap_weight twice: negative, and given with `cost: time`.
+        assert_eq!(fields.len(), 9, "{fields:#?}");
+        assert!(RouteConfig::default().validate().is_empty());
+        let blocks = RouteConfig {
+            cost: CostModel::Blocks,
+            overlap_weight: Some(2.0),
+            ..RouteConfig::default()
+        };
+        assert!(blocks.validate().is_empty());
+    }
+
+    #[test]
+    fn dynamo_router_settings_carry_over_under_their_names() {
+        let c: RouteConfig = serde_json::from_value(serde_json::json!({
+            "policy": "kv",
+            "router_temperature": 0.5,
+            "kv_overlap_score_credit": 0.25,
+            "busy_threshold": 0.9,
+            "router_ttl_secs": 60.0,
+            "kv_cache_block_size": 32,
+            "use_kv_events": false,
+        }))
+        .expect("Dynamo's names parse");
+        assert_eq!(
+            (c.temperature, c.overlap_credit, c.busy_threshold),
+            (0.5, 0.25, Some(0.9))
+        );
+        assert_eq!(
+            (c.approx_ttl_s, c.block_size, c.kv_events),
+            (60.0, Some(32), false)
+        );
+        assert!(c.validate().is_empty());
+        // Dynamo's overlap weight is the blocks cost's.
+        let c: RouteConfig = serde_json::from_value(serde_json::json!({
+            "policy": "kv", "cost": "blocks", "overlap_score_weight": 2.0,
+        }))
+        .expect("parses");
+        assert_eq!(c.pricing().overlap_weight, 2.0);
+        assert!(c.validate().is_empty());
+        // A Dynamo knob with no counterpart is an unknown field, as any other.
+        let e = serde_json::from_value::<RouteConfig>(serde_json::json!({
+            "policy": "kv", "router_replica_sync": true,
+        }))
+        .expect_err("unknown");
+        assert!(e.to_string().contains("router_replica_sync"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn needs_exactly_one_consumer() {
+        let planes = Planes::embedded();
+        let mut c = cx(&planes);
+        c.consumers.clear();
+        assert!(RouteConfig::default().build(&c).await.is_err());
+    }
+}

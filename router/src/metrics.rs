@@ -1,0 +1,90 @@
+//! The router's and disaggregated serving's Prometheus series (the process's default
+//! registry, rendered by [`dyn_llm::metrics::render`]).
+
+use std::sync::LazyLock;
+
+use dyn_llm::metrics::{counter_vec, histogram};
+use prometheus::{HistogramVec, IntCounterVec};
+
+/// Routing quality of the `kv` policy, per route node: how much of the cache that was there
+/// to hit the router actually sent requests to.
+pub struct Router {
+    pub decisions: IntCounterVec,
+    pub routed: IntCounterVec,
+    pub match_decisions: IntCounterVec,
+    pub best_match_decisions: IntCounterVec,
+    pub prompt_blocks: IntCounterVec,
+    pub reachable_blocks: IntCounterVec,
+    pub achieved_blocks: IntCounterVec,
+    pub avoidable_tokens: IntCounterVec,
+}
+
+pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
+    let l: &[&str] = &["node"];
+    Router {
+        decisions: counter_vec("dyn_router_decisions_total", "Requests routed", l),
+        routed: counter_vec(
+            "dyn_router_routed_requests_total",
+            "Requests routed, by worker (every policy)",
+            &["node", "worker_id"],
+        ),
+        match_decisions: counter_vec(
+            "dyn_router_match_decisions_total",
+            "Requests routed while some worker cached part of the prompt",
+            l,
+        ),
+        best_match_decisions: counter_vec(
+            "dyn_router_best_match_decisions_total",
+            "Of those, requests sent to a worker caching the most of the prompt",
+            l,
+        ),
+        prompt_blocks: counter_vec(
+            "dyn_router_prompt_blocks_total",
+            "Full prompt blocks routed",
+            l,
+        ),
+        reachable_blocks: counter_vec(
+            "dyn_router_reachable_hit_blocks_total",
+            "Prompt blocks the best-matching worker cached (the reachable hits)",
+            l,
+        ),
+        achieved_blocks: counter_vec(
+            "dyn_router_achieved_hit_blocks_total",
+            "Prompt blocks the chosen worker cached (the hits the router expects)",
+            l,
+        ),
+        avoidable_tokens: counter_vec(
+            "dyn_router_avoidable_prefill_tokens_total",
+            "Prompt tokens prefilled that the best-matching worker cached",
+            l,
+        ),
+    }
+});
+
+/// Disaggregated serving: where prompts were prefilled, and how KV transfers went.
+pub struct Disagg {
+    /// `decision`: remote|local; `reason`: remote, below_threshold, queue_full,
+    /// no_prefill_worker, prefill_failed.
+    pub decisions: IntCounterVec,
+    /// `outcome`: pulled, failed (the prompt is then prefilled locally).
+    pub transfers: IntCounterVec,
+    pub transfer_seconds: HistogramVec,
+}
+
+pub static DISAGG: LazyLock<Disagg> = LazyLock::new(|| Disagg {
+    decisions: counter_vec(
+        "dyn_remote_prefill_decisions_total",
+        "Prefill decisions by node, decision (remote|local) and reason",
+        &["node", "decision", "reason"],
+    ),
+    transfers: counter_vec(
+        "dyn_worker_kv_transfers_total",
+        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed)",
+        &["node", "worker_id", "outcome"],
+    ),
+    transfer_seconds: histogram(
+        "dyn_worker_kv_transfer_seconds",
+        "Time to receive a prompt's KV from a prefill worker (modelled transfer included)",
+        &["node"],
+    ),
+});

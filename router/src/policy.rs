@@ -1,0 +1,175 @@
+//! Routing policies: how a router picks one of its live workers for a prompt.
+//!
+//! A policy is one [`RoutingPolicy`] value; the router hands it a [`View`] of the workers
+//! (live ids, this router's outstanding requests per worker) and takes its [`Decision`]. The
+//! load-only policies live here; the KV-cache-aware one, which keeps an index of the
+//! workers' caches, is [`super::kv_aware`]. A new policy is a new type and a line in
+//! `Policy::build_load_only`.
+
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use dyn_pipeline::planes::LiveInstances;
+
+use super::cost::Candidate;
+use super::sequences::ActiveSequences;
+pub use super::sequences::Reported;
+use crate::kv::BlockHash;
+
+/// The policy a `route` node is configured with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    #[default]
+    RoundRobin,
+    Random,
+    LeastLoaded,
+    PowerOfTwo,
+    Kv,
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::Random => "random",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::PowerOfTwo => "power_of_two",
+            Policy::Kv => "kv",
+        })
+    }
+}
+
+impl Policy {
+    /// The load-only policies (`Kv` is built with its index by [`super::kv_aware::KvAware`]).
+    pub(super) fn build_load_only(self) -> Box<dyn RoutingPolicy> {
+        let rng = || Mutex::new(StdRng::from_os_rng());
+        match self {
+            Policy::RoundRobin | Policy::Kv => Box::new(RoundRobin),
+            Policy::Random => Box::new(Random(rng())),
+            Policy::LeastLoaded => Box::new(LeastLoaded(rng())),
+            Policy::PowerOfTwo => Box::new(PowerOfTwo(rng())),
+        }
+    }
+}
+
+/// What a policy sees of the workers when it decides.
+pub struct View<'a> {
+    /// Workers in discovery, less those the request plane just saw fail; never empty.
+    pub live: &'a [u64],
+    /// The same workers as discovery lists them (round robin keeps its cursor there).
+    pub instances: &'a LiveInstances,
+    pub is_down: &'a (dyn Fn(u64) -> bool + Sync),
+    /// What this router has outstanding on each worker.
+    pub active: &'a ActiveSequences,
+    /// Each worker's last load metrics, with this router's load there when they arrived.
+    pub reported: &'a HashMap<u64, Reported>,
+}
+
+/// One routing decision, with what it was based on.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub worker: u64,
+    /// The `kv` policy's terms per worker (empty for other policies).
+    pub candidates: Vec<Candidate>,
+    pub prompt_blocks: usize,
+    pub block_size: usize,
+    /// The prompt's full blocks (`kv` only).
+    pub blocks: Vec<BlockHash>,
+}
+
+impl Decision {
+    /// A decision on load alone.
+    pub fn plain(worker: u64) -> Self {
+        Self {
+            worker,
+            candidates: Vec::new(),
+            prompt_blocks: 0,
+            block_size: 0,
+            blocks: Vec::new(),
+        }
+    }
+
+    /// Why this worker (`kv`; empty otherwise).
+    pub fn reason(&self) -> String {
+        self.candidates
+            .iter()
+            .position(|c| c.worker == self.worker)
+            .map(|i| super::cost::reason(&self.candidates, i))
+            .unwrap_or_default()
+    }
+
+    /// Prompt tokens the chosen worker caches (`kv` only; 0 otherwise).
+    pub fn cached_tokens(&self, prompt_tokens: usize) -> usize {
+        self.candidates
+            .iter()
+            .find(|c| c.worker == self.worker)
+            .map_or(0, |c| {
+                (c.matched_blocks * self.block_size).min(prompt_tokens)
+            })
+    }
+}
+
+/// How a router picks a worker.
+pub trait RoutingPolicy: Send + Sync {
+    /// Where `tokens` would go; `None` when no worker can take it. Records nothing.
+    fn decide(&self, tokens: &[u32], view: &View<'_>) -> Option<Decision>;
+}
+
+/// In turn, skipping workers seen down.
+struct RoundRobin;
+
+impl RoutingPolicy for RoundRobin {
+    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+        view.instances
+            .round_robin(|i| !(view.is_down)(i.instance_id))
+            .map(|i| Decision::plain(i.instance_id))
+    }
+}
+
+/// Uniformly at random.
+struct Random(Mutex<StdRng>);
+
+impl RoutingPolicy for Random {
+    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+        let i = self.0.lock().random_range(0..view.live.len());
+        Some(Decision::plain(view.live[i]))
+    }
+}
+
+/// Fewest active requests from this router (ties at random).
+struct LeastLoaded(Mutex<StdRng>);
+
+impl RoutingPolicy for LeastLoaded {
+    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+        least_loaded(view.live, view.active, &mut self.0.lock()).map(Decision::plain)
+    }
+}
+
+/// The less loaded of two workers drawn at random.
+struct PowerOfTwo(Mutex<StdRng>);
+
+impl RoutingPolicy for PowerOfTwo {
+    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+        let mut rng = self.0.lock();
+        let a = view.live[rng.random_range(0..view.live.len())];
+        let b = view.live[rng.random_range(0..view.live.len())];
+        least_loaded(&[a, b], view.active, &mut rng).map(Decision::plain)
+    }
+}
+
+fn least_loaded(ids: &[u64], active: &ActiveSequences, rng: &mut StdRng) -> Option<u64> {
+    let loads: Vec<u32> = ids.iter().map(|w| active.load(*w).requests).collect();
+    let min = loads.iter().copied().min()?;
+    let tied: Vec<u64> = ids
+        .iter()
+        .zip(&loads)
+        .filter(|(_, l)| **l == min)
+        .map(|(w, _)| *w)
+        .collect();
+    Some(tied[rng.random_range(0..tied.len())])
+}
