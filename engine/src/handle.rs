@@ -99,6 +99,21 @@ pub struct EngineHandle {
     tiers: Option<Arc<Tiers>>,
 }
 
+/// A worker's transfer counters are bound per outcome when first used; they leave `/metrics`
+/// with the worker (its other series go with [`WorkerGauges`] and the tier gauges).
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        let id = format!("{:x}", self.worker_id);
+        for outcome in ["pulled", "failed"] {
+            let _ = dyn_router::metrics::DISAGG.transfers.remove_label_values(&[
+                self.node.as_str(),
+                &id,
+                outcome,
+            ]);
+        }
+    }
+}
+
 impl EngineHandle {
     /// How long a prefill's offered blocks stay pinned for a decode worker to pull.
     pub fn pin_ttl(&self) -> Duration {

@@ -3,7 +3,9 @@
 
 use std::sync::LazyLock;
 
-use dyn_llm::metrics::{counter_vec, gauge, set_counter};
+use std::sync::Arc;
+
+use dyn_llm::metrics::{Series, counter_vec, gauge, set_counter};
 use prometheus::{IntCounterVec, IntGaugeVec};
 
 struct WorkerMetrics {
@@ -55,9 +57,11 @@ static WORKER: LazyLock<WorkerMetrics> = LazyLock::new(|| {
     }
 });
 
-/// One worker's series, bound to its labels once.
+/// One worker's series, bound to its labels once; they leave `/metrics` when the last clone
+/// (the handle's, the engine thread's) is dropped.
 #[derive(Clone)]
 pub struct WorkerGauges {
+    _owned: Arc<Series>,
     running: prometheus::IntGauge,
     waiting: prometheus::IntGauge,
     active: prometheus::IntGauge,
@@ -72,16 +76,18 @@ impl WorkerGauges {
     pub fn new(node: &str, worker_id: u64) -> Self {
         let id = format!("{worker_id:x}");
         let l = [node, id.as_str()];
-        let w = &*WORKER;
+        let w: &'static WorkerMetrics = &WORKER;
+        let mut s = Series::default();
         Self {
-            running: w.running.with_label_values(&l),
-            waiting: w.waiting.with_label_values(&l),
-            active: w.active_blocks.with_label_values(&l),
-            total: w.total_blocks.with_label_values(&l),
-            prompt: w.prompt_blocks.with_label_values(&l),
-            hit: w.prompt_blocks_hit.with_label_values(&l),
-            prefill: w.prefill_tokens.with_label_values(&l),
-            preempt: w.preemptions.with_label_values(&l),
+            running: s.bind(&w.running, &l),
+            waiting: s.bind(&w.waiting, &l),
+            active: s.bind(&w.active_blocks, &l),
+            total: s.bind(&w.total_blocks, &l),
+            prompt: s.bind(&w.prompt_blocks, &l),
+            hit: s.bind(&w.prompt_blocks_hit, &l),
+            prefill: s.bind(&w.prefill_tokens, &l),
+            preempt: s.bind(&w.preemptions, &l),
+            _owned: Arc::new(s),
         }
     }
 
@@ -189,6 +195,7 @@ struct TierSeries {
 /// A worker's offload-tier series, bound to its labels once (the engine updates them after
 /// every step).
 pub struct TierGauges {
+    _owned: Series,
     tiers: [TierSeries; 2],
     dropped: prometheus::IntCounter,
     corrupt: prometheus::IntCounter,
@@ -198,22 +205,28 @@ pub struct TierGauges {
 impl TierGauges {
     pub fn new(node: &str, worker_id: u64) -> Self {
         let id = format!("{worker_id:x}");
-        let m = &*TIERS;
-        let tier = |tier: &str| {
+        let m: &'static TierMetrics = &TIERS;
+        let mut s = Series::default();
+        let mut tier = |tier: &str| {
             let l = [node, id.as_str(), tier];
             TierSeries {
-                blocks: m.blocks.with_label_values(&l),
-                capacity: m.capacity.with_label_values(&l),
-                offloaded: m.offloaded.with_label_values(&l),
-                onboarded: m.onboarded.with_label_values(&l),
+                blocks: s.bind(&m.blocks, &l),
+                capacity: s.bind(&m.capacity, &l),
+                offloaded: s.bind(&m.offloaded, &l),
+                onboarded: s.bind(&m.onboarded, &l),
             }
         };
-        let bytes = |dir: &str| m.bytes.with_label_values(&[node, id.as_str(), dir]);
+        let tiers = [tier("CPU"), tier("DISK")];
+        let bytes = [
+            s.bind(&m.bytes, &[node, id.as_str(), "out"]),
+            s.bind(&m.bytes, &[node, id.as_str(), "in"]),
+        ];
         Self {
-            tiers: [tier("CPU"), tier("DISK")],
-            dropped: m.dropped.with_label_values(&[node, &id]),
-            corrupt: m.corrupt.with_label_values(&[node, &id]),
-            bytes: [bytes("out"), bytes("in")],
+            tiers,
+            dropped: s.bind(&m.dropped, &[node, &id]),
+            corrupt: s.bind(&m.corrupt, &[node, &id]),
+            bytes,
+            _owned: s,
         }
     }
 

@@ -4,6 +4,12 @@
 //! Everything registers in the process's default registry, so one scrape of a process shows
 //! its frontend and every worker it runs. Names follow Prometheus conventions (`_total` for
 //! counters, base units in seconds) under `dyn_frontend_` and `dyn_worker_`.
+//!
+//! The metric families are process-wide, but a series labelled with one component (a worker,
+//! a node's replica) belongs to that component: it binds its label values through [`Series`],
+//! which removes them when the component is dropped. So a replica the planner removes, or a
+//! failed one that was replaced, leaves `/metrics` with it, and scaling up and down does not
+//! grow the page.
 
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, TextEncoder,
@@ -64,4 +70,61 @@ pub fn float_gauge(name: &str, help: &str, labels: &[&str]) -> prometheus::Gauge
     or_unregistered(prometheus::register_gauge_vec!(name, help, labels), || {
         prometheus::GaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|_| unreachable!())
     })
+}
+
+/// The series one component bound in process-wide metric families, removed from them when it
+/// is dropped (see the module docs).
+#[derive(Default)]
+pub struct Series(Vec<Box<dyn Fn() + Send + Sync>>);
+
+impl Series {
+    /// The series of `family` with `labels`, removed from it when `self` is dropped.
+    pub fn bind<T>(
+        &mut self,
+        family: &'static prometheus::core::MetricVec<T>,
+        labels: &[&str],
+    ) -> T::M
+    where
+        T: prometheus::core::MetricVecBuilder,
+    {
+        let owned: Vec<String> = labels.iter().map(|l| (*l).to_owned()).collect();
+        self.0.push(Box::new(move || {
+            let l: Vec<&str> = owned.iter().map(String::as_str).collect();
+            // Already gone is fine: another owner of the same labels removed it.
+            let _ = family.remove_label_values(&l);
+        }));
+        family.with_label_values(labels)
+    }
+}
+
+impl Drop for Series {
+    fn drop(&mut self) {
+        for remove in &self.0 {
+            remove();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::LazyLock;
+
+    static FAMILY: LazyLock<IntGaugeVec> =
+        LazyLock::new(|| gauge("dyn_test_owned_series", "test", &["owner"]));
+
+    #[test]
+    fn a_series_leaves_the_page_with_its_owner() {
+        let count = || render().matches("dyn_test_owned_series{").count();
+        let mut a = Series::default();
+        a.bind(&FAMILY, &["a"]).set(1);
+        {
+            let mut b = Series::default();
+            b.bind(&FAMILY, &["b"]).set(2);
+            assert_eq!(count(), 2);
+        }
+        assert_eq!(count(), 1);
+        drop(a);
+        assert_eq!(count(), 0);
+    }
 }

@@ -131,7 +131,50 @@ impl Quality {
         }
     }
 
+    /// Drop the routed-requests series of workers no longer in `workers` (they left
+    /// discovery): removed replicas leave `/metrics`.
+    pub fn retain(&self, workers: &[u64]) {
+        let mut own = self.own.lock();
+        own.routed.retain(|w, _| {
+            let keep = workers.contains(w);
+            if !keep {
+                let id = format!("{w:x}");
+                let _ = ROUTER
+                    .routed
+                    .remove_label_values(&[self.node.as_str(), &id]);
+            }
+            keep
+        });
+    }
+
     pub fn row(&self) -> QualityRow {
         self.own.lock().row.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_that_left_takes_its_routed_series_with_it() {
+        let q = Quality::new("route-quality-test");
+        let series = || {
+            dyn_llm::metrics::render()
+                .lines()
+                .filter(|l| {
+                    l.starts_with("dyn_router_routed_requests_total")
+                        && l.contains("node=\"route-quality-test\"")
+                })
+                .count()
+        };
+        for w in [1, 2, 3] {
+            q.record(&Decision::plain(w));
+        }
+        assert_eq!(series(), 3);
+        q.retain(&[2]);
+        assert_eq!(series(), 1);
+        // Its own totals are the node's, not the workers': they stay.
+        assert_eq!(q.row().decisions, 3);
     }
 }
