@@ -1,0 +1,313 @@
+//! The request path: the edge client that calls one node, the stages of an ingress's path
+//! (with request migration around a worker and its router) and the chain runner the ingress
+//! holds.
+
+use super::*;
+
+/// one a router chose when the payload names it; otherwise one in this process if there is
+/// one, else the next in round-robin order, skipping instances the request plane saw fail.
+pub(super) struct EdgeClient {
+    pub(super) node: String,
+    pub(super) role: Role,
+    pub(super) types: EndpointTypes,
+    pub(super) planes: Planes,
+    pub(super) instances: Arc<LiveInstances>,
+    pub(super) local: Arc<HashSet<u64>>,
+}
+
+impl EdgeClient {
+    pub(super) async fn start(
+        planes: &Planes,
+        namespace: &str,
+        node: &str,
+        role: Role,
+        types: EndpointTypes,
+        local: Arc<HashSet<u64>>,
+    ) -> Result<Self, PlaneError> {
+        let prefix = Instance::prefix(namespace, node, ENDPOINT);
+        Ok(Self {
+            node: node.to_owned(),
+            role,
+            types,
+            planes: planes.clone(),
+            instances: planes.live(&prefix).await?,
+            local,
+        })
+    }
+
+    pub(super) fn pick(&self, target: Option<u64>) -> Result<Instance, OpError> {
+        if let Some(t) = target {
+            return self
+                .instances
+                .read()
+                .iter()
+                .find(|i| i.instance_id == t && !self.planes.is_down(t))
+                .cloned()
+                .ok_or_else(|| {
+                    OpError::instance_lost(format!("instance {t:x} of '{}' is gone", self.node))
+                });
+        }
+        self.instances
+            .round_robin(|i| self.local.contains(&i.instance_id))
+            .or_else(|| {
+                self.instances
+                    .round_robin(|i| !self.planes.is_down(i.instance_id))
+            })
+            .ok_or_else(|| OpError::unavailable(format!("no live instance of '{}'", self.node)))
+    }
+
+    pub(super) fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let this = self.clone();
+        // The target is a property of the first item (a routed request); peek at it.
+        async_stream::stream! {
+            let mut input = input.peekable();
+            // A router's choice is for the worker behind it, not the nodes on the way.
+            let target = if this.role == Role::Worker {
+                Pin::new(&mut input).peek().await.and_then(|p| p.target_instance())
+            } else {
+                None
+            };
+            let picked = this.pick(target);
+            match picked {
+                Ok(instance) => {
+                    tracing::debug!(request_id = %ctx.id(), node = %this.node, worker_id = format_args!("{:x}", instance.instance_id), "Calling");
+                    let mut out = this.planes.requests.call(&instance, this.types, ctx, input.boxed());
+                    while let Some(item) = out.next().await {
+                        yield item;
+                    }
+                }
+                Err(e) => yield Err(e),
+            }
+        }
+        .boxed()
+    }
+}
+
+/// One step of a request path: a node, or a node with the router in front of it wrapped in
+/// request migration.
+pub(super) enum Stage {
+    Node(Arc<EdgeClient>),
+    Migrating(Arc<Migrating>),
+}
+
+impl Stage {
+    /// The stage for `node`; a migrating worker takes the routers and pass-through nodes right
+    /// before it into its segment, so a resent request is routed and prefilled afresh.
+    pub(super) fn for_node(
+        edge: Arc<EdgeClient>,
+        node: &CompiledNode,
+        stages: &mut Vec<Stage>,
+    ) -> Stage {
+        let resume = match (
+            node.kind.role,
+            node.migration_limit,
+            edge.types.input.resume,
+        ) {
+            (Role::Worker, limit, Some(resume)) if limit > 0 => resume,
+            _ => return Stage::Node(edge),
+        };
+        let mut steps = vec![edge];
+        while let Some(Stage::Node(prev)) = stages.last()
+            && prev.role.forwards()
+        {
+            steps.insert(0, prev.clone());
+            stages.pop();
+        }
+        Stage::Migrating(Arc::new(Migrating {
+            steps,
+            resume,
+            limit: node.migration_limit,
+        }))
+    }
+
+    pub(super) fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        match self {
+            Stage::Node(e) => e.call(ctx, input),
+            Stage::Migrating(m) => m.call(ctx, input),
+        }
+    }
+}
+
+/// Something a request path calls: a node, or a migrating segment.
+pub(super) trait Step {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload>;
+}
+
+impl Step for Arc<EdgeClient> {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        EdgeClient::call(self, ctx, input)
+    }
+}
+
+impl Step for Stage {
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        Stage::call(self, ctx, input)
+    }
+}
+
+/// Chain `steps` so each one's outputs are the next one's inputs. An error from a step in the
+/// middle ends its downstream's input and comes out last.
+pub(super) fn run_path<S: Step>(
+    steps: &[S],
+    ctx: &Ctx,
+    input: Input<AnyPayload>,
+) -> Output<AnyPayload> {
+    let failed: Arc<Mutex<Option<OpError>>> = Arc::default();
+    let mut input = input;
+    let mut calls = steps.iter().peekable();
+    let mut last = None;
+    while let Some(step) = calls.next() {
+        let out = step.call(ctx.clone(), input);
+        if calls.peek().is_none() {
+            last = Some(out);
+            break;
+        }
+        let slot = failed.clone();
+        input = out
+            .scan((), move |_, item| {
+                futures::future::ready(match item {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        slot.lock().get_or_insert(e);
+                        None
+                    }
+                })
+            })
+            .boxed();
+    }
+    let Some(mut out) = last else {
+        return stream::iter([Err(OpError::internal("empty request path"))]).boxed();
+    };
+    async_stream::stream! {
+        while let Some(item) = out.next().await {
+            let upstream_error = failed.lock().take();
+            if let Some(e) = upstream_error {
+                yield Err(e);
+                return;
+            }
+            yield item;
+        }
+        let upstream_error = failed.lock().take();
+        if let Some(e) = upstream_error {
+            yield Err(e);
+        }
+    }
+    .boxed()
+}
+
+/// Request migration: the segment's (unary) request is kept, every output the caller gets is
+/// folded into it, and when the replica is lost (an [`ErrorKind::InstanceLost`] error: it
+/// died, was unreachable, or was leaving) the request is sent again, up to `limit` times,
+/// continuing where the caller's stream stopped. The caller sees one stream. Nothing else is
+/// resent: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an empty pool
+/// ([`ErrorKind::Unavailable`]) reaches the client at once, since resending would only add
+/// load where there is too much already.
+pub(super) struct Migrating {
+    pub(super) steps: Vec<Arc<EdgeClient>>,
+    pub(super) resume: Resume,
+    pub(super) limit: u32,
+}
+
+impl Migrating {
+    pub(super) fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let this = self.clone();
+        async_stream::stream! {
+            let mut input = input;
+            let Some(first) = input.next().await else { return };
+            let Some(mut kept) = (this.resume.copy)(first.as_ref()) else {
+                yield Err(OpError::internal("request cannot be copied for migration"));
+                return;
+            };
+            let mut request = Some(first);
+            let mut attempt = 0;
+            // A resent request repeats its header; the caller needs exactly one.
+            let mut header_sent = false;
+            loop {
+                let Some(req) = request.take() else { return };
+                let mut out = run_path(&this.steps, &ctx, stream::iter([req]).boxed());
+                let mut lost = None;
+                while let Some(item) = out.next().await {
+                    match item {
+                        Ok(v) => {
+                            if (this.resume.is_repeat)(v.as_ref()) {
+                                if header_sent {
+                                    continue;
+                                }
+                                header_sent = true;
+                            }
+                            (this.resume.absorb)(kept.as_mut(), v.as_ref());
+                            yield Ok(v);
+                        }
+                        Err(e) if e.kind == ErrorKind::InstanceLost && attempt < this.limit && !ctx.is_killed() => {
+                            lost = Some(e);
+                            break;
+                        }
+                        Err(e) => {
+                            yield Err(e);
+                            return;
+                        }
+                    }
+                }
+                let Some(e) = lost else { return };
+                attempt += 1;
+                tracing::warn!(request_id = %ctx.id(), attempt, limit = this.limit, error = %e.message, "Replica lost; migrating the request");
+                // Give discovery a moment when nothing else is left to pick (50, 100, 200 ms…),
+                // unless the client leaves first.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50 << (attempt - 1).min(4))) => {}
+                    _ = ctx.killed() => {
+                        yield Err(OpError::cancelled());
+                        return;
+                    }
+                }
+                let Some(mut again) = (this.resume.copy)(kept.as_ref()) else { return };
+                (this.resume.clear_target)(again.as_mut());
+                request = Some(again);
+            }
+        }
+        .boxed()
+    }
+}
+
+/// Walks one ingress's request path: the output stream of each stage is the input stream of
+/// the next, and the last stage's outputs go back to the ingress.
+pub(super) struct ChainRunner {
+    pub(super) stages: Vec<Stage>,
+    pub(super) root: Ctx,
+    /// One token per request whose response stream is open: the ingress drains on it.
+    pub(super) in_flight: TaskTracker,
+}
+
+impl DynChain for ChainRunner {
+    fn new_ctx(&self, id: RequestId) -> Ctx {
+        self.root.child(id)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn drained(&self) -> BoxFuture<'static, ()> {
+        let tracker = self.in_flight.clone();
+        tracker.close();
+        async move { tracker.wait().await }.boxed()
+    }
+
+    fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload> {
+        let token = self.in_flight.token();
+        let mut out = run_path(&self.stages, &ctx, stream::iter([request]).boxed());
+        async_stream::stream! {
+            let _token = token;
+            // Only the first item fires the hooks; later ones skip the context's lock.
+            let mut first = true;
+            while let Some(item) = out.next().await {
+                if first && item.is_ok() {
+                    first = false;
+                    ctx.first_output();
+                }
+                yield item;
+            }
+        }
+        .boxed()
+    }
+}
