@@ -99,6 +99,121 @@ pub struct EngineHandle {
     tiers: Option<Arc<Tiers>>,
 }
 
+/// The queue engine events leave the engine thread through, and the task that publishes
+/// them. It is bounded: if the plane cannot keep up events are dropped, and consumers see the
+/// gap in event ids.
+fn publish_events(cx: &BuildCx) -> mpsc::Sender<(String, Bytes)> {
+    let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
+    let planes = cx.planes.clone();
+    tokio::spawn(async move {
+        while let Some((subject, payload)) = events_rx.recv().await {
+            if let Err(e) = planes.events.publish(&subject, payload).await {
+                tracing::warn!(error = %e, subject, "Cannot publish an engine event");
+            }
+        }
+    });
+    events_tx
+}
+
+/// The worker's KV offload tiers, when its config asks for them.
+async fn start_tiers(
+    config: &EngineSettings,
+    format: &BlockFormat,
+    layout: String,
+    cx: &BuildCx,
+    kv: &Arc<KvPublisher>,
+) -> Result<Option<Arc<Tiers>>, BuildError> {
+    if !config.offload.enabled() {
+        return Ok(None);
+    }
+    // What a block file must match to be read back: the engine's own layout, dtype and block
+    // geometry.
+    let f = format;
+    let format = format!(
+        "{layout}/{}/{}x{}",
+        f.dtype, config.scheduler.block_size, f.block_bytes
+    );
+    let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
+    // Opening the disk tier reads and checks every block file: a blocking scan, kept off the
+    // runtime (a replica may start under load, added by the planner).
+    let (offload, node, model, kv) = (
+        config.offload.clone(),
+        cx.node.clone(),
+        config.offload_model,
+        kv.clone(),
+    );
+    let t =
+        tokio::task::spawn_blocking(move || Tiers::start(&offload, dir, &node, &format, model, kv))
+            .await
+            .map_err(|e| BuildError::new(format!("the KV offload tiers' start failed: {e}")))?
+            .map_err(|e| BuildError::new(format!("cannot start the KV offload tiers: {e}")))?;
+    tracing::info!(
+        node = %cx.node,
+        host_blocks = config.offload.host_blocks,
+        disk_blocks = config.offload.disk_blocks,
+        "KV offload tiers ready"
+    );
+    Ok(Some(t))
+}
+
+/// Run `engine` on its own thread, owned: a panic in it (a kernel's assert, a bug) is caught
+/// there and fails the replica, which the runtime takes out of discovery and replaces. Its
+/// requests' channels close as the loop unwinds, so they end as lost and migrate.
+fn spawn_engine_thread(
+    engine: EngineLoop,
+    rx: std_mpsc::Receiver<Command>,
+    cx: &BuildCx,
+    name: &str,
+) -> Result<(), BuildError> {
+    let readiness = cx.readiness.clone();
+    let engine_name = name.to_owned();
+    let worker_id = cx.instance_id;
+    std::thread::Builder::new()
+        .name(format!("{name}-{}", cx.replica))
+        .spawn(move || {
+            let run =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || engine.run(rx)));
+            if let Err(panic) = run {
+                let what = panic_message(panic.as_ref());
+                tracing::error!(
+                    worker_id = format_args!("{worker_id:x}"),
+                    panic = what,
+                    "Engine thread panicked; the replica is failed"
+                );
+                readiness.fail(format!("the {engine_name} engine thread panicked: {what}"));
+            }
+        })
+        .map(drop)
+        .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))
+}
+
+/// Pass routers' requests for a full KV dump to the engine (it publishes the dump in order
+/// with its other events). Holds the handle weakly: the engine thread stops when the last
+/// handle goes, and this task must not be one.
+fn follow_resync(
+    weak: std::sync::Weak<EngineHandle>,
+    mut resync: futures::stream::BoxStream<'static, dyn_pipeline::planes::Event>,
+) {
+    let worker_id = match weak.upgrade() {
+        Some(m) => m.worker_id,
+        None => return,
+    };
+    tokio::spawn(async move {
+        use futures::StreamExt;
+        while let Some(ev) = resync.next().await {
+            let Some(m) = weak.upgrade() else { break };
+            let Ok(req) = serde_json::from_slice::<ResyncRequest>(&ev.payload) else {
+                tracing::warn!("Ignoring a malformed KV resync request");
+                continue;
+            };
+            // A full command queue drops the request; the router asks again.
+            if req.worker_id == worker_id && m.commands.try_send(Command::Dump).is_err() {
+                tracing::warn!("Engine busy; KV resync request dropped");
+            }
+        }
+    });
+}
+
 /// A worker's transfer counters are bound per outcome when first used; they leave `/metrics`
 /// with the worker (its other series go with [`WorkerGauges`] and the tier gauges).
 impl Drop for EngineHandle {
@@ -139,17 +254,7 @@ impl EngineHandle {
         let gauges = WorkerGauges::new(&cx.node, worker_id);
         // Visible on /metrics from the start, not only after the first request.
         gauges.set(0, 0, 0, sched.num_blocks, &Default::default());
-        // Events leave the engine thread through a bounded queue; if the plane cannot keep
-        // up they are dropped, and consumers see the gap in event ids.
-        let (events_tx, mut events_rx) = mpsc::channel::<(String, Bytes)>(4096);
-        let planes = cx.planes.clone();
-        tokio::spawn(async move {
-            while let Some((subject, payload)) = events_rx.recv().await {
-                if let Err(e) = planes.events.publish(&subject, payload).await {
-                    tracing::warn!(error = %e, subject, "Cannot publish an engine event");
-                }
-            }
-        });
+        let events_tx = publish_events(cx);
         let queued = Arc::new(AtomicUsize::new(0));
         let agent = cx.service::<transfer::TransferAgent>().await?.0.clone();
         let kv = Arc::new(KvPublisher::new(
@@ -157,42 +262,7 @@ impl EngineHandle {
             kv_events_subject(&cx.namespace, &cx.node),
             events_tx.clone(),
         ));
-        let tiers = if config.offload.enabled() {
-            // What a block file must match to be read back: the engine's own layout, dtype
-            // and block geometry.
-            let f = &import.format;
-            let format = format!(
-                "{}/{}/{}x{}",
-                exec.offload_layout(),
-                f.dtype,
-                sched.block_size,
-                f.block_bytes
-            );
-            let dir = config.offload.disk_dir.as_deref().map(|d| cx.resolve(d));
-            // Opening the disk tier reads and checks every block file: a blocking scan, kept
-            // off the runtime (a replica may start under load, added by the planner).
-            let (offload, node, model, kv) = (
-                config.offload.clone(),
-                cx.node.clone(),
-                config.offload_model,
-                kv.clone(),
-            );
-            let t = tokio::task::spawn_blocking(move || {
-                Tiers::start(&offload, dir, &node, &format, model, kv)
-            })
-            .await
-            .map_err(|e| BuildError::new(format!("the KV offload tiers' start failed: {e}")))?
-            .map_err(|e| BuildError::new(format!("cannot start the KV offload tiers: {e}")))?;
-            tracing::info!(
-                node = %cx.node,
-                host_blocks = config.offload.host_blocks,
-                disk_blocks = config.offload.disk_blocks,
-                "KV offload tiers ready"
-            );
-            Some(t)
-        } else {
-            None
-        };
+        let tiers = start_tiers(&config, &import.format, exec.offload_layout(), cx, &kv).await?;
         let mut scheduler = Scheduler::new(
             Limits {
                 block_size: sched.block_size as usize,
@@ -231,33 +301,13 @@ impl EngineHandle {
         };
         // Routers that lost events ask for a full dump; the engine publishes it in order
         // with its other events.
-        let mut resync = cx
+        let resync = cx
             .planes
             .events
             .subscribe(&kv_resync_subject(&cx.namespace, &cx.node))
             .await
             .map_err(|e| BuildError::new(format!("cannot subscribe to resync requests: {e}")))?;
-        // The thread is owned: a panic in it (a kernel's assert, a bug) is caught here and
-        // fails the replica, which the runtime takes out of discovery and replaces. Its
-        // requests' channels close as the loop unwinds, so they end as lost and migrate.
-        let readiness = cx.readiness.clone();
-        let engine_name = name.to_owned();
-        std::thread::Builder::new()
-            .name(format!("{name}-{}", cx.replica))
-            .spawn(move || {
-                let run =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || engine.run(rx)));
-                if let Err(panic) = run {
-                    let what = panic_message(panic.as_ref());
-                    tracing::error!(
-                        worker_id = format_args!("{worker_id:x}"),
-                        panic = what,
-                        "Engine thread panicked; the replica is failed"
-                    );
-                    readiness.fail(format!("the {engine_name} engine thread panicked: {what}"));
-                }
-            })
-            .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))?;
+        spawn_engine_thread(engine, rx, cx, name)?;
         let worker = Arc::new(EngineHandle {
             commands,
             queued,
@@ -270,23 +320,7 @@ impl EngineHandle {
             worker_id,
             tiers,
         });
-        // Weak: the engine thread stops when the last handle goes, and this task must not be
-        // one.
-        let weak = Arc::downgrade(&worker);
-        tokio::spawn(async move {
-            use futures::StreamExt;
-            while let Some(ev) = resync.next().await {
-                let Some(m) = weak.upgrade() else { break };
-                let Ok(req) = serde_json::from_slice::<ResyncRequest>(&ev.payload) else {
-                    tracing::warn!("Ignoring a malformed KV resync request");
-                    continue;
-                };
-                // A full command queue drops the request; the router asks again.
-                if req.worker_id == worker_id && m.commands.try_send(Command::Dump).is_err() {
-                    tracing::warn!("Engine busy; KV resync request dropped");
-                }
-            }
-        });
+        follow_resync(Arc::downgrade(&worker), resync);
         Ok(worker)
     }
 

@@ -336,29 +336,63 @@ impl Scheduler {
     /// evicted for this step (with offload tiers): their bytes are still there, to be copied
     /// out before anything is written. When `exec` fails nothing advances, and the error is
     /// returned with the ids of the sequences the step held.
+    ///
+    /// The steps, in order: [`Self::schedule_running`], [`Self::return_loaded`],
+    /// [`Self::admit_waiting`], the executor over [`Self::work`], [`Self::advance`] and
+    /// [`Self::retire_finished`].
     pub fn step(
         &mut self,
         exec: impl FnOnce(&[Work<'_>], &[Evicted]) -> Result<Vec<u32>, EngineError>,
     ) -> Result<StepOutcome, (EngineError, Vec<SeqId>)> {
-        let Limits {
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-        } = self.limits;
         let mut out = StepOutcome::default();
-        let mut budget = max_num_batched_tokens;
+        let mut budget = self.limits.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::new(); // (index in running, tokens)
+        self.schedule_running(&mut budget, &mut scheduled, &mut out);
+        self.return_loaded();
+        self.admit_waiting(&mut budget, &mut scheduled);
 
-        // Running sequences first, oldest first; the newest is preempted when blocks run out.
+        // Run: the executor computes the KV and samples where a sequence's KV is complete.
+        let evicted = self.pool.take_evicted();
+        let work = self.work(&scheduled);
+        let wanted = work.iter().filter(|w| w.sample).count();
+        let sampled = match exec(&work, &evicted) {
+            Ok(t) if t.len() == wanted => t,
+            result => {
+                let e = match result {
+                    Err(e) => e,
+                    Ok(t) => EngineError::Internal(format!(
+                        "the executor sampled {} tokens for {wanted} sequences",
+                        t.len()
+                    )),
+                };
+                let ids = work.iter().map(|w| w.id).collect();
+                return Err((e, ids));
+            }
+        };
+        drop(work);
+        let finished = self.advance(scheduled, sampled, &mut out);
+        self.retire_finished(finished, &mut out);
+        Ok(out)
+    }
+
+    /// Running sequences first, oldest first, within `budget`; the newest is preempted when
+    /// blocks run out.
+    fn schedule_running(
+        &mut self,
+        budget: &mut usize,
+        scheduled: &mut Vec<(usize, usize)>,
+        out: &mut StepOutcome,
+    ) {
+        let block_size = self.limits.block_size;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let want = (self.running[i].tokens.len() - self.running[i].computed).min(budget);
+        while i < self.running.len() && *budget > 0 {
+            let want = (self.running[i].tokens.len() - self.running[i].computed).min(*budget);
             let target = self.running[i].computed + want;
             loop {
                 let seq = &mut self.running[i];
                 if Self::grow(&mut self.pool, seq, target, block_size) {
                     scheduled.push((i, want));
-                    budget -= want;
+                    *budget -= want;
                     i += 1;
                     break;
                 }
@@ -386,8 +420,10 @@ impl Scheduler {
                 }
             }
         }
+    }
 
-        // Sequences whose blocks arrived from a slower tier go back to the head of the queue.
+    /// Sequences whose blocks arrived from a slower tier go back to the head of the queue.
+    fn return_loaded(&mut self) {
         if let Some(lower) = &self.lower
             && !self.loading.is_empty()
         {
@@ -399,114 +435,131 @@ impl Scheduler {
                 self.waiting.push_front(seq);
             }
         }
+    }
 
-        // Admit waiting sequences.
-        while budget > 0 && self.running.len() < max_num_seqs {
-            let Some(mut seq) = self.waiting.pop_front() else {
+    /// Admit waiting sequences while the budget and the batch have room.
+    fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(usize, usize)>) {
+        while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
+            let Some(seq) = self.waiting.pop_front() else {
                 break;
             };
-            // Reuse cached full blocks, but always compute at least the last token.
-            let full = (seq.tokens.len() - 1) / block_size;
-            let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
-            let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
-            let hit = self.pool.cached_prefix(&seq_hashes);
-            // Imported KV costs no compute, only blocks for the whole prompt.
-            let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
-            // The prefix may go on in the tiers below the pool.
-            let mut lower_ready = 0;
-            if !imported
-                && hit < full
-                && let Some(lower) = self.lower.as_mut()
-            {
-                let rest = &seq_hashes[hit..];
-                if !seq.fetched {
-                    seq.fetched = true;
-                    let coming = lower.fetch(rest);
-                    if coming > 0 {
-                        seq.loading = rest.to_vec();
-                        self.loading.push(seq);
-                        continue;
-                    }
+            match self.admit(seq, *budget) {
+                Admitted::Running(want) => {
+                    *budget -= want;
+                    scheduled.push((self.running.len() - 1, want));
                 }
-                lower_ready = lower.ready(rest);
+                Admitted::Aside => {}
+                Admitted::Blocked => break,
             }
-            if seq.preemptions == 0 {
-                self.counters.prompt_blocks += full as u64;
-                self.counters.prompt_blocks_hit += hit as u64;
-            }
-            let len = seq.tokens.len();
-            let plan = |cached: usize| {
-                let want = if imported {
-                    0
-                } else {
-                    (len - cached * block_size).min(budget)
-                };
-                let reach = if imported {
-                    len
-                } else {
-                    cached * block_size + want
-                };
-                (want, reach)
-            };
-            let (mut want, mut reach) = plan(hit + lower_ready);
-            let new_blocks = reach.div_ceil(block_size) - hit;
-            if new_blocks as u32 > self.pool.available() {
-                self.waiting.push_front(seq);
-                break;
-            }
-            let mut onboarded = 0;
-            if lower_ready > 0
-                && let Some(lower) = self.lower.as_mut()
-            {
-                seq.onboard = lower.take(&seq_hashes[hit..hit + lower_ready]);
-                onboarded = seq.onboard.len();
-                if onboarded < lower_ready {
-                    // A tier dropped a block since: compute from there (needs fewer blocks).
-                    (want, reach) = plan(hit + onboarded);
-                }
-                if seq.preemptions == 0 {
-                    self.counters.prompt_blocks_onboarded += onboarded as u64;
-                }
-            }
-            for h in &hashes[..hit] {
-                if let Some(b) = self.pool.acquire_cached(h.block_hash) {
-                    seq.blocks.push(b);
-                }
-            }
-            seq.hashes = hashes[..hit].to_vec();
-            seq.hit_blocks = hit;
-            seq.computed = hit * block_size;
-            if !Self::grow(&mut self.pool, &mut seq, reach, block_size) {
-                // `available` said yes; only a bug gets here. Undo and wait.
-                for b in seq.blocks.drain(..) {
-                    self.pool.release(b);
-                }
-                seq.hashes.clear();
-                seq.computed = 0;
-                seq.onboard.clear();
-                self.waiting.push_front(seq);
-                break;
-            }
-            if onboarded > 0 {
-                // The onboarded blocks are written before this step computes anything: they
-                // count as computed, and are findable from now on.
-                seq.computed = (hit + onboarded) * block_size;
-                Self::register_full(&mut self.pool, &mut seq, block_size);
-            }
-            if imported {
-                seq.computed = reach;
-                Self::register_full(&mut self.pool, &mut seq, block_size);
-            }
-            budget -= want;
-            if seq.preemptions == 0 {
-                self.unadmitted -= 1;
-            }
-            self.running.push(seq);
-            scheduled.push((self.running.len() - 1, want));
         }
+    }
 
-        // Run: the executor computes the KV and samples where a sequence's KV is complete.
-        let work: Vec<Work<'_>> = scheduled
+    /// Admit `seq` with `budget` tokens left: its cached prefix (from the pool, or onboarded
+    /// from a tier below it) and blocks for what it computes in this step.
+    fn admit(&mut self, mut seq: Seq, budget: usize) -> Admitted {
+        let block_size = self.limits.block_size;
+        // Reuse cached full blocks, but always compute at least the last token.
+        let full = (seq.tokens.len() - 1) / block_size;
+        let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
+        let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
+        let hit = self.pool.cached_prefix(&seq_hashes);
+        // Imported KV costs no compute, only blocks for the whole prompt.
+        let imported = matches!(seq.spec.role, SeqRole::Imported { .. });
+        // The prefix may go on in the tiers below the pool.
+        let mut lower_ready = 0;
+        if !imported
+            && hit < full
+            && let Some(lower) = self.lower.as_mut()
+        {
+            let rest = &seq_hashes[hit..];
+            if !seq.fetched {
+                seq.fetched = true;
+                let coming = lower.fetch(rest);
+                if coming > 0 {
+                    seq.loading = rest.to_vec();
+                    self.loading.push(seq);
+                    return Admitted::Aside;
+                }
+            }
+            lower_ready = lower.ready(rest);
+        }
+        if seq.preemptions == 0 {
+            self.counters.prompt_blocks += full as u64;
+            self.counters.prompt_blocks_hit += hit as u64;
+        }
+        let len = seq.tokens.len();
+        let plan = |cached: usize| {
+            let want = if imported {
+                0
+            } else {
+                (len - cached * block_size).min(budget)
+            };
+            let reach = if imported {
+                len
+            } else {
+                cached * block_size + want
+            };
+            (want, reach)
+        };
+        let (mut want, mut reach) = plan(hit + lower_ready);
+        let new_blocks = reach.div_ceil(block_size) - hit;
+        if new_blocks as u32 > self.pool.available() {
+            self.waiting.push_front(seq);
+            return Admitted::Blocked;
+        }
+        let mut onboarded = 0;
+        if lower_ready > 0
+            && let Some(lower) = self.lower.as_mut()
+        {
+            seq.onboard = lower.take(&seq_hashes[hit..hit + lower_ready]);
+            onboarded = seq.onboard.len();
+            if onboarded < lower_ready {
+                // A tier dropped a block since: compute from there (needs fewer blocks).
+                (want, reach) = plan(hit + onboarded);
+            }
+            if seq.preemptions == 0 {
+                self.counters.prompt_blocks_onboarded += onboarded as u64;
+            }
+        }
+        for h in &hashes[..hit] {
+            if let Some(b) = self.pool.acquire_cached(h.block_hash) {
+                seq.blocks.push(b);
+            }
+        }
+        seq.hashes = hashes[..hit].to_vec();
+        seq.hit_blocks = hit;
+        seq.computed = hit * block_size;
+        if !Self::grow(&mut self.pool, &mut seq, reach, block_size) {
+            // `available` said yes; only a bug gets here. Undo and wait.
+            for b in seq.blocks.drain(..) {
+                self.pool.release(b);
+            }
+            seq.hashes.clear();
+            seq.computed = 0;
+            seq.onboard.clear();
+            self.waiting.push_front(seq);
+            return Admitted::Blocked;
+        }
+        if onboarded > 0 {
+            // The onboarded blocks are written before this step computes anything: they
+            // count as computed, and are findable from now on.
+            seq.computed = (hit + onboarded) * block_size;
+            Self::register_full(&mut self.pool, &mut seq, block_size);
+        }
+        if imported {
+            seq.computed = reach;
+            Self::register_full(&mut self.pool, &mut seq, block_size);
+        }
+        if seq.preemptions == 0 {
+            self.unadmitted -= 1;
+        }
+        self.running.push(seq);
+        Admitted::Running(want)
+    }
+
+    /// What the executor computes for the scheduled sequences.
+    fn work(&self, scheduled: &[(usize, usize)]) -> Vec<Work<'_>> {
+        scheduled
             .iter()
             .map(|&(i, n)| {
                 let seq = &self.running[i];
@@ -527,24 +580,18 @@ impl Scheduler {
                     onboard_at: seq.hit_blocks,
                 }
             })
-            .collect();
-        let wanted = work.iter().filter(|w| w.sample).count();
-        let evicted = self.pool.take_evicted();
-        let sampled = match exec(&work, &evicted) {
-            Ok(t) if t.len() == wanted => t,
-            result => {
-                let e = match result {
-                    Err(e) => e,
-                    Ok(t) => EngineError::Internal(format!(
-                        "the executor sampled {} tokens for {wanted} sequences",
-                        t.len()
-                    )),
-                };
-                let ids = work.iter().map(|w| w.id).collect();
-                return Err((e, ids));
-            }
-        };
-        drop(work);
+            .collect()
+    }
+
+    /// Advance the scheduled sequences by what was computed, append the sampled tokens and
+    /// decide who finished; returns the ids of those.
+    fn advance(
+        &mut self,
+        scheduled: Vec<(usize, usize)>,
+        sampled: Vec<u32>,
+        out: &mut StepOutcome,
+    ) -> Vec<SeqId> {
+        let block_size = self.limits.block_size;
         let mut sampled = sampled.into_iter();
         let mut finished = Vec::new();
         for (i, n) in scheduled {
@@ -562,7 +609,7 @@ impl Scheduler {
             if seq.computed == seq.tokens.len() {
                 let t = match seq.spec.role {
                     SeqRole::Imported { first_token } if seq.generated == 0 => first_token,
-                    // Counted above: one per sampling entry.
+                    // Counted by the caller: one per sampling entry.
                     _ => sampled.next().unwrap_or_default(),
                 };
                 seq.tokens.push(t);
@@ -581,6 +628,12 @@ impl Scheduler {
                 }
             }
         }
+        finished
+    }
+
+    /// Finished sequences leave the batch; a prefill-only one keeps its blocks, pinned for the
+    /// decode worker to pull.
+    fn retire_finished(&mut self, finished: Vec<SeqId>, out: &mut StepOutcome) {
         for id in finished {
             if let Some(i) = self
                 .running
@@ -596,302 +649,18 @@ impl Scheduler {
                 self.remove(id);
             }
         }
-        Ok(out)
     }
+}
+
+/// What admitting one waiting sequence came to.
+enum Admitted {
+    /// It runs in this step, computing this many tokens.
+    Running(usize),
+    /// It waits aside for blocks read from a slower tier.
+    Aside,
+    /// Not enough blocks: it is back at the head of the queue, and admission stops.
+    Blocked,
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const VOCAB: std::ops::Range<u32> = 0..1000;
-
-    fn vocab() -> Vec<u32> {
-        VOCAB.collect()
-    }
-
-    fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
-        SeqSpec {
-            offset: 0,
-            prompt,
-            max_tokens,
-            stop_tokens: Vec::new().into(),
-            min_tokens: 0,
-            sampling: dyn_compute::sample::SamplingParams {
-                seed: 42,
-                ..Default::default()
-            },
-            role: SeqRole::Full,
-        }
-    }
-
-    /// A step with the mocker's output.
-    fn step(s: &mut Scheduler) -> StepOutcome {
-        let v = vocab();
-        s.step(|work, _| {
-            Ok(work
-                .iter()
-                .filter(|w| w.sample)
-                .map(|w| token_at(w.spec, &v, w.spec.offset + w.generated))
-                .collect())
-        })
-        .unwrap()
-    }
-
-    fn limits(max_num_seqs: usize, max_num_batched_tokens: usize) -> Limits {
-        Limits {
-            block_size: 4,
-            max_num_seqs,
-            max_num_batched_tokens,
-        }
-    }
-
-    /// Step until idle; the tokens each sequence got, in order.
-    fn drain(s: &mut Scheduler) -> std::collections::BTreeMap<SeqId, Vec<u32>> {
-        let mut out = std::collections::BTreeMap::<SeqId, Vec<u32>>::new();
-        for _ in 0..10_000 {
-            if s.is_idle() {
-                return out;
-            }
-            for (id, t, _) in step(s).tokens {
-                out.entry(id).or_default().push(t);
-            }
-        }
-        panic!("scheduler did not finish");
-    }
-
-    #[test]
-    fn output_is_deterministic_and_depends_on_the_seed() {
-        let a = spec(vec![1, 2, 3], 5);
-        let toks: Vec<u32> = (0..5).map(|i| token_at(&a, &vocab(), i)).collect();
-        let mut s = Scheduler::new(limits(8, 64), 16);
-        s.add(1, a.clone());
-        assert_eq!(drain(&mut s)[&1], toks);
-        let b = SeqSpec {
-            sampling: dyn_compute::sample::SamplingParams {
-                seed: 43,
-                ..a.sampling
-            },
-            ..a
-        };
-        assert_ne!(
-            (0..5)
-                .map(|i| token_at(&b, &vocab(), i))
-                .collect::<Vec<_>>(),
-            toks
-        );
-    }
-
-    #[test]
-    fn output_comes_from_the_given_vocabulary() {
-        let s = spec(vec![1], 1);
-        assert!((0..100).all(|i| [7, 9].contains(&token_at(&s, &[7, 9], i))));
-    }
-
-    #[test]
-    fn a_stop_token_ends_the_output_once_min_tokens_are_out() {
-        // Every token is 7 and 7 stops: the first ends it, unless min_tokens holds it open.
-        let run = |min_tokens| {
-            let mut s = Scheduler::new(limits(8, 64), 16);
-            s.add(
-                1,
-                SeqSpec {
-                    stop_tokens: vec![7].into(),
-                    min_tokens,
-                    ..spec(vec![1, 2], 10)
-                },
-            );
-            let mut got = Vec::new();
-            while !s.is_idle() {
-                let out = s
-                    .step(|w, _| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
-                    .unwrap();
-                got.extend(out.tokens.into_iter().map(|(_, _, f)| f));
-            }
-            got
-        };
-        assert_eq!(run(0), [Some(FinishReason::Stop)]);
-        assert_eq!(run(2), [None, None, Some(FinishReason::Stop)]);
-    }
-
-    #[test]
-    fn a_failed_step_advances_nothing_and_names_its_sequences() {
-        let mut s = Scheduler::new(limits(8, 64), 16);
-        s.add(1, spec(vec![1, 2, 3], 4));
-        let boom = || EngineError::Internal("boom".into());
-        let (e, ids) = s.step(|_, _| Err(boom())).unwrap_err();
-        assert_eq!((e.to_string(), ids), ("boom".into(), vec![1]));
-        let (e, _) = s.step(|_, _| Ok(vec![])).unwrap_err();
-        assert!(e.to_string().contains("sampled 0 tokens for 1"), "{e}");
-        // Still in the batch with nothing computed: a good step runs it from the start.
-        assert_eq!(step(&mut s).prefill_tokens, 3);
-    }
-
-    #[test]
-    fn a_repeated_prompt_reuses_its_cached_prefix() {
-        let mut s = Scheduler::new(limits(8, 64), 16);
-        let prompt: Vec<u32> = (0..10).collect(); // two full blocks of 4, and 2 tokens
-        s.add(1, spec(prompt.clone(), 2));
-        drain(&mut s);
-        s.add(2, spec(prompt, 2));
-        let first = step(&mut s);
-        // Only the 2 tokens of the partial block are computed again.
-        assert_eq!(first.prefill_tokens, 2);
-        assert_eq!(
-            (s.counters.prompt_blocks, s.counters.prompt_blocks_hit),
-            (4, 2)
-        );
-    }
-
-    #[test]
-    fn long_prompts_are_prefilled_in_chunks() {
-        let mut s = Scheduler::new(limits(8, 8), 16);
-        s.add(1, spec((0..20).collect(), 1));
-        let steps: Vec<usize> = (0..3).map(|_| step(&mut s).prefill_tokens).collect();
-        assert_eq!(steps, vec![8, 8, 4]);
-        assert!(s.is_idle());
-    }
-
-    #[test]
-    fn batch_limits_hold() {
-        let mut s = Scheduler::new(limits(2, 64), 64);
-        for id in 0..5 {
-            s.add(id, spec(vec![1, 2, 3], 3));
-        }
-        step(&mut s);
-        assert_eq!((s.running(), s.waiting()), (2, 3));
-        let mut s = Scheduler::new(limits(8, 6), 64);
-        for id in 0..3 {
-            s.add(id, spec(vec![1, 2, 3], 3));
-        }
-        let first = step(&mut s);
-        assert_eq!(first.prefill_tokens, 6, "token budget caps the step");
-        assert_eq!(s.running(), 2);
-    }
-
-    #[test]
-    fn running_out_of_blocks_preempts_the_newest_and_output_is_unchanged() {
-        // 4 blocks of 4 tokens; two sequences that each grow to 3 blocks cannot both fit.
-        let mut s = Scheduler::new(limits(8, 64), 4);
-        s.add(1, spec(vec![1, 2, 3], 8));
-        s.add(2, spec(vec![4, 5, 6], 8));
-        let got = drain(&mut s);
-        assert!(s.counters.preemptions > 0);
-        for (id, prompt) in [(1, vec![1, 2, 3]), (2, vec![4, 5, 6])] {
-            let sp = spec(prompt, 8);
-            assert_eq!(
-                got[&id],
-                (0..8)
-                    .map(|i| token_at(&sp, &vocab(), i))
-                    .collect::<Vec<_>>()
-            );
-        }
-        assert_eq!(s.pool.active(), 0);
-    }
-
-    #[test]
-    fn a_sequence_larger_than_the_cache_ends_instead_of_preempting_itself_forever() {
-        // 2 blocks of 4 tokens: a 3-token prompt can grow to 8 tokens and no further.
-        let mut s = Scheduler::new(limits(8, 64), 2);
-        s.add(1, spec(vec![1, 2, 3], 100));
-        let mut got = 0;
-        for _ in 0..100 {
-            let out = step(&mut s);
-            got += out.tokens.len();
-            if out.ended == [1] {
-                assert!(s.is_idle());
-                assert_eq!(s.pool.active(), 0);
-                assert_eq!(
-                    got, 6,
-                    "tokens until the cache was full (the last needs no slot)"
-                );
-                return;
-            }
-        }
-        panic!("the sequence never ended");
-    }
-
-    #[test]
-    fn removing_a_sequence_frees_its_blocks() {
-        let mut s = Scheduler::new(limits(8, 64), 16);
-        s.add(1, spec((0..10).collect(), 100));
-        step(&mut s);
-        assert!(s.pool.active() > 0);
-        assert!(s.remove(1));
-        assert_eq!(s.pool.active(), 0);
-        assert!(!s.remove(1));
-    }
-
-    #[test]
-    fn prefill_then_import_gives_the_aggregated_output_and_moves_the_blocks() {
-        let prompt: Vec<u32> = (0..10).collect();
-        let full = spec(prompt.clone(), 4);
-        let expected: Vec<u32> = (0..4).map(|i| token_at(&full, &vocab(), i)).collect();
-
-        // Prefill worker: one token, and the prompt's 3 blocks (of 4 tokens) stay pinned.
-        let mut p = Scheduler::new(limits(8, 64), 16);
-        p.add(
-            1,
-            SeqSpec {
-                role: SeqRole::Prefill,
-                ..full.clone()
-            },
-        );
-        let out = step(&mut p);
-        assert_eq!(
-            out.tokens,
-            vec![(1, expected[0], Some(FinishReason::Length))]
-        );
-        let [(1, blocks, tokens)] = out.pinned.as_slice() else {
-            panic!("one pinned sequence: {:?}", out.pinned);
-        };
-        assert_eq!((blocks.len(), tokens.as_slice()), (3, prompt.as_slice()));
-        assert!(p.is_idle());
-        assert_eq!(p.pool.active(), 3, "pinned until released");
-        for b in blocks {
-            p.pool.release(*b);
-        }
-        assert_eq!(p.pool.active(), 0);
-
-        // Decode worker: admitted with the prompt computed, no prefill work, same output.
-        let mut d = Scheduler::new(limits(8, 64), 16);
-        d.add(
-            2,
-            SeqSpec {
-                role: SeqRole::Imported {
-                    first_token: expected[0],
-                },
-                ..full
-            },
-        );
-        let first = step(&mut d);
-        assert_eq!(first.prefill_tokens, 0);
-        assert_eq!(first.tokens, vec![(2, expected[0], None)]);
-        let mut got = vec![expected[0]];
-        got.extend(drain(&mut d)[&2].iter().copied());
-        assert_eq!(got, expected);
-    }
-
-    #[test]
-    fn a_preempted_import_recomputes_its_prompt() {
-        let mut s = Scheduler::new(limits(8, 64), 4);
-        s.add(1, spec(vec![1, 2, 3], 8));
-        s.add(
-            2,
-            SeqSpec {
-                role: SeqRole::Imported { first_token: 7 },
-                ..spec(vec![4, 5, 6], 8)
-            },
-        );
-        let got = drain(&mut s);
-        assert!(s.counters.preemptions > 0);
-        let sp = spec(vec![4, 5, 6], 8);
-        assert_eq!(got[&2][0], 7);
-        assert_eq!(
-            got[&2][1..],
-            (1..8)
-                .map(|i| token_at(&sp, &vocab(), i))
-                .collect::<Vec<_>>()[..]
-        );
-    }
-}
+mod tests;

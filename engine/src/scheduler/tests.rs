@@ -1,0 +1,295 @@
+//! The scheduler on the mocker's deterministic tokens: outputs, caching, limits, preemption,
+//! prefill and import.
+
+use super::*;
+
+const VOCAB: std::ops::Range<u32> = 0..1000;
+
+fn vocab() -> Vec<u32> {
+    VOCAB.collect()
+}
+
+fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
+    SeqSpec {
+        offset: 0,
+        prompt,
+        max_tokens,
+        stop_tokens: Vec::new().into(),
+        min_tokens: 0,
+        sampling: dyn_compute::sample::SamplingParams {
+            seed: 42,
+            ..Default::default()
+        },
+        role: SeqRole::Full,
+    }
+}
+
+/// A step with the mocker's output.
+fn step(s: &mut Scheduler) -> StepOutcome {
+    let v = vocab();
+    s.step(|work, _| {
+        Ok(work
+            .iter()
+            .filter(|w| w.sample)
+            .map(|w| token_at(w.spec, &v, w.spec.offset + w.generated))
+            .collect())
+    })
+    .unwrap()
+}
+
+fn limits(max_num_seqs: usize, max_num_batched_tokens: usize) -> Limits {
+    Limits {
+        block_size: 4,
+        max_num_seqs,
+        max_num_batched_tokens,
+    }
+}
+
+/// Step until idle; the tokens each sequence got, in order.
+fn drain(s: &mut Scheduler) -> std::collections::BTreeMap<SeqId, Vec<u32>> {
+    let mut out = std::collections::BTreeMap::<SeqId, Vec<u32>>::new();
+    for _ in 0..10_000 {
+        if s.is_idle() {
+            return out;
+        }
+        for (id, t, _) in step(s).tokens {
+            out.entry(id).or_default().push(t);
+        }
+    }
+    panic!("scheduler did not finish");
+}
+
+#[test]
+fn output_is_deterministic_and_depends_on_the_seed() {
+    let a = spec(vec![1, 2, 3], 5);
+    let toks: Vec<u32> = (0..5).map(|i| token_at(&a, &vocab(), i)).collect();
+    let mut s = Scheduler::new(limits(8, 64), 16);
+    s.add(1, a.clone());
+    assert_eq!(drain(&mut s)[&1], toks);
+    let b = SeqSpec {
+        sampling: dyn_compute::sample::SamplingParams {
+            seed: 43,
+            ..a.sampling
+        },
+        ..a
+    };
+    assert_ne!(
+        (0..5)
+            .map(|i| token_at(&b, &vocab(), i))
+            .collect::<Vec<_>>(),
+        toks
+    );
+}
+
+#[test]
+fn output_comes_from_the_given_vocabulary() {
+    let s = spec(vec![1], 1);
+    assert!((0..100).all(|i| [7, 9].contains(&token_at(&s, &[7, 9], i))));
+}
+
+#[test]
+fn a_stop_token_ends_the_output_once_min_tokens_are_out() {
+    // Every token is 7 and 7 stops: the first ends it, unless min_tokens holds it open.
+    let run = |min_tokens| {
+        let mut s = Scheduler::new(limits(8, 64), 16);
+        s.add(
+            1,
+            SeqSpec {
+                stop_tokens: vec![7].into(),
+                min_tokens,
+                ..spec(vec![1, 2], 10)
+            },
+        );
+        let mut got = Vec::new();
+        while !s.is_idle() {
+            let out = s
+                .step(|w, _| Ok(w.iter().filter(|w| w.sample).map(|_| 7).collect()))
+                .unwrap();
+            got.extend(out.tokens.into_iter().map(|(_, _, f)| f));
+        }
+        got
+    };
+    assert_eq!(run(0), [Some(FinishReason::Stop)]);
+    assert_eq!(run(2), [None, None, Some(FinishReason::Stop)]);
+}
+
+#[test]
+fn a_failed_step_advances_nothing_and_names_its_sequences() {
+    let mut s = Scheduler::new(limits(8, 64), 16);
+    s.add(1, spec(vec![1, 2, 3], 4));
+    let boom = || EngineError::Internal("boom".into());
+    let (e, ids) = s.step(|_, _| Err(boom())).unwrap_err();
+    assert_eq!((e.to_string(), ids), ("boom".into(), vec![1]));
+    let (e, _) = s.step(|_, _| Ok(vec![])).unwrap_err();
+    assert!(e.to_string().contains("sampled 0 tokens for 1"), "{e}");
+    // Still in the batch with nothing computed: a good step runs it from the start.
+    assert_eq!(step(&mut s).prefill_tokens, 3);
+}
+
+#[test]
+fn a_repeated_prompt_reuses_its_cached_prefix() {
+    let mut s = Scheduler::new(limits(8, 64), 16);
+    let prompt: Vec<u32> = (0..10).collect(); // two full blocks of 4, and 2 tokens
+    s.add(1, spec(prompt.clone(), 2));
+    drain(&mut s);
+    s.add(2, spec(prompt, 2));
+    let first = step(&mut s);
+    // Only the 2 tokens of the partial block are computed again.
+    assert_eq!(first.prefill_tokens, 2);
+    assert_eq!(
+        (s.counters.prompt_blocks, s.counters.prompt_blocks_hit),
+        (4, 2)
+    );
+}
+
+#[test]
+fn long_prompts_are_prefilled_in_chunks() {
+    let mut s = Scheduler::new(limits(8, 8), 16);
+    s.add(1, spec((0..20).collect(), 1));
+    let steps: Vec<usize> = (0..3).map(|_| step(&mut s).prefill_tokens).collect();
+    assert_eq!(steps, vec![8, 8, 4]);
+    assert!(s.is_idle());
+}
+
+#[test]
+fn batch_limits_hold() {
+    let mut s = Scheduler::new(limits(2, 64), 64);
+    for id in 0..5 {
+        s.add(id, spec(vec![1, 2, 3], 3));
+    }
+    step(&mut s);
+    assert_eq!((s.running(), s.waiting()), (2, 3));
+    let mut s = Scheduler::new(limits(8, 6), 64);
+    for id in 0..3 {
+        s.add(id, spec(vec![1, 2, 3], 3));
+    }
+    let first = step(&mut s);
+    assert_eq!(first.prefill_tokens, 6, "token budget caps the step");
+    assert_eq!(s.running(), 2);
+}
+
+#[test]
+fn running_out_of_blocks_preempts_the_newest_and_output_is_unchanged() {
+    // 4 blocks of 4 tokens; two sequences that each grow to 3 blocks cannot both fit.
+    let mut s = Scheduler::new(limits(8, 64), 4);
+    s.add(1, spec(vec![1, 2, 3], 8));
+    s.add(2, spec(vec![4, 5, 6], 8));
+    let got = drain(&mut s);
+    assert!(s.counters.preemptions > 0);
+    for (id, prompt) in [(1, vec![1, 2, 3]), (2, vec![4, 5, 6])] {
+        let sp = spec(prompt, 8);
+        assert_eq!(
+            got[&id],
+            (0..8)
+                .map(|i| token_at(&sp, &vocab(), i))
+                .collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(s.pool.active(), 0);
+}
+
+#[test]
+fn a_sequence_larger_than_the_cache_ends_instead_of_preempting_itself_forever() {
+    // 2 blocks of 4 tokens: a 3-token prompt can grow to 8 tokens and no further.
+    let mut s = Scheduler::new(limits(8, 64), 2);
+    s.add(1, spec(vec![1, 2, 3], 100));
+    let mut got = 0;
+    for _ in 0..100 {
+        let out = step(&mut s);
+        got += out.tokens.len();
+        if out.ended == [1] {
+            assert!(s.is_idle());
+            assert_eq!(s.pool.active(), 0);
+            assert_eq!(
+                got, 6,
+                "tokens until the cache was full (the last needs no slot)"
+            );
+            return;
+        }
+    }
+    panic!("the sequence never ended");
+}
+
+#[test]
+fn removing_a_sequence_frees_its_blocks() {
+    let mut s = Scheduler::new(limits(8, 64), 16);
+    s.add(1, spec((0..10).collect(), 100));
+    step(&mut s);
+    assert!(s.pool.active() > 0);
+    assert!(s.remove(1));
+    assert_eq!(s.pool.active(), 0);
+    assert!(!s.remove(1));
+}
+
+#[test]
+fn prefill_then_import_gives_the_aggregated_output_and_moves_the_blocks() {
+    let prompt: Vec<u32> = (0..10).collect();
+    let full = spec(prompt.clone(), 4);
+    let expected: Vec<u32> = (0..4).map(|i| token_at(&full, &vocab(), i)).collect();
+
+    // Prefill worker: one token, and the prompt's 3 blocks (of 4 tokens) stay pinned.
+    let mut p = Scheduler::new(limits(8, 64), 16);
+    p.add(
+        1,
+        SeqSpec {
+            role: SeqRole::Prefill,
+            ..full.clone()
+        },
+    );
+    let out = step(&mut p);
+    assert_eq!(
+        out.tokens,
+        vec![(1, expected[0], Some(FinishReason::Length))]
+    );
+    let [(1, blocks, tokens)] = out.pinned.as_slice() else {
+        panic!("one pinned sequence: {:?}", out.pinned);
+    };
+    assert_eq!((blocks.len(), tokens.as_slice()), (3, prompt.as_slice()));
+    assert!(p.is_idle());
+    assert_eq!(p.pool.active(), 3, "pinned until released");
+    for b in blocks {
+        p.pool.release(*b);
+    }
+    assert_eq!(p.pool.active(), 0);
+
+    // Decode worker: admitted with the prompt computed, no prefill work, same output.
+    let mut d = Scheduler::new(limits(8, 64), 16);
+    d.add(
+        2,
+        SeqSpec {
+            role: SeqRole::Imported {
+                first_token: expected[0],
+            },
+            ..full
+        },
+    );
+    let first = step(&mut d);
+    assert_eq!(first.prefill_tokens, 0);
+    assert_eq!(first.tokens, vec![(2, expected[0], None)]);
+    let mut got = vec![expected[0]];
+    got.extend(drain(&mut d)[&2].iter().copied());
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn a_preempted_import_recomputes_its_prompt() {
+    let mut s = Scheduler::new(limits(8, 64), 4);
+    s.add(1, spec(vec![1, 2, 3], 8));
+    s.add(
+        2,
+        SeqSpec {
+            role: SeqRole::Imported { first_token: 7 },
+            ..spec(vec![4, 5, 6], 8)
+        },
+    );
+    let got = drain(&mut s);
+    assert!(s.counters.preemptions > 0);
+    let sp = spec(vec![4, 5, 6], 8);
+    assert_eq!(got[&2][0], 7);
+    assert_eq!(
+        got[&2][1..],
+        (1..8)
+            .map(|i| token_at(&sp, &vocab(), i))
+            .collect::<Vec<_>>()[..]
+    );
+}
