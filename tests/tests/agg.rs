@@ -390,16 +390,19 @@ async fn api_keys_are_required_when_configured() {
 }
 
 /// Sum of a metric's samples across label sets.
-async fn metric(g: &Graph, name: &str) -> f64 {
-    let text = client()
+async fn metrics_text(g: &Graph) -> String {
+    client()
         .get(g.url("/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
-    dyn_tests::metric_sum(&text, name, &[])
+        .unwrap()
+}
+
+async fn metric(g: &Graph, name: &str) -> f64 {
+    dyn_tests::metric_sum(&metrics_text(g).await, name, &[])
 }
 
 async fn wait_for_metric(g: &Graph, name: &str, ok: impl Fn(f64) -> bool) -> f64 {
@@ -585,14 +588,7 @@ async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
     }
-    let text = client()
-        .get(g.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&g).await;
     let errors = dyn_tests::metric_sum(&text, "dyn_frontend_requests_total", &["status=\"error\""]);
     assert_eq!(errors, 0.0, "{text}");
 }

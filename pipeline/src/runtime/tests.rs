@@ -206,15 +206,14 @@ impl Operator for Flaky {
     }
 }
 
-#[tokio::test]
-async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
+/// Workers of node `decode` (instances 1, 2, …), one per operator, and a worker edge to them.
+async fn workers<O: Operator<In = Req, Out = N>>(ops: Vec<O>) -> Arc<EdgeClient> {
     let planes = Planes::embedded();
     let types = EndpointTypes {
         input: crate::PayloadType::of::<Req>(),
         output: crate::PayloadType::of::<N>(),
     };
-    let died = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for id in [1, 2] {
+    for (id, op) in (1..).zip(ops) {
         let instance = Instance {
             namespace: "t".into(),
             component: "decode".into(),
@@ -223,15 +222,24 @@ async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
             transport: Transport::InProcess,
             metadata: Default::default(),
         };
-        let op = erase(Flaky { died: died.clone() });
-        planes.requests.serve(&instance, types, op).await.unwrap();
+        planes
+            .requests
+            .serve(&instance, types, erase(op))
+            .await
+            .unwrap();
         planes.discovery.register(instance).await.unwrap();
     }
-    let edge = Arc::new(
+    Arc::new(
         EdgeClient::start(&planes, "t", "decode", Role::Worker, types, Arc::default())
             .await
             .unwrap(),
-    );
+    )
+}
+
+#[tokio::test]
+async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
+    let died = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let edge = workers((0..2).map(|_| Flaky { died: died.clone() }).collect()).await;
     let migrating = |limit| ChainRunner {
         stages: vec![Stage::Migrating(Arc::new(Migrating {
             steps: vec![edge.clone()],
@@ -281,33 +289,16 @@ async fn refused_by(
     replicas: u64,
     error: OpError,
 ) -> (ChainRunner, Arc<std::sync::atomic::AtomicUsize>) {
-    let planes = Planes::embedded();
-    let types = EndpointTypes {
-        input: crate::PayloadType::of::<Req>(),
-        output: crate::PayloadType::of::<N>(),
-    };
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    for id in 1..=replicas {
-        let instance = Instance {
-            namespace: "t".into(),
-            component: "decode".into(),
-            endpoint: ENDPOINT.into(),
-            instance_id: id,
-            transport: Transport::InProcess,
-            metadata: Default::default(),
-        };
-        let op = erase(Refusing {
-            error: error.clone(),
-            calls: calls.clone(),
-        });
-        planes.requests.serve(&instance, types, op).await.unwrap();
-        planes.discovery.register(instance).await.unwrap();
-    }
-    let edge = Arc::new(
-        EdgeClient::start(&planes, "t", "decode", Role::Worker, types, Arc::default())
-            .await
-            .unwrap(),
-    );
+    let edge = workers(
+        (0..replicas)
+            .map(|_| Refusing {
+                error: error.clone(),
+                calls: calls.clone(),
+            })
+            .collect(),
+    )
+    .await;
     let runner = ChainRunner {
         stages: vec![Stage::Migrating(Arc::new(Migrating {
             steps: vec![edge],
