@@ -102,13 +102,18 @@ pub(super) struct EngineLoop {
     pub(super) last_load: Option<((u32, u32, u32), Instant)>,
     /// Step times, for the speed the load metrics report.
     pub(super) step_model: StepModel,
+    /// The runtime the handle was started on: errors a lagging consumer has no room for are
+    /// sent from there, never dropped (a channel closed without one reads as a lost engine).
+    pub(super) runtime: tokio::runtime::Handle,
 }
 
 /// Load metrics are published when they change, at most this often (and always on idle).
 const LOAD_INTERVAL: Duration = Duration::from_millis(50);
 
 impl EngineLoop {
-    pub(super) fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+    /// Serve until every handle is gone. By `&mut self`: after a panic the caller still holds
+    /// the loop, and so its requests' channels, until the replica is marked failed.
+    pub(super) fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
         tracing::debug!(
             worker_id = format_args!("{:x}", self.worker_id),
             "Engine started"
@@ -330,8 +335,12 @@ impl EngineLoop {
             self.sched.remove(*id);
             self.imports.remove(id);
             if let Some(o) = self.outboxes.remove(id) {
-                let _ =
-                    o.tx.try_send(Err(OpError::internal(format!("the engine failed: {e}"))));
+                let err = Err(OpError::internal(format!("the engine failed: {e}")));
+                if let Err(mpsc::error::TrySendError::Full(err)) = o.tx.try_send(err) {
+                    self.runtime.spawn(async move {
+                        let _ = o.tx.send(err).await;
+                    });
+                }
             }
         }
     }

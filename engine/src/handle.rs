@@ -157,8 +157,9 @@ async fn start_tiers(
 }
 
 /// Run `engine` on its own thread, owned: a panic in it (a kernel's assert, a bug) is caught
-/// there and fails the replica, which the runtime takes out of discovery and replaces. Its
-/// requests' channels close as the loop unwinds, so they end as lost and migrate.
+/// there and fails the replica, which the runtime takes out of discovery and replaces. Only
+/// then is the loop dropped: its requests' channels close, they end as lost and migrate, and
+/// the replica is already on its way out of discovery.
 fn spawn_engine_thread(
     engine: EngineLoop,
     rx: std_mpsc::Receiver<Command>,
@@ -171,8 +172,8 @@ fn spawn_engine_thread(
     std::thread::Builder::new()
         .name(format!("{name}-{}", cx.replica))
         .spawn(move || {
-            let run =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || engine.run(rx)));
+            let mut engine = engine;
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run(rx)));
             if let Err(panic) = run {
                 let what = panic_message(panic.as_ref());
                 tracing::error!(
@@ -182,6 +183,7 @@ fn spawn_engine_thread(
                 );
                 readiness.fail(format!("the {engine_name} engine thread panicked: {what}"));
             }
+            drop(engine);
         })
         .map(drop)
         .map_err(|e| BuildError::new(format!("cannot start the {name} thread: {e}")))
@@ -298,6 +300,7 @@ impl EngineHandle {
             gauges: gauges.clone(),
             last_load: None,
             step_model: Default::default(),
+            runtime: tokio::runtime::Handle::current(),
         };
         // Routers that lost events ask for a full dump; the engine publishes it in order
         // with its other events.

@@ -167,7 +167,7 @@ impl Prefill {
 
 /// How long a cancel for a job not seen yet is remembered (the job may still be queued).
 const CANCEL_MEMORY: Duration = Duration::from_secs(300);
-/// Past this many entries, expired ones are dropped.
+/// Past this many entries, expired ones are dropped (at most once a second).
 const JOBS_PRUNE_AT: usize = 4096;
 
 /// Where a job a cancel may name stands.
@@ -182,6 +182,9 @@ enum Job {
 /// The jobs of one prefill replica, by sender and id: what a [`PrefillCancel`] has to stop.
 pub struct Jobs {
     map: parking_lot::Mutex<HashMap<PrefillCancel, Job>>,
+    /// When expired entries were last dropped: at most once a second, so a busy worker does
+    /// not scan the map for every job.
+    pruned: parking_lot::Mutex<Instant>,
     pin_ttl: Duration,
 }
 
@@ -189,6 +192,7 @@ impl Jobs {
     fn new(pin_ttl: Duration) -> Self {
         Self {
             map: Default::default(),
+            pruned: parking_lot::Mutex::new(Instant::now()),
             pin_ttl,
         }
     }
@@ -199,7 +203,7 @@ impl Jobs {
         if let Some(Job::Cancelled(_)) = map.remove(key) {
             return false;
         }
-        Self::prune(&mut map);
+        self.prune(&mut map);
         map.insert(key.clone(), Job::Running(ctx.clone()));
         true
     }
@@ -255,17 +259,19 @@ impl Jobs {
                 );
             }
             Some(Job::Cancelled(_)) | None => {
-                Self::prune(&mut map);
+                self.prune(&mut map);
                 map.insert(key, Job::Cancelled(Instant::now() + CANCEL_MEMORY));
             }
         }
     }
 
-    fn prune(map: &mut HashMap<PrefillCancel, Job>) {
-        if map.len() < JOBS_PRUNE_AT {
+    fn prune(&self, map: &mut HashMap<PrefillCancel, Job>) {
+        let now = Instant::now();
+        let mut pruned = self.pruned.lock();
+        if map.len() < JOBS_PRUNE_AT || now.duration_since(*pruned) < Duration::from_secs(1) {
             return;
         }
-        let now = Instant::now();
+        *pruned = now;
         map.retain(|_, j| match j {
             Job::Running(ctx) => !ctx.is_killed(),
             Job::Offered(_, until) | Job::Cancelled(until) => *until > now,

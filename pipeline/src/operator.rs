@@ -116,6 +116,10 @@ impl OpError {
 
 /// The code of an [`ErrorKind::InstanceLost`] error.
 pub const INSTANCE_LOST: &str = "instance_lost";
+/// The code of the request plane's own [`ErrorKind::InstanceLost`]: the process answered but
+/// serves no such instance (it left). Only this marks an instance down for callers; a lost
+/// request (an engine's broken stream) says nothing about the next one.
+pub const NOT_SERVED: &str = "instance_not_served";
 /// The default code of an [`ErrorKind::Overloaded`] error.
 pub const WORKER_BUSY: &str = "worker_busy";
 

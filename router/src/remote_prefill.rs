@@ -205,6 +205,26 @@ pub struct PrefillReply {
     pub result: Result<Prefilled, String>,
 }
 
+/// Cancels a queued prefill job when dropped while armed (`inner` set): the sender stopped
+/// waiting without an answer, and the future that would have said so is gone.
+struct CancelOnDrop {
+    inner: Option<Arc<Inner>>,
+    worker: u64,
+    id: u64,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let Some(inner) = self.inner.take() else {
+            return;
+        };
+        let (worker, id) = (self.worker, self.id);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { inner.cancel(worker, id).await });
+        }
+    }
+}
+
 /// Where a prompt is prefilled, and why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Choice {
@@ -316,7 +336,11 @@ impl Inner {
     }
 
     /// Prefill `req` on a prefill worker; `Err` says why it did not happen.
-    async fn remote(&self, ctx: &Ctx, req: &PreprocessedRequest) -> Result<Prefilled, String> {
+    async fn remote(
+        self: &Arc<Self>,
+        ctx: &Ctx,
+        req: &PreprocessedRequest,
+    ) -> Result<Prefilled, String> {
         // The prefill worker's load counts this request until its prefill is over.
         let pctx = ctx.child(format!("{}-prefill", ctx.id()));
         let worker = self
@@ -351,6 +375,13 @@ impl Inner {
             .await
             .map_err(|e| e.to_string())?;
         tracing::debug!(request_id = %ctx.id(), prefill_worker = format_args!("{worker:x}"), "Remote prefill queued");
+        // From here the worker has the job: unless it answers, it is cancelled, also when this
+        // future is dropped unfinished (a client that hangs up drops the whole request).
+        let mut cancel = CancelOnDrop {
+            inner: Some(self.clone()),
+            worker,
+            id,
+        };
         let gone = async {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -360,14 +391,21 @@ impl Inner {
             }
         };
         let result = tokio::select! {
-            r = rx => r.map_err(|_| "the reply channel closed".to_owned()).and_then(|r| r),
+            r = rx => match r {
+                // The worker answered (a failure included): it holds nothing to cancel.
+                Ok(answer) => {
+                    cancel.inner = None;
+                    answer
+                }
+                Err(_) => Err("the reply channel closed".to_owned()),
+            },
             _ = tokio::time::sleep(timeout) => Err(format!("no answer within {timeout:?}")),
             _ = gone => Err(format!("prefill worker {worker:x} left")),
             _ = ctx.killed() => Err("request cancelled".to_owned()),
         };
         pctx.first_output();
-        if result.is_err() {
-            self.cancel(worker, id).await;
+        if let Some(inner) = cancel.inner.take() {
+            inner.cancel(worker, id).await;
         }
         result
     }

@@ -218,14 +218,18 @@ impl Discovery for EmbeddedDiscovery {
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         // Changes were lost: list again (as the etcd watcher does after a
                         // compaction) and report the difference, so no watcher keeps a dead
-                        // instance or misses a new one. The changes still buffered follow; each
-                        // key ends as its last change left it, so the view converges.
+                        // instance or misses a new one. The buffered changes are older than
+                        // the listing: skip them, and follow from the listing on (changes are
+                        // sent under the state lock, so none falls between the two).
                         tracing::warn!(missed, prefix, "Discovery watcher fell behind; listing again");
-                        let now: BTreeMap<String, Instance> =
-                            Self::snapshot(&shared.lock(), &prefix)
+                        let now: BTreeMap<String, Instance> = {
+                            let state = shared.lock();
+                            rx = rx.resubscribe();
+                            Self::snapshot(&state, &prefix)
                                 .into_iter()
                                 .map(|i| (i.key(), i))
-                                .collect();
+                                .collect()
+                        };
                         for ev in catch_up(&known, &now) {
                             yield ev;
                         }

@@ -4,6 +4,7 @@
 
 use super::*;
 
+/// Calls one node: keeps its live instances from discovery and picks one per request, the
 /// one a router chose when the payload names it; otherwise one in this process if there is
 /// one, else the next in round-robin order, skipping instances the request plane saw fail.
 pub(super) struct EdgeClient {
@@ -198,10 +199,12 @@ pub(super) fn run_path<S: Step>(
 /// Request migration: the segment's (unary) request is kept, every output the caller gets is
 /// folded into it, and when the replica is lost (an [`ErrorKind::InstanceLost`] error: it
 /// died, was unreachable, or was leaving) the request is sent again, up to `limit` times,
-/// continuing where the caller's stream stopped. The caller sees one stream. Nothing else is
-/// resent: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an empty pool
-/// ([`ErrorKind::Unavailable`]) reaches the client at once, since resending would only add
-/// load where there is too much already.
+/// continuing where the caller's stream stopped. The caller sees one stream. A fresh request
+/// is resent for nothing else: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an
+/// empty pool ([`ErrorKind::Unavailable`]) reaches the client at once, since resending would
+/// only add load where there is too much already. A request already being resent (its
+/// client holds part of the stream) also waits those out, within the same `limit`: the
+/// survivors of a lost replica are briefly full, and discovery briefly empty.
 pub(super) struct Migrating {
     pub(super) steps: Vec<Arc<EdgeClient>>,
     pub(super) resume: Resume,
@@ -238,7 +241,7 @@ impl Migrating {
                             (this.resume.absorb)(kept.as_mut(), v.as_ref());
                             yield Ok(v);
                         }
-                        Err(e) if e.kind == ErrorKind::InstanceLost && attempt < this.limit && !ctx.is_killed() => {
+                        Err(e) if retried(&e, attempt) && attempt < this.limit && !ctx.is_killed() => {
                             lost = Some(e);
                             break;
                         }
@@ -266,6 +269,16 @@ impl Migrating {
             }
         }
         .boxed()
+    }
+}
+
+/// Whether a request that failed with `e` after `attempt` resends is sent again (see
+/// [`Migrating`]).
+fn retried(e: &OpError, attempt: u32) -> bool {
+    match e.kind {
+        ErrorKind::InstanceLost => true,
+        ErrorKind::Overloaded | ErrorKind::Unavailable => attempt > 0,
+        _ => false,
     }
 }
 

@@ -179,6 +179,8 @@ impl ReplicaSet {
                 ));
             }
         }
+        // Listed before its follower can report it failed, so `supervise` finds it.
+        let mut served = self.served.lock();
         let follower = tokio::spawn(follow_readiness(
             self.planes.clone(),
             instance.clone(),
@@ -187,7 +189,7 @@ impl ReplicaSet {
         ))
         .abort_handle();
         tracing::info!(node = %n.id, worker_id = format_args!("{instance_id:x}"), replica, kind = n.kind.name, "Node replica started");
-        self.served.lock().push(ServedReplica {
+        served.push(ServedReplica {
             node: n.id.clone(),
             replica,
             instance,
@@ -251,10 +253,9 @@ impl ReplicaSet {
         });
     }
 
-    /// Replace the failed replica `instance_id`: stop serving it and build the same replica
-    /// afresh. Returns the replaced replica's node and number (`None`: it was already gone —
-    /// removed by scaling, or the graph is draining).
-    pub(super) async fn replace(&self, instance_id: u64) -> Option<(String, u32)> {
+    /// Take the failed replica `instance_id` out: stop serving it. Returns its node and
+    /// number (`None`: it was already gone — removed by scaling, or the graph is draining).
+    pub(super) async fn retire_failed(&self, instance_id: u64) -> Option<(String, u32)> {
         let _one = self.scaling.lock().await;
         if self.closed.load(Ordering::Acquire) {
             return None;
@@ -267,17 +268,28 @@ impl ReplicaSet {
             served.remove(i)
         };
         r.follower.abort();
-        let (node, replica) = (r.node.clone(), r.replica);
+        let key = (r.node.clone(), r.replica);
         // Its requests already failed as lost (and migrated); what is left ends with it.
         self.retire(r);
-        let compiled = self.graph.node(&node).cloned()?;
-        match self.start(&compiled, replica).await {
-            Ok(()) => tracing::info!(node, replica, "Failed replica replaced"),
-            Err(e) => {
-                tracing::error!(node, replica, error = %e, "Cannot replace the failed replica; the planner or a restart must")
-            }
+        Some(key)
+    }
+
+    /// Build replica `replica` of `node` afresh, unless the graph is draining or that replica
+    /// runs already (scaling started it meanwhile): `Ok(false)`.
+    pub(super) async fn restart(&self, node: &str, replica: u32) -> Result<bool, RuntimeError> {
+        let _one = self.scaling.lock().await;
+        let running = self
+            .served
+            .lock()
+            .iter()
+            .any(|r| r.node == node && r.replica == replica);
+        let Some(compiled) = self.graph.node(node).cloned() else {
+            return Ok(false);
+        };
+        if self.closed.load(Ordering::Acquire) || running {
+            return Ok(false);
         }
-        Some((node, replica))
+        self.start(&compiled, replica).await.map(|()| true)
     }
 
     pub(super) fn count(&self, node: &str) -> u32 {
@@ -336,35 +348,46 @@ impl Connector for ReplicaSet {
 /// fails again within a minute of its replacement waits longer before the next (1 s, 2 s, …
 /// 30 s), so a replica that cannot start sanely does not spin.
 pub(super) async fn supervise(set: Weak<ReplicaSet>, mut failed: mpsc::Receiver<u64>) {
+    // Per replica: failures in a row (each within a minute of the last replacement) and when.
     let mut recent: HashMap<(String, u32), (u32, Instant)> = HashMap::new();
+    let pause = |n: u32| Duration::from_secs(1 << n.min(5)).min(Duration::from_secs(30));
     while let Some(id) = failed.recv().await {
         let Some(set) = set.upgrade() else { return };
-        let key = set
-            .served
-            .lock()
-            .iter()
-            .find(|r| r.instance.instance_id == id)
-            .map(|r| (r.node.clone(), r.replica));
-        let Some(key) = key else { continue };
-        let pause = match recent.get(&key) {
-            Some((n, at)) if at.elapsed() < Duration::from_secs(60) => {
-                Duration::from_secs(1 << (*n).min(5)).min(Duration::from_secs(30))
-            }
-            _ => Duration::ZERO,
+        let Some(key) = set.retire_failed(id).await else {
+            continue;
         };
-        if !pause.is_zero() {
-            tracing::warn!(node = %key.0, replica = key.1, pause = ?pause, "Replica failed again soon after its replacement; waiting before the next");
-            tokio::time::sleep(pause).await;
+        let mut n = match recent.get(&key) {
+            Some((n, at)) if at.elapsed() < Duration::from_secs(60) => n + 1,
+            _ => 0,
+        };
+        // A replica that cannot be built (a device left unusable, a server that will not
+        // start) is tried again with the same growing pause, a few times.
+        for attempt in 0..RESTART_ATTEMPTS {
+            if n > 0 {
+                tracing::warn!(node = %key.0, replica = key.1, pause = ?pause(n - 1), "Replica failed again soon after its replacement; waiting before the next");
+                tokio::time::sleep(pause(n - 1)).await;
+            }
+            match set.restart(&key.0, key.1).await {
+                Ok(true) => {
+                    tracing::info!(node = %key.0, replica = key.1, "Failed replica replaced");
+                    break;
+                }
+                Ok(false) => break,
+                Err(e) if attempt + 1 < RESTART_ATTEMPTS => {
+                    tracing::error!(node = %key.0, replica = key.1, error = %e, "Cannot rebuild the failed replica; trying again");
+                }
+                Err(e) => {
+                    tracing::error!(node = %key.0, replica = key.1, error = %e, "Cannot rebuild the failed replica; giving up (the planner or a restart must)");
+                }
+            }
+            n += 1;
         }
-        if set.replace(id).await.is_some() {
-            let n = match recent.get(&key) {
-                Some((n, at)) if at.elapsed() < Duration::from_secs(60) => n + 1,
-                _ => 0,
-            };
-            recent.insert(key, (n, Instant::now()));
-        }
+        recent.insert(key, (n, Instant::now()));
     }
 }
+
+/// Builds of a failed replica's replacement tried before giving up.
+const RESTART_ATTEMPTS: u32 = 8;
 
 /// A replica's operator, counting the calls in flight on it.
 pub(super) struct Counted {

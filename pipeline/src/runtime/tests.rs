@@ -376,3 +376,64 @@ async fn a_client_that_leaves_during_the_back_off_ends_the_migration_at_once() {
     assert!(matches!(&out[..], [Err(e)] if e.kind == ErrorKind::InstanceLost));
     assert_eq!(calls.load(Ordering::SeqCst), 4);
 }
+
+/// The first call loses the request after two positions, the second is refused as busy, the
+/// rest serve.
+struct LostThenBusy {
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+}
+impl Operator for LostThenBusy {
+    type In = Req;
+    type Out = N;
+    fn call(&self, _ctx: Ctx, input: Input<Req>) -> Output<N> {
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        async_stream::stream! {
+            let mut input = input;
+            let Some(req) = input.next().await else { return };
+            if call == 1 {
+                yield Err(OpError::overloaded("busy"));
+                return;
+            }
+            yield Ok(N(HEADER));
+            for (i, p) in (req.pos..req.pos + req.left).enumerate() {
+                if call == 0 && i == 2 {
+                    yield Err(OpError::instance_lost("replica lost"));
+                    return;
+                }
+                yield Ok(N(p));
+            }
+        }
+        .boxed()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_being_resent_waits_out_a_busy_survivor() {
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let edge = workers(
+        (0..2)
+            .map(|_| LostThenBusy {
+                calls: calls.clone(),
+            })
+            .collect(),
+    )
+    .await;
+    let runner = ChainRunner {
+        stages: vec![Stage::Migrating(Arc::new(Migrating {
+            steps: vec![edge],
+            resume: Resume::of::<Req>(),
+            limit: 3,
+        }))],
+        root: Ctx::new(),
+        in_flight: TaskTracker::new(),
+    };
+    let out: Vec<u32> = runner
+        .call(Ctx::new(), Box::new(Req { pos: 0, left: 6 }))
+        .map(|r| downcast::<N>(r.unwrap()).ok().unwrap().0)
+        .collect()
+        .await;
+    let mut want = vec![HEADER];
+    want.extend(0..6);
+    assert_eq!(out, want);
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "lost, busy, served");
+}

@@ -469,7 +469,8 @@ async fn serve_one(
         let e = OpError::instance_lost(format!(
             "instance {:x} is not served here",
             header.instance_id
-        ));
+        ))
+        .with_code(crate::operator::NOT_SERVED);
         return send_error_and_done(writer, &e).await;
     };
     let (in_codec, out_codec) = match (codec_of(types.input), codec_of(types.output)) {
@@ -806,7 +807,9 @@ impl RemoteCall {
                                 let e = serde_json::from_slice::<OpError>(body)
                                     .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
                                 // The process is there but no longer serves the instance.
-                                if e.kind == ErrorKind::InstanceLost {
+                                if e.kind == ErrorKind::InstanceLost
+                                    && e.code.as_deref() == Some(crate::operator::NOT_SERVED)
+                                {
                                     self.health.report_down(self.instance_id);
                                 }
                                 yield Err(e);
