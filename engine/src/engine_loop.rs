@@ -190,8 +190,10 @@ impl EngineLoop {
             for (id, blocks, tokens) in std::mem::take(&mut out.pinned) {
                 self.offer(id, blocks, &tokens);
             }
-            self.deliver();
+            // Requests admitted by this step leave the queue count before their first tokens
+            // go out: a client that sees its tokens and sends again finds the room it left.
             self.account();
+            self.deliver();
             self.publish();
         }
         tracing::debug!(
