@@ -70,7 +70,7 @@ fn bench(c: &mut Criterion) {
     let format = BlockFormat {
         block_bytes: BLOCK_BYTES as u32,
         layout: dyn_compute::transfer::BlockLayout::LayerKvHeadSlotDim,
-        dtype: "bf16".into(),
+        dtype: dyn_compute::transfer::BlockDType::Bf16,
     };
     g.bench_function("tcp_agent_pull", |b| {
         b.iter(|| {

@@ -7,6 +7,9 @@
 //!   GPUs through cudarc, loading the driver at run time.
 //! - [`sample`] picks tokens from logits.
 //! - [`transfer`] moves KV-cache blocks between workers (disaggregated prefill).
+//!
+//! It depends on no other dyn crate and knows nothing of requests, graphs or planes: the
+//! engine (`dyn-engine`) drives it, and `dyn-llm`'s payloads carry its transfer descriptor.
 
 pub mod backend;
 pub mod cpu;

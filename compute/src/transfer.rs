@@ -39,8 +39,8 @@ pub struct TransferDescriptor {
     pub block_bytes: u32,
     /// How a block's bytes are laid out.
     pub layout: BlockLayout,
-    /// Element type, e.g. `bf16`.
-    pub dtype: String,
+    /// Element type.
+    pub dtype: BlockDType,
 }
 
 /// How the offered blocks are laid out.
@@ -48,7 +48,41 @@ pub struct TransferDescriptor {
 pub struct BlockFormat {
     pub block_bytes: u32,
     pub layout: BlockLayout,
-    pub dtype: String,
+    pub dtype: BlockDType,
+}
+
+/// The element type of a KV block's bytes: a model dtype, or the mocker's token ids. On the
+/// wire and in offload file headers it is the name (`f32`, `bf16`, `f16`, `u32le`), so two
+/// workers compare types, not spellings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockDType {
+    F32,
+    F16,
+    Bf16,
+    /// The mocker's simulated KV: token ids as little-endian `u32`.
+    U32le,
+}
+
+impl From<crate::model::DType> for BlockDType {
+    fn from(d: crate::model::DType) -> Self {
+        match d {
+            crate::model::DType::F32 => BlockDType::F32,
+            crate::model::DType::F16 => BlockDType::F16,
+            crate::model::DType::Bf16 => BlockDType::Bf16,
+        }
+    }
+}
+
+impl std::fmt::Display for BlockDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BlockDType::F32 => "f32",
+            BlockDType::F16 => "f16",
+            BlockDType::Bf16 => "bf16",
+            BlockDType::U32le => "u32le",
+        })
+    }
 }
 
 /// The order of a KV block's elements, named once for every backend, engine and agent.
@@ -460,7 +494,7 @@ mod tests {
         BlockFormat {
             block_bytes,
             layout: BlockLayout::LayerKvHeadSlotDim,
-            dtype: "bf16".into(),
+            dtype: BlockDType::Bf16,
         }
     }
 
@@ -504,6 +538,29 @@ mod tests {
                 assert_eq!(local.pull(&desc).await.unwrap(), sent);
             });
         }
+    }
+
+    #[test]
+    fn block_dtypes_travel_and_are_recorded_by_name() {
+        // The wire (descriptors) and the offload files' headers spell them as before.
+        for (d, name) in [
+            (BlockDType::F32, "f32"),
+            (BlockDType::F16, "f16"),
+            (BlockDType::Bf16, "bf16"),
+            (BlockDType::U32le, "u32le"),
+        ] {
+            assert_eq!(serde_json::to_value(d).unwrap(), serde_json::json!(name));
+            assert_eq!(d.to_string(), name);
+            assert_eq!(
+                serde_json::from_value::<BlockDType>(name.into()).unwrap(),
+                d
+            );
+        }
+        assert_eq!(
+            BlockDType::from(crate::model::DType::Bf16),
+            BlockDType::Bf16
+        );
+        assert!(serde_json::from_value::<BlockDType>("int4".into()).is_err());
     }
 
     #[tokio::test]

@@ -168,7 +168,7 @@ pub fn block_format(block_size: usize) -> BlockFormat {
     BlockFormat {
         block_bytes: (block_size * 4) as u32,
         layout: BlockLayout::TokenIds,
-        dtype: "u32le".into(),
+        dtype: dyn_compute::transfer::BlockDType::U32le,
     }
 }
 

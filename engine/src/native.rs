@@ -138,7 +138,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         block_bytes: u32::try_from(backend.block_bytes())
             .map_err(|_| BuildError::new("a KV block is over 4 GiB: lower block_size"))?,
         layout: BlockLayout::LayerKvHeadSlotDim,
-        dtype: backend.kv_dtype().name().into(),
+        dtype: backend.kv_dtype().into(),
     };
     let settings = config.settings(u32::try_from(backend.config().vocab).ok());
     let import = ImportCheck {

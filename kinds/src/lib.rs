@@ -2,6 +2,11 @@
 //!
 //! One module per kind. Kinds are registered explicitly in [`registry`]; a kind missing from
 //! that list cannot be used in a graph.
+//!
+//! It owns only the glue: the `decode` and `prefill` kinds choose an engine (`dyn-engine`'s
+//! mocker or native, or a `dyn-external` server) and `echo` debugs a graph. Everything else
+//! lives in the crate that owns it; nothing but the `dyn` binary (and tests) should depend on
+//! this crate.
 
 pub mod decode;
 pub mod echo;
