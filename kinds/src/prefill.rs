@@ -116,10 +116,7 @@ impl OperatorConfig for PrefillConfig {
                         tracing::debug!(job = job.id, "Prefill job cancelled");
                         return;
                     }
-                    let reply = PrefillReply {
-                        id: job.id,
-                        result: result.map_err(|e| e.message),
-                    };
+                    let reply = PrefillReply { id: job.id, result };
                     match serde_json::to_vec(&reply) {
                         Ok(b) => {
                             if let Err(e) = planes.events.publish(&job.reply, b.into()).await {

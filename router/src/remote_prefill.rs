@@ -202,7 +202,9 @@ pub fn cancel_subject(namespace: &str, pool: &str, worker_id: u64) -> String {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrefillReply {
     pub id: u64,
-    pub result: Result<Prefilled, String>,
+    /// The error keeps its kind and code (`OpError` crosses the wire as it does on the
+    /// request plane), so the sender can tell a busy worker from a broken one.
+    pub result: Result<Prefilled, OpError>,
 }
 
 /// Cancels a queued prefill job when dropped while armed (`inner` set): the sender stopped
@@ -282,7 +284,7 @@ pub fn decide(
 }
 
 /// Remote prefills waiting for their reply, by job id.
-type Waiting = Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, String>>>>;
+type Waiting = Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, OpError>>>>;
 
 pub struct RemotePrefill {
     inner: Arc<Inner>,
@@ -395,7 +397,7 @@ impl Inner {
                 // The worker answered (a failure included): it holds nothing to cancel.
                 Ok(answer) => {
                     cancel.inner = None;
-                    answer
+                    answer.map_err(|e| format!("the prefill worker failed ({:?}): {}", e.kind, e.message))
                 }
                 Err(_) => Err("the reply channel closed".to_owned()),
             },
@@ -582,6 +584,19 @@ mod tests {
             decide(&c, 2000, 0, 0),
             Choice::Local(Reason::NoPrefillWorker)
         );
+    }
+
+    #[test]
+    fn a_prefill_failure_keeps_its_kind_across_the_wire() {
+        let reply = PrefillReply {
+            id: 4,
+            result: Err(OpError::overloaded("the worker is busy")),
+        };
+        let back: PrefillReply =
+            serde_json::from_slice(&serde_json::to_vec(&reply).unwrap()).unwrap();
+        let e = back.result.unwrap_err();
+        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Overloaded);
+        assert_eq!(e.code.as_deref(), Some(dyn_pipeline::WORKER_BUSY));
     }
 
     #[test]
