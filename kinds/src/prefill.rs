@@ -434,7 +434,11 @@ mod tests {
         assert_eq!(reply.id, 3);
         let prefilled = reply.result.expect("prefilled");
         assert_eq!(p.jobs().counts(), (0, 1, 0));
-        assert!(p.engine.gauges.active_blocks() > 0, "pinned for the pull");
+        // Pinned for the pull (the gauge follows at the end of the engine's step).
+        until("pinned for the pull", || {
+            p.engine.gauges.active_blocks() > 0
+        })
+        .await;
         cancel(&planes, 3).await;
         until("discarded", || p.jobs().counts() == (0, 0, 0)).await;
         assert!(agent.pull(&prefilled.transfer).await.is_err(), "offer gone");
