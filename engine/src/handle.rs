@@ -194,12 +194,9 @@ fn spawn_engine_thread(
 /// handle goes, and this task must not be one.
 fn follow_resync(
     weak: std::sync::Weak<EngineHandle>,
+    worker_id: u64,
     mut resync: futures::stream::BoxStream<'static, dyn_pipeline::planes::Event>,
 ) {
-    let worker_id = match weak.upgrade() {
-        Some(m) => m.worker_id,
-        None => return,
-    };
     tokio::spawn(async move {
         use futures::StreamExt;
         while let Some(ev) = resync.next().await {
@@ -323,7 +320,7 @@ impl EngineHandle {
             worker_id,
             tiers,
         });
-        follow_resync(Arc::downgrade(&worker), resync);
+        follow_resync(Arc::downgrade(&worker), worker_id, resync);
         Ok(worker)
     }
 

@@ -236,19 +236,24 @@ async fn workers<O: Operator<In = Req, Out = N>>(ops: Vec<O>) -> Arc<EdgeClient>
     )
 }
 
-#[tokio::test]
-async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
-    let died = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let edge = workers((0..2).map(|_| Flaky { died: died.clone() }).collect()).await;
-    let migrating = |limit| ChainRunner {
+/// A path of one migrating segment over `edge`'s workers, resending up to `limit` times.
+fn migrating(edge: Arc<EdgeClient>, limit: u32) -> ChainRunner {
+    ChainRunner {
         stages: vec![Stage::Migrating(Arc::new(Migrating {
-            steps: vec![edge.clone()],
+            steps: vec![edge],
             resume: Resume::of::<Req>(),
             limit,
         }))],
         root: Ctx::new(),
         in_flight: TaskTracker::new(),
-    };
+    }
+}
+
+#[tokio::test]
+async fn a_lost_replica_is_migrated_without_gaps_or_repeats() {
+    let died = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let edge = workers((0..2).map(|_| Flaky { died: died.clone() }).collect()).await;
+    let migrating = |limit| migrating(edge.clone(), limit);
     let runner = migrating(3);
     let out: Vec<u32> = runner
         .call(Ctx::new(), Box::new(Req { pos: 0, left: 10 }))
@@ -299,15 +304,7 @@ async fn refused_by(
             .collect(),
     )
     .await;
-    let runner = ChainRunner {
-        stages: vec![Stage::Migrating(Arc::new(Migrating {
-            steps: vec![edge],
-            resume: Resume::of::<Req>(),
-            limit: 3,
-        }))],
-        root: Ctx::new(),
-        in_flight: TaskTracker::new(),
-    };
+    let runner = migrating(edge, 3);
     (runner, calls)
 }
 
@@ -418,15 +415,7 @@ async fn a_request_being_resent_waits_out_a_busy_survivor() {
             .collect(),
     )
     .await;
-    let runner = ChainRunner {
-        stages: vec![Stage::Migrating(Arc::new(Migrating {
-            steps: vec![edge],
-            resume: Resume::of::<Req>(),
-            limit: 3,
-        }))],
-        root: Ctx::new(),
-        in_flight: TaskTracker::new(),
-    };
+    let runner = migrating(edge, 3);
     let out: Vec<u32> = runner
         .call(Ctx::new(), Box::new(Req { pos: 0, left: 6 }))
         .map(|r| downcast::<N>(r.unwrap()).ok().unwrap().0)
