@@ -1,5 +1,5 @@
 //! The `dyn` command. Only argument parsing, output and exit codes live here; the work is done
-//! by `dyn-pipeline` (compile, plan, run), `dyn-kinds` (the kinds) and `dyn-bench` (the load
+//! by `dyn-runtime` (compile, plan, run), `dyn-kinds` (the kinds) and `dyn-bench` (the load
 //! generator).
 
 mod bench;
@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use dyn_pipeline::compile::PlaneAddr;
-use dyn_pipeline::spec::Override;
-use dyn_pipeline::{
+use dyn_runtime::compile::PlaneAddr;
+use dyn_runtime::spec::Override;
+use dyn_runtime::{
     CompiledGraph, Diagnostics, EXIT_CONFIG, Placement, Plan, RunOptions, load_and_compile,
 };
 use futures::FutureExt as _;
@@ -36,7 +36,7 @@ Examples:
 #[derive(Parser)]
 #[command(name = "dyn", version, about = "Serve LLMs as dataflow graphs", after_help = EXAMPLES)]
 struct Cli {
-    /// Log line format (stderr). Filter with RUST_LOG, e.g. RUST_LOG=dyn_pipeline=debug.
+    /// Log line format (stderr). Filter with RUST_LOG, e.g. RUST_LOG=dyn_runtime=debug.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]
@@ -157,7 +157,7 @@ enum PlanFormat {
     Mermaid,
 }
 
-impl From<PlanFormat> for dyn_pipeline::Format {
+impl From<PlanFormat> for dyn_runtime::Format {
     fn from(f: PlanFormat) -> Self {
         match f {
             PlanFormat::Text => Self::Text,
@@ -268,10 +268,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         GraphCommand::Kinds => {
             for k in registry.kinds() {
                 let types = match k.ports {
-                    dyn_pipeline::registry::Ports::Operator { input, output } => {
+                    dyn_core::registry::Ports::Operator { input, output } => {
                         format!("{} → {}", input.name, output.name)
                     }
-                    dyn_pipeline::registry::Ports::Ingress { request, response } => {
+                    dyn_core::registry::Ports::Ingress { request, response } => {
                         format!(
                             "ingress: sends {}, answers with {}",
                             request.name, response.name
@@ -300,7 +300,7 @@ fn print_warnings(d: &Diagnostics) {
 fn compile(
     file: &std::path::Path,
     set: &[Override],
-    registry: &dyn_pipeline::Registry,
+    registry: &dyn_core::Registry,
 ) -> anyhow::Result<CompiledGraph> {
     match load_and_compile(file, set, registry) {
         Ok(g) => {
@@ -321,7 +321,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow::Result<()> {
+fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Result<()> {
     let mut graph = compile(&args.file, &args.set, registry)?;
     args.planes.apply(&mut graph);
     let grace = Duration::try_from_secs_f64(args.grace_period)
@@ -341,7 +341,7 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
         grace,
         placement,
         only: args.only.clone(),
-        tcp: dyn_pipeline::planes::TcpOptions {
+        tcp: dyn_runtime::planes::TcpOptions {
             bind: format!("{}:0", args.request_host),
             ..Default::default()
         },
@@ -393,11 +393,11 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
         } else {
             planner_plan(&graph)?
         };
-        let attach = move |a: dyn_pipeline::Attach| {
+        let attach = move |a: dyn_runtime::Attach| {
             planner.map(|p| dyn_planner::run(p, a.planes.events, a.replicas).boxed())
         };
         return rt
-            .block_on(dyn_pipeline::run_attached(&graph, opts, stop, attach))
+            .block_on(dyn_runtime::run_attached(&graph, opts, stop, attach))
             .map_err(Into::into);
     }
     // Distributed: supervise one process per process-group replica (of the selected nodes).
@@ -443,14 +443,14 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
         let _planner = match planner {
             Some(p) => {
                 let events = match &graph.events {
-                    PlaneAddr::Nats(eps) => dyn_pipeline::planes::NatsEventBus::connect(eps)
+                    PlaneAddr::Nats(eps) => dyn_runtime::planes::NatsEventBus::connect(eps)
                         .await
                         .context("the planner cannot reach NATS")?,
                     _ => anyhow::bail!(
                         "the planner of a multi-process graph observes it over NATS: give --events nats://HOST:PORT"
                     ),
                 };
-                let connector: std::sync::Arc<dyn dyn_pipeline::Connector> = sup.clone();
+                let connector: std::sync::Arc<dyn dyn_core::Connector> = sup.clone();
                 Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
                     dyn_planner::run(p, std::sync::Arc::new(events), connector),
                 )))
@@ -463,7 +463,19 @@ fn up(args: UpArgs, registry: &dyn_pipeline::Registry, log: LogFormat) -> anyhow
 
 /// The graph's planner, with its profile loaded (a bad profile stops `dyn graph up` here).
 fn planner_plan(graph: &CompiledGraph) -> anyhow::Result<Option<dyn_planner::run::Plan>> {
-    dyn_planner::run::Plan::of(graph).map_err(Into::into)
+    let Some(cfg) = graph.section::<dyn_planner::PlannerConfig>() else {
+        return Ok(None);
+    };
+    let facts = dyn_planner::run::GraphFacts {
+        namespace: &graph.namespace,
+        base_dir: &graph.base_dir,
+        kinds: graph
+            .nodes
+            .iter()
+            .map(|n| (n.id.as_str(), n.kind.name))
+            .collect(),
+    };
+    Ok(Some(dyn_planner::run::Plan::of(cfg, &facts)?))
 }
 
 /// The arguments of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)

@@ -158,7 +158,7 @@ pub type ArgsFor = Box<dyn Fn(&str, u32) -> Vec<String> + Send + Sync>;
 type Replica = (u32, watch::Sender<bool>);
 
 /// The supervised processes, by group: started at `dyn graph up`, and added or removed by
-/// the planner through [`Connector`](dyn_pipeline::Connector).
+/// the planner through [`Connector`](dyn_core::Connector).
 pub struct Supervisor {
     exe: PathBuf,
     state: Arc<StateFile>,
@@ -244,11 +244,11 @@ impl Supervisor {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    fn group(&self, node: &str) -> Result<&str, dyn_pipeline::ScaleError> {
+    fn group(&self, node: &str) -> Result<&str, dyn_core::ScaleError> {
         self.groups_of
             .get(node)
             .map(String::as_str)
-            .ok_or_else(|| dyn_pipeline::ScaleError::UnknownNode(node.to_owned()))
+            .ok_or_else(|| dyn_core::ScaleError::UnknownNode(node.to_owned()))
     }
 
     /// Run until `shutdown`, then stop every process (each drains) and wait for them.
@@ -292,16 +292,16 @@ impl Supervisor {
 }
 
 #[async_trait::async_trait]
-impl dyn_pipeline::Connector for Supervisor {
+impl dyn_core::Connector for Supervisor {
     fn name(&self) -> &'static str {
         "processes"
     }
 
-    async fn replicas(&self, node: &str) -> Result<u32, dyn_pipeline::ScaleError> {
+    async fn replicas(&self, node: &str) -> Result<u32, dyn_core::ScaleError> {
         Ok(self.count(self.group(node)?))
     }
 
-    async fn set_replicas(&self, node: &str, n: u32) -> Result<(), dyn_pipeline::ScaleError> {
+    async fn set_replicas(&self, node: &str, n: u32) -> Result<(), dyn_core::ScaleError> {
         let process = self.group(node)?.to_owned();
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Ok(());
@@ -474,16 +474,16 @@ pub fn running(namespace: &str, graph: &str) -> Vec<State> {
 pub async fn ps(
     namespace: &str,
     graph: &str,
-    control: &dyn_pipeline::compile::PlaneAddr,
+    control: &dyn_runtime::compile::PlaneAddr,
     json: bool,
 ) -> anyhow::Result<()> {
     let states = running(namespace, graph);
     let instances = match control {
-        dyn_pipeline::compile::PlaneAddr::Etcd(eps) => {
+        dyn_runtime::compile::PlaneAddr::Etcd(eps) => {
             let prefix = format!("v1/instances/{namespace}/");
             let urls: Vec<String> = eps.iter().map(|e| format!("http://{e}")).collect();
             Some(
-                dyn_pipeline::planes::etcd::list_instances(&urls, &prefix)
+                dyn_runtime::planes::etcd::list_instances(&urls, &prefix)
                     .await
                     .with_context(|| {
                         format!("cannot list instances in etcd at {}", eps.join(","))
@@ -530,8 +530,8 @@ pub async fn ps(
         println!("  {:<16} {:<18} ADDRESS", "NODE", "INSTANCE");
         for i in list {
             let addr = match &i.transport {
-                dyn_pipeline::planes::Transport::Tcp { address } => address.clone(),
-                dyn_pipeline::planes::Transport::InProcess => "in-process".into(),
+                dyn_runtime::planes::Transport::Tcp { address } => address.clone(),
+                dyn_runtime::planes::Transport::InProcess => "in-process".into(),
             };
             println!("  {:<16} {:<18x} {addr}", i.component, i.instance_id);
         }

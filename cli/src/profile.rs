@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use dyn_bench::dataset::{Source, Synthetic, Words};
 use dyn_bench::{Config, Endpoint, Load, Stop};
-use dyn_pipeline::spec::Override;
 use dyn_planner::profile::{DecodePoint, PrefillPoint, Profile};
+use dyn_runtime::spec::Override;
 
 #[derive(clap::Args)]
 pub struct ProfileArgs {
@@ -45,7 +45,7 @@ pub struct ProfileArgs {
     set: Vec<Override>,
 }
 
-pub fn profile(args: ProfileArgs, registry: &dyn_pipeline::Registry) -> anyhow::Result<()> {
+pub fn profile(args: ProfileArgs, registry: &dyn_core::Registry) -> anyhow::Result<()> {
     if args.prefill_isl.is_empty()
         || args.concurrency.is_empty()
         || args.prefill_isl.contains(&0)
@@ -57,7 +57,7 @@ pub fn profile(args: ProfileArgs, registry: &dyn_pipeline::Registry) -> anyhow::
     let node = g
         .node(&args.node)
         .with_context(|| format!("graph '{}' has no node '{}'", g.name, args.node))?;
-    if node.kind.role != dyn_pipeline::Role::Worker {
+    if node.kind.role != dyn_core::Role::Worker {
         bail!(
             "'{}' is a {} node; profile a worker",
             args.node,
@@ -83,15 +83,15 @@ pub fn profile(args: ProfileArgs, registry: &dyn_pipeline::Registry) -> anyhow::
         set.push(format!("{n}.{k}={v}").parse().map_err(anyhow::Error::msg)?);
     }
     let mut graph = super::compile(&args.file, &set, registry)?;
-    graph.control = dyn_pipeline::compile::PlaneAddr::Embedded;
-    graph.events = dyn_pipeline::compile::PlaneAddr::Embedded;
+    graph.control = dyn_runtime::compile::PlaneAddr::Embedded;
+    graph.events = dyn_runtime::compile::PlaneAddr::Embedded;
     let url = format!("http://127.0.0.1:{port}");
     let rt = super::runtime()?;
     rt.block_on(async {
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let g2 = graph.clone();
         let server = tokio::spawn(async move {
-            dyn_pipeline::run(&g2, dyn_pipeline::RunOptions::default(), async {
+            dyn_runtime::run(&g2, dyn_runtime::RunOptions::default(), async {
                 let _ = stop_rx.await;
             })
             .await

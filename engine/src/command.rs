@@ -4,8 +4,8 @@
 
 use bytes::Bytes;
 use dyn_compute::transfer::TransferDescriptor;
+use dyn_core::OpError;
 use dyn_llm::types::Generated;
-use dyn_pipeline::OpError;
 use tokio::sync::{mpsc, oneshot};
 
 use super::EngineError;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
+use dyn_core::OpError;
 use dyn_llm::types::Generated;
-use dyn_pipeline::OpError;
 use dyn_router::kv::{LoadMetrics, Medium, dump_events};
 use tokio::sync::{mpsc, oneshot};
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
+use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
-use dyn_pipeline::{BuildCx, BuildError, OpError};
 use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
 use tokio::sync::{mpsc, oneshot};
 
@@ -195,7 +195,7 @@ fn spawn_engine_thread(
 fn follow_resync(
     weak: std::sync::Weak<EngineHandle>,
     worker_id: u64,
-    mut resync: futures::stream::BoxStream<'static, dyn_pipeline::planes::Event>,
+    mut resync: futures::stream::BoxStream<'static, dyn_core::planes::Event>,
 ) {
     tokio::spawn(async move {
         use futures::StreamExt;
@@ -516,8 +516,8 @@ impl EngineHandle {
 mod tests {
     use super::*;
     use crate::mocker;
+    use dyn_core::planes::Planes;
     use dyn_llm::types::Generated;
-    use dyn_pipeline::planes::Planes;
     use dyn_router::kv::{KvEventData, LoadMetrics, RouterEvent};
     use futures::StreamExt;
 
@@ -542,17 +542,17 @@ mod tests {
         assert!(tokens.iter().all(Result::is_ok), "{items:?}");
         assert_eq!(tokens.len(), 3, "{items:?}");
         let lost = last.as_ref().expect_err("ends in an error");
-        assert_eq!(lost.kind, dyn_pipeline::ErrorKind::InstanceLost, "{lost:?}");
+        assert_eq!(lost.kind, dyn_core::ErrorKind::InstanceLost, "{lost:?}");
         // The replica is failed for good (the runtime replaces it), with the panic's message.
         let failed = tokio::time::timeout(
             Duration::from_secs(5),
-            health.wait_for(|h| matches!(h, dyn_pipeline::Health::Failed(_))),
+            health.wait_for(|h| matches!(h, dyn_core::Health::Failed(_))),
         )
         .await
         .expect("fails in time")
         .expect("open")
         .clone();
-        let dyn_pipeline::Health::Failed(reason) = failed else {
+        let dyn_core::Health::Failed(reason) = failed else {
             unreachable!()
         };
         assert!(reason.contains("injected panic at step 4"), "{reason}");
@@ -561,7 +561,7 @@ mod tests {
         let e = m
             .submit(&dyn_llm::testing::preprocessed((0..40).collect(), 20), None)
             .expect_err("refused");
-        assert_eq!(e.kind, dyn_pipeline::ErrorKind::InstanceLost, "{e:?}");
+        assert_eq!(e.kind, dyn_core::ErrorKind::InstanceLost, "{e:?}");
     }
 
     #[tokio::test]
@@ -592,10 +592,7 @@ mod tests {
         let e = refused.expect("one is refused");
         assert_eq!(
             (e.kind, e.code.as_deref()),
-            (
-                dyn_pipeline::ErrorKind::Overloaded,
-                Some(dyn_pipeline::WORKER_BUSY)
-            ),
+            (dyn_core::ErrorKind::Overloaded, Some(dyn_core::WORKER_BUSY)),
             "{e:?}"
         );
     }

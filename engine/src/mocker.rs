@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use dyn_compute::transfer::{BlockFormat, BlockLayout};
+use dyn_core::{BuildCx, BuildError, Invalid};
 use dyn_llm::model::ModelDir;
-use dyn_pipeline::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
 use super::offload::Modelled;

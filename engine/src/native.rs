@@ -24,7 +24,7 @@ use bytes::Bytes;
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::model::{DType, ModelConfig, ModelWeights, gguf};
 use dyn_compute::transfer::{BlockFormat, BlockLayout};
-use dyn_pipeline::{BuildCx, BuildError, Invalid};
+use dyn_core::{BuildCx, BuildError, Invalid};
 use serde::Deserialize;
 
 use super::pool::BlockId;

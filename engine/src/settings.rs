@@ -7,7 +7,7 @@
 //! here) and the engine's own after them; [`SchedulerConfig`] is the shared part as one value,
 //! and [`EngineSettings`] what the engine loop runs with.
 
-use dyn_pipeline::Invalid;
+use dyn_core::Invalid;
 
 /// The settings of dyn's engine loop and scheduler, as a graph gives them.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,7 +121,7 @@ macro_rules! engine_section {
 
         impl $name {
             /// Problems with the shared settings (scheduler and offload), under `prefix`.
-            pub fn validate_shared(&self, prefix: &str) -> Vec<dyn_pipeline::Invalid> {
+            pub fn validate_shared(&self, prefix: &str) -> Vec<dyn_core::Invalid> {
                 let mut out = self.scheduler().validate(prefix);
                 out.extend(self.offload.validate(&format!("{prefix}offload.")));
                 out

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use dyn_compute::transfer::{InProcessAgent, KvTransferAgent, TcpAgent};
-use dyn_pipeline::{BuildCx, BuildError, Service};
+use dyn_core::{BuildCx, BuildError, Service};
 
 /// This process's agent: over TCP (on the request plane's host, any port) when other
 /// processes may pull from it, in-process otherwise.

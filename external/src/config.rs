@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use dyn_pipeline::Invalid;
+use dyn_core::Invalid;
 use serde::Deserialize;
 
 /// Which server protocol a replica speaks.

@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dyn_pipeline::BuildCx;
-use dyn_pipeline::planes::EventBus;
+use dyn_core::BuildCx;
+use dyn_core::planes::EventBus;
 use dyn_router::kv::{
     BlockHash, KvCacheEvent, KvEventData, Medium, ResyncRequest, RouterEvent, chain_hash,
     kv_events_subject, kv_resync_subject, local_hash,

@@ -32,9 +32,9 @@ mod server;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_llm::model::ModelDir;
 use dyn_llm::types::{FinishReason, Generated, PreprocessedRequest};
-use dyn_pipeline::{BuildCx, BuildError, OpError};
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use futures::stream::BoxStream;

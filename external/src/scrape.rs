@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use dyn_pipeline::BuildCx;
+use dyn_core::BuildCx;
 use dyn_router::kv::{LoadMetrics, load_metrics_subject};
 use openmetrics_parser::PrometheusValue;
 use openmetrics_parser::prometheus::parse_prometheus;

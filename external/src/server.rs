@@ -3,7 +3,7 @@
 //! A supervisor task owns it. It waits for the server's health, checks that it serves the
 //! graph's model (its tokenizer must split a probe text into the ids dyn's tokenizer does:
 //! with token ids going in and out, a server with another vocabulary would answer garbage),
-//! then reports the replica ready (see [`dyn_pipeline::Readiness`]) and the endpoint to call.
+//! then reports the replica ready (see [`dyn_core::Readiness`]) and the endpoint to call.
 //! From then on it probes the health every `health_interval_s` (and at once when a request
 //! saw the server fail); when the server stops answering, or its process exits, the replica
 //! is not ready until it is back. A launched server is restarted with a backoff (0.5 s
@@ -17,7 +17,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dyn_pipeline::Readiness;
+use dyn_core::Readiness;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use parking_lot::Mutex;

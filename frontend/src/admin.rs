@@ -4,7 +4,7 @@
 //!
 //! - `GET /admin/nodes`: the inspectable nodes of this process;
 //! - `POST /admin/nodes/{node}/{query}` with JSON args: a node's answer per replica
-//!   (see [`dyn_pipeline::Inspect`]; route nodes answer `workers`, `route`, `kv`);
+//!   (see [`dyn_core::Inspect`]; route nodes answer `workers`, `route`, `kv`);
 //! - `POST /admin/route` with `{"node"?, "prompt" | "messages"}`: the prompt goes through the
 //!   same chat template and tokenizer as a real request, then the router explains where it
 //!   would send it, without sending it;
@@ -22,10 +22,10 @@ use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dyn_core::Inspectables;
+use dyn_core::planes::EventBus;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
-use dyn_pipeline::Inspectables;
-use dyn_pipeline::planes::EventBus;
 use dyn_planner::state::PlannerView;
 use dyn_router::inspect::{Replicas, RouteAnswer, RouteArgs};
 use dyn_router::kv::RouterEvent;

@@ -26,7 +26,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::serve::ListenerExt as _;
-use dyn_pipeline::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
+use dyn_core::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
 use serde::Deserialize;
 use serde_json::json;
 use subtle::ConstantTimeEq;
@@ -149,13 +149,13 @@ impl From<OpError> for ApiError {
             ErrorKind::Overloaded => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
-                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::WORKER_BUSY)),
+                e.code.unwrap_or(Cow::Borrowed(dyn_core::WORKER_BUSY)),
                 e.message,
             ),
             ErrorKind::InstanceLost => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
-                e.code.unwrap_or(Cow::Borrowed(dyn_pipeline::INSTANCE_LOST)),
+                e.code.unwrap_or(Cow::Borrowed(dyn_core::INSTANCE_LOST)),
                 e.message,
             ),
             ErrorKind::Cancelled => ApiError::new(
@@ -222,12 +222,12 @@ pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiErr
 
 /// The request's `x-request-id` (the client's, or one [`app`]'s layer generated), if it is
 /// usable as ours.
-pub fn request_id(headers: &HeaderMap) -> Option<dyn_pipeline::RequestId> {
+pub fn request_id(headers: &HeaderMap) -> Option<dyn_core::RequestId> {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128)
-        .map(dyn_pipeline::RequestId::from)
+        .map(dyn_core::RequestId::from)
 }
 
 /// The id of a request that comes without `x-request-id`: dyn's usual form (32 hex digits).
@@ -239,7 +239,7 @@ impl MakeRequestId for NewRequestId {
         &mut self,
         _request: &axum::http::Request<B>,
     ) -> Option<tower_http::request_id::RequestId> {
-        axum::http::HeaderValue::from_str(dyn_pipeline::RequestId::random().as_str())
+        axum::http::HeaderValue::from_str(dyn_core::RequestId::random().as_str())
             .ok()
             .map(tower_http::request_id::RequestId::new)
     }

@@ -19,13 +19,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use dyn_core::{
+    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
+};
 use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{
     ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
-};
-use dyn_pipeline::{
-    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
 use dyn_planner::state::PlannerView;
 use dyn_planner::stats::FrontendStats;
@@ -65,7 +65,7 @@ impl IngressConfig for HttpConfig {
             config: self.server.clone(),
             model: model.name.clone(),
             admin: Admin {
-                inspect: cx.service::<dyn_pipeline::Inspectables>().await?,
+                inspect: cx.service::<dyn_core::Inspectables>().await?,
                 events: cx.planes.events.clone(),
                 namespace: cx.namespace.clone(),
                 model: model.name.clone(),
@@ -568,9 +568,9 @@ fn sse(
     shape: Shape,
     include_usage: bool,
     first: Option<LlmDelta>,
-    mut out: dyn_pipeline::Output<LlmDelta>,
+    mut out: dyn_core::Output<LlmDelta>,
     mut track: Track,
-    guard: dyn_pipeline::ctx::KillOnDrop,
+    guard: dyn_core::ctx::KillOnDrop,
 ) -> impl Stream<Item = Result<Bytes, Infallible>> {
     async_stream::stream! {
         let chunks = Chunks::new(&shape, include_usage);

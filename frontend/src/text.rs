@@ -14,10 +14,10 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use dyn_llm::text::Text;
-use dyn_pipeline::{
+use dyn_core::{
     BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
+use dyn_llm::text::Text;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::Deserialize;

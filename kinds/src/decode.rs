@@ -24,14 +24,14 @@
 
 use std::sync::Arc;
 
+use dyn_core::registry::Role;
+use dyn_core::{
+    BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
+};
 use dyn_engine::EngineHandle;
 use dyn_engine::mocker::{self, MockerConfig};
 use dyn_engine::native::{self, NativeConfig};
 use dyn_external::{ExternalConfig, ExternalEngine, ExternalKind};
-use dyn_pipeline::registry::Role;
-use dyn_pipeline::{
-    BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
-};
 use futures::StreamExt;
 use serde::Deserialize;
 

@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
-use dyn_pipeline::registry::Role;
-use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, Invalid, Operator, OperatorConfig, Output};
+use dyn_core::registry::Role;
+use dyn_core::{BuildCx, BuildError, Ctx, Input, Invalid, Operator, OperatorConfig, Output};
 use futures::StreamExt;
 use serde::Deserialize;
 

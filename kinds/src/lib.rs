@@ -12,7 +12,7 @@ pub mod decode;
 pub mod echo;
 pub mod prefill;
 
-use dyn_pipeline::Registry;
+use dyn_core::Registry;
 
 /// The kinds this build of dyn knows.
 pub fn registry() -> Registry {

@@ -24,12 +24,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dyn_compute::transfer::{KvTransferAgent, TransferDescriptor};
-use dyn_engine::EngineHandle;
-use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
-use dyn_pipeline::registry::Role;
-use dyn_pipeline::{
+use dyn_core::registry::Role;
+use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
 };
+use dyn_engine::EngineHandle;
+use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
 use dyn_router::remote_prefill::{
     PrefillCancel, PrefillJob, PrefillReply, cancel_subject, queue_name,
 };
@@ -348,7 +348,7 @@ impl Operator for Prefill {
 mod tests {
     use super::*;
     use dyn_engine::transfer::TransferAgent;
-    use dyn_pipeline::planes::Planes;
+    use dyn_core::planes::Planes;
     use tokio::time::timeout;
 
     const REPLY: &str = "dyn.ns.remote.prefill_replies.1";

@@ -6,7 +6,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dyn_pipeline::{Connector, RunOptions};
+use dyn_core::Connector;
+use dyn_runtime::RunOptions;
 
 /// The `/metrics` lines (series, not comments) naming the `decode` node.
 fn decode_series() -> Vec<String> {
@@ -30,7 +31,7 @@ async fn until(what: &str, ok: impl Fn() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_scale_cycles_leave_metrics_the_same_size() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../graphs/agg.yaml");
-    let sets: Vec<dyn_pipeline::spec::Override> = [
+    let sets: Vec<dyn_runtime::spec::Override> = [
         "http.listen=127.0.0.1:0",
         "decode.replicas=1",
         "decode.mocker.offload.host_blocks=8",
@@ -38,7 +39,7 @@ async fn twenty_scale_cycles_leave_metrics_the_same_size() {
     .iter()
     .map(|s| s.parse().unwrap())
     .collect();
-    let graph = dyn_pipeline::load_and_compile(&path, &sets, &dyn_kinds::registry())
+    let graph = dyn_runtime::load_and_compile(&path, &sets, &dyn_kinds::registry())
         .unwrap_or_else(|d| panic!("{d:?}"));
     let connector: Arc<Mutex<Option<Arc<dyn Connector>>>> = Arc::default();
     let slot = connector.clone();
@@ -48,7 +49,7 @@ async fn twenty_scale_cycles_leave_metrics_the_same_size() {
             grace: Duration::from_secs(5),
             ..RunOptions::default()
         };
-        dyn_pipeline::run_attached(
+        dyn_runtime::run_attached(
             &graph,
             opts,
             async {

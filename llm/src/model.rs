@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
-use dyn_pipeline::{BuildCx, BuildError, Service};
+use dyn_core::{BuildCx, BuildError, Service};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 

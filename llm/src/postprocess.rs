@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use dyn_core::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
 use futures::StreamExt;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
@@ -208,6 +208,6 @@ mod tests {
             )
             .collect()
             .await;
-        assert!(matches!(&out[..], [Err(e)] if e.kind == dyn_pipeline::ErrorKind::Internal));
+        assert!(matches!(&out[..], [Err(e)] if e.kind == dyn_core::ErrorKind::Internal));
     }
 }

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use dyn_pipeline::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use dyn_core::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
 use futures::StreamExt;
 use minijinja::{Environment, context};
 use serde::Deserialize;
@@ -403,11 +403,7 @@ mod tests {
             let mut req = chat("hi");
             edit(&mut req);
             let e = p.preprocess(req).await.expect_err(param);
-            assert_eq!(
-                e.kind,
-                dyn_pipeline::ErrorKind::InvalidRequest,
-                "{param}: {e}"
-            );
+            assert_eq!(e.kind, dyn_core::ErrorKind::InvalidRequest, "{param}: {e}");
             assert_eq!(e.param.as_deref(), Some(param), "{e}");
         }
     }

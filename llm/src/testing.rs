@@ -1,7 +1,7 @@
 //! Fixtures shared by the unit tests of several kinds.
 
-use dyn_pipeline::BuildCx;
-use dyn_pipeline::planes::Planes;
+use dyn_core::BuildCx;
+use dyn_core::planes::Planes;
 
 use crate::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
 
@@ -10,7 +10,7 @@ pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> 
     BuildCx {
         instance_id,
         consumers: consumers.iter().map(|c| c.to_string()).collect(),
-        model: Some(dyn_pipeline::spec::ModelSpec {
+        model: Some(dyn_core::ModelSpec {
             name: "tiny".into(),
             path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
         }),

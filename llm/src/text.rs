@@ -1,6 +1,6 @@
 //! Payload types shared by several kinds.
 
-use dyn_pipeline::{Codec, Payload};
+use dyn_core::{Codec, Payload};
 use serde::{Deserialize, Serialize};
 
 /// Plain text: what the debugging kinds (`http_text`, `echo`) pass around.

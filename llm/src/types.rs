@@ -7,7 +7,7 @@
 //!
 //! All of them have a wire codec, so any edge may cross a process boundary.
 
-use dyn_pipeline::{Codec, Payload, Resumable, Resume};
+use dyn_core::{Codec, Payload, Resumable, Resume};
 use serde::{Deserialize, Serialize};
 
 /// Which OpenAI endpoint a request came in on; decides how the prompt is built.

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use dyn_pipeline::{Invalid, Role, SectionConfig, SectionNode};
+use dyn_core::{Invalid, Role, SectionConfig, SectionNode};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

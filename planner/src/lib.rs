@@ -11,7 +11,7 @@
 //! ([`predict`]: Holt's linear trend by default), turns it into replicas per node with the
 //! worker's measured performance ([`profile`], written by `dyn graph profile`) or, without a
 //! profile, reacts to the targets being missed or met with room to spare ([`decide`]), and
-//! asks a [`dyn_pipeline::Connector`] for that many replicas: in-process replicas in an
+//! asks a [`dyn_core::Connector`] for that many replicas: in-process replicas in an
 //! embedded run, `dyn` processes under the supervisor in a multi-process one. It publishes each
 //! decision ([`state`]), which the `http` ingress serves at `/admin/planner` (`dyn inspect
 //! planner`) and as `dyn_planner_*` metrics.

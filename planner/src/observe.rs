@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dyn_pipeline::planes::EventBus;
+use dyn_core::planes::EventBus;
 use dyn_router::kv::{LoadMetrics, load_metrics_subject};
 use futures::StreamExt;
 use parking_lot::Mutex;
@@ -59,7 +59,7 @@ impl Observer {
         namespace: &str,
         nodes: Vec<String>,
         quantile: f64,
-    ) -> Result<Self, dyn_pipeline::planes::PlaneError> {
+    ) -> Result<Self, dyn_core::planes::PlaneError> {
         let acc: Arc<Mutex<Acc>> = Arc::default();
         let mut tasks = Vec::new();
         let mut frontends = events.subscribe(&stats_subject(namespace)).await?;
@@ -178,7 +178,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_interval_sums_the_frontends_and_the_latest_worker_reports() {
-        let bus: Arc<dyn EventBus> = Arc::new(dyn_pipeline::planes::EmbeddedEventBus::default());
+        let bus: Arc<dyn EventBus> = Arc::new(dyn_core::planes::EmbeddedEventBus::default());
         let obs = Observer::start(bus.clone(), "ns", vec!["decode".into()], 0.9)
             .await
             .unwrap();

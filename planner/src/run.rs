@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dyn_pipeline::planes::EventBus;
-use dyn_pipeline::{CompiledGraph, Connector};
+use dyn_core::Connector;
+use dyn_core::planes::EventBus;
 
 use super::config::PlannerConfig;
 use super::decide::{Phase, Prediction, decide};
@@ -24,19 +24,33 @@ pub struct Plan {
     pub profile: Option<Profile>,
 }
 
+/// What the planner reads of the compiled graph (the runtime's `CompiledGraph`, which this
+/// crate does not depend on): its namespace, the directory its relative paths start from, and
+/// each node's kind.
+pub struct GraphFacts<'a> {
+    pub namespace: &'a str,
+    pub base_dir: &'a Path,
+    /// `(node id, kind name)` for every node.
+    pub kinds: Vec<(&'a str, &'a str)>,
+}
+
 impl Plan {
-    /// The graph's planner, if it has a `planner:` section.
-    pub fn of(graph: &CompiledGraph) -> Result<Option<Self>, ProfileError> {
-        let Some(cfg) = graph.section::<PlannerConfig>() else {
-            return Ok(None);
-        };
+    /// The planner of a graph whose `planner:` section is `cfg`, with its profile loaded.
+    pub fn of(cfg: &PlannerConfig, graph: &GraphFacts<'_>) -> Result<Self, ProfileError> {
         // A graph with prefill workers is disaggregated: its decode workers only decode.
-        let disaggregated = graph.nodes.iter().any(|n| n.kind.name == "prefill");
+        let disaggregated = graph.kinds.iter().any(|(_, k)| *k == "prefill");
+        let kind_of = |id: &str| {
+            graph
+                .kinds
+                .iter()
+                .find(|(n, _)| *n == id)
+                .map_or("", |(_, k)| *k)
+        };
         let phases = cfg
             .nodes
             .keys()
             .map(|id| {
-                let kind = graph.node(id).map_or("", |n| n.kind.name);
+                let kind = kind_of(id);
                 let phase = match kind {
                     "prefill" => Phase::Prefill,
                     _ if disaggregated => Phase::Decode,
@@ -46,15 +60,15 @@ impl Plan {
             })
             .collect();
         let profile = match &cfg.profile {
-            Some(p) => Some(Profile::load(&resolve(&graph.base_dir, p))?),
+            Some(p) => Some(Profile::load(&resolve(graph.base_dir, p))?),
             None => None,
         };
-        Ok(Some(Self {
+        Ok(Self {
             cfg: cfg.clone(),
-            namespace: graph.namespace.clone(),
+            namespace: graph.namespace.to_owned(),
             phases,
             profile,
-        }))
+        })
     }
 }
 

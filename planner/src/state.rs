@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Weak};
 
-use dyn_pipeline::{BuildCx, BuildError, Service};
+use dyn_core::{BuildCx, BuildError, Service};
 use futures::StreamExt;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_pipeline::{BuildCx, BuildError, Service};
+use dyn_core::{BuildCx, BuildError, Service};
 use parking_lot::Mutex;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -163,7 +163,7 @@ async fn publish(
     window: Weak<Mutex<Window>>,
     counts: Arc<Counts>,
     id: u64,
-    events: Arc<dyn dyn_pipeline::planes::EventBus>,
+    events: Arc<dyn dyn_core::planes::EventBus>,
     subject: String,
 ) {
     let mut tick = tokio::time::interval(WINDOW);

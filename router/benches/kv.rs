@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use dyn_pipeline::planes::{LiveInstances, Planes};
+use dyn_core::planes::{LiveInstances, Planes};
 use dyn_router::cost::{CostModel, Pricing};
 use dyn_router::indexer::Indexer;
 use dyn_router::kv::{BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash};

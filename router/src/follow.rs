@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dyn_pipeline::planes::EventBus;
+use dyn_core::planes::EventBus;
 use futures::StreamExt;
 
 use super::Inner;
@@ -27,7 +27,7 @@ pub(super) async fn follow_workers(
     events: Arc<dyn EventBus>,
     namespace: String,
     kv_events: bool,
-) -> Result<impl std::future::Future<Output = ()>, dyn_pipeline::planes::PlaneError> {
+) -> Result<impl std::future::Future<Output = ()>, dyn_core::planes::PlaneError> {
     let node = inner.target.clone();
     let mut kv_sub = if kv_events {
         Some(

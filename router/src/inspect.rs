@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use dyn_pipeline::Inspect;
+use dyn_core::Inspect;
 
 use super::Inner;
 use super::cost::{Candidate, Pricing};

@@ -43,14 +43,14 @@ mod sim;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use dyn_llm::types::PreprocessedRequest;
-use dyn_pipeline::planes::{Instance, LiveInstances, Planes};
-use dyn_pipeline::registry::Role;
-use dyn_pipeline::runtime::ENDPOINT;
-use dyn_pipeline::{
+use dyn_core::planes::ENDPOINT;
+use dyn_core::planes::{Instance, LiveInstances, Planes};
+use dyn_core::registry::Role;
+use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
     OperatorConfig, Output,
 };
+use dyn_llm::types::PreprocessedRequest;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -469,7 +469,7 @@ impl Operator for Route {
 mod tests {
     use super::*;
     use crate::kv::{KvEventData, RouterEvent, block_hashes};
-    use dyn_pipeline::planes::{Planes, Transport};
+    use dyn_core::planes::{Planes, Transport};
     use futures::stream;
     use std::time::Duration;
 
@@ -493,7 +493,7 @@ mod tests {
             .await
             .expect("builds");
         let e = route_once(&r).await.expect_err("no workers");
-        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Unavailable);
+        assert_eq!(e.kind, dyn_core::ErrorKind::Unavailable);
 
         register(&planes, &[10, 11]).await;
         // The watch applies registrations asynchronously.

@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use dyn_pipeline::planes::LiveInstances;
+use dyn_core::planes::LiveInstances;
 
 use super::cost::Candidate;
 use super::sequences::ActiveSequences;

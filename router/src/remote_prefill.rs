@@ -31,11 +31,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use dyn_llm::types::{Prefilled, PreprocessedRequest};
-use dyn_pipeline::registry::Role;
-use dyn_pipeline::{
+use dyn_core::registry::Role;
+use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
 };
+use dyn_llm::types::{Prefilled, PreprocessedRequest};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -150,7 +150,7 @@ impl OperatorConfig for RemotePrefillConfig {
             counts: Mutex::new(HashMap::new()),
         });
         let shown: Arc<dyn Inspect> = inner.clone();
-        cx.service::<dyn_pipeline::Inspectables>()
+        cx.service::<dyn_core::Inspectables>()
             .await?
             .register(&cx.node, &shown);
         Ok(RemotePrefill {
@@ -298,7 +298,7 @@ struct Inner {
     config: RemotePrefillConfig,
     /// KV-aware routing among the prefill workers.
     pool: Route,
-    planes: dyn_pipeline::planes::Planes,
+    planes: dyn_core::planes::Planes,
     /// This replica's reply subject.
     reply: String,
     waiting: Arc<Waiting>,
@@ -595,8 +595,8 @@ mod tests {
         let back: PrefillReply =
             serde_json::from_slice(&serde_json::to_vec(&reply).unwrap()).unwrap();
         let e = back.result.unwrap_err();
-        assert_eq!(e.kind, dyn_pipeline::ErrorKind::Overloaded);
-        assert_eq!(e.code.as_deref(), Some(dyn_pipeline::WORKER_BUSY));
+        assert_eq!(e.kind, dyn_core::ErrorKind::Overloaded);
+        assert_eq!(e.code.as_deref(), Some(dyn_core::WORKER_BUSY));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use dyn_pipeline::planes::{LiveInstances, Planes};
+use dyn_core::planes::{LiveInstances, Planes};
 
 use super::cost::Pricing;
 use super::kv_aware::KvAware;

@@ -116,7 +116,7 @@ impl Graph {
             .args(["--log-format", "json", "graph", "up", graph])
             .args(["--set", &format!("{ingress}.listen=127.0.0.1:0")])
             .args(extra)
-            .env("RUST_LOG", "info,dyn_kinds=debug,dyn_llm=debug,dyn_router=debug,dyn_planner=debug,dyn_engine=debug,dyn_external=debug,dyn_frontend=debug,dyn_pipeline=debug")
+            .env("RUST_LOG", "info,dyn_kinds=debug,dyn_llm=debug,dyn_router=debug,dyn_planner=debug,dyn_engine=debug,dyn_external=debug,dyn_frontend=debug,dyn_core=debug,dyn_runtime=debug")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

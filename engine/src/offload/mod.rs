@@ -31,7 +31,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_pipeline::Invalid;
+use dyn_core::Invalid;
 use dyn_router::kv::{BlockHash, HeldBlock, KvEventData, Medium, push_stored};
 use lru::LruCache;
 use parking_lot::Mutex;

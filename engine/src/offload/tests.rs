@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use dyn_core::planes::Planes;
 use dyn_llm::types::{Generated, PreprocessedRequest};
-use dyn_pipeline::planes::Planes;
 
 use crate::native::{DeviceChoice, NativeConfig};
 use crate::offload::{OffloadConfig, Tiers};
@@ -65,7 +65,7 @@ async fn native_on(
     device: DeviceChoice,
     offload: OffloadConfig,
     id: u64,
-) -> Result<Arc<EngineHandle>, dyn_pipeline::BuildError> {
+) -> Result<Arc<EngineHandle>, dyn_core::BuildError> {
     let planes = Planes::embedded();
     let config = NativeConfig {
         num_blocks: 8,

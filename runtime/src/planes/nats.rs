@@ -1,0 +1,241 @@
+//! The event plane on NATS core (async-nats): KV events, load metrics and resync requests
+//! between processes.
+//!
+//! Subjects are the embedded bus's subjects unchanged, so no operator knows which bus it is on.
+//! Delivery is at most once, as on the embedded bus. While the server is unreachable async-nats
+//! reconnects with backoff and re-subscribes on its own; publishing meanwhile drops the message
+//! instead of queueing it, because an engine must never wait on the event plane and the KV
+//! index detects the gap by event id and asks for a resync. [`EventBus::connected`] lets a
+//! router fall back to approximate routing for as long as events are not flowing.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::{BoxStream, StreamExt};
+
+use super::{Event, EventBus, PlaneError};
+use dyn_core::planes::events::valid_subject;
+
+/// An event bus on a NATS server.
+pub struct NatsEventBus {
+    client: async_nats::Client,
+}
+
+fn err(message: String) -> PlaneError {
+    PlaneError::Backend {
+        plane: "event",
+        message,
+    }
+}
+
+impl NatsEventBus {
+    /// Connect to `endpoints` (`host:port`, several for a cluster); fails when none answers
+    /// within a few seconds, so a wrong address is reported at start-up.
+    pub async fn connect(endpoints: &[String]) -> Result<Self, PlaneError> {
+        let urls: Vec<String> = endpoints.iter().map(|e| format!("nats://{e}")).collect();
+        let shown = urls.join(",");
+        let opts = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(3))
+            // Retry fast at first, then every 2 s: an event outage costs routing quality.
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis((50u64 << attempts.min(6)).min(2000))
+            })
+            .max_reconnects(None)
+            .event_callback(|ev| async move {
+                match ev {
+                    async_nats::Event::Connected => tracing::info!("Event plane connected"),
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!("Event plane disconnected; reconnecting")
+                    }
+                    async_nats::Event::SlowConsumer(sid) => {
+                        tracing::warn!(sid, "Event subscriber fell behind; messages dropped")
+                    }
+                    other => tracing::debug!(event = %other, "Event plane"),
+                }
+            });
+        let client = tokio::time::timeout(Duration::from_secs(5), opts.connect(urls.clone()))
+            .await
+            .map_err(|_| err(format!("no NATS server answered at {shown} within 5 s")))?
+            .map_err(|e| err(format!("cannot connect to NATS at {shown}: {e}")))?;
+        Ok(Self { client })
+    }
+}
+
+#[async_trait]
+impl EventBus for NatsEventBus {
+    async fn publish(&self, subject: &str, payload: Bytes) -> Result<(), PlaneError> {
+        if !valid_subject(subject, false) {
+            return Err(PlaneError::InvalidSubject(subject.to_owned()));
+        }
+        if !self.connected() {
+            // Dropped, not queued: see the module docs.
+            return Ok(());
+        }
+        self.client
+            .publish(subject.to_owned(), payload)
+            .await
+            .map_err(|e| err(format!("publish on {subject}: {e}")))
+    }
+
+    async fn subscribe(&self, pattern: &str) -> Result<BoxStream<'static, Event>, PlaneError> {
+        if !valid_subject(pattern, true) {
+            return Err(PlaneError::InvalidSubject(pattern.to_owned()));
+        }
+        let sub = self
+            .client
+            .subscribe(pattern.to_owned())
+            .await
+            .map_err(|e| err(format!("subscribe to {pattern}: {e}")))?;
+        Ok(sub
+            .map(|m| Event {
+                subject: m.subject.to_string(),
+                payload: m.payload,
+            })
+            .boxed())
+    }
+
+    fn connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+}
+
+impl NatsEventBus {
+    /// Work queues on the same connection, in JetStream.
+    pub fn work_queue(&self) -> NatsWorkQueue {
+        NatsWorkQueue {
+            js: async_nats::jetstream::new(self.client.clone()),
+            ready: parking_lot::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+}
+
+/// [`WorkQueue`](super::WorkQueue) on NATS JetStream: one work-queue stream per queue
+/// (`DYN_Q_{queue}`, subjects `dyn.queue.{queue}.{partition}`, in memory), one durable pull
+/// consumer per partition filtered on its subject. A job is acknowledged as it is taken, which
+/// removes it from the stream, so the stream's message count is the queue's depth. Only
+/// features nats-server 2.9 has are used (no `filter_subjects`, no key-value buckets).
+pub struct NatsWorkQueue {
+    js: async_nats::jetstream::Context,
+    /// Streams known to exist.
+    ready: parking_lot::Mutex<std::collections::HashSet<String>>,
+}
+
+fn qerr(message: String) -> PlaneError {
+    PlaneError::Backend {
+        plane: "queue",
+        message,
+    }
+}
+
+/// Jobs older than this are dropped unread: whoever pushed them has given up long since.
+const JOB_MAX_AGE: Duration = Duration::from_secs(120);
+
+impl NatsWorkQueue {
+    fn stream_name(queue: &str) -> String {
+        format!("DYN_Q_{queue}")
+    }
+
+    fn subject(queue: &str, partition: &str) -> String {
+        format!("dyn.queue.{queue}.{partition}")
+    }
+
+    async fn stream(
+        &self,
+        queue: &str,
+    ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
+        use async_nats::jetstream::stream;
+        let name = Self::stream_name(queue);
+        if !self.ready.lock().contains(&name) {
+            self.js
+                .get_or_create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![format!("dyn.queue.{queue}.*")],
+                    retention: stream::RetentionPolicy::WorkQueue,
+                    storage: stream::StorageType::Memory,
+                    max_age: JOB_MAX_AGE,
+                    max_messages: 100_000,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| qerr(format!("cannot create stream {name}: {e}")))?;
+            self.ready.lock().insert(name.clone());
+        }
+        self.js
+            .get_stream_no_info(&name)
+            .await
+            .map_err(|e| qerr(format!("stream {name}: {e}")))
+    }
+}
+
+#[async_trait]
+impl super::WorkQueue for NatsWorkQueue {
+    async fn push(&self, queue: &str, partition: &str, job: Bytes) -> Result<(), PlaneError> {
+        dyn_core::planes::queue::check(queue, Some(partition))?;
+        self.stream(queue).await?;
+        let subject = Self::subject(queue, partition);
+        // Wait for the server's acknowledgement: a job is only pushed once it is stored.
+        self.js
+            .publish(subject.clone(), job)
+            .await
+            .map_err(|e| qerr(format!("push to {subject}: {e}")))?
+            .await
+            .map_err(|e| qerr(format!("push to {subject}: {e}")))?;
+        Ok(())
+    }
+
+    async fn depth(&self, queue: &str) -> Result<u64, PlaneError> {
+        dyn_core::planes::queue::check(queue, None)?;
+        let info = self
+            .stream(queue)
+            .await?
+            .get_info()
+            .await
+            .map_err(|e| qerr(format!("depth of {queue}: {e}")))?;
+        Ok(info.state.messages)
+    }
+
+    async fn take(
+        &self,
+        queue: &str,
+        partition: &str,
+    ) -> Result<BoxStream<'static, Bytes>, PlaneError> {
+        use async_nats::jetstream::consumer::{AckPolicy, pull};
+        dyn_core::planes::queue::check(queue, Some(partition))?;
+        let s = self.stream(queue).await?;
+        let durable = format!("take_{partition}");
+        let consumer = s
+            .get_or_create_consumer(
+                &durable,
+                pull::Config {
+                    durable_name: Some(durable.clone()),
+                    filter_subject: Self::subject(queue, partition),
+                    ack_policy: AckPolicy::Explicit,
+                    // A partition whose worker is gone is cleaned up by the server.
+                    inactive_threshold: Duration::from_secs(300),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
+        Ok(async_stream::stream! {
+            while let Some(m) = messages.next().await {
+                match m {
+                    Ok(m) => {
+                        // Taken: acknowledged now, so the job leaves the stream and the depth.
+                        if let Err(e) = m.ack().await {
+                            tracing::warn!(error = %e, "Cannot acknowledge a queued job; it may be delivered again");
+                        }
+                        yield m.payload.clone();
+                    }
+                    Err(e) => tracing::debug!(error = %e, "Work queue consumer"),
+                }
+            }
+        }
+        .boxed())
+    }
+}

@@ -1,0 +1,798 @@
+//! The request plane between processes: one request at a time per TCP connection, connections
+//! pooled per address, length-delimited frames (tokio-util's codec), payloads in their types'
+//! wire codecs.
+//!
+//! A call takes an idle connection to the instance's address ([`ConnPool`]) or opens one, and
+//! writes a header (request id, instance, time left), the input items and an end-of-input
+//! mark, while it reads output items back until a done mark. TCP does the flow control: a slow
+//! reader stops the writer's socket buffer, and bounded channels carry that back to the
+//! operator on either side. A caller that drops the stream before the done mark (its consumer
+//! stopped early, or its context was killed) sends a cancel frame and, on a task of its own,
+//! reads up to the done mark the server then sends ([`Conn`]); closing the socket cancels too
+//! (the serving side kills the request's context when its read returns end of file). After
+//! the done mark the connection goes back to the pool: a connect, an accept and two closes per
+//! request were a tenth of the multi-process CPU. A pooled connection the other side has
+//! closed (a restarted worker) reads end of file without blocking and is dropped, not used.
+//! Both sides buffer frames while more are ready and flush when none is: a request is one
+//! write, and so are a step's tokens or the last item with the done mark.
+//!
+//! Calls to an instance served by this same process skip the socket and the codecs. A failed
+//! connection marks the instance down in [`InstanceHealth`] so routers stop choosing it before
+//! its discovery lease runs out.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::task::TaskTracker;
+
+use async_trait::async_trait;
+use bytes::{BufMut, Bytes, BytesMut};
+use futures::stream::{self, StreamExt};
+use futures::{FutureExt, SinkExt, Stream};
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
+
+use super::{
+    EndpointTypes, Instance, InstanceHealth, PlaneError, RequestPlane, TcpOptions, Transport,
+};
+use dyn_core::ctx::Ctx;
+use dyn_core::operator::{DynOperator, ErrorKind, Input, OpError, Output};
+use dyn_core::payload::{AnyPayload, Codec, PayloadType};
+
+/// Frame tags (first byte of every frame).
+const HEADER: u8 = b'H';
+const ITEM: u8 = b'I';
+const END_INPUT: u8 = b'E';
+const ERROR: u8 = b'X';
+const DONE: u8 = b'D';
+/// Caller to server: the caller no longer wants the current request's output (its consumer
+/// stopped early); the server kills it and ends with a done mark, keeping the connection.
+const CANCEL: u8 = b'C';
+/// A done mark on the wire: the length-delimited codec's 4-byte length, then the tag.
+const DONE_FRAME: &[u8] = &[0, 0, 0, 1, DONE];
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    instance_id: u64,
+    request_id: String,
+    /// Milliseconds left before the caller's deadline.
+    timeout_ms: Option<u64>,
+}
+
+/// Why a call's input could not go out: the connection failed (the instance is lost), or
+/// the request itself cannot be sent (the caller's fault).
+enum SendFailed {
+    Lost(String),
+    Invalid(String),
+}
+
+fn frame(tag: u8, body: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(body.len() + 1);
+    b.put_u8(tag);
+    b.put_slice(body);
+    b.freeze()
+}
+
+fn codec_of(ty: PayloadType) -> Result<Codec, OpError> {
+    ty.codec.ok_or_else(|| {
+        OpError::internal(format!(
+            "payload `{}` has no wire codec and cannot leave its process",
+            ty.name
+        ))
+    })
+}
+
+fn length_codec(max: usize) -> LengthDelimitedCodec {
+    // Items are checked against `max` before they are sent, with a clear error; the frame
+    // limit adds the tag byte and leaves room for headers and errors under tiny limits.
+    LengthDelimitedCodec::builder()
+        .max_frame_length(max.max(4096) + 1)
+        .new_codec()
+}
+
+struct Served {
+    handler: Arc<dyn DynOperator>,
+    types: EndpointTypes,
+}
+
+struct Shared {
+    handlers: RwLock<HashMap<u64, Served>>,
+    /// One task per request being served, for the drain.
+    in_flight: TaskTracker,
+    opts: TcpOptions,
+}
+
+type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, LengthDelimitedCodec>;
+type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>;
+
+/// Idle connections to other processes' request planes, by address.
+#[derive(Default)]
+struct ConnPool {
+    idle: Mutex<HashMap<String, Vec<(Reader, Writer)>>>,
+}
+
+/// Idle connections kept per address: enough for the concurrency one frontend sends a worker.
+const POOL_PER_ADDRESS: usize = 256;
+
+impl ConnPool {
+    /// An idle connection to `address` that is still open.
+    fn take(&self, address: &str) -> Option<(Reader, Writer)> {
+        loop {
+            let (r, w) = self.idle.lock().get_mut(address)?.pop()?;
+            // Nothing may arrive on an idle connection: end of file (or anything else) means
+            // the other side is gone or confused, and the connection is dropped.
+            let mut probe = [0u8; 1];
+            match r.get_ref().try_read(&mut probe) {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock && r.read_buffer().is_empty() =>
+                {
+                    return Some((r, w));
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// Keep a connection whose last request ended with its done mark read; one with part of a
+    /// frame still unsent is dropped (the next request would follow a torn frame).
+    fn put(&self, address: &str, conn: (Reader, Writer)) {
+        if !conn.1.write_buffer().is_empty() {
+            return;
+        }
+        let mut idle = self.idle.lock();
+        let list = idle.entry(address.to_owned()).or_default();
+        if list.len() < POOL_PER_ADDRESS {
+            list.push(conn);
+        }
+    }
+}
+
+/// How long a caller that stopped reading waits for the server to confirm the cancel before it
+/// drops the connection instead.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A call's connection. Dropped before the response's done mark (the consumer stopped early,
+/// or the context was killed), it sends a cancel and reads up to the done mark on a task of
+/// its own, then goes back to the pool; a connection in an unknown state is closed instead
+/// (`reader` or `writer` taken), which the server also reads as a cancellation.
+struct Conn {
+    reader: Option<Reader>,
+    writer: Option<Writer>,
+    pool: Arc<ConnPool>,
+    address: String,
+}
+
+impl Conn {
+    /// Back to the pool now (the done mark has been read).
+    fn recycle(&mut self) {
+        if let (Some(r), Some(w)) = (self.reader.take(), self.writer.take()) {
+            self.pool.put(&self.address, (r, w));
+        }
+    }
+
+    /// Never reused (a protocol error).
+    fn poison(&mut self) {
+        self.reader = None;
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        let (Some(mut r), Some(mut w)) = (self.reader.take(), self.writer.take()) else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (pool, address) = (self.pool.clone(), std::mem::take(&mut self.address));
+        rt.spawn(async move {
+            let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+                w.send(frame(CANCEL, b"")).await.ok()?;
+                while let Some(Ok(f)) = r.next().await {
+                    if f.first() == Some(&DONE) {
+                        return Some(());
+                    }
+                }
+                None
+            })
+            .await;
+            if let Ok(Some(())) = drained {
+                pool.put(&address, (r, w));
+            }
+        });
+    }
+}
+
+/// The TCP request plane. See the module docs.
+pub struct TcpRequestPlane {
+    shared: Arc<Shared>,
+    pool: Arc<ConnPool>,
+    health: Arc<InstanceHealth>,
+    /// The address peers use, once the listener is up.
+    address: Mutex<Option<String>>,
+    listener: tokio::sync::Mutex<Option<tokio_util::task::AbortOnDropHandle<()>>>,
+}
+
+impl TcpRequestPlane {
+    pub fn new(opts: TcpOptions, health: Arc<InstanceHealth>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                handlers: RwLock::default(),
+                in_flight: TaskTracker::new(),
+                opts,
+            }),
+            pool: Arc::default(),
+            health,
+            address: Mutex::new(None),
+            listener: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Bind the listener on first use; every instance of this process shares it.
+    async fn ensure_listening(&self) -> Result<String, PlaneError> {
+        let mut guard = self.listener.lock().await;
+        if guard.is_none() {
+            let err = |message: String| PlaneError::Backend {
+                plane: "request",
+                message,
+            };
+            let listener = TcpListener::bind(&self.shared.opts.bind)
+                .await
+                .map_err(|e| err(format!("cannot listen on {}: {e}", self.shared.opts.bind)))?;
+            let local = listener
+                .local_addr()
+                .map_err(|e| err(format!("listener address: {e}")))?;
+            let host = self
+                .shared
+                .opts
+                .advertise_host
+                .clone()
+                .unwrap_or_else(|| local.ip().to_string());
+            let address = if host.contains(':') {
+                format!("[{host}]:{}", local.port())
+            } else {
+                format!("{host}:{}", local.port())
+            };
+            tracing::info!(address = %address, "Request plane listening");
+            *self.address.lock() = Some(address);
+            let shared = self.shared.clone();
+            *guard = Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                accept_loop(listener, shared),
+            )));
+        }
+        self.address
+            .lock()
+            .clone()
+            .ok_or_else(|| PlaneError::Backend {
+                plane: "request",
+                message: "listener has no address".into(),
+            })
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve_connection(stream, shared.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "Request plane accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// One request as the connection reader hands it to the writer side.
+struct Incoming {
+    header: Header,
+    input: mpsc::Receiver<Bytes>,
+    ctx: Ctx,
+    /// Which request of the connection this is (see `current`).
+    n: u64,
+}
+
+/// Serve requests on one connection, one after another.
+async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    let (r, w) = stream.into_split();
+    let max = shared.opts.max_message_bytes;
+    let mut reader = FramedRead::new(r, length_codec(max));
+    let mut writer = FramedWrite::new(w, length_codec(max));
+    // The request being served, so the reader can kill it when the caller cancels or goes
+    // away. The reader sets it as it reads the header — a cancel may follow the header before
+    // the request is even started — and the server clears it only if it is still its own (the
+    // caller may already have sent the next request on this connection).
+    let current: Arc<Mutex<Option<(u64, Ctx)>>> = Arc::default();
+    let (req_tx, mut req_rx) = mpsc::channel::<Incoming>(1);
+    let reader_current = current.clone();
+    let read_task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut input_tx: Option<mpsc::Sender<Bytes>> = None;
+        let mut n = 0u64;
+        loop {
+            let frame = match reader.next().await {
+                Some(Ok(f)) => f,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "Request plane connection read failed");
+                    break;
+                }
+                None => break,
+            };
+            // The body is the frame past its tag byte, without a copy.
+            let Some(&tag) = frame.first() else { break };
+            let body = frame.freeze().slice(1..);
+            match tag {
+                HEADER => {
+                    let Ok(header) = serde_json::from_slice::<Header>(&body) else {
+                        tracing::warn!("Request plane: bad header; closing the connection");
+                        break;
+                    };
+                    let (tx, rx) = mpsc::channel(16);
+                    input_tx = Some(tx);
+                    let mut ctx = Ctx::with_id(header.request_id.clone());
+                    if let Some(ms) = header.timeout_ms {
+                        ctx = ctx.with_timeout(Duration::from_millis(ms));
+                    }
+                    n += 1;
+                    *reader_current.lock() = Some((n, ctx.clone()));
+                    let incoming = Incoming {
+                        header,
+                        input: rx,
+                        ctx,
+                        n,
+                    };
+                    if req_tx.send(incoming).await.is_err() {
+                        break;
+                    }
+                }
+                ITEM => {
+                    // Backpressure: a handler that does not read its input stops this read,
+                    // and TCP stops the caller.
+                    if let Some(tx) = &input_tx {
+                        let _ = tx.send(body).await;
+                    }
+                }
+                END_INPUT => input_tx = None,
+                // For the request being served; one that already ended has nothing to stop.
+                CANCEL => {
+                    if let Some((_, ctx)) = reader_current.lock().as_ref() {
+                        ctx.kill();
+                    }
+                }
+                _ => {
+                    tracing::warn!(tag, "Request plane: unknown frame; closing the connection");
+                    break;
+                }
+            }
+        }
+        // The caller closed the connection: whatever it asked for is no longer wanted.
+        if let Some((_, ctx)) = reader_current.lock().take() {
+            ctx.kill();
+        }
+    }));
+
+    while let Some(Incoming {
+        header,
+        input,
+        ctx,
+        n,
+    }) = req_rx.recv().await
+    {
+        let ok = shared
+            .in_flight
+            .track_future(serve_one(&shared, &header, ctx.clone(), input, &mut writer))
+            .await;
+        let mut cur = current.lock();
+        if cur.as_ref().is_some_and(|(m, _)| *m == n) {
+            *cur = None;
+        }
+        drop(cur);
+        if !ok {
+            ctx.kill();
+            break;
+        }
+    }
+    drop(read_task);
+}
+
+/// Serve one request; false when the connection broke.
+async fn serve_one(
+    shared: &Shared,
+    header: &Header,
+    ctx: Ctx,
+    input: mpsc::Receiver<Bytes>,
+    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
+) -> bool {
+    let found = shared
+        .handlers
+        .read()
+        .get(&header.instance_id)
+        .map(|s| (s.handler.clone(), s.types));
+    let Some((handler, types)) = found else {
+        let e = OpError::instance_lost(format!(
+            "instance {:x} is not served here",
+            header.instance_id
+        ))
+        .with_code(dyn_core::operator::NOT_SERVED);
+        return send_error_and_done(writer, &e).await;
+    };
+    let (in_codec, out_codec) = match (codec_of(types.input), codec_of(types.output)) {
+        (Ok(i), Ok(o)) => (i, o),
+        (Err(e), _) | (_, Err(e)) => return send_error_and_done(writer, &e).await,
+    };
+    let decode_error: Arc<Mutex<Option<OpError>>> = Arc::default();
+    let slot = decode_error.clone();
+    let input = tokio_stream::wrappers::ReceiverStream::new(input)
+        .map(move |bytes| (in_codec.decode)(&bytes))
+        .take_while(move |r| {
+            let ok = r.is_ok();
+            if let Err(e) = r {
+                slot.lock()
+                    .get_or_insert(OpError::invalid(format!("cannot decode the request: {e}")));
+            }
+            futures::future::ready(ok)
+        })
+        .filter_map(|r| futures::future::ready(r.ok()))
+        .boxed();
+    let mut out = handler.call(ctx, input);
+    // Frames are buffered while the handler has more ready and flushed when it has none: the
+    // tokens of a step, and the last item with the done mark, go out in one write (a write per
+    // frame was a third of a worker process's CPU).
+    loop {
+        let item = match out.next().now_or_never() {
+            Some(item) => item,
+            None => {
+                if SinkExt::<Bytes>::flush(writer).await.is_err() {
+                    return false;
+                }
+                out.next().await
+            }
+        };
+        let Some(item) = item else { break };
+        let frame = match item {
+            Ok(v) => match (out_codec.encode)(v.as_ref()) {
+                Ok(bytes) if bytes.len() < shared.opts.max_message_bytes => frame(ITEM, &bytes),
+                Ok(bytes) => error_frame(&OpError::internal(format!(
+                    "response item of {} bytes exceeds the {}-byte message limit",
+                    bytes.len(),
+                    shared.opts.max_message_bytes
+                ))),
+                Err(e) => error_frame(&OpError::internal(format!("cannot encode a response: {e}"))),
+            },
+            Err(e) => error_frame(&e),
+        };
+        let last = frame.first() == Some(&ERROR);
+        if writer.feed(frame).await.is_err() {
+            return false;
+        }
+        if last {
+            break;
+        }
+    }
+    drop(out);
+    let failed = decode_error.lock().take();
+    if let Some(e) = failed
+        && writer.feed(error_frame(&e)).await.is_err()
+    {
+        return false;
+    }
+    writer.send(frame(DONE, b"")).await.is_ok()
+}
+
+fn error_frame(e: &OpError) -> Bytes {
+    frame(ERROR, &serde_json::to_vec(e).unwrap_or_default())
+}
+
+async fn send_error_and_done(
+    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
+    e: &OpError,
+) -> bool {
+    writer.send(error_frame(e)).await.is_ok() && writer.send(frame(DONE, b"")).await.is_ok()
+}
+
+#[async_trait]
+impl RequestPlane for TcpRequestPlane {
+    async fn serve(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        handler: Arc<dyn DynOperator>,
+    ) -> Result<Transport, PlaneError> {
+        let address = self.ensure_listening().await?;
+        self.shared
+            .handlers
+            .write()
+            .insert(instance.instance_id, Served { handler, types });
+        Ok(Transport::Tcp { address })
+    }
+
+    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError> {
+        self.shared.handlers.write().remove(&instance_id);
+        Ok(())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.shared.in_flight.len()
+    }
+
+    fn drained(&self) -> futures::future::BoxFuture<'static, ()> {
+        let tracker = self.shared.in_flight.clone();
+        tracker.close();
+        Box::pin(async move { tracker.wait().await })
+    }
+
+    fn health(&self) -> Option<&InstanceHealth> {
+        Some(&self.health)
+    }
+
+    fn call(
+        &self,
+        instance: &Instance,
+        types: EndpointTypes,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> Output<AnyPayload> {
+        // Served here: no socket, no codec.
+        let local = self
+            .shared
+            .handlers
+            .read()
+            .get(&instance.instance_id)
+            .map(|s| s.handler.clone());
+        if let Some(h) = local {
+            return h.call(ctx, input);
+        }
+        let address = match &instance.transport {
+            Transport::Tcp { address } => address.clone(),
+            Transport::InProcess => {
+                return error_stream(OpError::instance_lost(format!(
+                    "instance {:x} of '{}' is in another process but has no address",
+                    instance.instance_id, instance.component
+                )));
+            }
+        };
+        let call = RemoteCall {
+            address,
+            instance_id: instance.instance_id,
+            component: instance.component.clone(),
+            types,
+            opts: self.shared.opts.clone(),
+            health: self.health.clone(),
+            pool: self.pool.clone(),
+        };
+        call.run(ctx, input).boxed()
+    }
+}
+
+fn error_stream(e: OpError) -> Output<AnyPayload> {
+    stream::once(futures::future::ready(Err(e))).boxed()
+}
+
+struct RemoteCall {
+    address: String,
+    instance_id: u64,
+    component: String,
+    types: EndpointTypes,
+    opts: TcpOptions,
+    health: Arc<InstanceHealth>,
+    pool: Arc<ConnPool>,
+}
+
+impl RemoteCall {
+    async fn connect(&self) -> Result<(Reader, Writer), OpError> {
+        if let Some(conn) = self.pool.take(&self.address) {
+            return Ok(conn);
+        }
+        let connect =
+            tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&self.address));
+        let stream = match connect.await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                self.health.report_down(self.instance_id);
+                return Err(self.lost(format!("cannot connect: {e}")));
+            }
+            Err(_) => {
+                self.health.report_down(self.instance_id);
+                return Err(self.lost(format!(
+                    "no connection within {:?}",
+                    self.opts.connect_timeout
+                )));
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let max = self.opts.max_message_bytes;
+        Ok((
+            FramedRead::new(r, length_codec(max)),
+            FramedWrite::new(w, length_codec(max)),
+        ))
+    }
+
+    fn lost(&self, what: impl std::fmt::Display) -> OpError {
+        OpError::instance_lost(format!(
+            "instance {:x} of '{}' at {}: {what}",
+            self.instance_id, self.component, self.address
+        ))
+    }
+
+    fn run(
+        self,
+        ctx: Ctx,
+        input: Input<AnyPayload>,
+    ) -> impl Stream<Item = Result<AnyPayload, OpError>> + Send + 'static {
+        async_stream::stream! {
+            let (in_codec, out_codec) = match (codec_of(self.types.input), codec_of(self.types.output)) {
+                (Ok(i), Ok(o)) => (i, o),
+                (Err(e), _) | (_, Err(e)) => {
+                    yield Err(e);
+                    return;
+                }
+            };
+            let mut conn = match self.connect().await {
+                Ok((r, w)) => Conn { reader: Some(r), writer: Some(w), pool: self.pool.clone(), address: self.address.clone() },
+                Err(e) => {
+                    yield Err(e);
+                    return;
+                }
+            };
+            let (Some(reader), Some(writer)) = (conn.reader.as_mut(), conn.writer.as_mut()) else {
+                return;
+            };
+            let max = self.opts.max_message_bytes;
+            let header = Header {
+                instance_id: self.instance_id,
+                request_id: ctx.id().to_string(),
+                timeout_ms: ctx
+                    .deadline()
+                    // Rounded up: the callee must not stop before the caller's deadline.
+                    .map(|d| {
+                        let left = d.saturating_duration_since(Instant::now()).as_micros();
+                        u64::try_from(left.div_ceil(1000)).unwrap_or(u64::MAX)
+                    }),
+            };
+            let header = frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default());
+            // Input goes out while outputs come back; an input item that cannot be encoded
+            // fails the call.
+            // The input borrows the writer so that a call whose response ends before its input
+            // does (a router keeps its input open until the answer is over) can still hand the
+            // connection back.
+            let mut send_input = Box::pin(async move {
+                let lost = |e: std::io::Error| SendFailed::Lost(format!("send failed: {e}"));
+                // Buffered like the serving side's output: a one-item request is one write.
+                writer.feed(header).await.map_err(lost)?;
+                let mut input = input;
+                loop {
+                    let item = match input.next().now_or_never() {
+                        Some(item) => item,
+                        None => {
+                            SinkExt::<Bytes>::flush(writer).await.map_err(lost)?;
+                            input.next().await
+                        }
+                    };
+                    let Some(item) = item else { break };
+                    let bytes = (in_codec.encode)(item.as_ref())
+                        .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
+                    if bytes.len() >= max {
+                        return Err(SendFailed::Invalid(format!(
+                            "request item of {} bytes exceeds the {max}-byte message limit",
+                            bytes.len()
+                        )));
+                    }
+                    writer.feed(frame(ITEM, &bytes)).await.map_err(lost)?;
+                }
+                writer.send(frame(END_INPUT, b"")).await.map_err(lost)?;
+                // The write half stays open until the response is done: closing it would read
+                // as a cancellation on the other side.
+                Ok::<_, SendFailed>(())
+            });
+            let mut sent = false;
+            let mut got_any = false;
+            loop {
+                tokio::select! {
+                    res = &mut send_input, if !sent => match res {
+                        Ok(()) => sent = true,
+                        Err(SendFailed::Lost(msg)) => {
+                            conn.reader = None;
+                            if !got_any { self.health.report_down(self.instance_id); }
+                            yield Err(self.lost(msg));
+                            return;
+                        }
+                        Err(SendFailed::Invalid(msg)) => {
+                            yield Err(OpError::invalid(msg));
+                            return;
+                        }
+                    },
+                    frame = reader.next() => {
+                        let frame = match frame {
+                            Some(Ok(f)) => f,
+                            Some(Err(e)) => {
+                                drop(send_input);
+                                conn.poison();
+                                self.health.report_down(self.instance_id);
+                                yield Err(self.lost(format!("connection failed: {e}")));
+                                return;
+                            }
+                            None => {
+                                drop(send_input);
+                                conn.poison();
+                                self.health.report_down(self.instance_id);
+                                yield Err(self.lost("connection closed mid-response"));
+                                return;
+                            }
+                        };
+                        got_any = true;
+                        match frame.split_first() {
+                            Some((&ITEM, body)) => match (out_codec.decode)(body) {
+                                // The serving side writes its last item and the done mark
+                                // together; a consumer stops polling at the last item (the
+                                // finish), so the mark is read now, while it is at hand, or
+                                // the connection could never be reused.
+                                Ok(v) if reader.read_buffer().as_ref() == DONE_FRAME => {
+                                    drop(send_input);
+                                    if let Some(Some(Ok(_))) = reader.next().now_or_never() {
+                                        conn.recycle();
+                                    }
+                                    yield Ok(v);
+                                    if ctx.is_killed() {
+                                        yield Err(OpError::cancelled());
+                                    }
+                                    return;
+                                }
+                                Ok(v) => yield Ok(v),
+                                Err(e) => {
+                                    drop(send_input);
+                                    conn.poison();
+                                    yield Err(OpError::internal(format!("cannot decode a response from '{}': {e}", self.component)));
+                                    return;
+                                }
+                            },
+                            Some((&ERROR, body)) => {
+                                let e = serde_json::from_slice::<OpError>(body)
+                                    .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
+                                // The process is there but no longer serves the instance.
+                                if e.kind == ErrorKind::InstanceLost
+                                    && e.code.as_deref() == Some(dyn_core::operator::NOT_SERVED)
+                                {
+                                    self.health.report_down(self.instance_id);
+                                }
+                                yield Err(e);
+                                return;
+                            }
+                            Some((&DONE, _)) => {
+                                // A clean end: the connection is free for the next call once no
+                                // part of a frame is left unsent (the serving side ignores input
+                                // that was still to come; the next header starts afresh).
+                                drop(send_input);
+                                conn.recycle();
+                                // The serving side saw the deadline first and ended early.
+                                if ctx.is_killed() {
+                                    yield Err(OpError::cancelled());
+                                }
+                                return;
+                            }
+                            _ => {
+                                drop(send_input);
+                                conn.poison();
+                                yield Err(OpError::internal(format!("unexpected frame from '{}'", self.component)));
+                                return;
+                            }
+                        }
+                    }
+                    _ = ctx.killed() => {
+                        // Dropping the call sends the other side a cancel (`Conn`).
+                        yield Err(OpError::cancelled());
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

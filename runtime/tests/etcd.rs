@@ -1,0 +1,310 @@
+//! The etcd control plane against a real etcd server: registration, watches, lease expiry
+//! and re-registration after a lost lease.
+//!
+//! The test command (`scripts/test`) starts etcd on loopback and sets `DYN_TEST_ETCD`;
+//! without it these tests say so and skip.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::time::Duration;
+
+use dyn_runtime::planes::{Discovery, DiscoveryEvent, EtcdDiscovery, Instance, Transport};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+fn etcd() -> Option<String> {
+    dyn_tests::servers::test_server("DYN_TEST_ETCD")
+}
+
+/// An instance in a namespace of its own, so tests sharing one etcd do not see each other.
+fn instance(ns: &str, id: u64) -> Instance {
+    Instance {
+        namespace: ns.into(),
+        component: "decode".into(),
+        endpoint: "generate".into(),
+        instance_id: id,
+        transport: Transport::Tcp {
+            address: format!("127.0.0.1:{}", 9000 + id),
+        },
+        metadata: Default::default(),
+    }
+}
+
+/// Register `i`, trying up to `tries` times 200 ms apart (etcd may be coming back); whether it
+/// went through.
+async fn register_within(d: &EtcdDiscovery, i: &Instance, tries: usize) -> bool {
+    for _ in 0..tries {
+        if d.register(i.clone()).await.is_ok() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+fn namespace() -> String {
+    format!("t{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn next(s: &mut BoxStream<'static, DiscoveryEvent>, within: Duration) -> DiscoveryEvent {
+    tokio::time::timeout(within, s.next())
+        .await
+        .expect("an event in time")
+        .expect("the watch is open")
+}
+
+const TTL: Duration = Duration::from_secs(2);
+
+/// Two processes' planes on `url` in a fresh namespace: `a` registers, `b` watches.
+struct Pair {
+    ns: String,
+    a: EtcdDiscovery,
+    b: EtcdDiscovery,
+    prefix: String,
+    snapshot: Vec<Instance>,
+    changes: BoxStream<'static, DiscoveryEvent>,
+}
+
+async fn pair(url: &str) -> Pair {
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&[url], TTL).await.unwrap();
+    let b = EtcdDiscovery::connect(&[url], TTL).await.unwrap();
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    let (snapshot, changes) = b.watch(&prefix).await.unwrap();
+    Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        snapshot,
+        changes,
+    }
+}
+
+#[tokio::test]
+async fn register_watch_list_and_deregister() {
+    let Some(url) = etcd() else { return };
+    let Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        snapshot,
+        mut changes,
+    } = pair(&url).await;
+    assert!(snapshot.is_empty());
+
+    let i = instance(&ns, 1);
+    a.register(i.clone()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    assert_eq!(b.list(&prefix).await.unwrap(), vec![i.clone()]);
+    // A second watcher starts from a snapshot that already has it.
+    let (snapshot, _) = b.watch(&prefix).await.unwrap();
+    assert_eq!(snapshot, vec![i.clone()]);
+
+    a.deregister(&i.key()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+    assert!(b.list(&prefix).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_dead_process_leaves_within_its_ttl() {
+    let Some(url) = etcd() else { return };
+    let Pair {
+        ns, a, mut changes, ..
+    } = pair(&url).await;
+    let i = instance(&ns, 2);
+    a.register(i.clone()).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    // Dropping the plane stops the keep-alive, as a killed process would: etcd expires the
+    // lease and deletes the key within the TTL (+ 1 s for etcd's expiry sweep).
+    drop(a);
+    assert_eq!(
+        next(&mut changes, TTL + Duration::from_secs(1)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+}
+
+#[tokio::test]
+async fn a_lost_lease_is_replaced_and_the_instance_comes_back() {
+    let Some(url) = etcd() else { return };
+    let Pair {
+        ns, a, mut changes, ..
+    } = pair(&url).await;
+    let i = instance(&ns, 3);
+    a.register(i.clone()).await.unwrap();
+    next(&mut changes, Duration::from_secs(5)).await;
+    // Someone revokes the lease (as etcd does after a long partition).
+    let old = a.lease();
+    let mut raw = etcd_client::Client::connect([url.as_str()], None)
+        .await
+        .unwrap();
+    raw.lease_revoke(old).await.unwrap();
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(5)).await,
+        DiscoveryEvent::Delete { key: i.key() }
+    );
+    // The keep-alive notices, takes a new lease and registers again.
+    assert_eq!(
+        next(&mut changes, Duration::from_secs(10)).await,
+        DiscoveryEvent::Put(i.clone())
+    );
+    assert_ne!(a.lease(), old);
+}
+
+/// Every endpoint of `--control etcd://a,b` is used: with the first one dead, the
+/// registration goes through the second.
+#[tokio::test]
+async fn a_dead_endpoint_among_several_is_passed_over() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&["http://127.0.0.1:1", &url], TTL)
+        .await
+        .unwrap();
+    let i = instance(&ns, 1);
+    a.register(i.clone()).await.unwrap();
+    let listed = dyn_runtime::planes::etcd::list_instances(&["http://127.0.0.1:1", &url], &i.key())
+        .await
+        .unwrap();
+    assert_eq!(listed, vec![i]);
+}
+
+#[tokio::test]
+async fn a_member_lost_after_connecting_is_replaced_by_the_next() {
+    if etcd().is_none() {
+        return;
+    }
+    // Two single-member clusters stand in for two members of one (what matters here is the
+    // client moving; a real cluster also keeps the data, which the second lacks until the
+    // keep-alive registers everything again under a lease of its own).
+    let (Some(first), Some(second)) = (
+        dyn_tests::servers::Server::etcd(),
+        dyn_tests::servers::Server::etcd(),
+    ) else {
+        dyn_tests::skip("no etcd binary on PATH");
+        return;
+    };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&[first.url(), second.url()], TTL)
+        .await
+        .unwrap();
+    let one = instance(&ns, 1);
+    a.register(one.clone()).await.unwrap();
+    drop(first);
+    // The second has no such lease: registering works once the keep-alive has moved there
+    // and taken a new one.
+    let two = instance(&ns, 2);
+    assert!(
+        register_within(&a, &two, 100).await,
+        "registering works on the second member"
+    );
+    let prefix = format!("v1/instances/{ns}/");
+    let second_url = [second.url()];
+    let on_second = || dyn_runtime::planes::etcd::list_instances(&second_url, &prefix);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut listed = on_second().await.unwrap();
+        listed.sort_by_key(|i| i.instance_id);
+        if listed == [one.clone(), two.clone()] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second member never got both: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(a.list(&prefix).await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn an_unreachable_etcd_is_a_clear_error() {
+    let e = EtcdDiscovery::connect(&["http://127.0.0.1:1"], TTL)
+        .await
+        .err()
+        .expect("no server");
+    assert!(e.to_string().starts_with("control (etcd) plane: "), "{e}");
+}
+
+#[tokio::test]
+async fn watches_and_registrations_survive_an_etcd_restart() {
+    if etcd().is_none() {
+        return;
+    }
+    let Some(mut server) = dyn_tests::servers::Server::etcd() else {
+        dyn_tests::skip("no etcd binary on PATH");
+        return;
+    };
+    let url = server.url();
+    let Pair {
+        ns,
+        a,
+        b,
+        prefix,
+        mut changes,
+        ..
+    } = pair(&url).await;
+    let first = instance(&ns, 4);
+    a.register(first.clone()).await.unwrap();
+    next(&mut changes, Duration::from_secs(5)).await;
+
+    assert!(server.restart(), "etcd restarts");
+    // After the restart a new registration reaches the old watch, and the first one is
+    // still there (its lease survived, or was replaced and re-registered).
+    let second = instance(&ns, 5);
+    assert!(
+        register_within(&a, &second, 50).await,
+        "registering works again after the restart"
+    );
+    loop {
+        match next(&mut changes, Duration::from_secs(15)).await {
+            DiscoveryEvent::Put(i) if i == second => break,
+            _ => {}
+        }
+    }
+    let mut listed = b.list(&prefix).await.unwrap();
+    listed.sort_by_key(|i| i.instance_id);
+    assert_eq!(listed, vec![first, second]);
+    drop(server);
+}
+
+#[tokio::test]
+async fn watches_started_during_registrations_miss_nothing() {
+    let Some(url) = etcd() else { return };
+    let ns = namespace();
+    let a = EtcdDiscovery::connect(&[&url], TTL).await.unwrap();
+    let b = std::sync::Arc::new(EtcdDiscovery::connect(&[&url], TTL).await.unwrap());
+    let prefix = Instance::prefix(&ns, "decode", "generate");
+    const N: u64 = 20;
+    let watchers: Vec<_> = (0..N)
+        .map(|i| {
+            let (b, prefix) = (b.clone(), prefix.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i * 3)).await;
+                let live = dyn_runtime::planes::LiveInstances::watch(b.as_ref(), &prefix)
+                    .await
+                    .unwrap();
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while live.read().len() < N as usize && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                live.read().len()
+            })
+        })
+        .collect();
+    for i in 0..N {
+        a.register(instance(&ns, i)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    for w in watchers {
+        assert_eq!(w.await.unwrap(), N as usize);
+    }
+}

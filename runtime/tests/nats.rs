@@ -1,0 +1,163 @@
+//! The NATS event plane against real nats-server processes: subjects and wildcards across two
+//! connections, and subscriptions that come back after the server restarts.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use dyn_runtime::planes::{EventBus, NatsEventBus};
+use dyn_tests::servers::{Server, test_server};
+use futures::StreamExt;
+
+fn endpoint(url: &str) -> Vec<String> {
+    vec![url.trim_start_matches("nats://").to_owned()]
+}
+
+#[tokio::test]
+async fn events_cross_connections_by_subject() {
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let ns = uuid::Uuid::new_v4().simple().to_string();
+    let a = NatsEventBus::connect(&endpoint(&url)).await.unwrap();
+    let b = NatsEventBus::connect(&endpoint(&url)).await.unwrap();
+    assert!(a.connected() && b.connected());
+    let mut sub = b.subscribe(&format!("dyn.{ns}.*.kv_events")).await.unwrap();
+    // Make sure the server has the subscription before publishing (NATS core is at most once).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    a.publish(&format!("dyn.{ns}.decode.load"), Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    a.publish(
+        &format!("dyn.{ns}.decode.kv_events"),
+        Bytes::from_static(b"1"),
+    )
+    .await
+    .unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ev.subject, format!("dyn.{ns}.decode.kv_events"));
+    assert_eq!(ev.payload, Bytes::from_static(b"1"));
+    assert!(a.publish("bad subject", Bytes::new()).await.is_err());
+    assert!(a.subscribe("a..b").await.is_err());
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_a_clear_error() {
+    let port = dyn_tests::servers::free_port();
+    let err = NatsEventBus::connect(&[format!("127.0.0.1:{port}")])
+        .await
+        .err()
+        .expect("nothing listens there");
+    assert!(err.to_string().contains("NATS"), "{err}");
+}
+
+#[tokio::test]
+async fn subscriptions_come_back_after_a_server_restart() {
+    if test_server("DYN_TEST_NATS").is_none() {
+        return;
+    }
+    let Some(mut server) = Server::nats() else {
+        dyn_tests::skip("no nats-server binary on PATH");
+        return;
+    };
+    let a = NatsEventBus::connect(&endpoint(&server.url()))
+        .await
+        .unwrap();
+    let b = NatsEventBus::connect(&endpoint(&server.url()))
+        .await
+        .unwrap();
+    let mut sub = b.subscribe("load.>").await.unwrap();
+    server.kill();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while a.connected() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!a.connected(), "the outage is noticed");
+    // Publishing during the outage drops the message instead of blocking the publisher.
+    tokio::time::timeout(
+        Duration::from_secs(1),
+        a.publish("load.w1", Bytes::from_static(b"lost")),
+    )
+    .await
+    .expect("publish does not block")
+    .unwrap();
+    assert!(server.start(), "nats-server starts again");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !(a.connected() && b.connected()) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(a.connected() && b.connected(), "both reconnect");
+    // The old subscription receives again (async-nats re-subscribes on reconnect).
+    let got = async {
+        loop {
+            a.publish("load.w1", Bytes::from_static(b"back"))
+                .await
+                .unwrap();
+            if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(200), sub.next()).await
+            {
+                return ev;
+            }
+        }
+    };
+    let ev = tokio::time::timeout(Duration::from_secs(10), got)
+        .await
+        .expect("events flow again");
+    assert_eq!(ev.payload, Bytes::from_static(b"back"));
+}
+
+/// The JetStream work queue: jobs wait in their partition (also for a taker that starts
+/// late), each is taken once, and the depth counts what is not taken yet, across connections.
+#[tokio::test]
+async fn jetstream_work_queue_hands_each_job_to_its_partition_once() {
+    use dyn_runtime::planes::WorkQueue;
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let queue = format!("q{}", uuid::Uuid::new_v4().simple());
+    let sender = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .work_queue();
+    let worker = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .work_queue();
+    for (p, job) in [("a", "1"), ("b", "2"), ("a", "3")] {
+        sender
+            .push(&queue, p, Bytes::from(job.to_owned()))
+            .await
+            .unwrap();
+    }
+    assert_eq!(sender.depth(&queue).await.unwrap(), 3);
+    let mut a = worker.take(&queue, "a").await.unwrap();
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"1"));
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"3"));
+    // Acknowledged on take: only b's job is left.
+    let mut depth = 0;
+    for _ in 0..50 {
+        depth = sender.depth(&queue).await.unwrap();
+        if depth == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(depth, 1);
+    sender
+        .push(&queue, "a", Bytes::from_static(b"4"))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut a).await, Bytes::from_static(b"4"));
+    let mut b = worker.take(&queue, "b").await.unwrap();
+    assert_eq!(next(&mut b).await, Bytes::from_static(b"2"));
+    assert!(sender.push("bad.name", "a", Bytes::new()).await.is_err());
+}
+
+async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
+    tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .unwrap()
+        .unwrap()
+}
