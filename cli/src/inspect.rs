@@ -8,7 +8,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
 use dyn_frontend::admin::EventLine;
 use dyn_planner::state::PlannerState;
-use dyn_router::inspect::{KvAnswer, KvArgs, Replicas, RouteAnswer, WorkersAnswer};
+use dyn_router::inspect::{KvAnswer, KvArgs, Query, Replicas, RouteAnswer, WorkersAnswer};
 use dyn_router::kv::KvEventData;
 use dyn_router::remote_prefill::PrefillRouteAnswer;
 use futures::StreamExt;
@@ -157,23 +157,19 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         None => all_nodes(&http, &base).await?,
     };
     for (i, node) in nodes.iter().enumerate() {
-        let answer = match &args.command {
-            InspectCommand::Workers => {
-                post(&http, &format!("{base}/nodes/{node}/workers"), &Value::Null).await?
-            }
-            InspectCommand::Kv { worker, top } => {
-                let kv_args = KvArgs {
-                    worker: worker.clone(),
-                    top: *top,
-                };
-                post(&http, &format!("{base}/nodes/{node}/kv"), &json!(kv_args)).await?
-            }
+        let query = match &args.command {
+            InspectCommand::Workers => Query::Workers,
+            InspectCommand::Kv { worker, top } => Query::Kv(KvArgs {
+                worker: worker.clone(),
+                top: *top,
+            }),
             InspectCommand::Route { .. }
             | InspectCommand::Events { .. }
             | InspectCommand::Planner => {
                 unreachable!("handled above")
             }
         };
+        let answer = post(&http, &format!("{base}{}", query.path(node)), &query.args()).await?;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&answer)?);
             continue;

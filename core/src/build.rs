@@ -86,7 +86,7 @@ pub struct BuildCx {
     pub namespace: String,
     pub node: String,
     pub replica: u32,
-    pub instance_id: u64,
+    pub instance_id: crate::planes::InstanceId,
     /// Ids of the nodes that take this node's output, looking through routers and
     /// pass-through nodes (by their kinds' [`Role`], like `remote_prefill`) to the workers
     /// behind them: a router watches their instances.
@@ -183,7 +183,7 @@ impl BuildCx {
             namespace: "ns".into(),
             node: node.into(),
             replica: 0,
-            instance_id: 1,
+            instance_id: crate::planes::InstanceId(1),
             consumers: Vec::new(),
             model: None,
             base_dir: ".".into(),

@@ -26,6 +26,7 @@ pub use operator::{
     WORKER_BUSY,
 };
 pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};
+pub use planes::{InstanceId, InstanceMeta};
 pub use registry::{
     IngressConfig, Invalid, OperatorConfig, Registry, Role, SectionConfig, SectionNode,
 };

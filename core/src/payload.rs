@@ -23,7 +23,7 @@ pub trait Payload: Send + 'static {
     }
 
     /// The replica that must serve this value, when an upstream operator (a router) chose one.
-    fn target_instance(&self) -> Option<u64> {
+    fn target_instance(&self) -> Option<crate::planes::InstanceId> {
         None
     }
 
@@ -93,7 +93,7 @@ pub type AnyPayload = Box<dyn ErasedPayload>;
 /// Object-safe face of [`Payload`].
 pub trait ErasedPayload: Any + Send {
     fn type_name(&self) -> &'static str;
-    fn target_instance(&self) -> Option<u64>;
+    fn target_instance(&self) -> Option<crate::planes::InstanceId>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -103,7 +103,7 @@ impl<T: Payload> ErasedPayload for T {
     fn type_name(&self) -> &'static str {
         T::NAME
     }
-    fn target_instance(&self) -> Option<u64> {
+    fn target_instance(&self) -> Option<crate::planes::InstanceId> {
         Payload::target_instance(self)
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {

@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 use crate::build::{BuildCx, BuildError};
 use crate::operator::{DynIngress, DynOperator, Ingress, Operator, erase, erase_ingress};
 use crate::payload::PayloadType;
+use crate::planes::InstanceMeta;
 
 /// A problem `validate()` found in a config; `field` points the diagnostic at that key.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,8 +60,8 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
 
     /// What processes that join later need to know about this node's replicas (an engine's
     /// KV block size, say); stored with each instance in discovery.
-    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        serde_json::Map::new()
+    fn metadata(&self) -> InstanceMeta {
+        InstanceMeta::default()
     }
 
     /// Nodes this node sends work to outside the request path (a remote prefill pool): the
@@ -154,8 +155,8 @@ pub enum Built {
 /// A parsed config with its kind erased.
 pub trait DynConfig: Send + Sync {
     fn validate(&self) -> Vec<Invalid>;
-    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        serde_json::Map::new()
+    fn metadata(&self) -> InstanceMeta {
+        InstanceMeta::default()
     }
     fn calls(&self) -> Vec<String> {
         Vec::new()
@@ -173,7 +174,7 @@ impl<C: OperatorConfig> DynConfig for OpConfig<C> {
     fn validate(&self) -> Vec<Invalid> {
         self.0.validate()
     }
-    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+    fn metadata(&self) -> InstanceMeta {
         self.0.metadata()
     }
     fn calls(&self) -> Vec<String> {

@@ -168,7 +168,7 @@ fn spawn_engine_thread(
 ) -> Result<(), BuildError> {
     let readiness = cx.readiness.clone();
     let engine_name = name.to_owned();
-    let worker_id = cx.instance_id;
+    let worker_id = cx.instance_id.get();
     std::thread::Builder::new()
         .name(format!("{name}-{}", cx.replica))
         .spawn(move || {
@@ -249,7 +249,7 @@ impl EngineHandle {
     ) -> Result<Arc<EngineHandle>, BuildError> {
         let sched = &config.scheduler;
         let (commands, rx) = std_mpsc::sync_channel(sched.max_queued_requests as usize);
-        let worker_id = cx.instance_id;
+        let worker_id = cx.instance_id.get();
         let gauges = WorkerGauges::new(&cx.node, worker_id);
         // Visible on /metrics from the start, not only after the first request.
         gauges.set(0, 0, 0, sched.num_blocks, &Default::default());

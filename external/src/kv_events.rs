@@ -327,7 +327,7 @@ impl Follower {
         cx: &BuildCx,
         mut endpoint: watch::Receiver<Option<Endpoint>>,
     ) -> Result<(), String> {
-        let worker_id = cx.instance_id;
+        let worker_id = cx.instance_id.get();
         let (tx, rx) = mpsc::channel::<Vec<(Medium, KvEventData)>>(1024);
         tokio::spawn(publish(
             rx,

@@ -121,7 +121,7 @@ pub async fn run(
     let client = reqwest::Client::new();
     let subject = load_metrics_subject(&cx.namespace, &cx.node);
     let events = cx.planes.events.clone();
-    let worker_id = cx.instance_id;
+    let worker_id = cx.instance_id.get();
     let mut warned = false;
     loop {
         let base = endpoint

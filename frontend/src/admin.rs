@@ -27,7 +27,7 @@ use dyn_core::planes::EventBus;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
 use dyn_planner::state::PlannerView;
-use dyn_router::inspect::{Replicas, RouteAnswer, RouteArgs};
+use dyn_router::inspect::{Query as RouterQuery, Replicas, RouteAnswer, RouteArgs};
 use dyn_router::kv::RouterEvent;
 use dyn_router::remote_prefill::PrefillRouteAnswer;
 use futures::StreamExt;
@@ -117,6 +117,11 @@ fn ask(a: &Admin, node: &str, query: &str, args: &Value) -> Result<Value, ApiErr
     Ok(json!({"node": node, "replicas": answers}))
 }
 
+/// A router's (or remote prefill node's) answer to a typed query.
+fn ask_router(a: &Admin, node: &str, q: &RouterQuery) -> Result<Value, ApiError> {
+    ask(a, node, q.name(), &q.args())
+}
+
 async fn query(
     State(a): State<Admin>,
     Path((node, q)): Path<(String, String)>,
@@ -167,9 +172,9 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         tokens: pre.token_ids,
         cached_tokens: 0,
     };
-    let tokens = json!(args);
+    let route = RouterQuery::Route(args.clone());
     if let Some(node) = b.node {
-        return ask(&a, &node, "route", &tokens).map(Json);
+        return ask_router(&a, &node, &route).map(Json);
     }
     // Every inspectable node on the path explains its part: the router its choice of worker,
     // then a remote prefill node its decision, given what that worker caches.
@@ -177,7 +182,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
     let mut routers = Vec::new();
     let mut prefills = Vec::new();
     for node in a.inspect.nodes() {
-        let answer = ask(&a, &node, "route", &tokens)?;
+        let answer = ask_router(&a, &node, &route)?;
         if serde_json::from_value::<Replicas<PrefillRouteAnswer>>(answer.clone()).is_ok() {
             prefills.push(node);
         } else {
@@ -206,7 +211,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
             .replicas
             .first()
             .map_or(0, RouteAnswer::cached_tokens);
-        answer["prefill"] = ask(&a, node, "route", &json!(args))?;
+        answer["prefill"] = ask_router(&a, node, &RouterQuery::Route(args))?;
     }
     Ok(Json(answer))
 }

@@ -24,6 +24,7 @@
 
 use std::sync::Arc;
 
+use dyn_core::InstanceMeta;
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -141,32 +142,28 @@ impl OperatorConfig for DecodeConfig {
         out
     }
 
-    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        let mut m = serde_json::Map::new();
-        match self.engine {
+    fn metadata(&self) -> InstanceMeta {
+        let (engine, block_size, kv_total_blocks) = match self.engine {
             EngineKind::Mocker => {
                 let c = self.mocker();
-                m.insert("engine".into(), "mocker".into());
-                m.insert("block_size".into(), c.block_size.into());
-                m.insert("kv_total_blocks".into(), c.num_blocks.into());
+                ("mocker", Some(c.block_size), Some(c.num_blocks))
             }
             EngineKind::Native => {
                 let c = self.native();
-                m.insert("engine".into(), "native".into());
-                m.insert("block_size".into(), c.block_size.into());
-                m.insert("kv_total_blocks".into(), c.num_blocks.into());
+                ("native", Some(c.block_size), Some(c.num_blocks))
             }
-            EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => {
-                if let Some((kind, c)) = self.external() {
-                    m.insert("engine".into(), kind.name().into());
-                    // vLLM announces its own in its load metrics.
-                    if let Some(b) = c.block_size {
-                        m.insert("block_size".into(), b.into());
-                    }
-                }
-            }
+            // vLLM announces its own block size in its load metrics.
+            EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => match self.external() {
+                Some((kind, c)) => (kind.name(), c.block_size, None),
+                None => return InstanceMeta::default(),
+            },
+        };
+        InstanceMeta {
+            engine: Some(engine.into()),
+            block_size,
+            kv_total_blocks: kv_total_blocks.map(|n| n as u64),
+            ..InstanceMeta::default()
         }
-        m
     }
 
     fn replicas(&self) -> Option<u32> {

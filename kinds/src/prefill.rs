@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dyn_compute::transfer::{KvTransferAgent, TransferDescriptor};
+use dyn_core::InstanceMeta;
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -54,15 +55,16 @@ impl OperatorConfig for PrefillConfig {
         self.0.validate()
     }
 
-    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
-        let mut m = self.0.metadata();
-        m.insert("role".into(), "prefill".into());
-        m
+    fn metadata(&self) -> InstanceMeta {
+        InstanceMeta {
+            role: Some("prefill".into()),
+            ..self.0.metadata()
+        }
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Prefill, BuildError> {
         let engine = self.0.start(cx).await?;
-        let worker_id = cx.instance_id;
+        let worker_id = cx.instance_id.get();
         let queue = queue_name(&cx.namespace, &cx.node);
         let mut jobs = cx
             .planes
@@ -347,8 +349,8 @@ impl Operator for Prefill {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dyn_engine::transfer::TransferAgent;
     use dyn_core::planes::Planes;
+    use dyn_engine::transfer::TransferAgent;
     use tokio::time::timeout;
 
     const REPLY: &str = "dyn.ns.remote.prefill_replies.1";

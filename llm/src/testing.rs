@@ -8,7 +8,7 @@ use crate::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
 /// A build context for `node` with the repository's tiny model, on `planes`.
 pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> BuildCx {
     BuildCx {
-        instance_id,
+        instance_id: instance_id.into(),
         consumers: consumers.iter().map(|c| c.to_string()).collect(),
         model: Some(dyn_core::ModelSpec {
             name: "tiny".into(),

@@ -97,7 +97,7 @@ pub struct PreprocessedRequest {
     pub stop: StopConditions,
     pub output: OutputSpec,
     /// The worker (instance id) a router chose.
-    pub target: Option<u64>,
+    pub target: Option<dyn_core::InstanceId>,
     /// Prompt tokens the chosen worker already caches, as far as the router knows (0 when it
     /// does not track caches).
     #[serde(default)]
@@ -192,7 +192,7 @@ impl Payload for PreprocessedRequest {
     fn codec() -> Option<Codec> {
         Some(Codec::json::<Self>())
     }
-    fn target_instance(&self) -> Option<u64> {
+    fn target_instance(&self) -> Option<dyn_core::InstanceId> {
         self.target
     }
     fn resume() -> Option<Resume> {

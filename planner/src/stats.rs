@@ -106,7 +106,7 @@ impl Service for FrontendStats {
     async fn start(cx: &BuildCx) -> Result<Self, BuildError> {
         let window: Arc<Mutex<Window>> = Arc::default();
         let counts: Arc<Counts> = Arc::default();
-        let id = cx.instance_id;
+        let id = cx.instance_id.get();
         tokio::spawn(publish(
             Arc::downgrade(&window),
             counts.clone(),

@@ -96,7 +96,7 @@ pub(super) async fn follow_workers(
                     let live = inner.live();
                     inner.metrics.lock().retain(|w, _| live.contains(w));
                     // Series of workers that left discovery (not those only marked down).
-                    let registered: Vec<u64> = inner.workers.read().iter().map(|i| i.instance_id).collect();
+                    let registered: Vec<u64> = inner.workers.read().iter().map(|i| i.instance_id.get()).collect();
                     inner.quality.retain(&registered);
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();

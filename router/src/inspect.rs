@@ -2,8 +2,10 @@
 //! structs it is sent (`dyn inspect --json` prints them as they are), so a renamed field is a
 //! compile error on both ends, not a silently empty column.
 //!
-//! Queries: `workers`, `route` ([`RouteArgs`]) and `kv` ([`KvArgs`]). Worker ids are hex
-//! strings, as logs and `/metrics` print them.
+//! Queries: [`Query`] — `workers`, `route` ([`RouteArgs`]) and `kv` ([`KvArgs`]) — built by the
+//! CLI and the admin endpoint and matched by the nodes, so a query one side sends and the
+//! other does not know is a compile error too. Worker ids are hex strings, as logs and
+//! `/metrics` print them.
 
 use std::collections::BTreeMap;
 
@@ -147,6 +149,56 @@ pub struct SharedPrefix {
     pub workers: Vec<String>,
 }
 
+/// A query to a `route` or `remote_prefill` node. Its name is the last segment of the admin
+/// endpoint's path (`POST /admin/nodes/{node}/{name}`) and its arguments the JSON body; the
+/// node reads it back with [`Query::parse`] (dyn-core's `Inspect` carries names and JSON, as it
+/// knows no kind).
+#[derive(Debug, Clone)]
+pub enum Query {
+    /// The router's view of each worker.
+    Workers,
+    /// Where a prompt would go.
+    Route(RouteArgs),
+    /// The KV index's size and most shared prefixes.
+    Kv(KvArgs),
+}
+
+impl Query {
+    pub const NAMES: &'static str = "workers, route, kv";
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Workers => "workers",
+            Self::Route(_) => "route",
+            Self::Kv(_) => "kv",
+        }
+    }
+
+    /// The JSON body (`null` for a query without arguments).
+    pub fn args(&self) -> Value {
+        match self {
+            Self::Workers => Value::Null,
+            Self::Route(a) => serde_json::to_value(a).unwrap_or_default(),
+            Self::Kv(a) => serde_json::to_value(a).unwrap_or_default(),
+        }
+    }
+
+    /// The admin endpoint's path for this query on `node`, below `/admin`.
+    pub fn path(&self, node: &str) -> String {
+        format!("/nodes/{node}/{}", self.name())
+    }
+
+    /// The query a node was sent, by name and JSON arguments.
+    pub fn parse(name: &str, a: &Value) -> Result<Self, String> {
+        Ok(match name {
+            "workers" => Self::Workers,
+            "route" => Self::Route(args(a)?),
+            "kv" => Self::Kv(args(a)?),
+            other => return Err(format!("unknown query {other:?}; known: {}", Self::NAMES)),
+        })
+    }
+}
+
 /// Parse a query's arguments (`null` reads as the defaults).
 pub fn args<T: serde::de::DeserializeOwned + Default>(args: &Value) -> Result<T, String> {
     if args.is_null() {
@@ -283,16 +335,41 @@ impl Inner {
 
 impl Inspect for Inner {
     fn inspect(&self, query: &str, a: &Value) -> Result<Value, String> {
-        match query {
-            "workers" => to_value(self.workers_answer()),
-            "route" => {
-                let a: RouteArgs = args(a)?;
-                to_value(self.route_answer(&a.tokens)?)
-            }
-            "kv" => to_value(self.kv_answer(&args(a)?)?),
-            other => Err(format!(
-                "unknown query {other:?} for a route node; known: workers, route, kv"
-            )),
+        match Query::parse(query, a)? {
+            Query::Workers => to_value(self.workers_answer()),
+            Query::Route(a) => to_value(self.route_answer(&a.tokens)?),
+            Query::Kv(a) => to_value(self.kv_answer(&a)?),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_reads_back_as_it_was_sent() {
+        let sent = [
+            Query::Workers,
+            Query::Route(RouteArgs {
+                tokens: vec![1, 2, 3],
+                cached_tokens: 2,
+            }),
+            Query::Kv(KvArgs {
+                worker: Some("bee".into()),
+                top: 3,
+            }),
+        ];
+        for q in sent {
+            let got = Query::parse(q.name(), &q.args()).unwrap();
+            assert_eq!(format!("{got:?}"), format!("{q:?}"));
+        }
+        assert!(matches!(
+            Query::parse("kv", &Value::Null),
+            Ok(Query::Kv(KvArgs { top: 5, .. }))
+        ));
+        let e = Query::parse("nodes", &Value::Null).unwrap_err();
+        assert!(e.contains("known: workers, route, kv"), "{e}");
+        assert_eq!(Query::Workers.path("route"), "/nodes/route/workers");
     }
 }

@@ -44,7 +44,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use dyn_core::planes::ENDPOINT;
-use dyn_core::planes::{Instance, LiveInstances, Planes};
+use dyn_core::planes::{Instance, InstanceId, LiveInstances, Planes};
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
@@ -279,15 +279,7 @@ impl RouteConfig {
             })?;
         // A router that starts after its workers learns their block size from discovery, before
         // any load metrics arrive.
-        let announced = workers
-            .read()
-            .iter()
-            .find_map(|i| {
-                i.metadata
-                    .get("block_size")
-                    .and_then(serde_json::Value::as_u64)
-            })
-            .and_then(|b| u32::try_from(b).ok());
+        let announced = workers.read().iter().find_map(|i| i.metadata.block_size);
         let kv = (self.policy == Policy::Kv)
             .then(|| Arc::new(KvAware::new(self.block_size.or(announced), self.pricing())));
         let policy: Arc<dyn RoutingPolicy> = match &kv {
@@ -397,6 +389,7 @@ impl Inner {
             .iter()
             .map(|i| i.instance_id)
             .filter(|id| !self.planes.is_down(*id))
+            .map(InstanceId::get)
             .collect()
     }
 
@@ -412,7 +405,7 @@ impl Inner {
         if live.is_empty() {
             return Err(self.unavailable());
         }
-        let is_down = |id| self.planes.is_down(id);
+        let is_down = |id: u64| self.planes.is_down(id.into());
         let reported = self.metrics.lock();
         let view = View {
             live: &live,
@@ -457,7 +450,7 @@ impl Operator for Route {
             .map(move |mut req| {
                 let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
                 tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
-                req.target = Some(worker);
+                req.target = Some(worker.into());
                 req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
                 Ok(req)
             })
@@ -505,7 +498,8 @@ mod tests {
                     .await
                     .expect("routed")
                     .target
-                    .expect("target"),
+                    .expect("target")
+                    .get(),
             );
         }
         picked.sort_unstable();
@@ -518,7 +512,7 @@ mod tests {
                 namespace: "ns".into(),
                 component: "decode".into(),
                 endpoint: ENDPOINT.into(),
-                instance_id: id,
+                instance_id: id.into(),
                 transport: Transport::InProcess,
                 metadata: Default::default(),
             };
@@ -578,6 +572,7 @@ mod tests {
             .expect("routed")
             .target
             .expect("target")
+            .get()
     }
 
     #[tokio::test]
@@ -624,7 +619,7 @@ mod tests {
             namespace: "ns".into(),
             component: "decode".into(),
             endpoint: ENDPOINT.into(),
-            instance_id: 11,
+            instance_id: 11.into(),
             transport: Transport::InProcess,
             metadata: Default::default(),
         }

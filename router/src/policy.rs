@@ -126,8 +126,8 @@ struct RoundRobin;
 impl RoutingPolicy for RoundRobin {
     fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
         view.instances
-            .round_robin(|i| !(view.is_down)(i.instance_id))
-            .map(|i| Decision::plain(i.instance_id))
+            .round_robin(|i| !(view.is_down)(i.instance_id.get()))
+            .map(|i| Decision::plain(i.instance_id.get()))
     }
 }
 

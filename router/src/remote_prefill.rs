@@ -502,16 +502,15 @@ impl Inner {
 impl Inspect for Inner {
     fn inspect(&self, query: &str, args: &Value) -> Result<Value, String> {
         let to_value = |v| serde_json::to_value(v).map_err(|e: serde_json::Error| e.to_string());
-        match query {
-            "workers" => {
+        match crate::inspect::Query::parse(query, args)? {
+            crate::inspect::Query::Workers => {
                 let mut answer = self.pool.workers_answer();
                 answer.decisions = Some(self.decisions());
                 answer.queue = Some(self.queue.clone());
                 to_value(json!(answer))
             }
-            "kv" => to_value(json!(self.pool.kv_answer(&crate::inspect::args(args)?)?)),
-            "route" => {
-                let a: crate::inspect::RouteArgs = crate::inspect::args(args)?;
+            crate::inspect::Query::Kv(a) => to_value(json!(self.pool.kv_answer(&a)?)),
+            crate::inspect::Query::Route(a) => {
                 // The queue's depth is not read: an admin query does not wait on the queue's
                 // server. The decision shown assumes the queue has room.
                 let workers = self.pool.live().len();
@@ -535,9 +534,6 @@ impl Inspect for Inner {
                     decisions: self.decisions(),
                 }))
             }
-            other => Err(format!(
-                "unknown query {other:?} for a remote_prefill node; known: workers, route, kv"
-            )),
         }
     }
 }

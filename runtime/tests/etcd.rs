@@ -21,7 +21,7 @@ fn instance(ns: &str, id: u64) -> Instance {
         namespace: ns.into(),
         component: "decode".into(),
         endpoint: "generate".into(),
-        instance_id: id,
+        instance_id: id.into(),
         transport: Transport::Tcp {
             address: format!("127.0.0.1:{}", 9000 + id),
         },

@@ -14,6 +14,45 @@ use tokio::sync::broadcast;
 
 use super::PlaneError;
 
+/// One replica's id across the planes: its discovery key ends in it (in hex, as logs show
+/// it), the request plane serves it, and a worker's KV events and load metrics carry it as
+/// `worker_id`. On the wire it is a plain integer.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct InstanceId(pub u64);
+
+impl InstanceId {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl From<u64> for InstanceId {
+    fn from(id: u64) -> Self {
+        Self(id)
+    }
+}
+
+impl From<InstanceId> for u64 {
+    fn from(id: InstanceId) -> Self {
+        id.0
+    }
+}
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+impl std::fmt::LowerHex for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
 /// One live replica of a node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Instance {
@@ -21,12 +60,46 @@ pub struct Instance {
     /// The node id in the graph.
     pub component: String,
     pub endpoint: String,
-    pub instance_id: u64,
+    pub instance_id: InstanceId,
     pub transport: Transport,
-    /// What late joiners need to know about this replica: its kind, the model, and what the
-    /// kind adds (an engine's `block_size`, `kv_total_blocks`, …).
-    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
-    pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// What late joiners need to know about this replica.
+    #[serde(default, skip_serializing_if = "InstanceMeta::is_empty")]
+    pub metadata: InstanceMeta,
+}
+
+/// What processes that join later need to know about an instance, stored with it in
+/// discovery: its kind and model (the runtime fills them), and what the kind adds — a worker's
+/// engine, phase and KV cache geometry, which a router that starts after its workers reads
+/// before any load metrics arrive. Keys another version of dyn adds are kept in `extra`, so an
+/// older process reads a newer record and writes nothing it did not understand.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceMeta {
+    /// The node's kind (`decode`, `route`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The model the graph serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// A worker that does one phase only: `prefill`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// The engine behind a worker (`mocker`, `native`, `vllm`, `llamacpp`, `openai`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    /// Tokens per KV cache block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// KV cache blocks the worker holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_total_blocks: Option<u64>,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl InstanceMeta {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// How to reach an instance's request endpoint.
@@ -54,6 +127,8 @@ impl Instance {
     }
 }
 
+// Discovery changes are rare (a replica joins or leaves): a boxed `Put` would save nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DiscoveryEvent {
     Put(Instance),
@@ -259,12 +334,36 @@ impl Discovery for EmbeddedDiscovery {
 mod tests {
     use super::*;
 
+    #[test]
+    fn an_instance_record_keeps_its_wire_form_and_keys_it_does_not_know() {
+        // The record as an older dyn wrote it (untyped metadata), plus a key from a newer one.
+        let text = r#"{"namespace":"ns","component":"decode","endpoint":"generate","instance_id":3054,"transport":{"type":"in_process"},"metadata":{"engine":"native","block_size":16,"kv_total_blocks":1024,"kind":"decode","model":"tiny","lora":["a"]}}"#;
+        let i: Instance = serde_json::from_str(text).unwrap();
+        assert_eq!(i.instance_id, InstanceId(3054));
+        assert_eq!(i.key(), "v1/instances/ns/decode/generate/bee");
+        assert_eq!(i.metadata.block_size, Some(16));
+        assert_eq!(i.metadata.kv_total_blocks, Some(1024));
+        assert_eq!(i.metadata.model.as_deref(), Some("tiny"));
+        assert_eq!(i.metadata.extra["lora"], serde_json::json!(["a"]));
+        let back: serde_json::Value = serde_json::to_value(&i).unwrap();
+        assert_eq!(
+            back,
+            serde_json::from_str::<serde_json::Value>(text).unwrap()
+        );
+        // No metadata at all stays absent on the wire.
+        let bare = Instance {
+            metadata: InstanceMeta::default(),
+            ..i
+        };
+        assert!(!serde_json::to_string(&bare).unwrap().contains("metadata"));
+    }
+
     fn inst(component: &str, id: u64) -> Instance {
         Instance {
             namespace: "ns".into(),
             component: component.into(),
             endpoint: "generate".into(),
-            instance_id: id,
+            instance_id: InstanceId(id),
             transport: Transport::InProcess,
             metadata: Default::default(),
         }

@@ -20,7 +20,8 @@ use std::sync::{Arc, Weak};
 
 pub use crate::operator::INSTANCE_LOST;
 pub use discovery::{
-    Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, LiveInstances, Transport,
+    Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, InstanceId, InstanceMeta,
+    LiveInstances, Transport,
 };
 pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use queue::{EmbeddedWorkQueue, WorkQueue};
@@ -71,7 +72,7 @@ impl Planes {
 
     /// True when the request plane just saw `instance_id` fail: route around it even though
     /// discovery still lists it (its lease has not run out yet).
-    pub fn is_down(&self, instance_id: u64) -> bool {
+    pub fn is_down(&self, instance_id: InstanceId) -> bool {
         self.requests
             .health()
             .is_some_and(|h| h.is_down(instance_id))

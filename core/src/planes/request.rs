@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use futures::stream::{self, StreamExt};
 use parking_lot::RwLock;
 
-use super::{Instance, PlaneError, Transport};
+use super::{Instance, InstanceId, PlaneError, Transport};
 use crate::ctx::Ctx;
 use crate::operator::{DynOperator, Input, OpError, Output};
 use crate::payload::{AnyPayload, PayloadType};
@@ -51,14 +51,14 @@ impl Default for TcpOptions {
 /// Instances this process saw fail, so routing can avoid them until discovery catches up.
 #[derive(Default)]
 pub struct InstanceHealth {
-    down: RwLock<HashMap<u64, Instant>>,
+    down: RwLock<HashMap<InstanceId, Instant>>,
 }
 
 impl InstanceHealth {
     /// How long a failed instance is avoided; its lease expires well within this.
     pub const AVOID_FOR: Duration = Duration::from_secs(30);
 
-    pub fn report_down(&self, instance_id: u64) {
+    pub fn report_down(&self, instance_id: InstanceId) {
         tracing::warn!(
             worker_id = format_args!("{instance_id:x}"),
             "Instance unreachable; avoiding it"
@@ -69,7 +69,7 @@ impl InstanceHealth {
         down.insert(instance_id, Instant::now());
     }
 
-    pub fn is_down(&self, instance_id: u64) -> bool {
+    pub fn is_down(&self, instance_id: InstanceId) -> bool {
         let down = self.down.read();
         match down.get(&instance_id) {
             Some(at) => at.elapsed() < Self::AVOID_FOR,
@@ -89,7 +89,7 @@ pub trait RequestPlane: Send + Sync + 'static {
     ) -> Result<Transport, PlaneError>;
 
     /// Stop serving an instance (new calls fail; calls in flight go on).
-    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError>;
+    async fn unserve(&self, instance_id: InstanceId) -> Result<(), PlaneError>;
 
     /// Requests from other processes being served right now.
     fn in_flight(&self) -> usize {
@@ -119,7 +119,7 @@ pub trait RequestPlane: Send + Sync + 'static {
 /// In-process request plane.
 #[derive(Default)]
 pub struct EmbeddedRequestPlane {
-    handlers: RwLock<HashMap<u64, Arc<dyn DynOperator>>>,
+    handlers: RwLock<HashMap<InstanceId, Arc<dyn DynOperator>>>,
 }
 
 #[async_trait]
@@ -134,7 +134,7 @@ impl RequestPlane for EmbeddedRequestPlane {
         Ok(Transport::InProcess)
     }
 
-    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError> {
+    async fn unserve(&self, instance_id: InstanceId) -> Result<(), PlaneError> {
         self.handlers.write().remove(&instance_id);
         Ok(())
     }

@@ -13,7 +13,7 @@ pub(super) struct EdgeClient {
     pub(super) types: EndpointTypes,
     pub(super) planes: Planes,
     pub(super) instances: Arc<LiveInstances>,
-    pub(super) local: Arc<HashSet<u64>>,
+    pub(super) local: Arc<HashSet<InstanceId>>,
 }
 
 impl EdgeClient {
@@ -23,7 +23,7 @@ impl EdgeClient {
         node: &str,
         role: Role,
         types: EndpointTypes,
-        local: Arc<HashSet<u64>>,
+        local: Arc<HashSet<InstanceId>>,
     ) -> Result<Self, PlaneError> {
         let prefix = Instance::prefix(namespace, node, ENDPOINT);
         Ok(Self {
@@ -36,7 +36,7 @@ impl EdgeClient {
         })
     }
 
-    pub(super) fn pick(&self, target: Option<u64>) -> Result<Instance, OpError> {
+    pub(super) fn pick(&self, target: Option<InstanceId>) -> Result<Instance, OpError> {
         if let Some(t) = target {
             return self
                 .instances

@@ -35,7 +35,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::compile::{CompiledGraph, CompiledNode, PlaneAddr};
 use crate::planes::request::EndpointTypes;
-use crate::planes::{Instance, LiveInstances, PlaneError, Planes, TcpOptions, Transport};
+use crate::planes::{
+    Instance, InstanceId, LiveInstances, PlaneError, Planes, TcpOptions, Transport,
+};
 use dyn_core::build::{BuildCx, BuildError, Health, Readiness};
 use dyn_core::ctx::{Ctx, RequestId};
 use dyn_core::operator::{
@@ -129,8 +131,8 @@ impl RunOptions {
     }
 }
 
-fn random_instance_id() -> u64 {
-    uuid::Uuid::new_v4().as_u64_pair().0
+fn random_instance_id() -> InstanceId {
+    InstanceId(uuid::Uuid::new_v4().as_u64_pair().0)
 }
 
 /// What a process may attach to its running graph (the SLA planner): the planes, and a
@@ -283,7 +285,7 @@ impl Startup<'_> {
         let graph = self.graph;
         // Replicas started here later (by the planner) are called over the planes like any
         // other; preferring the first ones in-process is only a shortcut.
-        let local: Arc<HashSet<u64>> = Arc::new(
+        let local: Arc<HashSet<InstanceId>> = Arc::new(
             self.replicas
                 .served
                 .lock()

@@ -10,7 +10,7 @@ pub(super) async fn follow_readiness(
     planes: Planes,
     instance: Instance,
     mut ready: watch::Receiver<Health>,
-    failed: mpsc::Sender<u64>,
+    failed: mpsc::Sender<InstanceId>,
 ) {
     while ready.changed().await.is_ok() {
         let health = ready.borrow_and_update().clone();
@@ -63,7 +63,7 @@ pub(super) struct ReplicaSet {
     /// One scaling change (or the drain, or a replacement) at a time.
     pub(super) scaling: tokio::sync::Mutex<()>,
     /// Where followers send the ids of replicas that failed (see [`supervise`]).
-    pub(super) failed: mpsc::Sender<u64>,
+    pub(super) failed: mpsc::Sender<InstanceId>,
     /// Set by the drain: failed replicas are no longer replaced.
     pub(super) closed: AtomicBool,
 }
@@ -83,7 +83,7 @@ impl ReplicaSet {
         &self,
         node: &str,
         replica: u32,
-        instance_id: u64,
+        instance_id: InstanceId,
         readiness: Readiness,
     ) -> BuildCx {
         let g = &self.graph;
@@ -106,7 +106,7 @@ impl ReplicaSet {
         &self,
         n: &CompiledNode,
         replica: u32,
-        id: u64,
+        id: InstanceId,
         readiness: Readiness,
     ) -> Result<Built, RuntimeError> {
         n.config
@@ -150,10 +150,8 @@ impl ReplicaSet {
             op
         };
         let mut metadata = n.config.metadata();
-        metadata.insert("kind".into(), n.kind.name.into());
-        if let Some(m) = &self.graph.model {
-            metadata.insert("model".into(), m.name.clone().into());
-        }
+        metadata.kind = Some(n.kind.name.into());
+        metadata.model = self.graph.model.as_ref().map(|m| m.name.clone());
         let mut instance = Instance {
             namespace: self.graph.namespace.clone(),
             component: n.id.clone(),
@@ -255,7 +253,7 @@ impl ReplicaSet {
 
     /// Take the failed replica `instance_id` out: stop serving it. Returns its node and
     /// number (`None`: it was already gone — removed by scaling, or the graph is draining).
-    pub(super) async fn retire_failed(&self, instance_id: u64) -> Option<(String, u32)> {
+    pub(super) async fn retire_failed(&self, instance_id: InstanceId) -> Option<(String, u32)> {
         let _one = self.scaling.lock().await;
         if self.closed.load(Ordering::Acquire) {
             return None;
@@ -347,7 +345,7 @@ impl Connector for ReplicaSet {
 /// Replace the replicas whose followers report them failed, one at a time. A replica that
 /// fails again within a minute of its replacement waits longer before the next (1 s, 2 s, …
 /// 30 s), so a replica that cannot start sanely does not spin.
-pub(super) async fn supervise(set: Weak<ReplicaSet>, mut failed: mpsc::Receiver<u64>) {
+pub(super) async fn supervise(set: Weak<ReplicaSet>, mut failed: mpsc::Receiver<InstanceId>) {
     // Per replica: failures in a row (each within a minute of the last replacement) and when.
     let mut recent: HashMap<(String, u32), (u32, Instant)> = HashMap::new();
     let pause = |n: u32| Duration::from_secs(1 << n.min(5)).min(Duration::from_secs(30));

@@ -65,7 +65,7 @@ async fn a_replica_is_in_discovery_exactly_while_it_is_ready() {
         namespace: "t".into(),
         component: "w".into(),
         endpoint: ENDPOINT.into(),
-        instance_id: 7,
+        instance_id: InstanceId(7),
         transport: Transport::InProcess,
         metadata: Default::default(),
     };
@@ -94,7 +94,7 @@ async fn a_replica_is_in_discovery_exactly_while_it_is_ready() {
     until(1).await;
     // A failure is for good: out of discovery, reported, and nothing after it counts.
     readiness.fail("engine thread panicked");
-    assert_eq!(failures.recv().await, Some(7));
+    assert_eq!(failures.recv().await, Some(InstanceId(7)));
     until(0).await;
     readiness.set(true);
     assert!(!readiness.is_ready());
@@ -218,7 +218,7 @@ async fn workers<O: Operator<In = Req, Out = N>>(ops: Vec<O>) -> Arc<EdgeClient>
             namespace: "t".into(),
             component: "decode".into(),
             endpoint: ENDPOINT.into(),
-            instance_id: id,
+            instance_id: InstanceId(id),
             transport: Transport::InProcess,
             metadata: Default::default(),
         };

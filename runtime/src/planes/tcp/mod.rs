@@ -36,7 +36,8 @@ use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 use super::{
-    EndpointTypes, Instance, InstanceHealth, PlaneError, RequestPlane, TcpOptions, Transport,
+    EndpointTypes, Instance, InstanceHealth, InstanceId, PlaneError, RequestPlane, TcpOptions,
+    Transport,
 };
 use dyn_core::ctx::Ctx;
 use dyn_core::operator::{DynOperator, ErrorKind, Input, OpError, Output};
@@ -56,7 +57,7 @@ const DONE_FRAME: &[u8] = &[0, 0, 0, 1, DONE];
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Header {
-    instance_id: u64,
+    instance_id: InstanceId,
     request_id: String,
     /// Milliseconds left before the caller's deadline.
     timeout_ms: Option<u64>,
@@ -99,7 +100,7 @@ struct Served {
 }
 
 struct Shared {
-    handlers: RwLock<HashMap<u64, Served>>,
+    handlers: RwLock<HashMap<InstanceId, Served>>,
     /// One task per request being served, for the drain.
     in_flight: TaskTracker,
     opts: TcpOptions,
@@ -511,7 +512,7 @@ impl RequestPlane for TcpRequestPlane {
         Ok(Transport::Tcp { address })
     }
 
-    async fn unserve(&self, instance_id: u64) -> Result<(), PlaneError> {
+    async fn unserve(&self, instance_id: InstanceId) -> Result<(), PlaneError> {
         self.shared.handlers.write().remove(&instance_id);
         Ok(())
     }
@@ -575,7 +576,7 @@ fn error_stream(e: OpError) -> Output<AnyPayload> {
 
 struct RemoteCall {
     address: String,
-    instance_id: u64,
+    instance_id: InstanceId,
     component: String,
     types: EndpointTypes,
     opts: TcpOptions,

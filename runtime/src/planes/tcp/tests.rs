@@ -81,7 +81,7 @@ async fn served(
         namespace: "t".into(),
         component: "counter".into(),
         endpoint: "generate".into(),
-        instance_id: 7,
+        instance_id: InstanceId(7),
         transport: Transport::InProcess,
         metadata: Default::default(),
     };
