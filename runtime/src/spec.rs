@@ -296,10 +296,39 @@ pub fn load_str(
             diags.push(d);
         }
     }
+    let sections = take_sections(&mut root);
+    let Some(mut spec) = header(&root, sections, &mut diags) else {
+        return Err(diags);
+    };
+    let Some(nodes) = root.as_mapping().and_then(|m| m.get_node("nodes")) else {
+        return Ok((spec, diags));
+    };
+    let Some(nodes) = nodes.as_mapping() else {
+        diags.push(Diagnostic::error(
+            Pos::of_span(nodes.span()),
+            None,
+            "`nodes` must be a mapping from node id to node",
+        ));
+        return Err(diags);
+    };
+    for (key, value) in nodes.iter() {
+        let id = key.as_str().to_owned();
+        let pos = Pos::of_span(key.span());
+        check_node_id(&id, pos, &mut diags);
+        match node(id.clone(), pos, value) {
+            Ok(n) => spec.nodes.push(n),
+            Err(d) => {
+                diags.push(d);
+                spec.broken.push(id);
+            }
+        }
+    }
+    Ok((spec, diags))
+}
 
-    let root_pos = Pos::of_span(root.span());
-    // Sections are taken out before the header is parsed with `deny_unknown_fields`; the
-    // compiler reports the ones no registered config claims.
+/// Take the top-level sections out of the tree before the header is parsed with
+/// `deny_unknown_fields`; the compiler reports the ones no registered config claims.
+fn take_sections(root: &mut Node) -> Vec<SectionSpec> {
     let mut sections = Vec::new();
     if let Some(map) = root.as_mapping_mut() {
         let names: Vec<(String, Option<Pos>)> = map
@@ -313,12 +342,19 @@ pub fn load_str(
             }
         }
     }
-    let header = match marked_yaml::from_node::<HeaderRaw>(&root) {
+    sections
+}
+
+/// The graph's own keys (`name`, `namespace`, `planes`, `model`), with no nodes yet; `None`
+/// when the header cannot be read at all.
+fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> Option<GraphSpec> {
+    let root_pos = Pos::of_span(root.span());
+    let header = match marked_yaml::from_node::<HeaderRaw>(root) {
         Ok(h) => h,
         Err(e) => {
             let (pos, msg) = from_node_diag(&e, root_pos);
             diags.push(Diagnostic::error(pos, None, msg));
-            return Err(diags);
+            return None;
         }
     };
     let planes = header.planes.unwrap_or(PlanesRaw {
@@ -336,7 +372,7 @@ pub fn load_str(
             String::new()
         }
     };
-    let mut spec = GraphSpec {
+    Some(GraphSpec {
         name,
         namespace: header
             .namespace
@@ -350,87 +386,74 @@ pub fn load_str(
         nodes: Vec::new(),
         sections,
         broken: Vec::new(),
-    };
+    })
+}
 
-    let Some(nodes) = root.as_mapping().and_then(|m| m.get_node("nodes")) else {
-        return Ok((spec, diags));
-    };
-    let Some(nodes) = nodes.as_mapping() else {
+/// Node ids name processes, metrics and discovery keys: letters, digits, `_` and `-`, and
+/// not the name of one of the graph's sections (`--set model.…` would be ambiguous).
+fn check_node_id(id: &str, pos: Option<Pos>, diags: &mut Diagnostics) {
+    if id.is_empty()
+        || !id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
         diags.push(Diagnostic::error(
-            Pos::of_span(nodes.span()),
-            None,
-            "`nodes` must be a mapping from node id to node",
-        ));
-        return Err(diags);
-    };
-    for (key, value) in nodes.iter() {
-        let id = key.as_str().to_owned();
-        let pos = Pos::of_span(key.span());
-        if id.is_empty()
-            || !id
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        {
-            diags.push(Diagnostic::error(
-                pos,
-                Some(&id),
-                "node ids may use only letters, digits, `_` and `-`",
-            ));
-        }
-        if HEADER_SECTIONS.contains(&id.as_str()) {
-            diags.push(Diagnostic::error(
-                pos,
-                Some(&id),
-                format!("`{id}` names a section of the graph (`--set {id}.KEY=…` edits it); choose another node id"),
-            ));
-        }
-        let raw = match marked_yaml::from_node::<NodeRaw>(value) {
-            Ok(raw) => raw,
-            Err(e) => {
-                let (p, msg) = from_node_diag(&e, pos);
-                diags.push(Diagnostic::error(p, Some(&id), msg));
-                spec.broken.push(id);
-                continue;
-            }
-        };
-        let config = value
-            .as_mapping()
-            .and_then(|m| m.get_node("config"))
-            .cloned()
-            .unwrap_or_else(|| {
-                Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(
-                    *value.span(),
-                ))
-            });
-        let (inputs, inputs_pos) = match raw.inputs {
-            Some(list) => {
-                let p = pos_of(&list);
-                (list.iter().map(|i| (i.to_string(), pos_of(i))).collect(), p)
-            }
-            None => (Vec::new(), None),
-        };
-        spec.nodes.push(NodeSpec {
             pos,
-            kind: raw.kind.to_string(),
-            kind_pos: pos_of(&raw.kind),
-            inputs,
-            inputs_pos,
-            replicas: raw.replicas.as_ref().map_or(1, |r| **r),
-            replicas_pos: raw.replicas.as_ref().and_then(pos_of),
-            process: raw
-                .process
-                .as_ref()
-                .map_or_else(|| id.clone(), |p| p.to_string()),
-            process_pos: raw.process.as_ref().and_then(pos_of),
-            migration_limit: raw
-                .migration_limit
-                .as_ref()
-                .map_or(DEFAULT_MIGRATION_LIMIT, |m| **m),
-            config,
-            id,
-        });
+            Some(id),
+            "node ids may use only letters, digits, `_` and `-`",
+        ));
     }
-    Ok((spec, diags))
+    if HEADER_SECTIONS.contains(&id) {
+        diags.push(Diagnostic::error(
+            pos,
+            Some(id),
+            format!("`{id}` names a section of the graph (`--set {id}.KEY=…` edits it); choose another node id"),
+        ));
+    }
+}
+
+/// One node as written; its `config:` is kept as a marked node for its kind's config type.
+fn node(id: String, pos: Option<Pos>, value: &Node) -> Result<NodeSpec, Diagnostic> {
+    let raw = marked_yaml::from_node::<NodeRaw>(value).map_err(|e| {
+        let (p, msg) = from_node_diag(&e, pos);
+        Diagnostic::error(p, Some(&id), msg)
+    })?;
+    let config = value
+        .as_mapping()
+        .and_then(|m| m.get_node("config"))
+        .cloned()
+        .unwrap_or_else(|| {
+            Node::Mapping(marked_yaml::types::MarkedMappingNode::new_empty(
+                *value.span(),
+            ))
+        });
+    let (inputs, inputs_pos) = match raw.inputs {
+        Some(list) => {
+            let p = pos_of(&list);
+            (list.iter().map(|i| (i.to_string(), pos_of(i))).collect(), p)
+        }
+        None => (Vec::new(), None),
+    };
+    Ok(NodeSpec {
+        pos,
+        kind: raw.kind.to_string(),
+        kind_pos: pos_of(&raw.kind),
+        inputs,
+        inputs_pos,
+        replicas: raw.replicas.as_ref().map_or(1, |r| **r),
+        replicas_pos: raw.replicas.as_ref().and_then(pos_of),
+        process: raw
+            .process
+            .as_ref()
+            .map_or_else(|| id.clone(), |p| p.to_string()),
+        process_pos: raw.process.as_ref().and_then(pos_of),
+        migration_limit: raw
+            .migration_limit
+            .as_ref()
+            .map_or(DEFAULT_MIGRATION_LIMIT, |m| **m),
+        config,
+        id,
+    })
 }
 
 /// Write one `--set` into the YAML tree before anything reads it, so the value is checked

@@ -621,6 +621,64 @@ impl RemoteCall {
         ))
     }
 
+    /// The header frame: which instance, which request, and the time left before the
+    /// caller's deadline (relative: the two machines' clocks need not agree).
+    fn header(&self, ctx: &Ctx) -> Bytes {
+        let header = Header {
+            instance_id: self.instance_id,
+            request_id: ctx.id().to_string(),
+            timeout_ms: ctx
+                .deadline()
+                // Rounded up: the callee must not stop before the caller's deadline.
+                .map(|d| {
+                    let left = d.saturating_duration_since(Instant::now()).as_micros();
+                    u64::try_from(left.div_ceil(1000)).unwrap_or(u64::MAX)
+                }),
+        };
+        frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default())
+    }
+
+    /// What one frame from the serving side means for the call. The last item comes with the
+    /// done mark behind it: that mark is read now, while it is at hand (a consumer stops
+    /// polling at the last item, the finish), or the connection could never be reused.
+    fn reply(&self, frame: &[u8], out_codec: &Codec, reader: &mut Reader) -> Reply {
+        match frame.split_first() {
+            Some((&ITEM, body)) => match (out_codec.decode)(body) {
+                Ok(v) if reader.read_buffer().as_ref() == DONE_FRAME => {
+                    let done = matches!(reader.next().now_or_never(), Some(Some(Ok(_))));
+                    Reply::Last(v, done)
+                }
+                Ok(v) => Reply::Item(v),
+                Err(e) => Reply::Broken(OpError::internal(format!(
+                    "cannot decode a response from '{}': {e}",
+                    self.component
+                ))),
+            },
+            Some((&ERROR, body)) => {
+                let e = serde_json::from_slice::<OpError>(body)
+                    .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
+                // The process is there but no longer serves the instance.
+                if e.kind == ErrorKind::InstanceLost
+                    && e.code.as_deref() == Some(dyn_core::operator::NOT_SERVED)
+                {
+                    self.health.report_down(self.instance_id);
+                }
+                Reply::Failed(e)
+            }
+            Some((&DONE, _)) => Reply::Done,
+            _ => Reply::Broken(OpError::internal(format!(
+                "unexpected frame from '{}'",
+                self.component
+            ))),
+        }
+    }
+
+    /// The connection broke under a call: the instance is reported down and the call lost.
+    fn broke(&self, what: impl std::fmt::Display) -> OpError {
+        self.health.report_down(self.instance_id);
+        self.lost(what)
+    }
+
     fn run(
         self,
         ctx: Ctx,
@@ -644,53 +702,12 @@ impl RemoteCall {
             let (Some(reader), Some(writer)) = (conn.reader.as_mut(), conn.writer.as_mut()) else {
                 return;
             };
+            // Input goes out while outputs come back. The input borrows the writer so that a
+            // call whose response ends before its input does (a router keeps its input open
+            // until the answer is over) can still hand the connection back.
+            let header = self.header(&ctx);
             let max = self.opts.max_message_bytes;
-            let header = Header {
-                instance_id: self.instance_id,
-                request_id: ctx.id().to_string(),
-                timeout_ms: ctx
-                    .deadline()
-                    // Rounded up: the callee must not stop before the caller's deadline.
-                    .map(|d| {
-                        let left = d.saturating_duration_since(Instant::now()).as_micros();
-                        u64::try_from(left.div_ceil(1000)).unwrap_or(u64::MAX)
-                    }),
-            };
-            let header = frame(HEADER, &serde_json::to_vec(&header).unwrap_or_default());
-            // Input goes out while outputs come back; an input item that cannot be encoded
-            // fails the call.
-            // The input borrows the writer so that a call whose response ends before its input
-            // does (a router keeps its input open until the answer is over) can still hand the
-            // connection back.
-            let mut send_input = Box::pin(async move {
-                let lost = |e: std::io::Error| SendFailed::Lost(format!("send failed: {e}"));
-                // Buffered like the serving side's output: a one-item request is one write.
-                writer.feed(header).await.map_err(lost)?;
-                let mut input = input;
-                loop {
-                    let item = match input.next().now_or_never() {
-                        Some(item) => item,
-                        None => {
-                            SinkExt::<Bytes>::flush(writer).await.map_err(lost)?;
-                            input.next().await
-                        }
-                    };
-                    let Some(item) = item else { break };
-                    let bytes = (in_codec.encode)(item.as_ref())
-                        .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
-                    if bytes.len() >= max {
-                        return Err(SendFailed::Invalid(format!(
-                            "request item of {} bytes exceeds the {max}-byte message limit",
-                            bytes.len()
-                        )));
-                    }
-                    writer.feed(frame(ITEM, &bytes)).await.map_err(lost)?;
-                }
-                writer.send(frame(END_INPUT, b"")).await.map_err(lost)?;
-                // The write half stays open until the response is done: closing it would read
-                // as a cancellation on the other side.
-                Ok::<_, SendFailed>(())
-            });
+            let mut send_input = Box::pin(send_input(writer, header, input, in_codec, max));
             let mut sent = false;
             let mut got_any = false;
             loop {
@@ -699,8 +716,7 @@ impl RemoteCall {
                         Ok(()) => sent = true,
                         Err(SendFailed::Lost(msg)) => {
                             conn.reader = None;
-                            if !got_any { self.health.report_down(self.instance_id); }
-                            yield Err(self.lost(msg));
+                            yield Err(if got_any { self.lost(msg) } else { self.broke(msg) });
                             return;
                         }
                         Err(SendFailed::Invalid(msg)) => {
@@ -714,60 +730,34 @@ impl RemoteCall {
                             Some(Err(e)) => {
                                 drop(send_input);
                                 conn.poison();
-                                self.health.report_down(self.instance_id);
-                                yield Err(self.lost(format!("connection failed: {e}")));
+                                yield Err(self.broke(format!("connection failed: {e}")));
                                 return;
                             }
                             None => {
                                 drop(send_input);
                                 conn.poison();
-                                self.health.report_down(self.instance_id);
-                                yield Err(self.lost("connection closed mid-response"));
+                                yield Err(self.broke("connection closed mid-response"));
                                 return;
                             }
                         };
                         got_any = true;
-                        match frame.split_first() {
-                            Some((&ITEM, body)) => match (out_codec.decode)(body) {
-                                // The serving side writes its last item and the done mark
-                                // together; a consumer stops polling at the last item (the
-                                // finish), so the mark is read now, while it is at hand, or
-                                // the connection could never be reused.
-                                Ok(v) if reader.read_buffer().as_ref() == DONE_FRAME => {
-                                    drop(send_input);
-                                    if let Some(Some(Ok(_))) = reader.next().now_or_never() {
-                                        conn.recycle();
-                                    }
-                                    yield Ok(v);
-                                    if ctx.is_killed() {
-                                        yield Err(OpError::cancelled());
-                                    }
-                                    return;
+                        match self.reply(&frame, &out_codec, reader) {
+                            Reply::Item(v) => yield Ok(v),
+                            Reply::Last(v, done) => {
+                                drop(send_input);
+                                if done {
+                                    conn.recycle();
                                 }
-                                Ok(v) => yield Ok(v),
-                                Err(e) => {
-                                    drop(send_input);
-                                    conn.poison();
-                                    yield Err(OpError::internal(format!("cannot decode a response from '{}': {e}", self.component)));
-                                    return;
+                                yield Ok(v);
+                                if ctx.is_killed() {
+                                    yield Err(OpError::cancelled());
                                 }
-                            },
-                            Some((&ERROR, body)) => {
-                                let e = serde_json::from_slice::<OpError>(body)
-                                    .unwrap_or_else(|_| OpError::internal("unreadable error from a worker"));
-                                // The process is there but no longer serves the instance.
-                                if e.kind == ErrorKind::InstanceLost
-                                    && e.code.as_deref() == Some(dyn_core::operator::NOT_SERVED)
-                                {
-                                    self.health.report_down(self.instance_id);
-                                }
-                                yield Err(e);
                                 return;
                             }
-                            Some((&DONE, _)) => {
-                                // A clean end: the connection is free for the next call once no
-                                // part of a frame is left unsent (the serving side ignores input
-                                // that was still to come; the next header starts afresh).
+                            Reply::Done => {
+                                // A clean end: the connection is free for the next call once
+                                // no part of a frame is left unsent (the serving side ignores
+                                // input that was still to come; the next header starts afresh).
                                 drop(send_input);
                                 conn.recycle();
                                 // The serving side saw the deadline first and ended early.
@@ -776,10 +766,14 @@ impl RemoteCall {
                                 }
                                 return;
                             }
-                            _ => {
+                            Reply::Failed(e) => {
+                                yield Err(e);
+                                return;
+                            }
+                            Reply::Broken(e) => {
                                 drop(send_input);
                                 conn.poison();
-                                yield Err(OpError::internal(format!("unexpected frame from '{}'", self.component)));
+                                yield Err(e);
                                 return;
                             }
                         }
@@ -793,6 +787,56 @@ impl RemoteCall {
             }
         }
     }
+}
+
+/// What one frame from the serving side means for a call ([`RemoteCall::reply`]).
+enum Reply {
+    /// An output item; more follow.
+    Item(AnyPayload),
+    /// The last output item; `true` when the done mark behind it was read too, so the
+    /// connection can go back to the pool.
+    Last(AnyPayload, bool),
+    /// The done mark: the call ended cleanly.
+    Done,
+    /// The worker's error; the exchange itself went by the protocol.
+    Failed(OpError),
+    /// A frame that breaks the protocol: the connection is not reused.
+    Broken(OpError),
+}
+
+/// Send a call's header and input items, then the end-of-input mark. An item that cannot be
+/// encoded, or is over the message limit, fails the call; the write half stays open until
+/// the response is done (closing it would read as a cancellation on the other side).
+async fn send_input(
+    writer: &mut Writer,
+    header: Bytes,
+    mut input: Input<AnyPayload>,
+    in_codec: Codec,
+    max: usize,
+) -> Result<(), SendFailed> {
+    let lost = |e: std::io::Error| SendFailed::Lost(format!("send failed: {e}"));
+    // Buffered like the serving side's output: a one-item request is one write.
+    writer.feed(header).await.map_err(lost)?;
+    loop {
+        let item = match input.next().now_or_never() {
+            Some(item) => item,
+            None => {
+                SinkExt::<Bytes>::flush(writer).await.map_err(lost)?;
+                input.next().await
+            }
+        };
+        let Some(item) = item else { break };
+        let bytes = (in_codec.encode)(item.as_ref())
+            .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
+        if bytes.len() >= max {
+            return Err(SendFailed::Invalid(format!(
+                "request item of {} bytes exceeds the {max}-byte message limit",
+                bytes.len()
+            )));
+        }
+        writer.feed(frame(ITEM, &bytes)).await.map_err(lost)?;
+    }
+    writer.send(frame(END_INPUT, b"")).await.map_err(lost)
 }
 
 #[cfg(test)]
