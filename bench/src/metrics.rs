@@ -12,6 +12,10 @@
 //! late because the client fell behind is charged for the wait (no coordinated omission). In
 //! closed-loop runs the intended time is the send time. Percentiles come from HDR histograms
 //! (three significant digits); averages, minima and maxima are exact.
+//!
+//! A concurrency sweep's points ([`SweepPoint`]) are read off summaries here too, so that
+//! [`crate::report`] (which writes them) and [`crate::plot`] (which draws them) share the type
+//! without either depending on the other.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -327,6 +331,31 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         config: serde_json::Value::Null,
         oracle_hit_rate: None,
         replica_seconds: None,
+    }
+}
+
+/// One level of a concurrency sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepPoint {
+    pub concurrency: usize,
+    pub output_token_throughput: f64,
+    /// Average tokens/s one user sees (1 / ITL).
+    pub output_token_throughput_per_user: f64,
+    pub ttft_p50_ms: f64,
+    pub request_throughput: f64,
+}
+
+impl SweepPoint {
+    pub fn new(concurrency: usize, s: &Summary) -> Self {
+        Self {
+            concurrency,
+            output_token_throughput: s.output_token_throughput,
+            output_token_throughput_per_user: s
+                .output_token_throughput_per_user
+                .map_or(0.0, |st| st.avg),
+            ttft_p50_ms: s.ttft_ms.map_or(0.0, |st| st.p50),
+            request_throughput: s.request_throughput,
+        }
     }
 }
 

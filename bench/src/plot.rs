@@ -12,7 +12,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::Error;
-use crate::report::SweepPoint;
+use crate::metrics::SweepPoint;
 
 /// A line chart: every plot here is one.
 struct Chart<'a> {

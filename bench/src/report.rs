@@ -10,6 +10,9 @@ use serde::Serialize;
 use crate::metrics::{Record, Stats, Summary, duration_stats, throughput_over_time};
 use crate::{Error, plot};
 
+// Re-exported: callers (the CLI) take it with the sweep functions below that use it.
+pub use crate::metrics::SweepPoint;
+
 /// The rows of the table and of `compare`: label, and how to read the stats off a summary.
 type Row = (&'static str, fn(&Summary) -> Option<Stats>);
 
@@ -186,31 +189,6 @@ pub fn write_planner(
         .collect();
     let target = summary.slo.as_ref().and_then(|s| s.ttft_ms);
     plot::timeline(dir, "timeline", &p90, target, samples)
-}
-
-/// One level of a concurrency sweep.
-#[derive(Debug, Clone, Serialize)]
-pub struct SweepPoint {
-    pub concurrency: usize,
-    pub output_token_throughput: f64,
-    /// Average tokens/s one user sees (1 / ITL).
-    pub output_token_throughput_per_user: f64,
-    pub ttft_p50_ms: f64,
-    pub request_throughput: f64,
-}
-
-impl SweepPoint {
-    pub fn new(concurrency: usize, s: &Summary) -> Self {
-        Self {
-            concurrency,
-            output_token_throughput: s.output_token_throughput,
-            output_token_throughput_per_user: s
-                .output_token_throughput_per_user
-                .map_or(0.0, |st| st.avg),
-            ttft_p50_ms: s.ttft_ms.map_or(0.0, |st| st.p50),
-            request_throughput: s.request_throughput,
-        }
-    }
 }
 
 /// `sweep.json` and the tokens/s/user against tokens/s plot.

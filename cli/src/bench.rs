@@ -7,8 +7,9 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use dyn_bench::arrival::Arrival;
-use dyn_bench::dataset::{Source, Synthetic, Words};
+use dyn_bench::dataset::{Entry, Source, Synthetic, Words};
 use dyn_bench::report::{self, SweepPoint};
+use dyn_bench::run::Outcome;
 use dyn_bench::{Config, Endpoint, Load, Slo, Stop};
 
 pub const EXAMPLES: &str = "\
@@ -209,96 +210,18 @@ fn parse_oracle(s: &str) -> Result<(usize, usize), String> {
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    match &args.command {
-        Some(BenchCommand::Compare { a, b }) => {
-            let (a, b) = (report::load(a)?, report::load(b)?);
-            print!("{}", report::compare(&a, &b));
-            return Ok(());
-        }
-        Some(BenchCommand::PlotRatios {
-            input,
-            output,
-            title,
-        }) => return plot_ratios(input, output, title),
-        None => {}
+    if let Some(command) = &args.command {
+        return subcommand(command);
     }
     let words = match &args.tokenizer {
         Some(dir) => Words::from_tokenizer(dir)?,
         None => Words::approximate(),
     };
     let tokenizer = words.tokenizer().cloned().map(Arc::new);
-    let source = if let Some(path) = &args.trace {
-        Source::Trace {
-            path: path.clone(),
-            speed: args.trace_speed,
-            block_size: args.trace_block_size,
-        }
-    } else if let Some(path) = &args.prompts {
-        Source::Prompts {
-            path: path.clone(),
-            osl: args.osl,
-        }
-    } else {
-        Source::Synthetic(Synthetic {
-            isl: args.isl,
-            isl_stddev: args.isl_stddev,
-            osl: args.osl,
-            osl_stddev: args.osl_stddev,
-            prefix_groups: args.prefix_groups,
-            prefix_len: args.prefix_len,
-            prefix_seed: args.prefix_seed,
-        })
-    };
-    let stop = match (args.requests, args.duration) {
-        (_, Some(s)) => Stop::Duration(
-            Duration::try_from_secs_f64(s)
-                .ok()
-                .filter(|d| !d.is_zero())
-                .context("--duration must be a positive number of seconds")?,
-        ),
-        (Some(0), None) => bail!("--requests must be at least 1"),
-        (Some(n), None) => Stop::Requests(n),
-        (None, None) if args.trace.is_some() => Stop::Requests(usize::MAX),
-        (None, None) => Stop::Requests(100),
-    };
-    let count = match stop {
-        Stop::Requests(n) if args.trace.is_none() => n + args.warmup,
-        _ => args.dataset_size.max(1),
-    };
-    let load = if args.trace.is_some() {
-        Load::Trace
-    } else if let Some(rate) = args.request_rate.clone() {
-        Load::Rate {
-            rate,
-            arrival: match args.arrival {
-                ArrivalArg::Poisson => Arrival::Poisson,
-                ArrivalArg::Gamma => Arrival::Gamma,
-                ArrivalArg::Constant => Arrival::Constant,
-            },
-            burstiness: args.burstiness,
-        }
-    } else {
-        Load::Concurrency(args.concurrency.unwrap_or(1))
-    };
-    let mut cfg = Config {
-        url: args.url.clone(),
-        model: args.model.clone(),
-        endpoint: match args.endpoint {
-            EndpointArg::Chat => Endpoint::Chat,
-            EndpointArg::Completions => Endpoint::Completions,
-        },
-        load,
-        stop,
-        warmup: args.warmup,
-        ignore_eos: !args.no_ignore_eos,
-        api_key: args.api_key.clone(),
-        timeout: Duration::try_from_secs_f64(args.timeout)
-            .context("--timeout must be a non-negative number of seconds")?,
-        seed: args.seed,
-        slo: args.slo.clone(),
-        progress: !args.no_progress,
-        planner: args.planner,
-    };
+    let source = args.source();
+    let stop = args.stop()?;
+    let count = args.entries_needed(&stop);
+    let cfg = args.config(stop)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -307,36 +230,181 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let _rt = rt.enter();
         dyn_bench::run::interrupt_on_ctrl_c()
     };
-
-    let Some(levels) = &args.sweep_concurrency else {
-        let entries = source.load(&words, count, args.seed)?;
-        let mut out = rt.block_on(dyn_bench::run::run(&cfg, &entries, tokenizer, &interrupted))?;
-        if let Some((workers, blocks)) = args.oracle {
-            // The entries the run sent, in order (a closed loop cycles through them).
-            let sent = out.summary.requests.sent as usize + args.warmup;
-            out.summary.oracle_hit_rate = Some(dyn_bench::oracle::hit_rate(
-                entries.iter().cycle().take(sent),
-                workers,
-                blocks,
-                args.oracle_block_size.max(1),
-            ));
-        }
-        print!("{}", report::table(&out.summary));
-        if let Some(rs) = out.summary.replica_seconds {
-            println!("replica-seconds (planner): {rs:.1}");
-        }
-        if let Some(dir) = &args.output {
-            report::write(dir, &out.summary, &out.records)?;
-            if args.planner {
-                report::write_planner(dir, &out.summary, &out.records, &out.planner)?;
-            }
-            println!("wrote {}", dir.display());
-        }
-        if out.summary.requests.ok == 0 {
-            bail!("every request failed");
-        }
-        return Ok(());
+    // A sweep runs once per level: the runtime, tokenizer and Ctrl-C flag are shared by all.
+    let run = |cfg: &Config, entries: &[Entry]| {
+        rt.block_on(dyn_bench::run::run(
+            cfg,
+            entries,
+            tokenizer.clone(),
+            &interrupted,
+        ))
     };
+    match &args.sweep_concurrency {
+        None => run_once(&args, &cfg, &source.load(&words, count, args.seed)?, run),
+        Some(levels) => sweep(
+            &args,
+            levels,
+            cfg,
+            |seed| source.load(&words, count, seed),
+            run,
+        ),
+    }
+}
+
+fn subcommand(command: &BenchCommand) -> anyhow::Result<()> {
+    match command {
+        BenchCommand::Compare { a, b } => {
+            let (a, b) = (report::load(a)?, report::load(b)?);
+            print!("{}", report::compare(&a, &b));
+            Ok(())
+        }
+        BenchCommand::PlotRatios {
+            input,
+            output,
+            title,
+        } => plot_ratios(input, output, title),
+    }
+}
+
+impl BenchArgs {
+    /// What to send: a trace, a prompts file or synthetic prompts.
+    fn source(&self) -> Source {
+        if let Some(path) = &self.trace {
+            Source::Trace {
+                path: path.clone(),
+                speed: self.trace_speed,
+                block_size: self.trace_block_size,
+            }
+        } else if let Some(path) = &self.prompts {
+            Source::Prompts {
+                path: path.clone(),
+                osl: self.osl,
+            }
+        } else {
+            Source::Synthetic(Synthetic {
+                isl: self.isl,
+                isl_stddev: self.isl_stddev,
+                osl: self.osl,
+                osl_stddev: self.osl_stddev,
+                prefix_groups: self.prefix_groups,
+                prefix_len: self.prefix_len,
+                prefix_seed: self.prefix_seed,
+            })
+        }
+    }
+
+    /// When measuring stops: after --duration, else after --requests (a trace: all its lines).
+    fn stop(&self) -> anyhow::Result<Stop> {
+        Ok(match (self.requests, self.duration) {
+            (_, Some(s)) => Stop::Duration(
+                Duration::try_from_secs_f64(s)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .context("--duration must be a positive number of seconds")?,
+            ),
+            (Some(0), None) => bail!("--requests must be at least 1"),
+            (Some(n), None) => Stop::Requests(n),
+            (None, None) if self.trace.is_some() => Stop::Requests(usize::MAX),
+            (None, None) => Stop::Requests(100),
+        })
+    }
+
+    /// Entries to load: one per request sent when the count is known (warm-up included),
+    /// else a pool to cycle through; a trace loads all its lines whatever the count.
+    fn entries_needed(&self, stop: &Stop) -> usize {
+        match stop {
+            Stop::Requests(n) if self.trace.is_none() => n + self.warmup,
+            _ => self.dataset_size.max(1),
+        }
+    }
+
+    /// How requests are paced: by a trace's timestamps, an open-loop rate or a closed loop.
+    fn load(&self) -> Load {
+        if self.trace.is_some() {
+            Load::Trace
+        } else if let Some(rate) = self.request_rate.clone() {
+            Load::Rate {
+                rate,
+                arrival: match self.arrival {
+                    ArrivalArg::Poisson => Arrival::Poisson,
+                    ArrivalArg::Gamma => Arrival::Gamma,
+                    ArrivalArg::Constant => Arrival::Constant,
+                },
+                burstiness: self.burstiness,
+            }
+        } else {
+            Load::Concurrency(self.concurrency.unwrap_or(1))
+        }
+    }
+
+    fn config(&self, stop: Stop) -> anyhow::Result<Config> {
+        Ok(Config {
+            url: self.url.clone(),
+            model: self.model.clone(),
+            endpoint: match self.endpoint {
+                EndpointArg::Chat => Endpoint::Chat,
+                EndpointArg::Completions => Endpoint::Completions,
+            },
+            load: self.load(),
+            stop,
+            warmup: self.warmup,
+            ignore_eos: !self.no_ignore_eos,
+            api_key: self.api_key.clone(),
+            timeout: Duration::try_from_secs_f64(self.timeout)
+                .context("--timeout must be a non-negative number of seconds")?,
+            seed: self.seed,
+            slo: self.slo.clone(),
+            progress: !self.no_progress,
+            planner: self.planner,
+        })
+    }
+}
+
+/// One run at the configured load: the table, the files with --output, and an error when
+/// every request failed (so scripts notice a server that was never up).
+fn run_once(
+    args: &BenchArgs,
+    cfg: &Config,
+    entries: &[Entry],
+    run: impl Fn(&Config, &[Entry]) -> Result<Outcome, dyn_bench::Error>,
+) -> anyhow::Result<()> {
+    let mut out = run(cfg, entries)?;
+    if let Some((workers, blocks)) = args.oracle {
+        // The entries the run sent, in order (a closed loop cycles through them).
+        let sent = out.summary.requests.sent as usize + args.warmup;
+        out.summary.oracle_hit_rate = Some(dyn_bench::oracle::hit_rate(
+            entries.iter().cycle().take(sent),
+            workers,
+            blocks,
+            args.oracle_block_size.max(1),
+        ));
+    }
+    print!("{}", report::table(&out.summary));
+    if let Some(rs) = out.summary.replica_seconds {
+        println!("replica-seconds (planner): {rs:.1}");
+    }
+    if let Some(dir) = &args.output {
+        report::write(dir, &out.summary, &out.records)?;
+        if args.planner {
+            report::write_planner(dir, &out.summary, &out.records, &out.planner)?;
+        }
+        println!("wrote {}", dir.display());
+    }
+    if out.summary.requests.ok == 0 {
+        bail!("every request failed");
+    }
+    Ok(())
+}
+
+/// A closed loop at each of `levels`, one after another, each level's run written under
+/// `c{level}/`; an interrupted level ends the sweep there.
+fn sweep(
+    args: &BenchArgs,
+    levels: &[usize],
+    mut cfg: Config,
+    load: impl Fn(u64) -> Result<Vec<Entry>, dyn_bench::Error>,
+    run: impl Fn(&Config, &[Entry]) -> Result<Outcome, dyn_bench::Error>,
+) -> anyhow::Result<()> {
     if levels.is_empty() || levels.contains(&0) {
         bail!("--sweep-concurrency takes positive concurrencies, e.g. 1,8,32");
     }
@@ -345,14 +413,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         cfg.load = Load::Concurrency(c);
         // A fresh seed per level: repeated prompts would hit the prefix cache.
         cfg.seed = args.seed.wrapping_add(i as u64 * 1_000_003);
-        let entries = source.load(&words, count, cfg.seed)?;
+        let entries = load(cfg.seed)?;
         eprintln!("concurrency {c}");
-        let out = rt.block_on(dyn_bench::run::run(
-            &cfg,
-            &entries,
-            tokenizer.clone(),
-            &interrupted,
-        ))?;
+        let out = run(&cfg, &entries)?;
         if let Some(dir) = &args.output {
             report::write(&dir.join(format!("c{c}")), &out.summary, &out.records)?;
         }

@@ -327,6 +327,18 @@ fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Re
     let grace = Duration::try_from_secs_f64(args.grace_period)
         .context("--grace-period must be a non-negative number of seconds")?;
     let embedded = graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded;
+    let opts = run_options(&args, grace)?;
+    let rt = runtime()?;
+    // Embedded planes reach no other process, so the whole graph runs in this one.
+    if args.group.is_some() || embedded {
+        return up_in_process(&args, &graph, opts, &rt);
+    }
+    up_supervised(args, &graph, grace, log, &rt)
+}
+
+/// How this process runs its share of the graph: which part (`--group`, `--only`), how long
+/// it drains, and how others reach it.
+fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
     let placement = match &args.group {
         Some(g) => {
             let (process, replica) = g
@@ -337,7 +349,7 @@ fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Re
         }
         None => Placement::All,
     };
-    let opts = RunOptions {
+    Ok(RunOptions {
         grace,
         placement,
         only: args.only.clone(),
@@ -346,10 +358,12 @@ fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Re
             ..Default::default()
         },
         lease_ttl: Duration::from_secs(args.lease_ttl.max(1)),
-    };
-    let rt = runtime()?;
-    let plan = Plan::new(&graph);
-    let state = |mode: &str, processes| procs::State {
+    })
+}
+
+/// What `dyn graph ps` and `down` read about this run, as of now.
+fn run_state(graph: &CompiledGraph, mode: &str, processes: Vec<procs::ProcState>) -> procs::State {
+    procs::State {
         graph: graph.name.clone(),
         namespace: graph.namespace.clone(),
         pid: std::process::id(),
@@ -358,71 +372,74 @@ fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Re
         events: graph.events.to_string(),
         started_unix: procs::now_unix(),
         processes,
+    }
+}
+
+/// One process: the whole graph (embedded), or one replica the supervisor started.
+fn up_in_process(
+    args: &UpArgs,
+    graph: &CompiledGraph,
+    opts: RunOptions,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
+    let supervised = args.group.is_some();
+    // A supervised replica is listed in its supervisor's state file, not in one of its own.
+    let _state = if !supervised {
+        Some(procs::StateFile::create(run_state(
+            graph,
+            "embedded",
+            vec![procs::ProcState {
+                process: "(all)".into(),
+                replica: 0,
+                pid: Some(std::process::id()),
+                restarts: 0,
+                status: "running".into(),
+            }],
+        ))?)
+    } else {
+        None
     };
-    if args.group.is_some() || embedded {
-        // One process: the whole graph (embedded), or one replica the supervisor started.
-        let _state = if args.group.is_none() {
-            Some(procs::StateFile::create(state(
-                "embedded",
-                vec![procs::ProcState {
-                    process: "(all)".into(),
-                    replica: 0,
-                    pid: Some(std::process::id()),
-                    restarts: 0,
-                    status: "running".into(),
-                }],
-            ))?)
-        } else {
-            None
-        };
-        let supervised = args.group.is_some();
-        let stop = async move {
-            if supervised {
-                tokio::select! {
-                    _ = shutdown_signal() => {}
-                    _ = procs::parent_gone() => {}
-                }
-            } else {
-                shutdown_signal().await;
+    let stop = async move {
+        if supervised {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                _ = procs::parent_gone() => {}
             }
-        };
-        // The planner runs beside an embedded graph, or in the supervisor of a distributed
-        // one (below), never in its processes.
-        let planner = if supervised {
-            None
         } else {
-            planner_plan(&graph)?
-        };
-        let attach = move |a: dyn_runtime::Attach| {
-            planner.map(|p| dyn_planner::run(p, a.planes.events, a.replicas).boxed())
-        };
-        return rt
-            .block_on(dyn_runtime::run_attached(&graph, opts, stop, attach))
-            .map_err(Into::into);
-    }
-    // Distributed: supervise one process per process-group replica (of the selected nodes).
-    let mut groups = Vec::new();
-    for p in &plan.processes {
-        if let Some(only) = &args.only
-            && !p.nodes.iter().any(|n| only.contains(n))
-        {
-            continue;
+            shutdown_signal().await;
         }
-        for replica in 0..p.replicas {
-            groups.push((p.name.clone(), replica));
-        }
-    }
-    if groups.is_empty() {
-        anyhow::bail!("--only selects no node of graph '{}'", graph.name);
-    }
+    };
+    // The planner runs beside an embedded graph, or in the supervisor of a distributed
+    // one (`up_supervised`), never in its processes.
+    let planner = if supervised {
+        None
+    } else {
+        planner_plan(graph)?
+    };
+    let attach = move |a: dyn_runtime::Attach| {
+        planner.map(|p| dyn_planner::run(p, a.planes.events, a.replicas).boxed())
+    };
+    rt.block_on(dyn_runtime::run_attached(graph, opts, stop, attach))
+        .map_err(Into::into)
+}
+
+/// Distributed: supervise one process per process-group replica (of the selected nodes).
+fn up_supervised(
+    args: UpArgs,
+    graph: &CompiledGraph,
+    grace: Duration,
+    log: LogFormat,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
+    let groups = process_groups(&args, graph)?;
     // One planner per graph: the supervisor of the whole graph runs it; one started with
     // `--only` (more workers on another machine) leaves it to that one.
     let planner = if args.only.is_some() {
         None
     } else {
-        planner_plan(&graph)?
+        planner_plan(graph)?
     };
-    let file = procs::StateFile::create(state("distributed", Vec::new()))?;
+    let file = procs::StateFile::create(run_state(graph, "distributed", Vec::new()))?;
     let groups_of = graph
         .nodes
         .iter()
@@ -441,24 +458,53 @@ fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Re
             sup.start(process, *replica);
         }
         let _planner = match planner {
-            Some(p) => {
-                let events = match &graph.events {
-                    PlaneAddr::Nats(eps) => dyn_runtime::planes::NatsEventBus::connect(eps)
-                        .await
-                        .context("the planner cannot reach NATS")?,
-                    _ => anyhow::bail!(
-                        "the planner of a multi-process graph observes it over NATS: give --events nats://HOST:PORT"
-                    ),
-                };
-                let connector: std::sync::Arc<dyn dyn_core::Connector> = sup.clone();
-                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                    dyn_planner::run(p, std::sync::Arc::new(events), connector),
-                )))
-            }
+            Some(p) => Some(start_planner(p, &graph.events, &sup).await?),
             None => None,
         };
         sup.run(grace, shutdown_signal()).await
     })
+}
+
+/// The process-group replicas to supervise: every replica of each process that holds a
+/// node `--only` selects (all of them without it).
+fn process_groups(args: &UpArgs, graph: &CompiledGraph) -> anyhow::Result<Vec<(String, u32)>> {
+    let plan = Plan::new(graph);
+    let mut groups = Vec::new();
+    for p in &plan.processes {
+        if let Some(only) = &args.only
+            && !p.nodes.iter().any(|n| only.contains(n))
+        {
+            continue;
+        }
+        for replica in 0..p.replicas {
+            groups.push((p.name.clone(), replica));
+        }
+    }
+    if groups.is_empty() {
+        anyhow::bail!("--only selects no node of graph '{}'", graph.name);
+    }
+    Ok(groups)
+}
+
+/// The planner of a supervised graph, scaling through the supervisor; it runs until the
+/// returned handle is dropped.
+async fn start_planner(
+    p: dyn_planner::run::Plan,
+    events: &PlaneAddr,
+    sup: &std::sync::Arc<procs::Supervisor>,
+) -> anyhow::Result<tokio_util::task::AbortOnDropHandle<()>> {
+    let events = match events {
+        PlaneAddr::Nats(eps) => dyn_runtime::planes::NatsEventBus::connect(eps)
+            .await
+            .context("the planner cannot reach NATS")?,
+        _ => anyhow::bail!(
+            "the planner of a multi-process graph observes it over NATS: give --events nats://HOST:PORT"
+        ),
+    };
+    let connector: std::sync::Arc<dyn dyn_core::Connector> = sup.clone();
+    Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+        dyn_planner::run(p, std::sync::Arc::new(events), connector),
+    )))
 }
 
 /// The graph's planner, with its profile loaded (a bad profile stops `dyn graph up` here).

@@ -34,16 +34,20 @@ use std::time::Duration;
 
 use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_llm::model::ModelDir;
-use dyn_llm::types::{FinishReason, Generated, PreprocessedRequest};
-use eventsource_stream::Eventsource;
-use futures::StreamExt;
+use dyn_llm::types::{FinishReason, Generated, PreprocessedRequest, StopConditions};
+use eventsource_stream::{Event, Eventsource};
 use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
 use tokenizers::Tokenizer;
+use tokio::sync::watch;
 use tokio_util::task::AbortOnDropHandle;
 
 pub use config::{ExternalConfig, ExternalKind};
 use protocol::{Ask, Chunk, Prompt};
-use server::{Server, ServerSpec};
+use server::{Endpoint, Server, ServerSpec};
+
+/// One streamed event's output tokens and finish reason.
+type Tokens = (Vec<u32>, Option<FinishReason>);
 
 /// A replica whose engine is an external server.
 pub struct ExternalEngine {
@@ -152,20 +156,30 @@ impl ExternalEngine {
                 yield Err(OpError::instance_lost("the engine server is down"));
                 return;
             };
-            let stop = &req.stop;
-            let max = stop.max_tokens;
-            if max == 0 {
+            if req.stop.max_tokens == 0 {
                 // Migrated after its last token, before the server said it was done.
                 yield Ok(Generated::Start(req.output.clone()));
                 yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length) });
                 return;
             }
-            // llama.cpp has no min_tokens: run that many with eos ignored first, then the rest.
-            let phases: Vec<(u32, bool)> = if this.kind == ExternalKind::Llamacpp && stop.min_tokens > 0 && !stop.ignore_eos {
-                vec![(stop.min_tokens.min(max), true), (max, false)]
-            } else {
-                vec![(max, stop.ignore_eos)]
-            };
+            for await item in this.run_phases(ep, req) {
+                yield item;
+            }
+        }
+        .boxed()
+    }
+
+    /// `req` on the server at `ep`, phase by phase (see [`Self::phases`]): [`Generated::Start`]
+    /// once the server took the first, then the tokens of each.
+    fn run_phases(
+        self: Arc<Self>,
+        ep: Endpoint,
+        req: PreprocessedRequest,
+    ) -> impl Stream<Item = Result<Generated, OpError>> {
+        async_stream::stream! {
+            let stop = &req.stop;
+            let max = stop.max_tokens;
+            let phases = self.phases(stop);
             let mut produced: Vec<u32> = Vec::new();
             let mut started = false;
             for (phase, &(upto, ignore_eos)) in phases.iter().enumerate() {
@@ -174,126 +188,219 @@ impl ExternalEngine {
                 if upto <= done {
                     continue;
                 }
-                let tokens: Vec<u32>;
-                let prompt = match this.kind {
-                    ExternalKind::Openai => match this.tokenizer.decode(&req.token_ids, false) {
-                        Ok(t) => Prompt::Text(t),
-                        Err(e) => {
-                            yield Err(OpError::internal(format!("cannot decode the prompt: {e}")));
-                            return;
-                        }
-                    },
-                    _ => {
-                        tokens = req.token_ids.iter().chain(&produced).copied().collect();
-                        Prompt::Tokens(&tokens)
-                    }
-                };
-                let ask = Ask {
-                    model: &ep.model,
-                    prompt,
-                    max_tokens: upto - done,
-                    min_tokens: stop.min_tokens,
-                    ignore_eos,
-                };
-                let call = protocol::request(this.kind, &req, &ask);
-                let url = format!("{}{}", ep.base, call.path);
-                let resp = match this.client.post(&url).json(&call.body).send().await {
-                    Ok(r) => r,
+                let resp = match self.send(&ep, &req, &produced, upto - done, ignore_eos).await {
+                    Ok(resp) => resp,
                     Err(e) => {
-                        this.server.suspect();
-                        yield Err(OpError::instance_lost(format!("the engine server at {} did not take the request: {e}", ep.base)));
+                        yield Err(e);
                         return;
                     }
                 };
-                let status = resp.status();
-                if !status.is_success() {
-                    let body = resp.text().await.unwrap_or_default();
-                    yield Err(refused(&this.server, status, &body));
-                    return;
-                }
                 if !started {
                     started = true;
                     yield Ok(Generated::Start(req.output.clone()));
                 }
                 let mut events = resp.bytes_stream().eventsource();
-                let mut finish = None;
-                // A server that stops answering its health checks while a stream is open (hung,
-                // not closed) ends the stream too: never a request that waits forever.
-                let mut health = this.server.watch();
+                let mut health = self.server.watch();
                 loop {
-                    let ev = tokio::select! {
-                        ev = events.next() => ev,
-                        changed = health.changed() => {
-                            if changed.is_err() || health.borrow_and_update().as_ref() != Some(&ep) {
-                                yield Err(OpError::instance_lost(format!("the engine server at {} went down", ep.base)));
-                                return;
-                            }
-                            continue;
+                    let (ids, f) = match self.next_chunk(&mut events, &mut health, &ep, stop, produced.len()).await {
+                        Ok(Some(chunk)) => chunk,
+                        // Closed before a finish reason: the server failed mid-request.
+                        Ok(None) => {
+                            yield Err(closed_early(&self.server, &ep));
+                            return;
                         }
-                    };
-                    let Some(ev) = ev else { break };
-                    let data = match ev {
-                        Ok(ev) => ev.data,
                         Err(e) => {
-                            this.server.suspect();
-                            yield Err(OpError::instance_lost(format!("the engine server at {} broke off the stream: {e}", ep.base)));
+                            yield Err(e);
                             return;
                         }
                     };
-                    if data == "[DONE]" {
-                        break;
-                    }
-                    let (mut ids, mut f) = match protocol::parse(this.kind, &data) {
-                        Ok(Chunk::Nothing) => continue,
-                        Ok(Chunk::Tokens(ids, f)) => (ids, f),
-                        Ok(Chunk::Text(text, f)) => match this.tokenizer.encode(text, false) {
-                            Ok(enc) => (enc.get_ids().to_vec(), f),
-                            Err(e) => {
-                                yield Err(OpError::internal(format!("cannot tokenize the engine's text: {e}")));
-                                return;
-                            }
-                        },
-                        Err(msg) => {
-                            yield Err(OpError::internal(msg));
-                            return;
-                        }
-                    };
-                    // dyn's eos ids end the output too (a server may know fewer of them).
-                    if !stop.ignore_eos {
-                        let before = produced.len();
-                        if let Some(j) = ids.iter().enumerate().position(|(j, t)| {
-                            before + j + 1 > stop.min_tokens as usize && stop.eos_token_ids.contains(t)
-                        }) {
-                            ids.truncate(j + 1);
-                            f = Some(FinishReason::Stop);
-                        }
-                    }
                     produced.extend_from_slice(&ids);
-                    // The end of the eos-ignoring phase is not the end of the request.
-                    let report = match f {
-                        Some(FinishReason::Length) if !last_phase && (produced.len() as u32) < max => None,
-                        other => other,
-                    };
+                    let report = reported(f, last_phase, produced.len(), max);
                     if !ids.is_empty() || report.is_some() {
                         yield Ok(Generated::Tokens { ids, finish: report });
                     }
+                    if report.is_some() {
+                        return;
+                    }
                     if f.is_some() {
-                        finish = Some(report);
+                        // The eos-ignoring phase is over: the next one goes on from here.
                         break;
                     }
                 }
-                match finish {
-                    None => {
-                        this.server.suspect();
-                        yield Err(OpError::instance_lost(format!("the engine server at {} closed the stream before the request finished", ep.base)));
-                        return;
-                    }
-                    Some(Some(_)) => return,
-                    Some(None) => {}
-                }
             }
         }
-        .boxed()
+    }
+
+    /// The request's phases: `(output tokens by its end, whether eos is ignored)`.
+    fn phases(&self, stop: &StopConditions) -> Vec<(u32, bool)> {
+        let max = stop.max_tokens;
+        // llama.cpp has no min_tokens: run that many with eos ignored first, then the rest.
+        if self.kind == ExternalKind::Llamacpp && stop.min_tokens > 0 && !stop.ignore_eos {
+            vec![(stop.min_tokens.min(max), true), (max, false)]
+        } else {
+            vec![(max, stop.ignore_eos)]
+        }
+    }
+
+    /// Send one phase of `req`: its prompt followed by the tokens `produced` in earlier
+    /// phases, for `max_tokens` more. The response is the server's accepted stream.
+    async fn send(
+        &self,
+        ep: &Endpoint,
+        req: &PreprocessedRequest,
+        produced: &[u32],
+        max_tokens: u32,
+        ignore_eos: bool,
+    ) -> Result<reqwest::Response, OpError> {
+        let tokens: Vec<u32>;
+        let prompt = match self.kind {
+            ExternalKind::Openai => match self.tokenizer.decode(&req.token_ids, false) {
+                Ok(t) => Prompt::Text(t),
+                Err(e) => {
+                    return Err(OpError::internal(format!("cannot decode the prompt: {e}")));
+                }
+            },
+            _ => {
+                tokens = req.token_ids.iter().chain(produced).copied().collect();
+                Prompt::Tokens(&tokens)
+            }
+        };
+        let ask = Ask {
+            model: &ep.model,
+            prompt,
+            max_tokens,
+            min_tokens: req.stop.min_tokens,
+            ignore_eos,
+        };
+        let call = protocol::request(self.kind, req, &ask);
+        let url = format!("{}{}", ep.base, call.path);
+        let resp = match self.client.post(&url).json(&call.body).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                self.server.suspect();
+                return Err(OpError::instance_lost(format!(
+                    "the engine server at {} did not take the request: {e}",
+                    ep.base
+                )));
+            }
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp.text().await.unwrap_or_default();
+            return Err(refused(&self.server, status, &body));
+        }
+        Ok(resp)
+    }
+
+    /// The next event with tokens or a finish reason, or `None` at the end of the stream.
+    async fn next_chunk<E: std::fmt::Display>(
+        &self,
+        events: &mut (impl Stream<Item = Result<Event, E>> + Unpin),
+        health: &mut watch::Receiver<Option<Endpoint>>,
+        ep: &Endpoint,
+        stop: &StopConditions,
+        before: usize,
+    ) -> Result<Option<Tokens>, OpError> {
+        while let Some(data) = self.next_data(events, health, ep).await? {
+            if let Some(chunk) = self.chunk(&data, stop, before)? {
+                return Ok(Some(chunk));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The next event's data, or `None` at the end of the stream (`[DONE]` or closed).
+    /// A server that stops answering its health checks while a stream is open (hung, not
+    /// closed) ends the stream too: never a request that waits forever.
+    async fn next_data<E: std::fmt::Display>(
+        &self,
+        events: &mut (impl Stream<Item = Result<Event, E>> + Unpin),
+        health: &mut watch::Receiver<Option<Endpoint>>,
+        ep: &Endpoint,
+    ) -> Result<Option<String>, OpError> {
+        loop {
+            let ev = tokio::select! {
+                ev = events.next() => ev,
+                changed = health.changed() => {
+                    if changed.is_err() || health.borrow_and_update().as_ref() != Some(ep) {
+                        return Err(OpError::instance_lost(format!(
+                            "the engine server at {} went down",
+                            ep.base
+                        )));
+                    }
+                    continue;
+                }
+            };
+            let Some(ev) = ev else { return Ok(None) };
+            return match ev {
+                Ok(ev) if ev.data == "[DONE]" => Ok(None),
+                Ok(ev) => Ok(Some(ev.data)),
+                Err(e) => {
+                    self.server.suspect();
+                    Err(OpError::instance_lost(format!(
+                        "the engine server at {} broke off the stream: {e}",
+                        ep.base
+                    )))
+                }
+            };
+        }
+    }
+
+    /// One event's tokens and finish reason, `None` for an event without either. `before`:
+    /// the tokens produced before it, which count towards `min_tokens`.
+    fn chunk(
+        &self,
+        data: &str,
+        stop: &StopConditions,
+        before: usize,
+    ) -> Result<Option<Tokens>, OpError> {
+        let (mut ids, mut f) = match protocol::parse(self.kind, data) {
+            Ok(Chunk::Nothing) => return Ok(None),
+            Ok(Chunk::Tokens(ids, f)) => (ids, f),
+            Ok(Chunk::Text(text, f)) => match self.tokenizer.encode(text, false) {
+                Ok(enc) => (enc.get_ids().to_vec(), f),
+                Err(e) => {
+                    return Err(OpError::internal(format!(
+                        "cannot tokenize the engine's text: {e}"
+                    )));
+                }
+            },
+            Err(msg) => return Err(OpError::internal(msg)),
+        };
+        // dyn's eos ids end the output too (a server may know fewer of them).
+        if !stop.ignore_eos
+            && let Some(j) = ids.iter().enumerate().position(|(j, t)| {
+                before + j + 1 > stop.min_tokens as usize && stop.eos_token_ids.contains(t)
+            })
+        {
+            ids.truncate(j + 1);
+            f = Some(FinishReason::Stop);
+        }
+        Ok(Some((ids, f)))
+    }
+}
+
+/// A stream that ended without a finish reason: the server failed mid-request, and is
+/// checked at once (the request migrates elsewhere).
+fn closed_early(server: &Server, ep: &Endpoint) -> OpError {
+    server.suspect();
+    OpError::instance_lost(format!(
+        "the engine server at {} closed the stream before the request finished",
+        ep.base
+    ))
+}
+
+/// The finish reason the client hears for a chunk: the end of the eos-ignoring phase is not
+/// the end of the request.
+fn reported(
+    f: Option<FinishReason>,
+    last_phase: bool,
+    produced: usize,
+    max: u32,
+) -> Option<FinishReason> {
+    match f {
+        Some(FinishReason::Length) if !last_phase && (produced as u32) < max => None,
+        other => other,
     }
 }
 

@@ -128,127 +128,196 @@ pub fn decide(
     pred: &Prediction,
     st: &NodeState<'_>,
 ) -> NodeDecision {
-    let pct = cfg.percentile;
-    // The targets this node answers for that the interval missed, with how far over each was.
-    let ttft = obs
-        .ttft_ms
-        .filter(|t| st.phase != Phase::Decode && *t > cfg.ttft_ms)
-        .map(|t| {
-            (
-                format!("TTFT p{pct} {t:.0} ms > {} ms", cfg.ttft_ms),
-                t / cfg.ttft_ms,
-            )
-        });
-    let itl = obs
-        .itl_ms
-        .filter(|t| st.phase != Phase::Prefill && *t > cfg.itl_ms)
-        .map(|t| {
-            (
-                format!("ITL p{pct} {t:.1} ms > {} ms", cfg.itl_ms),
-                t / cfg.itl_ms,
-            )
-        });
-    let how_far = [&ttft, &itl]
-        .into_iter()
-        .flatten()
-        .fold(1.0, |far: f64, (_, x)| far.max(*x));
-    let missed = ttft.or(itl).map(|(m, _)| m);
-    let load = format!(
-        "predicted {:.1} req/s × {:.0} in / {:.0} out tokens",
-        pred.request_rate, pred.isl, pred.osl
-    );
-    let current = st.current;
+    let missed = Missed::of(cfg, obs, st.phase);
     let queued = obs.nodes.get(st.node).map_or(0, |l| l.waiting);
-    let load = if queued > 0 {
-        format!("{load} and {queued} queued")
-    } else {
-        load
+    let mut proposal = match profile {
+        Some(p) => by_profile(cfg, p, pred, queued, st, &missed),
+        None => reactive(cfg, obs, pred, queued, st, &missed),
     };
-    let (mut desired, needed, mut reason) = match profile {
-        Some(p) => {
-            let need = needed(cfg, p, pred, queued, st.phase);
-            let by_model = if need.is_finite() {
-                (need - 1e-9).ceil().max(0.0) as u32
-            } else {
-                u32::MAX
-            };
-            match &missed {
-                Some(m) if by_model <= current => (
-                    current + 1,
-                    Some(need),
-                    format!(
-                        "{m} although the profile says {need:.2} replicas suffice for the {load}: one more"
-                    ),
-                ),
-                _ => (
-                    by_model,
-                    Some(need),
-                    format!(
-                        "{load} need {need:.2} replicas by the profile (at {:.0} % of its capacity)",
-                        cfg.utilization * 100.0
-                    ),
-                ),
-            }
-        }
-        None => {
-            let roomy = obs.ttft_ms.is_none_or(|t| t <= 0.5 * cfg.ttft_ms)
-                && obs.itl_ms.is_none_or(|t| t <= 0.7 * cfg.itl_ms)
-                && queued == 0
-                && pred.request_rate <= obs.request_rate * 1.05;
-            if let Some(m) = &missed {
-                let step = if how_far > 2.0 {
-                    current.div_ceil(2).max(1)
-                } else {
-                    1
-                };
-                (
-                    current + step,
-                    None,
-                    format!("{m}: +{step} (reactive, no profile)"),
-                )
-            } else if obs.request_rate == 0.0 && obs.inflight == 0 && pred.request_rate == 0.0 {
-                (st.bounds.min, None, "no requests: down to min".into())
-            } else if roomy {
-                (
-                    current.saturating_sub(1),
-                    None,
-                    "targets met with room (TTFT under half its target, ITL under 70 %, nothing queued, load not rising): one less".into(),
-                )
-            } else {
-                (current, None, "targets met".into())
-            }
-        }
-    };
-    if desired < current {
-        if missed.is_some() {
-            desired = current;
-            reason.push_str("; no scale-down while a target is missed");
-        } else if st.since_change_s < cfg.cooldown_s {
-            desired = current;
-            reason.push_str(&format!(
-                "; scale-down held for the cool-down ({:.0} s left)",
-                cfg.cooldown_s - st.since_change_s
-            ));
-        }
-    }
-    let bounded = desired.clamp(st.bounds.min, st.bounds.max);
-    if bounded != desired {
-        let which = if bounded == st.bounds.max {
-            "max"
-        } else {
-            "min"
-        };
-        reason.push_str(&format!("; held at {which} {bounded}"));
-    }
+    proposal.hold_scale_down(cfg, st, &missed);
+    let desired = proposal.bounded(st);
     NodeDecision {
         node: st.node.to_owned(),
         phase: st.phase,
         min: st.bounds.min,
         max: st.bounds.max,
-        current,
-        desired: bounded,
-        needed,
+        current: st.current,
+        desired,
+        needed: proposal.needed,
+        reason: proposal.reason,
+    }
+}
+
+/// The targets this node answers for that the interval missed.
+struct Missed {
+    /// The first one missed (TTFT before ITL), as the reason says it.
+    first: Option<String>,
+    /// How far over its target the worst one was (1 when none was missed).
+    how_far: f64,
+}
+
+impl Missed {
+    fn of(cfg: &PlannerConfig, obs: &Observation, phase: Phase) -> Self {
+        let pct = cfg.percentile;
+        let ttft = obs
+            .ttft_ms
+            .filter(|t| phase != Phase::Decode && *t > cfg.ttft_ms)
+            .map(|t| {
+                (
+                    format!("TTFT p{pct} {t:.0} ms > {} ms", cfg.ttft_ms),
+                    t / cfg.ttft_ms,
+                )
+            });
+        let itl = obs
+            .itl_ms
+            .filter(|t| phase != Phase::Prefill && *t > cfg.itl_ms)
+            .map(|t| {
+                (
+                    format!("ITL p{pct} {t:.1} ms > {} ms", cfg.itl_ms),
+                    t / cfg.itl_ms,
+                )
+            });
+        let how_far = [&ttft, &itl]
+            .into_iter()
+            .flatten()
+            .fold(1.0, |far: f64, (_, x)| far.max(*x));
+        Missed {
+            first: ttft.or(itl).map(|(m, _)| m),
+            how_far,
+        }
+    }
+}
+
+/// A count proposed for the next interval, before the cool-down and the bounds have their say.
+struct Proposal {
+    desired: u32,
+    needed: Option<f64>,
+    reason: String,
+}
+
+/// Replicas by the profile's model of the predicted load; one more than it says when the
+/// targets are missed anyway (the latencies are what users see).
+fn by_profile(
+    cfg: &PlannerConfig,
+    p: &Profile,
+    pred: &Prediction,
+    queued: u32,
+    st: &NodeState<'_>,
+    missed: &Missed,
+) -> Proposal {
+    let load = format!(
+        "predicted {:.1} req/s × {:.0} in / {:.0} out tokens",
+        pred.request_rate, pred.isl, pred.osl
+    );
+    let load = if queued > 0 {
+        format!("{load} and {queued} queued")
+    } else {
+        load
+    };
+    let current = st.current;
+    let need = needed(cfg, p, pred, queued, st.phase);
+    let by_model = if need.is_finite() {
+        (need - 1e-9).ceil().max(0.0) as u32
+    } else {
+        u32::MAX
+    };
+    let (desired, reason) = match &missed.first {
+        Some(m) if by_model <= current => (
+            current + 1,
+            format!(
+                "{m} although the profile says {need:.2} replicas suffice for the {load}: one more"
+            ),
+        ),
+        _ => (
+            by_model,
+            format!(
+                "{load} need {need:.2} replicas by the profile (at {:.0} % of its capacity)",
+                cfg.utilization * 100.0
+            ),
+        ),
+    };
+    Proposal {
+        desired,
+        needed: Some(need),
         reason,
+    }
+}
+
+/// Without a profile: up when a target is missed (more when missed badly), down to the
+/// minimum when idle, one down when the targets are met with room to spare.
+fn reactive(
+    cfg: &PlannerConfig,
+    obs: &Observation,
+    pred: &Prediction,
+    queued: u32,
+    st: &NodeState<'_>,
+    missed: &Missed,
+) -> Proposal {
+    let current = st.current;
+    let roomy = obs.ttft_ms.is_none_or(|t| t <= 0.5 * cfg.ttft_ms)
+        && obs.itl_ms.is_none_or(|t| t <= 0.7 * cfg.itl_ms)
+        && queued == 0
+        && pred.request_rate <= obs.request_rate * 1.05;
+    let (desired, reason) = if let Some(m) = &missed.first {
+        let step = if missed.how_far > 2.0 {
+            current.div_ceil(2).max(1)
+        } else {
+            1
+        };
+        (
+            current + step,
+            format!("{m}: +{step} (reactive, no profile)"),
+        )
+    } else if obs.request_rate == 0.0 && obs.inflight == 0 && pred.request_rate == 0.0 {
+        (st.bounds.min, "no requests: down to min".into())
+    } else if roomy {
+        (
+            current.saturating_sub(1),
+            "targets met with room (TTFT under half its target, ITL under 70 %, nothing queued, load not rising): one less".into(),
+        )
+    } else {
+        (current, "targets met".into())
+    };
+    Proposal {
+        desired,
+        needed: None,
+        reason,
+    }
+}
+
+impl Proposal {
+    /// Scale-downs never happen while a target is missed, nor within the cool-down of the
+    /// last change.
+    fn hold_scale_down(&mut self, cfg: &PlannerConfig, st: &NodeState<'_>, missed: &Missed) {
+        let current = st.current;
+        if self.desired < current {
+            if missed.first.is_some() {
+                self.desired = current;
+                self.reason
+                    .push_str("; no scale-down while a target is missed");
+            } else if st.since_change_s < cfg.cooldown_s {
+                self.desired = current;
+                self.reason.push_str(&format!(
+                    "; scale-down held for the cool-down ({:.0} s left)",
+                    cfg.cooldown_s - st.since_change_s
+                ));
+            }
+        }
+    }
+
+    /// The count within the node's `[min, max]`, saying so in the reason when it was held.
+    fn bounded(&mut self, st: &NodeState<'_>) -> u32 {
+        let bounded = self.desired.clamp(st.bounds.min, st.bounds.max);
+        if bounded != self.desired {
+            let which = if bounded == st.bounds.max {
+                "max"
+            } else {
+                "min"
+            };
+            self.reason
+                .push_str(&format!("; held at {which} {bounded}"));
+        }
+        bounded
     }
 }
 

@@ -222,6 +222,89 @@ struct Engine<T> {
     v: Vec<CudaSlice<T>>,
 }
 
+/// A batch laid out on the host as the kernels read it.
+struct Layout {
+    /// Per token: id, position, its cache block, its sequence.
+    ids: Vec<u32>,
+    pos: Vec<i32>,
+    blk: Vec<i32>,
+    seq: Vec<i32>,
+    /// Per sequence: its block table, all of them end to end, and where each starts.
+    tables: Vec<i32>,
+    table_off: Vec<i32>,
+    /// The tokens whose logits are returned: the last of each sequence that asks.
+    rows: Vec<i32>,
+    /// The longest context in the batch (at least 1), which sizes the attention scratch.
+    max_ctx: usize,
+}
+
+impl Layout {
+    fn of(batch: &[SeqStep<'_>], bs: usize) -> Result<Self, ComputeError> {
+        let (mut ids, mut pos, mut blk, mut seq) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut tables, mut table_off, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut max_ctx = 1;
+        for (si, s) in batch.iter().enumerate() {
+            table_off.push(int(tables.len())?);
+            for &b in s.blocks {
+                tables.push(int(b as usize)?);
+            }
+            for (j, &tok) in s.tokens.iter().enumerate() {
+                let p = s.start + j;
+                ids.push(tok);
+                pos.push(int(p)?);
+                blk.push(int(s.blocks[p / bs] as usize)?);
+                seq.push(int(si)?);
+            }
+            max_ctx = max_ctx.max(s.start + s.tokens.len());
+            if s.logits {
+                rows.push(int(ids.len() - 1)?);
+            }
+        }
+        Ok(Layout {
+            ids,
+            pos,
+            blk,
+            seq,
+            tables,
+            table_off,
+            rows,
+            max_ctx,
+        })
+    }
+}
+
+/// One step on the device: the batch's layout, the activations of its `t` tokens (`x` is the
+/// residual stream) and the attention scores scratch.
+struct Step<T> {
+    t: usize,
+    ids: CudaSlice<u32>,
+    pos: CudaSlice<i32>,
+    blk: CudaSlice<i32>,
+    seq: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    table_off: CudaSlice<i32>,
+    x: CudaSlice<T>,
+    normed: CudaSlice<T>,
+    qkv: CudaSlice<T>,
+    attn: CudaSlice<T>,
+    gu: CudaSlice<T>,
+    act: CudaSlice<T>,
+    /// Tokens per attention launch: their scores fit `scores`, kept under [`SCORES_BYTES`].
+    chunk: usize,
+    scores: CudaSlice<f32>,
+}
+
+/// The attention kernels' scalar arguments, the same for every layer of a step.
+struct AttnArgs {
+    heads: i32,
+    kvh: i32,
+    di: i32,
+    bsi: i32,
+    scale: f32,
+    window: i32,
+    mctx: i32,
+}
+
 fn grid(n: usize, threads: u32, shared: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n as u32, 1, 1),
@@ -376,134 +459,197 @@ where
             .map_err(dev("allocating activations"))
     }
 
+    /// One forward pass over the batch: embed, every layer, then the logits asked for.
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
-        let c = &self.cfg;
-        let (h, d, bs) = (c.hidden, c.head_dim, self.kv.block_size);
-        let width = (c.heads + 2 * c.kv_heads) * d;
-        // Per token: id, position, its cache block, its sequence; per sequence: block table.
-        let (mut ids, mut pos, mut blk, mut seq) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut tables, mut table_off, mut rows) = (Vec::new(), Vec::new(), Vec::new());
-        let mut max_ctx = 1;
-        for (si, s) in batch.iter().enumerate() {
-            table_off.push(int(tables.len())?);
-            for &b in s.blocks {
-                tables.push(int(b as usize)?);
-            }
-            for (j, &tok) in s.tokens.iter().enumerate() {
-                let p = s.start + j;
-                ids.push(tok);
-                pos.push(int(p)?);
-                blk.push(int(s.blocks[p / bs] as usize)?);
-                seq.push(int(si)?);
-            }
-            max_ctx = max_ctx.max(s.start + s.tokens.len());
-            if s.logits {
-                rows.push(int(ids.len() - 1)?);
-            }
-        }
-        let t = ids.len();
-        if t == 0 {
+        let layout = Layout::of(batch, self.kv.block_size)?;
+        if layout.ids.is_empty() {
             return Ok(Vec::new());
         }
+        let mut s = self.upload(&layout)?;
+        self.embed(&s)?;
+        let a = self.attn_args(layout.max_ctx)?;
+        for li in 0..self.cfg.layers {
+            self.layer(li, &mut s, &a)?;
+        }
+        if layout.rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.logits(&s.x, &layout.rows)
+    }
+
+    /// The batch's layout on the device, and the step's activations and attention scratch.
+    fn upload(&self, layout: &Layout) -> Result<Step<T>, ComputeError> {
+        let c = &self.cfg;
+        let h = c.hidden;
+        let width = (c.heads + 2 * c.kv_heads) * c.head_dim;
+        let t = layout.ids.len();
         let up = |v: &[i32]| {
             self.stream
                 .clone_htod(v)
                 .map_err(dev("uploading the batch"))
         };
-        let d_ids = self
+        let ids = self
             .stream
-            .clone_htod(&ids)
+            .clone_htod(&layout.ids)
             .map_err(dev("uploading the batch"))?;
-        let (d_pos, d_blk, d_seq) = (up(&pos)?, up(&blk)?, up(&seq)?);
-        let (d_tables, d_off) = (up(&tables)?, up(&table_off)?);
-        let mut x = self.alloc(t * h)?;
-        let mut normed = self.alloc(t * h)?;
-        let mut qkv = self.alloc(t * width)?;
-        let mut attn = self.alloc(t * c.heads * d)?;
-        let mut gu = self.alloc(t * 2 * c.intermediate)?;
-        let mut act = self.alloc(t * c.intermediate)?;
-        let chunk = (SCORES_BYTES / (4 * c.heads * max_ctx)).clamp(1, t);
-        let mut scores = self
+        let (pos, blk, seq) = (up(&layout.pos)?, up(&layout.blk)?, up(&layout.seq)?);
+        let (tables, table_off) = (up(&layout.tables)?, up(&layout.table_off)?);
+        let x = self.alloc(t * h)?;
+        let normed = self.alloc(t * h)?;
+        let qkv = self.alloc(t * width)?;
+        let attn = self.alloc(t * c.heads * c.head_dim)?;
+        let gu = self.alloc(t * 2 * c.intermediate)?;
+        let act = self.alloc(t * c.intermediate)?;
+        let chunk = (SCORES_BYTES / (4 * c.heads * layout.max_ctx)).clamp(1, t);
+        let scores = self
             .stream
-            .alloc_zeros::<f32>(chunk * c.heads * max_ctx)
+            .alloc_zeros::<f32>(chunk * c.heads * layout.max_ctx)
             .map_err(dev("allocating attention scratch"))?;
+        Ok(Step {
+            t,
+            ids,
+            pos,
+            blk,
+            seq,
+            tables,
+            table_off,
+            x,
+            normed,
+            qkv,
+            attn,
+            gu,
+            act,
+            chunk,
+            scores,
+        })
+    }
+
+    /// The tokens' embeddings into the residual stream `x`.
+    fn embed(&self, s: &Step<T>) -> Result<(), ComputeError> {
+        let hid = int(self.cfg.hidden)?;
+        let mut l = self.stream.launch_builder(&self.f.embedding);
+        l.arg(&self.embed).arg(&s.ids).arg(&s.x).arg(&hid);
+        // SAFETY: ids are checked to be inside the vocabulary (check_batch).
+        unsafe { l.launch(grid(s.t, 256, 0)) }.map_err(dev("embedding"))?;
+        Ok(())
+    }
+
+    fn attn_args(&self, max_ctx: usize) -> Result<AttnArgs, ComputeError> {
+        let c = &self.cfg;
+        let d = c.head_dim;
+        Ok(AttnArgs {
+            heads: int(c.heads)?,
+            kvh: int(c.kv_heads)?,
+            di: int(d)?,
+            bsi: int(self.kv.block_size)?,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: int(c.sliding_window.unwrap_or(0))?,
+            mctx: int(max_ctx)?,
+        })
+    }
+
+    /// Transformer layer `li`: attention, then the MLP, each added to the residual stream.
+    fn layer(&self, li: usize, s: &mut Step<T>, a: &AttnArgs) -> Result<(), ComputeError> {
+        self.attention(li, s, a)?;
+        self.mlp(li, s)
+    }
+
+    fn attention(&self, li: usize, s: &mut Step<T>, a: &AttnArgs) -> Result<(), ComputeError> {
+        let layer = &self.layers[li];
+        self.rmsnorm(&s.x, &layer.attn_norm, &mut s.normed, s.t)?;
+        self.linear(&layer.qkv, &s.normed, s.t, &mut s.qkv, false)?;
+        self.rope_store(li, s, a)?;
+        self.paged_attention(li, s, a)?;
+        self.linear(&layer.o, &s.attn, s.t, &mut s.x, true)
+    }
+
+    /// Rope on the tokens' q and k, then their k and v into layer `li`'s cache: the cache
+    /// holds them before attention reads it.
+    fn rope_store(&self, li: usize, s: &Step<T>, a: &AttnArgs) -> Result<(), ComputeError> {
+        let mut l = self.stream.launch_builder(&self.f.rope_store);
+        l.arg(&s.qkv).arg(&s.pos).arg(&s.blk).arg(&self.inv_freq);
+        l.arg(&self.k[li])
+            .arg(&self.v[li])
+            .arg(&a.heads)
+            .arg(&a.kvh)
+            .arg(&a.di)
+            .arg(&a.bsi);
+        // SAFETY: every token's block id is inside the cache (check_batch).
+        unsafe { l.launch(grid(s.t, 128, 0)) }.map_err(dev("rope_store"))?;
+        Ok(())
+    }
+
+    /// Attention of every token over its sequence's cache through the block tables, `chunk`
+    /// tokens per launch so that their scores fit the scratch.
+    fn paged_attention(
+        &self,
+        li: usize,
+        s: &mut Step<T>,
+        a: &AttnArgs,
+    ) -> Result<(), ComputeError> {
+        let c = &self.cfg;
+        let (t, d, chunk) = (s.t, c.head_dim, s.chunk);
+        let width = (c.heads + 2 * c.kv_heads) * d;
+        for t0 in (0..t).step_by(chunk) {
+            let n = chunk.min(t - t0);
+            let q_in = s.qkv.slice(t0 * width..(t0 + n) * width);
+            let mut out = s.attn.slice_mut(t0 * c.heads * d..(t0 + n) * c.heads * d);
+            let (p, sq) = (s.pos.slice(t0..t0 + n), s.seq.slice(t0..t0 + n));
+            let mut l = self.stream.launch_builder(&self.f.paged_attention);
+            l.arg(&q_in).arg(&mut out).arg(&self.k[li]).arg(&self.v[li]);
+            l.arg(&p)
+                .arg(&sq)
+                .arg(&s.tables)
+                .arg(&s.table_off)
+                .arg(&mut s.scores)
+                .arg(&a.mctx);
+            l.arg(&a.heads)
+                .arg(&a.kvh)
+                .arg(&a.di)
+                .arg(&a.bsi)
+                .arg(&a.scale)
+                .arg(&a.window);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, c.heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (d * 4) as u32,
+            };
+            // SAFETY: block tables cover every position attended (check_batch); the
+            // scratch holds n × heads × max_ctx scores.
+            unsafe { l.launch(cfg) }.map_err(dev("paged_attention"))?;
+        }
+        Ok(())
+    }
+
+    fn mlp(&self, li: usize, s: &mut Step<T>) -> Result<(), ComputeError> {
+        let layer = &self.layers[li];
+        self.rmsnorm(&s.x, &layer.mlp_norm, &mut s.normed, s.t)?;
+        self.linear(&layer.gate_up, &s.normed, s.t, &mut s.gu, false)?;
         {
-            let hid = int(h)?;
-            let mut l = self.stream.launch_builder(&self.f.embedding);
-            l.arg(&self.embed).arg(&d_ids).arg(&x).arg(&hid);
-            // SAFETY: ids are checked to be inside the vocabulary (check_batch).
-            unsafe { l.launch(grid(t, 256, 0)) }.map_err(dev("embedding"))?;
+            let inter = int(self.cfg.intermediate)?;
+            let mut l = self.stream.launch_builder(&self.f.silu_mul);
+            l.arg(&s.gu).arg(&mut s.act).arg(&inter);
+            // SAFETY: gu holds t × 2·inter, act t × inter.
+            unsafe { l.launch(grid(s.t, 256, 0)) }.map_err(dev("silu_mul"))?;
         }
-        let (heads, kvh, di, bsi) = (int(c.heads)?, int(c.kv_heads)?, int(d)?, int(bs)?);
-        let scale = 1.0 / (d as f32).sqrt();
-        let window = int(c.sliding_window.unwrap_or(0))?;
-        let mctx = int(max_ctx)?;
-        for li in 0..c.layers {
-            let layer = &self.layers[li];
-            self.rmsnorm(&x, &layer.attn_norm, &mut normed, t)?;
-            self.linear(&layer.qkv, &normed, t, &mut qkv, false)?;
-            {
-                let mut l = self.stream.launch_builder(&self.f.rope_store);
-                l.arg(&qkv).arg(&d_pos).arg(&d_blk).arg(&self.inv_freq);
-                l.arg(&self.k[li])
-                    .arg(&self.v[li])
-                    .arg(&heads)
-                    .arg(&kvh)
-                    .arg(&di)
-                    .arg(&bsi);
-                // SAFETY: every token's block id is inside the cache (check_batch).
-                unsafe { l.launch(grid(t, 128, 0)) }.map_err(dev("rope_store"))?;
-            }
-            for t0 in (0..t).step_by(chunk) {
-                let n = chunk.min(t - t0);
-                let q_in = qkv.slice(t0 * width..(t0 + n) * width);
-                let mut out = attn.slice_mut(t0 * c.heads * d..(t0 + n) * c.heads * d);
-                let (p, s) = (d_pos.slice(t0..t0 + n), d_seq.slice(t0..t0 + n));
-                let mut l = self.stream.launch_builder(&self.f.paged_attention);
-                l.arg(&q_in).arg(&mut out).arg(&self.k[li]).arg(&self.v[li]);
-                l.arg(&p)
-                    .arg(&s)
-                    .arg(&d_tables)
-                    .arg(&d_off)
-                    .arg(&mut scores)
-                    .arg(&mctx);
-                l.arg(&heads)
-                    .arg(&kvh)
-                    .arg(&di)
-                    .arg(&bsi)
-                    .arg(&scale)
-                    .arg(&window);
-                let cfg = LaunchConfig {
-                    grid_dim: (n as u32, c.heads as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: (d * 4) as u32,
-                };
-                // SAFETY: block tables cover every position attended (check_batch); the
-                // scratch holds n × heads × max_ctx scores.
-                unsafe { l.launch(cfg) }.map_err(dev("paged_attention"))?;
-            }
-            self.linear(&layer.o, &attn, t, &mut x, true)?;
-            self.rmsnorm(&x, &layer.mlp_norm, &mut normed, t)?;
-            self.linear(&layer.gate_up, &normed, t, &mut gu, false)?;
-            {
-                let inter = int(c.intermediate)?;
-                let mut l = self.stream.launch_builder(&self.f.silu_mul);
-                l.arg(&gu).arg(&mut act).arg(&inter);
-                // SAFETY: gu holds t × 2·inter, act t × inter.
-                unsafe { l.launch(grid(t, 256, 0)) }.map_err(dev("silu_mul"))?;
-            }
-            self.linear(&layer.down, &act, t, &mut x, true)?;
-        }
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
+        self.linear(&layer.down, &s.act, s.t, &mut s.x, true)
+    }
+
+    /// Next-token logits of the tokens in `rows`: only their hidden states are normed and
+    /// projected to the vocabulary, then read back as f32, one row per token.
+    fn logits(&self, x: &CudaSlice<T>, rows: &[i32]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        let c = &self.cfg;
+        let h = c.hidden;
         let r = rows.len();
-        let d_rows = up(&rows)?;
+        let d_rows = self
+            .stream
+            .clone_htod(rows)
+            .map_err(dev("uploading the batch"))?;
         let mut last = self.alloc(r * h)?;
         {
             let hid = int(h)?;
             let mut l = self.stream.launch_builder(&self.f.gather_rows);
-            l.arg(&x).arg(&d_rows).arg(&mut last).arg(&hid);
+            l.arg(x).arg(&d_rows).arg(&mut last).arg(&hid);
             // SAFETY: rows index tokens of this batch.
             unsafe { l.launch(grid(r, 256, 0)) }.map_err(dev("gather_rows"))?;
         }
