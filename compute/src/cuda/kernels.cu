@@ -63,7 +63,8 @@ extern "C" __global__ void embedding(const T* table, const unsigned int* ids, T*
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = row[i];
 }
 
-// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w: grid (rows), block (256).
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w: grid (rows), block (1024: a decode step
+// has one row, so the row's block is all the kernel has).
 extern "C" __global__ void rmsnorm(const T* x, const float* w, T* out, int hidden, float eps) {
     const T* row = x + (size_t)blockIdx.x * hidden;
     float ss = 0.0f;
@@ -80,7 +81,7 @@ extern "C" __global__ void add_bias(T* x, const float* b, int cols) {
 }
 
 // Rope on the q and k heads of each token's qkv row (halves style), then its k and v into
-// the token's cache slot: grid (tokens), block (128).
+// the token's cache slot: grid (tokens), block (512).
 extern "C" __global__ void rope_store(T* qkv, const int* pos, const int* blk, const float* inv_freq,
                                       T* kc, T* vc, int heads, int kv_heads, int d, int bs) {
     int t = blockIdx.x, half = d / 2, p = pos[t];
@@ -153,14 +154,14 @@ extern "C" __global__ void paged_attention(const T* qkv, T* out, const T* kc, co
     }
 }
 
-// out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: grid (rows), block (256).
+// out[r][i] = silu(gu[r][i]) * gu[r][inter + i]: grid (rows, ceil(inter / 256)), block (256).
+// One element per thread: a block per row alone left a decode step's one row to one SM.
 extern "C" __global__ void silu_mul(const T* gu, T* out, int inter) {
+    int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= inter) return;
     const T* row = gu + (size_t)blockIdx.x * 2 * inter;
-    T* o = out + (size_t)blockIdx.x * inter;
-    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-        float g = ld(row[i]);
-        o[i] = st(g / (1.0f + __expf(-g)) * ld(row[inter + i]));
-    }
+    float g = ld(row[i]);
+    out[(size_t)blockIdx.x * inter + i] = st(g / (1.0f + __expf(-g)) * ld(row[inter + i]));
 }
 
 // out[i] = x[rows[i]]: grid (n), block (256).

@@ -449,7 +449,7 @@ where
         let mut l = self.stream.launch_builder(&self.f.rmsnorm);
         l.arg(x).arg(w).arg(out).arg(&h).arg(&eps);
         // SAFETY: x and out hold rows × hidden, w hidden.
-        unsafe { l.launch(grid(rows, 256, 0)) }.map_err(dev("rmsnorm"))?;
+        unsafe { l.launch(grid(rows, 1024, 0)) }.map_err(dev("rmsnorm"))?;
         Ok(())
     }
 
@@ -575,7 +575,7 @@ where
             .arg(&a.di)
             .arg(&a.bsi);
         // SAFETY: every token's block id is inside the cache (check_batch).
-        unsafe { l.launch(grid(s.t, 128, 0)) }.map_err(dev("rope_store"))?;
+        unsafe { l.launch(grid(s.t, 512, 0)) }.map_err(dev("rope_store"))?;
         Ok(())
     }
 
@@ -629,8 +629,13 @@ where
             let inter = int(self.cfg.intermediate)?;
             let mut l = self.stream.launch_builder(&self.f.silu_mul);
             l.arg(&s.gu).arg(&mut s.act).arg(&inter);
-            // SAFETY: gu holds t × 2·inter, act t × inter.
-            unsafe { l.launch(grid(s.t, 256, 0)) }.map_err(dev("silu_mul"))?;
+            let cfg = LaunchConfig {
+                grid_dim: (s.t as u32, self.cfg.intermediate.div_ceil(256) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: gu holds t × 2·inter, act t × inter; the kernel skips i ≥ inter.
+            unsafe { l.launch(cfg) }.map_err(dev("silu_mul"))?;
         }
         self.linear(&layer.down, &s.act, s.t, &mut s.x, true)
     }
