@@ -129,20 +129,29 @@ pub async fn run(
         cfg.timeout,
     )
     .map_err(|e| Error::Invalid(format!("cannot build the HTTP client: {e}")))?;
-    let dataset = Arc::new(Dataset {
-        bodies,
-        input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
-        at: entries.iter().map(|e| e.at).collect(),
-        // Measured requests start after the warm-up's entries, except in a trace replay,
-        // which must start at its first line.
-        offset: if cfg.load == Load::Trace {
-            0
-        } else {
-            cfg.warmup
-        },
-    });
+    let dataset = Arc::new(Dataset::new(cfg, bodies, entries));
+    let pace = pace(cfg, &dataset)?;
+    if cfg.warmup > 0 {
+        warm_up(cfg, &client, &dataset, interrupted).await;
+    }
 
-    let pace = match &cfg.load {
+    let stop = match (&cfg.load, cfg.stop) {
+        // A trace replays once unless fewer requests are asked for.
+        (Load::Trace, Stop::Requests(n)) => Stop::Requests(n.min(entries.len())),
+        (_, s) => s,
+    };
+    let measured = measure(cfg, &base, &client, dataset, pace, stop, interrupted).await;
+    let summary = summarize_run(cfg, &model, entries.len(), &measured, interrupted);
+    Ok(Outcome {
+        summary,
+        records: measured.records,
+        planner: measured.planner,
+    })
+}
+
+/// How the measured phase paces its requests.
+fn pace(cfg: &Config, dataset: &Dataset) -> Result<Pace, Error> {
+    Ok(match &cfg.load {
         Load::Concurrency(0) => {
             return Err(Error::Invalid("--concurrency must be at least 1".into()));
         }
@@ -159,70 +168,99 @@ pub async fn run(
             let times: Vec<Duration> = dataset.at.iter().map(|t| t.unwrap_or_default()).collect();
             Pace::Open(Box::new(times.into_iter()))
         }
-    };
-    if cfg.warmup > 0 {
-        let width = match cfg.load {
-            Load::Concurrency(n) => n,
-            _ => 8,
-        };
-        let warm = Arc::new(Dataset {
-            offset: 0,
-            ..(*dataset).clone()
-        });
-        let records = phase(
-            &client,
-            warm,
-            Pace::Closed(width.clamp(1, cfg.warmup)),
-            Stop::Requests(cfg.warmup),
-            ProgressBar::hidden(),
-            interrupted,
-        )
-        .await;
-        let failed = records.iter().filter(|r| r.error.is_some()).count();
-        if failed > 0 {
-            tracing::warn!(failed, warmup = cfg.warmup, "Warm-up requests failed");
-        }
-    }
+    })
+}
 
-    let stop = match (&cfg.load, cfg.stop) {
-        // A trace replays once unless fewer requests are asked for.
-        (Load::Trace, Stop::Requests(n)) => Stop::Requests(n.min(entries.len())),
-        (_, s) => s,
+/// `cfg.warmup` requests, closed loop from the dataset's first entry; only their failures
+/// are told.
+async fn warm_up(cfg: &Config, client: &Client, dataset: &Dataset, interrupted: &Arc<AtomicBool>) {
+    let width = match cfg.load {
+        Load::Concurrency(n) => n,
+        _ => 8,
     };
+    let warm = Arc::new(Dataset {
+        offset: 0,
+        ..dataset.clone()
+    });
+    let records = phase(
+        client,
+        warm,
+        Pace::Closed(width.clamp(1, cfg.warmup)),
+        Stop::Requests(cfg.warmup),
+        ProgressBar::hidden(),
+        interrupted,
+    )
+    .await;
+    let failed = records.iter().filter(|r| r.error.is_some()).count();
+    if failed > 0 {
+        tracing::warn!(failed, warmup = cfg.warmup, "Warm-up requests failed");
+    }
+}
+
+/// What the measured phase gives besides its summary.
+struct Measured {
+    records: Vec<Record>,
+    /// CPU seconds the client used during the phase.
+    cpu: f64,
+    planner: Vec<crate::planner::PlannerSample>,
+}
+
+/// The measured phase, with the client's CPU time over it and, with `cfg.planner`, the
+/// planner sampled alongside.
+async fn measure(
+    cfg: &Config,
+    base: &str,
+    client: &Client,
+    dataset: Arc<Dataset>,
+    pace: Pace,
+    stop: Stop,
+    interrupted: &Arc<AtomicBool>,
+) -> Measured {
     let bar = progress_bar(cfg.progress, stop);
     let cpu0 = cpu_seconds();
     let sampled = Arc::new(AtomicBool::new(false));
     let sampler = cfg.planner.then(|| {
         tokio::spawn(crate::planner::sample(
-            base.clone(),
+            base.to_owned(),
             std::time::Instant::now(),
             sampled.clone(),
         ))
     });
-    let records = phase(&client, dataset, pace, stop, bar, interrupted).await;
+    let records = phase(client, dataset, pace, stop, bar, interrupted).await;
     let cpu = cpu_seconds().zip(cpu0).map_or(0.0, |(b, a)| b - a);
     sampled.store(true, Ordering::Relaxed);
     let planner = match sampler {
         Some(task) => task.await.unwrap_or_default(),
         None => Vec::new(),
     };
+    Measured {
+        records,
+        cpu,
+        planner,
+    }
+}
 
-    let mut summary = summarize(&records, cfg.slo.as_ref());
-    summary.client_cpu_s = cpu;
+/// The measured phase's summary, with what the records alone do not say.
+fn summarize_run(
+    cfg: &Config,
+    model: &str,
+    entries: usize,
+    measured: &Measured,
+    interrupted: &AtomicBool,
+) -> Summary {
+    let records = &measured.records;
+    let mut summary = summarize(records, cfg.slo.as_ref());
+    summary.client_cpu_s = measured.cpu;
     summary.interrupted = interrupted.load(Ordering::Relaxed);
-    summary.config = describe(cfg, &model, entries.len());
+    summary.config = describe(cfg, model, entries);
     if cfg.planner {
         let end = records
             .iter()
             .map(|r| r.end.as_secs_f64())
             .fold(0.0, f64::max);
-        summary.replica_seconds = Some(crate::planner::replica_seconds(&planner, end));
+        summary.replica_seconds = Some(crate::planner::replica_seconds(&measured.planner, end));
     }
-    Ok(Outcome {
-        summary,
-        records,
-        planner,
-    })
+    summary
 }
 
 /// Request bodies and what the dataset knows, shared by the sending tasks.
@@ -235,6 +273,21 @@ struct Dataset {
 }
 
 impl Dataset {
+    fn new(cfg: &Config, bodies: Vec<Bytes>, entries: &[Entry]) -> Dataset {
+        Dataset {
+            bodies,
+            input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
+            at: entries.iter().map(|e| e.at).collect(),
+            // Measured requests start after the warm-up's entries, except in a trace replay,
+            // which must start at its first line.
+            offset: if cfg.load == Load::Trace {
+                0
+            } else {
+                cfg.warmup
+            },
+        }
+    }
+
     fn job(&self, index: usize, intended: Option<Duration>) -> Job {
         let i = (self.offset + index) % self.bodies.len();
         Job {
@@ -269,109 +322,24 @@ async fn phase(
         Stop::Requests(n) => (n, None),
         Stop::Duration(d) => (usize::MAX, Some(d)),
     };
-    match pace {
-        Pace::Closed(n) => {
-            let next = Arc::new(AtomicUsize::new(0));
-            for _ in 0..n {
-                let (client, dataset, live, tx, next, stopped) = (
-                    client.clone(),
-                    dataset.clone(),
-                    live.clone(),
-                    tx.clone(),
-                    next.clone(),
-                    interrupted.clone(),
-                );
-                tokio::spawn(async move {
-                    loop {
-                        if deadline.is_some_and(|d| t0.elapsed() >= d)
-                            || stopped.load(Ordering::Relaxed)
-                        {
-                            break;
-                        }
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= limit {
-                            break;
-                        }
-                        let rec = client.send(dataset.job(i, None), t0, &live).await;
-                        if tx.send(rec).await.is_err() {
-                            break;
-                        }
-                    }
-                });
-            }
-        }
-        Pace::Open(times) => {
-            let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
-            let stopped = interrupted.clone();
-            let rt = tokio::runtime::Handle::current();
-            let spawned = std::thread::Builder::new()
-                .name("bench-schedule".into())
-                .spawn(move || {
-                    for (i, at) in times.enumerate().take(limit) {
-                        if deadline.is_some_and(|d| at >= d) {
-                            break;
-                        }
-                        // Sleep in slices so an interrupt is seen during a long gap in a trace;
-                        // the last slice ends exactly on time.
-                        let target = t0 + at;
-                        loop {
-                            let now = Instant::now();
-                            if stopped.load(Ordering::Relaxed) || now >= target {
-                                break;
-                            }
-                            std::thread::sleep((target - now).min(Duration::from_millis(50)));
-                        }
-                        if stopped.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
-                        let job = dataset.job(i, Some(at));
-                        rt.spawn(async move {
-                            let rec = client.send(job, t0, &live).await;
-                            let _ = tx.send(rec).await;
-                        });
-                    }
-                });
-            if let Err(e) = spawned {
-                tracing::error!(error = %e, "Cannot start the schedule thread");
-            }
-        }
-    }
-    drop(tx);
-
-    let ticker = {
-        let (bar, live) = (bar.clone(), live.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
-            let mut window = std::collections::VecDeque::from([(Instant::now(), 0u64)]);
-            loop {
-                tick.tick().await;
-                let now = Instant::now();
-                let tokens = live.tokens.load(Ordering::Relaxed);
-                window.push_back((now, tokens));
-                // Tokens per second over the last two seconds.
-                while window.len() > 2 && now - window[0].0 > Duration::from_secs(2) {
-                    window.pop_front();
-                }
-                let (t, n) = window[0];
-                let rate = (tokens - n) as f64 / (now - t).as_secs_f64().max(1e-3);
-                let done = live.done.load(Ordering::Relaxed);
-                let errors = live.errors.load(Ordering::Relaxed);
-                match deadline {
-                    Some(_) => {
-                        bar.set_position(t0.elapsed().as_secs());
-                        bar.set_message(format!(
-                            "{done} done, {errors} errors, {rate:.0} tokens/s"
-                        ));
-                    }
-                    None => {
-                        bar.set_position(done);
-                        bar.set_message(format!("{errors} errors, {rate:.0} tokens/s"));
-                    }
-                }
-            }
-        })
+    let senders = Senders {
+        client: client.clone(),
+        dataset,
+        live: live.clone(),
+        tx,
+        t0,
+        limit,
+        deadline,
+        stopped: interrupted.clone(),
     };
+    // Each takes `senders` (its `tx` among them): the channel closes when the last request
+    // is done.
+    match pace {
+        Pace::Closed(n) => senders.spawn_workers(n),
+        Pace::Open(times) => senders.spawn_schedule(times),
+    }
+
+    let ticker = spawn_ticker(bar.clone(), live, t0, deadline);
     let mut records = Vec::new();
     while let Some(r) = rx.recv().await {
         records.push(r);
@@ -380,6 +348,148 @@ async fn phase(
     bar.finish_and_clear();
     records.sort_by_key(|r| r.index);
     records
+}
+
+/// What a phase's senders share: the client, the requests, where their records go, and
+/// when to stop sending (`limit` requests, the `deadline` after `t0`, or `stopped`).
+struct Senders {
+    client: Client,
+    dataset: Arc<Dataset>,
+    live: Arc<Live>,
+    tx: mpsc::Sender<Record>,
+    t0: Instant,
+    limit: usize,
+    deadline: Option<Duration>,
+    stopped: Arc<AtomicBool>,
+}
+
+impl Senders {
+    /// Closed loop: `n` tasks, each sending its next request when the previous one ends.
+    fn spawn_workers(self, n: usize) {
+        let Senders {
+            client,
+            dataset,
+            live,
+            tx,
+            t0,
+            limit,
+            deadline,
+            stopped,
+        } = self;
+        let next = Arc::new(AtomicUsize::new(0));
+        for _ in 0..n {
+            let (client, dataset, live, tx, next, stopped) = (
+                client.clone(),
+                dataset.clone(),
+                live.clone(),
+                tx.clone(),
+                next.clone(),
+                stopped.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    if deadline.is_some_and(|d| t0.elapsed() >= d)
+                        || stopped.load(Ordering::Relaxed)
+                    {
+                        break;
+                    }
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= limit {
+                        break;
+                    }
+                    let rec = client.send(dataset.job(i, None), t0, &live).await;
+                    if tx.send(rec).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+
+    /// Open loop: a thread that sends each request at its time in `times`, as a task on the
+    /// runtime.
+    fn spawn_schedule(self, times: Box<dyn Iterator<Item = Duration> + Send>) {
+        let Senders {
+            client,
+            dataset,
+            live,
+            tx,
+            t0,
+            limit,
+            deadline,
+            stopped,
+        } = self;
+        let rt = tokio::runtime::Handle::current();
+        let spawned = std::thread::Builder::new()
+            .name("bench-schedule".into())
+            .spawn(move || {
+                for (i, at) in times.enumerate().take(limit) {
+                    if deadline.is_some_and(|d| at >= d) {
+                        break;
+                    }
+                    // Sleep in slices so an interrupt is seen during a long gap in a trace;
+                    // the last slice ends exactly on time.
+                    let target = t0 + at;
+                    loop {
+                        let now = Instant::now();
+                        if stopped.load(Ordering::Relaxed) || now >= target {
+                            break;
+                        }
+                        std::thread::sleep((target - now).min(Duration::from_millis(50)));
+                    }
+                    if stopped.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let (client, live, tx) = (client.clone(), live.clone(), tx.clone());
+                    let job = dataset.job(i, Some(at));
+                    rt.spawn(async move {
+                        let rec = client.send(job, t0, &live).await;
+                        let _ = tx.send(rec).await;
+                    });
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "Cannot start the schedule thread");
+        }
+    }
+}
+
+/// Update the progress bar every 250 ms: requests done (or seconds, with a `deadline`),
+/// errors, and the recent token rate.
+fn spawn_ticker(
+    bar: ProgressBar,
+    live: Arc<Live>,
+    t0: Instant,
+    deadline: Option<Duration>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        let mut window = std::collections::VecDeque::from([(Instant::now(), 0u64)]);
+        loop {
+            tick.tick().await;
+            let now = Instant::now();
+            let tokens = live.tokens.load(Ordering::Relaxed);
+            window.push_back((now, tokens));
+            // Tokens per second over the last two seconds.
+            while window.len() > 2 && now - window[0].0 > Duration::from_secs(2) {
+                window.pop_front();
+            }
+            let (t, n) = window[0];
+            let rate = (tokens - n) as f64 / (now - t).as_secs_f64().max(1e-3);
+            let done = live.done.load(Ordering::Relaxed);
+            let errors = live.errors.load(Ordering::Relaxed);
+            match deadline {
+                Some(_) => {
+                    bar.set_position(t0.elapsed().as_secs());
+                    bar.set_message(format!("{done} done, {errors} errors, {rate:.0} tokens/s"));
+                }
+                None => {
+                    bar.set_position(done);
+                    bar.set_message(format!("{errors} errors, {rate:.0} tokens/s"));
+                }
+            }
+        }
+    })
 }
 
 /// A flag the first Ctrl-C sets (stop sending, summarize what was sent); a second Ctrl-C

@@ -123,7 +123,19 @@ impl ExternalConfig {
 
     pub fn validate(&self, kind: ExternalKind, prefix: &str) -> Vec<Invalid> {
         let mut out = Vec::new();
-        let f = |name: &str| format!("{prefix}{name}");
+        self.validate_servers(prefix, &mut out);
+        self.validate_launch(prefix, &mut out);
+        self.validate_numbers(prefix, &mut out);
+        if kind != ExternalKind::Vllm {
+            self.validate_no_kv_events(kind, prefix, &mut out);
+        } else {
+            self.validate_kv_events(prefix, &mut out);
+        }
+        out
+    }
+
+    /// Exactly one of `url`, `urls` and `launch`, and the URLs' form.
+    fn validate_servers(&self, prefix: &str, out: &mut Vec<Invalid>) {
         let given = [
             self.url.is_some(),
             !self.urls.is_empty(),
@@ -140,7 +152,7 @@ impl ExternalConfig {
         }
         for (i, u) in self.urls().iter().enumerate() {
             let field = if self.url.is_some() {
-                f("url")
+                format!("{prefix}url")
             } else {
                 format!("{prefix}urls[{i}]")
             };
@@ -153,6 +165,11 @@ impl ExternalConfig {
                 Err(e) => out.push(Invalid::field(field, format!("`{u}`: {e}"))),
             }
         }
+    }
+
+    /// The launch command's placeholders; `env` only with it.
+    fn validate_launch(&self, prefix: &str, out: &mut Vec<Invalid>) {
+        let f = |name: &str| format!("{prefix}{name}");
         if let Some(cmd) = &self.launch {
             if !cmd.contains("{port}") {
                 out.push(Invalid::field(
@@ -169,6 +186,11 @@ impl ExternalConfig {
         } else if !self.env.is_empty() {
             out.push(Invalid::field(f("env"), "only used with `launch`"));
         }
+    }
+
+    /// The intervals and the block size.
+    fn validate_numbers(&self, prefix: &str, out: &mut Vec<Invalid>) {
+        let f = |name: &str| format!("{prefix}{name}");
         for (name, v) in [
             ("startup_timeout_s", self.startup_timeout_s),
             ("health_interval_s", self.health_interval_s),
@@ -186,67 +208,83 @@ impl ExternalConfig {
         if self.block_size == Some(0) {
             out.push(Invalid::field(f("block_size"), "must be at least 1"));
         }
-        if kind != ExternalKind::Vllm {
-            if self.kv_events {
+    }
+
+    /// A server other than vLLM: no KV events to follow.
+    fn validate_no_kv_events(&self, kind: ExternalKind, prefix: &str, out: &mut Vec<Invalid>) {
+        if self.kv_events {
+            out.push(Invalid::field(
+                format!("{prefix}kv_events"),
+                format!(
+                    "{} servers publish no KV events; route with `kv_events: false` (approximate)",
+                    kind.name()
+                ),
+            ));
+        }
+        if !self.kv_publishers.is_empty() {
+            out.push(Invalid::field(
+                format!("{prefix}kv_publishers"),
+                format!("{} servers publish no KV events", kind.name()),
+            ));
+        }
+    }
+
+    /// vLLM: `kv_events` with `launch`, or one `kv_publishers` entry per server given by URL.
+    fn validate_kv_events(&self, prefix: &str, out: &mut Vec<Invalid>) {
+        let f = |name: &str| format!("{prefix}{name}");
+        if self.kv_events && self.launch.is_none() {
+            out.push(Invalid::field(
+                f("kv_events"),
+                "only with `launch`; for servers given by URL list where each publishes in `kv_publishers`",
+            ));
+        }
+        if self.kv_publishers.is_empty() {
+            return;
+        }
+        let n = self.urls().len();
+        if self.launch.is_some() {
+            out.push(Invalid::field(
+                f("kv_publishers"),
+                "only with `url`/`urls`; with `launch` say `kv_events: true`",
+            ));
+        } else if self.kv_publishers.len() != n {
+            out.push(Invalid::field(
+                f("kv_publishers"),
+                format!(
+                    "{} given for {n} servers: one per server, in the same order",
+                    self.kv_publishers.len()
+                ),
+            ));
+        }
+        for (i, p) in self.kv_publishers.iter().enumerate() {
+            p.validate(&format!("{prefix}kv_publishers[{i}]"), out);
+        }
+    }
+}
+
+impl KvPublisher {
+    /// One of `events` and `listen`, and ZeroMQ TCP endpoints; `field` names this entry.
+    fn validate(&self, field: &str, out: &mut Vec<Invalid>) {
+        if self.events.is_some() == self.listen.is_some() {
+            out.push(Invalid::field(
+                field,
+                "give `events` (the server binds, dyn connects) or `listen` (dyn binds, the server connects)",
+            ));
+        }
+        for (what, e) in [
+            ("events", self.events.as_ref()),
+            ("listen", self.listen.as_ref()),
+            ("replay", self.replay.as_ref()),
+        ] {
+            if let Some(e) = e
+                && !e.starts_with("tcp://")
+            {
                 out.push(Invalid::field(
-                    f("kv_events"),
-                    format!("{} servers publish no KV events; route with `kv_events: false` (approximate)", kind.name()),
+                    format!("{field}.{what}"),
+                    format!("`{e}` is not a tcp:// ZeroMQ endpoint"),
                 ));
-            }
-            if !self.kv_publishers.is_empty() {
-                out.push(Invalid::field(
-                    f("kv_publishers"),
-                    format!("{} servers publish no KV events", kind.name()),
-                ));
-            }
-        } else {
-            if self.kv_events && self.launch.is_none() {
-                out.push(Invalid::field(
-                    f("kv_events"),
-                    "only with `launch`; for servers given by URL list where each publishes in `kv_publishers`",
-                ));
-            }
-            if !self.kv_publishers.is_empty() {
-                let n = self.urls().len();
-                if self.launch.is_some() {
-                    out.push(Invalid::field(
-                        f("kv_publishers"),
-                        "only with `url`/`urls`; with `launch` say `kv_events: true`",
-                    ));
-                } else if self.kv_publishers.len() != n {
-                    out.push(Invalid::field(
-                        f("kv_publishers"),
-                        format!(
-                            "{} given for {n} servers: one per server, in the same order",
-                            self.kv_publishers.len()
-                        ),
-                    ));
-                }
-                for (i, p) in self.kv_publishers.iter().enumerate() {
-                    if p.events.is_some() == p.listen.is_some() {
-                        out.push(Invalid::field(
-                            format!("{prefix}kv_publishers[{i}]"),
-                            "give `events` (the server binds, dyn connects) or `listen` (dyn binds, the server connects)",
-                        ));
-                    }
-                    for (what, e) in [
-                        ("events", p.events.as_ref()),
-                        ("listen", p.listen.as_ref()),
-                        ("replay", p.replay.as_ref()),
-                    ] {
-                        if let Some(e) = e
-                            && !e.starts_with("tcp://")
-                        {
-                            out.push(Invalid::field(
-                                format!("{prefix}kv_publishers[{i}].{what}"),
-                                format!("`{e}` is not a tcp:// ZeroMQ endpoint"),
-                            ));
-                        }
-                    }
-                }
             }
         }
-        out
     }
 }
 

@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::config::{ExternalConfig, ExternalKind, fill};
@@ -211,14 +212,27 @@ impl Supervisor {
 
     /// Start the command, wait for its health, watch it; stop it whatever happens.
     async fn serve_launched(&self, generation: u64) -> Down {
-        let s = &self.spec;
-        let Some(cmd) = &s.config.launch else {
+        let Some(cmd) = &self.spec.config.launch else {
             return Down::Wrong("neither a URL nor a launch command".into());
         };
         let port = match free_port() {
             Ok(p) => p,
             Err(e) => return Down::Retry(format!("no free port: {e}")),
         };
+        let line = self.launch_line(cmd, port);
+        let mut launched = match self.launch(&line) {
+            Ok(l) => l,
+            Err(down) => return down,
+        };
+        let base = format!("http://127.0.0.1:{port}");
+        let down = self.serve_process(&mut launched, &base, generation).await;
+        launched.group.stop(&mut launched.child).await;
+        down
+    }
+
+    /// The command with its placeholders filled, and the extra arguments of this start.
+    fn launch_line(&self, cmd: &str, port: u16) -> String {
+        let s = &self.spec;
         let port_s = port.to_string();
         let replica = s.replica.to_string();
         let mut line = fill(
@@ -235,12 +249,18 @@ impl Supervisor {
             line.push(' ');
             line.push_str(&extra());
         }
+        line
+    }
+
+    /// Run `line` under the watchdog, its output forwarded to the log.
+    fn launch(&self, line: &str) -> Result<Launched, Down> {
+        let s = &self.spec;
         let mut command = tokio::process::Command::new("sh");
         command
             .arg("-c")
             .arg(WATCHDOG)
             .arg("dyn-engine-server")
-            .arg(&line)
+            .arg(line)
             .envs(&s.config.env)
             // The watchdog's pipe: it closes when dyn exits, however it exits.
             .stdin(Stdio::piped())
@@ -252,15 +272,27 @@ impl Supervisor {
             .kill_on_drop(true);
         let mut child = match command.spawn() {
             Ok(c) => c,
-            Err(e) => return Down::Wrong(format!("cannot run `sh -c {line}`: {e}")),
+            Err(e) => return Err(Down::Wrong(format!("cannot run `sh -c {line}`: {e}"))),
         };
-        // Held (not written) while the server runs; see WATCHDOG.
-        let _lifeline = child.stdin.take();
+        let lifeline = child.stdin.take();
         let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) else {
-            return Down::Retry("the launched server exited at once".into());
+            return Err(Down::Retry("the launched server exited at once".into()));
         };
         let group = Group(Pid::from_raw(pid));
         tracing::info!(node = %s.node, replica = s.replica, pid, command = %line, "Started an engine server");
+        let (tail, readers) = self.forward_output(&mut child);
+        Ok(Launched {
+            readers,
+            tail,
+            group,
+            _lifeline: lifeline,
+            child,
+        })
+    }
+
+    /// Tasks that log the server's stdout and stderr and keep their last lines.
+    fn forward_output(&self, child: &mut tokio::process::Child) -> (Tail, Vec<JoinHandle<()>>) {
+        let s = &self.spec;
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         let read = |out, stream| {
             tokio::spawn(keep_tail(
@@ -281,56 +313,49 @@ impl Supervisor {
         if let Some(err) = child.stderr.take() {
             readers.push(read(Box::new(err), "stderr"));
         }
-        let base = format!("http://127.0.0.1:{port}");
-        let down = {
-            let exited = async {
-                let status = child.wait().await;
-                // Its last lines may still be in the pipes.
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    futures::future::join_all(readers),
-                )
-                .await;
-                let last: Vec<String> = tail.lock().iter().cloned().collect();
-                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
-                format!(
-                    "the launched server exited ({status}); its last lines:\n  {}",
-                    last.join("\n  ")
-                )
-            };
-            tokio::pin!(exited);
-            let timeout = Duration::from_secs_f64(s.config.startup_timeout_s);
-            let healthy = async {
-                let start = Instant::now();
-                loop {
-                    if self.probe(&base).await.is_ok() {
-                        return true;
-                    }
-                    if start.elapsed() >= timeout {
-                        return false;
-                    }
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+        (tail, readers)
+    }
+
+    /// Wait for the launched server's health, verify it, watch it: until it exits, fails,
+    /// or dyn stops.
+    async fn serve_process(&self, launched: &mut Launched, base: &str, generation: u64) -> Down {
+        let s = &self.spec;
+        let exited = exit_message(
+            &mut launched.child,
+            std::mem::take(&mut launched.readers),
+            &launched.tail,
+        );
+        tokio::pin!(exited);
+        let timeout = Duration::from_secs_f64(s.config.startup_timeout_s);
+        tokio::select! {
+            _ = self.stop.cancelled() => Down::Stopped,
+            why = &mut exited => Down::Retry(why),
+            up = self.wait_healthy(base, timeout) => if up {
+                match self.verify(base, generation).await {
+                    Ok(endpoint) => tokio::select! {
+                        why = &mut exited => Down::Retry(why),
+                        down = self.watch_healthy(endpoint) => down,
+                    },
+                    Err(d) => d,
                 }
-            };
-            let down = tokio::select! {
-                _ = self.stop.cancelled() => Down::Stopped,
-                why = &mut exited => Down::Retry(why),
-                up = healthy => if up {
-                    match self.verify(&base, generation).await {
-                        Ok(endpoint) => tokio::select! {
-                            why = &mut exited => Down::Retry(why),
-                            down = self.watch_healthy(endpoint) => down,
-                        },
-                        Err(d) => d,
-                    }
-                } else {
-                    Down::Retry(format!("not healthy {}s after its start", s.config.startup_timeout_s))
-                },
-            };
-            down
-        };
-        group.stop(&mut child).await;
-        down
+            } else {
+                Down::Retry(format!("not healthy {}s after its start", s.config.startup_timeout_s))
+            },
+        }
+    }
+
+    /// Whether the server answers its health check within `timeout`.
+    async fn wait_healthy(&self, base: &str, timeout: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            if self.probe(base).await.is_ok() {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     /// Report the server ready and probe it until it fails.
@@ -495,7 +520,7 @@ pub fn free_port() -> std::io::Result<u16> {
 /// message when it exits.
 async fn keep_tail(
     out: Box<dyn AsyncRead + Send + Unpin>,
-    tail: Arc<Mutex<VecDeque<String>>>,
+    tail: Tail,
     node: String,
     replica: u32,
     stream: &'static str,
@@ -509,6 +534,36 @@ async fn keep_tail(
         }
         t.push_back(line);
     }
+}
+
+/// A launched server's last lines of output.
+type Tail = Arc<Mutex<VecDeque<String>>>;
+
+/// A launched server: its process, its group, and what collects its output.
+struct Launched {
+    readers: Vec<JoinHandle<()>>,
+    tail: Tail,
+    group: Group,
+    /// Held (not written) while the server runs; see WATCHDOG.
+    _lifeline: Option<tokio::process::ChildStdin>,
+    child: tokio::process::Child,
+}
+
+/// When the launched server exits: why, with its last lines.
+async fn exit_message(
+    child: &mut tokio::process::Child,
+    readers: Vec<JoinHandle<()>>,
+    tail: &Tail,
+) -> String {
+    let status = child.wait().await;
+    // Its last lines may still be in the pipes.
+    let _ = tokio::time::timeout(Duration::from_secs(1), futures::future::join_all(readers)).await;
+    let last: Vec<String> = tail.lock().iter().cloned().collect();
+    let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+    format!(
+        "the launched server exited ({status}); its last lines:\n  {}",
+        last.join("\n  ")
+    )
 }
 
 /// A launched server's process group.

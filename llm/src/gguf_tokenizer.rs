@@ -69,119 +69,19 @@ pub fn tokenizer(g: &Gguf) -> Result<Tokenizer, String> {
         .and_then(Value::as_str)
         .ok_or("metadata tokenizer.ggml.model is missing")?;
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
-    let types: Vec<i64> = match g.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .as_array()
-            .ok_or("metadata tokenizer.ggml.token_type is not an array")?
+    let types = token_types(g, tokens.len())?;
+    let common = Common {
+        vocab: tokens
             .iter()
-            .map(|t| t.as_i64().unwrap_or(1))
+            .enumerate()
+            .map(|(i, t)| ((*t).to_owned(), json!(i)))
             .collect(),
-        None => vec![1; tokens.len()],
-    };
-    let ids = special_ids(g);
-    let vocab: serde_json::Map<String, Json> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| ((*t).to_owned(), json!(i)))
-        .collect();
-    let added: Vec<Json> = tokens
-        .iter()
-        .zip(&types)
-        .enumerate()
-        .filter(|(_, (_, ty))| matches!(**ty, 3 | 4))
-        .map(|(i, (t, _))| {
-            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    // Where the file asks for bos, the tokenizer adds it (as transformers' conversion does).
-    let bos_token = ids.bos.and_then(|b| tokens.get(b as usize).copied());
-    let post_processor = match (ids.add_bos, bos_token) {
-        (true, Some(b)) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {b: {"id": b, "ids": [ids.bos], "tokens": [b]}}
-        }),
-        _ => Json::Null,
+        added: added_tokens(&tokens, &types),
+        post_processor: post_processor(&special_ids(g), &tokens),
     };
     let spec = match model {
-        "gpt2" => {
-            let merges: Vec<Json> = strings(g, "tokenizer.ggml.merges")?
-                .into_iter()
-                .map(|m| {
-                    m.split_once(' ')
-                        .map(|(a, b)| json!([a, b]))
-                        .ok_or_else(|| format!("tokenizer.ggml.merges: {m:?} is not a pair"))
-                })
-                .collect::<Result<_, _>>()?;
-            let pre = g
-                .get("tokenizer.ggml.pre")
-                .and_then(Value::as_str)
-                .unwrap_or("default");
-            let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
-            let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
-            let pre_tokenizer = match pre {
-                "default" | "gpt2" | "gpt-2" => byte_level(true),
-                "smollm" => json!({"type": "Sequence", "pretokenizers": [
-                    {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-                "llama-bpe" | "llama3" | "llama-v3" => {
-                    json!({"type": "Sequence", "pretokenizers": [
-                    split(LLAMA3_SPLIT), byte_level(false)]})
-                }
-                "qwen2" => json!({"type": "Sequence", "pretokenizers": [
-                    split(QWEN2_SPLIT), byte_level(false)]}),
-                other => {
-                    return Err(format!(
-                        "tokenizer.ggml.pre {other:?} is not supported (default, gpt2, smollm, llama-bpe, qwen2)"
-                    ));
-                }
-            };
-            json!({
-                "version": "1.0",
-                "added_tokens": added,
-                "normalizer": null,
-                "pre_tokenizer": pre_tokenizer,
-                "post_processor": post_processor,
-                "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-                "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
-                          "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
-                          "ignore_merges": false, "vocab": vocab, "merges": merges},
-            })
-        }
-        "llama" => {
-            let scores: Vec<f64> = match g.get("tokenizer.ggml.scores") {
-                Some(v) => v
-                    .as_array()
-                    .ok_or("metadata tokenizer.ggml.scores is not an array")?
-                    .iter()
-                    .map(|s| s.as_f64().unwrap_or(0.0))
-                    .collect(),
-                None => return Err("metadata tokenizer.ggml.scores is missing".into()),
-            };
-            let unk = g
-                .get("tokenizer.ggml.unknown_token_id")
-                .and_then(Value::as_u64)
-                .and_then(|u| tokens.get(u as usize).copied());
-            json!({
-                "version": "1.0",
-                "added_tokens": added,
-                "normalizer": {"type": "Sequence", "normalizers": [
-                    {"type": "Prepend", "prepend": "▁"},
-                    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
-                "pre_tokenizer": null,
-                "post_processor": post_processor,
-                "decoder": {"type": "Sequence", "decoders": [
-                    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                    {"type": "ByteFallback"}, {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-                "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                          "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-                          "ignore_merges": false, "vocab": vocab,
-                          "merges": sentencepiece_merges(&tokens, &scores)},
-            })
-        }
+        "gpt2" => gpt2_spec(g, common)?,
+        "llama" => llama_spec(g, &tokens, common)?,
         other => {
             return Err(format!(
                 "tokenizer.ggml.model {other:?} is not supported (gpt2, llama)"
@@ -190,6 +90,149 @@ pub fn tokenizer(g: &Gguf) -> Result<Tokenizer, String> {
     };
     Tokenizer::from_bytes(spec.to_string().as_bytes())
         .map_err(|e| format!("the tokenizer built from tokenizer.ggml.* does not load: {e}"))
+}
+
+/// What both vocabulary kinds' `tokenizer.json` hold alike.
+struct Common {
+    vocab: serde_json::Map<String, Json>,
+    added: Vec<Json>,
+    post_processor: Json,
+}
+
+/// `tokenizer.ggml.token_type`, one per token; without it every token is normal (1).
+fn token_types(g: &Gguf, tokens: usize) -> Result<Vec<i64>, String> {
+    Ok(match g.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .as_array()
+            .ok_or("metadata tokenizer.ggml.token_type is not an array")?
+            .iter()
+            .map(|t| t.as_i64().unwrap_or(1))
+            .collect(),
+        None => vec![1; tokens],
+    })
+}
+
+/// The control (3) and user-defined (4) tokens, as special added tokens.
+fn added_tokens(tokens: &[&str], types: &[i64]) -> Vec<Json> {
+    tokens
+        .iter()
+        .zip(types)
+        .enumerate()
+        .filter(|(_, (_, ty))| matches!(**ty, 3 | 4))
+        .map(|(i, (t, _))| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect()
+}
+
+fn post_processor(ids: &SpecialIds, tokens: &[&str]) -> Json {
+    // Where the file asks for bos, the tokenizer adds it (as transformers' conversion does).
+    let bos_token = ids.bos.and_then(|b| tokens.get(b as usize).copied());
+    match (ids.add_bos, bos_token) {
+        (true, Some(b)) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {b: {"id": b, "ids": [ids.bos], "tokens": [b]}}
+        }),
+        _ => Json::Null,
+    }
+}
+
+/// Byte-level BPE with the file's merges.
+fn gpt2_spec(g: &Gguf, common: Common) -> Result<Json, String> {
+    let merges: Vec<Json> = strings(g, "tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| json!([a, b]))
+                .ok_or_else(|| format!("tokenizer.ggml.merges: {m:?} is not a pair"))
+        })
+        .collect::<Result<_, _>>()?;
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let pre_tokenizer = gpt2_pre_tokenizer(pre)?;
+    let Common {
+        vocab,
+        added,
+        post_processor,
+    } = common;
+    Ok(json!({
+        "version": "1.0",
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges},
+    }))
+}
+
+/// The pre-tokenizer `tokenizer.ggml.pre` names, as llama.cpp splits for it.
+fn gpt2_pre_tokenizer(pre: &str) -> Result<Json, String> {
+    let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
+    let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
+    Ok(match pre {
+        "default" | "gpt2" | "gpt-2" => byte_level(true),
+        "smollm" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            json!({"type": "Sequence", "pretokenizers": [
+            split(LLAMA3_SPLIT), byte_level(false)]})
+        }
+        "qwen2" => json!({"type": "Sequence", "pretokenizers": [
+            split(QWEN2_SPLIT), byte_level(false)]}),
+        other => {
+            return Err(format!(
+                "tokenizer.ggml.pre {other:?} is not supported (default, gpt2, smollm, llama-bpe, qwen2)"
+            ));
+        }
+    })
+}
+
+/// SentencePiece BPE: merges derived from the scores, `▁` for spaces, byte fallback.
+fn llama_spec(g: &Gguf, tokens: &[&str], common: Common) -> Result<Json, String> {
+    let scores: Vec<f64> = match g.get("tokenizer.ggml.scores") {
+        Some(v) => v
+            .as_array()
+            .ok_or("metadata tokenizer.ggml.scores is not an array")?
+            .iter()
+            .map(|s| s.as_f64().unwrap_or(0.0))
+            .collect(),
+        None => return Err("metadata tokenizer.ggml.scores is missing".into()),
+    };
+    let unk = g
+        .get("tokenizer.ggml.unknown_token_id")
+        .and_then(Value::as_u64)
+        .and_then(|u| tokens.get(u as usize).copied());
+    let Common {
+        vocab,
+        added,
+        post_processor,
+    } = common;
+    Ok(json!({
+        "version": "1.0",
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": null,
+        "post_processor": post_processor,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                  "ignore_merges": false, "vocab": vocab,
+                  "merges": sentencepiece_merges(tokens, &scores)},
+    }))
 }
 
 /// Merges of a SentencePiece BPE vocabulary: every split of a piece into two pieces, ordered
