@@ -9,7 +9,8 @@
 //!
 //! Layout: [`sse`] parses the event stream, [`client`] times one request, [`arrival`] and
 //! [`dataset`] say when and what to send, [`run`] drives the load, [`metrics`] turns records
-//! into a [`Summary`], [`report`] prints and writes it, [`plot`] draws it.
+//! into a [`Summary`], [`report`] prints and writes it, [`plot`] draws it. It depends on no
+//! other dyn crate: it speaks HTTP to any server.
 
 pub mod arrival;
 pub mod client;

@@ -14,8 +14,8 @@
 //! (three significant digits); averages, minima and maxima are exact.
 //!
 //! A concurrency sweep's points ([`SweepPoint`]) are read off summaries here too, so that
-//! [`crate::report`] (which writes them) and [`crate::plot`] (which draws them) share the type
-//! without either depending on the other.
+//! [`crate::report`] (which writes them, and calls the plots) and [`crate::plot`] (which draws
+//! them) share the type, and the plots do not depend on the report.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

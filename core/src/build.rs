@@ -88,7 +88,7 @@ pub struct BuildCx {
     pub replica: u32,
     pub instance_id: crate::planes::InstanceId,
     /// Ids of the nodes that take this node's output, looking through routers and
-    /// pass-through nodes (by their kinds' [`Role`], like `remote_prefill`) to the workers
+    /// pass-through nodes (by their kinds' [`Role`](crate::registry::Role), like `remote_prefill`) to the workers
     /// behind them: a router watches their instances.
     pub consumers: Vec<String>,
     /// The model named in the graph, if any.

@@ -2,7 +2,8 @@
 //! replicas of a node run.
 //!
 //! A [`Connector`] is the one thing a planner needs from where the graph runs. Three fit it:
-//! the embedded runtime adds and removes replicas in its own process (`runtime.rs`), the
+//! the embedded runtime adds and removes replicas in its own process (`dyn-runtime`'s
+//! `ReplicaSet`, `run/replicas.rs`), the
 //! multi-process supervisor starts and stops `dyn` processes (the CLI's `procs.rs`), and a
 //! Kubernetes connector would patch a Deployment's `spec.replicas` (docs/planes.md). Scaling
 //! down is always deregister → drain → stop: routers stop choosing the replica first, the

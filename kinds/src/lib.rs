@@ -6,7 +6,8 @@
 //! It owns only the glue: the `decode` and `prefill` kinds choose an engine (`dyn-engine`'s
 //! mocker or native, or a `dyn-external` server) and `echo` debugs a graph. Everything else
 //! lives in the crate that owns it; nothing but the `dyn` binary (and tests) should depend on
-//! this crate.
+//! this crate. Like every kind crate it needs `dyn-core` alone, not `dyn-runtime`: whoever runs
+//! the graph builds the kinds.
 
 pub mod decode;
 pub mod echo;

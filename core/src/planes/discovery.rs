@@ -70,35 +70,72 @@ pub struct Instance {
 /// What processes that join later need to know about an instance, stored with it in
 /// discovery: its kind and model (the runtime fills them), and what the kind adds — a worker's
 /// engine, phase and KV cache geometry, which a router that starts after its workers reads
-/// before any load metrics arrive. Keys another version of dyn adds are kept in `extra`, so an
-/// older process reads a newer record and writes nothing it did not understand.
+/// before any load metrics arrive.
+///
+/// On the wire it is a JSON object, read key by key: a key this version does not know, or one
+/// whose value has another type than it expects (another version's or tool's record), is kept
+/// in `extra` and written back unchanged, so such a record never hides its instance.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "JsonMap", into = "JsonMap")]
 pub struct InstanceMeta {
     /// The node's kind (`decode`, `route`, …).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
     /// The model the graph serves.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// A worker that does one phase only: `prefill`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<String>,
     /// The engine behind a worker (`mocker`, `native`, `vllm`, `llamacpp`, `openai`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<String>,
     /// Tokens per KV cache block.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
     /// KV cache blocks the worker holds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_total_blocks: Option<u64>,
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
+    pub extra: JsonMap,
 }
+
+type JsonMap = serde_json::Map<String, serde_json::Value>;
 
 impl InstanceMeta {
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
+    }
+}
+
+impl From<JsonMap> for InstanceMeta {
+    fn from(mut extra: JsonMap) -> Self {
+        // Take a key out only when its value reads as the field's type.
+        fn take<T: serde::de::DeserializeOwned>(m: &mut JsonMap, key: &str) -> Option<T> {
+            let v = serde_json::from_value(m.get(key)?.clone()).ok()?;
+            m.remove(key);
+            Some(v)
+        }
+        Self {
+            kind: take(&mut extra, "kind"),
+            model: take(&mut extra, "model"),
+            role: take(&mut extra, "role"),
+            engine: take(&mut extra, "engine"),
+            block_size: take(&mut extra, "block_size"),
+            kv_total_blocks: take(&mut extra, "kv_total_blocks"),
+            extra,
+        }
+    }
+}
+
+impl From<InstanceMeta> for JsonMap {
+    fn from(m: InstanceMeta) -> Self {
+        let mut out = m.extra;
+        let mut put = |key: &str, v: Option<serde_json::Value>| {
+            if let Some(v) = v {
+                out.insert(key.into(), v);
+            }
+        };
+        put("kind", m.kind.map(Into::into));
+        put("model", m.model.map(Into::into));
+        put("role", m.role.map(Into::into));
+        put("engine", m.engine.map(Into::into));
+        put("block_size", m.block_size.map(Into::into));
+        put("kv_total_blocks", m.kv_total_blocks.map(Into::into));
+        out
     }
 }
 
@@ -345,6 +382,13 @@ mod tests {
         assert_eq!(i.metadata.kv_total_blocks, Some(1024));
         assert_eq!(i.metadata.model.as_deref(), Some("tiny"));
         assert_eq!(i.metadata.extra["lora"], serde_json::json!(["a"]));
+        // A value of another type than expected stays as written and hides nothing.
+        let odd: Instance =
+            serde_json::from_str(&text.replace("\"block_size\":16", "\"block_size\":\"16\""))
+                .unwrap();
+        assert_eq!(odd.metadata.block_size, None);
+        assert_eq!(odd.metadata.extra["block_size"], serde_json::json!("16"));
+        assert_eq!(odd.metadata.kv_total_blocks, Some(1024));
         let back: serde_json::Value = serde_json::to_value(&i).unwrap();
         assert_eq!(
             back,

@@ -6,7 +6,7 @@
 //! the jobs of every partition not yet taken: the backlog a sender weighs before adding to it.
 //!
 //! [`EmbeddedWorkQueue`] keeps jobs in memory for one-process graphs; the NATS JetStream
-//! implementation (in [`super::nats`]) keeps them in a work-queue stream on the server, so
+//! implementation (`dyn-runtime`'s `planes::nats`) keeps them in a work-queue stream on the server, so
 //! they survive the sender and wait for a worker that starts late.
 
 use std::collections::{HashMap, VecDeque};
