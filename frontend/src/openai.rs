@@ -8,6 +8,7 @@
 //! so a request the graph rejects still gets its 4xx status. A client that disconnects drops
 //! the response stream, which kills the request's context, which reaches the engine.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -16,7 +17,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dyn_core::{
@@ -179,6 +180,70 @@ struct Common {
     logprobs: Option<Value>,
     ignore_eos: Option<bool>,
     min_tokens: Option<u32>,
+    /// Fields that change what a request means and that this server does not honour yet:
+    /// refused by name, never dropped (an application that asks for a tool call or for JSON
+    /// must not believe it got one).
+    #[serde(flatten)]
+    unsupported: BTreeMap<String, Value>,
+}
+
+/// True for the values of a field that ask for nothing.
+type AsksNothing = fn(&Value) -> bool;
+
+/// The request fields [`refuse_unsupported`] looks at, each with the values that ask for
+/// nothing (what clients send by default), so those still pass.
+const UNSUPPORTED: &[(&str, AsksNothing)] = &[
+    ("tools", empty),
+    ("tool_choice", |v| v.is_null() || v == "none" || v == "auto"),
+    ("functions", empty),
+    ("function_call", |v| {
+        v.is_null() || v == "none" || v == "auto"
+    }),
+    ("response_format", |v| v.is_null() || v["type"] == "text"),
+    ("structured_outputs", Value::is_null),
+    ("guided_json", Value::is_null),
+    ("guided_regex", Value::is_null),
+    ("guided_choice", Value::is_null),
+    ("guided_grammar", Value::is_null),
+    ("logit_bias", empty),
+    ("presence_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(0.0)
+    }),
+    ("frequency_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(0.0)
+    }),
+    ("repetition_penalty", |v| {
+        v.is_null() || v.as_f64() == Some(1.0)
+    }),
+    ("min_p", |v| v.is_null() || v.as_f64() == Some(0.0)),
+    ("stop_token_ids", empty),
+    ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
+];
+
+/// Null, or an empty list or object.
+fn empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+/// A field from [`UNSUPPORTED`] that asks for something is a 400 naming it.
+fn refuse_unsupported(fields: &BTreeMap<String, Value>) -> Result<(), ApiError> {
+    for (name, asks_nothing) in UNSUPPORTED {
+        if let Some(v) = fields.get(*name)
+            && !asks_nothing(v)
+        {
+            return Err(ApiError::invalid(
+                "unsupported_parameter",
+                format!("`{name}` is not supported by this server yet"),
+            )
+            .with_param(*name));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -199,6 +264,10 @@ struct Part {
 struct MessageIn {
     role: String,
     content: Option<ContentIn>,
+    /// An assistant turn's tool calls: refused until tool calling is built, rather than
+    /// rendered without them.
+    #[serde(default)]
+    tool_calls: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -240,7 +309,10 @@ fn request(
     c: Common,
 ) -> Result<(LlmRequest, Options), ApiError> {
     if c.model != *app.model {
-        return Err(ApiError::invalid(
+        // A 404, as OpenAI answers (its clients raise `NotFoundError`).
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
             "model_not_found",
             format!(
                 "The model `{}` does not exist; this server serves `{}`",
@@ -249,6 +321,7 @@ fn request(
         )
         .with_param("model"));
     }
+    refuse_unsupported(&c.unsupported)?;
     if let Some(n) = c.n
         && n != 1
     {
@@ -312,6 +385,20 @@ fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiErro
     let b: ChatBody = super::parse_json(body)?;
     let mut messages = Vec::with_capacity(b.messages.len());
     for (i, m) in b.messages.into_iter().enumerate() {
+        if matches!(m.role.as_str(), "tool" | "function")
+            || !m.tool_calls.as_ref().is_none_or(empty)
+        {
+            let field = if matches!(m.role.as_str(), "tool" | "function") {
+                "role"
+            } else {
+                "tool_calls"
+            };
+            return Err(ApiError::invalid(
+                "unsupported_parameter",
+                "tool calls and tool results in messages are not supported by this server yet",
+            )
+            .with_param(format!("messages[{i}].{field}")));
+        }
         let content = match m.content {
             None => String::new(),
             Some(ContentIn::Text(t)) => t,
@@ -809,6 +896,48 @@ impl Shape {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fields_not_honoured_yet_are_refused_by_name_and_their_defaults_pass() {
+        let refused = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": []});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let b: ChatBody = serde_json::from_value(body).unwrap();
+            refuse_unsupported(&b.common.unsupported)
+                .err()
+                .map(|e| e.param.unwrap_or_default())
+        };
+        // What clients send by default asks for nothing.
+        let defaults = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+            "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_p": 0, "stop_token_ids": [], "top_logprobs": null, "parallel_tool_calls": true,
+            "user": "u", "metadata": {"a": "b"}});
+        assert_eq!(refused(defaults), None);
+        for (extra, param) in [
+            (json!({"tools": [{"type": "function"}]}), "tools"),
+            (
+                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema"}}),
+                "response_format",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a+"}}),
+                "structured_outputs",
+            ),
+            (json!({"frequency_penalty": 0.1}), "frequency_penalty"),
+            (json!({"repetition_penalty": 1.1}), "repetition_penalty"),
+            (json!({"min_p": 0.05}), "min_p"),
+            (json!({"stop_token_ids": [2]}), "stop_token_ids"),
+            (json!({"top_logprobs": 3}), "top_logprobs"),
+        ] {
+            assert_eq!(refused(extra).as_deref(), Some(param));
+        }
+    }
 
     #[test]
     fn stop_accepts_a_string_or_a_list_and_names_what_it_expected() {

@@ -1,7 +1,8 @@
 """Streams a chat completion from a running dyn graph with the official `openai` package.
 
 Usage: openai_stream.py BASE_URL. Prints the streamed text on the first line and the finish
-reason and usage on the second, as JSON, for the Rust test to check.
+reason and usage on the second, then the errors the client raised for an unknown model and
+for a tool call this server does not honour yet, as JSON, for the Rust test to check.
 """
 import json
 import sys
@@ -34,3 +35,14 @@ try:
     client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 except Exception as e:  # noqa: BLE001 - report whatever the client raised
     print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None)}))
+
+# A request this server cannot honour yet (a tool call) is refused, naming the field.
+try:
+    client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+except Exception as e:  # noqa: BLE001 - report whatever the client raised
+    print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None), "param": getattr(e, "param", None)}))

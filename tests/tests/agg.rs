@@ -233,9 +233,56 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
         ),
         (
             post_chat(&json!({"model": "gpt-9", "messages": []})),
-            400,
+            404,
             "model_not_found",
             Some("model"),
+        ),
+        // What this server does not honour yet is refused by name, never dropped.
+        (
+            post_chat(&chat(
+                "hi",
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            )),
+            400,
+            "unsupported_parameter",
+            Some("tools"),
+        ),
+        (
+            post_chat(&chat("hi", json!({"tool_choice": "required"}))),
+            400,
+            "unsupported_parameter",
+            Some("tool_choice"),
+        ),
+        (
+            post_chat(&chat(
+                "hi",
+                json!({"response_format": {"type": "json_object"}}),
+            )),
+            400,
+            "unsupported_parameter",
+            Some("response_format"),
+        ),
+        (
+            post_chat(&chat("hi", json!({"presence_penalty": 0.5}))),
+            400,
+            "unsupported_parameter",
+            Some("presence_penalty"),
+        ),
+        (
+            post_chat(&chat("hi", json!({"logit_bias": {"50": -100}}))),
+            400,
+            "unsupported_parameter",
+            Some("logit_bias"),
+        ),
+        (
+            post_chat(&json!({"model": "tiny", "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "1"}
+            ]})),
+            400,
+            "unsupported_parameter",
+            Some("messages[1].tool_calls"),
         ),
         (
             post_chat(&chat("hi", json!({"n": 2}))),

@@ -230,7 +230,7 @@ fn failed_requests_are_counted_by_class() {
     );
     assert_eq!(
         s["errors"],
-        serde_json::json!({"http 400 model_not_found": 10})
+        serde_json::json!({"http 404 model_not_found": 10})
     );
     assert_eq!(s["ttft_ms"], Value::Null);
     assert_eq!(csv_rows(&dir).len(), 10);

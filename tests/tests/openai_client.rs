@@ -41,7 +41,12 @@ fn openai_python_client_streams_a_chat_completion() {
     assert!(!text.is_empty());
     assert_eq!(lines[1]["finish_reason"], "length");
     assert_eq!(lines[1]["usage"]["completion_tokens"], 10);
-    assert_eq!(lines[2], json!({"error": "BadRequestError", "status": 400}));
+    assert_eq!(lines[2], json!({"error": "NotFoundError", "status": 404}));
+    // A request for a tool call is refused by name, not answered with plain text.
+    assert_eq!(
+        lines[3],
+        json!({"error": "BadRequestError", "status": 400, "param": "tools"})
+    );
 
     // The same request through plain HTTP gives the same text.
     let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me a short story."}], "max_tokens": 10, "seed": 11});
