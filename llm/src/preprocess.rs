@@ -15,13 +15,15 @@
 
 use std::sync::Arc;
 
-use dyn_core::{BuildCx, BuildError, Ctx, Input, OpError, Operator, OperatorConfig, Output};
+use dyn_core::{
+    BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
+};
 use futures::StreamExt;
 use minijinja::{Environment, context};
 use serde::Deserialize;
 
 use super::encoder::Encoder;
-use super::model::ModelDir;
+use super::model::{GenerationDefaults, ModelDir};
 use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions};
 
 /// Longest accepted stop string, and most stop strings per request (vLLM has no limit; a cap
@@ -40,6 +42,63 @@ pub struct PreprocessConfig {
     /// Which encoder tokenizes prompts.
     #[serde(default)]
     pub tokenizer: TokenizerChoice,
+    /// Sampling for requests that leave a parameter out, over the model's own
+    /// `generation_config.json` (a GGUF has none): what the model's card recommends, say. A
+    /// request's own fields win.
+    #[serde(default)]
+    pub defaults: SamplingDefaults,
+}
+
+/// `defaults:` of `preprocess`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub max_tokens: Option<u32>,
+}
+
+impl SamplingDefaults {
+    fn validate(&self) -> Vec<Invalid> {
+        let mut out = Vec::new();
+        if let Some(t) = self.temperature
+            && !(0.0..=2.0).contains(&t)
+        {
+            out.push(Invalid::field(
+                "defaults.temperature",
+                format!("must be between 0 and 2, got {t}"),
+            ));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            out.push(Invalid::field(
+                "defaults.top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
+        }
+        if self.top_k == Some(0) {
+            out.push(Invalid::field(
+                "defaults.top_k",
+                "must be at least 1 (leave it out for all tokens)",
+            ));
+        }
+        if self.max_tokens == Some(0) {
+            out.push(Invalid::field("defaults.max_tokens", "must be at least 1"));
+        }
+        out
+    }
+
+    /// The model's defaults with these over them.
+    fn over(&self, model: &GenerationDefaults) -> GenerationDefaults {
+        GenerationDefaults {
+            temperature: self.temperature.or(model.temperature),
+            top_p: self.top_p.or(model.top_p),
+            top_k: self.top_k.or(model.top_k),
+            max_tokens: self.max_tokens.or(model.max_tokens),
+        }
+    }
 }
 
 /// `tokenizer:` of `preprocess`.
@@ -61,8 +120,13 @@ impl OperatorConfig for PreprocessConfig {
         "Renders the chat template and tokenizes (Hugging Face tokenizer.json); checks parameters";
     type Op = Preprocess;
 
+    fn validate(&self) -> Vec<Invalid> {
+        self.defaults.validate()
+    }
+
     async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
         let mut p = Preprocess::new(ModelDir::shared(cx).await?)?;
+        p.defaults = self.defaults.over(&p.model.defaults);
         if self.tokenizer == TokenizerChoice::Hf {
             p.encoder = Arc::new(p.encoder.without_fast());
         }
@@ -73,6 +137,8 @@ impl OperatorConfig for PreprocessConfig {
 
 pub struct Preprocess {
     model: Arc<ModelDir>,
+    /// Sampling for what a request leaves out: the graph's `defaults:` over the model's.
+    defaults: GenerationDefaults,
     encoder: Arc<Encoder>,
     env: Option<Arc<Environment<'static>>>,
 }
@@ -109,6 +175,7 @@ impl Preprocess {
         };
         Ok(Self {
             encoder: model.encoder.clone(),
+            defaults: model.defaults.clone(),
             model,
             env,
         })
@@ -213,7 +280,7 @@ impl Preprocess {
     /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
     pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
-        self.model.defaults.apply(&mut req.sampling);
+        self.defaults.apply(&mut req.sampling);
         let (text, add_special) = match &req.prompt {
             Prompt::Messages(m) => (Some(self.render(m)?), false),
             Prompt::Text(t) => (Some(t.clone()), true),
@@ -257,7 +324,7 @@ impl Preprocess {
                 .with_code("context_length_exceeded"));
             }
             Some(m) => m,
-            None => self.model.defaults.max_tokens.map_or(room, |d| d.min(room)),
+            None => self.defaults.max_tokens.map_or(room, |d| d.min(room)),
         };
         let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
         Ok(PreprocessedRequest {
@@ -294,6 +361,7 @@ impl Operator for Preprocess {
         let this = Preprocess {
             model: self.model.clone(),
             encoder: self.encoder.clone(),
+            defaults: self.defaults.clone(),
             env: self.env.clone(),
         };
         async_stream::stream! {
@@ -325,6 +393,45 @@ mod tests {
             sampling: Sampling::default(),
             limits: Limits::default(),
         }
+    }
+
+    #[tokio::test]
+    async fn the_graphs_sampling_defaults_sit_over_the_models_and_under_the_request() {
+        let cfg: PreprocessConfig = serde_json::from_value(serde_json::json!(
+            {"defaults": {"temperature": 0.2, "top_p": 0.9, "max_tokens": 7}}
+        ))
+        .unwrap();
+        assert!(cfg.validate().is_empty());
+        let mut p = pre();
+        let model = GenerationDefaults {
+            temperature: Some(0.6),
+            top_k: Some(50),
+            ..GenerationDefaults::default()
+        };
+        p.defaults = cfg.defaults.over(&model);
+        let out = p.preprocess(chat("hi")).await.expect("ok");
+        let s = &out.sampling;
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k),
+            (Some(0.2), Some(0.9), Some(50))
+        );
+        assert_eq!(out.stop.max_tokens, 7);
+        let mut own = chat("hi");
+        own.sampling.temperature = Some(0.0);
+        own.limits.max_tokens = Some(3);
+        let out = p.preprocess(own).await.expect("ok");
+        assert_eq!(out.sampling.temperature, Some(0.0));
+        assert_eq!(out.stop.max_tokens, 3);
+        // Out-of-range defaults are configuration errors, named by field.
+        let bad: PreprocessConfig = serde_json::from_value(serde_json::json!(
+            {"defaults": {"temperature": 3.0, "top_p": 0, "top_k": 0}}
+        ))
+        .unwrap();
+        let fields: Vec<_> = bad.validate().into_iter().filter_map(|i| i.field).collect();
+        assert_eq!(
+            fields,
+            ["defaults.temperature", "defaults.top_p", "defaults.top_k"]
+        );
     }
 
     #[tokio::test]
