@@ -44,8 +44,10 @@ pub struct ModelDir {
     pub defaults: GenerationDefaults,
 }
 
-/// `generation_config.json`'s sampling parameters.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Sampling for requests that leave a parameter out: `generation_config.json`'s, or a graph's
+/// `defaults:` of `preprocess` (the same four fields, `max_tokens` by that name there).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GenerationDefaults {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
@@ -69,6 +71,16 @@ impl GenerationDefaults {
             top_p: f("top_p").filter(|p| *p > 0.0 && *p <= 1.0),
             top_k: u("top_k").filter(|k| *k > 0),
             max_tokens: u("max_new_tokens").filter(|m| *m > 0),
+        }
+    }
+
+    /// These, with `under`'s where these have none (a graph's over the model's).
+    pub fn over(&self, under: &Self) -> Self {
+        Self {
+            temperature: self.temperature.or(under.temperature),
+            top_p: self.top_p.or(under.top_p),
+            top_k: self.top_k.or(under.top_k),
+            max_tokens: self.max_tokens.or(under.max_tokens),
         }
     }
 

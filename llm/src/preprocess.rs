@@ -46,59 +46,7 @@ pub struct PreprocessConfig {
     /// `generation_config.json` (a GGUF has none): what the model's card recommends, say. A
     /// request's own fields win.
     #[serde(default)]
-    pub defaults: SamplingDefaults,
-}
-
-/// `defaults:` of `preprocess`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SamplingDefaults {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<u32>,
-    pub max_tokens: Option<u32>,
-}
-
-impl SamplingDefaults {
-    fn validate(&self) -> Vec<Invalid> {
-        let mut out = Vec::new();
-        if let Some(t) = self.temperature
-            && !(0.0..=2.0).contains(&t)
-        {
-            out.push(Invalid::field(
-                "defaults.temperature",
-                format!("must be between 0 and 2, got {t}"),
-            ));
-        }
-        if let Some(p) = self.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            out.push(Invalid::field(
-                "defaults.top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
-        if self.top_k == Some(0) {
-            out.push(Invalid::field(
-                "defaults.top_k",
-                "must be at least 1 (leave it out for all tokens)",
-            ));
-        }
-        if self.max_tokens == Some(0) {
-            out.push(Invalid::field("defaults.max_tokens", "must be at least 1"));
-        }
-        out
-    }
-
-    /// The model's defaults with these over them.
-    fn over(&self, model: &GenerationDefaults) -> GenerationDefaults {
-        GenerationDefaults {
-            temperature: self.temperature.or(model.temperature),
-            top_p: self.top_p.or(model.top_p),
-            top_k: self.top_k.or(model.top_k),
-            max_tokens: self.max_tokens.or(model.max_tokens),
-        }
-    }
+    pub defaults: GenerationDefaults,
 }
 
 /// `tokenizer:` of `preprocess`.
@@ -114,6 +62,41 @@ pub enum TokenizerChoice {
     Hf,
 }
 
+/// The range checks a request's sampling and a graph's `defaults:` share: each field out of
+/// range, with what is wrong.
+fn sampling_out_of_range(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+) -> impl Iterator<Item = (&'static str, String)> {
+    let t = temperature.filter(|t| !(0.0..=2.0).contains(t)).map(|t| {
+        (
+            "temperature",
+            format!("temperature must be between 0 and 2, got {t}"),
+        )
+    });
+    let p = top_p
+        .filter(|p| !(*p > 0.0 && *p <= 1.0))
+        .map(|p| ("top_p", format!("top_p must be in (0, 1], got {p}")));
+    t.into_iter().chain(p)
+}
+
+/// A graph's `defaults:`: in range, and no zero counts.
+fn validate_defaults(d: &GenerationDefaults) -> Vec<Invalid> {
+    let mut out: Vec<Invalid> = sampling_out_of_range(d.temperature, d.top_p)
+        .map(|(field, msg)| Invalid::field(format!("defaults.{field}"), msg))
+        .collect();
+    if d.top_k == Some(0) {
+        out.push(Invalid::field(
+            "defaults.top_k",
+            "must be at least 1 (leave it out for all tokens)",
+        ));
+    }
+    if d.max_tokens == Some(0) {
+        out.push(Invalid::field("defaults.max_tokens", "must be at least 1"));
+    }
+    out
+}
+
 impl OperatorConfig for PreprocessConfig {
     const KIND: &'static str = "preprocess";
     const SUMMARY: &'static str =
@@ -121,7 +104,7 @@ impl OperatorConfig for PreprocessConfig {
     type Op = Preprocess;
 
     fn validate(&self) -> Vec<Invalid> {
-        self.defaults.validate()
+        validate_defaults(&self.defaults)
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
@@ -175,7 +158,7 @@ impl Preprocess {
         };
         Ok(Self {
             encoder: model.encoder.clone(),
-            defaults: model.defaults.clone(),
+            defaults: model.defaults,
             model,
             env,
         })
@@ -184,21 +167,8 @@ impl Preprocess {
     /// Everything up to tokenization; pure and fast.
     fn check(&self, req: &LlmRequest) -> Result<(), OpError> {
         let s = &req.sampling;
-        if let Some(t) = s.temperature
-            && !(0.0..=2.0).contains(&t)
-        {
-            return Err(invalid(
-                "temperature",
-                format!("temperature must be between 0 and 2, got {t}"),
-            ));
-        }
-        if let Some(p) = s.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return Err(invalid(
-                "top_p",
-                format!("top_p must be in (0, 1], got {p}"),
-            ));
+        if let Some((field, msg)) = sampling_out_of_range(s.temperature, s.top_p).next() {
+            return Err(invalid(field, msg));
         }
         let l = &req.limits;
         if l.max_tokens == Some(0) {
@@ -361,7 +331,7 @@ impl Operator for Preprocess {
         let this = Preprocess {
             model: self.model.clone(),
             encoder: self.encoder.clone(),
-            defaults: self.defaults.clone(),
+            defaults: self.defaults,
             env: self.env.clone(),
         };
         async_stream::stream! {
