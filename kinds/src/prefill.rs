@@ -383,15 +383,7 @@ mod tests {
             .expect("sent");
     }
 
-    async fn until(what: &str, ok: impl Fn() -> bool) {
-        for _ in 0..1000 {
-            if ok() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("never {what}");
-    }
+    use dyn_tests::until;
 
     #[tokio::test]
     async fn a_cancel_kills_a_running_job_skips_a_queued_one_and_frees_a_finished_ones_kv() {

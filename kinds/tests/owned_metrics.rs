@@ -18,15 +18,7 @@ fn decode_series() -> Vec<String> {
         .collect()
 }
 
-async fn until(what: &str, ok: impl Fn() -> bool) {
-    for _ in 0..1000 {
-        if ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("never {what}");
-}
+use dyn_tests::until;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_scale_cycles_leave_metrics_the_same_size() {

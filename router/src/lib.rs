@@ -490,7 +490,7 @@ mod tests {
 
         register(&planes, &[10, 11]).await;
         // The watch applies registrations asynchronously.
-        until(|| r.inner.live().len() == 2).await;
+        until("both workers live", || r.inner.live().len() == 2).await;
         let mut picked = Vec::new();
         for _ in 0..4 {
             picked.push(
@@ -520,22 +520,14 @@ mod tests {
         }
     }
 
-    /// Poll until `f` holds (the route's watch and event task run asynchronously).
-    async fn until(mut f: impl FnMut() -> bool) {
-        for _ in 0..500 {
-            if f() {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        panic!("condition never held");
-    }
+    // The route's watch and event task run asynchronously: poll until a condition holds.
+    use dyn_tests::until;
 
     /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
     async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
         let r = config.build(&cx(planes)).await.expect("builds");
         register(planes, ids).await;
-        until(|| r.inner.live().len() == ids.len()).await;
+        until("the workers live", || r.inner.live().len() == ids.len()).await;
         r
     }
 
@@ -586,7 +578,10 @@ mod tests {
         let prompt: Vec<u32> = (0..64).collect();
         publish_stored(&planes, 11, &prompt).await;
         let kv = r.inner.kv.as_ref().expect("kv state");
-        until(|| kv.index.read().worker_blocks(11) == 4).await;
+        until("the stored blocks indexed", || {
+            kv.index.read().worker_blocks(11) == 4
+        })
+        .await;
         let d = r.inner.decide(&prompt).expect("decides");
         assert_eq!(d.worker, 11);
         let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
@@ -601,7 +596,10 @@ mod tests {
         assert_eq!(r.inner.active.load(11).decode_blocks, 4);
         assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
         drop(ctx);
-        until(|| r.inner.active.load(11) == sequences::Load::default()).await;
+        until("the load released", || {
+            r.inner.active.load(11) == sequences::Load::default()
+        })
+        .await;
     }
 
     #[tokio::test]
@@ -614,7 +612,10 @@ mod tests {
         let r = started(&planes, config, &[10, 11]).await;
         publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
         let kv = r.inner.kv.as_ref().expect("kv state");
-        until(|| kv.index.read().worker_blocks(11) == 2).await;
+        until("the blocks indexed", || {
+            kv.index.read().worker_blocks(11) == 2
+        })
+        .await;
         let key = Instance {
             namespace: "ns".into(),
             component: "decode".into(),
@@ -626,7 +627,7 @@ mod tests {
         .key();
         planes.discovery.deregister(&key).await.expect("deregister");
         // Reconciled on the router's once-a-second tick.
-        until(|| kv.index.read().stats().nodes == 0).await;
+        until("the index emptied", || kv.index.read().stats().nodes == 0).await;
         assert_eq!(
             kv.index.read().worker_ids().collect::<Vec<_>>(),
             Vec::<u64>::new()

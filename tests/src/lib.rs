@@ -286,3 +286,16 @@ pub async fn completion(url: &str, body: &serde_json::Value) -> (u16, serde_json
         .unwrap_or_else(|e| panic!("{url}: a completion that is not JSON: {e}"));
     (status, v)
 }
+
+/// Poll `ok` every 10 ms until it holds, for state that background tasks update (watches,
+/// event followers, engine threads); panic after 10 s naming `what`. Nothing is timed: the
+/// limit only ends a test that would otherwise hang.
+pub async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never {what}");
+}

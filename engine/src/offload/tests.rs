@@ -35,15 +35,7 @@ async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
     out
 }
 
-async fn until(what: &str, mut f: impl FnMut() -> bool) {
-    for _ in 0..1000 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
+use dyn_tests::until;
 
 fn stat(t: &Tiers, f: impl Fn(&super::Stats) -> &std::sync::atomic::AtomicU64) -> u64 {
     f(&t.stats).load(Ordering::Relaxed)
