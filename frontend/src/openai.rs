@@ -218,6 +218,19 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("min_p", |v| v.is_null() || v.as_f64() == Some(0.0)),
     ("stop_token_ids", empty),
     ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
+    // Completions: text after the insertion point, and choosing the best of several.
+    ("suffix", |v| v.is_null() || v == ""),
+    ("best_of", |v| v.is_null() || v.as_u64() == Some(1)),
+    // What reasoning, audio and predicted-output models take (OpenAI refuses them for other
+    // models too).
+    ("reasoning_effort", Value::is_null),
+    ("reasoning", Value::is_null),
+    ("modalities", |v| {
+        v.is_null() || *v == serde_json::json!(["text"])
+    }),
+    ("audio", Value::is_null),
+    ("prediction", Value::is_null),
+    ("web_search_options", Value::is_null),
 ];
 
 /// Null, or an empty list or object.
@@ -913,6 +926,7 @@ mod tests {
         let defaults = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
             "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
             "min_p": 0, "stop_token_ids": [], "top_logprobs": null, "parallel_tool_calls": true,
+            "suffix": "", "best_of": 1, "modalities": ["text"], "store": false, "service_tier": "auto",
             "user": "u", "metadata": {"a": "b"}});
         assert_eq!(refused(defaults), None);
         for (extra, param) in [
@@ -934,6 +948,10 @@ mod tests {
             (json!({"min_p": 0.05}), "min_p"),
             (json!({"stop_token_ids": [2]}), "stop_token_ids"),
             (json!({"top_logprobs": 3}), "top_logprobs"),
+            (json!({"suffix": "}"}), "suffix"),
+            (json!({"best_of": 3}), "best_of"),
+            (json!({"reasoning_effort": "high"}), "reasoning_effort"),
+            (json!({"modalities": ["text", "audio"]}), "modalities"),
         ] {
             assert_eq!(refused(extra).as_deref(), Some(param));
         }
