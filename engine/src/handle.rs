@@ -248,6 +248,13 @@ impl EngineHandle {
         name: &str,
     ) -> Result<Arc<EngineHandle>, BuildError> {
         let sched = &config.scheduler;
+        if let Some(m) = config.model.clone() {
+            // The vocabulary for grammars, compiled now off the runtime rather than by the
+            // first structured request.
+            if let Ok(Err(e)) = tokio::task::spawn_blocking(move || m.grammars().map(drop)).await {
+                tracing::warn!(node = %cx.node, error = %e, "Structured output is unavailable on this worker");
+            }
+        }
         let (commands, rx) = std_mpsc::sync_channel(sched.max_queued_requests as usize);
         let worker_id = cx.instance_id.get();
         let gauges = WorkerGauges::new(&cx.node, worker_id);
@@ -419,6 +426,25 @@ impl EngineHandle {
         Ok((self.enqueue(req, SeqRole::Prefill, None, Some(otx))?, orx))
     }
 
+    /// The grammar state of a structured output whose output so far is `generated`.
+    fn guide(
+        &self,
+        c: &dyn_llm::types::Constraint,
+        generated: &[u32],
+    ) -> Result<crate::scheduler::Guided, OpError> {
+        let model = self.settings.model.as_ref().ok_or_else(|| {
+            OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
+                .with_param("response_format")
+        })?;
+        // Compiled when the worker started (see `EngineHandle::start`), so this is a lookup.
+        let grammars = model
+            .grammars()
+            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
+        Ok(std::sync::Arc::new(parking_lot::Mutex::new(
+            grammars.guide(c.clone(), generated.to_vec()),
+        )))
+    }
+
     fn enqueue(
         &self,
         req: &PreprocessedRequest,
@@ -463,6 +489,10 @@ impl EngineHandle {
             }
         });
         let s = &req.sampling;
+        let guide = match &s.constraint {
+            None => None,
+            Some(c) => Some(self.guide(c, &req.token_ids[prompt_len..])?),
+        };
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
@@ -478,6 +508,7 @@ impl EngineHandle {
                 top_p: s.top_p.unwrap_or(1.0),
                 seed,
             },
+            guide,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
         };

@@ -21,7 +21,7 @@ use super::offload::Modelled;
 use super::settings::{EngineSettings, SchedulerConfig, engine_section};
 
 use super::pool::BlockId;
-use super::scheduler::{Work, token_at};
+use super::scheduler::{SeqSpec, Work, token_at};
 use super::{EngineError, EngineHandle, Executor, ImportCheck};
 
 engine_section! {
@@ -93,6 +93,7 @@ impl MockerConfig {
             seed_from_prompt: true,
             offload: self.offload.clone(),
             offload_model: Some(self.offload_model()),
+            model: None,
         }
     }
 
@@ -193,6 +194,9 @@ const MIN_SLEEP: Duration = Duration::from_micros(50);
 /// Start a mocker worker.
 pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
     let model = ModelDir::shared(cx).await?;
+    let vocab_size = model.vocab_size as usize;
+    let mut settings = config.settings();
+    settings.model = Some(model.clone());
     // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
     let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
         .await
@@ -200,6 +204,7 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
     let bs = config.block_size as usize;
     let exec = MockerExec {
         vocab,
+        vocab_size,
         timing: config.timing.clone(),
         speedup: config.speedup,
         block_size: bs,
@@ -221,17 +226,44 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
             }
         }),
     };
-    EngineHandle::start(config.settings(), import, Box::new(exec), cx, "mocker").await
+    EngineHandle::start(settings, import, Box::new(exec), cx, "mocker").await
 }
 
 struct MockerExec {
     vocab: Arc<[u32]>,
+    /// The model's vocabulary size (grammar masks' length).
+    vocab_size: usize,
     timing: Timing,
     speedup: f64,
     block_size: usize,
     offload: Modelled,
     panic_at_step: u64,
     steps: u64,
+}
+
+impl MockerExec {
+    /// A structured output's token: drawn as [`token_at`] draws, among the text tokens the
+    /// grammar allows (or, where it allows none of them, among all it allows: eos, a special).
+    fn guided(&self, spec: &SeqSpec, guide: &crate::scheduler::Guided, position: u32) -> u32 {
+        let mut g = guide.lock();
+        let mask = g.mask(self.vocab_size);
+        let text: Vec<u32> = self
+            .vocab
+            .iter()
+            .copied()
+            .filter(|&t| mask.is_allowed(t))
+            .collect();
+        let token = if text.is_empty() {
+            let any: Vec<u32> = (0..self.vocab_size as u32)
+                .filter(|&t| mask.is_allowed(t))
+                .collect();
+            token_at(spec, &any, position)
+        } else {
+            token_at(spec, &text, position)
+        };
+        g.commit(token);
+        token
+    }
 }
 
 impl Executor for MockerExec {
@@ -267,7 +299,13 @@ impl Executor for MockerExec {
         Ok(work
             .iter()
             .filter(|w| w.sample)
-            .map(|w| token_at(w.spec, &self.vocab, w.spec.offset + w.generated))
+            .map(|w| {
+                let position = w.spec.offset + w.generated;
+                match &w.spec.guide {
+                    None => token_at(w.spec, &self.vocab, position),
+                    Some(g) => self.guided(w.spec, g, position),
+                }
+            })
             .collect())
     }
 

@@ -25,6 +25,7 @@ use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::model::{DType, ModelConfig, ModelWeights, gguf};
 use dyn_compute::transfer::{BlockFormat, BlockLayout};
 use dyn_core::{BuildCx, BuildError, Invalid};
+use dyn_llm::model::ModelDir;
 use serde::Deserialize;
 
 use super::pool::BlockId;
@@ -100,6 +101,7 @@ impl NativeConfig {
             seed_from_prompt: false,
             offload: self.offload.clone(),
             offload_model: None,
+            model: None,
         }
     }
 
@@ -129,8 +131,8 @@ impl NativeConfig {
 /// worker on it.
 pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
     let dir = config.model_dir(cx)?;
-    let c = config.clone();
-    let backend = tokio::task::spawn_blocking(move || load(&c, &dir))
+    let (c, d) = (config.clone(), dir.clone());
+    let backend = tokio::task::spawn_blocking(move || load(&c, &d))
         .await
         .map_err(|e| BuildError::new(format!("model loading task failed: {e}")))??;
     tracing::info!(node = %cx.node, backend = %backend.describe(), "Native engine loaded");
@@ -140,7 +142,8 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         layout: BlockLayout::LayerKvHeadSlotDim,
         dtype: backend.kv_dtype().into(),
     };
-    let settings = config.settings(u32::try_from(backend.config().vocab).ok());
+    let mut settings = config.settings(u32::try_from(backend.config().vocab).ok());
+    settings.model = tokenizer(cx, &dir).await;
     let import = ImportCheck {
         format,
         delay: Box::new(|_| Duration::ZERO),
@@ -149,6 +152,28 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
     };
     let exec = NativeExec { backend };
     EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
+}
+
+/// The model's tokenizer, for structured output: the graph's shared copy when the engine runs
+/// the graph's model, else read from `dir`. `None` (structured requests refused) where it
+/// cannot be read.
+async fn tokenizer(cx: &BuildCx, dir: &std::path::Path) -> Option<Arc<ModelDir>> {
+    if cx
+        .model
+        .as_ref()
+        .is_some_and(|m| cx.resolve(&m.path) == dir)
+    {
+        return ModelDir::shared(cx).await.ok();
+    }
+    let d = dir.to_owned();
+    match tokio::task::spawn_blocking(move || ModelDir::load("native", &d)).await {
+        Ok(Ok(m)) => Some(Arc::new(m)),
+        Ok(Err(e)) => {
+            tracing::warn!(node = %cx.node, error = %e, "No tokenizer: structured output is unavailable on this worker");
+            None
+        }
+        Err(_) => None,
+    }
 }
 
 fn load(c: &NativeConfig, dir: &std::path::Path) -> Result<Box<dyn Backend>, BuildError> {
@@ -221,6 +246,38 @@ struct NativeExec {
     backend: Box<dyn Backend>,
 }
 
+/// Per sampled sequence, the grammar's mask of allowed tokens (`None`: unconstrained).
+type Masks = Vec<Option<llguidance::toktrie::SimpleVob>>;
+
+impl NativeExec {
+    /// The forward pass, with the structured outputs' masks computed on a helper thread
+    /// meanwhile (a mask takes tens of microseconds to milliseconds of CPU, a step's forward
+    /// pass longer): the masks are ready when the logits are.
+    fn forward_masked(
+        &mut self,
+        batch: &[SeqStep<'_>],
+        sampled: &[&Work<'_>],
+    ) -> Result<(Vec<Vec<f32>>, Masks), EngineError> {
+        if sampled.iter().all(|w| w.spec.guide.is_none()) {
+            return Ok((self.backend.forward(batch)?, vec![None; sampled.len()]));
+        }
+        let vocab = self.backend.config().vocab;
+        let backend = &mut self.backend;
+        let (logits, masks) = std::thread::scope(|s| {
+            let masks = s.spawn(|| {
+                sampled
+                    .iter()
+                    .map(|w| w.spec.guide.as_ref().map(|g| g.lock().mask(vocab)))
+                    .collect::<Masks>()
+            });
+            (backend.forward(batch), masks.join())
+        });
+        let masks =
+            masks.map_err(|_| EngineError::Internal("the grammar mask thread panicked".into()))?;
+        Ok((logits?, masks))
+    }
+}
+
 impl Executor for NativeExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
         let batch: Vec<SeqStep<'_>> = work
@@ -233,13 +290,23 @@ impl Executor for NativeExec {
                 logits: w.sample,
             })
             .collect();
-        let logits = self.backend.forward(&batch)?;
         // Logits come in batch order for the sampling entries, which all have new tokens.
-        Ok(work
+        let sampled: Vec<&Work<'_>> = work.iter().filter(|w| w.sample).collect();
+        let (logits, masks) = self.forward_masked(&batch, &sampled)?;
+        Ok(sampled
             .iter()
-            .filter(|w| w.sample)
-            .zip(&logits)
-            .map(|(w, l)| dyn_compute::sample::sample(l, &w.spec.sampling, w.tokens.len() as u64))
+            .zip(logits)
+            .zip(masks)
+            .map(|((w, mut l), mask)| {
+                if let Some(mask) = &mask {
+                    dyn_llm::grammar::apply(mask, &mut l);
+                }
+                let t = dyn_compute::sample::sample(&l, &w.spec.sampling, w.tokens.len() as u64);
+                if let Some(g) = &w.spec.guide {
+                    g.lock().commit(t);
+                }
+                t
+            })
             .collect())
     }
 

@@ -66,6 +66,9 @@ pub struct EngineSettings {
     /// Offload tiers below the pool, and (the mocker's) modelled transfer times.
     pub offload: super::offload::OffloadConfig,
     pub offload_model: Option<super::offload::Modelled>,
+    /// The model's tokenizer: structured output compiles its grammars over this vocabulary
+    /// (requests with a constraint are refused without it).
+    pub model: Option<std::sync::Arc<dyn_llm::model::ModelDir>>,
 }
 
 /// Declares an engine's config section: the [`SchedulerConfig`] fields (with the engine's

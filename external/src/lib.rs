@@ -272,7 +272,8 @@ impl ExternalEngine {
             min_tokens: req.stop.min_tokens,
             ignore_eos,
         };
-        let call = protocol::request(self.kind, req, &ask);
+        let call = protocol::request(self.kind, req, &ask)
+            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
         let url = format!("{}{}", ep.base, call.path);
         let resp = match self.client.post(&url).json(&call.body).send().await {
             Ok(r) => r,

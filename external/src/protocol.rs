@@ -7,7 +7,7 @@
 //! request resolved them (preprocess already applied the model's defaults), so every server
 //! samples the same way dyn's own engines do.
 
-use dyn_llm::types::{FinishReason, PreprocessedRequest};
+use dyn_llm::types::{Constraint, FinishReason, PreprocessedRequest};
 use serde_json::{Map, Value, json};
 
 use super::config::ExternalKind;
@@ -43,7 +43,12 @@ impl Prompt<'_> {
     }
 }
 
-pub fn request(kind: ExternalKind, req: &PreprocessedRequest, ask: &Ask<'_>) -> Call {
+/// The call for `req`; `Err` for a structured output the server's dialect cannot say.
+pub fn request(
+    kind: ExternalKind,
+    req: &PreprocessedRequest,
+    ask: &Ask<'_>,
+) -> Result<Call, String> {
     let s = &req.sampling;
     let mut body = Map::new();
     let mut put = |k: &str, v: Value| {
@@ -75,6 +80,9 @@ pub fn request(kind: ExternalKind, req: &PreprocessedRequest, ask: &Ask<'_>) -> 
             if ask.ignore_eos {
                 put("ignore_eos", json!(true));
             }
+            if let Some(c) = &s.constraint {
+                put("structured_outputs", vllm_constraint(c));
+            }
             if kind == ExternalKind::Vllm {
                 put("return_token_ids", json!(true));
                 // The model's eos ids as dyn knows them (config, generation config,
@@ -83,10 +91,10 @@ pub fn request(kind: ExternalKind, req: &PreprocessedRequest, ask: &Ask<'_>) -> 
                     put("stop_token_ids", json!(req.stop.eos_token_ids));
                 }
             }
-            Call {
+            Ok(Call {
                 path: "/v1/completions",
                 body: Value::Object(body),
-            }
+            })
         }
         ExternalKind::Llamacpp => {
             put("n_predict", json!(ask.max_tokens));
@@ -102,11 +110,45 @@ pub fn request(kind: ExternalKind, req: &PreprocessedRequest, ask: &Ask<'_>) -> 
             if let Some(seed) = s.seed {
                 put("seed", json!(seed));
             }
-            Call {
+            if let Some(c) = &s.constraint {
+                let (k, v) = llamacpp_constraint(c)?;
+                put(k, v);
+            }
+            Ok(Call {
                 path: "/completion",
                 body: Value::Object(body),
-            }
+            })
         }
+    }
+}
+
+/// vLLM's `structured_outputs` (also what SGLang-style OpenAI servers read).
+fn vllm_constraint(c: &Constraint) -> Value {
+    match c {
+        Constraint::JsonSchema(s) => json!({"json": s}),
+        Constraint::JsonObject => json!({"json_object": true}),
+        Constraint::Regex(r) => json!({"regex": r}),
+        Constraint::Choice(o) => json!({"choice": o}),
+        Constraint::Lark(g) => json!({"grammar": g}),
+    }
+}
+
+/// llama.cpp's `json_schema`, or a GBNF `grammar` for a choice; it has no regex or Lark.
+fn llamacpp_constraint(c: &Constraint) -> Result<(&'static str, Value), String> {
+    match c {
+        Constraint::JsonSchema(s) => Ok(("json_schema", s.clone())),
+        Constraint::JsonObject => Ok(("json_schema", json!({"type": "object"}))),
+        Constraint::Choice(o) => {
+            let alts: Vec<String> = o
+                .iter()
+                .map(|s| serde_json::to_string(s).unwrap_or_default())
+                .collect();
+            Ok(("grammar", json!(format!("root ::= {}", alts.join(" | ")))))
+        }
+        Constraint::Regex(_) | Constraint::Lark(_) => Err(
+            "llama.cpp workers take JSON schemas and choices; a regex or Lark grammar needs a native or vLLM worker"
+                .into(),
+        ),
     }
 }
 
@@ -196,7 +238,8 @@ mod tests {
     #[test]
     fn vllm_gets_token_ids_and_dyns_stop_tokens() {
         let r = req();
-        let c = request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids)));
+        let c =
+            request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids))).expect("a call");
         assert_eq!(c.path, "/v1/completions");
         assert_eq!(
             c.body,
@@ -225,13 +268,36 @@ mod tests {
     }
 
     #[test]
+    fn structured_outputs_go_in_each_servers_dialect() {
+        let mut r = req();
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        r.sampling.constraint = Some(Constraint::JsonSchema(schema.clone()));
+        let a = ask(Prompt::Tokens(&r.token_ids));
+        let vllm = request(ExternalKind::Vllm, &r, &a).expect("a call");
+        assert_eq!(vllm.body["structured_outputs"], json!({"json": schema}));
+        let cpp = request(ExternalKind::Llamacpp, &r, &a).expect("a call");
+        assert_eq!(cpp.body["json_schema"], schema);
+        r.sampling.constraint = Some(Constraint::Choice(vec!["yes".into(), "no \"x\"".into()]));
+        let cpp = request(ExternalKind::Llamacpp, &r, &a).expect("a call");
+        assert_eq!(cpp.body["grammar"], json!(r#"root ::= "yes" | "no \"x\"""#));
+        r.sampling.constraint = Some(Constraint::Regex("[a-z]+".into()));
+        let e = request(ExternalKind::Llamacpp, &r, &a)
+            .err()
+            .expect("no regex in llama.cpp");
+        assert!(e.contains("regex"), "{e}");
+        let vllm = request(ExternalKind::Vllm, &r, &a).expect("a call");
+        assert_eq!(vllm.body["structured_outputs"], json!({"regex": "[a-z]+"}));
+    }
+
+    #[test]
     fn llamacpp_gets_every_sampling_parameter_and_its_native_stream_is_read() {
         let r = req();
         let c = request(
             ExternalKind::Llamacpp,
             &r,
             &ask(Prompt::Tokens(&r.token_ids)),
-        );
+        )
+        .expect("a call");
         assert_eq!(c.path, "/completion");
         assert_eq!(
             c.body,
@@ -269,7 +335,7 @@ mod tests {
             min_tokens: 0,
             ..ask(Prompt::Text("hi".into()))
         };
-        let c = request(ExternalKind::Openai, &r, &a);
+        let c = request(ExternalKind::Openai, &r, &a).expect("a call");
         assert_eq!(
             c.body,
             json!({"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "stream": true})

@@ -26,7 +26,8 @@ use dyn_core::{
 use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{
-    ChatMessage, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt, Sampling, Usage,
+    ChatMessage, Constraint, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt,
+    Sampling, Usage,
 };
 use dyn_planner::state::PlannerView;
 use dyn_planner::stats::FrontendStats;
@@ -180,6 +181,13 @@ struct Common {
     logprobs: Option<Value>,
     ignore_eos: Option<bool>,
     min_tokens: Option<u32>,
+    /// Structured output: OpenAI's field, vLLM's, and vLLM's older `guided_*` fields.
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
     /// Fields that change what a request means and that this server does not honour yet:
     /// refused by name, never dropped (an application that asks for a tool call or for JSON
     /// must not believe it got one).
@@ -199,12 +207,6 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("function_call", |v| {
         v.is_null() || v == "none" || v == "auto"
     }),
-    ("response_format", |v| v.is_null() || v["type"] == "text"),
-    ("structured_outputs", Value::is_null),
-    ("guided_json", Value::is_null),
-    ("guided_regex", Value::is_null),
-    ("guided_choice", Value::is_null),
-    ("guided_grammar", Value::is_null),
     ("logit_bias", empty),
     ("presence_penalty", |v| {
         v.is_null() || v.as_f64() == Some(0.0)
@@ -335,6 +337,7 @@ fn request(
         .with_param("model"));
     }
     refuse_unsupported(&c.unsupported)?;
+    let constraint = constraint(&c)?;
     if let Some(n) = c.n
         && n != 1
     {
@@ -374,6 +377,7 @@ fn request(
                 top_p: c.top_p,
                 top_k,
                 seed: c.seed,
+                constraint,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -387,6 +391,115 @@ fn request(
             include_usage,
         },
     ))
+}
+
+/// The structured output a request asks for, from whichever field it used (at most one).
+fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
+    let mut found: Vec<(&str, Constraint)> = Vec::new();
+    if let Some(v) = c.response_format.as_ref().filter(|v| !v.is_null()) {
+        if let Some(k) = response_format(v)? {
+            found.push(("response_format", k));
+        }
+    }
+    if let Some(v) = c.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+        let o = v
+            .as_object()
+            .ok_or_else(|| invalid("structured_outputs", "structured_outputs must be an object"))?;
+        for (k, v) in o {
+            let param = format!("structured_outputs.{k}");
+            match k.as_str() {
+                "json" | "regex" | "choice" | "grammar" => {
+                    found.push(("structured_outputs", guided(k, v, &param)?))
+                }
+                "json_object" if v == &Value::Bool(true) => {
+                    found.push(("structured_outputs", Constraint::JsonObject))
+                }
+                "json_object"
+                | "disable_fallback"
+                | "disable_any_whitespace"
+                | "disable_additional_properties"
+                | "whitespace_pattern" => {}
+                _ => {
+                    return Err(ApiError::invalid(
+                        "unsupported_parameter",
+                        format!("`{param}` is not supported by this server (json, regex, choice, grammar, json_object are)"),
+                    )
+                    .with_param(param));
+                }
+            }
+        }
+    }
+    for (name, v) in [
+        ("guided_json", &c.guided_json),
+        ("guided_regex", &c.guided_regex),
+        ("guided_choice", &c.guided_choice),
+        ("guided_grammar", &c.guided_grammar),
+    ] {
+        if let Some(v) = v.as_ref().filter(|v| !v.is_null()) {
+            found.push((name, guided(&name["guided_".len()..], v, name)?));
+        }
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop().map(|(_, c)| c)),
+        _ => Err(invalid(
+            found[1].0,
+            "a request may ask for one structured output (one of response_format, structured_outputs, guided_*)",
+        )),
+    }
+}
+
+/// OpenAI's `response_format`: `text` (no constraint), `json_object` or `json_schema`.
+fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
+    match v["type"].as_str() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let schema = &v["json_schema"]["schema"];
+            if schema.is_object() || schema.is_boolean() {
+                Ok(Some(Constraint::JsonSchema(schema.clone())))
+            } else {
+                Err(invalid(
+                    "response_format.json_schema.schema",
+                    "response_format json_schema needs `json_schema.schema`, a JSON Schema object",
+                ))
+            }
+        }
+        other => Err(invalid(
+            "response_format.type",
+            format!(
+                "response_format type must be text, json_object or json_schema, got {}",
+                other.map_or_else(|| v["type"].to_string(), |t| format!("{t:?}"))
+            ),
+        )),
+    }
+}
+
+/// vLLM's `json` (a schema, or a schema as a string), `regex`, `choice` or `grammar` (Lark).
+fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, ApiError> {
+    let text = || {
+        v.as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| invalid(param, format!("`{param}` must be a string")))
+    };
+    Ok(match kind {
+        "json" => match v {
+            Value::String(s) => Constraint::JsonSchema(
+                serde_json::from_str(s)
+                    .map_err(|e| invalid(param, format!("`{param}` is not JSON: {e}")))?,
+            ),
+            _ => Constraint::JsonSchema(v.clone()),
+        },
+        "regex" => Constraint::Regex(text()?),
+        "grammar" => Constraint::Lark(text()?),
+        _ => {
+            let options: Vec<String> = serde_json::from_value(v.clone())
+                .map_err(|_| invalid(param, format!("`{param}` must be a list of strings")))?;
+            if options.is_empty() {
+                return Err(invalid(param, format!("`{param}` must not be empty")));
+            }
+            Constraint::Choice(options)
+        }
+    })
 }
 
 struct Options {
@@ -935,14 +1048,6 @@ mod tests {
                 json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
                 "tool_choice",
             ),
-            (
-                json!({"response_format": {"type": "json_schema"}}),
-                "response_format",
-            ),
-            (
-                json!({"structured_outputs": {"regex": "a+"}}),
-                "structured_outputs",
-            ),
             (json!({"frequency_penalty": 0.1}), "frequency_penalty"),
             (json!({"repetition_penalty": 1.1}), "repetition_penalty"),
             (json!({"min_p": 0.05}), "min_p"),
@@ -954,6 +1059,72 @@ mod tests {
             (json!({"modalities": ["text", "audio"]}), "modalities"),
         ] {
             assert_eq!(refused(extra).as_deref(), Some(param));
+        }
+    }
+
+    #[test]
+    fn structured_outputs_are_read_from_each_dialect_and_bad_ones_named() {
+        let read = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": []});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let b: ChatBody = serde_json::from_value(body).unwrap();
+            constraint(&b.common).map_err(|e| e.param.unwrap_or_default())
+        };
+        let schema = json!({"type": "object"});
+        for (extra, want) in [
+            (json!({"response_format": {"type": "text"}}), None),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                Some(Constraint::JsonObject),
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}),
+                Some(Constraint::JsonSchema(schema.clone())),
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a+"}}),
+                Some(Constraint::Regex("a+".into())),
+            ),
+            (
+                json!({"structured_outputs": {"choice": ["a", "b"]}}),
+                Some(Constraint::Choice(vec!["a".into(), "b".into()])),
+            ),
+            (
+                json!({"guided_json": "{\"type\": \"object\"}"}),
+                Some(Constraint::JsonSchema(schema.clone())),
+            ),
+            (
+                json!({"guided_grammar": "start: \"x\""}),
+                Some(Constraint::Lark("start: \"x\"".into())),
+            ),
+        ] {
+            assert_eq!(read(extra.clone()), Ok(want), "{extra}");
+        }
+        for (extra, param) in [
+            (
+                json!({"response_format": {"type": "xml"}}),
+                "response_format.type",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema"}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"structured_outputs": {"choice": []}}),
+                "structured_outputs.choice",
+            ),
+            (
+                json!({"structured_outputs": {"structural_tag": "x"}}),
+                "structured_outputs.structural_tag",
+            ),
+            (
+                json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}),
+                "guided_regex",
+            ),
+        ] {
+            assert_eq!(read(extra.clone()), Err(param.to_string()), "{extra}");
         }
     }
 

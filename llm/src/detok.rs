@@ -80,7 +80,7 @@ impl TokenBytes {
 
 /// GPT-2's map from the printable characters byte-level BPE uses back to the bytes they stand
 /// for (`bytes_to_unicode` inverted).
-fn byte_level_chars() -> HashMap<char, u8> {
+pub(crate) fn byte_level_chars() -> HashMap<char, u8> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut next = 256u32;
     (0..=255u8)

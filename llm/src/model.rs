@@ -22,6 +22,7 @@ use tokenizers::Tokenizer;
 
 use super::detok::TokenBytes;
 use super::encoder::Encoder;
+use super::grammar::Grammars;
 
 /// The parts of a model directory the LLM operators use.
 pub struct ModelDir {
@@ -42,6 +43,8 @@ pub struct ModelDir {
     pub vocab_size: u32,
     /// Sampling defaults for requests that leave a parameter out (as vLLM applies them).
     pub defaults: GenerationDefaults,
+    /// The vocabulary compiled for structured output, built on first use (tens of ms).
+    grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
 }
 
 /// Sampling for requests that leave a parameter out: `generation_config.json`'s, or a graph's
@@ -154,6 +157,15 @@ impl Service for ModelCache {
 }
 
 impl ModelDir {
+    /// The vocabulary compiled for grammars (compiled once; a blocking call the first time).
+    pub fn grammars(&self) -> Result<Arc<Grammars>, String> {
+        self.grammars
+            .get_or_init(|| {
+                Grammars::new(&self.tokenizer, self.vocab_size, &self.eos_token_ids).map(Arc::new)
+            })
+            .clone()
+    }
+
     /// The graph's model, resolved against the graph file's directory (or `~`): loaded once per
     /// graph run (file reads and tokenizer parsing on the blocking pool), then shared.
     pub async fn shared(cx: &BuildCx) -> Result<Arc<ModelDir>, BuildError> {
@@ -244,6 +256,7 @@ impl ModelDir {
             context_length,
             vocab_size,
             defaults: GenerationDefaults::from_json(&gen_config),
+            grammars: Default::default(),
         })
     }
 
@@ -281,6 +294,7 @@ impl ModelDir {
             token_bytes: TokenBytes::new(&tokenizer).map(Arc::new),
             tokenizer,
             defaults: GenerationDefaults::default(),
+            grammars: Default::default(),
         })
     }
 }

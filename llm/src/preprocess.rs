@@ -24,7 +24,9 @@ use serde::Deserialize;
 
 use super::encoder::Encoder;
 use super::model::{GenerationDefaults, ModelDir};
-use super::types::{LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions};
+use super::types::{
+    Constraint, LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions,
+};
 
 /// Longest accepted stop string, and most stop strings per request (vLLM has no limit; a cap
 /// keeps the matcher's cost per token bounded).
@@ -247,9 +249,34 @@ impl Preprocess {
         })
     }
 
+    /// A structured output's grammar compiles (on the blocking pool: milliseconds, and the
+    /// model's vocabulary the first time), so a schema the library rejects is a 400 naming
+    /// the problem rather than an output that ends early.
+    async fn check_grammar(&self, c: Constraint, ignore_eos: bool) -> Result<(), OpError> {
+        if ignore_eos {
+            return Err(invalid(
+                "ignore_eos",
+                "ignore_eos cannot be combined with a structured output: the grammar ends it with eos",
+            ));
+        }
+        let model = self.model.clone();
+        tokio::task::spawn_blocking(move || model.grammars().and_then(|g| g.check(&c)))
+            .await
+            .map_err(|e| OpError::internal(format!("grammar task failed: {e}")))?
+            .map_err(|e| {
+                invalid(
+                    "response_format",
+                    format!("the output grammar is invalid: {e}"),
+                )
+            })
+    }
+
     /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
     pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
+        if let Some(c) = req.sampling.constraint.clone() {
+            self.check_grammar(c, req.limits.ignore_eos).await?;
+        }
         self.defaults.apply(&mut req.sampling);
         let (text, add_special) = match &req.prompt {
             Prompt::Messages(m) => (Some(self.render(m)?), false),

@@ -46,6 +46,26 @@ pub struct Sampling {
     #[serde(default)]
     pub top_k: Option<u32>,
     pub seed: Option<u64>,
+    /// The output must match this grammar (structured output); the engine enforces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<Constraint>,
+}
+
+/// What a structured output must match: OpenAI's `response_format` and vLLM's
+/// `structured_outputs`, compiled by [`crate::grammar`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Constraint {
+    /// A JSON value valid under this JSON Schema.
+    JsonSchema(serde_json::Value),
+    /// Any JSON object.
+    JsonObject,
+    /// Text matching this regular expression (Rust `regex` syntax), whole.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Lark(String),
 }
 
 /// Limits on the output as the client sent them.

@@ -43,11 +43,17 @@ pub struct SeqSpec {
     pub stop_tokens: std::sync::Arc<[u32]>,
     pub min_tokens: u32,
     pub sampling: dyn_compute::sample::SamplingParams,
+    /// Structured output: the grammar's state, masked before and advanced after each sampled
+    /// token (shared with the executor's mask thread, hence the lock).
+    pub guide: Option<Guided>,
     /// Output tokens generated before this request (a migrated request resumes at this
     /// position, so its output continues the original one exactly).
     pub offset: u32,
     pub role: SeqRole,
 }
+
+/// A sequence's grammar state (see [`dyn_llm::grammar`]).
+pub type Guided = std::sync::Arc<parking_lot::Mutex<dyn_llm::grammar::Guide>>;
 
 /// One sequence's part of a step, for the executor.
 #[derive(Debug)]

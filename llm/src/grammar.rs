@@ -1,0 +1,361 @@
+//! Structured output: a request's [`Constraint`] (a JSON Schema, any JSON object, a regex, a
+//! choice of strings or a Lark grammar) compiled by `llguidance` into a token mask per
+//! position, so the engine only ever samples tokens that keep the output inside the grammar.
+//! llguidance is the grammar engine llama.cpp, vLLM and SGLang use; its parser walks a trie of
+//! the model's vocabulary ([`toktrie`]) built here once per model from the tokenizer.
+//!
+//! [`Grammars`] holds the compiled vocabulary; preprocess uses it to refuse a constraint the
+//! library rejects (400 naming the problem) and engines to start a [`Guide`] per request. A
+//! guide compiles its grammar on first use, which the native engine does on a helper thread
+//! while the forward pass runs, and then hands out one mask per sampled token.
+//!
+//! JSON is generated compactly with Python's separators (`", "`, `": "`) and no free
+//! whitespace: with flexible whitespace a small model can spend its whole budget on newlines
+//! inside an object, and the text a client parses is the same.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{self, ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{Value, json};
+use tokenizers::{DecoderWrapper, Tokenizer};
+
+use super::types::Constraint;
+
+/// A model's vocabulary compiled for llguidance: shared by every request on the model.
+pub struct Grammars {
+    factory: ParserFactory,
+    eos: Vec<u32>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").field("eos", &self.eos).finish()
+    }
+}
+
+impl Grammars {
+    /// The vocabulary of `tokenizer`, `vocab_size` ids long (the model's logits; ids past the
+    /// tokenizer's are never allowed), ending on any of `eos`.
+    pub fn new(tokenizer: &Tokenizer, vocab_size: u32, eos: &[u32]) -> Result<Self, String> {
+        let first = *eos
+            .first()
+            .ok_or("structured output needs an eos token, and the model has none")?;
+        let words = token_bytes(tokenizer, vocab_size);
+        // toktrie asserts on what it does not expect; a tokenizer is input, so a panic there
+        // becomes an error for the requests that needed a grammar, not a dead process.
+        let built = std::panic::catch_unwind(|| {
+            let trie =
+                TokTrie::from(&TokRxInfo::new(vocab_size, first), &words).with_eos_tokens(eos);
+            let env: toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+            ParserFactory::new_simple(&env)
+        })
+        .map_err(|_| "the tokenizer's vocabulary could not be compiled for grammars".to_string())?;
+        let mut factory = built.map_err(|e| format!("grammar vocabulary: {e}"))?;
+        factory.quiet();
+        Ok(Self {
+            factory,
+            eos: eos.to_vec(),
+        })
+    }
+
+    /// Compile `c`: `Err` names what the grammar library rejects.
+    pub fn check(&self, c: &Constraint) -> Result<(), String> {
+        self.parser(c).map(drop)
+    }
+
+    fn parser(&self, c: &Constraint) -> Result<Matcher, String> {
+        let parser = self
+            .factory
+            .create_parser(top_level(c))
+            .map_err(|e| e.to_string())?;
+        Ok(Matcher::new(Ok(parser)))
+    }
+
+    /// A guide for one request whose output so far is `generated` (non-empty when a migrated
+    /// request resumes).
+    pub fn guide(self: &Arc<Self>, c: Constraint, generated: Vec<u32>) -> Guide {
+        Guide {
+            state: State::Pending {
+                grammars: self.clone(),
+                constraint: c,
+                replay: generated,
+            },
+        }
+    }
+
+    fn eos_only(&self, vocab: usize) -> SimpleVob {
+        let mut v = SimpleVob::alloc(vocab);
+        for &t in &self.eos {
+            if (t as usize) < vocab {
+                v.allow_token(t);
+            }
+        }
+        v
+    }
+}
+
+/// llguidance's grammar for a constraint.
+fn top_level(c: &Constraint) -> TopLevelGrammar {
+    let compact = json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    });
+    match c {
+        Constraint::JsonObject => {
+            TopLevelGrammar::from_json_schema(json!({"type": "object", "x-guidance": compact}))
+        }
+        Constraint::JsonSchema(schema) => {
+            let mut schema = schema.clone();
+            // A schema that sets its own options (`x-guidance`) keeps them.
+            if let Value::Object(o) = &mut schema {
+                o.entry("x-guidance").or_insert(compact);
+            }
+            TopLevelGrammar::from_json_schema(schema)
+        }
+        Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        Constraint::Choice(options) => {
+            // Lark string literals take JSON's escapes.
+            let alts: Vec<String> = options
+                .iter()
+                .map(|o| serde_json::to_string(o).unwrap_or_default())
+                .collect();
+            TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+        }
+        Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+    }
+}
+
+/// Every id's bytes as llguidance wants them: special tokens behind its marker byte (so no
+/// grammar text can produce them), byte-level and byte-fallback tokens as the bytes they
+/// decode to. A duplicate of an earlier token's bytes is left empty (never generated under a
+/// grammar): the trie holds one id per byte string.
+///
+/// Written here rather than taken from `llguidance::token_bytes_from_tokenizer_json`, which
+/// panics on vocabularies it does not expect; this reads the tokenizer dyn already loaded.
+fn token_bytes(t: &Tokenizer, vocab_size: u32) -> Vec<Vec<u8>> {
+    let byte_level = matches!(t.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
+    let chars = super::detok::byte_level_chars();
+    let added = t.get_added_vocabulary();
+    let mut seen = std::collections::HashSet::new();
+    (0..vocab_size)
+        .map(|id| {
+            let Some(tok) = t.id_to_token(id) else {
+                return Vec::new();
+            };
+            let bytes = if added.is_special_token(&tok) {
+                let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                b.extend_from_slice(tok.as_bytes());
+                b
+            } else if byte_level {
+                let mapped: Option<Vec<u8>> = tok.chars().map(|c| chars.get(&c).copied()).collect();
+                mapped.unwrap_or_else(|| tok.into_bytes())
+            } else if let Some(b) = byte_fallback(&tok) {
+                vec![b]
+            } else {
+                // SentencePiece: `▁` is a space.
+                tok.replace('\u{2581}', " ").into_bytes()
+            };
+            if bytes.is_empty() || !seen.insert(bytes.clone()) {
+                Vec::new()
+            } else {
+                bytes
+            }
+        })
+        .collect()
+}
+
+/// `<0xAB>`, a SentencePiece byte-fallback token.
+fn byte_fallback(tok: &str) -> Option<u8> {
+    let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+enum State {
+    /// Not compiled yet (compiling takes milliseconds; it happens off the engine's step).
+    Pending {
+        grammars: Arc<Grammars>,
+        constraint: Constraint,
+        replay: Vec<u32>,
+    },
+    Ready {
+        grammars: Arc<Grammars>,
+        matcher: Box<Matcher>,
+    },
+    /// The grammar failed (it was checked when the request came in, so a library limit hit
+    /// mid-output): only eos is allowed, so the output ends.
+    Broken(Arc<Grammars>),
+}
+
+/// One request's grammar state: [`Guide::mask`] before each sampled token, [`Guide::commit`]
+/// after.
+pub struct Guide {
+    state: State,
+}
+
+impl std::fmt::Debug for Guide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match &self.state {
+            State::Pending { .. } => "pending",
+            State::Ready { .. } => "ready",
+            State::Broken(_) => "broken",
+        };
+        f.debug_struct("Guide").field("state", &s).finish()
+    }
+}
+
+impl Guide {
+    /// The tokens allowed next, for a vocabulary of `vocab` ids; eos only once the grammar is
+    /// complete (or broken).
+    pub fn mask(&mut self, vocab: usize) -> SimpleVob {
+        if let State::Pending {
+            grammars,
+            constraint,
+            replay,
+        } = &self.state
+        {
+            let grammars = grammars.clone();
+            self.state = match grammars.parser(constraint).and_then(|mut m| {
+                m.consume_tokens(replay).map_err(|e| e.to_string())?;
+                Ok(m)
+            }) {
+                Ok(m) => State::Ready {
+                    grammars,
+                    matcher: Box::new(m),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "The request's grammar failed to compile; ending its output");
+                    State::Broken(grammars)
+                }
+            };
+        }
+        let broken = match &mut self.state {
+            State::Ready { grammars, matcher } => match matcher.compute_mask_or_eos() {
+                Ok(mut m) if m.num_set() > 0 => {
+                    if m.len() != vocab {
+                        m.resize(vocab.max(m.len()));
+                    }
+                    return m;
+                }
+                Ok(_) => grammars.clone(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "The request's grammar failed; ending its output");
+                    grammars.clone()
+                }
+            },
+            State::Broken(g) => g.clone(),
+            State::Pending { .. } => unreachable!("compiled above"),
+        };
+        let eos = broken.eos_only(vocab);
+        self.state = State::Broken(broken);
+        eos
+    }
+
+    /// The token sampled under the last mask.
+    pub fn commit(&mut self, token: u32) {
+        if let State::Ready { grammars, matcher } = &mut self.state
+            && let Err(e) = matcher.consume_token(token)
+        {
+            // eos after a complete grammar is not an error; anything else ends the output.
+            if !grammars.eos.contains(&token) {
+                tracing::warn!(error = %e, token, "A token the grammar refused; ending its output");
+            }
+            self.state = State::Broken(grammars.clone());
+        }
+    }
+}
+
+/// `-∞` for every logit `mask` does not allow.
+pub fn apply(mask: &SimpleVob, logits: &mut [f32]) {
+    for (i, l) in logits.iter_mut().enumerate() {
+        if !mask.is_allowed(i as u32) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repository's tiny model: a byte-level BPE vocabulary with Llama 3's specials.
+    fn tiny() -> (Arc<Grammars>, Tokenizer) {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny");
+        let m = crate::model::ModelDir::load("tiny", std::path::Path::new(dir)).expect("loads");
+        let g = Grammars::new(&m.tokenizer, m.vocab_size, &m.eos_token_ids).expect("compiles");
+        (Arc::new(g), (*m.tokenizer).clone())
+    }
+
+    /// Greedy decoding under the mask with a "model" that prefers the highest ids.
+    fn run(g: &Arc<Grammars>, t: &Tokenizer, c: Constraint) -> String {
+        let vocab = t.get_vocab_size(true);
+        let mut guide = g.guide(c, Vec::new());
+        let mut out = Vec::new();
+        for _ in 0..200 {
+            let mask = guide.mask(vocab);
+            let mut logits: Vec<f32> = (0..vocab).map(|i| (i % 97) as f32).collect();
+            apply(&mask, &mut logits);
+            let tok = dyn_compute::sample::argmax(&logits);
+            guide.commit(tok);
+            if g.eos.contains(&tok) {
+                break;
+            }
+            out.push(tok);
+        }
+        t.decode(&out, true).expect("decodes")
+    }
+
+    #[test]
+    fn masks_keep_the_output_inside_the_grammar() {
+        let (g, t) = tiny();
+        let s = run(&g, &t, Constraint::Choice(vec!["yes".into(), "no".into()]));
+        assert!(s == "yes" || s == "no", "{s:?}");
+        let s = run(&g, &t, Constraint::Regex("[0-9]{3}-[a-c]+".into()));
+        let (digits, letters) = s.split_once('-').expect("a dash");
+        assert!(
+            digits.len() == 3 && digits.chars().all(|c| c.is_ascii_digit()),
+            "{s:?}"
+        );
+        assert!(
+            !letters.is_empty() && letters.chars().all(|c| ('a'..='c').contains(&c)),
+            "{s:?}"
+        );
+        let schema = json!({
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]}},
+            "required": ["n", "tag"],
+            "additionalProperties": false,
+        });
+        let s = run(&g, &t, Constraint::JsonSchema(schema));
+        let v: Value = serde_json::from_str(&s).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+        assert!(
+            v["n"].is_i64() && (v["tag"] == "a" || v["tag"] == "b"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn a_schema_the_library_rejects_is_an_error_naming_it() {
+        let (g, _) = tiny();
+        let e = g
+            .check(&Constraint::JsonSchema(json!({"type": "strnig"})))
+            .expect_err("no such type");
+        assert!(e.contains("strnig"), "{e}");
+        assert!(g.check(&Constraint::Regex("(".into())).is_err());
+        assert!(g.check(&Constraint::Lark("start: foo".into())).is_err());
+        assert!(g.check(&Constraint::JsonObject).is_ok());
+    }
+
+    #[test]
+    fn a_migrated_request_continues_the_grammar_where_it_was() {
+        let (g, t) = tiny();
+        let done = t.encode("ye", false).expect("encodes").get_ids().to_vec();
+        let mut guide = g.guide(Constraint::Choice(vec!["yes".into(), "no".into()]), done);
+        let mask = guide.mask(t.get_vocab_size(true));
+        let s_id = t.token_to_id("s").expect("s");
+        let n_id = t.token_to_id("n").expect("n");
+        assert!(mask.is_allowed(s_id) && !mask.is_allowed(n_id));
+    }
+}
