@@ -166,6 +166,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         prompt,
         sampling: Default::default(),
         limits: Default::default(),
+        tools: Vec::new(),
     };
     let pre = a.preprocess.preprocess(req).await.map_err(ApiError::from)?;
     let mut args = RouteArgs {

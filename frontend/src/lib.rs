@@ -14,6 +14,7 @@ pub mod admin;
 pub mod metrics;
 pub mod openai;
 pub mod text;
+pub mod tools;
 
 use std::borrow::Cow;
 use std::net::SocketAddr;

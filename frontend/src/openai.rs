@@ -38,6 +38,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 use super::admin::Admin;
+use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
 use super::{ApiError, ServerConfig};
 use crate::metrics::FRONTEND;
 
@@ -61,8 +62,11 @@ impl IngressConfig for HttpConfig {
         let model = cx.model.as_ref().ok_or_else(|| {
             BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
         })?;
-        let preprocess = Preprocess::new(ModelDir::shared(cx).await?)?;
+        let dir = ModelDir::shared(cx).await?;
+        let tool_format = ToolFormat::detect(dir.chat_template.as_deref());
+        let preprocess = Preprocess::new(dir)?;
         Ok(Http {
+            tool_format,
             listener: self.server.bind(&cx.node).await?,
             config: self.server.clone(),
             model: model.name.clone(),
@@ -81,6 +85,7 @@ impl IngressConfig for HttpConfig {
 
 pub struct Http {
     listener: TcpListener,
+    tool_format: ToolFormat,
     config: ServerConfig,
     model: String,
     admin: Admin,
@@ -92,6 +97,8 @@ type AppChain = Chain<LlmRequest, LlmDelta>;
 #[derive(Clone)]
 struct App {
     chain: AppChain,
+    /// How the model writes tool calls (detected from its chat template).
+    tool_format: ToolFormat,
     model: Arc<str>,
     created: u64,
     /// The planner's view of this frontend's traffic.
@@ -108,6 +115,7 @@ impl Ingress for Http {
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
         let state = App {
+            tool_format: self.tool_format,
             chain: chain.clone(),
             model: self.model.into(),
             created: unix_now(),
@@ -181,6 +189,9 @@ struct Common {
     logprobs: Option<Value>,
     ignore_eos: Option<bool>,
     min_tokens: Option<u32>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     /// Structured output: OpenAI's field, vLLM's, and vLLM's older `guided_*` fields.
     response_format: Option<Value>,
     structured_outputs: Option<Value>,
@@ -201,8 +212,6 @@ type AsksNothing = fn(&Value) -> bool;
 /// The request fields [`refuse_unsupported`] looks at, each with the values that ask for
 /// nothing (what clients send by default), so those still pass.
 const UNSUPPORTED: &[(&str, AsksNothing)] = &[
-    ("tools", empty),
-    ("tool_choice", |v| v.is_null() || v == "none" || v == "auto"),
     ("functions", empty),
     ("function_call", |v| {
         v.is_null() || v == "none" || v == "auto"
@@ -279,10 +288,45 @@ struct Part {
 struct MessageIn {
     role: String,
     content: Option<ContentIn>,
-    /// An assistant turn's tool calls: refused until tool calling is built, rather than
-    /// rendered without them.
+    /// An assistant turn's tool calls.
     #[serde(default)]
     tool_calls: Option<Value>,
+    /// A tool result's call.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// An assistant turn's `tool_calls` as chat templates read them: each call's `arguments`
+/// parsed from OpenAI's JSON string into an object (as vLLM and transformers do).
+fn template_calls(v: Value, i: usize) -> Result<Value, ApiError> {
+    let Value::Array(calls) = v else {
+        return Err(invalid(
+            &format!("messages[{i}].tool_calls"),
+            "tool_calls must be a list",
+        ));
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, mut call) in calls.into_iter().enumerate() {
+        let f = &mut call["function"];
+        if !f["name"].is_string() {
+            return Err(invalid(
+                &format!("messages[{i}].tool_calls[{j}].function.name"),
+                "a tool call needs its function's name",
+            ));
+        }
+        if let Some(s) = f["arguments"].as_str() {
+            f["arguments"] = serde_json::from_str(s).map_err(|e| {
+                invalid(
+                    &format!("messages[{i}].tool_calls[{j}].function.arguments"),
+                    format!("arguments must be a JSON text: {e}"),
+                )
+            })?;
+        }
+        out.push(call);
+    }
+    Ok(Value::Array(out))
 }
 
 #[derive(Debug, Deserialize)]
@@ -337,7 +381,24 @@ fn request(
         .with_param("model"));
     }
     refuse_unsupported(&c.unsupported)?;
-    let constraint = constraint(&c)?;
+    let mut constraint = constraint(&c)?;
+    let tools = ToolRequest::read(
+        c.tools.as_ref(),
+        c.tool_choice.as_ref(),
+        c.parallel_tool_calls,
+    )?;
+    if tools.is_some() && endpoint == Endpoint::Completion {
+        return Err(invalid("tools", "tools are for /v1/chat/completions"));
+    }
+    if let Some(forced) = tools.as_ref().and_then(|t| t.forced(app.tool_format)) {
+        if constraint.is_some() {
+            return Err(invalid(
+                "tool_choice",
+                "a forced tool call cannot be combined with response_format or structured_outputs",
+            ));
+        }
+        constraint = Some(forced);
+    }
     if let Some(n) = c.n
         && n != 1
     {
@@ -385,10 +446,12 @@ fn request(
                 ignore_eos: c.ignore_eos.unwrap_or(false),
                 stop,
             },
+            tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
         Options {
             stream: c.stream,
             include_usage,
+            tools: tools.filter(ToolRequest::parses).map(|_| app.tool_format),
         },
     ))
 }
@@ -502,29 +565,29 @@ fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, ApiError> {
     })
 }
 
+#[derive(Clone, Copy)]
 struct Options {
     stream: bool,
     include_usage: bool,
+    /// Tool calls are parsed out of the answer, in this format.
+    tools: Option<ToolFormat>,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
     let b: ChatBody = super::parse_json(body)?;
     let mut messages = Vec::with_capacity(b.messages.len());
     for (i, m) in b.messages.into_iter().enumerate() {
-        if matches!(m.role.as_str(), "tool" | "function")
-            || !m.tool_calls.as_ref().is_none_or(empty)
-        {
-            let field = if matches!(m.role.as_str(), "tool" | "function") {
-                "role"
-            } else {
-                "tool_calls"
-            };
+        if m.role == "function" {
             return Err(ApiError::invalid(
                 "unsupported_parameter",
-                "tool calls and tool results in messages are not supported by this server yet",
+                "the legacy `function` role is not supported; use `tool` messages",
             )
-            .with_param(format!("messages[{i}].{field}")));
+            .with_param(format!("messages[{i}].role")));
         }
+        let tool_calls = match m.tool_calls {
+            Some(v) if !empty(&v) => Some(template_calls(v, i)?),
+            _ => None,
+        };
         let content = match m.content {
             None => String::new(),
             Some(ContentIn::Text(t)) => t,
@@ -549,6 +612,9 @@ fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiErro
         messages.push(ChatMessage {
             role: m.role,
             content,
+            tool_calls,
+            tool_call_id: m.tool_call_id,
+            name: m.name,
         });
     }
     request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
@@ -754,6 +820,12 @@ async fn serve(
         }
         guard.disarm();
         track.finish("success");
+        if let Some(format) = opts.tools {
+            let mut p = ToolParser::new(format);
+            let mut pieces = p.push(&text);
+            pieces.extend(p.finish());
+            return Json(shape.full_with_calls(&pieces, finish, usage)).into_response();
+        }
         return Json(shape.full(&text, finish, usage)).into_response();
     }
 
@@ -766,7 +838,7 @@ async fn serve(
         }
         None => None,
     };
-    let events = sse(shape, opts.include_usage, first, out, track, guard);
+    let events = sse(shape, opts, first, out, track, guard);
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),
@@ -779,12 +851,14 @@ async fn serve(
 
 fn sse(
     shape: Shape,
-    include_usage: bool,
+    opts: Options,
     first: Option<LlmDelta>,
     mut out: dyn_core::Output<LlmDelta>,
     mut track: Track,
     guard: dyn_core::ctx::KillOnDrop,
 ) -> impl Stream<Item = Result<Bytes, Infallible>> {
+    let include_usage = opts.include_usage;
+    let mut tools = opts.tools.map(|f| (ToolParser::new(f), 0usize));
     async_stream::stream! {
         let chunks = Chunks::new(&shape, include_usage);
         if shape.endpoint == Endpoint::Chat {
@@ -797,7 +871,27 @@ fn sse(
             if d.usage.is_some() {
                 usage = d.usage;
             }
-            if !d.text.is_empty() || d.finish.is_some() {
+            if let Some((parser, calls)) = &mut tools {
+                // Text passes as the parser releases it; each call is one chunk.
+                let mut pieces = parser.push(&d.text);
+                if d.finish.is_some() {
+                    pieces.extend(parser.finish());
+                }
+                for piece in pieces {
+                    match piece {
+                        Piece::Text(t) => yield Ok(chunks.delta(&t, None)),
+                        Piece::Call(c) => {
+                            let v = shape.call_chunk(*calls, &c, include_usage);
+                            *calls += 1;
+                            yield Ok(event(&v.to_string()));
+                        }
+                    }
+                }
+                if let Some(f) = d.finish {
+                    let f = if *calls > 0 { FinishReason::ToolCalls } else { f };
+                    yield Ok(chunks.delta("", Some(f)));
+                }
+            } else if !d.text.is_empty() || d.finish.is_some() {
                 yield Ok(chunks.delta(&d.text, d.finish));
             }
             if d.finish.is_some() {
@@ -1003,6 +1097,50 @@ impl Shape {
         v
     }
 
+    /// A call's id, unique per request and call.
+    fn call_id(&self, index: usize) -> String {
+        let id = self.id.strip_prefix("chatcmpl-").unwrap_or(&self.id);
+        format!("call_{id}_{index}")
+    }
+
+    /// A streamed chunk carrying one whole tool call (OpenAI streams a call's name and
+    /// arguments in pieces; clients accumulate either the same way).
+    fn call_chunk(&self, index: usize, c: &ToolCall, include_usage: bool) -> Value {
+        let call = json!({"index": index, "id": self.call_id(index), "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments}});
+        self.chunk(Some(json!({"tool_calls": [call]})), None, include_usage)
+    }
+
+    /// A chat answer parsed for tool calls: `content` the text (null when only calls), and
+    /// `finish_reason` `tool_calls` when there are any.
+    fn full_with_calls(
+        &self,
+        pieces: &[Piece],
+        finish: Option<FinishReason>,
+        usage: Usage,
+    ) -> Value {
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(t) => text.push_str(t),
+                Piece::Call(c) => calls
+                    .push(json!({"id": self.call_id(calls.len()), "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments}})),
+            }
+        }
+        let mut v = self.full(&text, finish, usage);
+        if !calls.is_empty() {
+            let choice = &mut v["choices"][0];
+            if text.trim().is_empty() {
+                choice["message"]["content"] = Value::Null;
+            }
+            choice["message"]["tool_calls"] = Value::Array(calls);
+            choice["finish_reason"] = json!(FinishReason::ToolCalls.as_str());
+        }
+        v
+    }
+
     fn full(&self, text: &str, finish: Option<FinishReason>, usage: Usage) -> Value {
         let finish = finish.map(FinishReason::as_str);
         let choice = match self.endpoint {
@@ -1043,11 +1181,7 @@ mod tests {
             "user": "u", "metadata": {"a": "b"}});
         assert_eq!(refused(defaults), None);
         for (extra, param) in [
-            (json!({"tools": [{"type": "function"}]}), "tools"),
-            (
-                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-                "tool_choice",
-            ),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"frequency_penalty": 0.1}), "frequency_penalty"),
             (json!({"repetition_penalty": 1.1}), "repetition_penalty"),
             (json!({"min_p": 0.05}), "min_p"),

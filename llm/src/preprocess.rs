@@ -222,7 +222,11 @@ impl Preprocess {
         }
     }
 
-    fn render(&self, messages: &[super::types::ChatMessage]) -> Result<String, OpError> {
+    fn render(
+        &self,
+        messages: &[super::types::ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String, OpError> {
         let env = self.env.as_ref().ok_or_else(|| {
             invalid(
                 "messages",
@@ -237,6 +241,8 @@ impl Preprocess {
             .map_err(|e| OpError::internal(format!("chat template: {e}")))?;
         tmpl.render(context! {
             messages => messages,
+            // As transformers' `apply_chat_template(tools=…)`: absent when none.
+            tools => (!tools.is_empty()).then_some(tools),
             add_generation_prompt => true,
             bos_token => self.model.bos_token,
             eos_token => self.model.eos_token,
@@ -279,7 +285,7 @@ impl Preprocess {
         }
         self.defaults.apply(&mut req.sampling);
         let (text, add_special) = match &req.prompt {
-            Prompt::Messages(m) => (Some(self.render(m)?), false),
+            Prompt::Messages(m) => (Some(self.render(m, &req.tools)?), false),
             Prompt::Text(t) => (Some(t.clone()), true),
             Prompt::Tokens(_) => (None, false),
         };
@@ -383,12 +389,10 @@ mod tests {
         LlmRequest {
             endpoint: Endpoint::Chat,
             model: "tiny".into(),
-            prompt: Prompt::Messages(vec![ChatMessage {
-                role: "user".into(),
-                content: content.into(),
-            }]),
+            prompt: Prompt::Messages(vec![ChatMessage::text("user", content)]),
             sampling: Sampling::default(),
             limits: Limits::default(),
+            tools: Vec::new(),
         }
     }
 
@@ -435,10 +439,7 @@ mod tests {
     async fn chat_template_renders_headers_and_generation_prompt() {
         let p = pre();
         let text = p
-            .render(&[ChatMessage {
-                role: "user".into(),
-                content: " hi ".into(),
-            }])
+            .render(&[ChatMessage::text("user", " hi ")], &[])
             .expect("render");
         assert_eq!(
             text,
@@ -495,10 +496,8 @@ mod tests {
             ),
             (
                 Box::new(|r| {
-                    r.prompt = Prompt::Messages(vec![ChatMessage {
-                        role: "user".into(),
-                        content: "word ".repeat(5000),
-                    }])
+                    r.prompt =
+                        Prompt::Messages(vec![ChatMessage::text("user", &"word ".repeat(5000))])
                 }),
                 "messages",
             ),

@@ -18,11 +18,32 @@ pub enum Endpoint {
     Completion,
 }
 
-/// One chat message with its content already flattened to text.
+/// One chat message with its content already flattened to text, and what tool calling adds:
+/// an assistant turn's calls and a tool result's call id, as Hugging Face chat templates read
+/// them (`tool_calls[i].function.arguments` a JSON object, not OpenAI's string).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A plain message.
+    pub fn text(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
 }
 
 /// What the model is asked to continue.
@@ -85,6 +106,9 @@ pub struct LlmRequest {
     pub prompt: Prompt,
     pub sampling: Sampling,
     pub limits: Limits,
+    /// The tools offered (OpenAI's `tools`), for the chat template.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<serde_json::Value>,
 }
 
 /// When the engine must stop, fully resolved by preprocess.
@@ -147,6 +171,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context length.
     Length,
+    /// The answer is tool calls (set by the frontend's tool parser, never by an engine).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -154,6 +180,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }

@@ -1,0 +1,593 @@
+//! Tool calling in the frontend: reading a request's `tools` and `tool_choice`, forcing a
+//! call with a grammar when the client requires one, and parsing the calls out of the model's
+//! text, streamed, in the format the model was trained to emit.
+//!
+//! Formats ([`ToolFormat`]): Hermes/Qwen (`<tool_call>{"name", "arguments"}</tool_call>`, any
+//! number, text around them), Llama 3's JSON (the whole answer is `{"name", "parameters"}`,
+//! optionally after `<|python_tag|>`), and Mistral's (`[TOOL_CALLS]` then a JSON list of calls).
+//! The format is detected from the chat template, Hermes where the template says nothing.
+//!
+//! Streaming holds back only text that may still be the start of a call (a prefix of the
+//! opening marker, or the first characters of a Llama 3 answer), so no markup reaches the
+//! client, and text that only looked like a call is released as text. `required` and a named
+//! `tool_choice` become a Lark grammar in the model's format whose arguments are the tool's
+//! JSON Schema: the engine then cannot produce anything but a valid call.
+
+use dyn_llm::types::Constraint;
+use serde_json::{Value, json};
+
+use super::ApiError;
+
+/// How a model writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFormat {
+    Hermes,
+    Llama3Json,
+    Mistral,
+}
+
+impl ToolFormat {
+    /// The format a chat template renders tool calls in; Hermes (the most common, and what
+    /// the forcing grammar uses) when the template does not say.
+    pub fn detect(template: Option<&str>) -> Self {
+        let t = template.unwrap_or("");
+        if t.contains("[TOOL_CALLS]") {
+            ToolFormat::Mistral
+        } else if t.contains("<tool_call>") {
+            ToolFormat::Hermes
+        } else if t.contains("<|python_tag|>") || t.contains("ipython") {
+            ToolFormat::Llama3Json
+        } else {
+            ToolFormat::Hermes
+        }
+    }
+}
+
+/// What `tool_choice` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A request's tools, checked.
+#[derive(Debug, Clone)]
+pub struct ToolRequest {
+    /// OpenAI's tool objects, as sent (the chat template reads them).
+    pub tools: Vec<Value>,
+    pub choice: ToolChoice,
+    pub parallel: bool,
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid("invalid_value", message).with_param(param)
+}
+
+/// A tool's name and parameters schema.
+fn function(tool: &Value) -> (&str, Value) {
+    let f = &tool["function"];
+    let params = match &f["parameters"] {
+        Value::Null => json!({"type": "object"}),
+        p => p.clone(),
+    };
+    (f["name"].as_str().unwrap_or(""), params)
+}
+
+impl ToolRequest {
+    /// `tools`, `tool_choice` and `parallel_tool_calls` as a client sent them; `None` when no
+    /// tools are offered or `tool_choice` is `none`.
+    pub fn read(
+        tools: Option<&Value>,
+        choice: Option<&Value>,
+        parallel: Option<bool>,
+    ) -> Result<Option<Self>, ApiError> {
+        let tools: Vec<Value> = match tools {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a.clone(),
+            Some(_) => return Err(invalid("tools", "tools must be a list")),
+        };
+        for (i, t) in tools.iter().enumerate() {
+            if t["type"] != "function" {
+                return Err(invalid(
+                    &format!("tools[{i}].type"),
+                    "only tools of type `function` are supported",
+                ));
+            }
+            let name = t["function"]["name"].as_str().unwrap_or("");
+            if name.is_empty() {
+                return Err(invalid(
+                    &format!("tools[{i}].function.name"),
+                    "a function needs a name",
+                ));
+            }
+            let p = &t["function"]["parameters"];
+            if !(p.is_null() || p.is_object()) {
+                return Err(invalid(
+                    &format!("tools[{i}].function.parameters"),
+                    "parameters must be a JSON Schema object",
+                ));
+            }
+        }
+        let choice = match choice {
+            None | Some(Value::Null) => ToolChoice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => ToolChoice::None,
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                other => {
+                    return Err(invalid(
+                        "tool_choice",
+                        format!(
+                            "tool_choice must be none, auto, required or a function, got {other:?}"
+                        ),
+                    ));
+                }
+            },
+            Some(v) => match v["function"]["name"].as_str() {
+                Some(name) if v["type"] == "function" => ToolChoice::Named(name.to_owned()),
+                _ => {
+                    return Err(invalid(
+                        "tool_choice",
+                        "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    ));
+                }
+            },
+        };
+        if tools.is_empty() {
+            return match choice {
+                ToolChoice::None | ToolChoice::Auto => Ok(None),
+                _ => Err(invalid("tool_choice", "tool_choice needs tools")),
+            };
+        }
+        if let ToolChoice::Named(n) = &choice
+            && !tools.iter().any(|t| function(t).0 == n)
+        {
+            return Err(invalid(
+                "tool_choice",
+                format!("tool_choice names `{n}`, which is not among the tools"),
+            ));
+        }
+        Ok(Some(Self {
+            tools,
+            choice,
+            parallel: parallel.unwrap_or(true),
+        }))
+    }
+
+    /// Whether the answer is parsed for calls.
+    pub fn parses(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
+    /// The grammar that forces a call (`required`, or a named function), in `format`.
+    pub fn forced(&self, format: ToolFormat) -> Option<Constraint> {
+        let allowed: Vec<(&str, Value)> = match &self.choice {
+            ToolChoice::Required => self.tools.iter().map(function).collect(),
+            ToolChoice::Named(n) => self
+                .tools
+                .iter()
+                .map(function)
+                .filter(|(name, _)| name == n)
+                .collect(),
+            ToolChoice::None | ToolChoice::Auto => return None,
+        };
+        let args = if format == ToolFormat::Llama3Json {
+            "parameters"
+        } else {
+            "arguments"
+        };
+        let calls: Vec<Value> = allowed
+            .into_iter()
+            .map(|(name, params)| {
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": name}, args: params},
+                    "required": ["name", args],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        let mut schema = if calls.len() == 1 {
+            calls.into_iter().next().unwrap_or_default()
+        } else {
+            json!({"anyOf": calls})
+        };
+        schema["x-guidance"] =
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let call = format!("%json {schema}");
+        let more = if self.parallel { "*" } else { "" };
+        let lark = match format {
+            ToolFormat::Hermes => format!(
+                "start: call (\"\\n\" call){more}\ncall: \"<tool_call>\\n\" {call} \"\\n</tool_call>\""
+            ),
+            ToolFormat::Llama3Json => format!("start: {call}"),
+            ToolFormat::Mistral => {
+                format!("start: \"[TOOL_CALLS][\" call (\", \" call){more} \"]\"\ncall: {call}")
+            }
+        };
+        Some(Constraint::Lark(lark))
+    }
+}
+
+/// A call parsed from the model's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments as JSON text (OpenAI's wire form).
+    pub arguments: String,
+}
+
+/// A piece of the answer: text for `content`, or a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    Text(String),
+    Call(ToolCall),
+}
+
+const HERMES_OPEN: &str = "<tool_call>";
+const HERMES_CLOSE: &str = "</tool_call>";
+const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// Parses calls out of streamed text ([`ToolParser::push`] each delta, then
+/// [`ToolParser::finish`]); the pieces, concatenated, are the whole answer.
+#[derive(Debug)]
+pub struct ToolParser {
+    format: ToolFormat,
+    /// Text not handed out yet.
+    buf: String,
+    /// Inside a call (after its opening marker), or (Llama 3) committed to a JSON answer.
+    in_call: bool,
+    /// Llama 3: the answer's start has been seen to be text.
+    decided: bool,
+}
+
+impl ToolParser {
+    pub fn new(format: ToolFormat) -> Self {
+        Self {
+            format,
+            buf: String::new(),
+            in_call: false,
+            decided: false,
+        }
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        match self.format {
+            ToolFormat::Hermes => self.hermes(&mut out, false),
+            ToolFormat::Mistral => self.marker_to_end(MISTRAL_OPEN, &mut out),
+            ToolFormat::Llama3Json => self.llama3(&mut out),
+        }
+        out
+    }
+
+    /// The rest: a call still open is parsed as far as it got (a model may stop at eos
+    /// without the closing marker), or released as text if it is not one.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        if self.format == ToolFormat::Hermes {
+            self.hermes(&mut out, true);
+        }
+        let rest = std::mem::take(&mut self.buf);
+        if self.in_call {
+            let (open, body) = match self.format {
+                ToolFormat::Hermes => (HERMES_OPEN, rest.as_str()),
+                ToolFormat::Mistral => (MISTRAL_OPEN, rest.as_str()),
+                ToolFormat::Llama3Json => ("", rest.as_str()),
+            };
+            match calls(self.format, body) {
+                Some(c) => out.extend(c.into_iter().map(Piece::Call)),
+                None => out.push(Piece::Text(format!("{open}{body}"))),
+            }
+        } else if !rest.is_empty() {
+            out.push(Piece::Text(rest));
+        }
+        self.in_call = false;
+        out
+    }
+
+    /// Hermes: text, `<tool_call>` body `</tool_call>`, text, ….
+    fn hermes(&mut self, out: &mut Vec<Piece>, end: bool) {
+        loop {
+            if self.in_call {
+                let Some(close) = self.buf.find(HERMES_CLOSE) else {
+                    return;
+                };
+                let body: String = self.buf[..close].to_owned();
+                self.buf.drain(..close + HERMES_CLOSE.len());
+                self.in_call = false;
+                match calls(ToolFormat::Hermes, &body) {
+                    Some(c) => out.extend(c.into_iter().map(Piece::Call)),
+                    None => out.push(Piece::Text(format!("{HERMES_OPEN}{body}{HERMES_CLOSE}"))),
+                }
+            } else if let Some(open) = self.buf.find(HERMES_OPEN) {
+                self.text(out, open);
+                self.buf.drain(..HERMES_OPEN.len());
+                self.in_call = true;
+            } else {
+                let keep = if end { 0 } else { held(&self.buf, HERMES_OPEN) };
+                self.text(out, self.buf.len() - keep);
+                return;
+            }
+        }
+    }
+
+    /// Mistral: text, then `[TOOL_CALLS]` and calls to the end.
+    fn marker_to_end(&mut self, open: &str, out: &mut Vec<Piece>) {
+        if self.in_call {
+            return;
+        }
+        if let Some(at) = self.buf.find(open) {
+            self.text(out, at);
+            self.buf.drain(..open.len());
+            self.in_call = true;
+        } else {
+            let keep = held(&self.buf, open);
+            self.text(out, self.buf.len() - keep);
+        }
+    }
+
+    /// Llama 3: an answer that starts with `{` (or the python tag) is a call, to the end.
+    fn llama3(&mut self, out: &mut Vec<Piece>) {
+        if self.in_call {
+            return;
+        }
+        if !self.decided {
+            let start = self.buf.trim_start();
+            if start.is_empty() {
+                return;
+            }
+            if start.starts_with('{') {
+                self.in_call = true;
+                return;
+            }
+            if let Some(rest) = start.strip_prefix(PYTHON_TAG) {
+                self.buf = rest.to_owned();
+                self.in_call = true;
+                return;
+            }
+            if PYTHON_TAG.starts_with(start) {
+                return;
+            }
+            self.decided = true;
+        }
+        self.text(out, self.buf.len());
+    }
+
+    /// Hand out `buf[..n]` as text.
+    fn text(&mut self, out: &mut Vec<Piece>, n: usize) {
+        if n > 0 {
+            let t: String = self.buf.drain(..n).collect();
+            match out.last_mut() {
+                Some(Piece::Text(prev)) => prev.push_str(&t),
+                _ => out.push(Piece::Text(t)),
+            }
+        }
+    }
+}
+
+/// Bytes at the end of `buf` that are a proper prefix of `marker` (held back; always on a
+/// character boundary, since the marker is ASCII... or matched char by char).
+fn held(buf: &str, marker: &str) -> usize {
+    (1..marker.len().min(buf.len() + 1))
+        .rev()
+        .find(|&n| buf.is_char_boundary(buf.len() - n) && marker.starts_with(&buf[buf.len() - n..]))
+        .unwrap_or(0)
+}
+
+/// The calls in one call body of `format`; `None` when it is not calls.
+fn calls(format: ToolFormat, body: &str) -> Option<Vec<ToolCall>> {
+    let values: Vec<Value> = serde_json::Deserializer::from_str(body.trim())
+        .into_iter::<Value>()
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let mut out = Vec::new();
+    for v in values {
+        match v {
+            Value::Array(items) => {
+                for item in items {
+                    out.push(call(format, &item)?);
+                }
+            }
+            item => out.push(call(format, &item)?),
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+fn call(format: ToolFormat, v: &Value) -> Option<ToolCall> {
+    let name = v["name"].as_str()?.to_owned();
+    let args = match format {
+        ToolFormat::Llama3Json if !v["parameters"].is_null() => &v["parameters"],
+        _ => &v["arguments"],
+    };
+    let arguments = match args {
+        Value::Null => "{}".to_owned(),
+        // Some models write the arguments as a JSON string already.
+        Value::String(s) if serde_json::from_str::<Value>(s).is_ok() => s.clone(),
+        a => a.to_string(),
+    };
+    Some(ToolCall { name, arguments })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Real outputs, as each model's documentation and chat template show them.
+    fn cases() -> Vec<(ToolFormat, &'static str, Vec<Piece>)> {
+        let weather = |city: &str| {
+            Piece::Call(ToolCall {
+                name: "get_weather".into(),
+                arguments: format!("{{\"city\":\"{city}\"}}"),
+            })
+        };
+        vec![
+            (
+                ToolFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+                vec![weather("Paris")],
+            ),
+            (
+                ToolFormat::Hermes,
+                "Let me check. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>",
+                vec![
+                    Piece::Text("Let me check. ".into()),
+                    weather("Paris"),
+                    Piece::Text("\n".into()),
+                    weather("Oslo"),
+                ],
+            ),
+            (
+                ToolFormat::Hermes,
+                "a < b and <tool_ is not a call",
+                vec![Piece::Text("a < b and <tool_ is not a call".into())],
+            ),
+            (
+                ToolFormat::Hermes,
+                "<tool_call>not json</tool_call> so text",
+                vec![Piece::Text(
+                    "<tool_call>not json</tool_call> so text".into(),
+                )],
+            ),
+            (
+                ToolFormat::Llama3Json,
+                "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}",
+                vec![weather("Paris")],
+            ),
+            (
+                ToolFormat::Llama3Json,
+                "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}",
+                vec![weather("Paris")],
+            ),
+            (
+                ToolFormat::Llama3Json,
+                "The weather is {sunny}",
+                vec![Piece::Text("The weather is {sunny}".into())],
+            ),
+            (
+                ToolFormat::Mistral,
+                "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]",
+                vec![weather("Paris"), weather("Oslo")],
+            ),
+            (
+                ToolFormat::Mistral,
+                "No [TOOL_ here.",
+                vec![Piece::Text("No [TOOL_ here.".into())],
+            ),
+        ]
+    }
+
+    /// Pieces with neighbouring texts joined (streaming may split text anywhere).
+    fn joined(pieces: Vec<Piece>) -> Vec<Piece> {
+        let mut out: Vec<Piece> = Vec::new();
+        for p in pieces {
+            match (out.last_mut(), p) {
+                (Some(Piece::Text(a)), Piece::Text(b)) => a.push_str(&b),
+                (_, p) => out.push(p),
+            }
+        }
+        out
+    }
+
+    fn parse(format: ToolFormat, chunks: &[&str]) -> Vec<Piece> {
+        let mut p = ToolParser::new(format);
+        let mut out: Vec<Piece> = chunks.iter().flat_map(|c| p.push(c)).collect();
+        out.extend(p.finish());
+        joined(out)
+    }
+
+    #[test]
+    fn whole_outputs_give_their_calls_and_text_that_only_looks_like_one_is_released() {
+        for (format, text, want) in cases() {
+            assert_eq!(parse(format, &[text]), want, "{format:?}: {text}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_split_gives_the_same_calls_as_the_whole_text(
+            case in 0usize..9,
+            cuts in proptest::collection::vec(0usize..200, 0..8),
+        ) {
+            let (format, text, want) = cases().swap_remove(case);
+            let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1))
+                .filter(|&c| text.is_char_boundary(c)).collect();
+            at.sort_unstable();
+            let mut chunks = Vec::new();
+            let mut last = 0;
+            for c in at {
+                chunks.push(&text[last..c]);
+                last = c;
+            }
+            chunks.push(&text[last..]);
+            prop_assert_eq!(parse(format, &chunks), want);
+        }
+    }
+
+    #[test]
+    fn no_markup_is_streamed_before_the_call_is_known() {
+        let mut p = ToolParser::new(ToolFormat::Hermes);
+        assert_eq!(p.push("Sure <tool"), vec![Piece::Text("Sure ".into())]);
+        assert_eq!(p.push("_call>\n{\"name\": \"f\", "), vec![]);
+        assert_eq!(
+            p.push("\"arguments\": {}}\n</tool_call>"),
+            vec![Piece::Call(ToolCall {
+                name: "f".into(),
+                arguments: "{}".into()
+            })]
+        );
+    }
+
+    #[test]
+    fn tool_choice_is_checked_against_the_tools() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+        let named = json!({"type": "function", "function": {"name": "nope"}});
+        let e = ToolRequest::read(Some(&tools), Some(&named), None).expect_err("unknown");
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        let e = ToolRequest::read(None, Some(&json!("required")), None).expect_err("no tools");
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        let none = ToolRequest::read(Some(&tools), Some(&json!("none")), None).expect("ok");
+        assert!(!none.expect("tools").parses());
+        let bad = json!([{"type": "retrieval"}]);
+        let e = ToolRequest::read(Some(&bad), None, None).expect_err("type");
+        assert_eq!(e.param.as_deref(), Some("tools[0].type"));
+    }
+
+    #[test]
+    fn the_forcing_grammar_compiles_and_only_auto_is_free() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "b"}}
+        ]);
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny");
+        let m = dyn_llm::model::ModelDir::load("tiny", std::path::Path::new(dir)).expect("loads");
+        let g = m.grammars().expect("grammars");
+        for format in [
+            ToolFormat::Hermes,
+            ToolFormat::Llama3Json,
+            ToolFormat::Mistral,
+        ] {
+            for choice in [
+                json!("required"),
+                json!({"type": "function", "function": {"name": "b"}}),
+            ] {
+                let r = ToolRequest::read(Some(&tools), Some(&choice), Some(false))
+                    .expect("ok")
+                    .expect("tools");
+                let c = r.forced(format).expect("forced");
+                g.check(&c)
+                    .unwrap_or_else(|e| panic!("{format:?} {choice}: {e}\n{c:?}"));
+            }
+        }
+        let auto = ToolRequest::read(Some(&tools), None, None)
+            .expect("ok")
+            .expect("tools");
+        assert_eq!(auto.forced(ToolFormat::Hermes), None);
+    }
+}
