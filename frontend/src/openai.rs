@@ -459,10 +459,10 @@ fn request(
 /// The structured output a request asks for, from whichever field it used (at most one).
 fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
     let mut found: Vec<(&str, Constraint)> = Vec::new();
-    if let Some(v) = c.response_format.as_ref().filter(|v| !v.is_null()) {
-        if let Some(k) = response_format(v)? {
-            found.push(("response_format", k));
-        }
+    if let Some(v) = c.response_format.as_ref().filter(|v| !v.is_null())
+        && let Some(k) = response_format(v)?
+    {
+        found.push(("response_format", k));
     }
     if let Some(v) = c.structured_outputs.as_ref().filter(|v| !v.is_null()) {
         let o = v

@@ -197,15 +197,24 @@ impl ToolRequest {
         schema["x-guidance"] =
             json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         let call = format!("%json {schema}");
-        let more = if self.parallel { "*" } else { "" };
+        // More calls after the first only where the client allows parallel calls.
+        let more = |sep: &str| {
+            if self.parallel {
+                format!(" ({sep} call)*")
+            } else {
+                String::new()
+            }
+        };
         let lark = match format {
             ToolFormat::Hermes => format!(
-                "start: call (\"\\n\" call){more}\ncall: \"<tool_call>\\n\" {call} \"\\n</tool_call>\""
+                "start: call{}\ncall: \"<tool_call>\\n\" {call} \"\\n</tool_call>\"",
+                more("\"\\n\"")
             ),
             ToolFormat::Llama3Json => format!("start: {call}"),
-            ToolFormat::Mistral => {
-                format!("start: \"[TOOL_CALLS][\" call (\", \" call){more} \"]\"\ncall: {call}")
-            }
+            ToolFormat::Mistral => format!(
+                "start: \"[TOOL_CALLS][\" call{} \"]\"\ncall: {call}",
+                more("\", \"")
+            ),
         };
         Some(Constraint::Lark(lark))
     }
@@ -275,7 +284,10 @@ impl ToolParser {
         let rest = std::mem::take(&mut self.buf);
         if self.in_call {
             let (open, body) = match self.format {
-                ToolFormat::Hermes => (HERMES_OPEN, rest.as_str()),
+                // Cut off inside the closing marker (at max_tokens): the call is whole.
+                ToolFormat::Hermes => {
+                    (HERMES_OPEN, &rest[..rest.len() - held(&rest, HERMES_CLOSE)])
+                }
                 ToolFormat::Mistral => (MISTRAL_OPEN, rest.as_str()),
                 ToolFormat::Llama3Json => ("", rest.as_str()),
             };
@@ -370,8 +382,8 @@ impl ToolParser {
     }
 }
 
-/// Bytes at the end of `buf` that are a proper prefix of `marker` (held back; always on a
-/// character boundary, since the marker is ASCII... or matched char by char).
+/// How many bytes at the end of `buf` are a proper prefix of `marker` (text held back, since
+/// the marker may be arriving).
 fn held(buf: &str, marker: &str) -> usize {
     (1..marker.len().min(buf.len() + 1))
         .rev()
@@ -450,6 +462,11 @@ mod tests {
             ),
             (
                 ToolFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_c",
+                vec![weather("Paris")],
+            ),
+            (
+                ToolFormat::Hermes,
                 "<tool_call>not json</tool_call> so text",
                 vec![Piece::Text(
                     "<tool_call>not json</tool_call> so text".into(),
@@ -512,7 +529,7 @@ mod tests {
     proptest! {
         #[test]
         fn every_split_gives_the_same_calls_as_the_whole_text(
-            case in 0usize..9,
+            case in 0usize..10,
             cuts in proptest::collection::vec(0usize..200, 0..8),
         ) {
             let (format, text, want) = cases().swap_remove(case);

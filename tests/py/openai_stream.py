@@ -2,7 +2,7 @@
 
 Usage: openai_stream.py BASE_URL. Prints the streamed text on the first line and the finish
 reason and usage on the second, then the errors the client raised for an unknown model and
-for a tool call this server does not honour yet, as JSON, for the Rust test to check.
+for a field this server does not honour yet, as JSON, for the Rust test to check.
 """
 import json
 import sys
@@ -36,13 +36,12 @@ try:
 except Exception as e:  # noqa: BLE001 - report whatever the client raised
     print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None)}))
 
-# A request this server cannot honour yet (a tool call) is refused, naming the field.
+# A request this server cannot honour yet (a logit bias) is refused, naming the field.
 try:
     client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        logit_bias={"7": -100},
     )
 except Exception as e:  # noqa: BLE001 - report whatever the client raised
     print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None), "param": getattr(e, "param", None)}))
