@@ -22,21 +22,7 @@ fn openai_python_client_streams_a_chat_completion() {
         "http",
         &["--set", "decode.mocker.speedup=100"],
     );
-    let out = Command::new(python)
-        .arg(root().join("tests/py/openai_stream.py"))
-        .arg(g.url("/v1"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "python failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = python_lines(&python, "tests/py/openai_stream.py", &[&g.url("/v1")]);
     let text = lines[0].as_str().unwrap();
     assert!(!text.is_empty());
     assert_eq!(lines[1]["finish_reason"], "length");
@@ -83,10 +69,20 @@ fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2
         "http",
         &["--set", &format!("model.path={gguf}")],
     );
+    let checks = python_lines(
+        &python,
+        "tests/py/structured.py",
+        &[&g.url("/v1"), "smollm2"],
+    );
+    assert_eq!(checks.last(), Some(&json!({"ok": true})), "{checks:?}");
+    assert_eq!(checks.len(), 10, "{checks:?}");
+}
+
+/// Run a script of tests/py with `args`; it must succeed; its stdout's lines, as JSON.
+fn python_lines(python: &std::ffi::OsStr, script: &str, args: &[&str]) -> Vec<Value> {
     let out = Command::new(python)
-        .arg(root().join("tests/py/structured.py"))
-        .arg(g.url("/v1"))
-        .arg("smollm2")
+        .arg(root().join(script))
+        .args(args)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -95,10 +91,8 @@ fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2
         "python failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let checks: Vec<Value> = stdout
+    stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(checks.last(), Some(&json!({"ok": true})), "{stdout}");
-    assert_eq!(checks.len(), 10, "{stdout}");
+        .collect()
 }
