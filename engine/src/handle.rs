@@ -491,7 +491,15 @@ impl EngineHandle {
         let s = &req.sampling;
         let guide = match &s.constraint {
             None => None,
-            Some(c) => Some(self.guide(c, &req.token_ids[prompt_len..])?),
+            Some(c) => {
+                // The grammar replays what was generated: a migrated request's tokens after
+                // its prompt, and an imported one's first token, sampled by the prefill worker.
+                let mut generated = req.token_ids[prompt_len..].to_vec();
+                if let SeqRole::Imported { first_token } = role {
+                    generated.push(first_token);
+                }
+                Some(self.guide(c, &generated)?)
+            }
         };
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),

@@ -2,7 +2,8 @@
 //! are prefilled on the prefill worker and their KV pulled by the decode worker, short ones
 //! stay local, every request completes, the output equals aggregated serving's token for
 //! token, and the decisions show in `/metrics` and `dyn inspect route`. The same with the
-//! native engine: real KV blocks move, and greedy output equals `graphs/agg_native.yaml`'s.
+//! native engine: real KV blocks move, and greedy output equals `graphs/agg_native.yaml`'s,
+//! with a structured output too (the grammar continues on the decode worker).
 //! The multi-process version (etcd, NATS JetStream, a prefill worker killed mid-transfer) is
 //! in `scale_out.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
@@ -138,5 +139,31 @@ async fn native_engine_disaggregated_greedy_output_equals_aggregated() {
     assert_eq!(
         metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"failed\""]),
         0
+    );
+
+    // A structured output across the split: the prefill worker samples the first token
+    // within the grammar and the decode worker's grammar starts after it, so the answer is
+    // one of the choices, as aggregated serving gives it.
+    let choices = ["over the hills and far away", "under the sea"];
+    let guided = json!({"temperature": 0, "structured_outputs": {"choice": choices}});
+    let texts = |vs: Vec<Value>| -> Vec<String> {
+        vs.iter()
+            .map(|v| {
+                let text = v["choices"][0]["text"].as_str().unwrap();
+                assert!(choices.contains(&text), "{text:?} is not a choice: {v}");
+                assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+                text.to_owned()
+            })
+            .collect()
+    };
+    let long: Vec<String> = (10..14).map(long_prompt).collect();
+    let got = texts(complete_all(&disagg.url(""), &long, &guided).await);
+    let want = texts(complete_all(&agg.url(""), &long, &guided).await);
+    assert_eq!(got, want, "disaggregated output differs from aggregated");
+    let m = disagg.get("/metrics");
+    assert_eq!(
+        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"pulled\""]),
+        8,
+        "{m}"
     );
 }
