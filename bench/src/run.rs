@@ -80,6 +80,8 @@ pub struct Config {
     pub warmup: usize,
     /// Send `ignore_eos: true` so every answer is `max_tokens` long.
     pub ignore_eos: bool,
+    /// Fields added to every request body (`--extra-inputs`), over the ones set here.
+    pub extra: serde_json::Map<String, Value>,
     pub api_key: Option<String>,
     /// Per-request limit; a request over it counts as a `timeout` error.
     pub timeout: Duration,
@@ -554,6 +556,9 @@ fn body(cfg: &Config, model: &str, e: &Entry) -> Result<Bytes, Error> {
     if cfg.ignore_eos {
         b["ignore_eos"] = Value::Bool(true);
     }
+    for (k, v) in &cfg.extra {
+        b[k] = v.clone();
+    }
     serde_json::to_vec(&b)
         .map(Bytes::from)
         .map_err(|e| Error::Invalid(e.to_string()))
@@ -624,6 +629,7 @@ fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
         "stop": stop,
         "warmup": cfg.warmup,
         "ignore_eos": cfg.ignore_eos,
+        "extra_inputs": cfg.extra,
         "dataset_entries": entries,
         "seed": cfg.seed,
     })

@@ -112,6 +112,11 @@ pub struct BenchArgs {
     /// Let the model stop at end-of-sequence instead of always generating --osl tokens
     #[arg(long)]
     no_ignore_eos: bool,
+    /// Add a field to every request, as AIPerf's option does: NAME:VALUE (the value read as
+    /// JSON when it parses, else as a string) or a JSON object of fields; repeatable. E.g.
+    /// --extra-inputs '{"response_format": {"type": "json_object"}}' --no-ignore-eos
+    #[arg(long, value_parser = parse_extra)]
+    extra_inputs: Vec<serde_json::Map<String, serde_json::Value>>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
@@ -197,6 +202,18 @@ fn plot_ratios(input: &Path, output: &Path, title: &str) -> anyhow::Result<()> {
         output.display()
     );
     Ok(())
+}
+
+/// `NAME:VALUE` or a JSON object: the fields `--extra-inputs` adds to every request.
+fn parse_extra(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    if s.trim_start().starts_with('{') {
+        return serde_json::from_str(s).map_err(|e| format!("not a JSON object: {e}"));
+    }
+    let (name, value) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected NAME:VALUE or a JSON object, got {s:?}"))?;
+    let value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+    Ok(serde_json::Map::from_iter([(name.to_owned(), value)]))
 }
 
 /// `WORKERSxBLOCKS`, e.g. `4x1024`.
@@ -349,6 +366,12 @@ impl BenchArgs {
             stop,
             warmup: self.warmup,
             ignore_eos: !self.no_ignore_eos,
+            extra: self
+                .extra_inputs
+                .iter()
+                .flatten()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             api_key: self.api_key.clone(),
             timeout: Duration::try_from_secs_f64(self.timeout)
                 .context("--timeout must be a non-negative number of seconds")?,

@@ -160,6 +160,7 @@ async fn sweep(
             stop: Stop::Requests(requests),
             warmup,
             ignore_eos: true,
+            extra: Default::default(),
             api_key: None,
             timeout: Duration::from_secs(600),
             seed,

@@ -5,8 +5,31 @@ use std::sync::LazyLock;
 
 use std::sync::Arc;
 
-use dyn_llm::metrics::{Series, counter_vec, gauge, set_counter};
-use prometheus::{IntCounterVec, IntGaugeVec};
+use dyn_llm::metrics::{STEP_PARTS, Series, counter_vec, gauge, histogram_with, set_counter};
+use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
+
+/// Structured outputs on the native engine, per node: the CPU time of a step's grammar masks
+/// (computed beside the forward pass) and how long the step then waited for them — the cost
+/// a grammar adds to the step, zero while masks finish first.
+pub struct Grammar {
+    pub mask_seconds: HistogramVec,
+    pub wait_seconds: HistogramVec,
+}
+
+pub static GRAMMAR: LazyLock<Grammar> = LazyLock::new(|| Grammar {
+    mask_seconds: histogram_with(
+        "dyn_worker_grammar_mask_seconds",
+        "Time to compute one step's grammar masks (all guided sequences of the step)",
+        &["node"],
+        STEP_PARTS,
+    ),
+    wait_seconds: histogram_with(
+        "dyn_worker_grammar_wait_seconds",
+        "Time a step waited for its grammar masks after the forward pass returned",
+        &["node"],
+        STEP_PARTS,
+    ),
+});
 
 struct WorkerMetrics {
     running: IntGaugeVec,

@@ -150,7 +150,12 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         // Sizes, layout and dtype are checked against the offer; the bytes are KV.
         verify: Box::new(|_, _| Ok(())),
     };
-    let exec = NativeExec { backend };
+    let g = &crate::metrics::GRAMMAR;
+    let exec = NativeExec {
+        backend,
+        mask_seconds: g.mask_seconds.with_label_values(&[cx.node.as_str()]),
+        wait_seconds: g.wait_seconds.with_label_values(&[cx.node.as_str()]),
+    };
     EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
 }
 
@@ -244,6 +249,9 @@ fn cuda(_: &ModelWeights, _: KvShape, _: usize) -> Result<Box<dyn Backend>, Stri
 
 struct NativeExec {
     backend: Box<dyn Backend>,
+    /// `dyn_worker_grammar_{mask,wait}_seconds` of this node.
+    mask_seconds: prometheus::Histogram,
+    wait_seconds: prometheus::Histogram,
 }
 
 /// Per sampled sequence, the grammar's mask of allowed tokens (`None`: unconstrained).
@@ -265,12 +273,19 @@ impl NativeExec {
         let backend = &mut self.backend;
         let (logits, masks) = std::thread::scope(|s| {
             let masks = s.spawn(|| {
-                sampled
+                let started = std::time::Instant::now();
+                let masks = sampled
                     .iter()
                     .map(|w| w.spec.guide.as_ref().map(|g| g.lock().mask(vocab)))
-                    .collect::<Masks>()
+                    .collect::<Masks>();
+                self.mask_seconds.observe(started.elapsed().as_secs_f64());
+                masks
             });
-            (backend.forward(batch), masks.join())
+            let logits = backend.forward(batch);
+            let waited = std::time::Instant::now();
+            let masks = masks.join();
+            self.wait_seconds.observe(waited.elapsed().as_secs_f64());
+            (logits, masks)
         });
         let masks =
             masks.map_err(|_| EngineError::Internal("the grammar mask thread panicked".into()))?;
@@ -368,6 +383,94 @@ mod tests {
                 e.contains("no CUDA driver") || e.contains("without the `cuda` feature"),
                 "{e}"
             );
+        }
+    }
+
+    /// Structured outputs on whichever device `auto` finds (the GPU in `scripts/gpu-check`):
+    /// guided and free sequences share batches, and every guided answer is valid.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn guided_and_free_sequences_share_a_batch_and_guided_answers_are_valid() {
+        use dyn_llm::types::{Constraint, Generated};
+        use futures::StreamExt;
+        let planes = dyn_core::planes::Planes::embedded();
+        let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
+        let engine = start(&NativeConfig::default(), &cx).await.expect("starts");
+        let dir = dyn_llm::model::ModelDir::load(
+            "tiny",
+            std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny")),
+        )
+        .expect("tokenizer");
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+            "required": ["name", "n"], "additionalProperties": false
+        });
+        let constraints = [
+            Some(Constraint::JsonSchema(schema)),
+            None,
+            Some(Constraint::Choice(vec![
+                "over the hills".into(),
+                "under the sea".into(),
+            ])),
+            None,
+            Some(Constraint::Regex("[0-9]{3}-[a-z]{2,5}".into())),
+            Some(Constraint::JsonObject),
+        ];
+        let streams: Vec<_> = constraints
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let prompt: Vec<u32> = (0..20 + 7 * i as u32).map(|t| 1 + t * 3 % 200).collect();
+                let mut req = dyn_llm::testing::preprocessed(prompt, 48);
+                req.stop.eos_token_ids = dir.eos_token_ids.clone();
+                req.sampling.temperature = Some(0.8);
+                req.sampling.constraint = c.clone();
+                req.stop.ignore_eos = c.is_none();
+                let rx = engine.submit(&req, None).expect("submitted");
+                crate::handle::request_items(rx).collect::<Vec<_>>()
+            })
+            .collect();
+        for (c, items) in constraints
+            .iter()
+            .zip(futures::future::join_all(streams).await)
+        {
+            let mut ids = Vec::new();
+            for item in items {
+                if let Generated::Tokens { ids: t, .. } = item.expect("no error") {
+                    ids.extend(t);
+                }
+            }
+            if c.is_none() {
+                assert_eq!(ids.len(), 48);
+                continue;
+            }
+            ids.retain(|t| !dir.eos_token_ids.contains(t));
+            let text = dir.tokenizer.decode(&ids, true).expect("decodes");
+            match c {
+                Some(Constraint::JsonSchema(_)) => {
+                    let v: serde_json::Value = serde_json::from_str(&text).expect(&text);
+                    assert!(v["name"].is_string() && v["n"].is_i64(), "{text}");
+                    assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{text}");
+                }
+                Some(Constraint::Choice(cs)) => assert!(cs.contains(&text), "{text:?}"),
+                Some(Constraint::Regex(_)) => {
+                    let (num, word) = text.split_once('-').expect(&text);
+                    assert!(
+                        num.len() == 3 && num.bytes().all(|b| b.is_ascii_digit()),
+                        "{text}"
+                    );
+                    assert!(word.bytes().all(|b| b.is_ascii_lowercase()), "{text}");
+                }
+                Some(Constraint::JsonObject) => {
+                    // 48 tokens may cut a free-form object short; what there is must be a
+                    // prefix of an object.
+                    assert!(text.starts_with('{'), "{text}");
+                    if text.ends_with('}') {
+                        serde_json::from_str::<serde_json::Value>(&text).expect(&text);
+                    }
+                }
+                None | Some(Constraint::Lark(_)) => unreachable!(),
+            }
         }
     }
 

@@ -36,8 +36,18 @@ const LATENCY: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// Buckets (seconds) from 10 µs to 100 ms, for the work done inside one engine step.
+pub const STEP_PARTS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1,
+];
+
 pub fn histogram(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
-    let opts = HistogramOpts::new(name, help).buckets(LATENCY.to_vec());
+    histogram_with(name, help, labels, LATENCY)
+}
+
+pub fn histogram_with(name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
     or_unregistered(register_histogram_vec!(opts.clone(), labels), || {
         HistogramVec::new(opts, labels).unwrap_or_else(|_| unreachable!())
     })
