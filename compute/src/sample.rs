@@ -1,5 +1,6 @@
-//! Choosing the next token from logits: greedy, or temperature with top-k and top-p, drawn
-//! from a generator seeded by the request's seed and the token's position.
+//! Choosing the next token from logits: greedy, or temperature with min-p, top-k and top-p,
+//! drawn from a generator seeded by the request's seed and the token's position; before that,
+//! [`Penalties`] (logit bias, repetition, frequency and presence penalties) adjust the logits.
 //!
 //! Seeding by position (not by a generator that advances) makes a sequence's output a pure
 //! function of its seed and its tokens: the same whether it ran alone or batched, was
@@ -13,6 +14,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
     pub top_p: f32,
+    /// Drop the tokens less likely than `min_p` times the most likely one (after
+    /// temperature); 0 keeps all.
+    pub min_p: f32,
     pub seed: u64,
 }
 
@@ -22,7 +26,69 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
+        }
+    }
+}
+
+/// What a request's earlier tokens and its logit bias do to the logits, as vLLM (and OpenAI,
+/// and Hugging Face's `repetition_penalty`) define them, applied in this order:
+/// - `logit_bias`: added to its tokens' logits;
+/// - `repetition`: a logit of a token in the prompt or the output so far is divided by it
+///   when positive, multiplied when negative (1: off);
+/// - `frequency`: subtracted once per time the token occurs in the output so far;
+/// - `presence`: subtracted once if the token occurs in the output so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Penalties {
+    pub logit_bias: Vec<(u32, f32)>,
+    pub repetition: f32,
+    pub frequency: f32,
+    pub presence: f32,
+}
+
+impl Penalties {
+    /// `None` when nothing would change a logit, so the common request pays nothing.
+    pub fn any(self) -> Option<Self> {
+        let off = self.logit_bias.is_empty()
+            && (self.repetition == 1.0 || self.repetition <= 0.0)
+            && self.frequency == 0.0
+            && self.presence == 0.0;
+        (!off).then_some(self)
+    }
+
+    /// Adjust `logits` for a sequence whose `prompt` and `output` so far are these. Token ids
+    /// outside the vocabulary are ignored.
+    pub fn apply(&self, logits: &mut [f32], prompt: &[u32], output: &[u32]) {
+        for &(t, bias) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
+        if self.repetition != 1.0 && self.repetition > 0.0 {
+            let mut seen = std::collections::HashSet::with_capacity(prompt.len() + output.len());
+            for &t in prompt.iter().chain(output) {
+                if seen.insert(t)
+                    && let Some(l) = logits.get_mut(t as usize)
+                {
+                    *l = if *l > 0.0 {
+                        *l / self.repetition
+                    } else {
+                        *l * self.repetition
+                    };
+                }
+            }
+        }
+        if self.frequency != 0.0 || self.presence != 0.0 {
+            let mut counts = std::collections::HashMap::<u32, u32>::with_capacity(output.len());
+            for &t in output {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, n) in counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= self.frequency * n as f32 + self.presence;
+                }
+            }
         }
     }
 }
@@ -132,6 +198,16 @@ pub fn sample(logits: &[f32], p: &SamplingParams, position: u64) -> u32 {
     if p.temperature <= 0.0 || p.top_k == 1 || logits.len() < 2 {
         return argmax(logits);
     }
+    if p.min_p > 0.0 {
+        // p_i < min_p · p_max  ⇔  l_i < l_max + t · ln(min_p): those leave the vocabulary.
+        let floor = logits[argmax(logits) as usize] + p.temperature * p.min_p.min(1.0).ln();
+        let cut: Vec<f32> = logits
+            .iter()
+            .map(|&l| if l >= floor { l } else { f32::NEG_INFINITY })
+            .collect();
+        let rest = SamplingParams { min_p: 0.0, ..*p };
+        return sample(&cut, &rest, position);
+    }
     if (p.top_k == 0 || p.top_k >= logits.len()) && p.top_p >= 1.0 {
         let (t, max) = (p.temperature, logits[argmax(logits) as usize]);
         let r = uniform(p.seed, position) * total_weight(logits, max, t);
@@ -210,6 +286,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             seed: 7,
         }
     }
@@ -315,6 +392,7 @@ mod tests {
                     temperature: t,
                     top_k: k,
                     top_p: tp,
+                    min_p: 0.0,
                     seed: 3,
                 };
                 for pos in 0..40 {
@@ -326,6 +404,94 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn min_p_drops_what_is_less_likely_than_its_share_of_the_best() {
+        // Probabilities ∝ e^l at temperature 1: 1, e^-0.5 ≈ 0.61, e^-1 ≈ 0.37, e^-3 ≈ 0.05.
+        let logits = [0.0, -0.5, -1.0, -3.0];
+        let drawn = |min_p: f32, t: f32| -> std::collections::BTreeSet<u32> {
+            (0..2000)
+                .map(|pos| {
+                    let p = SamplingParams {
+                        min_p,
+                        ..params(t, 0, 1.0)
+                    };
+                    sample(&logits, &p, pos)
+                })
+                .collect()
+        };
+        assert_eq!(
+            drawn(0.0, 1.0).into_iter().collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        assert_eq!(drawn(0.1, 1.0).into_iter().collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(drawn(0.5, 1.0).into_iter().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(drawn(1.0, 1.0).into_iter().collect::<Vec<_>>(), [0]);
+        // After temperature: at t = 2, token 2 weighs e^-0.5 ≈ 0.61 of the best.
+        assert_eq!(drawn(0.5, 2.0).into_iter().collect::<Vec<_>>(), [0, 1, 2]);
+    }
+
+    /// The penalties against their definitions, token by token, on a six-token vocabulary.
+    #[test]
+    fn penalties_equal_their_definitions() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0, -2.0, 1.0];
+        let prompt = [0u32, 1];
+        let output = [2u32, 2, 1, 3, 2];
+        let p = Penalties {
+            logit_bias: vec![(5, -4.0), (4, 10.0), (99, 1.0)],
+            repetition: 1.3,
+            frequency: 0.25,
+            presence: 0.5,
+        };
+        let mut got = logits;
+        p.apply(&mut got, &prompt, &output);
+        // Output counts: token 1 once, 2 three times, 3 once; 0 only in the prompt.
+        let count = |t: u32| output.iter().filter(|&&x| x == t).count() as f32;
+        let want: Vec<f32> = (0..6u32)
+            .map(|t| {
+                let mut l = logits[t as usize];
+                l += p
+                    .logit_bias
+                    .iter()
+                    .filter(|b| b.0 == t)
+                    .map(|b| b.1)
+                    .sum::<f32>();
+                if prompt.contains(&t) || output.contains(&t) {
+                    l = if l > 0.0 { l / 1.3 } else { l * 1.3 };
+                }
+                if output.contains(&t) {
+                    l -= 0.25 * count(t) + 0.5;
+                }
+                l
+            })
+            .collect();
+        assert_eq!(got.to_vec(), want);
+        assert_eq!(
+            got,
+            [
+                2.0 / 1.3,
+                -1.3 - 0.75,
+                0.5 / 1.3 - 1.25,
+                3.0 / 1.3 - 0.75,
+                8.0,
+                -3.0
+            ]
+        );
+        // Neutral settings change nothing and cost nothing.
+        let neutral = Penalties {
+            repetition: 1.0,
+            ..Penalties::default()
+        };
+        assert_eq!(neutral.any(), None);
+        // A penalty steers greedy decoding away from a repeated token.
+        let mut l = [1.0f32, 0.9];
+        Penalties {
+            presence: 0.2,
+            ..Penalties::default()
+        }
+        .apply(&mut l, &[], &[0]);
+        assert_eq!(argmax(&l), 1);
     }
 
     #[test]

@@ -505,17 +505,30 @@ impl EngineHandle {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
             stop_tokens: if req.stop.ignore_eos {
-                Vec::new().into()
+                &[][..]
             } else {
-                req.stop.eos_token_ids.clone().into()
-            },
+                &req.stop.eos_token_ids[..]
+            }
+            .iter()
+            .chain(&req.stop.stop_token_ids)
+            .copied()
+            .collect(),
             min_tokens: req.stop.min_tokens,
             sampling: dyn_compute::sample::SamplingParams {
                 temperature: s.temperature.unwrap_or(1.0),
                 top_k: s.top_k.unwrap_or(0) as usize,
                 top_p: s.top_p.unwrap_or(1.0),
+                min_p: s.min_p.unwrap_or(0.0),
                 seed,
             },
+            penalties: dyn_compute::sample::Penalties {
+                logit_bias: s.logit_bias.clone(),
+                repetition: s.repetition_penalty.unwrap_or(1.0),
+                frequency: s.frequency_penalty.unwrap_or(0.0),
+                presence: s.presence_penalty.unwrap_or(0.0),
+            }
+            .any()
+            .map(std::sync::Arc::new),
             guide,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,

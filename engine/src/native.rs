@@ -313,6 +313,13 @@ impl Executor for NativeExec {
             .zip(logits)
             .zip(masks)
             .map(|((w, mut l), mask)| {
+                if let Some(p) = &w.spec.penalties {
+                    // The prompt is what came before the request's own output (a migrated
+                    // request's earlier tokens count as output).
+                    let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+                    let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
+                    p.apply(&mut l, prompt, output);
+                }
                 if let Some(mask) = &mask {
                     dyn_llm::grammar::apply(mask, &mut l);
                 }

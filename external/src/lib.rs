@@ -273,7 +273,7 @@ impl ExternalEngine {
             ignore_eos,
         };
         let call = protocol::request(self.kind, req, &ask)
-            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
+            .map_err(|(param, e)| OpError::invalid(e).with_param(param))?;
         let url = format!("{}{}", ep.base, call.path);
         let resp = match self.client.post(&url).json(&call.body).send().await {
             Ok(r) => r,

@@ -43,12 +43,13 @@ impl Prompt<'_> {
     }
 }
 
-/// The call for `req`; `Err` for a structured output the server's dialect cannot say.
+/// The call for `req`; `Err((param, why))` for what the server's dialect cannot say (a
+/// structured output, stop token ids).
 pub fn request(
     kind: ExternalKind,
     req: &PreprocessedRequest,
     ask: &Ask<'_>,
-) -> Result<Call, String> {
+) -> Result<Call, (&'static str, String)> {
     let s = &req.sampling;
     let mut body = Map::new();
     let mut put = |k: &str, v: Value| {
@@ -83,13 +84,46 @@ pub fn request(
             if let Some(c) = &s.constraint {
                 put("structured_outputs", vllm_constraint(c));
             }
+            for (k, v) in [
+                ("presence_penalty", s.presence_penalty),
+                ("frequency_penalty", s.frequency_penalty),
+                ("repetition_penalty", s.repetition_penalty),
+                ("min_p", s.min_p),
+            ] {
+                if let Some(v) = v {
+                    put(k, json!(v));
+                }
+            }
+            if !s.logit_bias.is_empty() {
+                let bias: Map<String, Value> = s
+                    .logit_bias
+                    .iter()
+                    .map(|(t, b)| (t.to_string(), json!(b)))
+                    .collect();
+                put("logit_bias", Value::Object(bias));
+            }
             if kind == ExternalKind::Vllm {
                 put("return_token_ids", json!(true));
                 // The model's eos ids as dyn knows them (config, generation config,
-                // tokenizer), not only the one vLLM reads.
-                if !ask.ignore_eos {
-                    put("stop_token_ids", json!(req.stop.eos_token_ids));
+                // tokenizer), not only the one vLLM reads, and the client's.
+                let eos = if ask.ignore_eos {
+                    &[][..]
+                } else {
+                    &req.stop.eos_token_ids[..]
+                };
+                let stop: Vec<u32> = eos
+                    .iter()
+                    .chain(&req.stop.stop_token_ids)
+                    .copied()
+                    .collect();
+                if !stop.is_empty() {
+                    put("stop_token_ids", json!(stop));
                 }
+            } else if !req.stop.stop_token_ids.is_empty() {
+                return Err((
+                    "stop_token_ids",
+                    "stop_token_ids: this worker's OpenAI server does not take them".into(),
+                ));
             }
             Ok(Call {
                 path: "/v1/completions",
@@ -106,12 +140,29 @@ pub fn request(
             put("temperature", json!(s.temperature.unwrap_or(1.0)));
             put("top_p", json!(s.top_p.unwrap_or(1.0)));
             put("top_k", json!(s.top_k.unwrap_or(0)));
-            put("min_p", json!(0.0));
+            put("min_p", json!(s.min_p.unwrap_or(0.0)));
             if let Some(seed) = s.seed {
                 put("seed", json!(seed));
             }
+            // Its penalties over the whole context (`repeat_last_n: -1`), as defined here.
+            put("repeat_penalty", json!(s.repetition_penalty.unwrap_or(1.0)));
+            put("repeat_last_n", json!(-1));
+            put("presence_penalty", json!(s.presence_penalty.unwrap_or(0.0)));
+            put(
+                "frequency_penalty",
+                json!(s.frequency_penalty.unwrap_or(0.0)),
+            );
+            if !s.logit_bias.is_empty() {
+                put("logit_bias", json!(s.logit_bias));
+            }
+            if !req.stop.stop_token_ids.is_empty() {
+                return Err((
+                    "stop_token_ids",
+                    "stop_token_ids: llama.cpp's server does not take them".into(),
+                ));
+            }
             if let Some(c) = &s.constraint {
-                let (k, v) = llamacpp_constraint(c)?;
+                let (k, v) = llamacpp_constraint(c).map_err(|e| ("response_format", e))?;
                 put(k, v);
             }
             Ok(Call {
@@ -284,9 +335,49 @@ mod tests {
         let e = request(ExternalKind::Llamacpp, &r, &a)
             .err()
             .expect("no regex in llama.cpp");
-        assert!(e.contains("regex"), "{e}");
+        assert_eq!(e.0, "response_format");
+        assert!(e.1.contains("regex"), "{e:?}");
         let vllm = request(ExternalKind::Vllm, &r, &a).expect("a call");
         assert_eq!(vllm.body["structured_outputs"], json!({"regex": "[a-z]+"}));
+    }
+
+    #[test]
+    fn penalties_bias_min_p_and_stop_tokens_go_in_each_servers_dialect() {
+        let mut r = req();
+        r.sampling.presence_penalty = Some(0.5);
+        r.sampling.frequency_penalty = Some(-0.25);
+        r.sampling.repetition_penalty = Some(1.1);
+        r.sampling.min_p = Some(0.05);
+        r.sampling.logit_bias = vec![(3, -100.0), (17, 2.5)];
+        let a = ask(Prompt::Tokens(&r.token_ids));
+        let v = request(ExternalKind::Vllm, &r, &a).expect("a call").body;
+        assert_eq!(
+            (
+                &v["presence_penalty"],
+                &v["frequency_penalty"],
+                &v["repetition_penalty"],
+                &v["min_p"]
+            ),
+            (&json!(0.5), &json!(-0.25), &json!(1.1f32), &json!(0.05f32))
+        );
+        assert_eq!(v["logit_bias"], json!({"3": -100.0, "17": 2.5}));
+        let c = request(ExternalKind::Llamacpp, &r, &a)
+            .expect("a call")
+            .body;
+        assert_eq!(c["repeat_penalty"], json!(1.1f32));
+        assert_eq!(c["repeat_last_n"], json!(-1));
+        assert_eq!(c["min_p"], json!(0.05f32));
+        assert_eq!(c["logit_bias"], json!([[3, -100.0], [17, 2.5]]));
+        // Stop tokens: vLLM gets them after the model's eos ids; llama.cpp cannot say them.
+        r.stop.stop_token_ids = vec![42];
+        let v = request(ExternalKind::Vllm, &r, &a).expect("a call").body;
+        let mut want = r.stop.eos_token_ids.clone();
+        want.push(42);
+        assert_eq!(v["stop_token_ids"], json!(want));
+        let e = request(ExternalKind::Llamacpp, &r, &a)
+            .err()
+            .expect("refused");
+        assert_eq!(e.0, "stop_token_ids");
     }
 
     #[test]
@@ -302,7 +393,8 @@ mod tests {
         assert_eq!(
             c.body,
             json!({"prompt": [1, 2, 3], "n_predict": 8, "stream": true, "return_tokens": true, "cache_prompt": true,
-                   "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5})
+                   "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5,
+                   "repeat_penalty": 1.0, "repeat_last_n": -1, "presence_penalty": 0.0, "frequency_penalty": 0.0})
         );
         assert_eq!(
             parse(

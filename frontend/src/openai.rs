@@ -185,6 +185,15 @@ struct Common {
     top_k: Option<i64>,
     seed: Option<u64>,
     stop: Option<StopIn>,
+    /// vLLM's extension: token ids that end the output.
+    stop_token_ids: Option<Vec<u32>>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    /// vLLM's extensions.
+    repetition_penalty: Option<f32>,
+    min_p: Option<f32>,
+    /// Token id (as a string, OpenAI's form) → bias in [-100, 100].
+    logit_bias: Option<BTreeMap<String, f32>>,
     n: Option<u32>,
     logprobs: Option<Value>,
     ignore_eos: Option<bool>,
@@ -216,18 +225,6 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("function_call", |v| {
         v.is_null() || v == "none" || v == "auto"
     }),
-    ("logit_bias", empty),
-    ("presence_penalty", |v| {
-        v.is_null() || v.as_f64() == Some(0.0)
-    }),
-    ("frequency_penalty", |v| {
-        v.is_null() || v.as_f64() == Some(0.0)
-    }),
-    ("repetition_penalty", |v| {
-        v.is_null() || v.as_f64() == Some(1.0)
-    }),
-    ("min_p", |v| v.is_null() || v.as_f64() == Some(0.0)),
-    ("stop_token_ids", empty),
     ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
     // Completions: text after the insertion point, and choosing the best of several.
     ("suffix", |v| v.is_null() || v == ""),
@@ -428,6 +425,29 @@ fn request(
             )
         })?),
     };
+    let in_range = |name: &str, v: Option<f32>, ok: std::ops::RangeInclusive<f32>| match v {
+        Some(x) if !ok.contains(&x) => Err(invalid(
+            name,
+            format!(
+                "{name} must be between {} and {}, got {x}",
+                ok.start(),
+                ok.end()
+            ),
+        )),
+        _ => Ok(v),
+    };
+    let presence_penalty = in_range("presence_penalty", c.presence_penalty, -2.0..=2.0)?;
+    let frequency_penalty = in_range("frequency_penalty", c.frequency_penalty, -2.0..=2.0)?;
+    let min_p = in_range("min_p", c.min_p, 0.0..=1.0)?;
+    let repetition_penalty = match c.repetition_penalty {
+        Some(r) if !(r > 0.0 && r.is_finite()) => {
+            return Err(invalid(
+                "repetition_penalty",
+                format!("repetition_penalty must be a positive number, got {r}"),
+            ));
+        }
+        r => r,
+    };
     Ok((
         LlmRequest {
             endpoint,
@@ -438,6 +458,11 @@ fn request(
                 top_p: c.top_p,
                 top_k,
                 seed: c.seed,
+                min_p,
+                frequency_penalty,
+                presence_penalty,
+                repetition_penalty,
+                logit_bias: logit_bias(c.logit_bias)?,
                 constraint,
             },
             limits: Limits {
@@ -445,6 +470,7 @@ fn request(
                 min_tokens: c.min_tokens,
                 ignore_eos: c.ignore_eos.unwrap_or(false),
                 stop,
+                stop_token_ids: c.stop_token_ids.unwrap_or_default(),
             },
             tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
@@ -454,6 +480,28 @@ fn request(
             tools: tools.filter(ToolRequest::parses).map(|_| app.tool_format),
         },
     ))
+}
+
+/// OpenAI's `logit_bias` (token ids as strings, biases in [-100, 100]), sorted by token id.
+fn logit_bias(m: Option<BTreeMap<String, f32>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::new();
+    for (k, bias) in m.unwrap_or_default() {
+        let id = k.trim().parse::<u32>().map_err(|_| {
+            invalid(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got {k:?}"),
+            )
+        })?;
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(invalid(
+                "logit_bias",
+                format!("the bias of token {id} must be between -100 and 100, got {bias}"),
+            ));
+        }
+        out.push((id, bias));
+    }
+    out.sort_by_key(|b| b.0);
+    Ok(out)
 }
 
 /// The structured output a request asks for, from whichever field it used (at most one).
@@ -1182,10 +1230,6 @@ mod tests {
         assert_eq!(refused(defaults), None);
         for (extra, param) in [
             (json!({"functions": [{"name": "f"}]}), "functions"),
-            (json!({"frequency_penalty": 0.1}), "frequency_penalty"),
-            (json!({"repetition_penalty": 1.1}), "repetition_penalty"),
-            (json!({"min_p": 0.05}), "min_p"),
-            (json!({"stop_token_ids": [2]}), "stop_token_ids"),
             (json!({"top_logprobs": 3}), "top_logprobs"),
             (json!({"suffix": "}"}), "suffix"),
             (json!({"best_of": 3}), "best_of"),

@@ -48,7 +48,8 @@ pub struct ModelDir {
 }
 
 /// Sampling for requests that leave a parameter out: `generation_config.json`'s, or a graph's
-/// `defaults:` of `preprocess` (the same four fields, `max_tokens` by that name there).
+/// `defaults:` of `preprocess` (the same fields, `max_tokens` by that name there) — the ones
+/// vLLM takes from a model's generation config.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GenerationDefaults {
@@ -57,6 +58,8 @@ pub struct GenerationDefaults {
     pub top_k: Option<u32>,
     /// `max_new_tokens`.
     pub max_tokens: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
 }
 
 impl GenerationDefaults {
@@ -74,6 +77,8 @@ impl GenerationDefaults {
             top_p: f("top_p").filter(|p| *p > 0.0 && *p <= 1.0),
             top_k: u("top_k").filter(|k| *k > 0),
             max_tokens: u("max_new_tokens").filter(|m| *m > 0),
+            min_p: f("min_p").filter(|p| *p > 0.0 && *p <= 1.0),
+            repetition_penalty: f("repetition_penalty").filter(|p| *p > 0.0 && *p != 1.0),
         }
     }
 
@@ -84,6 +89,8 @@ impl GenerationDefaults {
             top_p: self.top_p.or(under.top_p),
             top_k: self.top_k.or(under.top_k),
             max_tokens: self.max_tokens.or(under.max_tokens),
+            min_p: self.min_p.or(under.min_p),
+            repetition_penalty: self.repetition_penalty.or(under.repetition_penalty),
         }
     }
 
@@ -93,6 +100,8 @@ impl GenerationDefaults {
         s.temperature = s.temperature.or(self.temperature);
         s.top_p = s.top_p.or(self.top_p);
         s.top_k = s.top_k.or(self.top_k);
+        s.min_p = s.min_p.or(self.min_p);
+        s.repetition_penalty = s.repetition_penalty.or(self.repetition_penalty);
     }
 }
 
@@ -386,7 +395,8 @@ pub(crate) mod tests {
         std::fs::write(dir.join("chat_template.jinja"), &template).expect("write");
         std::fs::write(
             dir.join("generation_config.json"),
-            r#"{"temperature": 0.2, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64}"#,
+            r#"{"temperature": 0.2, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64,
+                "repetition_penalty": 1.05, "min_p": 0.0}"#,
         )
         .expect("write");
         let m = ModelDir::load("t", &dir).expect("loads");
@@ -396,6 +406,8 @@ pub(crate) mod tests {
             (d.temperature, d.top_p, d.top_k, d.max_tokens),
             (Some(0.2), Some(0.9), Some(50), Some(64))
         );
+        // min_p 0 is no default; a repetition penalty is one.
+        assert_eq!((d.min_p, d.repetition_penalty), (None, Some(1.05)));
         // A request's own parameters win; missing ones take the model's.
         let mut s = crate::types::Sampling {
             temperature: Some(0.0),
@@ -403,8 +415,8 @@ pub(crate) mod tests {
         };
         d.apply(&mut s);
         assert_eq!(
-            (s.temperature, s.top_p, s.top_k),
-            (Some(0.0), Some(0.9), Some(50))
+            (s.temperature, s.top_p, s.top_k, s.repetition_penalty),
+            (Some(0.0), Some(0.9), Some(50), Some(1.05))
         );
         // `do_sample: false` is greedy.
         std::fs::write(

@@ -203,19 +203,21 @@ impl Preprocess {
                 ),
             ));
         }
+        let vocab = self.model.vocab_size;
+        let outside = |id: u32| format!("token id {id} is outside the vocabulary (size {vocab})");
+        if let Some(&id) = req.limits.stop_token_ids.iter().find(|&&id| id >= vocab) {
+            return Err(invalid("stop_token_ids", outside(id)));
+        }
+        if let Some(&(id, _)) = req.sampling.logit_bias.iter().find(|b| b.0 >= vocab) {
+            return Err(invalid("logit_bias", outside(id)));
+        }
         match &req.prompt {
             Prompt::Messages(m) if m.is_empty() => {
                 Err(invalid("messages", "messages must not be empty"))
             }
             Prompt::Tokens(t) if t.is_empty() => Err(invalid("prompt", "prompt must not be empty")),
-            Prompt::Tokens(t) => match t.iter().find(|&&id| id >= self.model.vocab_size) {
-                Some(id) => Err(invalid(
-                    "prompt",
-                    format!(
-                        "token id {id} is outside the vocabulary (size {})",
-                        self.model.vocab_size
-                    ),
-                )),
+            Prompt::Tokens(t) => match t.iter().find(|&&id| id >= vocab) {
+                Some(&id) => Err(invalid("prompt", outside(id))),
                 None => Ok(()),
             },
             _ => Ok(()),
@@ -339,6 +341,7 @@ impl Preprocess {
                 min_tokens,
                 ignore_eos: req.limits.ignore_eos,
                 eos_token_ids: self.model.eos_token_ids.clone(),
+                stop_token_ids: req.limits.stop_token_ids,
             },
             output: OutputSpec {
                 prompt_tokens: prompt,

@@ -32,6 +32,7 @@ pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
             min_tokens: 0,
             ignore_eos: false,
             eos_token_ids: vec![],
+            stop_token_ids: vec![],
         },
         output: OutputSpec::default(),
         target: None,

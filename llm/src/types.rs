@@ -67,6 +67,20 @@ pub struct Sampling {
     #[serde(default)]
     pub top_k: Option<u32>,
     pub seed: Option<u64>,
+    /// Drop tokens less likely than this share of the most likely one (vLLM's extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    /// OpenAI's penalties on tokens already in the output, per occurrence and once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f32>,
+    /// Hugging Face's penalty on tokens in the prompt or the output (vLLM's extension; 1: off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    /// Added to these tokens' logits (OpenAI's `logit_bias`), sorted by token id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
     /// The output must match this grammar (structured output); the engine enforces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
@@ -96,6 +110,10 @@ pub struct Limits {
     pub min_tokens: Option<u32>,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
+    /// Tokens that end the output as eos does (vLLM's `stop_token_ids`), even with
+    /// `ignore_eos`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// An OpenAI request after HTTP parsing: what the ingress sends down the graph.
@@ -120,6 +138,9 @@ pub struct StopConditions {
     pub min_tokens: u32,
     pub ignore_eos: bool,
     pub eos_token_ids: Vec<u32>,
+    /// The client's stop tokens: they end the output whatever `ignore_eos` says.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// What postprocess needs to know about a request; the engine hands it back as the first

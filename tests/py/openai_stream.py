@@ -36,12 +36,13 @@ try:
 except Exception as e:  # noqa: BLE001 - report whatever the client raised
     print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None)}))
 
-# A request this server cannot honour yet (a logit bias) is refused, naming the field.
+# A field the request cannot mean (a bias on a token the model does not have) is refused,
+# naming the field.
 try:
     client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        logit_bias={"7": -100},
+        logit_bias={"1000000": -100},
     )
 except Exception as e:  # noqa: BLE001 - report whatever the client raised
     print(json.dumps({"error": type(e).__name__, "status": getattr(e, "status_code", None), "param": getattr(e, "param", None)}))

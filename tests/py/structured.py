@@ -1,6 +1,6 @@
-"""Structured output and tool calls from a running dyn graph serving SmolLM2, with the official
-`openai` package; every JSON answer and every call's arguments are checked against their schema
-with `jsonschema`.
+"""Structured output, tool calls and the sampling knobs from a running dyn graph serving SmolLM2,
+with the official `openai` package; every JSON answer and every call's arguments are checked
+against their schema with `jsonschema`.
 
 Usage: structured.py BASE_URL MODEL. Prints one JSON line per check (name and what it saw) and
 exits non-zero at the first failure, for the Rust test to report.
@@ -186,6 +186,23 @@ import re  # noqa: E402
 
 assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.choices[0].message.content), r
 report("choice_and_regex", date=r.choices[0].message.content)
+
+# The sampling knobs as the client sends them: OpenAI's penalties and logit bias, vLLM's
+# repetition penalty, min_p and stop tokens (in extra_body); a +100 bias makes its token the
+# whole answer.
+SAY = [{"role": "user", "content": "Say hello."}]
+r = client.chat.completions.create(
+    model=MODEL, max_tokens=6, messages=SAY, temperature=0, logit_bias={"33": 100},
+)
+biased = r.choices[0].message.content
+assert len(set(biased)) == 1, r
+r = client.chat.completions.create(
+    model=MODEL, max_tokens=12, messages=SAY, temperature=0.7, seed=1,
+    frequency_penalty=1.0, presence_penalty=0.5,
+    extra_body={"repetition_penalty": 1.2, "min_p": 0.1, "stop_token_ids": [30]},
+)
+assert r.choices[0].finish_reason in ("stop", "length"), r
+report("sampling_knobs", biased=biased, penalized=r.choices[0].message.content)
 
 # A schema the grammar library rejects: 400 naming the problem.
 try:

@@ -267,16 +267,22 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
             Some("response_format"),
         ),
         (
-            post_chat(&chat("hi", json!({"presence_penalty": 0.5}))),
+            post_chat(&chat("hi", json!({"presence_penalty": 2.5}))),
             400,
-            "unsupported_parameter",
+            "invalid_value",
             Some("presence_penalty"),
         ),
         (
-            post_chat(&chat("hi", json!({"logit_bias": {"50": -100}}))),
+            post_chat(&chat("hi", json!({"logit_bias": {"fifty": -100}}))),
+            400,
+            "invalid_value",
+            Some("logit_bias"),
+        ),
+        (
+            post_chat(&chat("hi", json!({"top_logprobs": 3}))),
             400,
             "unsupported_parameter",
-            Some("logit_bias"),
+            Some("top_logprobs"),
         ),
         (
             post_chat(&json!({"model": "tiny", "messages": [

@@ -3,7 +3,7 @@
 //! reference tokens whether requests run alone or batched, a repeated prompt is served from
 //! the prefix cache with the same answer, preempted sequences recompute to the same answer, a
 //! request larger than the whole cache ends with `length` instead of hanging, seeded sampling
-//! repeats, and bad input is a 400.
+//! repeats, logit bias, min-p, penalties and stop tokens act, and bad input is a 400.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{Graph, completion, metric, root};
@@ -127,6 +127,45 @@ async fn sampling_is_seeded_and_bad_input_is_refused() {
     let greedy = complete(&url, greedy_body(&case.prompt, 12)).await;
     assert_eq!(k1["choices"][0]["text"], greedy["choices"][0]["text"]);
 
+    // The sampling knobs, through HTTP to the engine. min_p 1 keeps only the best token:
+    // greedy whatever the temperature.
+    let with = |extra: Value| {
+        let mut b = greedy_body(&case.prompt, 12);
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let text = |v: &Value| v["choices"][0]["text"].as_str().unwrap().to_owned();
+    let v = complete(
+        &url,
+        with(json!({"temperature": 1.0, "min_p": 1.0, "seed": 3})),
+    )
+    .await;
+    assert_eq!(text(&v), text(&greedy));
+    // A +100 bias makes one token win every step; -100 on the greedy first token bans it.
+    let tok = tokenizers::Tokenizer::from_file(root().join("models/tiny/tokenizer.json")).unwrap();
+    let v = complete(&url, with(json!({"logit_bias": {"7": 100}}))).await;
+    assert_eq!(text(&v), tok.decode(&[7; 12], true).unwrap());
+    let first = case.greedy[0].to_string();
+    let v = complete(&url, with(json!({"logit_bias": {first: -100}}))).await;
+    assert_ne!(text(&v), text(&greedy));
+    // A stop token ends the output where greedy decoding reaches it, ignore_eos or not.
+    let v = complete(&url, with(json!({"stop_token_ids": [case.greedy[3]]}))).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // The repetition penalty reaches the prompt's tokens: a prompt token that a +100 bias
+    // makes win every step no longer wins once divided by 1000 (its logit ≈ 0.1, under the
+    // best of the rest). Its arithmetic, and the other penalties', is checked in dyn-compute.
+    let t = case.prompt[0];
+    let biased = json!({"logit_bias": {t.to_string(): 100}, "max_tokens": 1});
+    let v = complete(&url, with(biased.clone())).await;
+    assert_eq!(text(&v), tok.decode(&[t], true).unwrap());
+    let mut penalized = biased;
+    penalized["repetition_penalty"] = json!(1000.0);
+    let v = complete(&url, with(penalized)).await;
+    assert_ne!(text(&v), tok.decode(&[t], true).unwrap());
+
     for (body, param) in [
         (
             json!({"model": "tiny", "prompt": [1, 100000], "max_tokens": 4}),
@@ -135,6 +174,30 @@ async fn sampling_is_seeded_and_bad_input_is_refused() {
         (
             json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "top_k": -5}),
             "top_k",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "logit_bias": {"100000": 1}}),
+            "logit_bias",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "logit_bias": {"5": 101}}),
+            "logit_bias",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stop_token_ids": [100000]}),
+            "stop_token_ids",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 4, "min_p": 1.5}),
+            "min_p",
         ),
     ] {
         let (status, v) = completion(&url, &body).await;

@@ -43,6 +43,8 @@ pub struct SeqSpec {
     pub stop_tokens: std::sync::Arc<[u32]>,
     pub min_tokens: u32,
     pub sampling: dyn_compute::sample::SamplingParams,
+    /// Logit bias and penalties, when the request has any (the native engine applies them).
+    pub penalties: Option<std::sync::Arc<dyn_compute::sample::Penalties>>,
     /// Structured output: the grammar's state, masked before and advanced after each sampled
     /// token (shared with the executor's mask thread, hence the lock).
     pub guide: Option<Guided>,

@@ -20,6 +20,7 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
             seed: 42,
             ..Default::default()
         },
+        penalties: None,
         guide: None,
         role: SeqRole::Full,
     }
