@@ -62,6 +62,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
             start: 0,
             blocks: bl,
             logits: true,
+            all_logits: false,
         })
         .collect();
     let first: Vec<u32> = b
@@ -82,6 +83,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
                 start: t.len() - 1,
                 blocks: bl,
                 logits: true,
+                all_logits: false,
             })
             .collect();
         let logits = match b.forward(&batch) {
@@ -111,6 +113,7 @@ fn prefill(b: &mut dyn Backend, rounds: usize) -> f64 {
             start: 0,
             blocks: &blocks,
             logits: true,
+            all_logits: false,
         };
         let t = Instant::now();
         if let Err(e) = b.forward(&[step]) {

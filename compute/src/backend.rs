@@ -19,6 +19,9 @@ pub struct SeqStep<'a> {
     pub blocks: &'a [u32],
     /// Return next-token logits after the last new token.
     pub logits: bool,
+    /// With `logits`: after every new token, in order, not only the last (a prompt's
+    /// log-probabilities).
+    pub all_logits: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

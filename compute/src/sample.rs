@@ -183,6 +183,39 @@ fn walk(logits: &[f32], max: f32, t: f32, mut r: f64) -> Option<u32> {
     None
 }
 
+/// `ln Σ e^l` over the logits (accumulated in f64): a token's log-probability is its logit
+/// minus this.
+pub fn logsumexp(logits: &[f32]) -> f32 {
+    let max = logits[argmax(logits) as usize];
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f64 = logits
+        .iter()
+        .map(|&x| f64::from(x - max).exp())
+        .filter(|w| !w.is_nan())
+        .sum();
+    max + sum.ln() as f32
+}
+
+/// The `n` most likely token ids, best first (ties by id); NaN never counts.
+pub fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
+    let by_logit = order(logits);
+    let mut idx: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| !logits[i as usize].is_nan())
+        .collect();
+    let n = n.min(idx.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    if n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, &by_logit);
+        idx.truncate(n);
+    }
+    idx.sort_unstable_by(&by_logit);
+    idx
+}
+
 /// The token at `position` (the sequence length before it) for these logits.
 ///
 /// With no cut (`top_k` 0, `top_p` 1) the seeded draw walks the vocabulary in id order —

@@ -85,6 +85,7 @@ mod gpu {
                     start: *c,
                     blocks: bl,
                     logits: true,
+                    all_logits: false,
                 })
                 .collect();
             let logits = b.forward(&batch).unwrap();
@@ -167,6 +168,7 @@ mod gpu {
             start: 0,
             blocks: &blocks,
             logits: true,
+            all_logits: false,
         };
         let first = argmax(&g.forward(&[step]).unwrap()[0]);
         assert_eq!(first, case.greedy[0]);
@@ -181,6 +183,7 @@ mod gpu {
             start: case.prompt.len(),
             blocks: &blocks,
             logits: true,
+            all_logits: false,
         };
         assert_eq!(argmax(&c.forward(&[step]).unwrap()[0]), case.greedy[1]);
     }

@@ -193,6 +193,7 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<V
             start: done,
             blocks: &blocks,
             logits: true,
+            all_logits: false,
         };
         let l = b.forward(&[step]).unwrap().remove(0);
         done = tokens.len();
@@ -216,6 +217,7 @@ fn forced(b: &mut dyn Backend, prompt: &[u32], given: &[u32]) -> Vec<u32> {
                 start: done,
                 blocks: &blocks,
                 logits: true,
+                all_logits: false,
             };
             done = end;
             argmax(&b.forward(&[step]).unwrap().remove(0))
@@ -345,6 +347,7 @@ fn perplexity(b: &mut dyn Backend, tokens: &[u32]) -> f64 {
             start: i,
             blocks: &blocks,
             logits: true,
+            all_logits: false,
         };
         let l = b.forward(&[step]).unwrap().remove(0);
         let max = l.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v)) as f64;

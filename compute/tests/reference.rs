@@ -66,6 +66,7 @@ fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
                     start: s.computed,
                     blocks: &s.blocks,
                     logits: s.computed + n == s.tokens.len(),
+                    all_logits: false,
                 }
             })
             .collect();
@@ -103,6 +104,59 @@ fn logits_and_greedy_tokens_match_transformers() {
                 &case.greedy[..],
                 "{model} prompt {ci}"
             );
+        }
+    }
+}
+
+/// A prompt's log-probabilities need the logits after every prompt token: with `all_logits`
+/// one forward pass over the prompt and the greedy answer gives, at the answer's positions,
+/// transformers' logits of each greedy step (in chunks too, batched with a last-only sequence).
+#[test]
+fn all_logits_rows_match_transformers_at_every_position() {
+    for model in MODELS {
+        let r = reference(model);
+        let mut b = backend(model, DType::F32, 4);
+        for (ci, case) in r.prompts.iter().enumerate() {
+            let steps = case.logits.len();
+            let mut tokens = case.prompt.clone();
+            tokens.extend(&case.greedy[..steps - 1]);
+            let blocks: Vec<u32> = (0..tokens.len().div_ceil(4) as u32).collect();
+            let other: Vec<u32> = (100..100 + 8).collect();
+            for chunk in [tokens.len(), 3] {
+                let mut rows = Vec::new();
+                let mut start = 0;
+                while start < tokens.len() {
+                    let end = (start + chunk).min(tokens.len());
+                    let step = [
+                        SeqStep {
+                            tokens: &tokens[start..end],
+                            start,
+                            blocks: &blocks,
+                            logits: true,
+                            all_logits: true,
+                        },
+                        SeqStep {
+                            tokens: &case.prompt[..1],
+                            start: 0,
+                            blocks: &other,
+                            logits: true,
+                            all_logits: false,
+                        },
+                    ];
+                    let mut out = b.forward(&step).unwrap();
+                    assert_eq!(out.len(), end - start + 1, "one row per token, then one");
+                    out.pop();
+                    rows.extend(out);
+                    start = end;
+                }
+                for (step, want) in case.logits.iter().enumerate() {
+                    let d = max_diff(&rows[case.prompt.len() - 1 + step], want);
+                    assert!(
+                        d < 1e-4,
+                        "{model} prompt {ci} chunk {chunk} step {step}: logits differ by {d}"
+                    );
+                }
+            }
         }
     }
 }
@@ -240,6 +294,7 @@ fn bad_batches_are_errors_not_panics() {
         start: 0,
         blocks: &[0],
         logits: true,
+        all_logits: false,
     };
     assert!(b.forward(&[too_few_blocks]).is_err());
     let bad_token = SeqStep {
@@ -247,6 +302,7 @@ fn bad_batches_are_errors_not_panics() {
         start: 0,
         blocks: &[0],
         logits: true,
+        all_logits: false,
     };
     assert!(b.forward(&[bad_token]).is_err());
     let bad_block = SeqStep {
@@ -254,6 +310,7 @@ fn bad_batches_are_errors_not_panics() {
         start: 0,
         blocks: &[9999],
         logits: true,
+        all_logits: false,
     };
     assert!(b.forward(&[bad_block]).is_err());
 }

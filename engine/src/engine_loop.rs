@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
 use dyn_core::OpError;
-use dyn_llm::types::Generated;
+use dyn_llm::types::{Generated, Logprobs, TokenLogprob};
 use dyn_router::kv::{LoadMetrics, Medium, dump_events};
 use tokio::sync::{mpsc, oneshot};
 
@@ -23,19 +23,75 @@ use super::offload::{Meta, Tiers};
 use super::pool::{BlockId, Evicted};
 use super::scheduler::{Scheduler, SeqId};
 use super::step_model::StepModel;
-use super::{EngineError, Executor};
+use super::{EngineError, Executor, Logprob};
 use crate::metrics::{TierGauges, WorkerGauges};
 
 /// Tokens a sequence produced that its consumer has not taken yet.
 pub(super) struct Outbox {
     tx: mpsc::Sender<EngineItem>,
     pending: Vec<u32>,
+    /// With `logprobs`: one per pending token.
+    logprobs: Vec<TokenLogprob>,
+    /// With `prompt_logprobs`: the prompt's first token and the log-probabilities of the
+    /// others as the executor computes them (chunk by chunk; a recompute writes the same
+    /// values again), sent once, with the first tokens.
+    prompt: Option<(u32, Vec<Option<TokenLogprob>>)>,
     finish: Option<dyn_llm::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
     offer: Option<oneshot::Sender<OfferResult>>,
 }
 
 impl Outbox {
+    pub(super) fn new(
+        tx: mpsc::Sender<EngineItem>,
+        spec: &crate::scheduler::SeqSpec,
+        offer: Option<oneshot::Sender<OfferResult>>,
+    ) -> Self {
+        let prompt_len = spec.prompt.len().saturating_sub(spec.offset as usize);
+        let prompt = match (spec.prompt_logprobs, spec.prompt.first()) {
+            (Some(_), Some(&first)) if spec.offset == 0 => {
+                Some((first, vec![None; prompt_len.saturating_sub(1)]))
+            }
+            _ => None,
+        };
+        Outbox {
+            tx,
+            pending: Vec::new(),
+            logprobs: Vec::new(),
+            prompt,
+            finish: None,
+            offer,
+        }
+    }
+
+    fn record(&mut self, lp: Logprob) {
+        match lp {
+            Logprob::Sampled(t) => self.logprobs.push(t),
+            Logprob::Prompt { at, items } => {
+                if let Some((_, slots)) = &mut self.prompt {
+                    for (i, t) in items.into_iter().enumerate() {
+                        if let Some(slot) = (at + i).checked_sub(1).and_then(|j| slots.get_mut(j)) {
+                            *slot = Some(t);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The log-probabilities to send with the pending tokens.
+    fn take_logprobs(&mut self) -> Option<Box<Logprobs>> {
+        let mut l = Logprobs {
+            tokens: std::mem::take(&mut self.logprobs),
+            ..Logprobs::default()
+        };
+        if let Some((first, slots)) = self.prompt.take() {
+            l.prompt_first = Some(first);
+            l.prompt = slots.into_iter().flatten().collect();
+        }
+        (l.prompt_first.is_some() || !l.tokens.is_empty()).then(|| Box::new(l))
+    }
+
     /// Hand over what is pending; `false` when the consumer is gone.
     fn flush(&mut self) -> bool {
         if self.pending.is_empty() && self.finish.is_none() {
@@ -44,15 +100,24 @@ impl Outbox {
         let item = Generated::Tokens {
             ids: std::mem::take(&mut self.pending),
             finish: self.finish,
+            logprobs: self.take_logprobs(),
         };
         match self.tx.try_send(Ok(item)) {
             Ok(()) => {
                 self.finish = None;
                 true
             }
-            Err(mpsc::error::TrySendError::Full(Ok(Generated::Tokens { ids, .. }))) => {
+            Err(mpsc::error::TrySendError::Full(Ok(Generated::Tokens {
+                ids, logprobs, ..
+            }))) => {
                 // The consumer lags: keep the tokens and send them together later.
                 self.pending = ids;
+                if let Some(l) = logprobs {
+                    self.logprobs = l.tokens;
+                    if let Some(first) = l.prompt_first {
+                        self.prompt = Some((first, l.prompt.into_iter().map(Some).collect()));
+                    }
+                }
                 true
             }
             Err(_) => false,
@@ -182,6 +247,11 @@ impl EngineLoop {
                     o.finish = finish;
                 }
             }
+            for (id, lp) in self.exec.take_logprobs() {
+                if let Some(o) = self.outboxes.get_mut(&id) {
+                    o.record(lp);
+                }
+            }
             for id in std::mem::take(&mut out.ended) {
                 if let Some(o) = self.outboxes.get_mut(&id) {
                     o.finish = Some(dyn_llm::types::FinishReason::Length);
@@ -214,19 +284,12 @@ impl EngineLoop {
                 // Counted in `queued` by `submit`; it stays counted while the scheduler holds
                 // it unadmitted, and is released in `account`.
                 self.received_unadmitted += 1;
+                let outbox = Outbox::new(tx, &spec, offer);
                 self.sched.add(id, spec);
                 if let Some(kv) = kv {
                     self.imports.insert(id, kv);
                 }
-                self.outboxes.insert(
-                    id,
-                    Outbox {
-                        tx,
-                        pending: Vec::new(),
-                        finish: None,
-                        offer,
-                    },
-                );
+                self.outboxes.insert(id, outbox);
             }
             Command::Dump => {
                 let g1 = self

@@ -489,6 +489,12 @@ impl EngineHandle {
             }
         });
         let s = &req.sampling;
+        if (s.logprobs.is_some() || s.prompt_logprobs.is_some()) && !self.settings.logprobs {
+            return Err(OpError::invalid(
+                "log-probabilities are not available from this worker's engine (a simulated one)",
+            )
+            .with_param("logprobs"));
+        }
         let guide = match &s.constraint {
             None => None,
             Some(c) => {
@@ -529,6 +535,8 @@ impl EngineHandle {
             }
             .any()
             .map(std::sync::Arc::new),
+            logprobs: s.logprobs,
+            prompt_logprobs: s.prompt_logprobs,
             guide,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
@@ -652,7 +660,7 @@ mod tests {
     async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
         let mut rx = m.submit(req, None).expect("submitted");
         let mut out = Vec::new();
-        while let Some(Ok(Generated::Tokens { ids, finish })) = rx.recv().await {
+        while let Some(Ok(Generated::Tokens { ids, finish, .. })) = rx.recv().await {
             out.extend(ids);
             if finish.is_some() {
                 break;

@@ -45,7 +45,7 @@ use dyn_compute::transfer::TransferError;
 
 pub use handle::{EngineHandle, EngineItem, ImportCheck, ImportedKv, OfferResult, VerifyImport};
 use pool::BlockId;
-use scheduler::Work;
+use scheduler::{SeqId, Work};
 pub use settings::{EngineSettings, SchedulerConfig};
 
 /// What computes a step: the mocker's timing model, or a model on a backend.
@@ -75,6 +75,24 @@ pub trait Executor: Send + 'static {
     }
     /// Write KV pulled from a prefill worker into `blocks`.
     fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError>;
+    /// The log-probabilities the last [`Executor::execute`] computed for the sequences whose
+    /// spec asks for them: one [`Logprob::Sampled`] per token it sampled for such a sequence,
+    /// and [`Logprob::Prompt`] for the prompt positions it computed.
+    fn take_logprobs(&mut self) -> Vec<(SeqId, Logprob)> {
+        Vec::new()
+    }
+}
+
+/// What an executor reports for a sequence that asked for log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Logprob {
+    /// The token sampled this step.
+    Sampled(dyn_llm::types::TokenLogprob),
+    /// Prompt tokens from position `at` on (position 0 has none).
+    Prompt {
+        at: usize,
+        items: Vec<dyn_llm::types::TokenLogprob>,
+    },
 }
 
 /// Why an engine could not do what a request needed.

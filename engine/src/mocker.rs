@@ -94,6 +94,7 @@ impl MockerConfig {
             offload: self.offload.clone(),
             offload_model: Some(self.offload_model()),
             model: None,
+            logprobs: false,
         }
     }
 

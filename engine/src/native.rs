@@ -31,7 +31,7 @@ use serde::Deserialize;
 use super::pool::BlockId;
 use super::scheduler::Work;
 use super::settings::{EngineSettings, SchedulerConfig, engine_section};
-use super::{EngineError, EngineHandle, Executor, ImportCheck};
+use super::{EngineError, EngineHandle, Executor, ImportCheck, Logprob};
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -102,6 +102,7 @@ impl NativeConfig {
             offload: self.offload.clone(),
             offload_model: None,
             model: None,
+            logprobs: true,
         }
     }
 
@@ -155,6 +156,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         backend,
         mask_seconds: g.mask_seconds.with_label_values(&[cx.node.as_str()]),
         wait_seconds: g.wait_seconds.with_label_values(&[cx.node.as_str()]),
+        logprobs: Vec::new(),
     };
     EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
 }
@@ -252,6 +254,26 @@ struct NativeExec {
     /// `dyn_worker_grammar_{mask,wait}_seconds` of this node.
     mask_seconds: prometheus::Histogram,
     wait_seconds: prometheus::Histogram,
+    /// What the last step computed for sequences asking for log-probabilities.
+    logprobs: Vec<(crate::scheduler::SeqId, Logprob)>,
+}
+
+/// `token`'s log-probability under `logits` and the `top` most likely tokens', best first
+/// (ties by id); floored at -9999, as vLLM reports an impossible token.
+fn token_logprob(logits: &[f32], token: u32, top: u32) -> dyn_llm::types::TokenLogprob {
+    let lse = dyn_compute::sample::logsumexp(logits);
+    let lp = |x: f32| (x - lse).max(-9999.0);
+    dyn_llm::types::TokenLogprob {
+        token,
+        logprob: lp(logits
+            .get(token as usize)
+            .copied()
+            .unwrap_or(f32::NEG_INFINITY)),
+        top: dyn_compute::sample::top_n(logits, top as usize)
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect(),
+    }
 }
 
 /// Per sampled sequence, the grammar's mask of allowed tokens (`None`: unconstrained).
@@ -295,41 +317,86 @@ impl NativeExec {
 
 impl Executor for NativeExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
-        let batch: Vec<SeqStep<'_>> = work
+        // A sequence whose prompt's log-probabilities are wanted gets the logits after every
+        // prompt token it computes this step (chunk by chunk), not only the last.
+        let prompt_rows = |w: &Work<'_>| {
+            w.spec.prompt_logprobs.is_some() && w.generated == 0 && !w.import && w.len > 0
+        };
+        let computed: Vec<&Work<'_>> = work.iter().filter(|w| w.len > 0).collect();
+        let batch: Vec<SeqStep<'_>> = computed
             .iter()
-            .filter(|w| w.len > 0)
             .map(|w| SeqStep {
                 tokens: &w.tokens[w.start..w.start + w.len],
                 start: w.start,
                 blocks: w.blocks,
-                logits: w.sample,
+                logits: w.sample || prompt_rows(w),
+                all_logits: prompt_rows(w),
             })
             .collect();
-        // Logits come in batch order for the sampling entries, which all have new tokens.
+        // Logits come in batch order: a row for each sampling entry (which all have new
+        // tokens), after the rows of its prompt positions where those were asked for.
         let sampled: Vec<&Work<'_>> = work.iter().filter(|w| w.sample).collect();
-        let (logits, masks) = self.forward_masked(&batch, &sampled)?;
-        Ok(sampled
-            .iter()
-            .zip(logits)
-            .zip(masks)
-            .map(|((w, mut l), mask)| {
-                if let Some(p) = &w.spec.penalties {
-                    // The prompt is what came before the request's own output (a migrated
-                    // request's earlier tokens count as output).
-                    let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
-                    let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
-                    p.apply(&mut l, prompt, output);
+        let (rows, masks) = self.forward_masked(&batch, &sampled)?;
+        let mut rows = rows.into_iter();
+        let mut logits = Vec::with_capacity(sampled.len());
+        for w in &computed {
+            if prompt_rows(w) {
+                let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+                let top = w.spec.prompt_logprobs.unwrap_or(0);
+                // Row j predicts position start + j + 1; the last row of the prompt's last
+                // chunk predicts the first output token, sampled below.
+                let n = if w.sample { w.len - 1 } else { w.len };
+                let mut items = Vec::with_capacity(n);
+                for pos in w.start + 1..w.start + 1 + n {
+                    let l = rows.next();
+                    let t = w.tokens.get(pos).filter(|_| pos < prompt);
+                    if let (Some(l), Some(&t)) = (l, t) {
+                        items.push(token_logprob(&l, t, top));
+                    }
                 }
-                if let Some(mask) = &mask {
-                    dyn_llm::grammar::apply(mask, &mut l);
-                }
-                let t = dyn_compute::sample::sample(&l, &w.spec.sampling, w.tokens.len() as u64);
-                if let Some(g) = &w.spec.guide {
-                    g.lock().commit(t);
-                }
-                t
-            })
-            .collect())
+                self.logprobs.push((
+                    w.id,
+                    Logprob::Prompt {
+                        at: w.start + 1,
+                        items,
+                    },
+                ));
+            }
+            if w.sample {
+                logits.push(rows.next().ok_or_else(|| {
+                    EngineError::Internal("the backend returned too few logits".into())
+                })?);
+            }
+        }
+        let mut out = Vec::with_capacity(sampled.len());
+        for ((w, mut l), mask) in sampled.iter().zip(logits).zip(masks) {
+            // Log-probabilities are the model's own: taken before anything adjusts the logits.
+            let raw = w.spec.logprobs.map(|top| (l.clone(), top));
+            if let Some(p) = &w.spec.penalties {
+                // The prompt is what came before the request's own output (a migrated
+                // request's earlier tokens count as output).
+                let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+                let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
+                p.apply(&mut l, prompt, output);
+            }
+            if let Some(mask) = &mask {
+                dyn_llm::grammar::apply(mask, &mut l);
+            }
+            let t = dyn_compute::sample::sample(&l, &w.spec.sampling, w.tokens.len() as u64);
+            if let Some(g) = &w.spec.guide {
+                g.lock().commit(t);
+            }
+            if let Some((raw, top)) = raw {
+                self.logprobs
+                    .push((w.id, Logprob::Sampled(token_logprob(&raw, t, top))));
+            }
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    fn take_logprobs(&mut self) -> Vec<(crate::scheduler::SeqId, Logprob)> {
+        std::mem::take(&mut self.logprobs)
     }
 
     fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {

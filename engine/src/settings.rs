@@ -69,6 +69,8 @@ pub struct EngineSettings {
     /// The model's tokenizer: structured output compiles its grammars over this vocabulary
     /// (requests with a constraint are refused without it).
     pub model: Option<std::sync::Arc<dyn_llm::model::ModelDir>>,
+    /// The engine computes log-probabilities (requests asking for them are refused otherwise).
+    pub logprobs: bool,
 }
 
 /// Declares an engine's config section: the [`SchedulerConfig`] fields (with the engine's

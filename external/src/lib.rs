@@ -159,7 +159,7 @@ impl ExternalEngine {
             if req.stop.max_tokens == 0 {
                 // Migrated after its last token, before the server said it was done.
                 yield Ok(Generated::Start(req.output.clone()));
-                yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length) });
+                yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length), logprobs: None });
                 return;
             }
             for await item in this.run_phases(ep, req) {
@@ -217,7 +217,7 @@ impl ExternalEngine {
                     produced.extend_from_slice(&ids);
                     let report = reported(f, last_phase, produced.len(), max);
                     if !ids.is_empty() || report.is_some() {
-                        yield Ok(Generated::Tokens { ids, finish: report });
+                        yield Ok(Generated::Tokens { ids, finish: report, logprobs: None });
                     }
                     if report.is_some() {
                         return;

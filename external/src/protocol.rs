@@ -51,6 +51,12 @@ pub fn request(
     ask: &Ask<'_>,
 ) -> Result<Call, (&'static str, String)> {
     let s = &req.sampling;
+    if s.logprobs.is_some() || s.prompt_logprobs.is_some() {
+        return Err((
+            "logprobs",
+            "log-probabilities are not forwarded to external engines yet".into(),
+        ));
+    }
     let mut body = Map::new();
     let mut put = |k: &str, v: Value| {
         body.insert(k.to_owned(), v);

@@ -27,7 +27,7 @@ use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{
     ChatMessage, Constraint, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt,
-    Sampling, Usage,
+    Sampling, TextLogprob, Usage,
 };
 use dyn_planner::state::PlannerView;
 use dyn_planner::stats::FrontendStats;
@@ -195,7 +195,10 @@ struct Common {
     /// Token id (as a string, OpenAI's form) → bias in [-100, 100].
     logit_bias: Option<BTreeMap<String, f32>>,
     n: Option<u32>,
+    /// Chat: `true` for the answer's log-probabilities; completions: how many alternatives.
     logprobs: Option<Value>,
+    /// Chat: how many alternatives per token (with `logprobs: true`).
+    top_logprobs: Option<Value>,
     ignore_eos: Option<bool>,
     min_tokens: Option<u32>,
     tools: Option<Value>,
@@ -225,7 +228,6 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("function_call", |v| {
         v.is_null() || v == "none" || v == "auto"
     }),
-    ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
     // Completions: text after the insertion point, and choosing the best of several.
     ("suffix", |v| v.is_null() || v == ""),
     ("best_of", |v| v.is_null() || v.as_u64() == Some(1)),
@@ -401,9 +403,7 @@ fn request(
     {
         return Err(invalid("n", format!("only n=1 is supported, got n={n}")));
     }
-    if matches!(&c.logprobs, Some(v) if !v.is_null() && v != &Value::Bool(false)) {
-        return Err(invalid("logprobs", "logprobs are not supported"));
-    }
+    let logprobs = logprobs(endpoint, &c)?;
     let stop = match c.stop {
         None => Vec::new(),
         Some(StopIn::One(s)) => vec![s],
@@ -463,6 +463,8 @@ fn request(
                 presence_penalty,
                 repetition_penalty,
                 logit_bias: logit_bias(c.logit_bias)?,
+                logprobs,
+                prompt_logprobs: None,
                 constraint,
             },
             limits: Limits {
@@ -478,8 +480,63 @@ fn request(
             stream: c.stream,
             include_usage,
             tools: tools.filter(ToolRequest::parses).map(|_| app.tool_format),
+            logprobs: logprobs.is_some(),
+            echo: None,
         },
     ))
+}
+
+/// How many alternatives a request wants with each token's log-probability (`None`: no
+/// log-probabilities): chat's `logprobs: true` with `top_logprobs` ≤ 20, or completions'
+/// `logprobs` ≤ 5, as OpenAI bounds them.
+fn logprobs(endpoint: Endpoint, c: &Common) -> Result<Option<u32>, ApiError> {
+    fn set(v: &Option<Value>) -> Option<&Value> {
+        v.as_ref().filter(|v| !v.is_null())
+    }
+    let count = |name: &str, v: &Value, max: u64| match v.as_u64() {
+        Some(n) if n <= max => Ok(n as u32),
+        _ => Err(invalid(
+            name,
+            format!("{name} must be an integer from 0 to {max}, got {v}"),
+        )),
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let on = match set(&c.logprobs) {
+                None => false,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    return Err(invalid(
+                        "logprobs",
+                        format!("logprobs must be a boolean, got {v}"),
+                    ));
+                }
+            };
+            let top = set(&c.top_logprobs)
+                .map(|v| count("top_logprobs", v, 20))
+                .transpose()?;
+            match (on, top) {
+                (false, Some(n)) if n > 0 => {
+                    Err(invalid("top_logprobs", "top_logprobs needs logprobs: true"))
+                }
+                (false, _) => Ok(None),
+                (true, top) => Ok(Some(top.unwrap_or(0))),
+            }
+        }
+        Endpoint::Completion => {
+            if set(&c.top_logprobs).is_some() {
+                return Err(invalid(
+                    "top_logprobs",
+                    "top_logprobs is a chat parameter; completions take logprobs: N",
+                ));
+            }
+            // `logprobs: false` is what some clients send for "none".
+            match set(&c.logprobs) {
+                None | Some(Value::Bool(false)) => Ok(None),
+                Some(v) => count("logprobs", v, 5).map(Some),
+            }
+        }
+    }
 }
 
 /// OpenAI's `logit_bias` (token ids as strings, biases in [-100, 100]), sorted by token id.
@@ -613,12 +670,16 @@ fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, ApiError> {
     })
 }
 
-#[derive(Clone, Copy)]
 struct Options {
     stream: bool,
     include_usage: bool,
     /// Tool calls are parsed out of the answer, in this format.
     tools: Option<ToolFormat>,
+    /// The answer carries its tokens' log-probabilities.
+    logprobs: bool,
+    /// Completions' `echo`: the answer starts with the prompt — its text when the client sent
+    /// text, else (`None`) the text of its tokens as the engine reports them.
+    echo: Option<Option<String>>,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -670,9 +731,6 @@ fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiErro
 
 fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
     let b: CompletionBody = super::parse_json(body)?;
-    if b.echo {
-        return Err(invalid("echo", "echo is not supported"));
-    }
     let prompt = match b.prompt {
         PromptIn::Text(t) => Prompt::Text(t),
         PromptIn::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
@@ -684,7 +742,20 @@ fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), A
         }
         PromptIn::Tokens(t) => Prompt::Tokens(t),
     };
-    request(app, Endpoint::Completion, prompt, b.common)
+    let echo = b.echo.then(|| match &prompt {
+        Prompt::Text(t) => Some(t.clone()),
+        _ => None,
+    });
+    let (mut req, mut opts) = request(app, Endpoint::Completion, prompt, b.common)?;
+    if let Some(text) = &echo {
+        // The prompt's log-probabilities come with echo and logprobs (lm-evaluation-harness's
+        // log-likelihoods); a prompt of token ids needs the engine's word for its text too.
+        if opts.logprobs || text.is_none() {
+            req.sampling.prompt_logprobs = Some(req.sampling.logprobs.unwrap_or(0));
+        }
+        opts.echo = echo;
+    }
+    Ok((req, opts))
 }
 
 // ---- handlers ------------------------------------------------------------------------------
@@ -852,13 +923,18 @@ async fn serve(
 
     if !opts.stream {
         let (mut text, mut finish, mut usage) = (String::new(), None, Usage::default());
+        let (mut lps, mut prompt_lps) = (Vec::new(), Vec::new());
         while let Some(item) = out.next().await {
             match item {
-                Ok(d) => {
+                Ok(mut d) => {
                     track.delta(&d);
                     text.push_str(&d.text);
                     finish = d.finish.or(finish);
                     usage = d.usage.unwrap_or(usage);
+                    lps.append(&mut d.logprobs);
+                    if prompt_lps.is_empty() {
+                        prompt_lps = std::mem::take(&mut d.prompt_logprobs);
+                    }
                 }
                 Err(e) => {
                     track.finish("error");
@@ -868,13 +944,28 @@ async fn serve(
         }
         guard.disarm();
         track.finish("success");
-        if let Some(format) = opts.tools {
+        let mut v = if let Some(format) = opts.tools {
             let mut p = ToolParser::new(format);
             let mut pieces = p.push(&text);
             pieces.extend(p.finish());
-            return Json(shape.full_with_calls(&pieces, finish, usage)).into_response();
+            shape.full_with_calls(&pieces, finish, usage)
+        } else {
+            let echoed = opts.echo.as_ref().map(|e| echo_text(e, &prompt_lps));
+            let full = match echoed {
+                Some(e) => e + &text,
+                None => text,
+            };
+            shape.full(&full, finish, usage)
+        };
+        if opts.logprobs {
+            let prompt = if opts.echo.is_some() {
+                &prompt_lps[..]
+            } else {
+                &[]
+            };
+            v["choices"][0]["logprobs"] = shape.logprobs(prompt, &lps, 0);
         }
-        return Json(shape.full(&text, finish, usage)).into_response();
+        return Json(v).into_response();
     }
 
     // Wait for the first delta so an early failure still gets a proper status code.
@@ -914,12 +1005,38 @@ fn sse(
         }
         let mut next = first;
         let mut usage = None;
-        while let Some(d) = next.take() {
+        // Completions' text offsets of the log-probabilities, counted across chunks.
+        let mut offset = 0;
+        let mut echo = opts.echo;
+        while let Some(mut d) = next.take() {
             track.delta(&d);
             if d.usage.is_some() {
                 usage = d.usage;
             }
-            if let Some((parser, calls)) = &mut tools {
+            if let Some(e) = echo.take() {
+                // The prompt goes out with the first chunk (its log-probabilities too).
+                d.text = echo_text(&e, &d.prompt_logprobs) + &d.text;
+                let mut lps = std::mem::take(&mut d.prompt_logprobs);
+                lps.append(&mut d.logprobs);
+                d.logprobs = lps;
+            }
+            if opts.logprobs && (!d.logprobs.is_empty() || !d.text.is_empty()) && tools.is_none() {
+                // With log-probabilities every chunk is built whole (the fast path renders
+                // `logprobs: null`).
+                let lps = shape.logprobs(&[], &d.logprobs, offset);
+                offset += d.logprobs.iter().map(|l| l.token.chars().count()).sum::<usize>();
+                let mut v = shape.delta(&d.text, d.finish, include_usage);
+                v["choices"][0]["logprobs"] = lps;
+                yield Ok(event(&v.to_string()));
+                if d.finish.is_some() {
+                    break;
+                }
+            } else if let Some((parser, calls)) = &mut tools {
+                if opts.logprobs && !d.logprobs.is_empty() {
+                    let mut v = shape.delta("", None, include_usage);
+                    v["choices"][0]["logprobs"] = shape.logprobs(&[], &d.logprobs, 0);
+                    yield Ok(event(&v.to_string()));
+                }
                 // Text passes as the parser releases it; each call is one chunk.
                 let mut pieces = parser.push(&d.text);
                 if d.finish.is_some() {
@@ -961,6 +1078,21 @@ fn sse(
         guard.disarm();
         track.finish("success");
         yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
+}
+
+/// What `echo` puts before the answer: the prompt as the client sent it, or the text of its
+/// tokens as the engine reported them.
+fn echo_text(echo: &Option<String>, prompt: &[TextLogprob]) -> String {
+    match echo {
+        Some(t) => t.clone(),
+        None => {
+            let bytes: Vec<u8> = prompt
+                .iter()
+                .flat_map(|l| l.bytes.iter().copied())
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
     }
 }
 
@@ -1128,8 +1260,8 @@ impl Shape {
         v
     }
 
-    /// A token chunk as a `Value`: what [`Chunks::delta`] renders (its test reference).
-    #[cfg(test)]
+    /// A token chunk as a `Value`: what [`Chunks::delta`] renders (its test reference, and
+    /// the chunks that carry log-probabilities).
     fn delta(&self, text: &str, finish: Option<FinishReason>, include_usage: bool) -> Value {
         let delta = match (self.endpoint, text.is_empty()) {
             (Endpoint::Chat, true) => json!({}),
@@ -1137,6 +1269,52 @@ impl Shape {
             (Endpoint::Completion, _) => json!(text),
         };
         self.chunk(Some(delta), finish, include_usage)
+    }
+
+    /// A choice's `logprobs`: chat's `{"content": [...]}` (each token's text, bytes,
+    /// log-probability and `top_logprobs`), or completions' parallel lists (`tokens`,
+    /// `token_logprobs`, `top_logprobs` as token → log-probability maps, `text_offset` from
+    /// `offset`), where the echoed prompt's tokens come first, its first without a value.
+    fn logprobs(&self, prompt: &[TextLogprob], answer: &[TextLogprob], offset: usize) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let alt = |(t, b, lp): &(String, Vec<u8>, f32)| json!({"token": t, "logprob": lp, "bytes": b});
+                let content: Vec<Value> = answer
+                    .iter()
+                    .map(|l| {
+                        json!({"token": l.token, "logprob": l.logprob, "bytes": l.bytes,
+                               "top_logprobs": l.top.iter().map(alt).collect::<Vec<_>>()})
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Endpoint::Completion => {
+                let all = prompt.iter().chain(answer);
+                let mut at = offset;
+                let mut offsets = Vec::new();
+                for l in all.clone() {
+                    offsets.push(at);
+                    at += l.token.chars().count();
+                }
+                let top = |l: &TextLogprob| match l.logprob {
+                    None => Value::Null,
+                    Some(_) => {
+                        // Best first: a text two tokens share keeps the likelier one's value.
+                        let mut m = serde_json::Map::new();
+                        for (t, _, lp) in &l.top {
+                            m.entry(t.clone()).or_insert_with(|| json!(lp));
+                        }
+                        Value::Object(m)
+                    }
+                };
+                json!({
+                    "tokens": all.clone().map(|l| &l.token).collect::<Vec<_>>(),
+                    "token_logprobs": all.clone().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": all.map(top).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
     }
 
     fn usage_chunk(&self, u: Usage) -> Value {
@@ -1230,7 +1408,6 @@ mod tests {
         assert_eq!(refused(defaults), None);
         for (extra, param) in [
             (json!({"functions": [{"name": "f"}]}), "functions"),
-            (json!({"top_logprobs": 3}), "top_logprobs"),
             (json!({"suffix": "}"}), "suffix"),
             (json!({"best_of": 3}), "best_of"),
             (json!({"reasoning_effort": "high"}), "reasoning_effort"),

@@ -66,7 +66,7 @@ impl TokenBytes {
         agrees.then_some(table)
     }
 
-    fn get(&self, id: u32) -> &[u8] {
+    pub(crate) fn get(&self, id: u32) -> &[u8] {
         let i = id as usize;
         match self.ends.get(i) {
             Some(&end) => {

@@ -19,7 +19,7 @@ use tokenizers::Tokenizer;
 
 use super::detok::{Detokenizer, Matched, StopMatcher, TokenBytes};
 use super::model::ModelDir;
-use super::types::{FinishReason, Generated, LlmDelta, Usage};
+use super::types::{FinishReason, Generated, LlmDelta, TextLogprob, TokenLogprob, Usage};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -53,6 +53,56 @@ impl Postprocess {
     }
 }
 
+/// A token as a client sees it in a log-probability: its bytes from the byte table, or (special
+/// tokens, other tokenizers) as the tokenizer decodes it alone, special tokens kept.
+fn token_text(tokenizer: &Tokenizer, bytes: Option<&TokenBytes>, id: u32) -> (String, Vec<u8>) {
+    match bytes.map(|b| b.get(id)).filter(|b| !b.is_empty()) {
+        Some(b) => (String::from_utf8_lossy(b).into_owned(), b.to_vec()),
+        None => {
+            let s = tokenizer.decode(&[id], false).unwrap_or_default();
+            let b = s.as_bytes().to_vec();
+            (s, b)
+        }
+    }
+}
+
+/// The engine's log-probabilities in the client's terms: the item's tokens', and the prompt's
+/// (the first token without one) when the item carries them.
+fn texts(
+    tokenizer: &Tokenizer,
+    bytes: Option<&TokenBytes>,
+    l: super::types::Logprobs,
+) -> (Vec<TextLogprob>, Vec<TextLogprob>) {
+    let one = |t: &TokenLogprob| {
+        let (token, b) = token_text(tokenizer, bytes, t.token);
+        TextLogprob {
+            token,
+            bytes: b,
+            logprob: Some(t.logprob),
+            top: t
+                .top
+                .iter()
+                .map(|&(id, lp)| {
+                    let (s, b) = token_text(tokenizer, bytes, id);
+                    (s, b, lp)
+                })
+                .collect(),
+        }
+    };
+    let mut prompt = Vec::new();
+    if let Some(first) = l.prompt_first {
+        let (token, b) = token_text(tokenizer, bytes, first);
+        prompt.push(TextLogprob {
+            token,
+            bytes: b,
+            logprob: None,
+            top: Vec::new(),
+        });
+        prompt.extend(l.prompt.iter().map(one));
+    }
+    (l.tokens.iter().map(one).collect(), prompt)
+}
+
 fn detok_error(e: tokenizers::Error) -> OpError {
     OpError::internal(format!("detokenizer: {e}"))
 }
@@ -71,9 +121,9 @@ impl Operator for Postprocess {
                 // The engine ended without a word: its error, if any, reaches the ingress.
                 None => return,
             };
-            let mut detok = match bytes {
-                Some(table) => Detokenizer::with_bytes(tokenizer, table),
-                None => Detokenizer::new(tokenizer),
+            let mut detok = match &bytes {
+                Some(table) => Detokenizer::with_bytes(tokenizer.clone(), table.clone()),
+                None => Detokenizer::new(tokenizer.clone()),
             };
             let mut stops = StopMatcher::new(spec.stop);
             let usage = |tokens: usize| Usage {
@@ -81,9 +131,13 @@ impl Operator for Postprocess {
                 completion_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
             };
             while let Some(item) = input.next().await {
-                let Generated::Tokens { ids, finish } = item else {
+                let Generated::Tokens { ids, finish, logprobs } = item else {
                     Err(OpError::internal("engine sent a second request spec"))?;
                     continue;
+                };
+                let (mut token_lps, prompt_lps) = match logprobs {
+                    Some(l) => texts(&tokenizer, bytes.as_deref(), *l),
+                    None => (Vec::new(), Vec::new()),
                 };
                 let mut text = String::new();
                 let mut stopped = false;
@@ -103,7 +157,8 @@ impl Operator for Postprocess {
                 }
                 if stopped {
                     tracing::debug!(request_id = %ctx.id(), "Stop string matched");
-                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens())) };
+                    token_lps.truncate(used as usize);
+                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens())), logprobs: token_lps, prompt_logprobs: prompt_lps };
                     return;
                 }
                 if let Some(finish) = finish {
@@ -114,10 +169,10 @@ impl Operator for Postprocess {
                         Matched::Stop(t) => { text.push_str(&t); FinishReason::Stop }
                     };
                     text.push_str(&stops.finish());
-                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens())) };
+                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens())), logprobs: token_lps, prompt_logprobs: prompt_lps };
                     return;
                 }
-                yield LlmDelta { text, tokens: used, finish: None, usage: None };
+                yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps };
             }
             if !ctx.is_killed() {
                 Err(OpError::internal("engine stream ended without a finish reason"))?;
@@ -147,6 +202,7 @@ mod tests {
             items.push(Generated::Tokens {
                 ids: vec![id],
                 finish,
+                logprobs: None,
             });
         }
         Postprocess::new(tok)
@@ -203,6 +259,7 @@ mod tests {
                 stream::iter([Generated::Tokens {
                     ids: vec![1],
                     finish: None,
+                    logprobs: None,
                 }])
                 .boxed(),
             )

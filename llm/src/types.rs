@@ -81,6 +81,13 @@ pub struct Sampling {
     /// Added to these tokens' logits (OpenAI's `logit_bias`), sorted by token id.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Return the log-probability of each output token and of this many alternatives
+    /// (OpenAI's `logprobs`/`top_logprobs`; `Some(0)`: the chosen token's only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
+    /// The same for each prompt token after the first (completions' `echo` with `logprobs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<u32>,
     /// The output must match this grammar (structured output); the engine enforces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
@@ -212,11 +219,51 @@ impl FinishReason {
 pub enum Generated {
     /// Always first: the request's [`OutputSpec`], echoed.
     Start(OutputSpec),
-    /// New tokens (one or more, when the consumer lagged); `finish` on the last.
+    /// New tokens (one or more, when the consumer lagged); `finish` on the last; their
+    /// log-probabilities when the request asked for them.
     Tokens {
         ids: Vec<u32>,
         finish: Option<FinishReason>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<Box<Logprobs>>,
     },
+}
+
+/// One token's log-probability under the model's own distribution (the log-softmax of its
+/// logits, before penalties, grammar and temperature, as vLLM reports them), and the most
+/// likely alternatives at that position, best first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probabilities that travel with a [`Generated::Tokens`] item.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Logprobs {
+    /// The prompt's first token (which has no log-probability), with `prompt`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_first: Option<u32>,
+    /// Each prompt token after the first, once, with the request's first tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt: Vec<TokenLogprob>,
+    /// One per token of the item, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tokens: Vec<TokenLogprob>,
+}
+
+/// A log-probability as the client sees it: the token's text (lossy where it is part of a
+/// UTF-8 character) and bytes, with the alternatives in the same form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TextLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    /// `None` for the prompt's first token, which nothing predicts.
+    pub logprob: Option<f32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<(String, Vec<u8>, f32)>,
 }
 
 /// Token counts for a finished request.
@@ -235,6 +282,12 @@ pub struct LlmDelta {
     pub finish: Option<FinishReason>,
     /// Present on the last delta.
     pub usage: Option<Usage>,
+    /// With `logprobs`: one per token of this delta's text.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TextLogprob>,
+    /// With `prompt_logprobs`, on the first delta: every prompt token, the first without one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_logprobs: Vec<TextLogprob>,
 }
 
 macro_rules! json_payload {

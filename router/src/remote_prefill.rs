@@ -244,6 +244,9 @@ pub enum Reason {
     NoPrefillWorker,
     /// The remote prefill failed, timed out, or its worker left.
     PrefillFailed,
+    /// The request wants log-probabilities: its first token's (and its prompt's) are
+    /// computed where it is prefilled, so it stays with the decode worker.
+    Logprobs,
 }
 
 impl Choice {
@@ -257,6 +260,7 @@ impl Choice {
                     Reason::QueueFull => "queue_full",
                     Reason::NoPrefillWorker => "no_prefill_worker",
                     Reason::PrefillFailed => "prefill_failed",
+                    Reason::Logprobs => "logprobs",
                 },
             ),
         }
@@ -444,9 +448,14 @@ impl Operator for RemotePrefill {
                 let inner = inner.clone();
                 let ctx = ctx.clone();
                 async move {
-                    let choice = inner
-                        .choose(req.token_ids.len(), req.cached_tokens as usize)
-                        .await;
+                    let s = &req.sampling;
+                    let choice = if s.logprobs.is_some() || s.prompt_logprobs.is_some() {
+                        Choice::Local(Reason::Logprobs)
+                    } else {
+                        inner
+                            .choose(req.token_ids.len(), req.cached_tokens as usize)
+                            .await
+                    };
                     let choice = match choice {
                         Choice::Remote => match inner.remote(&ctx, &req).await {
                             Ok(p) => {

@@ -1,6 +1,6 @@
-"""Structured output, tool calls and the sampling knobs from a running dyn graph serving SmolLM2,
-with the official `openai` package; every JSON answer and every call's arguments are checked
-against their schema with `jsonschema`.
+"""Structured output, tool calls, the sampling knobs and log-probabilities from a running dyn
+graph serving SmolLM2, with the official `openai` package; every JSON answer and every call's
+arguments are checked against their schema with `jsonschema`.
 
 Usage: structured.py BASE_URL MODEL. Prints one JSON line per check (name and what it saw) and
 exits non-zero at the first failure, for the Rust test to report.
@@ -203,6 +203,35 @@ r = client.chat.completions.create(
 )
 assert r.choices[0].finish_reason in ("stop", "length"), r
 report("sampling_knobs", biased=biased, penalized=r.choices[0].message.content)
+
+# Log-probabilities: chat's per-token list with alternatives, unary and streamed, and
+# completions' echo with the prompt's log-probabilities (what lm-evaluation-harness sends for
+# log-likelihoods), the first token without one.
+r = client.chat.completions.create(
+    model=MODEL, max_tokens=5, messages=SAY, temperature=0, logprobs=True, top_logprobs=3,
+)
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens, r
+assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content), content
+# Greedy: each token is its position's most likely.
+assert all(abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6 for t in content), content
+streamed = []
+for chunk in client.chat.completions.create(
+    model=MODEL, max_tokens=5, messages=SAY, temperature=0, logprobs=True, stream=True,
+):
+    if chunk.choices and chunk.choices[0].logprobs:
+        streamed.extend(chunk.choices[0].logprobs.content)
+assert [t.token for t in streamed] == [t.token for t in content], (streamed, content)
+PROMPT = "The capital of France is"
+r = client.completions.create(
+    model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1,
+)
+lp = r.choices[0].logprobs
+assert r.choices[0].text.startswith(PROMPT), r
+assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
+assert len(lp.tokens) == r.usage.prompt_tokens + 1, lp
+report("logprobs", chat=[t.token for t in content], echo_logprob=sum(lp.token_logprobs[1:-1]))
 
 # A schema the grammar library rejects: 400 naming the problem.
 try:

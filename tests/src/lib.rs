@@ -273,17 +273,22 @@ pub fn metric(text: &str, parts: &[&str]) -> u64 {
 
 /// POST an OpenAI completion request; the status and the JSON body.
 pub async fn completion(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    post_json(&format!("{url}/v1/completions"), body).await
+}
+
+/// POST a JSON body to `url`; the status and the JSON answer.
+pub async fn post_json(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
     let r = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
+        .post(url)
         .json(body)
         .send()
         .await
-        .unwrap_or_else(|e| panic!("POST {url}/v1/completions: {e}"));
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
     let status = r.status().as_u16();
     let v = r
         .json()
         .await
-        .unwrap_or_else(|e| panic!("{url}: a completion that is not JSON: {e}"));
+        .unwrap_or_else(|e| panic!("{url}: an answer that is not JSON: {e}"));
     (status, v)
 }
 

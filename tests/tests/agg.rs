@@ -281,8 +281,15 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
         (
             post_chat(&chat("hi", json!({"top_logprobs": 3}))),
             400,
-            "unsupported_parameter",
+            "invalid_value",
             Some("top_logprobs"),
+        ),
+        (
+            // The mocker simulates tokens; it has no log-probabilities to give.
+            post_chat(&chat("hi", json!({"logprobs": true}))),
+            400,
+            "invalid_request",
+            Some("logprobs"),
         ),
         (
             post_chat(&json!({"model": "tiny", "messages": [

@@ -3,7 +3,8 @@
 //! reference tokens whether requests run alone or batched, a repeated prompt is served from
 //! the prefix cache with the same answer, preempted sequences recompute to the same answer, a
 //! request larger than the whole cache ends with `length` instead of hanging, seeded sampling
-//! repeats, logit bias, min-p, penalties and stop tokens act, and bad input is a 400.
+//! repeats, logit bias, min-p, penalties and stop tokens act, log-probabilities (of answers and
+//! of echoed prompts) equal transformers' log-softmax, and bad input is a 400.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{Graph, completion, metric, root};
@@ -12,6 +13,8 @@ use serde_json::{Value, json};
 struct Case {
     prompt: Vec<u32>,
     greedy: Vec<u32>,
+    /// Transformers' logits (f32) before each of the first greedy tokens.
+    logits: Vec<Vec<f64>>,
 }
 
 fn reference() -> Vec<Case> {
@@ -31,6 +34,7 @@ fn reference() -> Vec<Case> {
         .map(|c| Case {
             prompt: ids(&c["prompt"]),
             greedy: ids(&c["greedy"]),
+            logits: serde_json::from_value(c["logits"].clone()).unwrap(),
         })
         .collect()
 }
@@ -93,6 +97,117 @@ async fn greedy_output_equals_transformers_alone_batched_and_from_the_prefix_cac
     let m = g.get("/metrics");
     let hits = metric(&m, &["dyn_worker_prefix_cache_hit_blocks_total"]);
     assert!(hits > 0, "repeated prompts hit the prefix cache:\n{m}");
+}
+
+/// `token`'s log-probability under logits (the definition: log-softmax).
+fn log_softmax(logits: &[f64], token: usize) -> f64 {
+    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+    logits[token] - lse
+}
+
+/// Log-probabilities against transformers: each greedy token's and its top 5 alternatives'
+/// (completions), the same through the chat API, and a prompt's (echo) — the prompt is the
+/// reference prompt followed by its greedy tokens, so its last positions' log-probabilities
+/// are the greedy steps' again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_log_probabilities_equal_transformers_log_softmax() {
+    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = g.url("");
+    for case in reference() {
+        let steps = case.logits.len();
+        let want: Vec<f64> = (0..steps)
+            .map(|i| log_softmax(&case.logits[i], case.greedy[i] as usize))
+            .collect();
+        let close = |got: &Value, want: f64, what: &str| {
+            let got = got.as_f64().unwrap();
+            assert!((got - want).abs() < 1e-3, "{what}: {got} against {want}");
+        };
+        let mut body = greedy_body(&case.prompt, steps);
+        body["logprobs"] = json!(5);
+        let v = complete(&url, body).await;
+        let lp = &v["choices"][0]["logprobs"];
+        for i in 0..steps {
+            close(&lp["token_logprobs"][i], want[i], &format!("step {i}"));
+            // The top 5 are the five largest logits' (keyed by token text, so tokens that
+            // are parts of one character share a key).
+            let top = lp["top_logprobs"][i].as_object().unwrap();
+            assert!((1..=5).contains(&top.len()), "{lp}");
+            let mut best: Vec<f64> = (0..case.logits[i].len())
+                .map(|t| log_softmax(&case.logits[i], t))
+                .collect();
+            best.sort_by(|a, b| b.total_cmp(a));
+            for g in top.values() {
+                let g = g.as_f64().unwrap();
+                assert!(
+                    best[..5].iter().any(|b| (g - b).abs() < 1e-3),
+                    "{g} not in {best:?}"
+                );
+            }
+            let most = top
+                .values()
+                .map(|x| x.as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            close(&json!(most), best[0], "the most likely");
+        }
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), steps);
+
+        // Chat: the same numbers in chat's shape, up to 20 alternatives.
+        let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "temperature": 0, "ignore_eos": true, "logprobs": true,
+            "top_logprobs": 20});
+        let (status, v) = dyn_tests::post_json(&g.url("/v1/chat/completions"), &chat).await;
+        assert_eq!(status, 200, "{v}");
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        assert_eq!(content.len(), 2, "{v}");
+        for c in content {
+            let top = c["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 20);
+            // Greedy: the chosen token is the most likely one.
+            assert_eq!(top[0]["logprob"], c["logprob"], "{c}");
+            assert!(c["bytes"].is_array());
+        }
+
+        // Echo: the prompt's log-probabilities, the first one null.
+        let mut prompt = case.prompt.clone();
+        prompt.extend(&case.greedy[..steps - 1]);
+        let mut body = greedy_body(&prompt, 1);
+        body["logprobs"] = json!(1);
+        body["echo"] = json!(true);
+        let v = complete(&url, body).await;
+        let lp = &v["choices"][0]["logprobs"];
+        let got = lp["token_logprobs"].as_array().unwrap();
+        assert_eq!(got.len(), prompt.len() + 1, "{lp}");
+        assert!(got[0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+        for i in 0..steps {
+            close(&got[case.prompt.len() + i], want[i], &format!("echo {i}"));
+        }
+    }
+    // Bounds, as OpenAI's: completions take up to 5, chat up to 20 (and only with logprobs).
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi", "logprobs": 6}),
+            "logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+    ] {
+        let (status, v) = dyn_tests::post_json(&g.url(path), &body).await;
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -203,12 +203,16 @@ impl CpuBackend {
                 .down
                 .forward(&b.act, t, &mut b.x, Write::Add, &mut b.linear);
         }
-        // Logits only for the last new token of the sequences that asked.
+        // Logits only for the last new token of the sequences that asked (every new token of
+        // those that asked for all).
         let rows: Vec<usize> = batch
             .iter()
             .zip(&offsets)
             .filter(|(s, _)| s.logits)
-            .map(|(s, o)| o + s.tokens.len() - 1)
+            .flat_map(|(s, o)| {
+                let first = if s.all_logits { 0 } else { s.tokens.len() - 1 };
+                o + first..o + s.tokens.len()
+            })
             .collect();
         if rows.is_empty() {
             return Ok(Vec::new());

@@ -232,7 +232,8 @@ struct Layout {
     /// Per sequence: its block table, all of them end to end, and where each starts.
     tables: Vec<i32>,
     table_off: Vec<i32>,
-    /// The tokens whose logits are returned: the last of each sequence that asks.
+    /// The tokens whose logits are returned: the last of each sequence that asks (all of its
+    /// new tokens where it asks for all).
     rows: Vec<i32>,
     /// The longest context in the batch (at least 1), which sizes the attention scratch.
     max_ctx: usize,
@@ -257,7 +258,10 @@ impl Layout {
             }
             max_ctx = max_ctx.max(s.start + s.tokens.len());
             if s.logits {
-                rows.push(int(ids.len() - 1)?);
+                let first = if s.all_logits { s.tokens.len() } else { 1 };
+                for back in (1..=first).rev() {
+                    rows.push(int(ids.len() - back)?);
+                }
             }
         }
         Ok(Layout {

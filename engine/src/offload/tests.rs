@@ -24,7 +24,7 @@ async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
     let mut rx = m.submit(req, None).expect("submitted");
     let mut out = Vec::new();
     while let Some(item) = rx.recv().await {
-        let Generated::Tokens { ids, finish } = item.expect("no engine error") else {
+        let Generated::Tokens { ids, finish, .. } = item.expect("no engine error") else {
             continue;
         };
         out.extend(ids);
@@ -231,6 +231,7 @@ fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
             start: 0,
             blocks: &[0, 1],
             logits: false,
+            all_logits: false,
         }])
         .expect("forward");
     let saved = backend.save_blocks(&[0, 1]).expect("save");
@@ -295,7 +296,7 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
                 return None;
             }
             let mut n = 0;
-            while let Some(Ok(Generated::Tokens { ids, finish })) = rx.recv().await {
+            while let Some(Ok(Generated::Tokens { ids, finish, .. })) = rx.recv().await {
                 n += ids.len() as u32;
                 if finish.is_some() {
                     return Some((n, 4 + i % 5));

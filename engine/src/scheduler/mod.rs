@@ -45,6 +45,10 @@ pub struct SeqSpec {
     pub sampling: dyn_compute::sample::SamplingParams,
     /// Logit bias and penalties, when the request has any (the native engine applies them).
     pub penalties: Option<std::sync::Arc<dyn_compute::sample::Penalties>>,
+    /// Log-probabilities of each sampled token with this many alternatives, and of the
+    /// prompt's tokens (see [`crate::Executor::take_logprobs`]).
+    pub logprobs: Option<u32>,
+    pub prompt_logprobs: Option<u32>,
     /// Structured output: the grammar's state, masked before and advanced after each sampled
     /// token (shared with the executor's mask thread, hence the lock).
     pub guide: Option<Guided>,
@@ -466,8 +470,13 @@ impl Scheduler {
     /// from a tier below it) and blocks for what it computes in this step.
     fn admit(&mut self, mut seq: Seq, budget: usize) -> Admitted {
         let block_size = self.limits.block_size;
-        // Reuse cached full blocks, but always compute at least the last token.
-        let full = (seq.tokens.len() - 1) / block_size;
+        // Reuse cached full blocks, but always compute at least the last token — and none
+        // when the prompt's log-probabilities are wanted: they need every position's logits.
+        let full = if seq.spec.prompt_logprobs.is_some() && seq.generated == 0 {
+            0
+        } else {
+            (seq.tokens.len() - 1) / block_size
+        };
         let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
         let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
         let hit = self.pool.cached_prefix(&seq_hashes);

@@ -21,6 +21,8 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
             ..Default::default()
         },
         penalties: None,
+        logprobs: None,
+        prompt_logprobs: None,
         guide: None,
         role: SeqRole::Full,
     }
