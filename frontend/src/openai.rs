@@ -218,6 +218,10 @@ struct Common {
     unsupported: BTreeMap<String, Value>,
 }
 
+/// The most choices one request may ask for (OpenAI allows 128; each is a sequence in the
+/// engine).
+const MAX_CHOICES: u32 = 16;
+
 /// True for the values of a field that ask for nothing.
 type AsksNothing = fn(&Value) -> bool;
 
@@ -398,10 +402,12 @@ fn request(
         }
         constraint = Some(forced);
     }
-    if let Some(n) = c.n
-        && n != 1
-    {
-        return Err(invalid("n", format!("only n=1 is supported, got n={n}")));
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return Err(invalid(
+            "n",
+            format!("n must be from 1 to {MAX_CHOICES}, got {n}"),
+        ));
     }
     let logprobs = logprobs(endpoint, &c)?;
     let stop = match c.stop {
@@ -482,6 +488,7 @@ fn request(
             tools: tools.filter(ToolRequest::parses).map(|_| app.tool_format),
             logprobs: logprobs.is_some(),
             echo: None,
+            n: n as usize,
         },
     ))
 }
@@ -680,6 +687,8 @@ struct Options {
     /// Completions' `echo`: the answer starts with the prompt — its text when the client sent
     /// text, else (`None`) the text of its tokens as the engine reports them.
     echo: Option<Option<String>>,
+    /// Choices (OpenAI's `n`).
+    n: usize,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -839,7 +848,9 @@ impl Track {
         }
         self.last_token = Some(now);
         if let Some(u) = d.usage {
-            self.usage = Some((u.prompt_tokens, u.completion_tokens));
+            // Several choices: the prompt once, their answers together.
+            let before = self.usage.map_or(0, |(_, c)| c);
+            self.usage = Some((u.prompt_tokens, before + u.completion_tokens));
             FRONTEND
                 .input_tokens
                 .with_label_values(&m)
@@ -917,67 +928,54 @@ async fn serve(
         model: app.model.clone(),
         created: unix_now(),
     };
-    // Dropped with this future or with the SSE stream: a client that hangs up kills the request.
-    let guard = ctx.kill_on_drop();
-    let mut out = app.chain.call(ctx, req);
+    // Wait for the first delta so an early failure still gets a proper status code.
+    let (first, out, guards) = match choices(&app, ctx, req, opts.n).await {
+        Ok(c) => c,
+        Err(e) => {
+            track.finish("error");
+            return e.into_response();
+        }
+    };
 
     if !opts.stream {
-        let (mut text, mut finish, mut usage) = (String::new(), None, Usage::default());
-        let (mut lps, mut prompt_lps) = (Vec::new(), Vec::new());
-        while let Some(item) = out.next().await {
+        let mut acc: Vec<Collected> = (0..opts.n).map(|_| Collected::default()).collect();
+        let mut next = first;
+        let mut out = out;
+        while let Some((i, item)) = next.take() {
             match item {
-                Ok(mut d) => {
+                Ok(d) => {
                     track.delta(&d);
-                    text.push_str(&d.text);
-                    finish = d.finish.or(finish);
-                    usage = d.usage.unwrap_or(usage);
-                    lps.append(&mut d.logprobs);
-                    if prompt_lps.is_empty() {
-                        prompt_lps = std::mem::take(&mut d.prompt_logprobs);
-                    }
+                    acc[i].add(d);
                 }
                 Err(e) => {
                     track.finish("error");
                     return ApiError::from(e).into_response();
                 }
             }
+            next = out.next().await;
         }
-        guard.disarm();
+        guards
+            .into_iter()
+            .for_each(dyn_core::ctx::KillOnDrop::disarm);
         track.finish("success");
-        let mut v = if let Some(format) = opts.tools {
-            let mut p = ToolParser::new(format);
-            let mut pieces = p.push(&text);
-            pieces.extend(p.finish());
-            shape.full_with_calls(&pieces, finish, usage)
-        } else {
-            let echoed = opts.echo.as_ref().map(|e| echo_text(e, &prompt_lps));
-            let full = match echoed {
-                Some(e) => e + &text,
-                None => text,
-            };
-            shape.full(&full, finish, usage)
-        };
-        if opts.logprobs {
-            let prompt = if opts.echo.is_some() {
-                &prompt_lps[..]
-            } else {
-                &[]
-            };
-            v["choices"][0]["logprobs"] = shape.logprobs(prompt, &lps, 0);
-        }
+        let mut usage = Usage::default();
+        let choices: Vec<Value> = acc
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                usage.prompt_tokens = c.usage.prompt_tokens;
+                usage.completion_tokens += c.usage.completion_tokens;
+                let mut v = shape.choice(&opts, c);
+                v["index"] = json!(i);
+                v
+            })
+            .collect();
+        let mut v = shape.envelope(false, Value::Array(choices));
+        v["usage"] = usage_json(usage);
         return Json(v).into_response();
     }
 
-    // Wait for the first delta so an early failure still gets a proper status code.
-    let first = match out.next().await {
-        Some(Ok(d)) => Some(d),
-        Some(Err(e)) => {
-            track.finish("error");
-            return ApiError::from(e).into_response();
-        }
-        None => None,
-    };
-    let events = sse(shape, opts, first, out, track, guard);
+    let events = sse(shape, opts, first, out, track, guards);
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),
@@ -988,54 +986,150 @@ async fn serve(
         .into_response()
 }
 
+/// The deltas of a request's choices, each tagged with its index.
+type Tagged = futures::stream::BoxStream<'static, (usize, Result<LlmDelta, dyn_core::OpError>)>;
+
+/// Send the request down the graph `n` times (choice `i` with `seed + i` when seeded) and
+/// return the first choice's first delta, then every choice's deltas as they come, and the
+/// guards that kill the choices when the response is dropped. The other choices start once
+/// the first has its first delta, so its prompt's KV blocks are in the prefix cache by then
+/// and the KV router sends them to the same worker: the prompt is computed once.
+async fn choices(
+    app: &App,
+    ctx: dyn_core::Ctx,
+    req: LlmRequest,
+    n: usize,
+) -> Result<
+    (
+        Option<(usize, Result<LlmDelta, dyn_core::OpError>)>,
+        Tagged,
+        Vec<dyn_core::ctx::KillOnDrop>,
+    ),
+    ApiError,
+> {
+    let child = |i: usize| {
+        let mut r = req.clone();
+        if let Some(seed) = &mut r.sampling.seed {
+            *seed = seed.wrapping_add(i as u64);
+        }
+        r
+    };
+    let mut guards = vec![ctx.kill_on_drop()];
+    let mut first_out = app.chain.call(ctx.clone(), child(0));
+    let first = match first_out.next().await {
+        Some(Err(e)) => return Err(ApiError::from(e)),
+        other => other.map(|d| (0, d)),
+    };
+    let mut streams: Vec<Tagged> = vec![first_out.map(|d| (0, d)).boxed()];
+    for i in 1..n {
+        let c = app.chain.ctx(Some(format!("{}-{i}", ctx.id()).into()));
+        guards.push(c.kill_on_drop());
+        streams.push(app.chain.call(c, child(i)).map(move |d| (i, d)).boxed());
+    }
+    Ok((first, futures::stream::select_all(streams).boxed(), guards))
+}
+
+/// One choice of a unary answer, as its deltas arrive.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    finish: Option<FinishReason>,
+    usage: Usage,
+    logprobs: Vec<TextLogprob>,
+    prompt_logprobs: Vec<TextLogprob>,
+}
+
+impl Collected {
+    fn add(&mut self, mut d: LlmDelta) {
+        self.text.push_str(&d.text);
+        self.finish = d.finish.or(self.finish);
+        self.usage = d.usage.unwrap_or(self.usage);
+        self.logprobs.append(&mut d.logprobs);
+        if self.prompt_logprobs.is_empty() {
+            self.prompt_logprobs = d.prompt_logprobs;
+        }
+    }
+}
+
+/// What a streamed choice carries between its deltas.
+struct StreamState {
+    tools: Option<(ToolParser, usize)>,
+    echo: Option<Option<String>>,
+    /// Completions' text offsets of the log-probabilities, counted across chunks.
+    offset: usize,
+    done: bool,
+}
+
 fn sse(
     shape: Shape,
     opts: Options,
-    first: Option<LlmDelta>,
-    mut out: dyn_core::Output<LlmDelta>,
+    first: Option<(usize, Result<LlmDelta, dyn_core::OpError>)>,
+    mut out: Tagged,
     mut track: Track,
-    guard: dyn_core::ctx::KillOnDrop,
+    guards: Vec<dyn_core::ctx::KillOnDrop>,
 ) -> impl Stream<Item = Result<Bytes, Infallible>> {
     let include_usage = opts.include_usage;
-    let mut tools = opts.tools.map(|f| (ToolParser::new(f), 0usize));
+    // One choice without log-probabilities takes the prerendered chunks; otherwise each
+    // chunk is built whole (with its index and `logprobs`).
+    let fast = opts.n == 1 && !opts.logprobs;
+    let mut state: Vec<StreamState> = (0..opts.n)
+        .map(|_| StreamState {
+            tools: opts.tools.map(|f| (ToolParser::new(f), 0usize)),
+            echo: opts.echo.clone(),
+            offset: 0,
+            done: false,
+        })
+        .collect();
     async_stream::stream! {
         let chunks = Chunks::new(&shape, include_usage);
+        let with = |i: usize, mut v: Value, lps: Option<Value>| {
+            v["choices"][0]["index"] = json!(i);
+            if let Some(l) = lps {
+                v["choices"][0]["logprobs"] = l;
+            }
+            event(&v.to_string())
+        };
         if shape.endpoint == Endpoint::Chat {
-            yield Ok(chunks.role());
+            for i in 0..opts.n {
+                yield Ok(if fast {
+                    chunks.role()
+                } else {
+                    with(i, shape.chunk(Some(json!({"role": "assistant", "content": ""})), None, include_usage), None)
+                });
+            }
         }
         let mut next = first;
-        let mut usage = None;
-        // Completions' text offsets of the log-probabilities, counted across chunks.
-        let mut offset = 0;
-        let mut echo = opts.echo;
-        while let Some(mut d) = next.take() {
+        let mut usage: Option<Usage> = None;
+        while let Some((i, item)) = next.take() {
+            let mut d = match item {
+                Ok(d) => d,
+                Err(e) => {
+                    track.finish("error");
+                    yield Ok(event(&ApiError::from(e).body().to_string()));
+                    break;
+                }
+            };
             track.delta(&d);
-            if d.usage.is_some() {
-                usage = d.usage;
+            if let Some(u) = d.usage {
+                let sum = usage.get_or_insert(Usage { prompt_tokens: u.prompt_tokens, completion_tokens: 0 });
+                sum.completion_tokens += u.completion_tokens;
             }
-            if let Some(e) = echo.take() {
+            let st = &mut state[i];
+            if let Some(e) = st.echo.take() {
                 // The prompt goes out with the first chunk (its log-probabilities too).
                 d.text = echo_text(&e, &d.prompt_logprobs) + &d.text;
                 let mut lps = std::mem::take(&mut d.prompt_logprobs);
                 lps.append(&mut d.logprobs);
                 d.logprobs = lps;
             }
-            if opts.logprobs && (!d.logprobs.is_empty() || !d.text.is_empty()) && tools.is_none() {
-                // With log-probabilities every chunk is built whole (the fast path renders
-                // `logprobs: null`).
-                let lps = shape.logprobs(&[], &d.logprobs, offset);
-                offset += d.logprobs.iter().map(|l| l.token.chars().count()).sum::<usize>();
-                let mut v = shape.delta(&d.text, d.finish, include_usage);
-                v["choices"][0]["logprobs"] = lps;
-                yield Ok(event(&v.to_string()));
-                if d.finish.is_some() {
-                    break;
-                }
-            } else if let Some((parser, calls)) = &mut tools {
-                if opts.logprobs && !d.logprobs.is_empty() {
-                    let mut v = shape.delta("", None, include_usage);
-                    v["choices"][0]["logprobs"] = shape.logprobs(&[], &d.logprobs, 0);
-                    yield Ok(event(&v.to_string()));
+            let lps = (opts.logprobs && !d.logprobs.is_empty()).then(|| {
+                let l = shape.logprobs(&[], &d.logprobs, st.offset);
+                st.offset += d.logprobs.iter().map(|l| l.token.chars().count()).sum::<usize>();
+                l
+            });
+            if let Some((parser, calls)) = &mut st.tools {
+                if let Some(l) = lps {
+                    yield Ok(with(i, shape.delta("", None, include_usage), Some(l)));
                 }
                 // Text passes as the parser releases it; each call is one chunk.
                 let mut pieces = parser.push(&d.text);
@@ -1044,38 +1138,38 @@ fn sse(
                 }
                 for piece in pieces {
                     match piece {
-                        Piece::Text(t) => yield Ok(chunks.delta(&t, None)),
+                        Piece::Text(t) if fast => yield Ok(chunks.delta(&t, None)),
+                        Piece::Text(t) => yield Ok(with(i, shape.delta(&t, None, include_usage), None)),
                         Piece::Call(c) => {
                             let v = shape.call_chunk(*calls, &c, include_usage);
                             *calls += 1;
-                            yield Ok(event(&v.to_string()));
+                            yield Ok(with(i, v, None));
                         }
                     }
                 }
                 if let Some(f) = d.finish {
                     let f = if *calls > 0 { FinishReason::ToolCalls } else { f };
-                    yield Ok(chunks.delta("", Some(f)));
+                    yield Ok(if fast { chunks.delta("", Some(f)) } else { with(i, shape.delta("", Some(f), include_usage), None) });
                 }
-            } else if !d.text.is_empty() || d.finish.is_some() {
-                yield Ok(chunks.delta(&d.text, d.finish));
+            } else if !d.text.is_empty() || d.finish.is_some() || lps.is_some() {
+                yield Ok(if fast {
+                    chunks.delta(&d.text, d.finish)
+                } else {
+                    with(i, shape.delta(&d.text, d.finish, include_usage), lps)
+                });
             }
             if d.finish.is_some() {
-                break;
-            }
-            match out.next().await {
-                Some(Ok(d)) => next = Some(d),
-                Some(Err(e)) => {
-                    track.finish("error");
-                    yield Ok(event(&ApiError::from(e).body().to_string()));
+                st.done = true;
+                if state.iter().all(|s| s.done) {
                     break;
                 }
-                None => break,
             }
+            next = out.next().await;
         }
         if include_usage && let Some(u) = usage {
             yield Ok(event(&shape.usage_chunk(u).to_string()));
         }
-        guard.disarm();
+        guards.into_iter().for_each(dyn_core::ctx::KillOnDrop::disarm);
         track.finish("success");
         yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
     }
@@ -1365,6 +1459,33 @@ impl Shape {
             choice["finish_reason"] = json!(FinishReason::ToolCalls.as_str());
         }
         v
+    }
+
+    /// A unary answer's choice: its text (after the echoed prompt), tool calls parsed out,
+    /// and its log-probabilities.
+    fn choice(&self, opts: &Options, c: Collected) -> Value {
+        let mut v = if let Some(format) = opts.tools {
+            let mut p = ToolParser::new(format);
+            let mut pieces = p.push(&c.text);
+            pieces.extend(p.finish());
+            self.full_with_calls(&pieces, c.finish, c.usage)
+        } else {
+            let text = match &opts.echo {
+                Some(e) => echo_text(e, &c.prompt_logprobs) + &c.text,
+                None => c.text,
+            };
+            self.full(&text, c.finish, c.usage)
+        };
+        let mut choice = v["choices"][0].take();
+        if opts.logprobs {
+            let prompt = if opts.echo.is_some() {
+                &c.prompt_logprobs[..]
+            } else {
+                &[]
+            };
+            choice["logprobs"] = self.logprobs(prompt, &c.logprobs, 0);
+        }
+        choice
     }
 
     fn full(&self, text: &str, finish: Option<FinishReason>, usage: Usage) -> Value {

@@ -1,6 +1,6 @@
-"""Structured output, tool calls, the sampling knobs and log-probabilities from a running dyn
-graph serving SmolLM2, with the official `openai` package; every JSON answer and every call's
-arguments are checked against their schema with `jsonschema`.
+"""Structured output, tool calls, the sampling knobs, log-probabilities and n choices from a
+running dyn graph serving SmolLM2, with the official `openai` package; every JSON answer and
+every call's arguments are checked against their schema with `jsonschema`.
 
 Usage: structured.py BASE_URL MODEL. Prints one JSON line per check (name and what it saw) and
 exits non-zero at the first failure, for the Rust test to report.
@@ -232,6 +232,14 @@ assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
 assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
 assert len(lp.tokens) == r.usage.prompt_tokens + 1, lp
 report("logprobs", chat=[t.token for t in content], echo_logprob=sum(lp.token_logprobs[1:-1]))
+
+# n choices, seeded: three answers, indexed, the same again with the same seed.
+ask3 = dict(model=MODEL, max_tokens=8, messages=SAY, temperature=1.0, seed=7, n=3)
+r = client.chat.completions.create(**ask3)
+assert [c.index for c in r.choices] == [0, 1, 2], r
+again = client.chat.completions.create(**ask3)
+assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]
+report("n", choices=[c.message.content for c in r.choices])
 
 # A schema the grammar library rejects: 400 naming the problem.
 try:

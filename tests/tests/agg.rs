@@ -302,7 +302,7 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
             Some("messages[1].tool_calls[0].function.arguments"),
         ),
         (
-            post_chat(&chat("hi", json!({"n": 2}))),
+            post_chat(&chat("hi", json!({"n": 17}))),
             400,
             "invalid_value",
             Some("n"),

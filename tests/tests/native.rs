@@ -4,7 +4,8 @@
 //! the prefix cache with the same answer, preempted sequences recompute to the same answer, a
 //! request larger than the whole cache ends with `length` instead of hanging, seeded sampling
 //! repeats, logit bias, min-p, penalties and stop tokens act, log-probabilities (of answers and
-//! of echoed prompts) equal transformers' log-softmax, and bad input is a 400.
+//! of echoed prompts) equal transformers' log-softmax, `n` choices share the prompt's
+//! computation, and bad input is a 400.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
 use dyn_tests::{Graph, completion, metric, root};
@@ -208,6 +209,79 @@ async fn greedy_log_probabilities_equal_transformers_log_softmax() {
             "{v}"
         );
     }
+}
+
+/// `n` choices: the prompt is computed once (the others find its full blocks in the prefix
+/// cache), each choice is seeded `seed + index` so the set repeats, and greedy choices agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_the_prompt_and_repeat_with_a_seed() {
+    let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = g.url("");
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i * 7 % 600).collect();
+    let prefilled = || metric(&g.get("/metrics"), &["dyn_worker_prefill_tokens_total"]);
+    let before = prefilled();
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": true,
+                      "temperature": 1.0, "seed": 5, "n": 3});
+    let a = complete(&url, body.clone()).await;
+    // 40 tokens: two full blocks of 16 computed once, the last 8 by each choice.
+    assert_eq!(prefilled() - before, 40 + 2 * 8);
+    let texts = |v: &Value| -> Vec<String> {
+        let c = v["choices"].as_array().unwrap();
+        assert_eq!(c.len(), 3, "{v}");
+        c.iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i, "{v}");
+                c["text"].as_str().unwrap().to_owned()
+            })
+            .collect()
+    };
+    let (ta, tb) = (texts(&a), texts(&complete(&url, body.clone()).await));
+    assert_eq!(ta, tb, "the same seed gives the same choices");
+    assert!(ta[0] != ta[1] || ta[1] != ta[2], "choices differ: {ta:?}");
+    assert_eq!(a["usage"]["completion_tokens"], 18, "{a}");
+    assert_eq!(a["usage"]["prompt_tokens"], 40, "{a}");
+    // Choice i of n is the single answer seeded seed + i.
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    one["seed"] = json!(6);
+    assert_eq!(texts_of(&complete(&url, one).await), ta[1]);
+    // Greedy choices are all the greedy answer.
+    let mut greedy = body;
+    greedy["temperature"] = json!(0);
+    let t = texts(&complete(&url, greedy.clone()).await);
+    assert!(t.iter().all(|x| *x == t[0]), "{t:?}");
+    // Streamed: every choice's chunks carry its index and each ends once.
+    greedy["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&greedy)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut ended = [0; 3];
+    let mut streamed = vec![String::new(); 3];
+    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).unwrap();
+        let c = &v["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        streamed[i].push_str(c["text"].as_str().unwrap());
+        if !c["finish_reason"].is_null() {
+            ended[i] += 1;
+        }
+    }
+    assert_eq!(ended, [1, 1, 1], "{text}");
+    assert_eq!(streamed, t);
+}
+
+fn texts_of(v: &Value) -> String {
+    v["choices"][0]["text"].as_str().unwrap().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

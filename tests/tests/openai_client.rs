@@ -55,7 +55,8 @@ fn openai_python_client_streams_a_chat_completion() {
 /// structured outputs (json_schema, json_object, the client's pydantic `parse`, vLLM's choice
 /// and regex) from the real SmolLM2 on the native engine, each answer validated against its
 /// schema by `jsonschema`; penalties, logit bias, min_p and stop tokens as the client sends
-/// them; log-probabilities, streamed too, and echo with the prompt's (tests/py/structured.py).
+/// them; log-probabilities, streamed too, and echo with the prompt's; `n=3`
+/// (tests/py/structured.py).
 #[test]
 fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2() {
     let (Some(python), Some(gguf)) = (
@@ -76,7 +77,7 @@ fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2
         &[&g.url("/v1"), "smollm2"],
     );
     assert_eq!(checks.last(), Some(&json!({"ok": true})), "{checks:?}");
-    assert_eq!(checks.len(), 12, "{checks:?}");
+    assert_eq!(checks.len(), 13, "{checks:?}");
 }
 
 /// Run a script of tests/py with `args`; it must succeed; its stdout's lines, as JSON.
