@@ -27,6 +27,37 @@ use crate::planes::Planes;
 pub struct ModelSpec {
     pub name: String,
     pub path: String,
+    /// How the model writes tool calls; detected from its chat template when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_parser: Option<ToolParserName>,
+    /// How it writes its reasoning (`none` when it does not); detected from its chat template
+    /// when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_parser: Option<ReasoningParserName>,
+}
+
+/// The tool-call formats a graph can name for its model (vLLM's parser names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolParserName {
+    /// `<tool_call>{json}</tool_call>` (Hermes, Qwen).
+    Hermes,
+    /// `{"name", "parameters"}`, optionally after `<|python_tag|>` (Llama 3.1+).
+    Llama3Json,
+    /// `[TOOL_CALLS][…]`.
+    Mistral,
+}
+
+/// The reasoning formats a graph can name for its model (vLLM's parser names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningParserName {
+    /// The model does not reason in its answer: nothing is parsed.
+    None,
+    /// `<think>…</think>` opening the answer (Qwen3, SmolLM3).
+    Qwen3,
+    /// The template opens `<think>`; the answer's reasoning runs to `</think>`.
+    DeepseekR1,
 }
 
 /// Something one graph run holds once and its nodes share.

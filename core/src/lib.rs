@@ -18,7 +18,10 @@ pub mod planes;
 pub mod registry;
 pub mod scale;
 
-pub use build::{BuildCx, BuildError, Health, ModelSpec, Readiness, Service, Services};
+pub use build::{
+    BuildCx, BuildError, Health, ModelSpec, Readiness, ReasoningParserName, Service, Services,
+    ToolParserName,
+};
 pub use ctx::{Ctx, RequestId};
 pub use inspect::{Inspect, Inspectables};
 pub use operator::{

@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 pub mod text;
 pub mod tools;
 

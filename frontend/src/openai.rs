@@ -21,7 +21,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dyn_core::{
-    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
+    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ReasoningParserName,
+    ShutdownSignal,
 };
 use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
@@ -38,6 +39,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 use super::admin::Admin;
+use super::reasoning::{ReasoningFormat, ReasoningParser};
 use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
 use super::{ApiError, ServerConfig};
 use crate::metrics::FRONTEND;
@@ -63,10 +65,26 @@ impl IngressConfig for HttpConfig {
             BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
         })?;
         let dir = ModelDir::shared(cx).await?;
-        let tool_format = ToolFormat::detect(dir.chat_template.as_deref());
+        let template = dir.chat_template.clone();
         let preprocess = Preprocess::new(dir)?;
+        // The graph's word for the model's formats, else what its chat template shows.
+        let tool_format = match model.tool_parser {
+            Some(n) => ToolFormat::from(n),
+            None => ToolFormat::detect(template.as_deref()),
+        };
+        let reasoning = match model.reasoning_parser {
+            Some(ReasoningParserName::None) => None,
+            Some(ReasoningParserName::Qwen3) => Some(ReasoningFormat::Qwen3),
+            Some(ReasoningParserName::DeepseekR1) => Some(ReasoningFormat::DeepseekR1),
+            None => ReasoningFormat::detect(
+                template.as_deref(),
+                preprocess.generation_prompt().as_deref(),
+            ),
+        };
+        tracing::info!(node = %cx.node, tools = ?tool_format, reasoning = ?reasoning, "Chat answers parsed");
         Ok(Http {
             tool_format,
+            reasoning,
             listener: self.server.bind(&cx.node).await?,
             config: self.server.clone(),
             model: model.name.clone(),
@@ -86,6 +104,7 @@ impl IngressConfig for HttpConfig {
 pub struct Http {
     listener: TcpListener,
     tool_format: ToolFormat,
+    reasoning: Option<ReasoningFormat>,
     config: ServerConfig,
     model: String,
     admin: Admin,
@@ -97,8 +116,10 @@ type AppChain = Chain<LlmRequest, LlmDelta>;
 #[derive(Clone)]
 struct App {
     chain: AppChain,
-    /// How the model writes tool calls (detected from its chat template).
+    /// How the model writes tool calls and reasoning (configured, or detected from its chat
+    /// template).
     tool_format: ToolFormat,
+    reasoning: Option<ReasoningFormat>,
     model: Arc<str>,
     created: u64,
     /// The planner's view of this frontend's traffic.
@@ -116,6 +137,7 @@ impl Ingress for Http {
     ) -> BoxFuture<'static, Result<(), OpError>> {
         let state = App {
             tool_format: self.tool_format,
+            reasoning: self.reasoning,
             chain: chain.clone(),
             model: self.model.into(),
             created: unix_now(),
@@ -489,6 +511,7 @@ fn request(
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
+            reasoning: app.reasoning.filter(|_| endpoint == Endpoint::Chat),
         },
     ))
 }
@@ -689,6 +712,8 @@ struct Options {
     echo: Option<Option<String>>,
     /// Choices (OpenAI's `n`).
     n: usize,
+    /// Chat: reasoning is split out of the answer, in this format.
+    reasoning: Option<ReasoningFormat>,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -1053,6 +1078,7 @@ impl Collected {
 
 /// What a streamed choice carries between its deltas.
 struct StreamState {
+    reasoning: Option<ReasoningParser>,
     tools: Option<(ToolParser, usize)>,
     echo: Option<Option<String>>,
     /// Completions' text offsets of the log-probabilities, counted across chunks.
@@ -1074,6 +1100,7 @@ fn sse(
     let fast = opts.n == 1 && !opts.logprobs;
     let mut state: Vec<StreamState> = (0..opts.n)
         .map(|_| StreamState {
+            reasoning: opts.reasoning.map(ReasoningParser::new),
             tools: opts.tools.map(|f| (ToolParser::new(f), 0usize)),
             echo: opts.echo.clone(),
             offset: 0,
@@ -1121,6 +1148,20 @@ fn sse(
                 let mut lps = std::mem::take(&mut d.prompt_logprobs);
                 lps.append(&mut d.logprobs);
                 d.logprobs = lps;
+            }
+            if let Some(p) = &mut st.reasoning {
+                // Reasoning goes out as `reasoning_content`; the answer goes on as text.
+                let mut split = p.push(&d.text);
+                if d.finish.is_some() {
+                    let rest = p.finish();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                }
+                if !split.reasoning.is_empty() {
+                    let v = shape.chunk(Some(json!({"reasoning_content": split.reasoning})), None, include_usage);
+                    yield Ok(with(i, v, None));
+                }
+                d.text = split.content;
             }
             let lps = (opts.logprobs && !d.logprobs.is_empty()).then(|| {
                 let l = shape.logprobs(&[], &d.logprobs, st.offset);
@@ -1463,7 +1504,13 @@ impl Shape {
 
     /// A unary answer's choice: its text (after the echoed prompt), tool calls parsed out,
     /// and its log-probabilities.
-    fn choice(&self, opts: &Options, c: Collected) -> Value {
+    fn choice(&self, opts: &Options, mut c: Collected) -> Value {
+        let reasoning = opts.reasoning.map(|f| {
+            let mut p = ReasoningParser::new(f);
+            let (a, b) = (p.push(&c.text), p.finish());
+            c.text = a.content + &b.content;
+            a.reasoning + &b.reasoning
+        });
         let mut v = if let Some(format) = opts.tools {
             let mut p = ToolParser::new(format);
             let mut pieces = p.push(&c.text);
@@ -1477,6 +1524,10 @@ impl Shape {
             self.full(&text, c.finish, c.usage)
         };
         let mut choice = v["choices"][0].take();
+        if let Some(r) = reasoning {
+            choice["message"]["reasoning_content"] =
+                if r.is_empty() { Value::Null } else { json!(r) };
+        }
         if opts.logprobs {
             let prompt = if opts.echo.is_some() {
                 &c.prompt_logprobs[..]

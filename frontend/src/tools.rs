@@ -26,6 +26,16 @@ pub enum ToolFormat {
     Mistral,
 }
 
+impl From<dyn_core::ToolParserName> for ToolFormat {
+    fn from(n: dyn_core::ToolParserName) -> Self {
+        match n {
+            dyn_core::ToolParserName::Hermes => ToolFormat::Hermes,
+            dyn_core::ToolParserName::Llama3Json => ToolFormat::Llama3Json,
+            dyn_core::ToolParserName::Mistral => ToolFormat::Mistral,
+        }
+    }
+}
+
 impl ToolFormat {
     /// The format a chat template renders tool calls in; Hermes (the most common, and what
     /// the forcing grammar uses) when the template does not say.
@@ -384,7 +394,7 @@ impl ToolParser {
 
 /// How many bytes at the end of `buf` are a proper prefix of `marker` (text held back, since
 /// the marker may be arriving).
-fn held(buf: &str, marker: &str) -> usize {
+pub(crate) fn held(buf: &str, marker: &str) -> usize {
     (1..marker.len().min(buf.len() + 1))
         .rev()
         .find(|&n| buf.is_char_boundary(buf.len() - n) && marker.starts_with(&buf[buf.len() - n..]))

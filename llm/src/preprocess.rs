@@ -224,10 +224,28 @@ impl Preprocess {
         }
     }
 
+    /// What the chat template adds to the prompt for the answer (after the last message),
+    /// e.g. `<|im_start|>assistant\n`; `None` without a template.
+    pub fn generation_prompt(&self) -> Option<String> {
+        let m = [super::types::ChatMessage::text("user", "x")];
+        let with = self.render_with(&m, &[], true).ok()?;
+        let without = self.render_with(&m, &[], false).ok()?;
+        with.strip_prefix(&without).map(str::to_owned)
+    }
+
     fn render(
         &self,
         messages: &[super::types::ChatMessage],
         tools: &[serde_json::Value],
+    ) -> Result<String, OpError> {
+        self.render_with(messages, tools, true)
+    }
+
+    fn render_with(
+        &self,
+        messages: &[super::types::ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
     ) -> Result<String, OpError> {
         let env = self.env.as_ref().ok_or_else(|| {
             invalid(
@@ -245,7 +263,7 @@ impl Preprocess {
             messages => messages,
             // As transformers' `apply_chat_template(tools=…)`: absent when none.
             tools => (!tools.is_empty()).then_some(tools),
-            add_generation_prompt => true,
+            add_generation_prompt => add_generation_prompt,
             bos_token => self.model.bos_token,
             eos_token => self.model.eos_token,
         })

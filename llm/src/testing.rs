@@ -13,6 +13,8 @@ pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> 
         model: Some(dyn_core::ModelSpec {
             name: "tiny".into(),
             path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
+            tool_parser: None,
+            reasoning_parser: None,
         }),
         ..BuildCx::for_tests(node, planes.clone())
     }

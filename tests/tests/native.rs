@@ -280,6 +280,55 @@ async fn n_choices_share_the_prompt_and_repeat_with_a_seed() {
     assert_eq!(streamed, t);
 }
 
+/// Reasoning split from the answer (`model.reasoning_parser: qwen3`): a grammar makes the
+/// tiny model think in `<think>…</think>` and then answer; chat returns the two apart, unary
+/// and streamed alike, and the tags never reach the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_goes_to_reasoning_content_unary_and_streamed() {
+    let g = Graph::up_with_ingress(
+        "graphs/agg_native.yaml",
+        "http",
+        &["--set", "model.reasoning_parser=qwen3"],
+    );
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 40, "temperature": 0,
+        "structured_outputs": {"regex": "<think>[a-z]{2,6} [a-z]{2,6}</think>[a-z]{2,6}"}});
+    let (status, v) = dyn_tests::post_json(&g.url("/v1/chat/completions"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    let (reasoning, content) = (
+        m["reasoning_content"].as_str().unwrap(),
+        m["content"].as_str().unwrap(),
+    );
+    assert!(reasoning.contains(' ') && !reasoning.contains('<'), "{v}");
+    assert!(
+        !content.is_empty() && content.bytes().all(|b| b.is_ascii_lowercase()),
+        "{v}"
+    );
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(g.url("/v1/chat/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let (mut r, mut c) = (String::new(), String::new());
+    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line).unwrap();
+        let d = &v["choices"][0]["delta"];
+        r.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+        c.push_str(d["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((r.as_str(), c.as_str()), (reasoning, content), "{text}");
+}
+
 fn texts_of(v: &Value) -> String {
     v["choices"][0]["text"].as_str().unwrap().to_owned()
 }
