@@ -200,6 +200,9 @@ pub fn logsumexp(logits: &[f32]) -> f32 {
 
 /// The `n` most likely token ids, best first (ties by id); NaN never counts.
 pub fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
+    if n == 0 {
+        return Vec::new();
+    }
     let by_logit = order(logits);
     let mut idx: Vec<u32> = (0..logits.len() as u32)
         .filter(|&i| !logits[i as usize].is_nan())

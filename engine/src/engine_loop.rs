@@ -85,9 +85,12 @@ impl Outbox {
             tokens: std::mem::take(&mut self.logprobs),
             ..Logprobs::default()
         };
-        if let Some((first, slots)) = self.prompt.take() {
+        // Only a whole prompt's (a sequence ended mid-prefill has gaps: it sends none).
+        if let Some((first, slots)) = self.prompt.take()
+            && let Some(all) = slots.into_iter().collect::<Option<Vec<_>>>()
+        {
             l.prompt_first = Some(first);
-            l.prompt = slots.into_iter().flatten().collect();
+            l.prompt = all;
         }
         (l.prompt_first.is_some() || !l.tokens.is_empty()).then(|| Box::new(l))
     }

@@ -317,6 +317,8 @@ impl NativeExec {
 
 impl Executor for NativeExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
+        // What a failed step left is not this step's.
+        self.logprobs.clear();
         // A sequence whose prompt's log-probabilities are wanted gets the logits after every
         // prompt token it computes this step (chunk by chunk), not only the last.
         let prompt_rows = |w: &Work<'_>| {

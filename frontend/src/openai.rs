@@ -432,6 +432,7 @@ fn request(
         ));
     }
     let logprobs = logprobs(endpoint, &c)?;
+    let constrained = constraint.is_some();
     let stop = match c.stop {
         None => Vec::new(),
         Some(StopIn::One(s)) => vec![s],
@@ -511,7 +512,11 @@ fn request(
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
-            reasoning: app.reasoning.filter(|_| endpoint == Endpoint::Chat),
+            // A grammar shapes the answer from its first token, so an answer cannot start
+            // inside a block the template opened (R1): all of it is the answer.
+            reasoning: app.reasoning.filter(|f| {
+                endpoint == Endpoint::Chat && !(constrained && *f == ReasoningFormat::DeepseekR1)
+            }),
         },
     ))
 }
@@ -984,11 +989,18 @@ async fn serve(
             .for_each(dyn_core::ctx::KillOnDrop::disarm);
         track.finish("success");
         let mut usage = Usage::default();
+        let prompt_lps = acc
+            .first()
+            .map(|c| c.prompt_logprobs.clone())
+            .unwrap_or_default();
         let choices: Vec<Value> = acc
             .into_iter()
             .enumerate()
-            .map(|(i, c)| {
-                usage.prompt_tokens = c.usage.prompt_tokens;
+            .map(|(i, mut c)| {
+                if c.prompt_logprobs.is_empty() {
+                    c.prompt_logprobs = prompt_lps.clone();
+                }
+                usage.prompt_tokens = usage.prompt_tokens.max(c.usage.prompt_tokens);
                 usage.completion_tokens += c.usage.completion_tokens;
                 let mut v = shape.choice(&opts, c);
                 v["index"] = json!(i);
@@ -1032,10 +1044,21 @@ async fn choices(
     ),
     ApiError,
 > {
+    // Unseeded choices still differ on engines that seed by the prompt (the mocker).
+    let seed = req.sampling.seed.or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        (n > 1).then(|| {
+            std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish()
+        })
+    });
     let child = |i: usize| {
         let mut r = req.clone();
-        if let Some(seed) = &mut r.sampling.seed {
-            *seed = seed.wrapping_add(i as u64);
+        r.sampling.seed = seed.map(|s| s.wrapping_add(i as u64));
+        if i > 0 {
+            // The prompt's log-probabilities (echo) come once, with the first choice.
+            r.sampling.prompt_logprobs = None;
         }
         r
     };
@@ -1043,7 +1066,9 @@ async fn choices(
     let mut first_out = app.chain.call(ctx.clone(), child(0));
     let first = match first_out.next().await {
         Some(Err(e)) => return Err(ApiError::from(e)),
-        other => other.map(|d| (0, d)),
+        // Nothing came back (the request was dropped): no other choice is started.
+        None => return Ok((None, futures::stream::empty().boxed(), guards)),
+        Some(d) => Some((0, d)),
     };
     let mut streams: Vec<Tagged> = vec![first_out.map(|d| (0, d)).boxed()];
     for i in 1..n {
@@ -1127,18 +1152,28 @@ fn sse(
         }
         let mut next = first;
         let mut usage: Option<Usage> = None;
+        // The prompt's log-probabilities, from the first choice, for every choice's echo.
+        let mut prompt_lps: Vec<TextLogprob> = Vec::new();
+        let mut failed = false;
         while let Some((i, item)) = next.take() {
             let mut d = match item {
                 Ok(d) => d,
                 Err(e) => {
                     track.finish("error");
+                    failed = true;
                     yield Ok(event(&ApiError::from(e).body().to_string()));
                     break;
                 }
             };
+            if prompt_lps.is_empty() && !d.prompt_logprobs.is_empty() {
+                prompt_lps = d.prompt_logprobs.clone();
+            } else if d.prompt_logprobs.is_empty() && state[i].echo.is_some() {
+                d.prompt_logprobs = prompt_lps.clone();
+            }
             track.delta(&d);
             if let Some(u) = d.usage {
-                let sum = usage.get_or_insert(Usage { prompt_tokens: u.prompt_tokens, completion_tokens: 0 });
+                let sum = usage.get_or_insert(Usage::default());
+                sum.prompt_tokens = sum.prompt_tokens.max(u.prompt_tokens);
                 sum.completion_tokens += u.completion_tokens;
             }
             let st = &mut state[i];
@@ -1210,8 +1245,13 @@ fn sse(
         if include_usage && let Some(u) = usage {
             yield Ok(event(&shape.usage_chunk(u).to_string()));
         }
-        guards.into_iter().for_each(dyn_core::ctx::KillOnDrop::disarm);
-        track.finish("success");
+        if failed {
+            // The other choices are killed with their guards.
+            drop(guards);
+        } else {
+            guards.into_iter().for_each(dyn_core::ctx::KillOnDrop::disarm);
+            track.finish("success");
+        }
         yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
     }
 }
@@ -1439,6 +1479,8 @@ impl Shape {
                         for (t, _, lp) in &l.top {
                             m.entry(t.clone()).or_insert_with(|| json!(lp));
                         }
+                        // As OpenAI and vLLM: the sampled token is among them, top or not.
+                        m.entry(l.token.clone()).or_insert_with(|| json!(l.logprob));
                         Value::Object(m)
                     }
                 };

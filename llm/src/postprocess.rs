@@ -125,7 +125,7 @@ impl Operator for Postprocess {
                 Some(table) => Detokenizer::with_bytes(tokenizer.clone(), table.clone()),
                 None => Detokenizer::new(tokenizer.clone()),
             };
-            let mut stops = StopMatcher::new(spec.stop);
+            let mut stops = StopMatcher::new(spec.stop.clone());
             let usage = |tokens: usize| Usage {
                 prompt_tokens: spec.prompt_tokens,
                 completion_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
@@ -142,8 +142,16 @@ impl Operator for Postprocess {
                 let mut text = String::new();
                 let mut stopped = false;
                 let mut used = 0u32;
-                for &id in &ids {
+                let mut stop_token = 0;
+                let n = ids.len();
+                for (k, &id) in ids.iter().enumerate() {
                     used += 1;
+                    if k + 1 == n && finish == Some(FinishReason::Stop) && spec.stop_token_ids.contains(&id) {
+                        // One of the request's stop tokens ends the answer without being part
+                        // of it, as vLLM leaves it out (eos, a special token, has no text).
+                        stop_token = 1;
+                        break;
+                    }
                     let piece = detok.push(id).map_err(detok_error)?;
                     let armed = detok.tokens() >= spec.min_tokens as usize;
                     match stops.feed(&piece, armed) {
@@ -158,7 +166,7 @@ impl Operator for Postprocess {
                 if stopped {
                     tracing::debug!(request_id = %ctx.id(), "Stop string matched");
                     token_lps.truncate(used as usize);
-                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens())), logprobs: token_lps, prompt_logprobs: prompt_lps };
+                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps };
                     return;
                 }
                 if let Some(finish) = finish {
@@ -169,7 +177,7 @@ impl Operator for Postprocess {
                         Matched::Stop(t) => { text.push_str(&t); FinishReason::Stop }
                     };
                     text.push_str(&stops.finish());
-                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens())), logprobs: token_lps, prompt_logprobs: prompt_lps };
+                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps };
                     return;
                 }
                 yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps };
@@ -196,6 +204,7 @@ mod tests {
             prompt_tokens: 7,
             min_tokens,
             stop: stop.iter().map(|s| s.to_string()).collect(),
+            stop_token_ids: Vec::new(),
         })];
         for (i, id) in ids.into_iter().enumerate() {
             let finish = (i + 1 == n).then_some(FinishReason::Length);

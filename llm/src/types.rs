@@ -158,6 +158,9 @@ pub struct OutputSpec {
     pub min_tokens: u32,
     /// Stop strings: the output ends before the first one and does not include it.
     pub stop: Vec<String>,
+    /// The request's stop tokens: one that ends the output is not part of its text.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// A tokenized request, ready for an engine. `target` is filled in by `route`.

@@ -82,13 +82,10 @@ async fn long_prompts_are_prefilled_remotely_and_outputs_match_aggregated() {
     );
     // The prefill worker held the blocks only until they were pulled.
     let prefill_blocks = |m: &str| metric(m, &["dyn_worker_kv_active_blocks", "node=\"prefill\""]);
-    for _ in 0..100 {
-        if prefill_blocks(&disagg.get("/metrics")) == 0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert_eq!(prefill_blocks(&disagg.get("/metrics")), 0);
+    dyn_tests::until("the prefill worker releases its blocks", || {
+        prefill_blocks(&disagg.get("/metrics")) == 0
+    })
+    .await;
 
     // `dyn inspect route` explains both steps: the decode worker, then the prefill decision.
     let url = disagg.url("");

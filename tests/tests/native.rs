@@ -392,6 +392,8 @@ async fn sampling_is_seeded_and_bad_input_is_refused() {
     let v = complete(&url, with(json!({"stop_token_ids": [case.greedy[3]]}))).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // ... and is not part of the text, as vLLM leaves it out.
+    assert_eq!(text(&v), tok.decode(&case.greedy[..3], true).unwrap());
     // The repetition penalty reaches the prompt's tokens: a prompt token that a +100 bias
     // makes win every step no longer wins once divided by 1000 (its logit ≈ 0.1, under the
     // best of the rest). Its arithmetic, and the other penalties', is checked in dyn-compute.

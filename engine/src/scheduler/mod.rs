@@ -193,6 +193,20 @@ pub fn token_at(spec: &SeqSpec, vocab: &[u32], position: u32) -> u32 {
     }
 }
 
+/// Prompt tokens whose logits a step returns for one sequence at most, when its prompt's
+/// log-probabilities are wanted (every position's logits: a vocabulary of floats each, so the
+/// prompt goes in chunks of this many).
+const PROMPT_LOGPROBS_CHUNK: usize = 256;
+
+/// The most tokens `seq` may compute in one step.
+fn chunk_limit(seq: &Seq) -> usize {
+    if seq.spec.prompt_logprobs.is_some() && seq.generated == 0 {
+        PROMPT_LOGPROBS_CHUNK
+    } else {
+        usize::MAX
+    }
+}
+
 impl Scheduler {
     pub fn new(limits: Limits, num_blocks: u32) -> Self {
         Self {
@@ -398,7 +412,8 @@ impl Scheduler {
         let block_size = self.limits.block_size;
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
-            let want = (self.running[i].tokens.len() - self.running[i].computed).min(*budget);
+            let seq = &self.running[i];
+            let want = (seq.tokens.len() - seq.computed).min((*budget).min(chunk_limit(seq)));
             let target = self.running[i].computed + want;
             loop {
                 let seq = &mut self.running[i];
@@ -469,6 +484,7 @@ impl Scheduler {
     /// Admit `seq` with `budget` tokens left: its cached prefix (from the pool, or onboarded
     /// from a tier below it) and blocks for what it computes in this step.
     fn admit(&mut self, mut seq: Seq, budget: usize) -> Admitted {
+        let budget = budget.min(chunk_limit(&seq));
         let block_size = self.limits.block_size;
         // Reuse cached full blocks, but always compute at least the last token — and none
         // when the prompt's log-probabilities are wanted: they need every position's logits.
