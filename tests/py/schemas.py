@@ -6,7 +6,8 @@ formats checked).
 The schemas come from two sources: hand-written ones covering what applications use (nesting,
 enums, arrays with bounds, anyOf/oneOf, string formats and patterns, numeric bounds, const,
 nullable fields, $defs references), and the JSON Schemas pydantic generates for typical models
-(Optional, Literal, nested models, constrained types, unions, datetimes).
+(Optional, Literal, nested models, constrained types, unions, datetimes) in the strict form the
+openai client sends for `chat.completions.parse`.
 
 Usage: schemas.py BASE_URL MODEL [CONCURRENCY] [MAX_TOKENS]. Prints one JSON line per schema
 ({"source", "name", "valid", "finish", "tokens", "error"}) and a summary line last.
@@ -22,6 +23,7 @@ from typing import Literal, Optional, Union
 
 import jsonschema
 from openai import OpenAI
+from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field, conint, constr
 
 
@@ -220,7 +222,9 @@ class Survey(BaseModel):
     answers: list[Answer] = Field(min_length=1, max_length=3)
 
 
-PYDANTIC = {m.__name__: m.model_json_schema() for m in (
+# As the openai client sends a pydantic model (`chat.completions.parse`): its strict form, every
+# field required and no other properties.
+PYDANTIC = {m.__name__: to_strict_json_schema(m) for m in (
     City, Address, Customer, Order, Reading, Meeting, Birthday, Flag, Answer, Pet, Owner, Money,
     Either, Review, Task, TodoList, Point, Line, Book, Library, Login, Version, Coordinates,
     Place, Survey)}
