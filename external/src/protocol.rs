@@ -150,14 +150,23 @@ pub fn request(
             if let Some(seed) = s.seed {
                 put("seed", json!(seed));
             }
-            // Its penalties over the whole context (`repeat_last_n: -1`), as defined here.
-            put("repeat_penalty", json!(s.repetition_penalty.unwrap_or(1.0)));
-            put("repeat_last_n", json!(-1));
-            put("presence_penalty", json!(s.presence_penalty.unwrap_or(0.0)));
-            put(
-                "frequency_penalty",
-                json!(s.frequency_penalty.unwrap_or(0.0)),
-            );
+            // Its penalties (off by default there too), over the request's whole context:
+            // `repeat_last_n` its prompt and answer (this server refuses -1, "all").
+            if s.repetition_penalty.is_some()
+                || s.presence_penalty.is_some()
+                || s.frequency_penalty.is_some()
+            {
+                put("repeat_penalty", json!(s.repetition_penalty.unwrap_or(1.0)));
+                put(
+                    "repeat_last_n",
+                    json!(req.token_ids.len() as u64 + u64::from(ask.max_tokens)),
+                );
+                put("presence_penalty", json!(s.presence_penalty.unwrap_or(0.0)));
+                put(
+                    "frequency_penalty",
+                    json!(s.frequency_penalty.unwrap_or(0.0)),
+                );
+            }
             if !s.logit_bias.is_empty() {
                 put("logit_bias", json!(s.logit_bias));
             }
@@ -371,7 +380,7 @@ mod tests {
             .expect("a call")
             .body;
         assert_eq!(c["repeat_penalty"], json!(1.1f32));
-        assert_eq!(c["repeat_last_n"], json!(-1));
+        assert_eq!(c["repeat_last_n"], json!(r.token_ids.len() + 8));
         assert_eq!(c["min_p"], json!(0.05f32));
         assert_eq!(c["logit_bias"], json!([[3, -100.0], [17, 2.5]]));
         // Stop tokens: vLLM gets them after the model's eos ids; llama.cpp cannot say them.
@@ -399,8 +408,7 @@ mod tests {
         assert_eq!(
             c.body,
             json!({"prompt": [1, 2, 3], "n_predict": 8, "stream": true, "return_tokens": true, "cache_prompt": true,
-                   "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5,
-                   "repeat_penalty": 1.0, "repeat_last_n": -1, "presence_penalty": 0.0, "frequency_penalty": 0.0})
+                   "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5})
         );
         assert_eq!(
             parse(

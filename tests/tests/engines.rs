@@ -213,6 +213,54 @@ async fn kill_one_mid_stream(
 
 // --- llama.cpp -------------------------------------------------------------------------------
 
+/// A JSON object `{city, unit}` as the tool's arguments and the structured output below.
+fn weather_schema() -> Value {
+    json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false})
+}
+
+/// `v` is a `{city, unit}` object as [`weather_schema`] wants.
+fn is_weather(v: &Value) -> bool {
+    v.as_object().is_some_and(|o| o.len() == 2)
+        && v["city"].as_str().is_some_and(|c| c.chars().count() <= 24)
+        && matches!(v["unit"].as_str(), Some("celsius" | "fahrenheit"))
+}
+
+/// Structured output through an external worker: a `json_schema` answer, unary and streamed,
+/// that parses and fits its schema; the server's own dialect carries it (vLLM's
+/// `structured_outputs`, llama.cpp's `json_schema`).
+async fn structured_output_passes_through(url: &str) {
+    let ask = json!({"model": "smollm2", "max_tokens": 96, "temperature": 0,
+        "messages": [{"role": "user", "content": "The weather in Paris, as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": weather_schema()}}});
+    let v = post(&format!("{url}/v1/chat/completions"), &ask).await;
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    let parsed: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(is_weather(&parsed), "{v}");
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut joined = String::new();
+    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if let Ok(c) = serde_json::from_str::<Value>(line) {
+            joined.push_str(c["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(joined, content, "greedy: streamed as unary");
+}
+
 fn llamacpp_graph(extra: &[&str]) -> Option<(Graph, String)> {
     let (Some(server), Some(model)) = (env_path("DYN_LLAMA_SERVER"), env_path("DYN_SMOLLM2_GGUF"))
     else {
@@ -309,6 +357,18 @@ async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
     let v = post(&g.url("/v1/chat/completions"), &held).await;
     assert!(
         v["usage"]["completion_tokens"].as_u64().unwrap() >= 30,
+        "{v}"
+    );
+
+    structured_output_passes_through(&url).await;
+    // A grammar llama.cpp has no dialect for (a regex, or the Lark grammar of a forced tool
+    // call) is a 400 naming the field, not an unconstrained answer.
+    let regex = json!({"model": "smollm2", "prompt": "x", "max_tokens": 4,
+                       "structured_outputs": {"regex": "[a-z]+"}});
+    let (status, v) = completion(&url, &regex).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("response_format")),
         "{v}"
     );
 
@@ -579,6 +639,20 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
             .contains("Paris"),
         "{v}"
     );
+
+    structured_output_passes_through(&url).await;
+    // A forced tool call: vLLM gets the call's Lark grammar, dyn parses the call.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "The weather in a city", "parameters": weather_schema()}}]);
+    let forced = json!({"model": "smollm2", "max_tokens": 96, "temperature": 0, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}]});
+    let v = post(&g.url("/v1/chat/completions"), &forced).await;
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(is_weather(&args), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
 
     // A repeated long prompt stays where vLLM's KV events say its prefix is cached.
     let long = "the quick brown fox jumps over the lazy dog ".repeat(60);
