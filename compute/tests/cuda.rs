@@ -98,6 +98,46 @@ mod gpu {
         seqs.into_iter().map(|(t, _, _, l)| (t, l)).collect()
     }
 
+    /// Every position's logits (a prompt's log-probabilities): one row per token of the
+    /// sequence that asks for all, in order, then one for a sequence that asks for its last;
+    /// the rows at the greedy answer's positions are transformers' logits of each step.
+    #[test]
+    fn all_logits_rows_match_transformers_at_every_position() {
+        let Some(mut b) = gpu("tiny", DType::F32) else {
+            return;
+        };
+        let r = reference("tiny");
+        for (ci, case) in r.prompts.iter().enumerate() {
+            let steps = case.logits.len();
+            let mut tokens = case.prompt.clone();
+            tokens.extend(&case.greedy[..steps - 1]);
+            let blocks: Vec<u32> = (0..tokens.len().div_ceil(4) as u32).collect();
+            let other: Vec<u32> = (100..108).collect();
+            let step = [
+                SeqStep {
+                    tokens: &tokens,
+                    start: 0,
+                    blocks: &blocks,
+                    logits: true,
+                    all_logits: true,
+                },
+                SeqStep {
+                    tokens: &case.prompt[..1],
+                    start: 0,
+                    blocks: &other,
+                    logits: true,
+                    all_logits: false,
+                },
+            ];
+            let rows = b.forward(&step).unwrap();
+            assert_eq!(rows.len(), tokens.len() + 1, "one row per token, then one");
+            for (i, want) in case.logits.iter().enumerate() {
+                let d = max_diff(&rows[case.prompt.len() - 1 + i], want);
+                assert!(d < 1e-3, "prompt {ci} step {i}: logits differ by {d}");
+            }
+        }
+    }
+
     #[test]
     fn kernels_compile_with_nvrtc_for_every_dtype() {
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
