@@ -46,6 +46,10 @@ pub enum ToolParserName {
     Llama3Json,
     /// `[TOOL_CALLS][…]`.
     Mistral,
+    /// A Python list of calls, `[get_weather(city="Paris")]` (Llama 3.2, Llama 4).
+    Pythonic,
+    /// `<｜tool▁calls▁begin｜>…` (DeepSeek V3, V3.1).
+    DeepseekV3,
 }
 
 /// The reasoning formats a graph can name for its model (vLLM's parser names).

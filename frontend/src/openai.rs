@@ -415,7 +415,23 @@ fn request(
     if tools.is_some() && endpoint == Endpoint::Completion {
         return Err(invalid("tools", "tools are for /v1/chat/completions"));
     }
-    if let Some(forced) = tools.as_ref().and_then(|t| t.forced(app.tool_format)) {
+    let forcing = tools.as_ref().is_some_and(|t| {
+        matches!(
+            t.choice,
+            super::tools::ToolChoice::Required | super::tools::ToolChoice::Named(_)
+        )
+    });
+    let forced = tools.as_ref().and_then(|t| t.forced(app.tool_format));
+    if forcing && forced.is_none() {
+        return Err(invalid(
+            "tool_choice",
+            format!(
+                "this model writes tool calls in the {:?} format, which no grammar here can force; use tool_choice auto",
+                app.tool_format
+            ),
+        ));
+    }
+    if let Some(forced) = forced {
         if constraint.is_some() {
             return Err(invalid(
                 "tool_choice",

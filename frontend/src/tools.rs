@@ -24,6 +24,10 @@ pub enum ToolFormat {
     Hermes,
     Llama3Json,
     Mistral,
+    /// A Python list of calls, `[get_weather(city="Paris")]` (Llama 3.2 and Llama 4).
+    Pythonic,
+    /// DeepSeek V3's `<｜tool▁calls▁begin｜>…` blocks.
+    DeepseekV3,
 }
 
 impl From<dyn_core::ToolParserName> for ToolFormat {
@@ -32,6 +36,8 @@ impl From<dyn_core::ToolParserName> for ToolFormat {
             dyn_core::ToolParserName::Hermes => ToolFormat::Hermes,
             dyn_core::ToolParserName::Llama3Json => ToolFormat::Llama3Json,
             dyn_core::ToolParserName::Mistral => ToolFormat::Mistral,
+            dyn_core::ToolParserName::Pythonic => ToolFormat::Pythonic,
+            dyn_core::ToolParserName::DeepseekV3 => ToolFormat::DeepseekV3,
         }
     }
 }
@@ -43,6 +49,10 @@ impl ToolFormat {
         let t = template.unwrap_or("");
         if t.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral
+        } else if t.contains(DEEPSEEK_OPEN) {
+            ToolFormat::DeepseekV3
+        } else if t.contains(PYTHON_START) || t.contains("[func_name1(") {
+            ToolFormat::Pythonic
         } else if t.contains("<tool_call>") {
             ToolFormat::Hermes
         } else if t.contains("<|python_tag|>") || t.contains("ipython") {
@@ -183,6 +193,10 @@ impl ToolRequest {
                 .collect(),
             ToolChoice::None | ToolChoice::Auto => return None,
         };
+        let allowed_args: Vec<(String, Value)> = allowed
+            .iter()
+            .map(|(n, p)| (n.to_string(), p.clone()))
+            .collect();
         let args = if format == ToolFormat::Llama3Json {
             "parameters"
         } else {
@@ -225,6 +239,29 @@ impl ToolRequest {
                 "start: \"[TOOL_CALLS][\" call{} \"]\"\ncall: {call}",
                 more("\", \"")
             ),
+            // Python calls and DeepSeek's blocks name the function outside the JSON: one
+            // alternative per tool, its arguments in JSON (DeepSeek) — Python's keyword syntax
+            // has no JSON Schema grammar, so those calls are not forced (`None`, refused).
+            ToolFormat::Pythonic => return None,
+            ToolFormat::DeepseekV3 => {
+                let alts: Vec<String> = allowed_args
+                    .iter()
+                    .map(|(name, params)| {
+                        let mut schema = (*params).clone();
+                        schema["x-guidance"] = json!({"whitespace_flexible": false,
+                            "item_separator": ", ", "key_separator": ": "});
+                        format!(
+                            "\"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}\" {} \"\\n```json\\n\" %json {schema} \"\\n```{DEEPSEEK_CALL_END}\"",
+                            serde_json::to_string(name).unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                format!(
+                    "start: \"{DEEPSEEK_OPEN}\" call{} \"{DEEPSEEK_CLOSE}\"\ncall: {}",
+                    if self.parallel { "+" } else { "" },
+                    alts.join(" | ")
+                )
+            }
         };
         Some(Constraint::Lark(lark))
     }
@@ -249,6 +286,13 @@ const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const MISTRAL_OPEN: &str = "[TOOL_CALLS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
+const PYTHON_START: &str = "<|python_start|>";
+const PYTHON_END: &str = "<|python_end|>";
+const DEEPSEEK_OPEN: &str = "<｜tool▁calls▁begin｜>";
+const DEEPSEEK_CLOSE: &str = "<｜tool▁calls▁end｜>";
+const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
+const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
 
 /// Parses calls out of streamed text ([`ToolParser::push`] each delta, then
 /// [`ToolParser::finish`]); the pieces, concatenated, are the whole answer.
@@ -279,7 +323,8 @@ impl ToolParser {
         match self.format {
             ToolFormat::Hermes => self.hermes(&mut out, false),
             ToolFormat::Mistral => self.marker_to_end(MISTRAL_OPEN, &mut out),
-            ToolFormat::Llama3Json => self.llama3(&mut out),
+            ToolFormat::DeepseekV3 => self.marker_to_end(DEEPSEEK_OPEN, &mut out),
+            ToolFormat::Llama3Json | ToolFormat::Pythonic => self.llama3(&mut out),
         }
         out
     }
@@ -299,7 +344,8 @@ impl ToolParser {
                     (HERMES_OPEN, &rest[..rest.len() - held(&rest, HERMES_CLOSE)])
                 }
                 ToolFormat::Mistral => (MISTRAL_OPEN, rest.as_str()),
-                ToolFormat::Llama3Json => ("", rest.as_str()),
+                ToolFormat::DeepseekV3 => (DEEPSEEK_OPEN, rest.as_str()),
+                ToolFormat::Llama3Json | ToolFormat::Pythonic => ("", rest.as_str()),
             };
             match calls(self.format, body) {
                 Some(c) => out.extend(c.into_iter().map(Piece::Call)),
@@ -353,7 +399,8 @@ impl ToolParser {
         }
     }
 
-    /// Llama 3: an answer that starts with `{` (or the python tag) is a call, to the end.
+    /// Llama 3: an answer that starts with `{` (or the python tag) is a call, to the end;
+    /// pythonic: one that starts with `[` (or `<|python_start|>`).
     fn llama3(&mut self, out: &mut Vec<Piece>) {
         if self.in_call {
             return;
@@ -363,16 +410,20 @@ impl ToolParser {
             if start.is_empty() {
                 return;
             }
-            if start.starts_with('{') {
+            let (opens, tag) = match self.format {
+                ToolFormat::Pythonic => ('[', PYTHON_START),
+                _ => ('{', PYTHON_TAG),
+            };
+            if start.starts_with(opens) {
                 self.in_call = true;
                 return;
             }
-            if let Some(rest) = start.strip_prefix(PYTHON_TAG) {
+            if let Some(rest) = start.strip_prefix(tag) {
                 self.buf = rest.to_owned();
                 self.in_call = true;
                 return;
             }
-            if PYTHON_TAG.starts_with(start) {
+            if tag.starts_with(start) {
                 return;
             }
             self.decided = true;
@@ -403,6 +454,11 @@ pub(crate) fn held(buf: &str, marker: &str) -> usize {
 
 /// The calls in one call body of `format`; `None` when it is not calls.
 fn calls(format: ToolFormat, body: &str) -> Option<Vec<ToolCall>> {
+    match format {
+        ToolFormat::Pythonic => return python::calls(body.trim().trim_end_matches(PYTHON_END)),
+        ToolFormat::DeepseekV3 => return deepseek_calls(body),
+        _ => {}
+    }
     let values: Vec<Value> = serde_json::Deserializer::from_str(body.trim())
         .into_iter::<Value>()
         .collect::<Result<_, _>>()
@@ -421,6 +477,37 @@ fn calls(format: ToolFormat, body: &str) -> Option<Vec<ToolCall>> {
     (!out.is_empty()).then_some(out)
 }
 
+/// DeepSeek V3's calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```
+/// <｜tool▁call▁end｜>`, or V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
+/// up to the closing marker (or the end, when the model stopped there).
+fn deepseek_calls(body: &str) -> Option<Vec<ToolCall>> {
+    let body = body.split(DEEPSEEK_CLOSE).next().unwrap_or_default();
+    let mut out = Vec::new();
+    for part in body.split(DEEPSEEK_CALL).skip(1) {
+        let part = part.split(DEEPSEEK_CALL_END).next().unwrap_or_default();
+        let (head, rest) = part.split_once(DEEPSEEK_SEP)?;
+        let (name, args) = if head.trim() == "function" {
+            let (name, args) = rest.split_once('\n')?;
+            let args = args
+                .trim()
+                .trim_start_matches("```json")
+                .trim_end_matches("```");
+            (name.trim(), args.trim())
+        } else {
+            (head.trim(), rest.trim())
+        };
+        let args: Value = serde_json::from_str(args).ok()?;
+        if name.is_empty() || !args.is_object() {
+            return None;
+        }
+        out.push(ToolCall {
+            name: name.to_owned(),
+            arguments: args.to_string(),
+        });
+    }
+    (!out.is_empty()).then_some(out)
+}
+
 fn call(format: ToolFormat, v: &Value) -> Option<ToolCall> {
     let name = v["name"].as_str()?.to_owned();
     let args = match format {
@@ -434,6 +521,216 @@ fn call(format: ToolFormat, v: &Value) -> Option<ToolCall> {
         a => a.to_string(),
     };
     Some(ToolCall { name, arguments })
+}
+
+/// Python call lists (`[f(a=1, b="x"), g()]`), read as vLLM's pythonic parser reads them:
+/// keyword arguments whose values are Python literals (strings, numbers, `True`/`False`/
+/// `None`, lists, dicts), written out as JSON.
+mod python {
+    use serde_json::{Map, Number, Value};
+
+    use super::ToolCall;
+
+    pub(super) fn calls(text: &str) -> Option<Vec<ToolCall>> {
+        let mut p = P {
+            s: text.as_bytes(),
+            i: 0,
+        };
+        p.eat(b'[')?;
+        let mut out = Vec::new();
+        loop {
+            p.ws();
+            if p.peek() == Some(b']') {
+                p.i += 1;
+                break;
+            }
+            if !out.is_empty() {
+                p.eat(b',')?;
+                p.ws();
+                if p.peek() == Some(b']') {
+                    p.i += 1;
+                    break;
+                }
+            }
+            out.push(p.call()?);
+        }
+        p.ws();
+        (p.i == p.s.len() && !out.is_empty()).then_some(out)
+    }
+
+    struct P<'a> {
+        s: &'a [u8],
+        i: usize,
+    }
+
+    impl P<'_> {
+        fn peek(&self) -> Option<u8> {
+            self.s.get(self.i).copied()
+        }
+
+        fn ws(&mut self) {
+            while self.peek().is_some_and(|c| c.is_ascii_whitespace()) {
+                self.i += 1;
+            }
+        }
+
+        fn eat(&mut self, c: u8) -> Option<()> {
+            self.ws();
+            (self.peek() == Some(c)).then(|| self.i += 1)
+        }
+
+        fn ident(&mut self) -> Option<String> {
+            self.ws();
+            let start = self.i;
+            while self
+                .peek()
+                .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.')
+            {
+                self.i += 1;
+            }
+            (self.i > start).then(|| String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
+        }
+
+        fn call(&mut self) -> Option<ToolCall> {
+            let name = self.ident()?;
+            self.eat(b'(')?;
+            let mut args = Map::new();
+            loop {
+                self.ws();
+                if self.peek() == Some(b')') {
+                    self.i += 1;
+                    break;
+                }
+                if !args.is_empty() {
+                    self.eat(b',')?;
+                    self.ws();
+                    if self.peek() == Some(b')') {
+                        self.i += 1;
+                        break;
+                    }
+                }
+                let key = self.ident()?;
+                self.eat(b'=')?;
+                args.insert(key, self.value(0)?);
+            }
+            Some(ToolCall {
+                name,
+                arguments: Value::Object(args).to_string(),
+            })
+        }
+
+        fn value(&mut self, depth: usize) -> Option<Value> {
+            if depth > 64 {
+                return None;
+            }
+            self.ws();
+            match self.peek()? {
+                q @ (b'"' | b'\'') => self.string(q).map(Value::String),
+                b'[' | b'(' => {
+                    let close = if self.peek() == Some(b'[') {
+                        b']'
+                    } else {
+                        b')'
+                    };
+                    self.i += 1;
+                    let mut items = Vec::new();
+                    loop {
+                        self.ws();
+                        if self.peek() == Some(close) {
+                            self.i += 1;
+                            return Some(Value::Array(items));
+                        }
+                        if !items.is_empty() {
+                            self.eat(b',')?;
+                            self.ws();
+                            if self.peek() == Some(close) {
+                                self.i += 1;
+                                return Some(Value::Array(items));
+                            }
+                        }
+                        items.push(self.value(depth + 1)?);
+                    }
+                }
+                b'{' => {
+                    self.i += 1;
+                    let mut m = Map::new();
+                    loop {
+                        self.ws();
+                        if self.peek() == Some(b'}') {
+                            self.i += 1;
+                            return Some(Value::Object(m));
+                        }
+                        if !m.is_empty() {
+                            self.eat(b',')?;
+                            self.ws();
+                            if self.peek() == Some(b'}') {
+                                self.i += 1;
+                                return Some(Value::Object(m));
+                            }
+                        }
+                        let key = match self.value(depth + 1)? {
+                            Value::String(k) => k,
+                            other => other.to_string(),
+                        };
+                        self.eat(b':')?;
+                        m.insert(key, self.value(depth + 1)?);
+                    }
+                }
+                _ => {
+                    let word = self.word();
+                    match word.as_str() {
+                        "True" => Some(Value::Bool(true)),
+                        "False" => Some(Value::Bool(false)),
+                        "None" => Some(Value::Null),
+                        w => {
+                            if let Ok(n) = w.parse::<i64>() {
+                                Some(Value::Number(n.into()))
+                            } else {
+                                w.parse::<f64>()
+                                    .ok()
+                                    .and_then(Number::from_f64)
+                                    .map(Value::Number)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        fn word(&mut self) -> String {
+            let start = self.i;
+            while self.peek().is_some_and(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-' | b'+')
+            }) {
+                self.i += 1;
+            }
+            String::from_utf8_lossy(&self.s[start..self.i]).into_owned()
+        }
+
+        /// A quoted string with Python's common escapes.
+        fn string(&mut self, quote: u8) -> Option<String> {
+            self.i += 1;
+            let mut out = Vec::new();
+            loop {
+                let c = self.peek()?;
+                self.i += 1;
+                match c {
+                    b'\\' => {
+                        let e = self.peek()?;
+                        self.i += 1;
+                        out.push(match e {
+                            b'n' => b'\n',
+                            b't' => b'\t',
+                            b'r' => b'\r',
+                            other => other,
+                        });
+                    }
+                    c if c == quote => return String::from_utf8(out).ok(),
+                    c => out.push(c),
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -507,6 +804,31 @@ mod tests {
                 "No [TOOL_ here.",
                 vec![Piece::Text("No [TOOL_ here.".into())],
             ),
+            (
+                ToolFormat::Pythonic,
+                "[get_weather(city=\"Paris\"), get_weather(city='Oslo')]",
+                vec![weather("Paris"), weather("Oslo")],
+            ),
+            (
+                ToolFormat::Pythonic,
+                "<|python_start|>[get_weather(city=\"Paris\")]<|python_end|>",
+                vec![weather("Paris")],
+            ),
+            (
+                ToolFormat::Pythonic,
+                "Lists look like [1, 2] in Python.",
+                vec![Piece::Text("Lists look like [1, 2] in Python.".into())],
+            ),
+            (
+                ToolFormat::DeepseekV3,
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                vec![weather("Paris"), weather("Oslo")],
+            ),
+            (
+                ToolFormat::DeepseekV3,
+                "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                vec![Piece::Text("Checking.".into()), weather("Paris")],
+            ),
         ]
     }
 
@@ -539,8 +861,8 @@ mod tests {
     proptest! {
         #[test]
         fn every_split_gives_the_same_calls_as_the_whole_text(
-            case in 0usize..10,
-            cuts in proptest::collection::vec(0usize..200, 0..8),
+            case in 0usize..15,
+            cuts in proptest::collection::vec(0usize..400, 0..8),
         ) {
             let (format, text, want) = cases().swap_remove(case);
             let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1))
@@ -599,22 +921,48 @@ mod tests {
             ToolFormat::Hermes,
             ToolFormat::Llama3Json,
             ToolFormat::Mistral,
+            ToolFormat::DeepseekV3,
         ] {
             for choice in [
                 json!("required"),
                 json!({"type": "function", "function": {"name": "b"}}),
             ] {
-                let r = ToolRequest::read(Some(&tools), Some(&choice), Some(false))
-                    .expect("ok")
-                    .expect("tools");
-                let c = r.forced(format).expect("forced");
-                g.check(&c)
-                    .unwrap_or_else(|e| panic!("{format:?} {choice}: {e}\n{c:?}"));
+                for parallel in [false, true] {
+                    let r = ToolRequest::read(Some(&tools), Some(&choice), Some(parallel))
+                        .expect("ok")
+                        .expect("tools");
+                    let c = r.forced(format).expect("forced");
+                    g.check(&c)
+                        .unwrap_or_else(|e| panic!("{format:?} {choice}: {e}\n{c:?}"));
+                }
             }
         }
         let auto = ToolRequest::read(Some(&tools), None, None)
             .expect("ok")
             .expect("tools");
         assert_eq!(auto.forced(ToolFormat::Hermes), None);
+        // Python's keyword syntax has no JSON Schema grammar: not forced (the frontend
+        // refuses such a tool_choice rather than leave it unenforced).
+        let required = ToolRequest::read(Some(&tools), Some(&json!("required")), None)
+            .expect("ok")
+            .expect("tools");
+        assert_eq!(required.forced(ToolFormat::Pythonic), None);
+    }
+
+    #[test]
+    fn python_values_become_json_arguments() {
+        let c = python::calls(
+            "[f(s='it\\'s', n=-3, x=2.5, ok=True, no=None, l=[1, 'a'], d={'k': (1, 2)})]",
+        )
+        .expect("a call");
+        assert_eq!(c[0].name, "f");
+        let v: Value = serde_json::from_str(&c[0].arguments).expect("json");
+        assert_eq!(
+            v,
+            json!({"s": "it's", "n": -3, "x": 2.5, "ok": true, "no": null, "l": [1, "a"], "d": {"k": [1, 2]}})
+        );
+        for bad in ["[f(1)]", "[f(a=)]", "f(a=1)", "[f(a=1)", "[]", "[f(a='x)]"] {
+            assert_eq!(python::calls(bad), None, "{bad}");
+        }
     }
 }
