@@ -216,6 +216,8 @@ struct Common {
     min_p: Option<f32>,
     /// Token id (as a string, OpenAI's form) → bias in [-100, 100].
     logit_bias: Option<BTreeMap<String, f32>>,
+    /// vLLM's extension: the prompt's and the answer's token ids in the response.
+    return_token_ids: Option<bool>,
     n: Option<u32>,
     /// Chat: `true` for the answer's log-probabilities; completions: how many alternatives.
     logprobs: Option<Value>,
@@ -518,6 +520,7 @@ fn request(
                 ignore_eos: c.ignore_eos.unwrap_or(false),
                 stop,
                 stop_token_ids: c.stop_token_ids.unwrap_or_default(),
+                return_token_ids: c.return_token_ids.unwrap_or(false),
             },
             tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
@@ -528,6 +531,7 @@ fn request(
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
+            token_ids: c.return_token_ids.unwrap_or(false),
             // A grammar shapes the answer from its first token, so an answer cannot start
             // inside a block the template opened (R1): all of it is the answer.
             reasoning: app.reasoning.filter(|f| {
@@ -735,6 +739,9 @@ struct Options {
     n: usize,
     /// Chat: reasoning is split out of the answer, in this format.
     reasoning: Option<ReasoningFormat>,
+    /// vLLM's `return_token_ids`: choices carry `token_ids`, and the prompt's come back as
+    /// `prompt_token_ids` (completions: per choice; chat: beside the choices).
+    token_ids: bool,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -1009,12 +1016,16 @@ async fn serve(
             .first()
             .map(|c| c.prompt_logprobs.clone())
             .unwrap_or_default();
+        let prompt_ids = acc.first().and_then(|c| c.prompt_token_ids.clone());
         let choices: Vec<Value> = acc
             .into_iter()
             .enumerate()
             .map(|(i, mut c)| {
                 if c.prompt_logprobs.is_empty() {
                     c.prompt_logprobs = prompt_lps.clone();
+                }
+                if c.prompt_token_ids.is_none() {
+                    c.prompt_token_ids = prompt_ids.clone();
                 }
                 usage.prompt_tokens = usage.prompt_tokens.max(c.usage.prompt_tokens);
                 usage.completion_tokens += c.usage.completion_tokens;
@@ -1025,6 +1036,9 @@ async fn serve(
             .collect();
         let mut v = shape.envelope(false, Value::Array(choices));
         v["usage"] = usage_json(usage);
+        if opts.token_ids && endpoint == Endpoint::Chat {
+            v["prompt_token_ids"] = json!(prompt_ids);
+        }
         return Json(v).into_response();
     }
 
@@ -1103,10 +1117,17 @@ struct Collected {
     usage: Usage,
     logprobs: Vec<TextLogprob>,
     prompt_logprobs: Vec<TextLogprob>,
+    token_ids: Vec<u32>,
+    prompt_token_ids: Option<Vec<u32>>,
 }
 
 impl Collected {
     fn add(&mut self, mut d: LlmDelta) {
+        self.token_ids
+            .extend(d.token_ids.take().unwrap_or_default());
+        if self.prompt_token_ids.is_none() {
+            self.prompt_token_ids = d.prompt_token_ids.take();
+        }
         self.text.push_str(&d.text);
         self.finish = d.finish.or(self.finish);
         self.usage = d.usage.unwrap_or(self.usage);
@@ -1138,7 +1159,7 @@ fn sse(
     let include_usage = opts.include_usage;
     // One choice without log-probabilities takes the prerendered chunks; otherwise each
     // chunk is built whole (with its index and `logprobs`).
-    let fast = opts.n == 1 && !opts.logprobs;
+    let fast = opts.n == 1 && !opts.logprobs && !opts.token_ids;
     let mut state: Vec<StreamState> = (0..opts.n)
         .map(|_| StreamState {
             reasoning: opts.reasoning.map(ReasoningParser::new),
@@ -1156,6 +1177,19 @@ fn sse(
                 v["choices"][0]["logprobs"] = l;
             }
             event(&v.to_string())
+        };
+        // return_token_ids: a chunk's ids, and the prompt's on the choice's first chunk.
+        let ids = |mut v: Value, d: &mut LlmDelta| {
+            if opts.token_ids {
+                v["choices"][0]["token_ids"] = json!(d.token_ids.take().unwrap_or_default());
+                if let Some(p) = d.prompt_token_ids.take() {
+                    match shape.endpoint {
+                        Endpoint::Chat => v["prompt_token_ids"] = json!(p),
+                        Endpoint::Completion => v["choices"][0]["prompt_token_ids"] = json!(p),
+                    }
+                }
+            }
+            v
         };
         if shape.endpoint == Endpoint::Chat {
             for i in 0..opts.n {
@@ -1243,11 +1277,16 @@ fn sse(
                     let f = if *calls > 0 { FinishReason::ToolCalls } else { f };
                     yield Ok(if fast { chunks.delta("", Some(f)) } else { with(i, shape.delta("", Some(f), include_usage), None) });
                 }
-            } else if !d.text.is_empty() || d.finish.is_some() || lps.is_some() {
+            } else if !d.text.is_empty()
+                || d.finish.is_some()
+                || lps.is_some()
+                || d.token_ids.as_ref().is_some_and(|t| !t.is_empty())
+            {
                 yield Ok(if fast {
                     chunks.delta(&d.text, d.finish)
                 } else {
-                    with(i, shape.delta(&d.text, d.finish, include_usage), lps)
+                    let v = shape.delta(&d.text, d.finish, include_usage);
+                    with(i, ids(v, &mut d), lps)
                 });
             }
             if d.finish.is_some() {
@@ -1582,6 +1621,12 @@ impl Shape {
             self.full(&text, c.finish, c.usage)
         };
         let mut choice = v["choices"][0].take();
+        if opts.token_ids {
+            choice["token_ids"] = json!(c.token_ids);
+            if self.endpoint == Endpoint::Completion {
+                choice["prompt_token_ids"] = json!(c.prompt_token_ids);
+            }
+        }
         if let Some(r) = reasoning {
             choice["message"]["reasoning_content"] =
                 if r.is_empty() { Value::Null } else { json!(r) };

@@ -126,6 +126,7 @@ impl Operator for Postprocess {
                 None => Detokenizer::new(tokenizer.clone()),
             };
             let mut stops = StopMatcher::new(spec.stop.clone());
+            let mut prompt_sent = false;
             let usage = |tokens: usize| Usage {
                 prompt_tokens: spec.prompt_tokens,
                 completion_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
@@ -134,6 +135,14 @@ impl Operator for Postprocess {
                 let Generated::Tokens { ids, finish, logprobs } = item else {
                     Err(OpError::internal("engine sent a second request spec"))?;
                     continue;
+                };
+                // With return_token_ids: the prompt's ids once, then each delta's own.
+                let ids_out = spec.prompt_token_ids.is_some();
+                let prompt_ids = if ids_out && !prompt_sent {
+                    prompt_sent = true;
+                    spec.prompt_token_ids.clone()
+                } else {
+                    None
                 };
                 let (mut token_lps, prompt_lps) = match logprobs {
                     Some(l) => texts(&tokenizer, bytes.as_deref(), *l),
@@ -166,7 +175,7 @@ impl Operator for Postprocess {
                 if stopped {
                     tracing::debug!(request_id = %ctx.id(), "Stop string matched");
                     token_lps.truncate(used as usize);
-                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps };
+                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids[..used as usize].to_vec()), prompt_token_ids: prompt_ids };
                     return;
                 }
                 if let Some(finish) = finish {
@@ -177,10 +186,10 @@ impl Operator for Postprocess {
                         Matched::Stop(t) => { text.push_str(&t); FinishReason::Stop }
                     };
                     text.push_str(&stops.finish());
-                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps };
+                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids };
                     return;
                 }
-                yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps };
+                yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids };
             }
             if !ctx.is_killed() {
                 Err(OpError::internal("engine stream ended without a finish reason"))?;
@@ -205,6 +214,7 @@ mod tests {
             min_tokens,
             stop: stop.iter().map(|s| s.to_string()).collect(),
             stop_token_ids: Vec::new(),
+            prompt_token_ids: None,
         })];
         for (i, id) in ids.into_iter().enumerate() {
             let finish = (i + 1 == n).then_some(FinishReason::Length);

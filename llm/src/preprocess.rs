@@ -350,6 +350,7 @@ impl Preprocess {
             None => self.defaults.max_tokens.map_or(room, |d| d.min(room)),
         };
         let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
+        let prompt_token_ids = req.limits.return_token_ids.then(|| token_ids.clone());
         Ok(PreprocessedRequest {
             model: req.model,
             token_ids,
@@ -366,6 +367,7 @@ impl Preprocess {
                 min_tokens,
                 stop: req.limits.stop,
                 stop_token_ids: req.limits.stop_token_ids,
+                prompt_token_ids,
             },
             target: None,
             cached_tokens: 0,

@@ -121,6 +121,9 @@ pub struct Limits {
     /// `ignore_eos`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop_token_ids: Vec<u32>,
+    /// Return the prompt's and the answer's token ids (vLLM's `return_token_ids`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub return_token_ids: bool,
 }
 
 /// An OpenAI request after HTTP parsing: what the ingress sends down the graph.
@@ -161,6 +164,10 @@ pub struct OutputSpec {
     /// The request's stop tokens: one that ends the output is not part of its text.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop_token_ids: Vec<u32>,
+    /// With `return_token_ids`: the prompt's ids, handed back with the first delta, and the
+    /// answer's with each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// A tokenized request, ready for an engine. `target` is filled in by `route`.
@@ -291,6 +298,11 @@ pub struct LlmDelta {
     /// With `prompt_logprobs`, on the first delta: every prompt token, the first without one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prompt_logprobs: Vec<TextLogprob>,
+    /// With `return_token_ids`: this delta's token ids, and on the first the prompt's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 macro_rules! json_payload {

@@ -110,7 +110,7 @@ fn log_softmax(logits: &[f64], token: usize) -> f64 {
 /// Log-probabilities against transformers: each greedy token's and its top 5 alternatives'
 /// (completions), the same through the chat API, and a prompt's (echo) — the prompt is the
 /// reference prompt followed by its greedy tokens, so its last positions' log-probabilities
-/// are the greedy steps' again.
+/// are the greedy steps' again. And vLLM's `return_token_ids`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_log_probabilities_equal_transformers_log_softmax() {
     let g = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
@@ -184,6 +184,67 @@ async fn greedy_log_probabilities_equal_transformers_log_softmax() {
             close(&got[case.prompt.len() + i], want[i], &format!("echo {i}"));
         }
     }
+    // vLLM's return_token_ids: the answer's ids (the greedy reference) and the prompt's,
+    // unary and streamed, completions and chat.
+    let case = &reference()[0];
+    let mut body = greedy_body(&case.prompt, case.greedy.len());
+    body["return_token_ids"] = json!(true);
+    let v = complete(&url, body.clone()).await;
+    assert_eq!(v["choices"][0]["token_ids"], json!(case.greedy), "{v}");
+    assert_eq!(
+        v["choices"][0]["prompt_token_ids"],
+        json!(case.prompt),
+        "{v}"
+    );
+    body["stream"] = json!(true);
+    let text = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let (mut ids, mut prompt) = (Vec::new(), Vec::new());
+    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if let Ok(c) = serde_json::from_str::<Value>(line) {
+            let choice = &c["choices"][0];
+            ids.extend(
+                choice["token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
+            prompt.extend(
+                choice["prompt_token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
+        }
+    }
+    assert_eq!(
+        (json!(ids), json!(prompt)),
+        (json!(case.greedy), json!(case.prompt)),
+        "{text}"
+    );
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3, "ignore_eos": true, "return_token_ids": true});
+    let (_, v) = dyn_tests::post_json(&g.url("/v1/chat/completions"), &chat).await;
+    assert_eq!(
+        v["prompt_token_ids"].as_array().map(Vec::len),
+        v["usage"]["prompt_tokens"].as_u64().map(|n| n as usize),
+        "{v}"
+    );
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().map(Vec::len),
+        Some(3),
+        "{v}"
+    );
+
     // Bounds, as OpenAI's: completions take up to 5, chat up to 20 (and only with logprobs).
     for (path, body, param) in [
         (
