@@ -19,7 +19,7 @@ pub struct Grammar {
 pub static GRAMMAR: LazyLock<Grammar> = LazyLock::new(|| Grammar {
     mask_seconds: histogram_with(
         "dyn_worker_grammar_mask_seconds",
-        "Time to compute one step's grammar masks (all guided sequences of the step)",
+        "Time to compute one step's grammar masks (all guided sequences of the step; the longest of its helper threads)",
         &["node"],
         STEP_PARTS,
     ),

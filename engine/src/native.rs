@@ -89,6 +89,9 @@ engine_section! {
         pub gpu: usize = 0,
         /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
         pub threads: usize = 0,
+        /// Threads computing structured outputs' grammar masks beside the forward pass (0: a
+        /// quarter of the cores, at least one, at most eight).
+        pub grammar_threads: usize = 0,
     }
 }
 
@@ -157,6 +160,14 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         mask_seconds: g.mask_seconds.with_label_values(&[cx.node.as_str()]),
         wait_seconds: g.wait_seconds.with_label_values(&[cx.node.as_str()]),
         logprobs: Vec::new(),
+        // A quarter of the cores by default: on a GPU machine they are idle during the
+        // forward pass; on a small CPU one the backend's own threads need them.
+        mask_threads: match config.grammar_threads {
+            0 => std::thread::available_parallelism()
+                .map_or(1, |n| n.get() / 4)
+                .clamp(1, 8),
+            n => n,
+        },
     };
     EngineHandle::start(settings, import, Box::new(exec), cx, "native").await
 }
@@ -256,6 +267,25 @@ struct NativeExec {
     wait_seconds: prometheus::Histogram,
     /// What the last step computed for sequences asking for log-probabilities.
     logprobs: Vec<(crate::scheduler::SeqId, Logprob)>,
+    /// Threads that compute grammar masks beside the forward pass.
+    mask_threads: usize,
+}
+
+/// `guided` (which sampled sequences have a grammar) cut into at most `threads` contiguous
+/// ranges with as many guided sequences each as can be, covering every sequence in order.
+fn mask_groups(guided: &[bool], threads: usize) -> Vec<std::ops::Range<usize>> {
+    let total = guided.iter().filter(|g| **g).count();
+    let per = total.div_ceil(threads.clamp(1, total.max(1))).max(1);
+    let mut groups = Vec::new();
+    let (mut start, mut count) = (0, 0);
+    for (i, g) in guided.iter().enumerate() {
+        count += usize::from(*g);
+        if count == per || i + 1 == guided.len() {
+            groups.push(start..i + 1);
+            (start, count) = (i + 1, 0);
+        }
+    }
+    groups
 }
 
 /// `token`'s log-probability under `logits` and the `top` most likely tokens', best first
@@ -280,7 +310,7 @@ fn token_logprob(logits: &[f32], token: u32, top: u32) -> dyn_llm::types::TokenL
 type Masks = Vec<Option<llguidance::toktrie::SimpleVob>>;
 
 impl NativeExec {
-    /// The forward pass, with the structured outputs' masks computed on a helper thread
+    /// The forward pass, with the structured outputs' masks computed on helper threads
     /// meanwhile (a mask takes tens of microseconds to milliseconds of CPU, a step's forward
     /// pass longer): the masks are ready when the logits are.
     fn forward_masked(
@@ -293,24 +323,46 @@ impl NativeExec {
         }
         let vocab = self.backend.config().vocab;
         let backend = &mut self.backend;
+        // Guided sequences in as many groups as there are helper threads, each group's masks
+        // on its own thread.
+        let flags: Vec<bool> = sampled.iter().map(|w| w.spec.guide.is_some()).collect();
+        let groups: Vec<&[&Work<'_>]> = mask_groups(&flags, self.mask_threads)
+            .into_iter()
+            .map(|r| &sampled[r])
+            .collect();
         let (logits, masks) = std::thread::scope(|s| {
-            let masks = s.spawn(|| {
-                let started = std::time::Instant::now();
-                let masks = sampled
-                    .iter()
-                    .map(|w| w.spec.guide.as_ref().map(|g| g.lock().mask(vocab)))
-                    .collect::<Masks>();
-                self.mask_seconds.observe(started.elapsed().as_secs_f64());
-                masks
-            });
+            let helpers: Vec<_> = groups
+                .into_iter()
+                .map(|group| {
+                    s.spawn(move || {
+                        let started = std::time::Instant::now();
+                        let masks = group
+                            .iter()
+                            .map(|w| w.spec.guide.as_ref().map(|g| g.lock().mask(vocab)))
+                            .collect::<Masks>();
+                        (masks, started.elapsed())
+                    })
+                })
+                .collect();
             let logits = backend.forward(batch);
             let waited = std::time::Instant::now();
-            let masks = masks.join();
+            let mut masks: Option<Masks> = Some(Vec::with_capacity(sampled.len()));
+            let mut longest = std::time::Duration::ZERO;
+            for h in helpers {
+                match (h.join(), &mut masks) {
+                    (Ok((m, took)), Some(all)) => {
+                        all.extend(m);
+                        longest = longest.max(took);
+                    }
+                    _ => masks = None,
+                }
+            }
             self.wait_seconds.observe(waited.elapsed().as_secs_f64());
+            self.mask_seconds.observe(longest.as_secs_f64());
             (logits, masks)
         });
         let masks =
-            masks.map_err(|_| EngineError::Internal("the grammar mask thread panicked".into()))?;
+            masks.ok_or_else(|| EngineError::Internal("a grammar mask thread panicked".into()))?;
         Ok((logits?, masks))
     }
 }
@@ -548,6 +600,16 @@ mod tests {
                 None | Some(Constraint::Lark(_)) => unreachable!(),
             }
         }
+    }
+
+    #[test]
+    fn mask_groups_split_the_guided_sequences_evenly_and_cover_all() {
+        let g = [true, false, true, true, false, true, true];
+        assert_eq!(mask_groups(&g, 1), vec![0..7]);
+        assert_eq!(mask_groups(&g, 2), vec![0..4, 4..7]);
+        assert_eq!(mask_groups(&g, 5), vec![0..1, 1..3, 3..4, 4..6, 6..7]);
+        assert_eq!(mask_groups(&g, 64), mask_groups(&g, 5));
+        assert_eq!(mask_groups(&[false, true], 4), vec![0..2]);
     }
 
     #[test]
