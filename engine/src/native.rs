@@ -271,6 +271,36 @@ struct NativeExec {
     mask_threads: usize,
 }
 
+/// One sampled sequence's part of a step: its work, its logits, its grammar mask.
+type Job<'a, 'w> = (
+    &'a Work<'w>,
+    Vec<f32>,
+    Option<llguidance::toktrie::SimpleVob>,
+);
+
+/// The token for one sequence: its penalties and mask applied to its logits, the draw, the
+/// grammar advanced; with its log-probability where the request asked (the model's own,
+/// taken before anything adjusts the logits).
+fn sample_one((w, mut l, mask): Job<'_, '_>) -> (u32, Option<Logprob>) {
+    let raw = w.spec.logprobs.map(|top| (l.clone(), top));
+    if let Some(p) = &w.spec.penalties {
+        // The prompt is what came before the request's own output (a migrated request's
+        // earlier tokens count as output).
+        let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+        let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
+        p.apply(&mut l, prompt, output);
+    }
+    if let Some(mask) = &mask {
+        dyn_llm::grammar::apply(mask, &mut l);
+    }
+    let t = dyn_compute::sample::sample(&l, &w.spec.sampling, w.tokens.len() as u64);
+    if let Some(g) = &w.spec.guide {
+        g.lock().commit(t);
+    }
+    let lp = raw.map(|(raw, top)| Logprob::Sampled(token_logprob(&raw, t, top)));
+    (t, lp)
+}
+
 /// `guided` (which sampled sequences have a grammar) cut into at most `threads` contiguous
 /// ranges with as many guided sequences each as can be, covering every sequence in order.
 fn mask_groups(guided: &[bool], threads: usize) -> Vec<std::ops::Range<usize>> {
@@ -422,27 +452,46 @@ impl Executor for NativeExec {
                 })?);
             }
         }
-        let mut out = Vec::with_capacity(sampled.len());
-        for ((w, mut l), mask) in sampled.iter().zip(logits).zip(masks) {
-            // Log-probabilities are the model's own: taken before anything adjusts the logits.
-            let raw = w.spec.logprobs.map(|top| (l.clone(), top));
-            if let Some(p) = &w.spec.penalties {
-                // The prompt is what came before the request's own output (a migrated
-                // request's earlier tokens count as output).
-                let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
-                let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
-                p.apply(&mut l, prompt, output);
-            }
-            if let Some(mask) = &mask {
-                dyn_llm::grammar::apply(mask, &mut l);
-            }
-            let t = dyn_compute::sample::sample(&l, &w.spec.sampling, w.tokens.len() as u64);
-            if let Some(g) = &w.spec.guide {
-                g.lock().commit(t);
-            }
-            if let Some((raw, top)) = raw {
-                self.logprobs
-                    .push((w.id, Logprob::Sampled(token_logprob(&raw, t, top))));
+        let guided = masks.iter().any(Option::is_some);
+        let mut jobs: Vec<Job<'_, '_>> = sampled
+            .iter()
+            .copied()
+            .zip(logits)
+            .zip(masks)
+            .map(|((w, l), m)| (w, l, m))
+            .collect();
+        // Under grammars each sequence's mask, draw and grammar advance take tens of
+        // microseconds to a millisecond: spread over the mask threads (one group otherwise).
+        let threads = if guided { self.mask_threads } else { 1 };
+        let per = jobs.len().div_ceil(threads.max(1)).max(1);
+        let mut groups = Vec::new();
+        while jobs.len() > per {
+            let rest = jobs.split_off(per);
+            groups.push(std::mem::replace(&mut jobs, rest));
+        }
+        groups.push(jobs);
+        let done: Vec<(u32, Option<Logprob>)> = if groups.len() == 1 {
+            groups.into_iter().flatten().map(sample_one).collect()
+        } else {
+            std::thread::scope(|s| {
+                let helpers: Vec<_> = groups
+                    .into_iter()
+                    .map(|g| s.spawn(move || g.into_iter().map(sample_one).collect::<Vec<_>>()))
+                    .collect();
+                helpers
+                    .into_iter()
+                    .map(|h| h.join())
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(|_| EngineError::Internal("a sampling thread panicked".into()))?
+            .into_iter()
+            .flatten()
+            .collect()
+        };
+        let mut out = Vec::with_capacity(done.len());
+        for (w, (t, lp)) in sampled.iter().zip(done) {
+            if let Some(lp) = lp {
+                self.logprobs.push((w.id, lp));
             }
             out.push(t);
         }
@@ -522,7 +571,12 @@ mod tests {
         use futures::StreamExt;
         let planes = dyn_core::planes::Planes::embedded();
         let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
-        let engine = start(&NativeConfig::default(), &cx).await.expect("starts");
+        // Three grammar threads: masks and draws spread over helpers, as on a GPU machine.
+        let config = NativeConfig {
+            grammar_threads: 3,
+            ..NativeConfig::default()
+        };
+        let engine = start(&config, &cx).await.expect("starts");
         let dir = dyn_llm::model::ModelDir::load(
             "tiny",
             std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny")),
