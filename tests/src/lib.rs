@@ -276,6 +276,26 @@ pub async fn completion(url: &str, body: &serde_json::Value) -> (u16, serde_json
     post_json(&format!("{url}/v1/completions"), body).await
 }
 
+/// POST a streaming request to `url`: the JSON of each server-sent event (`[DONE]` left out),
+/// and the whole text (for failure messages).
+pub async fn sse_events(url: &str, body: &serde_json::Value) -> (Vec<serde_json::Value>, String) {
+    let text = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let events = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    (events, text)
+}
+
 /// POST a JSON body to `url`; the status and the JSON answer.
 pub async fn post_json(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
     let r = reqwest::Client::new()

@@ -243,21 +243,11 @@ async fn structured_output_passes_through(url: &str) {
     assert!(is_weather(&parsed), "{v}");
     let mut streamed = ask.clone();
     streamed["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{url}/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let mut joined = String::new();
-    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if let Ok(c) = serde_json::from_str::<Value>(line) {
-            joined.push_str(c["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
-        }
-    }
+    let (events, _) = dyn_tests::sse_events(&format!("{url}/v1/chat/completions"), &streamed).await;
+    let joined: String = events
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(joined, content, "greedy: streamed as unary");
 }
 

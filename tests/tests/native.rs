@@ -197,34 +197,19 @@ async fn greedy_log_probabilities_equal_transformers_log_softmax() {
         "{v}"
     );
     body["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (events, text) = dyn_tests::sse_events(&format!("{url}/v1/completions"), &body).await;
     let (mut ids, mut prompt) = (Vec::new(), Vec::new());
-    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if let Ok(c) = serde_json::from_str::<Value>(line) {
-            let choice = &c["choices"][0];
-            ids.extend(
-                choice["token_ids"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .cloned(),
-            );
-            prompt.extend(
-                choice["prompt_token_ids"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .cloned(),
-            );
-        }
+    for c in &events {
+        let choice = &c["choices"][0];
+        ids.extend(
+            choice["token_ids"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .cloned(),
+        );
+        let p = choice["prompt_token_ids"].as_array();
+        prompt.extend(p.into_iter().flatten().cloned());
     }
     assert_eq!(
         (json!(ids), json!(prompt)),
@@ -314,22 +299,10 @@ async fn n_choices_share_the_prompt_and_repeat_with_a_seed() {
     assert!(t.iter().all(|x| *x == t[0]), "{t:?}");
     // Streamed: every choice's chunks carry its index and each ends once.
     greedy["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&greedy)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (events, text) = dyn_tests::sse_events(&format!("{url}/v1/completions"), &greedy).await;
     let mut ended = [0; 3];
     let mut streamed = vec![String::new(); 3];
-    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if line == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(line).unwrap();
+    for v in events.iter().filter(|v| v["choices"][0].is_object()) {
         let c = &v["choices"][0];
         let i = c["index"].as_u64().unwrap() as usize;
         streamed[i].push_str(c["text"].as_str().unwrap());
@@ -368,21 +341,9 @@ async fn reasoning_goes_to_reasoning_content_unary_and_streamed() {
     );
     let mut streamed = body;
     streamed["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(g.url("/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (events, text) = dyn_tests::sse_events(&g.url("/v1/chat/completions"), &streamed).await;
     let (mut r, mut c) = (String::new(), String::new());
-    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if line == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(line).unwrap();
+    for v in &events {
         let d = &v["choices"][0]["delta"];
         r.push_str(d["reasoning_content"].as_str().unwrap_or(""));
         c.push_str(d["content"].as_str().unwrap_or(""));
