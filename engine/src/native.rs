@@ -89,9 +89,9 @@ engine_section! {
         pub gpu: usize = 0,
         /// CPU backend: compute threads (0: one per core). Each worker has its own pool.
         pub threads: usize = 0,
-        /// Threads computing structured outputs' grammar masks beside the forward pass (0: a
-        /// quarter of the cores, at least one, at most eight).
-        pub grammar_threads: usize = 0,
+        /// Threads computing structured outputs' grammar masks beside the forward pass, then
+        /// drawing the batch's tokens (0: a quarter of the cores, at least one, at most eight).
+        pub sampler_threads: usize = 0,
     }
 }
 
@@ -162,7 +162,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         logprobs: Vec::new(),
         // A quarter of the cores by default: on a GPU machine they are idle during the
         // forward pass; on a small CPU one the backend's own threads need them.
-        mask_threads: match config.grammar_threads {
+        sampler_threads: match config.sampler_threads {
             0 => std::thread::available_parallelism()
                 .map_or(1, |n| n.get() / 4)
                 .clamp(1, 8),
@@ -267,8 +267,8 @@ struct NativeExec {
     wait_seconds: prometheus::Histogram,
     /// What the last step computed for sequences asking for log-probabilities.
     logprobs: Vec<(crate::scheduler::SeqId, Logprob)>,
-    /// Threads that compute grammar masks beside the forward pass.
-    mask_threads: usize,
+    /// Threads that compute grammar masks beside the forward pass and draw tokens after it.
+    sampler_threads: usize,
 }
 
 /// One sampled sequence's part of a step: its work, its logits, its grammar mask.
@@ -356,7 +356,7 @@ impl NativeExec {
         // Guided sequences in as many groups as there are helper threads, each group's masks
         // on its own thread.
         let flags: Vec<bool> = sampled.iter().map(|w| w.spec.guide.is_some()).collect();
-        let groups: Vec<&[&Work<'_>]> = mask_groups(&flags, self.mask_threads)
+        let groups: Vec<&[&Work<'_>]> = mask_groups(&flags, self.sampler_threads)
             .into_iter()
             .map(|r| &sampled[r])
             .collect();
@@ -460,9 +460,13 @@ impl Executor for NativeExec {
             .zip(masks)
             .map(|((w, l), m)| (w, l, m))
             .collect();
-        // Under grammars each sequence's mask, draw and grammar advance take tens of
-        // microseconds to a millisecond: spread over the mask threads (one group otherwise).
-        let threads = if guided { self.mask_threads } else { 1 };
+        // A draw over the vocabulary takes tens of microseconds, with a grammar's mask and
+        // advance up to a millisecond: a batch's are spread over the sampler threads.
+        let threads = if guided || jobs.len() >= 4 {
+            self.sampler_threads
+        } else {
+            1
+        };
         let per = jobs.len().div_ceil(threads.max(1)).max(1);
         let mut groups = Vec::new();
         while jobs.len() > per {
@@ -573,7 +577,7 @@ mod tests {
         let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
         // Three grammar threads: masks and draws spread over helpers, as on a GPU machine.
         let config = NativeConfig {
-            grammar_threads: 3,
+            sampler_threads: 3,
             ..NativeConfig::default()
         };
         let engine = start(&config, &cx).await.expect("starts");
