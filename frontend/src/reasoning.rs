@@ -210,17 +210,7 @@ mod tests {
             cuts in proptest::collection::vec(0usize..100, 0..8),
         ) {
             let (format, text, reasoning, content) = cases().swap_remove(case);
-            let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1))
-                .filter(|&c| text.is_char_boundary(c)).collect();
-            at.sort_unstable();
-            let mut chunks = Vec::new();
-            let mut last = 0;
-            for c in at {
-                chunks.push(&text[last..c]);
-                last = c;
-            }
-            chunks.push(&text[last..]);
-            let got = parse(format, &chunks);
+            let got = parse(format, &crate::tools::tests::split_at(text, cuts));
             prop_assert_eq!(got.reasoning, reasoning);
             prop_assert_eq!(got.content, content);
         }

@@ -734,7 +734,7 @@ mod python {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
@@ -832,6 +832,25 @@ mod tests {
         ]
     }
 
+    /// `text` cut at the positions `cuts` name (modulo its length, on character boundaries):
+    /// the chunks a stream might deliver it in.
+    pub(crate) fn split_at(text: &str, cuts: Vec<usize>) -> Vec<&str> {
+        let mut at: Vec<usize> = cuts
+            .into_iter()
+            .map(|c| c % (text.len() + 1))
+            .filter(|&c| text.is_char_boundary(c))
+            .collect();
+        at.sort_unstable();
+        let mut chunks = Vec::new();
+        let mut last = 0;
+        for c in at {
+            chunks.push(&text[last..c]);
+            last = c;
+        }
+        chunks.push(&text[last..]);
+        chunks
+    }
+
     /// Pieces with neighbouring texts joined (streaming may split text anywhere).
     fn joined(pieces: Vec<Piece>) -> Vec<Piece> {
         let mut out: Vec<Piece> = Vec::new();
@@ -865,17 +884,7 @@ mod tests {
             cuts in proptest::collection::vec(0usize..400, 0..8),
         ) {
             let (format, text, want) = cases().swap_remove(case);
-            let mut at: Vec<usize> = cuts.into_iter().map(|c| c % (text.len() + 1))
-                .filter(|&c| text.is_char_boundary(c)).collect();
-            at.sort_unstable();
-            let mut chunks = Vec::new();
-            let mut last = 0;
-            for c in at {
-                chunks.push(&text[last..c]);
-                last = c;
-            }
-            chunks.push(&text[last..]);
-            prop_assert_eq!(parse(format, &chunks), want);
+            prop_assert_eq!(parse(format, &split_at(text, cuts)), want);
         }
     }
 
