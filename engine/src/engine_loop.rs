@@ -47,7 +47,7 @@ impl Outbox {
         spec: &crate::scheduler::SeqSpec,
         offer: Option<oneshot::Sender<OfferResult>>,
     ) -> Self {
-        let prompt_len = spec.prompt.len().saturating_sub(spec.offset as usize);
+        let prompt_len = spec.prompt_len();
         let prompt = match (spec.prompt_logprobs, spec.prompt.first()) {
             (Some(_), Some(&first)) if spec.offset == 0 => {
                 Some((first, vec![None; prompt_len.saturating_sub(1)]))

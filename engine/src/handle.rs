@@ -510,15 +510,7 @@ impl EngineHandle {
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
-            stop_tokens: if req.stop.ignore_eos {
-                &[][..]
-            } else {
-                &req.stop.eos_token_ids[..]
-            }
-            .iter()
-            .chain(&req.stop.stop_token_ids)
-            .copied()
-            .collect(),
+            stop_tokens: req.stop.stop_tokens(req.stop.ignore_eos).into(),
             min_tokens: req.stop.min_tokens,
             sampling: dyn_compute::sample::SamplingParams {
                 temperature: s.temperature.unwrap_or(1.0),

@@ -286,7 +286,7 @@ fn sample_one((w, mut l, mask): Job<'_, '_>) -> (u32, Option<Logprob>) {
     if let Some(p) = &w.spec.penalties {
         // The prompt is what came before the request's own output (a migrated request's
         // earlier tokens count as output).
-        let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+        let prompt = w.spec.prompt_len();
         let (prompt, output) = w.tokens.split_at(prompt.min(w.tokens.len()));
         p.apply(&mut l, prompt, output);
     }
@@ -425,7 +425,7 @@ impl Executor for NativeExec {
         let mut logits = Vec::with_capacity(sampled.len());
         for w in &computed {
             if prompt_rows(w) {
-                let prompt = w.spec.prompt.len().saturating_sub(w.spec.offset as usize);
+                let prompt = w.spec.prompt_len();
                 let top = w.spec.prompt_logprobs.unwrap_or(0);
                 // Row j predicts position start + j + 1; the last row of the prompt's last
                 // chunk predicts the first output token, sampled below.

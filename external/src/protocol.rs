@@ -112,16 +112,7 @@ pub fn request(
                 put("return_token_ids", json!(true));
                 // The model's eos ids as dyn knows them (config, generation config,
                 // tokenizer), not only the one vLLM reads, and the client's.
-                let eos = if ask.ignore_eos {
-                    &[][..]
-                } else {
-                    &req.stop.eos_token_ids[..]
-                };
-                let stop: Vec<u32> = eos
-                    .iter()
-                    .chain(&req.stop.stop_token_ids)
-                    .copied()
-                    .collect();
+                let stop = req.stop.stop_tokens(ask.ignore_eos);
                 if !stop.is_empty() {
                     put("stop_token_ids", json!(stop));
                 }

@@ -417,12 +417,7 @@ fn request(
     if tools.is_some() && endpoint == Endpoint::Completion {
         return Err(invalid("tools", "tools are for /v1/chat/completions"));
     }
-    let forcing = tools.as_ref().is_some_and(|t| {
-        matches!(
-            t.choice,
-            super::tools::ToolChoice::Required | super::tools::ToolChoice::Named(_)
-        )
-    });
+    let forcing = tools.as_ref().is_some_and(ToolRequest::forcing);
     let forced = tools.as_ref().and_then(|t| t.forced(app.tool_format));
     if forcing && forced.is_none() {
         return Err(invalid(
@@ -1178,6 +1173,14 @@ fn sse(
             }
             event(&v.to_string())
         };
+        // A text chunk of choice `i`: prerendered on the fast path, else built whole.
+        let text_chunk = |i: usize, text: &str, finish: Option<FinishReason>| {
+            if fast {
+                chunks.delta(text, finish)
+            } else {
+                with(i, shape.delta(text, finish, include_usage), None)
+            }
+        };
         // return_token_ids: a chunk's ids, and the prompt's on the choice's first chunk.
         let ids = |mut v: Value, d: &mut LlmDelta| {
             if opts.token_ids {
@@ -1236,12 +1239,7 @@ fn sse(
             }
             if let Some(p) = &mut st.reasoning {
                 // Reasoning goes out as `reasoning_content`; the answer goes on as text.
-                let mut split = p.push(&d.text);
-                if d.finish.is_some() {
-                    let rest = p.finish();
-                    split.reasoning.push_str(&rest.reasoning);
-                    split.content.push_str(&rest.content);
-                }
+                let split = p.feed(&d.text, d.finish.is_some());
                 if !split.reasoning.is_empty() {
                     let v = shape.chunk(Some(json!({"reasoning_content": split.reasoning})), None, include_usage);
                     yield Ok(with(i, v, None));
@@ -1264,8 +1262,7 @@ fn sse(
                 }
                 for piece in pieces {
                     match piece {
-                        Piece::Text(t) if fast => yield Ok(chunks.delta(&t, None)),
-                        Piece::Text(t) => yield Ok(with(i, shape.delta(&t, None, include_usage), None)),
+                        Piece::Text(t) => yield Ok(text_chunk(i, &t, None)),
                         Piece::Call(c) => {
                             let v = shape.call_chunk(*calls, &c, include_usage);
                             *calls += 1;
@@ -1275,7 +1272,7 @@ fn sse(
                 }
                 if let Some(f) = d.finish {
                     let f = if *calls > 0 { FinishReason::ToolCalls } else { f };
-                    yield Ok(if fast { chunks.delta("", Some(f)) } else { with(i, shape.delta("", Some(f), include_usage), None) });
+                    yield Ok(text_chunk(i, "", Some(f)));
                 }
             } else if !d.text.is_empty()
                 || d.finish.is_some()
@@ -1603,10 +1600,9 @@ impl Shape {
     /// and its log-probabilities.
     fn choice(&self, opts: &Options, mut c: Collected) -> Value {
         let reasoning = opts.reasoning.map(|f| {
-            let mut p = ReasoningParser::new(f);
-            let (a, b) = (p.push(&c.text), p.finish());
-            c.text = a.content + &b.content;
-            a.reasoning + &b.reasoning
+            let split = ReasoningParser::new(f).feed(&c.text, true);
+            c.text = split.content;
+            split.reasoning
         });
         let mut v = if let Some(format) = opts.tools {
             let mut p = ToolParser::new(format);

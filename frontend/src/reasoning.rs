@@ -80,16 +80,19 @@ impl ReasoningParser {
 
     /// The next piece of the answer's text; what can be told apart so far.
     pub fn push(&mut self, text: &str) -> Split {
-        self.buf.push_str(text);
-        let mut out = Split::default();
-        self.step(&mut out, false);
-        out
+        self.feed(text, false)
     }
 
     /// The answer ended: whatever was held back, as what it was.
     pub fn finish(&mut self) -> Split {
+        self.feed("", true)
+    }
+
+    /// [`ReasoningParser::push`], and with `end` [`ReasoningParser::finish`] too.
+    pub fn feed(&mut self, text: &str, end: bool) -> Split {
+        self.buf.push_str(text);
         let mut out = Split::default();
-        self.step(&mut out, true);
+        self.step(&mut out, end);
         out
     }
 

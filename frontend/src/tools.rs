@@ -181,6 +181,11 @@ impl ToolRequest {
         self.choice != ToolChoice::None
     }
 
+    /// The choice forces a call (`required`, or a named function).
+    pub fn forcing(&self) -> bool {
+        matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_))
+    }
+
     /// The grammar that forces a call (`required`, or a named function), in `format`.
     pub fn forced(&self, format: ToolFormat) -> Option<Constraint> {
         let allowed: Vec<(&str, Value)> = match &self.choice {
@@ -193,17 +198,18 @@ impl ToolRequest {
                 .collect(),
             ToolChoice::None | ToolChoice::Auto => return None,
         };
-        let allowed_args: Vec<(String, Value)> = allowed
-            .iter()
-            .map(|(n, p)| (n.to_string(), p.clone()))
-            .collect();
+        // Python's keyword syntax has no JSON Schema grammar: those calls are not forced
+        // (`None`; the frontend refuses such a tool_choice).
+        if format == ToolFormat::Pythonic {
+            return None;
+        }
         let args = if format == ToolFormat::Llama3Json {
             "parameters"
         } else {
             "arguments"
         };
         let calls: Vec<Value> = allowed
-            .into_iter()
+            .iter()
             .map(|(name, params)| {
                 json!({
                     "type": "object",
@@ -218,8 +224,7 @@ impl ToolRequest {
         } else {
             json!({"anyOf": calls})
         };
-        schema["x-guidance"] =
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        schema["x-guidance"] = dyn_llm::grammar::compact_json();
         let call = format!("%json {schema}");
         // More calls after the first only where the client allows parallel calls.
         let more = |sep: &str| {
@@ -239,17 +244,15 @@ impl ToolRequest {
                 "start: \"[TOOL_CALLS][\" call{} \"]\"\ncall: {call}",
                 more("\", \"")
             ),
-            // Python calls and DeepSeek's blocks name the function outside the JSON: one
-            // alternative per tool, its arguments in JSON (DeepSeek) — Python's keyword syntax
-            // has no JSON Schema grammar, so those calls are not forced (`None`, refused).
             ToolFormat::Pythonic => return None,
+            // DeepSeek names the function outside the JSON: one alternative per tool, its
+            // arguments in JSON.
             ToolFormat::DeepseekV3 => {
-                let alts: Vec<String> = allowed_args
+                let alts: Vec<String> = allowed
                     .iter()
                     .map(|(name, params)| {
-                        let mut schema = (*params).clone();
-                        schema["x-guidance"] = json!({"whitespace_flexible": false,
-                            "item_separator": ", ", "key_separator": ": "});
+                        let mut schema = params.clone();
+                        schema["x-guidance"] = dyn_llm::grammar::compact_json();
                         format!(
                             "\"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}\" {} \"\\n```json\\n\" %json {schema} \"\\n```{DEEPSEEK_CALL_END}\"",
                             serde_json::to_string(name).unwrap_or_default()
@@ -525,7 +528,9 @@ fn call(format: ToolFormat, v: &Value) -> Option<ToolCall> {
 
 /// Python call lists (`[f(a=1, b="x"), g()]`), read as vLLM's pythonic parser reads them:
 /// keyword arguments whose values are Python literals (strings, numbers, `True`/`False`/
-/// `None`, lists, dicts), written out as JSON.
+/// `None`, lists, dicts), written out as JSON. Hand-written on purpose: the Rust Python parsers
+/// (`rustpython-parser`, ruff's) bring a whole language's syntax tree for these few literal
+/// forms, and a small reader bounds its own nesting.
 mod python {
     use serde_json::{Map, Number, Value};
 

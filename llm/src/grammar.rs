@@ -96,13 +96,19 @@ impl Grammars {
     }
 }
 
-/// llguidance's grammar for a constraint.
-fn top_level(c: &Constraint) -> TopLevelGrammar {
-    let compact = json!({
+/// llguidance's JSON options (`x-guidance`) for the JSON dyn's grammars produce: Python's
+/// separators and no free whitespace, so a small model cannot loop on newlines.
+pub fn compact_json() -> Value {
+    json!({
         "whitespace_flexible": false,
         "item_separator": ", ",
         "key_separator": ": ",
-    });
+    })
+}
+
+/// llguidance's grammar for a constraint.
+fn top_level(c: &Constraint) -> TopLevelGrammar {
+    let compact = compact_json();
     match c {
         Constraint::JsonObject => {
             TopLevelGrammar::from_json_schema(json!({"type": "object", "x-guidance": compact}))

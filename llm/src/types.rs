@@ -153,6 +153,19 @@ pub struct StopConditions {
     pub stop_token_ids: Vec<u32>,
 }
 
+impl StopConditions {
+    /// Every token that ends the output: the model's eos ids (unless eos is ignored), then the
+    /// client's stop tokens.
+    pub fn stop_tokens(&self, ignore_eos: bool) -> Vec<u32> {
+        let eos = if ignore_eos {
+            &[][..]
+        } else {
+            &self.eos_token_ids[..]
+        };
+        eos.iter().chain(&self.stop_token_ids).copied().collect()
+    }
+}
+
 /// What postprocess needs to know about a request; the engine hands it back as the first
 /// item of its stream ([`Generated::Start`]), because postprocess only sees the engine's output.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -58,6 +58,14 @@ pub struct SeqSpec {
     pub role: SeqRole,
 }
 
+impl SeqSpec {
+    /// Tokens of the prompt proper: a migrated request's earlier output (`offset` tokens at
+    /// the end of `prompt`) counts as output.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt.len().saturating_sub(self.offset as usize)
+    }
+}
+
 /// A sequence's grammar state (see [`dyn_llm::grammar`]).
 pub type Guided = std::sync::Arc<parking_lot::Mutex<dyn_llm::grammar::Guide>>;
 
