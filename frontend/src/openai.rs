@@ -269,6 +269,19 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("audio", Value::is_null),
     ("prediction", Value::is_null),
     ("web_search_options", Value::is_null),
+    // vLLM's extensions that change the answer and are not built here.
+    ("include_stop_str_in_output", |v| v.is_null() || *v == false),
+    ("skip_special_tokens", |v| v.is_null() || *v == true),
+    ("chat_template_kwargs", empty),
+    ("add_generation_prompt", |v| v.is_null() || *v == true),
+    ("continue_final_message", |v| v.is_null() || *v == false),
+    ("prompt_logprobs", Value::is_null),
+    ("truncate_prompt_tokens", Value::is_null),
+    ("use_beam_search", |v| v.is_null() || *v == false),
+    ("bad_words", empty),
+    ("allowed_token_ids", empty),
+    // Chat's echo (vLLM): only completions echo here.
+    ("echo", |v| v.is_null() || *v == false),
 ];
 
 /// Null, or an empty list or object.
@@ -1675,7 +1688,10 @@ mod tests {
             "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
             "min_p": 0, "stop_token_ids": [], "top_logprobs": null, "parallel_tool_calls": true,
             "suffix": "", "best_of": 1, "modalities": ["text"], "store": false, "service_tier": "auto",
-            "user": "u", "metadata": {"a": "b"}});
+            "user": "u", "metadata": {"a": "b"}, "include_stop_str_in_output": false,
+            "skip_special_tokens": true, "chat_template_kwargs": {}, "add_generation_prompt": true,
+            "continue_final_message": false, "prompt_logprobs": null, "use_beam_search": false,
+            "bad_words": [], "allowed_token_ids": null, "echo": false});
         assert_eq!(refused(defaults), None);
         for (extra, param) in [
             (json!({"functions": [{"name": "f"}]}), "functions"),
@@ -1683,6 +1699,18 @@ mod tests {
             (json!({"best_of": 3}), "best_of"),
             (json!({"reasoning_effort": "high"}), "reasoning_effort"),
             (json!({"modalities": ["text", "audio"]}), "modalities"),
+            (
+                json!({"include_stop_str_in_output": true}),
+                "include_stop_str_in_output",
+            ),
+            (json!({"skip_special_tokens": false}), "skip_special_tokens"),
+            (
+                json!({"chat_template_kwargs": {"enable_thinking": false}}),
+                "chat_template_kwargs",
+            ),
+            (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+            (json!({"allowed_token_ids": [1, 2]}), "allowed_token_ids"),
+            (json!({"echo": true}), "echo"),
         ] {
             assert_eq!(refused(extra).as_deref(), Some(param));
         }
