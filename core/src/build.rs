@@ -50,6 +50,9 @@ pub enum ToolParserName {
     Pythonic,
     /// `<｜tool▁calls▁begin｜>…` (DeepSeek V3, V3.1).
     DeepseekV3,
+    /// OpenAI's harmony messages (gpt-oss; vLLM calls it `openai`): calls and reasoning.
+    #[serde(alias = "openai")]
+    Harmony,
 }
 
 /// The reasoning formats a graph can name for its model (vLLM's parser names).
@@ -62,6 +65,9 @@ pub enum ReasoningParserName {
     Qwen3,
     /// The template opens `<think>`; the answer's reasoning runs to `</think>`.
     DeepseekR1,
+    /// Harmony's `analysis` channel (gpt-oss; vLLM's `openai_gptoss`), parsed with its calls.
+    #[serde(alias = "openai_gptoss")]
+    Harmony,
 }
 
 /// Something one graph run holds once and its nodes share.

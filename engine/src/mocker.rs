@@ -244,7 +244,9 @@ struct MockerExec {
 
 impl MockerExec {
     /// A structured output's token: drawn as [`token_at`] draws, among the text tokens the
-    /// grammar allows (or, where it allows none of them, among all it allows: eos, a special).
+    /// grammar allows, or one time in eight (and where it allows no text) among the others it
+    /// allows (eos, a special token): a grammar whose text only a special token ends (harmony's
+    /// `<|end|>`) ends, as a model's would.
     fn guided(&self, spec: &SeqSpec, guide: &crate::scheduler::Guided, position: u32) -> u32 {
         let mut g = guide.lock();
         let mask = g.mask(self.vocab_size);
@@ -254,11 +256,13 @@ impl MockerExec {
             .copied()
             .filter(|&t| mask.is_allowed(t))
             .collect();
-        let token = if text.is_empty() {
-            let any: Vec<u32> = (0..self.vocab_size as u32)
-                .filter(|&t| mask.is_allowed(t))
-                .collect();
-            token_at(spec, &any, position)
+        let other: Vec<u32> = (0..self.vocab_size as u32)
+            .filter(|&t| mask.is_allowed(t) && self.vocab.binary_search(&t).is_err())
+            .collect();
+        let coin =
+            dyn_compute::sample::splitmix(spec.sampling.seed ^ u64::from(position) ^ 0x5EC1A1);
+        let token = if text.is_empty() || (!other.is_empty() && coin.is_multiple_of(8)) {
+            token_at(spec, &other, position)
         } else {
             token_at(spec, &text, position)
         };

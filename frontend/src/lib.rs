@@ -11,6 +11,7 @@
 //! meant for operators goes to the log.
 
 pub mod admin;
+pub mod harmony;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;

@@ -68,11 +68,27 @@ impl IngressConfig for HttpConfig {
         let template = dir.chat_template.clone();
         let preprocess = Preprocess::new(dir)?;
         // The graph's word for the model's formats, else what its chat template shows.
-        let tool_format = match model.tool_parser {
-            Some(n) => ToolFormat::from(n),
-            None => ToolFormat::detect(template.as_deref()),
+        let tool_format = match (model.tool_parser, model.reasoning_parser) {
+            (Some(n), _) => ToolFormat::from(n),
+            (None, Some(ReasoningParserName::Harmony)) => ToolFormat::Harmony,
+            (None, _) => ToolFormat::detect(template.as_deref()),
         };
+        let harmony = tool_format == ToolFormat::Harmony;
         let reasoning = match model.reasoning_parser {
+            // Harmony's reasoning is a channel, parsed with the calls.
+            Some(ReasoningParserName::None | ReasoningParserName::Harmony) | None if harmony => {
+                None
+            }
+            Some(_) if harmony => {
+                return Err(BuildError::new(
+                    "model.reasoning_parser: a harmony model (tool_parser: harmony) reasons in its analysis channel; leave reasoning_parser out or set it to harmony",
+                ));
+            }
+            Some(ReasoningParserName::Harmony) => {
+                return Err(BuildError::new(
+                    "model.reasoning_parser: harmony is parsed together with its tool calls; set tool_parser: harmony too",
+                ));
+            }
             Some(ReasoningParserName::None) => None,
             Some(ReasoningParserName::Qwen3) => Some(ReasoningFormat::Qwen3),
             Some(ReasoningParserName::DeepseekR1) => Some(ReasoningFormat::DeepseekR1),
@@ -209,6 +225,8 @@ struct Common {
     stop: Option<StopIn>,
     /// vLLM's extension: token ids that end the output.
     stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's extension: `false` keeps special tokens in the text.
+    skip_special_tokens: Option<bool>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     /// vLLM's extensions.
@@ -271,7 +289,6 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
     ("web_search_options", Value::is_null),
     // vLLM's extensions that change the answer and are not built here.
     ("include_stop_str_in_output", |v| v.is_null() || *v == false),
-    ("skip_special_tokens", |v| v.is_null() || *v == true),
     ("chat_template_kwargs", empty),
     ("add_generation_prompt", |v| v.is_null() || *v == true),
     ("continue_final_message", |v| v.is_null() || *v == false),
@@ -422,6 +439,12 @@ fn request(
     }
     refuse_unsupported(&c.unsupported)?;
     let mut constraint = constraint(&c)?;
+    // A harmony model answers in channels: the structured answer goes in its `final` channel,
+    // after the reasoning the model may write first (a raw Lark grammar stays as written).
+    let harmony = app.tool_format == ToolFormat::Harmony && endpoint == Endpoint::Chat;
+    if harmony && let Some(expr) = constraint.as_ref().and_then(dyn_llm::grammar::lark_expr) {
+        constraint = Some(Constraint::Lark(super::harmony::answer_grammar(&expr)));
+    }
     let tools = ToolRequest::read(
         c.tools.as_ref(),
         c.tool_choice.as_ref(),
@@ -431,6 +454,7 @@ fn request(
         return Err(invalid("tools", "tools are for /v1/chat/completions"));
     }
     let forcing = tools.as_ref().is_some_and(ToolRequest::forcing);
+    let parses = tools.as_ref().is_some_and(ToolRequest::parses);
     let forced = tools.as_ref().and_then(|t| t.forced(app.tool_format));
     if forcing && forced.is_none() {
         return Err(invalid(
@@ -529,13 +553,18 @@ fn request(
                 stop,
                 stop_token_ids: c.stop_token_ids.unwrap_or_default(),
                 return_token_ids: c.return_token_ids.unwrap_or(false),
+                // Tool and harmony markup is often special tokens (`[TOOL_CALLS]`,
+                // `<|python_tag|>`, `<|channel|>`): the parsers must see them, as vLLM's
+                // parsers ask for too.
+                keep_special: c.skip_special_tokens == Some(false) || harmony || parses,
             },
             tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
         Options {
             stream: c.stream,
             include_usage,
-            tools: tools.filter(ToolRequest::parses).map(|_| app.tool_format),
+            // Harmony's channels always need parsing, calls or not.
+            tools: (parses || harmony).then_some(app.tool_format),
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
@@ -1276,6 +1305,10 @@ fn sse(
                 for piece in pieces {
                     match piece {
                         Piece::Text(t) => yield Ok(text_chunk(i, &t, None)),
+                        Piece::Reasoning(r) => {
+                            let v = shape.chunk(Some(json!({"reasoning_content": r})), None, include_usage);
+                            yield Ok(with(i, v, None));
+                        }
                         Piece::Call(c) => {
                             let v = shape.call_chunk(*calls, &c, include_usage);
                             *calls += 1;
@@ -1588,16 +1621,21 @@ impl Shape {
         usage: Usage,
     ) -> Value {
         let mut text = String::new();
+        let mut reasoning = String::new();
         let mut calls = Vec::new();
         for p in pieces {
             match p {
                 Piece::Text(t) => text.push_str(t),
+                Piece::Reasoning(r) => reasoning.push_str(r),
                 Piece::Call(c) => calls
                     .push(json!({"id": self.call_id(calls.len()), "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments}})),
             }
         }
         let mut v = self.full(&text, finish, usage);
+        if !reasoning.is_empty() {
+            v["choices"][0]["message"]["reasoning_content"] = json!(reasoning);
+        }
         if !calls.is_empty() {
             let choice = &mut v["choices"][0];
             if text.trim().is_empty() {
@@ -1703,7 +1741,6 @@ mod tests {
                 json!({"include_stop_str_in_output": true}),
                 "include_stop_str_in_output",
             ),
-            (json!({"skip_special_tokens": false}), "skip_special_tokens"),
             (
                 json!({"chat_template_kwargs": {"enable_thinking": false}}),
                 "chat_template_kwargs",

@@ -28,6 +28,8 @@ pub enum ToolFormat {
     Pythonic,
     /// DeepSeek V3's `<｜tool▁calls▁begin｜>…` blocks.
     DeepseekV3,
+    /// OpenAI's harmony messages (gpt-oss), which carry reasoning too ([`super::harmony`]).
+    Harmony,
 }
 
 impl From<dyn_core::ToolParserName> for ToolFormat {
@@ -38,6 +40,7 @@ impl From<dyn_core::ToolParserName> for ToolFormat {
             dyn_core::ToolParserName::Mistral => ToolFormat::Mistral,
             dyn_core::ToolParserName::Pythonic => ToolFormat::Pythonic,
             dyn_core::ToolParserName::DeepseekV3 => ToolFormat::DeepseekV3,
+            dyn_core::ToolParserName::Harmony => ToolFormat::Harmony,
         }
     }
 }
@@ -47,7 +50,9 @@ impl ToolFormat {
     /// the forcing grammar uses) when the template does not say.
     pub fn detect(template: Option<&str>) -> Self {
         let t = template.unwrap_or("");
-        if t.contains("[TOOL_CALLS]") {
+        if t.contains(HARMONY_CHANNEL) {
+            ToolFormat::Harmony
+        } else if t.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral
         } else if t.contains(DEEPSEEK_OPEN) {
             ToolFormat::DeepseekV3
@@ -200,8 +205,12 @@ impl ToolRequest {
         };
         // Python's keyword syntax has no JSON Schema grammar: those calls are not forced
         // (`None`; the frontend refuses such a tool_choice).
-        if format == ToolFormat::Pythonic {
-            return None;
+        match format {
+            ToolFormat::Pythonic => return None,
+            ToolFormat::Harmony => {
+                return Some(Constraint::Lark(super::harmony::call_grammar(&allowed)));
+            }
+            _ => {}
         }
         let args = if format == ToolFormat::Llama3Json {
             "parameters"
@@ -244,7 +253,7 @@ impl ToolRequest {
                 "start: \"[TOOL_CALLS][\" call{} \"]\"\ncall: {call}",
                 more("\", \"")
             ),
-            ToolFormat::Pythonic => return None,
+            ToolFormat::Pythonic | ToolFormat::Harmony => return None,
             // DeepSeek names the function outside the JSON: one alternative per tool, its
             // arguments in JSON.
             ToolFormat::DeepseekV3 => {
@@ -278,11 +287,13 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-/// A piece of the answer: text for `content`, or a call.
+/// A piece of the answer: text for `content`, a call, or (harmony, whose messages carry
+/// both) reasoning.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Piece {
     Text(String),
     Call(ToolCall),
+    Reasoning(String),
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -296,6 +307,7 @@ const DEEPSEEK_CLOSE: &str = "<｜tool▁calls▁end｜>";
 const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
 const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
 const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+const HARMONY_CHANNEL: &str = "<|channel|>";
 
 /// Parses calls out of streamed text ([`ToolParser::push`] each delta, then
 /// [`ToolParser::finish`]); the pieces, concatenated, are the whole answer.
@@ -308,6 +320,7 @@ pub struct ToolParser {
     in_call: bool,
     /// Llama 3: the answer's start has been seen to be text.
     decided: bool,
+    harmony: super::harmony::HarmonyParser,
 }
 
 impl ToolParser {
@@ -317,10 +330,14 @@ impl ToolParser {
             buf: String::new(),
             in_call: false,
             decided: false,
+            harmony: Default::default(),
         }
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if self.format == ToolFormat::Harmony {
+            return self.harmony.push(text);
+        }
         self.buf.push_str(text);
         let mut out = Vec::new();
         match self.format {
@@ -328,6 +345,8 @@ impl ToolParser {
             ToolFormat::Mistral => self.marker_to_end(MISTRAL_OPEN, &mut out),
             ToolFormat::DeepseekV3 => self.marker_to_end(DEEPSEEK_OPEN, &mut out),
             ToolFormat::Llama3Json | ToolFormat::Pythonic => self.llama3(&mut out),
+            // Parsed by its own parser (above).
+            ToolFormat::Harmony => {}
         }
         out
     }
@@ -335,6 +354,9 @@ impl ToolParser {
     /// The rest: a call still open is parsed as far as it got (a model may stop at eos
     /// without the closing marker), or released as text if it is not one.
     pub fn finish(&mut self) -> Vec<Piece> {
+        if self.format == ToolFormat::Harmony {
+            return self.harmony.finish();
+        }
         let mut out = Vec::new();
         if self.format == ToolFormat::Hermes {
             self.hermes(&mut out, true);
@@ -348,7 +370,9 @@ impl ToolParser {
                 }
                 ToolFormat::Mistral => (MISTRAL_OPEN, rest.as_str()),
                 ToolFormat::DeepseekV3 => (DEEPSEEK_OPEN, rest.as_str()),
-                ToolFormat::Llama3Json | ToolFormat::Pythonic => ("", rest.as_str()),
+                ToolFormat::Llama3Json | ToolFormat::Pythonic | ToolFormat::Harmony => {
+                    ("", rest.as_str())
+                }
             };
             match calls(self.format, body) {
                 Some(c) => out.extend(c.into_iter().map(Piece::Call)),

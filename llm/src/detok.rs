@@ -28,11 +28,13 @@ use tokenizers::{DecoderWrapper, Tokenizer};
 const REPLACEMENT: char = '\u{FFFD}';
 
 /// Every token's bytes for a byte-level tokenizer, special tokens empty (skipped, as serving
-/// decodes with `skip_special_tokens`).
+/// decodes with `skip_special_tokens`); their text is kept aside for requests that keep them.
 pub struct TokenBytes {
     data: Vec<u8>,
     /// Token `i` is `data[ends[i - 1]..ends[i]]` (`ends[-1]` = 0).
     ends: Vec<u32>,
+    /// The special tokens' text, for decoding without `skip_special_tokens`.
+    special: HashMap<u32, Box<str>>,
 }
 
 impl TokenBytes {
@@ -44,11 +46,14 @@ impl TokenBytes {
         let chars = byte_level_chars();
         let n = u32::try_from(t.get_vocab_size(true)).ok()?;
         let (mut data, mut ends) = (Vec::new(), Vec::with_capacity(n as usize));
+        let mut special = HashMap::new();
         for id in 0..n {
-            let skipped = t
-                .id_to_token(id)
-                .filter(|tok| !t.get_added_vocabulary().is_special_token(tok));
-            if let Some(tok) = skipped {
+            let tok = t.id_to_token(id);
+            if let Some(tok) = &tok
+                && t.get_added_vocabulary().is_special_token(tok)
+            {
+                special.insert(id, tok.as_str().into());
+            } else if let Some(tok) = tok {
                 // As the ByteLevel decoder does: a token with a char outside the byte map is
                 // taken as its UTF-8 bytes (added tokens written as plain text).
                 let mapped: Option<Vec<u8>> = tok.chars().map(|c| chars.get(&c).copied()).collect();
@@ -56,7 +61,11 @@ impl TokenBytes {
             }
             ends.push(u32::try_from(data.len()).ok()?);
         }
-        let table = Self { data, ends };
+        let table = Self {
+            data,
+            ends,
+            special,
+        };
         // Every token alone decodes as Hugging Face decodes it (lossily where it is part of a
         // character); anything else means a decoder detail this table does not model.
         let agrees = (0..n).all(|id| {
@@ -64,6 +73,11 @@ impl TokenBytes {
                 .is_ok_and(|d| String::from_utf8_lossy(table.get(id)) == d)
         });
         agrees.then_some(table)
+    }
+
+    /// A special token's text (`None` for the others).
+    pub(crate) fn special(&self, id: u32) -> Option<&str> {
+        self.special.get(&id).map(|s| &**s)
     }
 
     pub(crate) fn get(&self, id: u32) -> &[u8] {
@@ -118,6 +132,13 @@ impl Detokenizer {
         }
     }
 
+    /// Special tokens come out as their text (`skip_special_tokens: false`), as parsers of
+    /// formats written in special tokens need (harmony's channels, Mistral's `[TOOL_CALLS]`).
+    pub fn keeping_special(mut self, keep: bool) -> Self {
+        self.skip_special = !keep;
+        self
+    }
+
     /// Decoding through `table` (built from `tokenizer`).
     pub fn with_bytes(tokenizer: Arc<Tokenizer>, table: Arc<TokenBytes>) -> Self {
         Self {
@@ -165,7 +186,10 @@ impl Detokenizer {
     pub fn push(&mut self, id: u32) -> Result<String, tokenizers::Error> {
         self.ids.push(id);
         if let Some((table, pending)) = &mut self.bytes {
-            pending.extend_from_slice(table.get(id));
+            match table.special(id).filter(|_| !self.skip_special) {
+                Some(s) => pending.extend_from_slice(s.as_bytes()),
+                None => pending.extend_from_slice(table.get(id)),
+            }
             return Ok(Self::drain_bytes(pending, false));
         }
         let before = self.decode(&self.ids[self.prefix..self.read])?;
@@ -347,6 +371,18 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn special_tokens_kept_come_out_as_their_text(ids in proptest::collection::vec(0u32..689, 0..40)) {
+            let tok = tokenizer();
+            let full = tok.decode(&ids, false).expect("decode");
+            for d in [Detokenizer::new(tok.clone()), Detokenizer::with_bytes(tok.clone(), table())] {
+                let mut d = d.keeping_special(true);
+                let mut out: String = ids.iter().map(|&id| d.push(id).expect("push")).collect();
+                out += &d.finish().expect("finish");
+                prop_assert_eq!(&out, &full);
+            }
+        }
+
         #[test]
         fn incremental_equals_full_decode(ids in proptest::collection::vec(0u32..689, 0..60)) {
             let tok = tokenizer();

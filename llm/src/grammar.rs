@@ -106,29 +106,54 @@ pub fn compact_json() -> Value {
     })
 }
 
-/// llguidance's grammar for a constraint.
-fn top_level(c: &Constraint) -> TopLevelGrammar {
+/// The JSON Schema a JSON constraint compiles (`None` for the others), with the compact
+/// options unless the schema sets its own (`x-guidance`).
+fn json_schema(c: &Constraint) -> Option<Value> {
     let compact = compact_json();
     match c {
-        Constraint::JsonObject => {
-            TopLevelGrammar::from_json_schema(json!({"type": "object", "x-guidance": compact}))
-        }
+        Constraint::JsonObject => Some(json!({"type": "object", "x-guidance": compact})),
         Constraint::JsonSchema(schema) => {
             let mut schema = schema.clone();
-            // A schema that sets its own options (`x-guidance`) keeps them.
             if let Value::Object(o) = &mut schema {
                 o.entry("x-guidance").or_insert(compact);
             }
-            TopLevelGrammar::from_json_schema(schema)
+            Some(schema)
+        }
+        _ => None,
+    }
+}
+
+/// A choice of strings as a Lark expression (its literals take JSON's escapes).
+fn choice_expr(options: &[String]) -> String {
+    let alts: Vec<String> = options
+        .iter()
+        .map(|o| serde_json::to_string(o).unwrap_or_default())
+        .collect();
+    alts.join(" | ")
+}
+
+/// A constraint as one Lark expression, for a grammar that embeds it (harmony's final
+/// channel); `None` for a Lark grammar, which is a whole grammar of its own.
+pub fn lark_expr(c: &Constraint) -> Option<String> {
+    match c {
+        Constraint::JsonObject | Constraint::JsonSchema(_) => {
+            json_schema(c).map(|s| format!("%json {s}"))
+        }
+        Constraint::Regex(rx) => Some(format!("/{}/", rx.replace('/', "\\/"))),
+        Constraint::Choice(options) => Some(format!("({})", choice_expr(options))),
+        Constraint::Lark(_) => None,
+    }
+}
+
+/// llguidance's grammar for a constraint.
+fn top_level(c: &Constraint) -> TopLevelGrammar {
+    match c {
+        Constraint::JsonObject | Constraint::JsonSchema(_) => {
+            TopLevelGrammar::from_json_schema(json_schema(c).unwrap_or_default())
         }
         Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
         Constraint::Choice(options) => {
-            // Lark string literals take JSON's escapes.
-            let alts: Vec<String> = options
-                .iter()
-                .map(|o| serde_json::to_string(o).unwrap_or_default())
-                .collect();
-            TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+            TopLevelGrammar::from_lark(format!("start: {}", choice_expr(options)))
         }
         Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
     }

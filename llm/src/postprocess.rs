@@ -124,7 +124,8 @@ impl Operator for Postprocess {
             let mut detok = match &bytes {
                 Some(table) => Detokenizer::with_bytes(tokenizer.clone(), table.clone()),
                 None => Detokenizer::new(tokenizer.clone()),
-            };
+            }
+            .keeping_special(spec.keep_special);
             let mut stops = StopMatcher::new(spec.stop.clone());
             let mut prompt_sent = false;
             let usage = |tokens: usize| Usage {
@@ -215,6 +216,7 @@ mod tests {
             stop: stop.iter().map(|s| s.to_string()).collect(),
             stop_token_ids: Vec::new(),
             prompt_token_ids: None,
+            keep_special: false,
         })];
         for (i, id) in ids.into_iter().enumerate() {
             let finish = (i + 1 == n).then_some(FinishReason::Length);

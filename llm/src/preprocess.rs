@@ -351,24 +351,32 @@ impl Preprocess {
         };
         let min_tokens = req.limits.min_tokens.unwrap_or(0).min(max_tokens);
         let prompt_token_ids = req.limits.return_token_ids.then(|| token_ids.clone());
+        let stop = StopConditions {
+            max_tokens,
+            min_tokens,
+            ignore_eos: req.limits.ignore_eos,
+            eos_token_ids: self.model.eos_token_ids.clone(),
+            stop_token_ids: req.limits.stop_token_ids,
+        };
+        let keep_special = req.limits.keep_special;
         Ok(PreprocessedRequest {
             model: req.model,
             token_ids,
             sampling: req.sampling,
-            stop: StopConditions {
-                max_tokens,
-                min_tokens,
-                ignore_eos: req.limits.ignore_eos,
-                eos_token_ids: self.model.eos_token_ids.clone(),
-                stop_token_ids: req.limits.stop_token_ids.clone(),
-            },
             output: OutputSpec {
                 prompt_tokens: prompt,
                 min_tokens,
                 stop: req.limits.stop,
-                stop_token_ids: req.limits.stop_token_ids,
+                // With special tokens kept, eos (a special token) would show as text too.
+                stop_token_ids: if keep_special {
+                    stop.stop_tokens(stop.ignore_eos)
+                } else {
+                    stop.stop_token_ids.clone()
+                },
                 prompt_token_ids,
+                keep_special,
             },
+            stop,
             target: None,
             cached_tokens: 0,
             prefilled: None,

@@ -124,6 +124,10 @@ pub struct Limits {
     /// Return the prompt's and the answer's token ids (vLLM's `return_token_ids`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub return_token_ids: bool,
+    /// Special tokens stay in the text (vLLM's `skip_special_tokens: false`; formats written
+    /// in special tokens, such as harmony's channels, need them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_special: bool,
 }
 
 /// An OpenAI request after HTTP parsing: what the ingress sends down the graph.
@@ -181,6 +185,10 @@ pub struct OutputSpec {
     /// answer's with each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// Special tokens stay in the text ([`Limits::keep_special`]); the tokens that end the
+    /// output (eos too, then) are in `stop_token_ids`, so they still never show.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_special: bool,
 }
 
 /// A tokenized request, ready for an engine. `target` is filled in by `route`.
