@@ -426,11 +426,13 @@ impl EngineHandle {
         Ok((self.enqueue(req, SeqRole::Prefill, None, Some(otx))?, orx))
     }
 
-    /// The grammar state of a structured output whose output so far is `generated`.
+    /// The grammar state of a structured output whose output so far is `generated` and that
+    /// may write `max_tokens` more.
     fn guide(
         &self,
         c: &dyn_llm::types::Constraint,
         generated: &[u32],
+        max_tokens: u32,
     ) -> Result<crate::scheduler::Guided, OpError> {
         let model = self.settings.model.as_ref().ok_or_else(|| {
             OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
@@ -441,7 +443,7 @@ impl EngineHandle {
             .grammars()
             .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
         Ok(std::sync::Arc::new(parking_lot::Mutex::new(
-            grammars.guide(c.clone(), generated.to_vec()),
+            grammars.guide(c.clone(), generated.to_vec(), max_tokens),
         )))
     }
 
@@ -501,10 +503,13 @@ impl EngineHandle {
                 // The grammar replays what was generated: a migrated request's tokens after
                 // its prompt, and an imported one's first token, sampled by the prefill worker.
                 let mut generated = req.token_ids[prompt_len..].to_vec();
+                let mut budget = req.stop.max_tokens;
                 if let SeqRole::Imported { first_token } = role {
                     generated.push(first_token);
+                    // The first token counts against max_tokens here too.
+                    budget = budget.saturating_sub(1);
                 }
-                Some(self.guide(c, &generated)?)
+                Some(self.guide(c, &generated, budget)?)
             }
         };
         let spec = SeqSpec {

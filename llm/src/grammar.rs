@@ -12,6 +12,15 @@
 //! JSON is generated compactly with Python's separators (`", "`, `": "`) and no free
 //! whitespace: with flexible whitespace a small model can spend its whole budget on newlines
 //! inside an object, and the text a client parses is the same.
+//!
+//! A grammar cannot stop a model that loops inside what the grammar leaves unbounded (the
+//! digits of a fraction, a string without `maxLength`, a map's keys) until `max_tokens` cuts
+//! the answer into text no parser takes. So a guide knows its budget, and over its last tokens
+//! ([`closing_reserve`]) it steers toward the end ([`Steer`]): eos wherever the grammar is
+//! complete and, for JSON, inside a string the tokens that end it, outside one those that close
+//! an object or array, then short values and punctuation; the model still chooses among the
+//! tokens left. An answer ended that way reports `finish_reason: length` (the budget shaped
+//! it), and parses.
 
 use std::sync::Arc;
 
@@ -27,6 +36,9 @@ use super::types::Constraint;
 pub struct Grammars {
     factory: ParserFactory,
     eos: Vec<u32>,
+    /// What a guide prefers when its budget runs out, and every token's bytes (to follow
+    /// whether a JSON answer is inside a string).
+    steer: Steer,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -43,6 +55,7 @@ impl Grammars {
             .first()
             .ok_or("structured output needs an eos token, and the model has none")?;
         let words = token_bytes(tokenizer, vocab_size);
+        let steer = Steer::new(&words);
         // toktrie asserts on what it does not expect; a tokenizer is input, so a panic there
         // becomes an error for the requests that needed a grammar, not a dead process.
         let built = std::panic::catch_unwind(|| {
@@ -57,6 +70,7 @@ impl Grammars {
         Ok(Self {
             factory,
             eos: eos.to_vec(),
+            steer,
         })
     }
 
@@ -74,15 +88,44 @@ impl Grammars {
     }
 
     /// A guide for one request whose output so far is `generated` (non-empty when a migrated
-    /// request resumes).
-    pub fn guide(self: &Arc<Self>, c: Constraint, generated: Vec<u32>) -> Guide {
+    /// request resumes) and that may write `max_tokens` more.
+    pub fn guide(self: &Arc<Self>, c: Constraint, generated: Vec<u32>, max_tokens: u32) -> Guide {
+        let mut json =
+            matches!(c, Constraint::JsonSchema(_) | Constraint::JsonObject).then(JsonText::default);
+        if let Some(j) = &mut json {
+            generated.iter().for_each(|&t| j.feed(self.word(t)));
+        }
         Guide {
+            json,
             state: State::Pending {
                 grammars: self.clone(),
                 constraint: c,
                 replay: generated,
             },
+            left: max_tokens,
+            reserve: closing_reserve(max_tokens),
+            steered: false,
         }
+    }
+
+    fn word(&self, token: u32) -> &[u8] {
+        self.steer
+            .words
+            .get(token as usize)
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Narrows `mask` toward the end of the grammar (see the module docs): eos alone where
+    /// the grammar is complete, else (JSON, `json` telling whether inside a string) the
+    /// preferred tokens; whether it changed.
+    fn steer(&self, mask: &mut SimpleVob, json: Option<JsonText>) -> bool {
+        if self.eos.iter().any(|&t| mask.is_allowed(t)) {
+            let only = self.eos_only(mask.len());
+            let changed = only.num_set() != mask.num_set();
+            *mask = only;
+            return changed;
+        }
+        self.steer.narrow(mask, json.map(|j| j.in_string))
     }
 
     fn eos_only(&self, vocab: usize) -> SimpleVob {
@@ -94,6 +137,105 @@ impl Grammars {
         }
         v
     }
+}
+
+/// Classes of text tokens by their bytes, for steering an answer to its end.
+struct Steer {
+    words: Vec<Vec<u8>>,
+    /// A `"` (and no backslash): ends a JSON string, or starts one.
+    quote: SimpleVob,
+    /// A `}` or `]` (no quote, no backslash): closes an object or array.
+    close: SimpleVob,
+    /// Digits only: the shortest values.
+    digits: SimpleVob,
+    /// Punctuation only (no letters, digits or quotes; not only whitespace).
+    punctuation: SimpleVob,
+}
+
+impl Steer {
+    fn new(words: &[Vec<u8>]) -> Self {
+        let n = words.len();
+        let (mut quote, mut close, mut digits, mut punctuation) = (
+            SimpleVob::alloc(n),
+            SimpleVob::alloc(n),
+            SimpleVob::alloc(n),
+            SimpleVob::alloc(n),
+        );
+        for (id, w) in words.iter().enumerate() {
+            if w.is_empty() || w[0] == TokTrie::SPECIAL_TOKEN_MARKER || w.contains(&b'\\') {
+                continue;
+            }
+            let has = |c: &[u8]| w.iter().any(|b| c.contains(b));
+            if has(b"\"") {
+                quote.set(id, true);
+            } else if has(b"}]") {
+                close.set(id, true);
+            } else if w.iter().all(u8::is_ascii_digit) {
+                digits.set(id, true);
+            } else if !w.iter().any(u8::is_ascii_alphanumeric)
+                && !w.iter().all(u8::is_ascii_whitespace)
+            {
+                punctuation.set(id, true);
+            }
+        }
+        Self {
+            words: words.to_vec(),
+            quote,
+            close,
+            digits,
+            punctuation,
+        }
+    }
+
+    /// Narrows `mask` to the first preferred class it allows; whether it changed. Inside a
+    /// JSON string: what ends it, then punctuation (a formatted string's separators). Outside:
+    /// what closes, then digits, then a quote (a string that ends on the next token), then
+    /// punctuation. Other grammars are only ended where they are complete (by the caller).
+    fn narrow(&self, mask: &mut SimpleVob, json: Option<bool>) -> bool {
+        let order: &[&SimpleVob] = match json {
+            Some(true) => &[&self.quote, &self.punctuation],
+            Some(false) => &[&self.close, &self.digits, &self.quote, &self.punctuation],
+            None => &[],
+        };
+        for prefer in order {
+            if prefer.len() == mask.len() && !mask.and_is_zero(prefer) {
+                let before = mask.num_set();
+                mask.and(prefer);
+                return mask.num_set() != before;
+            }
+        }
+        false
+    }
+}
+
+/// Where a JSON answer's text stands: inside a string or not, after a backslash or not.
+#[derive(Debug, Default, Clone, Copy)]
+struct JsonText {
+    in_string: bool,
+    escaped: bool,
+}
+
+impl JsonText {
+    fn feed(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            if !self.in_string {
+                self.in_string = b == b'"';
+            } else if self.escaped {
+                self.escaped = false;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+            }
+        }
+    }
+}
+
+/// The last tokens of a structured output's budget, over which its guide steers toward the
+/// end: a quarter of it, from 8 to 64 tokens (closing a nested JSON value takes a few tokens
+/// per level and per required property still missing).
+pub fn closing_reserve(max_tokens: u32) -> u32 {
+    (max_tokens / 4).clamp(8, 64)
 }
 
 /// llguidance's JSON options (`x-guidance`) for the JSON dyn's grammars produce: Python's
@@ -224,6 +366,13 @@ enum State {
 /// after.
 pub struct Guide {
     state: State,
+    /// Tokens the output may still take, and from how many left it steers toward its end.
+    left: u32,
+    reserve: u32,
+    /// The budget steered the output toward its end (see the module docs).
+    steered: bool,
+    /// A JSON answer: where its text stands.
+    json: Option<JsonText>,
 }
 
 impl std::fmt::Debug for Guide {
@@ -268,6 +417,9 @@ impl Guide {
                     if m.len() != vocab {
                         m.resize(vocab.max(m.len()));
                     }
+                    if self.left <= self.reserve && grammars.steer(&mut m, self.json) {
+                        self.steered = true;
+                    }
                     return m;
                 }
                 Ok(_) => grammars.clone(),
@@ -284,8 +436,20 @@ impl Guide {
         eos
     }
 
+    /// Whether the budget steered the output toward its end (it then ends as if cut by
+    /// `max_tokens`, but parses).
+    pub fn steered(&self) -> bool {
+        self.steered
+    }
+
     /// The token sampled under the last mask.
     pub fn commit(&mut self, token: u32) {
+        self.left = self.left.saturating_sub(1);
+        if let (Some(j), State::Ready { grammars, .. } | State::Broken(grammars)) =
+            (&mut self.json, &self.state)
+        {
+            j.feed(grammars.word(token));
+        }
         if let State::Ready { grammars, matcher } = &mut self.state
             && let Err(e) = matcher.consume_token(token)
         {
@@ -321,12 +485,24 @@ mod tests {
 
     /// Greedy decoding under the mask with a "model" that prefers the highest ids.
     fn run(g: &Arc<Grammars>, t: &Tokenizer, c: Constraint) -> String {
+        run_with(g, t, c, 200, |i| (i % 97) as f32).0
+    }
+
+    /// Greedy decoding of at most `max_tokens` under the mask, the "model" scoring token `i`
+    /// `score(i)`; the text, and whether the budget steered it.
+    fn run_with(
+        g: &Arc<Grammars>,
+        t: &Tokenizer,
+        c: Constraint,
+        max_tokens: u32,
+        score: impl Fn(usize) -> f32,
+    ) -> (String, bool) {
         let vocab = t.get_vocab_size(true);
-        let mut guide = g.guide(c, Vec::new());
+        let mut guide = g.guide(c, Vec::new(), max_tokens);
         let mut out = Vec::new();
-        for _ in 0..200 {
+        for _ in 0..max_tokens {
             let mask = guide.mask(vocab);
-            let mut logits: Vec<f32> = (0..vocab).map(|i| (i % 97) as f32).collect();
+            let mut logits: Vec<f32> = (0..vocab).map(&score).collect();
             apply(&mask, &mut logits);
             let tok = dyn_compute::sample::argmax(&logits);
             guide.commit(tok);
@@ -335,7 +511,43 @@ mod tests {
             }
             out.push(tok);
         }
-        t.decode(&out, true).expect("decodes")
+        (t.decode(&out, true).expect("decodes"), guide.steered())
+    }
+
+    #[test]
+    fn a_model_looping_inside_an_unbounded_string_still_ends_in_valid_json() {
+        let (g, t) = tiny();
+        // A "model" that always wants the letter `a`: the string never ends by itself.
+        let a = t.token_to_id("a").expect("a") as usize;
+        let schema = json!({"type": "object", "properties": {"name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
+            "required": ["name", "tags"], "additionalProperties": false});
+        for max_tokens in [80, 160, 300] {
+            let (s, steered) = run_with(
+                &g,
+                &t,
+                Constraint::JsonSchema(schema.clone()),
+                max_tokens,
+                |i| {
+                    if i == a { 1.0 } else { 0.0 }
+                },
+            );
+            let v: Value = serde_json::from_str(&s).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+            assert!(
+                v["name"].as_str().is_some_and(|n| n.starts_with('a')),
+                "{s}"
+            );
+            assert!(!v["tags"].as_array().expect("tags").is_empty(), "{s}");
+            assert!(steered, "{s}");
+        }
+        // A "model" that loops in a map's key (`{"||||…`) gets a closed map.
+        let (s, steered) = run_with(&g, &t, Constraint::JsonObject, 300, |i| (i % 97) as f32);
+        assert!(serde_json::from_str::<Value>(&s).is_ok() && steered, "{s}");
+        // An answer that ends by itself well within its budget is not steered.
+        let bounded = json!({"type": "object", "properties": {"tag": {"enum": ["a", "b"]}},
+            "required": ["tag"], "additionalProperties": false});
+        let (s, steered) = run_with(&g, &t, Constraint::JsonSchema(bounded), 300, |i| i as f32);
+        assert!(serde_json::from_str::<Value>(&s).is_ok() && !steered, "{s}");
     }
 
     #[test]
@@ -383,7 +595,11 @@ mod tests {
     fn a_migrated_request_continues_the_grammar_where_it_was() {
         let (g, t) = tiny();
         let done = t.encode("ye", false).expect("encodes").get_ids().to_vec();
-        let mut guide = g.guide(Constraint::Choice(vec!["yes".into(), "no".into()]), done);
+        let mut guide = g.guide(
+            Constraint::Choice(vec!["yes".into(), "no".into()]),
+            done,
+            16,
+        );
         let mask = guide.mask(t.get_vocab_size(true));
         let s_id = t.token_to_id("s").expect("s");
         let n_id = t.token_to_id("n").expect("n");

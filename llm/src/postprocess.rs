@@ -156,9 +156,10 @@ impl Operator for Postprocess {
                 let n = ids.len();
                 for (k, &id) in ids.iter().enumerate() {
                     used += 1;
-                    if k + 1 == n && finish == Some(FinishReason::Stop) && spec.stop_token_ids.contains(&id) {
+                    if k + 1 == n && finish.is_some() && spec.stop_token_ids.contains(&id) {
                         // One of the request's stop tokens ends the answer without being part
                         // of it, as vLLM leaves it out (eos, a special token, has no text).
+                        // (`length` too: a structured output its budget steered to eos.)
                         stop_token = 1;
                         break;
                     }

@@ -658,7 +658,13 @@ impl Scheduler {
                 let stopped = seq.spec.stop_tokens.contains(&t)
                     && seq.spec.offset + seq.generated > seq.spec.min_tokens;
                 let finish = if stopped {
-                    Some(FinishReason::Stop)
+                    // A structured output its budget steered to an end was cut by it.
+                    let steered = seq.spec.guide.as_ref().is_some_and(|g| g.lock().steered());
+                    Some(if steered {
+                        FinishReason::Length
+                    } else {
+                        FinishReason::Stop
+                    })
                 } else {
                     (seq.generated >= seq.spec.max_tokens || seq.spec.role == SeqRole::Prefill)
                         .then_some(FinishReason::Length)
