@@ -34,7 +34,9 @@ use std::time::Duration;
 
 use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_llm::model::ModelDir;
-use dyn_llm::types::{FinishReason, Generated, PreprocessedRequest, StopConditions};
+use dyn_llm::types::{
+    FinishReason, Generated, Logprobs, PreprocessedRequest, StopConditions, TokenLogprob,
+};
 use eventsource_stream::{Event, Eventsource};
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
@@ -46,8 +48,8 @@ pub use config::{ExternalConfig, ExternalKind};
 use protocol::{Ask, Chunk, Prompt};
 use server::{Endpoint, Server, ServerSpec};
 
-/// One streamed event's output tokens and finish reason.
-type Tokens = (Vec<u32>, Option<FinishReason>);
+/// One streamed event's output tokens, finish reason and (when asked) log-probabilities.
+type Tokens = (Vec<u32>, Option<FinishReason>, Vec<TokenLogprob>);
 
 /// A replica whose engine is an external server.
 pub struct ExternalEngine {
@@ -202,7 +204,8 @@ impl ExternalEngine {
                 let mut events = resp.bytes_stream().eventsource();
                 let mut health = self.server.watch();
                 loop {
-                    let (ids, f) = match self.next_chunk(&mut events, &mut health, &ep, stop, produced.len()).await {
+                    let top = req.sampling.logprobs.unwrap_or(0) as usize;
+                    let (ids, f, lps) = match self.next_chunk(&mut events, &mut health, &ep, stop, produced.len(), top).await {
                         Ok(Some(chunk)) => chunk,
                         // Closed before a finish reason: the server failed mid-request.
                         Ok(None) => {
@@ -217,7 +220,8 @@ impl ExternalEngine {
                     produced.extend_from_slice(&ids);
                     let report = reported(f, last_phase, produced.len(), max);
                     if !ids.is_empty() || report.is_some() {
-                        yield Ok(Generated::Tokens { ids, finish: report, logprobs: None });
+                        let logprobs = (!lps.is_empty()).then(|| Box::new(Logprobs { tokens: lps, ..Logprobs::default() }));
+                        yield Ok(Generated::Tokens { ids, finish: report, logprobs });
                     }
                     if report.is_some() {
                         return;
@@ -301,9 +305,10 @@ impl ExternalEngine {
         ep: &Endpoint,
         stop: &StopConditions,
         before: usize,
+        top: usize,
     ) -> Result<Option<Tokens>, OpError> {
         while let Some(data) = self.next_data(events, health, ep).await? {
-            if let Some(chunk) = self.chunk(&data, stop, before)? {
+            if let Some(chunk) = self.chunk(&data, stop, before, top)? {
                 return Ok(Some(chunk));
             }
         }
@@ -354,12 +359,13 @@ impl ExternalEngine {
         data: &str,
         stop: &StopConditions,
         before: usize,
+        top: usize,
     ) -> Result<Option<Tokens>, OpError> {
-        let (mut ids, mut f) = match protocol::parse(self.kind, data) {
+        let (mut ids, mut f, mut lps) = match protocol::parse(self.kind, data, top) {
             Ok(Chunk::Nothing) => return Ok(None),
-            Ok(Chunk::Tokens(ids, f)) => (ids, f),
+            Ok(Chunk::Tokens(ids, f, lps)) => (ids, f, lps),
             Ok(Chunk::Text(text, f)) => match self.tokenizer.encode(text, false) {
-                Ok(enc) => (enc.get_ids().to_vec(), f),
+                Ok(enc) => (enc.get_ids().to_vec(), f, Vec::new()),
                 Err(e) => {
                     return Err(OpError::internal(format!(
                         "cannot tokenize the engine's text: {e}"
@@ -375,9 +381,10 @@ impl ExternalEngine {
             })
         {
             ids.truncate(j + 1);
+            lps.truncate(j + 1);
             f = Some(FinishReason::Stop);
         }
-        Ok(Some((ids, f)))
+        Ok(Some((ids, f, lps)))
     }
 }
 

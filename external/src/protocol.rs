@@ -5,9 +5,10 @@
 //! `return_tokens`. A generic OpenAI server: `/v1/completions` with the prompt decoded to text;
 //! its text comes back and dyn tokenizes it again. Sampling parameters go through as the
 //! request resolved them (preprocess already applied the model's defaults), so every server
-//! samples the same way dyn's own engines do.
+//! samples the same way dyn's own engines do. vLLM also returns each token's log-probability
+//! and top alternatives (`logprobs`, with `return_tokens_as_token_ids` so they name ids).
 
-use dyn_llm::types::{Constraint, FinishReason, PreprocessedRequest};
+use dyn_llm::types::{Constraint, FinishReason, PreprocessedRequest, TokenLogprob};
 use serde_json::{Map, Value, json};
 
 use super::config::ExternalKind;
@@ -51,10 +52,17 @@ pub fn request(
     ask: &Ask<'_>,
 ) -> Result<Call, (&'static str, String)> {
     let s = &req.sampling;
-    if s.logprobs.is_some() || s.prompt_logprobs.is_some() {
+    if s.prompt_logprobs.is_some() {
         return Err((
             "logprobs",
-            "log-probabilities are not forwarded to external engines yet".into(),
+            "a prompt's log-probabilities (echo) need a native worker".into(),
+        ));
+    }
+    if s.logprobs.is_some() && kind != ExternalKind::Vllm {
+        return Err((
+            "logprobs",
+            "log-probabilities come from native and vLLM workers; this worker's server is not one"
+                .into(),
         ));
     }
     let mut body = Map::new();
@@ -110,6 +118,10 @@ pub fn request(
             }
             if kind == ExternalKind::Vllm {
                 put("return_token_ids", json!(true));
+                if let Some(n) = s.logprobs {
+                    put("logprobs", json!(n));
+                    put("return_tokens_as_token_ids", json!(true));
+                }
                 // The model's eos ids as dyn knows them (config, generation config,
                 // tokenizer), not only the one vLLM reads, and the client's.
                 let stop = req.stop.stop_tokens(ask.ignore_eos);
@@ -212,13 +224,15 @@ fn llamacpp_constraint(c: &Constraint) -> Result<(&'static str, Value), String> 
 /// One streamed event, read.
 #[derive(Debug, PartialEq)]
 pub enum Chunk {
-    Tokens(Vec<u32>, Option<FinishReason>),
+    /// Token ids, the finish reason, and (vLLM, when asked) each token's log-probability.
+    Tokens(Vec<u32>, Option<FinishReason>, Vec<TokenLogprob>),
     Text(String, Option<FinishReason>),
     /// Nothing for the client (a usage-only chunk).
     Nothing,
 }
 
-pub fn parse(kind: ExternalKind, data: &str) -> Result<Chunk, String> {
+/// One event's data; `top`: the alternatives asked for with each log-probability.
+pub fn parse(kind: ExternalKind, data: &str, top: usize) -> Result<Chunk, String> {
     let v: Value = serde_json::from_str(data).map_err(|e| format!("unreadable chunk: {e}"))?;
     if let Some(e) = v.get("error") {
         let msg = e
@@ -254,7 +268,12 @@ pub fn parse(kind: ExternalKind, data: &str) -> Result<Chunk, String> {
                 if choice.get("token_ids").is_none_or(Value::is_null) && finish.is_none() {
                     return Err("the server sent no token ids: is it vLLM 0.10.2 or later?".into());
                 }
-                Ok(Chunk::Tokens(ids(choice.get("token_ids"))?, finish))
+                let ids = ids(choice.get("token_ids"))?;
+                let lps = match choice.get("logprobs") {
+                    Some(l @ Value::Object(_)) => vllm_logprobs(l, &ids, top)?,
+                    _ => Vec::new(),
+                };
+                Ok(Chunk::Tokens(ids, finish, lps))
             } else {
                 let text = choice.get("text").and_then(Value::as_str).unwrap_or("");
                 Ok(Chunk::Text(text.to_owned(), finish))
@@ -266,9 +285,54 @@ pub fn parse(kind: ExternalKind, data: &str) -> Result<Chunk, String> {
                 Some("limit") => FinishReason::Length,
                 _ => FinishReason::Stop,
             });
-            Ok(Chunk::Tokens(ids(v.get("tokens"))?, finish))
+            Ok(Chunk::Tokens(ids(v.get("tokens"))?, finish, Vec::new()))
         }
     }
+}
+
+/// `token_id:123` (vLLM's `return_tokens_as_token_ids`) as 123.
+fn token_id(s: &str) -> Result<u32, String> {
+    s.strip_prefix("token_id:")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("a log-probability names {s:?}, not a token id"))
+}
+
+/// A completions chunk's `logprobs` (`token_logprobs`, `top_logprobs` maps from token to
+/// log-probability), one per token of `ids`; the alternatives best first, `asked` of them
+/// (the map adds the sampled token when it is not among them).
+fn vllm_logprobs(l: &Value, ids: &[u32], asked: usize) -> Result<Vec<TokenLogprob>, String> {
+    let list = |k: &str| {
+        l.get(k)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let (lps, tops) = (list("token_logprobs"), list("top_logprobs"));
+    if lps.len() != ids.len() {
+        return Err(format!(
+            "{} log-probabilities for {} tokens",
+            lps.len(),
+            ids.len()
+        ));
+    }
+    ids.iter()
+        .enumerate()
+        .map(|(i, &token)| {
+            let mut top = Vec::new();
+            if let Some(m) = tops.get(i).and_then(Value::as_object) {
+                for (k, v) in m {
+                    top.push((token_id(k)?, v.as_f64().unwrap_or(f64::NEG_INFINITY) as f32));
+                }
+            }
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            top.truncate(asked);
+            Ok(TokenLogprob {
+                token,
+                logprob: lps[i].as_f64().unwrap_or(f64::NEG_INFINITY) as f32,
+                top,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -306,22 +370,64 @@ mod tests {
         let chunk =
             r#"{"choices":[{"index":0,"text":"x","finish_reason":null,"token_ids":[7,8]}]}"#;
         assert_eq!(
-            parse(ExternalKind::Vllm, chunk),
-            Ok(Chunk::Tokens(vec![7, 8], None))
+            parse(ExternalKind::Vllm, chunk, 0),
+            Ok(Chunk::Tokens(vec![7, 8], None, vec![]))
         );
         let last = r#"{"choices":[{"text":"","finish_reason":"length","token_ids":[9]}]}"#;
         assert_eq!(
-            parse(ExternalKind::Vllm, last),
-            Ok(Chunk::Tokens(vec![9], Some(FinishReason::Length)))
+            parse(ExternalKind::Vllm, last, 0),
+            Ok(Chunk::Tokens(vec![9], Some(FinishReason::Length), vec![]))
         );
         assert_eq!(
-            parse(ExternalKind::Vllm, r#"{"choices":[],"usage":{}}"#),
+            parse(ExternalKind::Vllm, r#"{"choices":[],"usage":{}}"#, 0),
             Ok(Chunk::Nothing)
         );
-        let e = parse(ExternalKind::Vllm, r#"{"error":{"message":"too long"}}"#).unwrap_err();
+        let e = parse(ExternalKind::Vllm, r#"{"error":{"message":"too long"}}"#, 0).unwrap_err();
         assert!(e.ends_with("too long"), "{e}");
-        let e = parse(ExternalKind::Vllm, r#"{"choices":[{"text":"x"}]}"#).unwrap_err();
+        let e = parse(ExternalKind::Vllm, r#"{"choices":[{"text":"x"}]}"#, 0).unwrap_err();
         assert!(e.contains("no token ids"), "{e}");
+    }
+
+    #[test]
+    fn vllm_gives_log_probabilities_by_token_id() {
+        let mut r = req();
+        r.sampling.logprobs = Some(2);
+        let c =
+            request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids))).expect("a call");
+        assert_eq!(c.body["logprobs"], 2);
+        assert_eq!(c.body["return_tokens_as_token_ids"], true);
+        // The sampled token (9) is not among the two best at the second position: vLLM adds
+        // it to the map, and it is not an alternative.
+        let chunk = r#"{"choices":[{"text":"ab","finish_reason":null,"token_ids":[7,9],"logprobs":{
+            "tokens":["token_id:7","token_id:9"],"token_logprobs":[-0.1,-3.5],"text_offset":[0,1],
+            "top_logprobs":[{"token_id:7":-0.1,"token_id:4":-2.5},
+                            {"token_id:1":-0.2,"token_id:9":-3.5,"token_id:3":-1.9}]}}]}"#;
+        let lp = |token, logprob, top: Vec<(u32, f32)>| TokenLogprob {
+            token,
+            logprob,
+            top,
+        };
+        assert_eq!(
+            parse(ExternalKind::Vllm, chunk, 2),
+            Ok(Chunk::Tokens(
+                vec![7, 9],
+                None,
+                vec![
+                    lp(7, -0.1, vec![(7, -0.1), (4, -2.5)]),
+                    lp(9, -3.5, vec![(1, -0.2), (3, -1.9)])
+                ]
+            ))
+        );
+        // Elsewhere, or for a prompt's log-probabilities, a 400 naming the field.
+        let e = request(
+            ExternalKind::Llamacpp,
+            &r,
+            &ask(Prompt::Tokens(&r.token_ids)),
+        );
+        assert_eq!(e.err().map(|e| e.0), Some("logprobs"));
+        r.sampling.prompt_logprobs = Some(1);
+        let e = request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids)));
+        assert_eq!(e.err().map(|e| e.0), Some("logprobs"));
     }
 
     #[test]
@@ -404,23 +510,26 @@ mod tests {
         assert_eq!(
             parse(
                 ExternalKind::Llamacpp,
-                r#"{"content":"a","tokens":[79],"stop":false}"#
+                r#"{"content":"a","tokens":[79],"stop":false}"#,
+                0
             ),
-            Ok(Chunk::Tokens(vec![79], None))
+            Ok(Chunk::Tokens(vec![79], None, vec![]))
         );
         assert_eq!(
             parse(
                 ExternalKind::Llamacpp,
-                r#"{"content":"","tokens":[],"stop":true,"stop_type":"limit"}"#
+                r#"{"content":"","tokens":[],"stop":true,"stop_type":"limit"}"#,
+                0
             ),
-            Ok(Chunk::Tokens(vec![], Some(FinishReason::Length)))
+            Ok(Chunk::Tokens(vec![], Some(FinishReason::Length), vec![]))
         );
         assert_eq!(
             parse(
                 ExternalKind::Llamacpp,
-                r#"{"tokens":[],"stop":true,"stop_type":"eos"}"#
+                r#"{"tokens":[],"stop":true,"stop_type":"eos"}"#,
+                0
             ),
-            Ok(Chunk::Tokens(vec![], Some(FinishReason::Stop)))
+            Ok(Chunk::Tokens(vec![], Some(FinishReason::Stop), vec![]))
         );
     }
 
@@ -440,7 +549,8 @@ mod tests {
         assert_eq!(
             parse(
                 ExternalKind::Openai,
-                r#"{"choices":[{"text":" there","finish_reason":"stop"}]}"#
+                r#"{"choices":[{"text":" there","finish_reason":"stop"}]}"#,
+                0
             ),
             Ok(Chunk::Text(" there".into(), Some(FinishReason::Stop)))
         );

@@ -644,6 +644,42 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
     assert!(is_weather(&args), "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
 
+    // Log-probabilities come from vLLM: the same as its own answer's to the same token ids.
+    let own = post(
+        &format!("{direct}/v1/completions"),
+        &json!({"model": "smollm2", "prompt": ids, "max_tokens": 6, "temperature": 0,
+                "logprobs": 2}),
+    )
+    .await;
+    let own_lps = &own["choices"][0]["logprobs"];
+    let v = post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "smollm2", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}),
+    )
+    .await;
+    let lps = &v["choices"][0]["logprobs"];
+    assert_eq!(lps["tokens"], own_lps["tokens"], "{v} vs {own}");
+    for (a, b) in lps["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(own_lps["token_logprobs"].as_array().unwrap())
+    {
+        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4, "{v} vs {own}");
+    }
+    assert_eq!(lps["top_logprobs"][0].as_object().unwrap().len(), 2, "{v}");
+    let chat_lps = json!({"model": "smollm2", "max_tokens": 4, "temperature": 0, "logprobs": true,
+        "top_logprobs": 3, "messages": [{"role": "user", "content": "Hi"}]});
+    let v = post(&g.url("/v1/chat/completions"), &chat_lps).await;
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert!(!content.is_empty(), "{v}");
+    for t in content {
+        // Greedy: the token is the most likely one.
+        assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 3, "{v}");
+        assert_eq!(t["token"], t["top_logprobs"][0]["token"], "{v}");
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0, "{v}");
+    }
+
     // A repeated long prompt stays where vLLM's KV events say its prefix is cached.
     let long = "the quick brown fox jumps over the lazy dog ".repeat(60);
     let long_body = json!({"model": "smollm2", "prompt": long, "max_tokens": 2, "temperature": 0});
