@@ -5,8 +5,10 @@
 //! `return_tokens`. A generic OpenAI server: `/v1/completions` with the prompt decoded to text;
 //! its text comes back and dyn tokenizes it again. Sampling parameters go through as the
 //! request resolved them (preprocess already applied the model's defaults), so every server
-//! samples the same way dyn's own engines do. vLLM also returns each token's log-probability
-//! and top alternatives (`logprobs`, with `return_tokens_as_token_ids` so they name ids).
+//! samples the same way dyn's own engines do. vLLM and llama.cpp also return each token's
+//! log-probability and top alternatives by id (vLLM's `logprobs` with
+//! `return_tokens_as_token_ids`, llama.cpp's `n_probs`), from the model's distribution before
+//! sampling, as dyn's native engine reports them.
 
 use dyn_llm::types::{Constraint, FinishReason, PreprocessedRequest, TokenLogprob};
 use serde_json::{Map, Value, json};
@@ -58,10 +60,10 @@ pub fn request(
             "a prompt's log-probabilities (echo) need a native worker".into(),
         ));
     }
-    if s.logprobs.is_some() && kind != ExternalKind::Vllm {
+    if s.logprobs.is_some() && kind == ExternalKind::Openai {
         return Err((
             "logprobs",
-            "log-probabilities come from native and vLLM workers; this worker's server is not one"
+            "log-probabilities come from native, vLLM and llama.cpp workers; this worker's server is none of them"
                 .into(),
         ));
     }
@@ -142,6 +144,10 @@ pub fn request(
         ExternalKind::Llamacpp => {
             put("n_predict", json!(ask.max_tokens));
             put("return_tokens", json!(true));
+            if let Some(n) = s.logprobs {
+                // With 0 it would send none at all: one, left out again when read.
+                put("n_probs", json!(n.max(1)));
+            }
             put("cache_prompt", json!(true));
             put("ignore_eos", json!(ask.ignore_eos));
             // llama.cpp's own defaults (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8)
@@ -285,9 +291,56 @@ pub fn parse(kind: ExternalKind, data: &str, top: usize) -> Result<Chunk, String
                 Some("limit") => FinishReason::Length,
                 _ => FinishReason::Stop,
             });
-            Ok(Chunk::Tokens(ids(v.get("tokens"))?, finish, Vec::new()))
+            let ids = ids(v.get("tokens"))?;
+            let lps = match v.get("completion_probabilities") {
+                Some(Value::Array(p)) => llamacpp_logprobs(p, &ids, top)?,
+                _ => Vec::new(),
+            };
+            Ok(Chunk::Tokens(ids, finish, lps))
         }
     }
+}
+
+/// llama.cpp's `completion_probabilities` (`{id, logprob, top_logprobs: [{id, logprob}]}` per
+/// token), one per token of `ids`, `asked` alternatives each.
+fn llamacpp_logprobs(p: &[Value], ids: &[u32], asked: usize) -> Result<Vec<TokenLogprob>, String> {
+    if p.len() != ids.len() {
+        return Err(format!(
+            "{} log-probabilities for {} tokens",
+            p.len(),
+            ids.len()
+        ));
+    }
+    let one = |v: &Value| -> Result<(u32, f32), String> {
+        let id = v
+            .get("id")
+            .and_then(Value::as_u64)
+            .and_then(|t| u32::try_from(t).ok())
+            .ok_or_else(|| format!("a log-probability without a token id: {v}"))?;
+        let lp = v
+            .get("logprob")
+            .and_then(Value::as_f64)
+            .unwrap_or(f64::NEG_INFINITY);
+        Ok((id, lp as f32))
+    };
+    p.iter()
+        .zip(ids)
+        .map(|(e, &token)| {
+            let (_, logprob) = one(e)?;
+            let mut top = e
+                .get("top_logprobs")
+                .and_then(Value::as_array)
+                .map(|a| a.iter().map(one).collect::<Result<Vec<_>, _>>())
+                .transpose()?
+                .unwrap_or_default();
+            top.truncate(asked);
+            Ok(TokenLogprob {
+                token,
+                logprob,
+                top,
+            })
+        })
+        .collect()
 }
 
 /// `token_id:123` (vLLM's `return_tokens_as_token_ids`) as 123.
@@ -418,12 +471,26 @@ mod tests {
                 ]
             ))
         );
-        // Elsewhere, or for a prompt's log-probabilities, a 400 naming the field.
-        let e = request(
+        // llama.cpp: `n_probs`, and its `completion_probabilities`.
+        let c = request(
             ExternalKind::Llamacpp,
             &r,
             &ask(Prompt::Tokens(&r.token_ids)),
         );
+        assert_eq!(c.expect("a call").body["n_probs"], 2);
+        let chunk = r#"{"content":" Paris","tokens":[7042],"stop":false,"completion_probabilities":[
+            {"id":7042,"token":" Paris","logprob":-0.25,"top_logprobs":[{"id":7042,"logprob":-0.25},
+             {"id":260,"logprob":-2.75}]}]}"#;
+        assert_eq!(
+            parse(ExternalKind::Llamacpp, chunk, 1),
+            Ok(Chunk::Tokens(
+                vec![7042],
+                None,
+                vec![lp(7042, -0.25, vec![(7042, -0.25)])]
+            ))
+        );
+        // A generic OpenAI server, or a prompt's log-probabilities: a 400 naming the field.
+        let e = request(ExternalKind::Openai, &r, &ask(Prompt::Text("x".into())));
         assert_eq!(e.err().map(|e| e.0), Some("logprobs"));
         r.sampling.prompt_logprobs = Some(1);
         let e = request(ExternalKind::Vllm, &r, &ask(Prompt::Tokens(&r.token_ids)));

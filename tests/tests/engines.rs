@@ -312,6 +312,36 @@ async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
         stream_text(&url, &streamed).await,
         Ok((own_text.clone(), "length".into()))
     );
+    // Log-probabilities come from llama.cpp: its own for the same token ids.
+    let own = post(
+        &format!("{direct}/completion"),
+        &json!({"prompt": ids, "n_predict": 4, "temperature": 0, "n_probs": 2}),
+    )
+    .await;
+    let own_lps: Vec<f64> = own["completion_probabilities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["logprob"].as_f64().unwrap())
+        .collect();
+    let body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2});
+    let (status, v) = completion(&url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    let lps = v["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    assert_eq!(lps.len(), own_lps.len(), "{v} vs {own}");
+    for (a, b) in lps.iter().zip(&own_lps) {
+        assert!((a.as_f64().unwrap() - b).abs() < 1e-4, "{v} vs {own}");
+    }
+    assert_eq!(
+        v["choices"][0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .len(),
+        2,
+        "{v}"
+    );
     // Chat, unary and streamed: the same shape as dyn's own engines give; the answer ends at the
     // model's end-of-turn token.
     let chat = json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}],
@@ -665,7 +695,10 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
         .iter()
         .zip(own_lps["token_logprobs"].as_array().unwrap())
     {
-        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4, "{v} vs {own}");
+        assert!(
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4,
+            "{v} vs {own}"
+        );
     }
     assert_eq!(lps["top_logprobs"][0].as_object().unwrap().len(), 2, "{v}");
     let chat_lps = json!({"model": "smollm2", "max_tokens": 4, "temperature": 0, "logprobs": true,
