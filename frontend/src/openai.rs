@@ -1294,8 +1294,13 @@ fn sse(
                 l
             });
             if let Some((parser, calls)) = &mut st.tools {
-                if let Some(l) = lps {
-                    yield Ok(with(i, shape.delta("", None, include_usage), Some(l)));
+                // The delta's log-probabilities and token ids go ahead of the text and calls
+                // the parser releases from it.
+                let has_ids = opts.token_ids
+                    && (d.token_ids.as_ref().is_some_and(|t| !t.is_empty()) || d.prompt_token_ids.is_some());
+                if lps.is_some() || has_ids {
+                    let v = ids(shape.delta("", None, include_usage), &mut d);
+                    yield Ok(with(i, v, lps));
                 }
                 // Text passes as the parser releases it; each call is one chunk.
                 let mut pieces = parser.push(&d.text);

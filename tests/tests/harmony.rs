@@ -48,8 +48,12 @@ async fn post(g: &Graph, body: Value) -> Value {
     r.json().await.unwrap()
 }
 
-/// A streamed answer put back together: reasoning, content, calls (name, arguments), finish.
-async fn stream(g: &Graph, mut body: Value) -> (String, String, Vec<(String, String)>, String) {
+/// A streamed answer put back together: reasoning, content, calls (name, arguments), finish,
+/// token ids (with `return_token_ids`).
+async fn stream(
+    g: &Graph,
+    mut body: Value,
+) -> (String, String, Vec<(String, String)>, String, Vec<Value>) {
     body["stream"] = json!(true);
     let text = reqwest::Client::new()
         .post(g.url("/v1/chat/completions"))
@@ -60,8 +64,13 @@ async fn stream(g: &Graph, mut body: Value) -> (String, String, Vec<(String, Str
         .text()
         .await
         .unwrap();
-    let (mut reasoning, mut content, mut calls, mut finish) =
-        (String::new(), String::new(), Vec::new(), String::new());
+    let (mut reasoning, mut content, mut calls, mut finish, mut ids) = (
+        String::new(),
+        String::new(),
+        Vec::new(),
+        String::new(),
+        Vec::new(),
+    );
     for e in text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
         if e == "[DONE]" {
             break;
@@ -69,6 +78,7 @@ async fn stream(g: &Graph, mut body: Value) -> (String, String, Vec<(String, Str
         let v: Value = serde_json::from_str(e).unwrap();
         let c = &v["choices"][0];
         let d = &c["delta"];
+        ids.extend(c["token_ids"].as_array().into_iter().flatten().cloned());
         reasoning += d["reasoning_content"].as_str().unwrap_or("");
         content += d["content"].as_str().unwrap_or("");
         for t in d["tool_calls"].as_array().into_iter().flatten() {
@@ -81,7 +91,7 @@ async fn stream(g: &Graph, mut body: Value) -> (String, String, Vec<(String, Str
             finish = f.to_owned();
         }
     }
-    (reasoning, content, calls, finish)
+    (reasoning, content, calls, finish, ids)
 }
 
 fn no_markup(s: &str) {
@@ -111,8 +121,18 @@ async fn harmony_channels_become_reasoning_content_and_calls() {
             .unwrap_or("");
         no_markup(reasoning);
         reasoned += usize::from(!reasoning.is_empty());
-        // Streamed: the same answer (same seed), in pieces.
-        let (r, c, calls, finish) = stream(&g, forced).await;
+        // Streamed: the same answer (same seed), in pieces; with vLLM's return_token_ids,
+        // the same ids.
+        let mut with_ids = forced.clone();
+        with_ids["return_token_ids"] = json!(true);
+        let unary_ids = post(&g, with_ids.clone()).await["choices"][0]["token_ids"].clone();
+        assert_eq!(
+            unary_ids.as_array().map(Vec::len),
+            v["usage"]["completion_tokens"].as_u64().map(|n| n as usize)
+        );
+        let (_, _, _, _, streamed_ids) = stream(&g, with_ids).await;
+        assert_eq!(json!(streamed_ids), unary_ids);
+        let (r, c, calls, finish, _) = stream(&g, forced).await;
         assert_eq!(finish, "tool_calls");
         assert_eq!(r, reasoning);
         no_markup(&c);
