@@ -186,7 +186,8 @@ impl Detokenizer {
     pub fn push(&mut self, id: u32) -> Result<String, tokenizers::Error> {
         self.ids.push(id);
         if let Some((table, pending)) = &mut self.bytes {
-            match table.special(id).filter(|_| !self.skip_special) {
+            // (The special-token lookup only for requests that keep them: this is per token.)
+            match (!self.skip_special).then(|| table.special(id)).flatten() {
                 Some(s) => pending.extend_from_slice(s.as_bytes()),
                 None => pending.extend_from_slice(table.get(id)),
             }

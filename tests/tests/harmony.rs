@@ -38,14 +38,9 @@ fn tools() -> Value {
 }
 
 async fn post(g: &Graph, body: Value) -> Value {
-    let r = reqwest::Client::new()
-        .post(g.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r.json().await.unwrap()
+    let (status, v) = dyn_tests::post_json(&g.url("/v1/chat/completions"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    v
 }
 
 /// A streamed answer put back together: reasoning, content, calls (name, arguments), finish,
@@ -55,15 +50,7 @@ async fn stream(
     mut body: Value,
 ) -> (String, String, Vec<(String, String)>, String, Vec<Value>) {
     body["stream"] = json!(true);
-    let text = reqwest::Client::new()
-        .post(g.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (events, _) = dyn_tests::sse_events(&g.url("/v1/chat/completions"), &body).await;
     let (mut reasoning, mut content, mut calls, mut finish, mut ids) = (
         String::new(),
         String::new(),
@@ -71,11 +58,7 @@ async fn stream(
         String::new(),
         Vec::new(),
     );
-    for e in text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
-        if e == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(e).unwrap();
+    for v in &events {
         let c = &v["choices"][0];
         let d = &c["delta"];
         ids.extend(c["token_ids"].as_array().into_iter().flatten().cloned());
