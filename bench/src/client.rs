@@ -9,6 +9,13 @@
 //! Failures become error classes (`connect`, `timeout`, `http 503 worker_busy`,
 //! `stream error …`, `incomplete stream`, `bad response`) rather than Rust errors: a
 //! benchmark counts them and goes on.
+//!
+//! A pooled keep-alive connection the server closes just as a request goes out on it fails that
+//! request with nothing answered (llama.cpp's server closes connections idle for 5 s). That is
+//! the load generator's doing, not the server's failure: idle connections are dropped after
+//! [`POOL_IDLE`], below the keep-alive timeouts servers commonly send, and a request that fails
+//! before any answer is sent once more on a fresh connection, counted as a retry
+//! ([`Record::retried`]), not as an error.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -23,10 +30,16 @@ use tokenizers::Tokenizer;
 use crate::metrics::Record;
 use crate::sse::{Event, SseParser};
 
+/// How long an idle pooled connection is kept: under the 5 s keep-alive timeout of llama.cpp's
+/// server (and uvicorn's, and Node's), so the server never closes one the pool still offers.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+
 /// Sends requests to one endpoint URL.
 #[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
+    /// Without a pool: a request's one retry goes out on a connection of its own.
+    fresh: reqwest::Client,
     url: String,
     api_key: Option<String>,
     /// Counts output tokens when the server sends no usage.
@@ -50,6 +63,7 @@ pub struct Live {
     pub tokens: AtomicU64,
     pub done: AtomicU64,
     pub errors: AtomicU64,
+    pub retries: AtomicU64,
 }
 
 #[derive(Deserialize)]
@@ -121,10 +135,15 @@ impl Client {
     ) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
             .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_idle_timeout(POOL_IDLE)
+            .build()?;
+        let fresh = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .pool_max_idle_per_host(0)
             .build()?;
         Ok(Self {
             http,
+            fresh,
             url,
             api_key,
             tokenizer,
@@ -163,24 +182,21 @@ impl Client {
         rec: &mut Record,
         live: &Live,
     ) -> Result<(), String> {
-        let mut req = self
-            .http
-            .post(&self.url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .body(body);
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
-        }
-        let resp = req.send().await.map_err(|e| {
-            if e.is_connect() {
-                "connect".to_owned()
-            } else if e.is_timeout() {
-                "timeout".to_owned()
-            } else {
-                "request failed".to_owned()
+        let resp = match self.post(&self.http, body.clone()).send().await {
+            Ok(resp) => resp,
+            // Nothing answered: most likely a pooled connection the server had just closed.
+            // Once more, on a connection of its own.
+            Err(e) if !e.is_connect() && !e.is_timeout() => {
+                tracing::debug!(error = %error_chain(&e), "Resending a request on a fresh connection");
+                rec.retried = true;
+                live.retries.fetch_add(1, Ordering::Relaxed);
+                self.post(&self.fresh, body)
+                    .send()
+                    .await
+                    .map_err(error_class)?
             }
-        })?;
+            Err(e) => return Err(error_class(e)),
+        };
         let status = resp.status();
         if !status.is_success() {
             let code = resp
@@ -239,6 +255,18 @@ impl Client {
             live.tokens.fetch_add(real - counted, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    fn post(&self, http: &reqwest::Client, body: Bytes) -> reqwest::RequestBuilder {
+        let req = http
+            .post(&self.url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body);
+        match &self.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
     }
 
     /// The server's count, else the tokenizer's over the streamed text, else one per chunk.
@@ -303,6 +331,28 @@ struct Seen {
     content: bool,
     prompt: Option<usize>,
     completion: Option<usize>,
+}
+
+/// A failed send as an error class.
+fn error_class(e: reqwest::Error) -> String {
+    if e.is_connect() {
+        "connect".to_owned()
+    } else if e.is_timeout() {
+        "timeout".to_owned()
+    } else {
+        "request failed".to_owned()
+    }
+}
+
+/// An error and its causes, for the log.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out += &format!(": {c}");
+        cause = c.source();
+    }
+    out
 }
 
 #[cfg(test)]
@@ -394,6 +444,76 @@ mod tests {
             seen(&c, ev(None, "{not json"), &mut text),
             Err("bad response".into())
         );
+    }
+
+    /// Reads one HTTP request (headers, then a `content-length` body); false at EOF.
+    async fn read_request(c: &mut tokio::net::TcpStream) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let mut byte = [0u8; 1];
+        while !buf.ends_with(b"\r\n\r\n") {
+            if c.read(&mut byte).await.unwrap_or(0) == 0 {
+                return false;
+            }
+            buf.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+        let len = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; len];
+        c.read_exact(&mut body).await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_server_closed_is_retried_once_on_a_fresh_one() {
+        use tokio::io::AsyncWriteExt;
+        let body = "data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n";
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            // The first connection answers one request, then closes as the next arrives (what
+            // a keep-alive timeout does when it races a request); every later one answers.
+            let (mut first, _) = listener.accept().await.unwrap();
+            read_request(&mut first).await;
+            first.write_all(answer.as_bytes()).await.unwrap();
+            read_request(&mut first).await;
+            drop(first);
+            loop {
+                let (mut c, _) = listener.accept().await.unwrap();
+                while read_request(&mut c).await {
+                    c.write_all(answer.as_bytes()).await.unwrap();
+                }
+            }
+        });
+        let c = Client::new(
+            format!("http://{addr}/v1/completions"),
+            None,
+            None,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let live = Live::default();
+        let t0 = Instant::now();
+        let job = |index| Job {
+            index,
+            body: Bytes::from_static(b"{}"),
+            input_tokens: None,
+            intended: None,
+        };
+        let first = c.send(job(0), t0, &live).await;
+        assert_eq!((first.error.as_deref(), first.retried), (None, false));
+        let second = c.send(job(1), t0, &live).await;
+        assert_eq!((second.error.as_deref(), second.retried), (None, true));
+        assert_eq!(second.output_tokens, 1);
+        assert_eq!(live.retries.load(Ordering::Relaxed), 1);
+        assert_eq!(live.errors.load(Ordering::Relaxed), 0);
     }
 
     #[test]

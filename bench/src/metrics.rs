@@ -39,6 +39,9 @@ pub struct Record {
     pub output_tokens: usize,
     /// The error class when the request failed.
     pub error: Option<String>,
+    /// It was sent a second time, on a fresh connection, after the first failed with nothing
+    /// answered (a pooled connection the server had closed).
+    pub retried: bool,
 }
 
 impl Record {
@@ -201,6 +204,10 @@ pub struct Requests {
     pub sent: u64,
     pub ok: u64,
     pub failed: u64,
+    /// Requests sent again on a fresh connection after nothing was answered (see
+    /// [`Record::retried`]); each counts once, as ok or failed by how its retry ended.
+    #[serde(default)]
+    pub retried: u64,
 }
 
 /// `summary.json`.
@@ -268,6 +275,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
     let last = records.iter().map(|r| r.end).max().unwrap_or_default();
     for r in records {
         req.sent += 1;
+        req.retried += u64::from(r.retried);
         lag.add(ns(r.sent.saturating_sub(r.intended)));
         if let Some(class) = &r.error {
             req.failed += 1;
@@ -444,7 +452,8 @@ mod tests {
             Requests {
                 sent: 3,
                 ok: 3,
-                failed: 0
+                failed: 0,
+                retried: 0
             }
         );
         assert!(close(s.output_tokens.unwrap().avg, 10.0 / 3.0));
@@ -458,14 +467,17 @@ mod tests {
         bad.error = Some("http 503 worker_busy".into());
         let mut bad2 = bad.clone();
         bad2.error = Some("connect".into());
-        let records = vec![rec(0, &[10, 20], 2), bad.clone(), bad, bad2];
+        let mut resent = rec(0, &[10, 20], 2);
+        resent.retried = true;
+        let records = vec![resent, bad.clone(), bad, bad2];
         let s = summarize(&records, None);
         assert_eq!(
             s.requests,
             Requests {
                 sent: 4,
                 ok: 1,
-                failed: 3
+                failed: 3,
+                retried: 1
             }
         );
         assert_eq!(s.errors["http 503 worker_busy"], 2);

@@ -91,6 +91,13 @@ pub fn table(s: &Summary) -> String {
     for (class, n) in &s.errors {
         let _ = writeln!(out, "error {class}: {n}");
     }
+    if s.requests.retried > 0 {
+        let _ = writeln!(
+            out,
+            "resent on a fresh connection (nothing answered on a pooled one): {}",
+            s.requests.retried
+        );
+    }
     out
 }
 
@@ -308,6 +315,7 @@ mod tests {
             input_tokens: Some(16),
             output_tokens: tokens,
             error: None,
+            retried: false,
         }
     }
 
