@@ -227,6 +227,8 @@ struct Common {
     stop_token_ids: Option<Vec<u32>>,
     /// vLLM's extension: `false` keeps special tokens in the text.
     skip_special_tokens: Option<bool>,
+    /// vLLM's extension: scheduling priority, lower first.
+    priority: Option<i32>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     /// vLLM's extensions.
@@ -545,6 +547,7 @@ fn request(
                 logprobs,
                 prompt_logprobs: None,
                 constraint,
+                priority: c.priority.unwrap_or(0),
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),

@@ -91,6 +91,15 @@ pub struct Sampling {
     /// The output must match this grammar (structured output); the engine enforces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
+    /// Scheduling priority, lower first (vLLM's `priority`; 0 by default): the router's
+    /// admission queue orders waiting requests by it. It travels with the sampling parameters,
+    /// which go unchanged from the client to the engine.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority: i32,
+}
+
+fn is_zero(v: &i32) -> bool {
+    *v == 0
 }
 
 /// What a structured output must match: OpenAI's `response_format` and vLLM's

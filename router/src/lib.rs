@@ -26,6 +26,7 @@
 //! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
 //! ```
 
+pub mod admission;
 pub mod cost;
 pub mod follow;
 pub mod indexer;
@@ -129,6 +130,10 @@ pub struct RouteConfig {
     /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
     #[serde(default, alias = "kv_cache_block_size")]
     pub block_size: Option<u32>,
+    /// Requests beyond the workers' room wait here, by priority and deadline, or are refused
+    /// ([`admission`]); without it every request is sent on at once.
+    #[serde(default)]
+    pub admission: Option<admission::AdmissionConfig>,
 }
 
 fn one() -> f64 {
@@ -165,6 +170,7 @@ impl Default for RouteConfig {
             kv_events: true,
             approx_ttl_s: ttl(),
             block_size: None,
+            admission: None,
         }
     }
 }
@@ -250,6 +256,18 @@ impl OperatorConfig for RouteConfig {
             self.block_size != Some(0),
             "must be at least 1",
         );
+        if let Some(a) = &self.admission {
+            check(
+                "admission.per_worker",
+                a.per_worker > 0,
+                "must be at least 1",
+            );
+            check(
+                "admission.max_wait_s",
+                a.max_wait_s.is_finite() && a.max_wait_s >= 0.0,
+                "must be a number of seconds ≥ 0",
+            );
+        }
         out
     }
 
@@ -286,7 +304,18 @@ impl RouteConfig {
             Some(kv) => kv.clone(),
             None => self.policy.build_load_only().into(),
         };
+        let admission = self.admission.clone().map(|a| {
+            let (workers, planes) = (workers.clone(), cx.planes.clone());
+            admission::Admission::new(a, &cx.node, move || {
+                workers
+                    .read()
+                    .iter()
+                    .filter(|i| !planes.is_down(i.instance_id))
+                    .count()
+            })
+        });
         let inner = Arc::new(Inner {
+            admission: admission.clone(),
             target: target.to_owned(),
             workers,
             config: self.clone(),
@@ -306,13 +335,28 @@ impl RouteConfig {
         .await
         .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
-        Ok(Route { inner, _task: task })
+        // Workers that join make room for waiting requests without one finishing.
+        let tick = admission.map(|a| {
+            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
+                loop {
+                    every.tick().await;
+                    a.tick();
+                }
+            }))
+        });
+        Ok(Route {
+            inner,
+            _task: task,
+            _tick: tick,
+        })
     }
 }
 
 pub struct Route {
     inner: Arc<Inner>,
     _task: tokio_util::task::AbortOnDropHandle<()>,
+    _tick: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 impl Route {
@@ -362,6 +406,8 @@ impl Route {
 }
 
 pub(crate) struct Inner {
+    /// Requests wait here for room when the graph says so.
+    admission: Option<Arc<admission::Admission>>,
     target: String,
     workers: Arc<LiveInstances>,
     config: RouteConfig,
@@ -447,12 +493,21 @@ impl Operator for Route {
     fn call(&self, ctx: Ctx, input: Input<PreprocessedRequest>) -> Output<PreprocessedRequest> {
         let inner = self.inner.clone();
         input
-            .map(move |mut req| {
-                let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
-                tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
-                req.target = Some(worker.into());
-                req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
-                Ok(req)
+            .then(move |mut req| {
+                let (inner, ctx) = (inner.clone(), ctx.clone());
+                async move {
+                    if let Some(a) = &inner.admission {
+                        // Waits for room (or is refused); dropped with the request when the
+                        // client hangs up meanwhile.
+                        let permit = a.admit(&ctx, req.sampling.priority).await?;
+                        ctx.on_done(move || drop(permit));
+                    }
+                    let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
+                    tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
+                    req.target = Some(worker.into());
+                    req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
+                    Ok(req)
+                }
             })
             .boxed()
     }

@@ -3,8 +3,8 @@
 
 use std::sync::LazyLock;
 
-use dyn_llm::metrics::{counter_vec, histogram};
-use prometheus::{HistogramVec, IntCounterVec};
+use dyn_llm::metrics::{counter_vec, gauge, histogram};
+use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 
 /// Routing quality of the `kv` policy, per route node: how much of the cache that was there
 /// to hit the router actually sent requests to.
@@ -59,6 +59,34 @@ pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
             l,
         ),
     }
+});
+
+/// Admission control ([`crate::admission`]), per route node.
+pub struct Admission {
+    /// Requests waiting for room.
+    pub waiting: IntGaugeVec,
+    /// Requests refused, by `reason` (`queue_full`, `queue_timeout`).
+    pub refused: IntCounterVec,
+    /// How long admitted requests waited, by `priority`.
+    pub wait_seconds: HistogramVec,
+}
+
+pub static ADMISSION: LazyLock<Admission> = LazyLock::new(|| Admission {
+    waiting: gauge(
+        "dyn_router_queue_waiting",
+        "Requests waiting at the router for room on a worker",
+        &["node"],
+    ),
+    refused: counter_vec(
+        "dyn_router_admission_refused_total",
+        "Requests the router refused (503) by reason: queue_full, queue_timeout",
+        &["node", "reason"],
+    ),
+    wait_seconds: histogram(
+        "dyn_router_queue_wait_seconds",
+        "Time admitted requests waited at the router, by priority",
+        &["node", "priority"],
+    ),
 });
 
 /// Disaggregated serving: where prompts were prefilled, and how KV transfers went.

@@ -656,3 +656,54 @@ async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
     let errors = dyn_tests::metric_sum(&text, "dyn_frontend_requests_total", &["status=\"error\""]);
     assert_eq!(errors, 0.0, "{text}");
 }
+
+#[tokio::test]
+async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_refused_at_once() {
+    // One slow worker; the router lets one request in flight on it and one more wait.
+    let g = Graph::up_with_ingress(
+        GRAPH,
+        "http",
+        &[
+            "--set",
+            "decode.replicas=1",
+            "--set",
+            "decode.mocker.speedup=0.1",
+            "--set",
+            "route.admission.per_worker=1",
+            "--set",
+            "route.admission.queue=1",
+            "--set",
+            "route.admission.max_wait_s=60",
+        ],
+    );
+    let body = |priority: i32| {
+        chat(
+            "hi",
+            json!({"max_tokens": 200, "stream": true, "priority": priority}),
+        )
+    };
+    let send = |b: Value| client().post(g.url("/v1/chat/completions")).json(&b).send();
+    let running = send(body(0)).await.unwrap();
+    assert_eq!(running.status(), 200);
+    let batch = tokio::spawn(send(body(1)));
+    wait_for_metric(&g, "dyn_router_queue_waiting", |v| v == 1.0).await;
+    // The queue is full and this one ranks no better: refused at once, with Retry-After.
+    let refused = send(body(1)).await.unwrap();
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    let err: Value = refused.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "queue_full", "{err}");
+    // An interactive request takes the batch one's place; the batch one is refused.
+    let interactive = tokio::spawn(send(body(0)));
+    let displaced = batch.await.unwrap().unwrap();
+    assert_eq!(displaced.status(), 503);
+    // Only the running request reached the worker.
+    assert_eq!(metric(&g, "dyn_worker_requests_waiting").await, 0.0);
+    drop(running);
+    assert_eq!(interactive.await.unwrap().unwrap().status(), 200);
+    assert_eq!(
+        metric(&g, "dyn_router_admission_refused_total").await,
+        2.0,
+        "both refusals counted"
+    );
+}
