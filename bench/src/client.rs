@@ -55,6 +55,8 @@ pub struct Job {
     /// Intended send time (offset from `t0`); `None` in a closed loop, where it is the send
     /// time.
     pub intended: Option<Duration>,
+    /// The `priority` its body carries (`--priority-mix`), for the per-class figures.
+    pub priority: Option<i32>,
 }
 
 /// Counters shared with the progress display.
@@ -159,6 +161,7 @@ impl Client {
             intended: job.intended.unwrap_or(sent),
             sent,
             input_tokens: job.input_tokens,
+            priority: job.priority,
             ..Default::default()
         };
         let outcome = tokio::time::timeout(self.timeout, self.stream(job.body, t0, &mut rec, live))
@@ -506,6 +509,7 @@ mod tests {
             body: Bytes::from_static(b"{}"),
             input_tokens: None,
             intended: None,
+            priority: None,
         };
         let first = c.send(job(0), t0, &live).await;
         assert_eq!((first.error.as_deref(), first.retried), (None, false));

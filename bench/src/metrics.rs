@@ -42,6 +42,8 @@ pub struct Record {
     /// It was sent a second time, on a fresh connection, after the first failed with nothing
     /// answered (a pooled connection the server had closed).
     pub retried: bool,
+    /// Its `priority` (`--priority-mix`).
+    pub priority: Option<i32>,
 }
 
 impl Record {
@@ -231,6 +233,12 @@ pub struct Summary {
     pub requests: Requests,
     /// Failed requests by error class.
     pub errors: BTreeMap<String, u64>,
+    /// How long failed requests took to fail (a refusal should come at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_ms: Option<Stats>,
+    /// With `--priority-mix`: the same figures for each priority's requests alone.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_priority: BTreeMap<String, Summary>,
     /// First request sent → last response.
     pub duration_s: f64,
     /// Requests meeting every SLO per second; null without `--slo`.
@@ -256,8 +264,24 @@ pub struct Summary {
     pub replica_seconds: Option<f64>,
 }
 
-/// Compute the summary of a run's measured records.
+/// Compute the summary of a run's measured records, and of each priority's when they carry
+/// one.
 pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
+    let mut s = summarize_flat(records, slo);
+    let mut classes: BTreeMap<i32, Vec<Record>> = BTreeMap::new();
+    for r in records {
+        if let Some(p) = r.priority {
+            classes.entry(p).or_default().push(r.clone());
+        }
+    }
+    s.by_priority = classes
+        .into_iter()
+        .map(|(p, rs)| (p.to_string(), summarize_flat(&rs, slo)))
+        .collect();
+    s
+}
+
+fn summarize_flat(records: &[Record], slo: Option<&Slo>) -> Summary {
     let mut ttft = Samples::new();
     let mut itl = Samples::new();
     let mut chunk = Samples::new();
@@ -268,6 +292,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
     let mut osl = Samples::new();
     let mut lag = Samples::new();
     let mut errors = BTreeMap::new();
+    let mut failed = Samples::new();
     let mut req = Requests::default();
     let mut out_tokens = 0u64;
     let mut good = 0u64;
@@ -280,6 +305,7 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         if let Some(class) = &r.error {
             req.failed += 1;
             *errors.entry(class.clone()).or_insert(0) += 1;
+            failed.add(ns(r.e2e()));
             continue;
         }
         req.ok += 1;
@@ -331,6 +357,8 @@ pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
         schedule_lag_ms: lag.stats(NS_PER_MS),
         requests: req,
         errors,
+        failed_ms: failed.stats(NS_PER_MS),
+        by_priority: BTreeMap::new(),
         duration_s: duration,
         goodput: slo.map(|_| per_s(good)),
         slo: slo.cloned(),
@@ -416,6 +444,25 @@ mod tests {
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= b.abs() * 1e-3 + 1e-9
+    }
+
+    #[test]
+    fn each_priority_gets_its_own_figures_and_failures_their_time_to_fail() {
+        let mut interactive = rec(0, &[10, 20], 2);
+        interactive.priority = Some(0);
+        let mut batch = rec(0, &[500, 510], 2);
+        batch.priority = Some(1);
+        let mut refused = rec(0, &[], 0);
+        refused.priority = Some(1);
+        refused.error = Some("http 503 queue_full".into());
+        refused.end = ms(3);
+        let s = summarize(&[interactive, batch, refused], None);
+        assert_eq!(s.by_priority.len(), 2);
+        assert!(close(s.by_priority["0"].ttft_ms.unwrap().p99, 10.0));
+        assert_eq!(s.by_priority["1"].requests.failed, 1);
+        assert!(close(s.by_priority["1"].ttft_ms.unwrap().max, 500.0));
+        assert!(close(s.failed_ms.unwrap().max, 3.0));
+        assert!(s.by_priority["0"].by_priority.is_empty());
     }
 
     #[test]

@@ -91,6 +91,31 @@ pub fn table(s: &Summary) -> String {
     for (class, n) in &s.errors {
         let _ = writeln!(out, "error {class}: {n}");
     }
+    if let Some(f) = s.failed_ms {
+        let _ = writeln!(
+            out,
+            "time to fail (ms): p50 {} p99 {} max {}",
+            num(f.p50),
+            num(f.p99),
+            num(f.max)
+        );
+    }
+    for (p, c) in &s.by_priority {
+        let ttft = |get: fn(&Stats) -> f64| c.ttft_ms.map_or("-".into(), |t| num(get(&t)));
+        let _ = write!(
+            out,
+            "priority {p}: {} sent, {} ok, {} failed; TTFT p50 {} p99 {} ms",
+            c.requests.sent,
+            c.requests.ok,
+            c.requests.failed,
+            ttft(|t| t.p50),
+            ttft(|t| t.p99),
+        );
+        if let Some(g) = c.goodput {
+            let _ = write!(out, "; goodput {g:.2} requests/s");
+        }
+        let _ = writeln!(out);
+    }
     if s.requests.retried > 0 {
         let _ = writeln!(
             out,
@@ -316,6 +341,7 @@ mod tests {
             output_tokens: tokens,
             error: None,
             retried: false,
+            priority: None,
         }
     }
 

@@ -82,6 +82,9 @@ pub struct Config {
     pub ignore_eos: bool,
     /// Fields added to every request body (`--extra-inputs`), over the ones set here.
     pub extra: serde_json::Map<String, Value>,
+    /// `(priority, weight)`: each request gets vLLM's `priority` field drawn by these weights
+    /// (`--priority-mix`), and the summary has each priority's figures; empty: none sent.
+    pub priority_mix: Vec<(i32, f64)>,
     pub api_key: Option<String>,
     /// Per-request limit; a request over it counts as a `timeout` error.
     pub timeout: Duration,
@@ -120,9 +123,11 @@ pub async fn run(
         Some(m) => m.clone(),
         None => first_model(&base, cfg.api_key.as_deref()).await?,
     };
+    let priorities = priorities(&cfg.priority_mix, cfg.seed, entries.len());
     let bodies = entries
         .iter()
-        .map(|e| body(cfg, &model, e))
+        .zip(&priorities)
+        .map(|(e, p)| body(cfg, &model, e, *p))
         .collect::<Result<Vec<_>, _>>()?;
     let client = Client::new(
         format!("{base}{}", cfg.endpoint.path()),
@@ -131,7 +136,7 @@ pub async fn run(
         cfg.timeout,
     )
     .map_err(|e| Error::Invalid(format!("cannot build the HTTP client: {e}")))?;
-    let dataset = Arc::new(Dataset::new(cfg, bodies, entries));
+    let dataset = Arc::new(Dataset::new(cfg, bodies, entries, priorities));
     let pace = pace(cfg, &dataset)?;
     if cfg.warmup > 0 {
         warm_up(cfg, &client, &dataset, interrupted).await;
@@ -269,15 +274,22 @@ fn summarize_run(
 #[derive(Clone)]
 struct Dataset {
     bodies: Vec<Bytes>,
+    priorities: Vec<Option<i32>>,
     input_tokens: Vec<Option<usize>>,
     at: Vec<Option<Duration>>,
     offset: usize,
 }
 
 impl Dataset {
-    fn new(cfg: &Config, bodies: Vec<Bytes>, entries: &[Entry]) -> Dataset {
+    fn new(
+        cfg: &Config,
+        bodies: Vec<Bytes>,
+        entries: &[Entry],
+        priorities: Vec<Option<i32>>,
+    ) -> Dataset {
         Dataset {
             bodies,
+            priorities,
             input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
             at: entries.iter().map(|e| e.at).collect(),
             // Measured requests start after the warm-up's entries, except in a trace replay,
@@ -297,6 +309,7 @@ impl Dataset {
             body: self.bodies[i].clone(),
             input_tokens: self.input_tokens[i],
             intended,
+            priority: self.priorities[i],
         }
     }
 }
@@ -533,8 +546,31 @@ fn progress_bar(show: bool, stop: Stop) -> ProgressBar {
     bar
 }
 
+/// Each of `n` entries' priority, drawn by `mix`'s weights with `seed` (so reruns send the
+/// same classes); all `None` without a mix.
+fn priorities(mix: &[(i32, f64)], seed: u64, n: usize) -> Vec<Option<i32>> {
+    use rand::{Rng, SeedableRng};
+    let total: f64 = mix.iter().map(|(_, w)| w).sum();
+    if mix.is_empty() || total <= 0.0 {
+        return vec![None; n];
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7072_696f);
+    (0..n)
+        .map(|_| {
+            let mut u = rng.random::<f64>() * total;
+            for &(p, w) in mix {
+                if u < w {
+                    return Some(p);
+                }
+                u -= w;
+            }
+            mix.last().map(|&(p, _)| p)
+        })
+        .collect()
+}
+
 /// The JSON body of one request, serialized once before the run.
-fn body(cfg: &Config, model: &str, e: &Entry) -> Result<Bytes, Error> {
+fn body(cfg: &Config, model: &str, e: &Entry, priority: Option<i32>) -> Result<Bytes, Error> {
     let mut b = json!({
         "model": model,
         "max_tokens": e.output_tokens,
@@ -555,6 +591,9 @@ fn body(cfg: &Config, model: &str, e: &Entry) -> Result<Bytes, Error> {
     }
     if cfg.ignore_eos {
         b["ignore_eos"] = Value::Bool(true);
+    }
+    if let Some(p) = priority {
+        b["priority"] = json!(p);
     }
     for (k, v) in &cfg.extra {
         b[k] = v.clone();
@@ -630,6 +669,7 @@ fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
         "warmup": cfg.warmup,
         "ignore_eos": cfg.ignore_eos,
         "extra_inputs": cfg.extra,
+        "priority_mix": cfg.priority_mix,
         "dataset_entries": entries,
         "seed": cfg.seed,
     })

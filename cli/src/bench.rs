@@ -117,6 +117,10 @@ pub struct BenchArgs {
     /// --extra-inputs '{"response_format": {"type": "json_object"}}' --no-ignore-eos
     #[arg(long, value_parser = parse_extra)]
     extra_inputs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// Send vLLM's `priority` field drawn by weight, PRIORITY:WEIGHT,... (e.g. 0:0.2,1:0.8 —
+    /// 20 % interactive, 80 % batch), and report each priority's figures
+    #[arg(long, value_parser = parse_priority_mix)]
+    priority_mix: Option<Vec<(i32, f64)>>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
@@ -214,6 +218,20 @@ fn parse_extra(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, St
         .ok_or_else(|| format!("expected NAME:VALUE or a JSON object, got {s:?}"))?;
     let value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
     Ok(serde_json::Map::from_iter([(name.to_owned(), value)]))
+}
+
+/// `PRIORITY:WEIGHT,...`, e.g. `0:0.2,1:0.8`.
+fn parse_priority_mix(s: &str) -> Result<Vec<(i32, f64)>, String> {
+    s.split(',')
+        .map(|part| {
+            let bad = || format!("expected PRIORITY:WEIGHT,..., e.g. 0:0.2,1:0.8, got {part:?}");
+            let (p, w) = part.split_once(':').ok_or_else(bad)?;
+            match (p.trim().parse::<i32>(), w.trim().parse::<f64>()) {
+                (Ok(p), Ok(w)) if w.is_finite() && w > 0.0 => Ok((p, w)),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
 }
 
 /// `WORKERSxBLOCKS`, e.g. `4x1024`.
@@ -372,6 +390,7 @@ impl BenchArgs {
                 .flatten()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
+            priority_mix: self.priority_mix.clone().unwrap_or_default(),
             api_key: self.api_key.clone(),
             timeout: Duration::try_from_secs_f64(self.timeout)
                 .context("--timeout must be a non-negative number of seconds")?,

@@ -161,6 +161,7 @@ async fn sweep(
             warmup,
             ignore_eos: true,
             extra: Default::default(),
+            priority_mix: Vec::new(),
             api_key: None,
             timeout: Duration::from_secs(600),
             seed,
