@@ -119,8 +119,8 @@ pub struct BenchArgs {
     extra_inputs: Vec<serde_json::Map<String, serde_json::Value>>,
     /// Send vLLM's `priority` field drawn by weight, PRIORITY:WEIGHT,... (e.g. 0:0.2,1:0.8 —
     /// 20 % interactive, 80 % batch), and report each priority's figures
-    #[arg(long, value_parser = parse_priority_mix)]
-    priority_mix: Option<Vec<(i32, f64)>>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_priority)]
+    priority_mix: Vec<(i32, f64)>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
@@ -220,18 +220,14 @@ fn parse_extra(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, St
     Ok(serde_json::Map::from_iter([(name.to_owned(), value)]))
 }
 
-/// `PRIORITY:WEIGHT,...`, e.g. `0:0.2,1:0.8`.
-fn parse_priority_mix(s: &str) -> Result<Vec<(i32, f64)>, String> {
-    s.split(',')
-        .map(|part| {
-            let bad = || format!("expected PRIORITY:WEIGHT,..., e.g. 0:0.2,1:0.8, got {part:?}");
-            let (p, w) = part.split_once(':').ok_or_else(bad)?;
-            match (p.trim().parse::<i32>(), w.trim().parse::<f64>()) {
-                (Ok(p), Ok(w)) if w.is_finite() && w > 0.0 => Ok((p, w)),
-                _ => Err(bad()),
-            }
-        })
-        .collect()
+/// One `PRIORITY:WEIGHT` of `--priority-mix`, e.g. `0:0.2`.
+fn parse_priority(s: &str) -> Result<(i32, f64), String> {
+    let bad = || format!("expected PRIORITY:WEIGHT, e.g. 0:0.2, got {s:?}");
+    let (p, w) = s.split_once(':').ok_or_else(bad)?;
+    match (p.trim().parse::<i32>(), w.trim().parse::<f64>()) {
+        (Ok(p), Ok(w)) if w.is_finite() && w > 0.0 => Ok((p, w)),
+        _ => Err(bad()),
+    }
 }
 
 /// `WORKERSxBLOCKS`, e.g. `4x1024`.
@@ -390,7 +386,7 @@ impl BenchArgs {
                 .flatten()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
-            priority_mix: self.priority_mix.clone().unwrap_or_default(),
+            priority_mix: self.priority_mix.clone(),
             api_key: self.api_key.clone(),
             timeout: Duration::try_from_secs_f64(self.timeout)
                 .context("--timeout must be a non-negative number of seconds")?,
@@ -472,4 +468,32 @@ fn sweep(
         println!("wrote {}", dir.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn a_priority_mix_reaches_the_run_configuration() {
+        let a = Args::try_parse_from([
+            "bench",
+            "--url",
+            "http://x",
+            "--priority-mix",
+            "0:0.2,1:0.8",
+        ])
+        .expect("parses");
+        let cfg = a.bench.config(Stop::Requests(1)).expect("a config");
+        assert_eq!(cfg.priority_mix, [(0, 0.2), (1, 0.8)]);
+        assert!(Args::try_parse_from(["bench", "--url", "x", "--priority-mix", "0"]).is_err());
+        assert!(Args::try_parse_from(["bench", "--url", "x", "--priority-mix", "0:-1"]).is_err());
+    }
 }

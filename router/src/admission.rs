@@ -1,10 +1,14 @@
 //! Admission control at the router: requests beyond what the workers have room for wait here,
 //! in a bounded queue ordered by priority (lower first, as vLLM's `priority`), then deadline,
 //! then arrival, instead of piling into the workers' own queues. Each finished request lets
-//! the best waiting one go. A request is refused at once (503, `Retry-After`) when the queue is
-//! full and it ranks last — a full queue refuses its worst entry to take a better one, so lower
-//! classes are refused before higher ones — and when it has waited past its deadline. A waiter
-//! whose client hangs up simply leaves: its place is skipped.
+//! the best waiting one go. A request is refused (503, `Retry-After`) when the queue is full
+//! and it ranks last — a full queue refuses its worst entry to take a better one, so lower
+//! classes are refused before higher ones — and as soon as its place in the queue says it
+//! would wait past its deadline: requests finish at a rate the router measures (a moving
+//! average of the gaps between them), so the `i`-th waiting one should start in about `i`
+//! gaps ([`WAIT_MARGIN`] times over: better-ranked arrivals go ahead of it meanwhile). Most
+//! refusals thus come at once, not after the wait they predict. A waiter whose client
+//! hangs up simply leaves: its place is skipped.
 //!
 //! Room: `per_worker` requests in flight from this router per live worker (what `dyn bench`
 //! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone, with the
@@ -16,7 +20,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock, which tests can pause and advance.
+use tokio::time::Instant;
 
 use dyn_core::{Ctx, OpError};
 
@@ -27,7 +34,7 @@ use tokio::sync::oneshot;
 
 /// The code of a request refused because the queue was full (and it ranked last).
 pub const QUEUE_FULL: &str = "queue_full";
-/// The code of a request that waited in the queue past its deadline.
+/// The code of a request that waited, or would wait, in the queue past its deadline.
 pub const QUEUE_TIMEOUT: &str = "queue_timeout";
 
 /// `route`'s `admission` settings.
@@ -127,6 +134,18 @@ impl<T> Queue<T> {
     pub fn retain(&mut self, mut waiting: impl FnMut(&T) -> bool) {
         self.entries.retain(|_, v| waiting(v));
     }
+
+    /// Takes out, best first, the entries `late(place, rank)` says to (`place` 0 is the best's).
+    pub fn take_late(&mut self, mut late: impl FnMut(usize, &Rank) -> bool) -> Vec<T> {
+        let out: Vec<Rank> = self
+            .entries
+            .keys()
+            .enumerate()
+            .filter(|(i, r)| late(*i, r))
+            .map(|(_, r)| *r)
+            .collect();
+        out.iter().filter_map(|r| self.entries.remove(r)).collect()
+    }
 }
 
 type Waiter = oneshot::Sender<Result<Permit, OpError>>;
@@ -144,7 +163,16 @@ pub struct Admission {
 struct State {
     inflight: usize,
     queue: Queue<Waiter>,
+    /// When a request last finished, and the moving average of the gaps between finishes.
+    last_done: Option<Instant>,
+    gap: Option<Duration>,
 }
+
+/// Weight of the newest gap in the moving average.
+const GAP_WEIGHT: f64 = 0.1;
+/// A waiting request's predicted start is its place × the gap × this: better-ranked requests
+/// arriving meanwhile go ahead of it, so a place is worth more than one gap.
+const WAIT_MARGIN: f64 = 4.0;
 
 /// A request's place among those in flight; dropping it (when the request is over) lets the
 /// best waiting request go.
@@ -157,6 +185,15 @@ impl Drop for Permit {
         if let Some(a) = self.admission.take() {
             let mut s = a.state.lock();
             s.inflight = s.inflight.saturating_sub(1);
+            let now = Instant::now();
+            if let Some(last) = s.last_done {
+                let gap = now - last;
+                s.gap = Some(match s.gap {
+                    Some(avg) => avg.mul_f64(1.0 - GAP_WEIGHT) + gap.mul_f64(GAP_WEIGHT),
+                    None => gap,
+                });
+            }
+            s.last_done = Some(now);
             a.dispatch(&mut s);
         }
     }
@@ -173,6 +210,8 @@ impl Admission {
             state: Mutex::new(State {
                 inflight: 0,
                 queue: Queue::new(config.queue),
+                last_done: None,
+                gap: None,
             }),
             config,
             workers: Box::new(workers),
@@ -213,6 +252,19 @@ impl Admission {
             .set(s.queue.len() as i64);
     }
 
+    /// Refuses now the waiting requests that would start past their deadline (at the measured
+    /// rate of finishes), rather than when their deadline comes.
+    fn shed(&self, s: &mut State) {
+        let Some(gap) = s.gap else { return };
+        let now = Instant::now();
+        let late = s
+            .queue
+            .take_late(|i, r| now + gap.mul_f64(WAIT_MARGIN * (i + 1) as f64) > r.deadline);
+        for w in late {
+            let _ = w.send(Err(self.refused(late_error(self.config.max_wait_s))));
+        }
+    }
+
     fn refused(&self, e: OpError) -> OpError {
         let reason = e.code.as_deref().unwrap_or("other").to_owned();
         ADMISSION
@@ -246,20 +298,15 @@ impl Admission {
             }
             // Room may have opened meanwhile (more workers).
             self.dispatch(&mut s);
+            self.shed(&mut s);
             rx
         };
         tracing::debug!(request_id = %ctx.id(), priority, "Waiting for room");
         let queued = Instant::now();
-        let answer = match tokio::time::timeout_at(deadline.into(), rx).await {
+        let answer = match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(OpError::internal("the admission queue dropped a request")),
-            Err(_) => Err(self.refused(
-                OpError::overloaded(format!(
-                    "the server is over capacity: no room within {:.1} s",
-                    wait.as_secs_f64()
-                ))
-                .with_code(QUEUE_TIMEOUT),
-            )),
+            Err(_) => Err(self.refused(late_error(self.config.max_wait_s))),
         };
         if answer.is_ok() {
             ADMISSION
@@ -275,7 +322,15 @@ impl Admission {
         let mut s = self.state.lock();
         s.queue.retain(|w| !w.is_closed());
         self.dispatch(&mut s);
+        self.shed(&mut s);
     }
+}
+
+fn late_error(max_wait_s: f64) -> OpError {
+    OpError::overloaded(format!(
+        "the server is over capacity: no room within {max_wait_s:.1} s"
+    ))
+    .with_code(QUEUE_TIMEOUT)
 }
 
 fn full() -> OpError {
@@ -376,6 +431,39 @@ mod tests {
         assert_eq!(a.counts(), (1, 1));
         a.tick();
         assert_eq!(a.counts(), (1, 0), "the closed waiter leaves the queue");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_that_would_wait_past_their_deadline_are_refused_at_once() {
+        let a = admission(1, 16, 1.0);
+        // Requests finish every 100 ms.
+        for _ in 0..3 {
+            let p = a.admit(&Ctx::new(), 0).await.expect("room");
+            tokio::time::advance(Duration::from_millis(100)).await;
+            drop(p);
+        }
+        let _running = a.admit(&Ctx::new(), 0).await.expect("room");
+        let t0 = Instant::now();
+        let mut waiting = Vec::new();
+        for _ in 0..5 {
+            let a = a.clone();
+            waiting.push(tokio::spawn(async move {
+                a.admit(&Ctx::new(), 0)
+                    .await
+                    .err()
+                    .map(|e| (e.code, Instant::now()))
+            }));
+            tokio::task::yield_now().await;
+        }
+        // Place i should start in (i + 1) x 100 ms x the margin: those past 1 s are refused now.
+        let kept = ((1000.0 / (100.0 * WAIT_MARGIN)) as usize).min(5);
+        assert!(kept < 5);
+        assert_eq!(a.counts(), (1, kept));
+        for w in waiting.into_iter().skip(kept) {
+            let (code, at) = w.await.unwrap().expect("refused");
+            assert_eq!(code.as_deref(), Some(QUEUE_TIMEOUT));
+            assert_eq!(at, t0, "refused at once, not at the deadline");
+        }
     }
 
     #[tokio::test(start_paused = true)]
