@@ -309,9 +309,15 @@ impl Admission {
             Err(_) => Err(self.refused(late_error(self.config.max_wait_s))),
         };
         if answer.is_ok() {
+            // The label takes a client's number: a bounded set of them.
+            let class = if (-16..=16).contains(&priority) {
+                priority.to_string()
+            } else {
+                "other".to_owned()
+            };
             ADMISSION
                 .wait_seconds
-                .with_label_values(&[&self.node, &priority.to_string()])
+                .with_label_values(&[&self.node, &class])
                 .observe(queued.elapsed().as_secs_f64());
         }
         answer

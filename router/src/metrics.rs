@@ -67,7 +67,7 @@ pub struct Admission {
     pub waiting: IntGaugeVec,
     /// Requests refused, by `reason` (`queue_full`, `queue_timeout`).
     pub refused: IntCounterVec,
-    /// How long admitted requests waited, by `priority`.
+    /// How long admitted requests waited, by `priority` (-16 to 16, else `other`).
     pub wait_seconds: HistogramVec,
 }
 

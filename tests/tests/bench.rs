@@ -92,7 +92,7 @@ fn closed_loop_summary_accounts_for_every_request() {
     }
     assert_eq!(
         s["requests"],
-        serde_json::json!({"sent": 40, "ok": 40, "failed": 0})
+        serde_json::json!({"sent": 40, "ok": 40, "failed": 0, "retried": 0})
     );
     assert_eq!(s["errors"], serde_json::json!({}));
     assert!(s["request_throughput"].as_f64().unwrap() > 0.0);
@@ -226,7 +226,7 @@ fn failed_requests_are_counted_by_class() {
     let s = summary(&dir);
     assert_eq!(
         s["requests"],
-        serde_json::json!({"sent": 10, "ok": 0, "failed": 10})
+        serde_json::json!({"sent": 10, "ok": 0, "failed": 10, "retried": 0})
     );
     assert_eq!(
         s["errors"],
