@@ -17,7 +17,7 @@ mod common;
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use super::common::{dir, max_diff, reference};
+    use super::common::{all_logits_step, dir, max_diff, reference};
     use dyn_compute::backend::{Backend, KvShape, SeqStep};
     use dyn_compute::model::{DType, ModelWeights};
     use dyn_compute::sample::argmax;
@@ -108,27 +108,10 @@ mod gpu {
         };
         let r = reference("tiny");
         for (ci, case) in r.prompts.iter().enumerate() {
-            let steps = case.logits.len();
-            let mut tokens = case.prompt.clone();
-            tokens.extend(&case.greedy[..steps - 1]);
+            let tokens = case.answered();
             let blocks: Vec<u32> = (0..tokens.len().div_ceil(4) as u32).collect();
             let other: Vec<u32> = (100..108).collect();
-            let step = [
-                SeqStep {
-                    tokens: &tokens,
-                    start: 0,
-                    blocks: &blocks,
-                    logits: true,
-                    all_logits: true,
-                },
-                SeqStep {
-                    tokens: &case.prompt[..1],
-                    start: 0,
-                    blocks: &other,
-                    logits: true,
-                    all_logits: false,
-                },
-            ];
+            let step = all_logits_step(&tokens, 0, &blocks, &case.prompt[..1], &other);
             let rows = b.forward(&step).unwrap();
             assert_eq!(rows.len(), tokens.len() + 1, "one row per token, then one");
             for (i, want) in case.logits.iter().enumerate() {

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{MODELS, dir, max_diff, reference};
+use common::{MODELS, all_logits_step, dir, max_diff, reference};
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::cpu::CpuBackend;
 use dyn_compute::model::{DType, ModelWeights};
@@ -117,9 +117,7 @@ fn all_logits_rows_match_transformers_at_every_position() {
         let r = reference(model);
         let mut b = backend(model, DType::F32, 4);
         for (ci, case) in r.prompts.iter().enumerate() {
-            let steps = case.logits.len();
-            let mut tokens = case.prompt.clone();
-            tokens.extend(&case.greedy[..steps - 1]);
+            let tokens = case.answered();
             let blocks: Vec<u32> = (0..tokens.len().div_ceil(4) as u32).collect();
             let other: Vec<u32> = (100..100 + 8).collect();
             for chunk in [tokens.len(), 3] {
@@ -127,22 +125,13 @@ fn all_logits_rows_match_transformers_at_every_position() {
                 let mut start = 0;
                 while start < tokens.len() {
                     let end = (start + chunk).min(tokens.len());
-                    let step = [
-                        SeqStep {
-                            tokens: &tokens[start..end],
-                            start,
-                            blocks: &blocks,
-                            logits: true,
-                            all_logits: true,
-                        },
-                        SeqStep {
-                            tokens: &case.prompt[..1],
-                            start: 0,
-                            blocks: &other,
-                            logits: true,
-                            all_logits: false,
-                        },
-                    ];
+                    let step = all_logits_step(
+                        &tokens[start..end],
+                        start,
+                        &blocks,
+                        &case.prompt[..1],
+                        &other,
+                    );
                     let mut out = b.forward(&step).unwrap();
                     assert_eq!(out.len(), end - start + 1, "one row per token, then one");
                     out.pop();

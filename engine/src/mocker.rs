@@ -148,19 +148,18 @@ impl MockerConfig {
 
 /// The ids the mocker draws output from: tokens that decode to visible text on their own (no
 /// special, control or partial-character tokens), so simulated answers read as words and
-/// never contain eos. Falls back to every id when a tokenizer has none.
-fn text_tokens(model: &ModelDir) -> Arc<[u32]> {
-    let ids: Vec<u32> = (0..model.vocab_size)
-        .filter(|&id| {
-            model.tokenizer.decode(&[id], true).is_ok_and(|s| {
-                !s.trim().is_empty() && s.chars().all(|c| c != '\u{FFFD}' && !c.is_control())
-            })
+/// never contain eos. Falls back to every id when a tokenizer has none. Then the other ids
+/// (what a grammar may still ask for: eos, a special token).
+fn text_tokens(model: &ModelDir) -> (Arc<[u32]>, Arc<[u32]>) {
+    let (text, other): (Vec<u32>, Vec<u32>) = (0..model.vocab_size).partition(|&id| {
+        model.tokenizer.decode(&[id], true).is_ok_and(|s| {
+            !s.trim().is_empty() && s.chars().all(|c| c != '\u{FFFD}' && !c.is_control())
         })
-        .collect();
-    if ids.is_empty() {
-        (0..model.vocab_size).collect()
+    });
+    if text.is_empty() {
+        ((0..model.vocab_size).collect(), Arc::from([]))
     } else {
-        ids.into()
+        (text.into(), other.into())
     }
 }
 
@@ -199,12 +198,13 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
     let mut settings = config.settings();
     settings.model = Some(model.clone());
     // Decoding the whole vocabulary takes a while for real tokenizers: not on the runtime.
-    let vocab = tokio::task::spawn_blocking(move || text_tokens(&model))
+    let (vocab, other) = tokio::task::spawn_blocking(move || text_tokens(&model))
         .await
         .map_err(|e| BuildError::new(format!("vocabulary scan failed: {e}")))?;
     let bs = config.block_size as usize;
     let exec = MockerExec {
         vocab,
+        other,
         vocab_size,
         timing: config.timing.clone(),
         speedup: config.speedup,
@@ -232,6 +232,8 @@ pub async fn start(config: &MockerConfig, cx: &BuildCx) -> Result<Arc<EngineHand
 
 struct MockerExec {
     vocab: Arc<[u32]>,
+    /// The ids that are not text (eos, special and control tokens).
+    other: Arc<[u32]>,
     /// The model's vocabulary size (grammar masks' length).
     vocab_size: usize,
     timing: Timing,
@@ -256,8 +258,11 @@ impl MockerExec {
             .copied()
             .filter(|&t| mask.is_allowed(t))
             .collect();
-        let other: Vec<u32> = (0..self.vocab_size as u32)
-            .filter(|&t| mask.is_allowed(t) && self.vocab.binary_search(&t).is_err())
+        let other: Vec<u32> = self
+            .other
+            .iter()
+            .copied()
+            .filter(|&t| mask.is_allowed(t))
             .collect();
         let coin =
             dyn_compute::sample::splitmix(spec.sampling.seed ^ u64::from(position) ^ 0x5EC1A1);

@@ -181,6 +181,8 @@ impl ExternalEngine {
         async_stream::stream! {
             let stop = &req.stop;
             let max = stop.max_tokens;
+            // The alternatives asked for with each token's log-probability.
+            let top = req.sampling.logprobs.unwrap_or(0) as usize;
             let phases = self.phases(stop);
             let mut produced: Vec<u32> = Vec::new();
             let mut started = false;
@@ -204,7 +206,6 @@ impl ExternalEngine {
                 let mut events = resp.bytes_stream().eventsource();
                 let mut health = self.server.watch();
                 loop {
-                    let top = req.sampling.logprobs.unwrap_or(0) as usize;
                     let (ids, f, lps) = match self.next_chunk(&mut events, &mut health, &ep, stop, produced.len(), top).await {
                         Ok(Some(chunk)) => chunk,
                         // Closed before a finish reason: the server failed mid-request.

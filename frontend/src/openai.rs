@@ -1226,6 +1226,10 @@ fn sse(
                 with(i, shape.delta(text, finish, include_usage), None)
             }
         };
+        // Reasoning of choice `i` (chat's `delta.reasoning_content`).
+        let reasoning_chunk = |i: usize, text: &str| {
+            with(i, shape.chunk(Some(json!({"reasoning_content": text})), None, include_usage), None)
+        };
         // return_token_ids: a chunk's ids, and the prompt's on the choice's first chunk.
         let ids = |mut v: Value, d: &mut LlmDelta| {
             if opts.token_ids {
@@ -1286,8 +1290,7 @@ fn sse(
                 // Reasoning goes out as `reasoning_content`; the answer goes on as text.
                 let split = p.feed(&d.text, d.finish.is_some());
                 if !split.reasoning.is_empty() {
-                    let v = shape.chunk(Some(json!({"reasoning_content": split.reasoning})), None, include_usage);
-                    yield Ok(with(i, v, None));
+                    yield Ok(reasoning_chunk(i, &split.reasoning));
                 }
                 d.text = split.content;
             }
@@ -1313,10 +1316,7 @@ fn sse(
                 for piece in pieces {
                     match piece {
                         Piece::Text(t) => yield Ok(text_chunk(i, &t, None)),
-                        Piece::Reasoning(r) => {
-                            let v = shape.chunk(Some(json!({"reasoning_content": r})), None, include_usage);
-                            yield Ok(with(i, v, None));
-                        }
+                        Piece::Reasoning(r) => yield Ok(reasoning_chunk(i, &r)),
                         Piece::Call(c) => {
                             let v = shape.call_chunk(*calls, &c, include_usage);
                             *calls += 1;

@@ -55,7 +55,6 @@ impl Grammars {
             .first()
             .ok_or("structured output needs an eos token, and the model has none")?;
         let words = token_bytes(tokenizer, vocab_size);
-        let steer = Steer::new(&words);
         // toktrie asserts on what it does not expect; a tokenizer is input, so a panic there
         // becomes an error for the requests that needed a grammar, not a dead process.
         let built = std::panic::catch_unwind(|| {
@@ -70,7 +69,7 @@ impl Grammars {
         Ok(Self {
             factory,
             eos: eos.to_vec(),
-            steer,
+            steer: Steer::new(words),
         })
     }
 
@@ -153,7 +152,7 @@ struct Steer {
 }
 
 impl Steer {
-    fn new(words: &[Vec<u8>]) -> Self {
+    fn new(words: Vec<Vec<u8>>) -> Self {
         let n = words.len();
         let (mut quote, mut close, mut digits, mut punctuation) = (
             SimpleVob::alloc(n),
@@ -179,7 +178,7 @@ impl Steer {
             }
         }
         Self {
-            words: words.to_vec(),
+            words,
             quote,
             close,
             digits,

@@ -78,9 +78,9 @@ pub struct Queue<T> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Pushed<T> {
     /// Queued.
-    Waiting(Rank),
+    Waiting,
     /// Queued in place of this worse entry, which is refused.
-    Displaced(Rank, T),
+    Displaced(T),
     /// Not queued: it ranks last in a full queue.
     Refused(T),
 }
@@ -111,13 +111,13 @@ impl<T> Queue<T> {
         };
         if self.entries.len() < self.cap {
             self.entries.insert(rank, item);
-            return Pushed::Waiting(rank);
+            return Pushed::Waiting;
         }
         match self.entries.last_key_value() {
             Some((worst, _)) if *worst > rank => match self.entries.pop_last() {
                 Some((_, out)) => {
                     self.entries.insert(rank, item);
-                    Pushed::Displaced(rank, out)
+                    Pushed::Displaced(out)
                 }
                 None => Pushed::Refused(item),
             },
@@ -290,8 +290,8 @@ impl Admission {
             }
             let (tx, rx) = oneshot::channel();
             match s.queue.push(priority, deadline, tx) {
-                Pushed::Waiting(_) => {}
-                Pushed::Displaced(_, worse) => {
+                Pushed::Waiting => {}
+                Pushed::Displaced(worse) => {
                     let _ = worse.send(Err(self.refused(full())));
                 }
                 Pushed::Refused(_) => return Err(self.refused(full())),
@@ -373,14 +373,14 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut q = Queue::new(2);
-        assert!(matches!(q.push(1, t0 + s(1), "b1"), Pushed::Waiting(_)));
-        assert!(matches!(q.push(1, t0 + s(2), "b2"), Pushed::Waiting(_)));
+        assert!(matches!(q.push(1, t0 + s(1), "b1"), Pushed::Waiting));
+        assert!(matches!(q.push(1, t0 + s(2), "b2"), Pushed::Waiting));
         // A batch request ranks last: refused.
         assert_eq!(q.push(1, t0 + s(3), "b3"), Pushed::Refused("b3"));
         // An interactive one takes the worst place.
         assert!(matches!(
             q.push(0, t0 + s(3), "i1"),
-            Pushed::Displaced(_, "b2")
+            Pushed::Displaced("b2")
         ));
         assert_eq!(q.pop().map(|(_, v)| v), Some("i1"));
         assert_eq!(q.pop().map(|(_, v)| v), Some("b1"));

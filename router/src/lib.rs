@@ -304,18 +304,14 @@ impl RouteConfig {
             Some(kv) => kv.clone(),
             None => self.policy.build_load_only().into(),
         };
-        let admission = self.admission.clone().map(|a| {
-            let (workers, planes) = (workers.clone(), cx.planes.clone());
-            admission::Admission::new(a, &cx.node, move || {
-                workers
-                    .read()
-                    .iter()
-                    .filter(|i| !planes.is_down(i.instance_id))
-                    .count()
-            })
-        });
-        let inner = Arc::new(Inner {
-            admission: admission.clone(),
+        let inner = Arc::new_cyclic(|me: &std::sync::Weak<Inner>| Inner {
+            // Room is per live worker, as the router sees them.
+            admission: self.admission.clone().map(|a| {
+                let me = me.clone();
+                admission::Admission::new(a, &cx.node, move || {
+                    me.upgrade().map_or(0, |inner| inner.live().len())
+                })
+            }),
             target: target.to_owned(),
             workers,
             config: self.clone(),
@@ -336,7 +332,7 @@ impl RouteConfig {
         .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
         // Workers that join make room for waiting requests without one finishing.
-        let tick = admission.map(|a| {
+        let tick = inner.admission.clone().map(|a| {
             tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
                 let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
                 loop {

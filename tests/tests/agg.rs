@@ -18,6 +18,19 @@ fn up(extra: &[&str]) -> Graph {
     Graph::up_with_ingress(GRAPH, "http", &args)
 }
 
+/// The aggregated graph with one slow worker (the mocker at a tenth of real speed), plus
+/// `extra` overrides: requests stay in flight long enough to pile up.
+fn one_slow_worker(extra: &[&str]) -> Graph {
+    let mut args = vec![
+        "--set",
+        "decode.replicas=1",
+        "--set",
+        "decode.mocker.speedup=0.1",
+    ];
+    args.extend_from_slice(extra);
+    Graph::up_with_ingress(GRAPH, "http", &args)
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
@@ -524,20 +537,12 @@ async fn a_client_that_hangs_up_frees_its_blocks_in_the_engine() {
 #[tokio::test]
 async fn a_busy_worker_sheds_load_with_503() {
     // One worker that runs one sequence at a time and lets one more wait.
-    let g = Graph::up_with_ingress(
-        GRAPH,
-        "http",
-        &[
-            "--set",
-            "decode.replicas=1",
-            "--set",
-            "decode.mocker.speedup=0.1",
-            "--set",
-            "decode.mocker.max_num_seqs=1",
-            "--set",
-            "decode.mocker.max_queued_requests=1",
-        ],
-    );
+    let g = one_slow_worker(&[
+        "--set",
+        "decode.mocker.max_num_seqs=1",
+        "--set",
+        "decode.mocker.max_queued_requests=1",
+    ]);
     let body = chat("hi", json!({"max_tokens": 200, "stream": true}));
     let running = client()
         .post(g.url("/v1/chat/completions"))
@@ -660,22 +665,14 @@ async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
 #[tokio::test]
 async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_refused_at_once() {
     // One slow worker; the router lets one request in flight on it and one more wait.
-    let g = Graph::up_with_ingress(
-        GRAPH,
-        "http",
-        &[
-            "--set",
-            "decode.replicas=1",
-            "--set",
-            "decode.mocker.speedup=0.1",
-            "--set",
-            "route.admission.per_worker=1",
-            "--set",
-            "route.admission.queue=1",
-            "--set",
-            "route.admission.max_wait_s=60",
-        ],
-    );
+    let g = one_slow_worker(&[
+        "--set",
+        "route.admission.per_worker=1",
+        "--set",
+        "route.admission.queue=1",
+        "--set",
+        "route.admission.max_wait_s=60",
+    ]);
     let body = |priority: i32| {
         chat(
             "hi",

@@ -33,6 +33,44 @@ pub fn reference(model: &str) -> Reference {
     serde_json::from_str(&text).unwrap()
 }
 
+impl Case {
+    /// The prompt and the greedy answer but its last token: one forward pass over it with
+    /// every position's logits gives, at the answer's positions, each greedy step's logits.
+    pub fn answered(&self) -> Vec<u32> {
+        let mut tokens = self.prompt.clone();
+        tokens.extend(&self.greedy[..self.logits.len() - 1]);
+        tokens
+    }
+}
+
+/// A step computing `tokens` from `start` with every position's logits, batched with the
+/// one-token sequence `other` on blocks of its own that asks for its last logits only.
+pub fn all_logits_step<'a>(
+    tokens: &'a [u32],
+    start: usize,
+    blocks: &'a [u32],
+    other: &'a [u32],
+    other_blocks: &'a [u32],
+) -> [dyn_compute::backend::SeqStep<'a>; 2] {
+    use dyn_compute::backend::SeqStep;
+    [
+        SeqStep {
+            tokens,
+            start,
+            blocks,
+            logits: true,
+            all_logits: true,
+        },
+        SeqStep {
+            tokens: other,
+            start: 0,
+            blocks: other_blocks,
+            logits: true,
+            all_logits: false,
+        },
+    ]
+}
+
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
