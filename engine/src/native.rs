@@ -655,7 +655,7 @@ mod tests {
                         serde_json::from_str::<serde_json::Value>(&text).expect(&text);
                     }
                 }
-                None | Some(Constraint::Lark(_)) => unreachable!(),
+                None | Some(Constraint::Lark(_) | Constraint::Calls(_)) => unreachable!(),
             }
         }
     }

@@ -186,7 +186,11 @@ pub fn request(
                 ));
             }
             if let Some(c) = &s.constraint {
-                let (k, v) = llamacpp_constraint(c).map_err(|e| ("response_format", e))?;
+                let param = match c {
+                    Constraint::Calls(_) => "tool_choice",
+                    _ => "response_format",
+                };
+                let (k, v) = llamacpp_constraint(c).map_err(|e| (param, e))?;
                 put(k, v);
             }
             Ok(Call {
@@ -205,10 +209,12 @@ fn vllm_constraint(c: &Constraint) -> Value {
         Constraint::Regex(r) => json!({"regex": r}),
         Constraint::Choice(o) => json!({"choice": o}),
         Constraint::Lark(g) => json!({"grammar": g}),
+        Constraint::Calls(c) => json!({"grammar": dyn_llm::grammar::calls_lark(c)}),
     }
 }
 
-/// llama.cpp's `json_schema`, or a GBNF `grammar` for a choice; it has no regex or Lark.
+/// llama.cpp's `json_schema`, or a GBNF `grammar` for a choice or forced tool calls; it has
+/// no regex or Lark.
 fn llamacpp_constraint(c: &Constraint) -> Result<(&'static str, Value), String> {
     match c {
         Constraint::JsonSchema(s) => Ok(("json_schema", s.clone())),
@@ -220,6 +226,11 @@ fn llamacpp_constraint(c: &Constraint) -> Result<(&'static str, Value), String> 
                 .collect();
             Ok(("grammar", json!(format!("root ::= {}", alts.join(" | ")))))
         }
+        Constraint::Calls(c) => dyn_llm::gbnf::calls(c)
+            .map(|g| ("grammar", json!(g)))
+            .map_err(|e| {
+                format!("llama.cpp workers cannot force a call whose parameters use {e}; a native or vLLM worker can")
+            }),
         Constraint::Regex(_) | Constraint::Lark(_) => Err(
             "llama.cpp workers take JSON schemas and choices; a regex or Lark grammar needs a native or vLLM worker"
                 .into(),

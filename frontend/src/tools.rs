@@ -13,7 +13,7 @@
 //! `tool_choice` become a Lark grammar in the model's format whose arguments are the tool's
 //! JSON Schema: the engine then cannot produce anything but a valid call.
 
-use dyn_llm::types::Constraint;
+use dyn_llm::types::{CallForm, Calls, Constraint};
 use serde_json::{Value, json};
 
 use super::ApiError;
@@ -228,54 +228,57 @@ impl ToolRequest {
                 })
             })
             .collect();
-        let mut schema = if calls.len() == 1 {
+        let schema = if calls.len() == 1 {
             calls.into_iter().next().unwrap_or_default()
         } else {
             json!({"anyOf": calls})
         };
-        schema["x-guidance"] = dyn_llm::grammar::compact_json();
-        let call = format!("%json {schema}");
+        let whole = |before: &str, after: &str| {
+            vec![CallForm {
+                before: before.into(),
+                schema: schema.clone(),
+                after: after.into(),
+            }]
+        };
         // More calls after the first only where the client allows parallel calls.
-        let more = |sep: &str| {
-            if self.parallel {
-                format!(" ({sep} call)*")
-            } else {
-                String::new()
-            }
-        };
-        let lark = match format {
-            ToolFormat::Hermes => format!(
-                "start: call{}\ncall: \"<tool_call>\\n\" {call} \"\\n</tool_call>\"",
-                more("\"\\n\"")
-            ),
-            ToolFormat::Llama3Json => format!("start: {call}"),
-            ToolFormat::Mistral => format!(
-                "start: \"[TOOL_CALLS][\" call{} \"]\"\ncall: {call}",
-                more("\", \"")
-            ),
+        let sep = |sep: &str| self.parallel.then(|| sep.to_string());
+        let calls = match format {
+            ToolFormat::Hermes => Calls {
+                open: String::new(),
+                close: String::new(),
+                sep: sep("\n"),
+                forms: whole("<tool_call>\n", "\n</tool_call>"),
+            },
+            ToolFormat::Llama3Json => Calls {
+                open: String::new(),
+                close: String::new(),
+                sep: None,
+                forms: whole("", ""),
+            },
+            ToolFormat::Mistral => Calls {
+                open: "[TOOL_CALLS][".into(),
+                close: "]".into(),
+                sep: sep(", "),
+                forms: whole("", ""),
+            },
             ToolFormat::Pythonic | ToolFormat::Harmony => return None,
-            // DeepSeek names the function outside the JSON: one alternative per tool, its
-            // arguments in JSON.
-            ToolFormat::DeepseekV3 => {
-                let alts: Vec<String> = allowed
+            // DeepSeek names the function outside the JSON: one form per tool, its arguments
+            // in JSON.
+            ToolFormat::DeepseekV3 => Calls {
+                open: DEEPSEEK_OPEN.into(),
+                close: DEEPSEEK_CLOSE.into(),
+                sep: sep(""),
+                forms: allowed
                     .iter()
-                    .map(|(name, params)| {
-                        let mut schema = params.clone();
-                        schema["x-guidance"] = dyn_llm::grammar::compact_json();
-                        format!(
-                            "\"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}\" {} \"\\n```json\\n\" %json {schema} \"\\n```{DEEPSEEK_CALL_END}\"",
-                            serde_json::to_string(name).unwrap_or_default()
-                        )
+                    .map(|(name, params)| CallForm {
+                        before: format!("{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{name}\n```json\n"),
+                        schema: params.clone(),
+                        after: format!("\n```{DEEPSEEK_CALL_END}"),
                     })
-                    .collect();
-                format!(
-                    "start: \"{DEEPSEEK_OPEN}\" call{} \"{DEEPSEEK_CLOSE}\"\ncall: {}",
-                    if self.parallel { "+" } else { "" },
-                    alts.join(" | ")
-                )
-            }
+                    .collect(),
+            },
         };
-        Some(Constraint::Lark(lark))
+        Some(Constraint::Calls(calls))
     }
 }
 
@@ -972,6 +975,11 @@ pub(crate) mod tests {
                     let c = r.forced(format).expect("forced");
                     g.check(&c)
                         .unwrap_or_else(|e| panic!("{format:?} {choice}: {e}\n{c:?}"));
+                    // llama.cpp workers get the same calls in GBNF.
+                    let Constraint::Calls(calls) = &c else {
+                        panic!("{c:?}")
+                    };
+                    dyn_llm::gbnf::calls(calls).unwrap_or_else(|e| panic!("{format:?}: {e}"));
                 }
             }
         }

@@ -30,7 +30,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 use tokenizers::{DecoderWrapper, Tokenizer};
 
-use super::types::Constraint;
+use super::types::{Calls, Constraint};
 
 /// A model's vocabulary compiled for llguidance: shared by every request on the model.
 pub struct Grammars {
@@ -282,8 +282,59 @@ pub fn lark_expr(c: &Constraint) -> Option<String> {
         }
         Constraint::Regex(rx) => Some(format!("/{}/", rx.replace('/', "\\/"))),
         Constraint::Choice(options) => Some(format!("({})", choice_expr(options))),
-        Constraint::Lark(_) => None,
+        Constraint::Lark(_) | Constraint::Calls(_) => None,
     }
+}
+
+/// Forced calls as a Lark grammar, their JSON in the compact form (unless a schema sets its
+/// own `x-guidance`).
+pub fn calls_lark(c: &Calls) -> String {
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let join = |parts: Vec<String>| {
+        parts
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let forms: Vec<String> = c
+        .forms
+        .iter()
+        .map(|f| {
+            let schema = json_schema(&Constraint::JsonSchema(f.schema.clone())).unwrap_or_default();
+            let before = if f.before.is_empty() {
+                String::new()
+            } else {
+                lit(&f.before)
+            };
+            let after = if f.after.is_empty() {
+                String::new()
+            } else {
+                lit(&f.after)
+            };
+            join(vec![before, format!("%json {schema}"), after])
+        })
+        .collect();
+    let more = match c.sep.as_deref() {
+        None => String::new(),
+        Some("") => "call*".into(),
+        Some(sep) => format!("({} call)*", lit(sep)),
+    };
+    let open = if c.open.is_empty() {
+        String::new()
+    } else {
+        lit(&c.open)
+    };
+    let close = if c.close.is_empty() {
+        String::new()
+    } else {
+        lit(&c.close)
+    };
+    format!(
+        "start: {}\ncall: {}",
+        join(vec![open, "call".into(), more, close]),
+        forms.join(" | ")
+    )
 }
 
 /// llguidance's grammar for a constraint.
@@ -297,6 +348,7 @@ fn top_level(c: &Constraint) -> TopLevelGrammar {
             TopLevelGrammar::from_lark(format!("start: {}", choice_expr(options)))
         }
         Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        Constraint::Calls(c) => TopLevelGrammar::from_lark(calls_lark(c)),
     }
 }
 

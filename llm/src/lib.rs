@@ -1,7 +1,7 @@
 //! dyn-llm: the LLM protocol and text. It owns the payload types that travel between kinds
 //! ([`types`], [`text`]), model directories ([`model`]), tokenizers ([`encoder`],
 //! [`gguf_tokenizer`]), chat templates and the `preprocess` kind ([`preprocess`]), structured-output grammars
-//! ([`grammar`]), the
+//! ([`grammar`], and [`gbnf`] for llama.cpp workers), the
 //! detokenizer ([`detok`]) and the `postprocess` kind ([`postprocess`]), plus the helpers every
 //! crate's Prometheus statics register through ([`metrics`]).
 //!
@@ -10,6 +10,7 @@
 
 pub mod detok;
 pub mod encoder;
+pub mod gbnf;
 pub mod gguf_tokenizer;
 pub mod grammar;
 pub mod metrics;

@@ -117,6 +117,29 @@ pub enum Constraint {
     Choice(Vec<String>),
     /// A context-free grammar in llguidance's Lark syntax.
     Lark(String),
+    /// Tool calls in a model's markup (a forced call). Kept as a structure rather than
+    /// written out as Lark so that each engine gets it in its own dialect: Lark for
+    /// llguidance and vLLM, GBNF for llama.cpp (see [`crate::gbnf`]).
+    Calls(Calls),
+}
+
+/// Calls written as `open`, then one call (more, `sep` between them, where `sep` is set),
+/// then `close`; each call is one of `forms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Calls {
+    pub open: String,
+    pub close: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sep: Option<String>,
+    pub forms: Vec<CallForm>,
+}
+
+/// One call: text, a JSON value valid under `schema`, text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallForm {
+    pub before: String,
+    pub schema: serde_json::Value,
+    pub after: String,
 }
 
 /// Limits on the output as the client sent them.

@@ -251,6 +251,52 @@ async fn structured_output_passes_through(url: &str) {
     assert_eq!(joined, content, "greedy: streamed as unary");
 }
 
+/// A call forced through an external worker (`tool_choice` naming the function): the server
+/// gets the call's grammar in its own dialect (vLLM: Lark; llama.cpp: GBNF), dyn parses the
+/// call out of the answer. Its arguments.
+async fn forced_call(url: &str, name: &str, parameters: Value) -> Value {
+    let tools = json!([{"type": "function", "function": {"name": name,
+        "description": "The weather in a city", "parameters": parameters}}]);
+    let forced = json!({"model": "smollm2", "max_tokens": 128, "temperature": 0, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": name}},
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}]});
+    let v = post(&format!("{url}/v1/chat/completions"), &forced).await;
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], name, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    serde_json::from_str(call["arguments"].as_str().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {v}"))
+}
+
+/// Parameters that use what dyn's GBNF for llama.cpp writes by itself (optional keys in any
+/// subset, bounded arrays, non-negative numbers, alternatives, a nested object), and whether
+/// `v` fits them.
+fn forecast_schema() -> (Value, fn(&Value) -> bool) {
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "days": {"type": "integer", "minimum": 1},
+        "hours": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
+        "unit": {"anyOf": [{"enum": ["celsius", "fahrenheit"]}, {"type": "null"}]},
+        "at": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]}},
+        "required": ["city"], "additionalProperties": false});
+    fn fits(v: &Value) -> bool {
+        let Some(o) = v.as_object() else { return false };
+        o.keys()
+            .all(|k| ["city", "days", "hours", "unit", "at"].contains(&k.as_str()))
+            && v["city"].as_str().is_some_and(|c| c.chars().count() <= 24)
+            && o.get("days")
+                .is_none_or(|d| d.as_u64().is_some_and(|d| d >= 1))
+            && o.get("hours").is_none_or(|h| {
+                h.as_array()
+                    .is_some_and(|h| h.len() <= 3 && h.iter().all(|x| x.as_u64().is_some()))
+            })
+            && o.get("unit")
+                .is_none_or(|u| u.is_null() || matches!(u.as_str(), Some("celsius" | "fahrenheit")))
+            && o.get("at").is_none_or(|a| a["lat"].is_number())
+    }
+    (schema, fits)
+}
+
 fn llamacpp_graph(extra: &[&str]) -> Option<(Graph, String)> {
     let (Some(server), Some(model)) = (env_path("DYN_LLAMA_SERVER"), env_path("DYN_SMOLLM2_GGUF"))
     else {
@@ -381,8 +427,14 @@ async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
     );
 
     structured_output_passes_through(&url).await;
-    // A grammar llama.cpp has no dialect for (a regex, or the Lark grammar of a forced tool
-    // call) is a 400 naming the field, not an unconstrained answer.
+    // Forced calls: llama.cpp gets them in GBNF.
+    let args = forced_call(&url, "get_weather", weather_schema()).await;
+    assert!(is_weather(&args), "{args}");
+    let (schema, fits) = forecast_schema();
+    let args = forced_call(&url, "get_forecast", schema).await;
+    assert!(fits(&args), "{args}");
+    // A grammar llama.cpp has no dialect for (a regex; a call whose parameters use what dyn's
+    // GBNF does not say) is a 400 naming the field, not an unconstrained answer.
     let regex = json!({"model": "smollm2", "prompt": "x", "max_tokens": 4,
                        "structured_outputs": {"regex": "[a-z]+"}});
     let (status, v) = completion(&url, &regex).await;
@@ -391,6 +443,19 @@ async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
         (400, Some("response_format")),
         "{v}"
     );
+    let patterned =
+        json!({"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z]"}}});
+    let ask = json!({"model": "smollm2", "max_tokens": 16,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": patterned}}],
+        "tool_choice": "required", "messages": [{"role": "user", "content": "Paris?"}]});
+    let (status, v) = dyn_tests::post_json(&g.url("/v1/chat/completions"), &ask).await;
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("tool_choice")),
+        "{v}"
+    );
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("\"pattern\""), "{v}");
 
     // A client hang-up frees the request in the server.
     hang_up_after_a_few_tokens(&url).await;
@@ -662,17 +727,8 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
 
     structured_output_passes_through(&url).await;
     // A forced tool call: vLLM gets the call's Lark grammar, dyn parses the call.
-    let tools = json!([{"type": "function", "function": {"name": "get_weather",
-        "description": "The weather in a city", "parameters": weather_schema()}}]);
-    let forced = json!({"model": "smollm2", "max_tokens": 96, "temperature": 0, "tools": tools,
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "messages": [{"role": "user", "content": "What is the weather in Paris?"}]});
-    let v = post(&g.url("/v1/chat/completions"), &forced).await;
-    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
-    assert_eq!(call["name"], "get_weather", "{v}");
-    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
-    assert!(is_weather(&args), "{v}");
-    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let args = forced_call(&url, "get_weather", weather_schema()).await;
+    assert!(is_weather(&args), "{args}");
 
     // Log-probabilities come from vLLM: the same as its own answer's to the same token ids.
     let own = post(
