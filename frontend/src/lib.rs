@@ -22,6 +22,7 @@ use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Request, State};
@@ -49,6 +50,11 @@ pub struct ServerConfig {
     /// When non-empty, requests must carry `Authorization: Bearer <one of these>`.
     #[serde(default)]
     pub api_keys: Vec<String>,
+    /// Seconds a request may take, end to end, unless its `x-request-timeout` header asks for
+    /// less; past it the request is cancelled everywhere it is (queue, router, prefill,
+    /// engine). None: no limit but the client's own.
+    #[serde(default)]
+    pub request_timeout_s: Option<f64>,
 }
 
 fn default_listen() -> String {
@@ -74,7 +80,52 @@ impl ServerConfig {
         if self.api_keys.iter().any(String::is_empty) {
             out.push(Invalid::field("api_keys", "keys must not be empty"));
         }
+        if let Some(t) = self.request_timeout_s
+            && !(t.is_finite() && t > 0.0)
+        {
+            out.push(Invalid::field(
+                "request_timeout_s",
+                "must be a positive number of seconds",
+            ));
+        }
         out
+    }
+
+    /// A new request's context: its id (`x-request-id`, else a new one) and its deadline
+    /// (`x-request-timeout` in seconds, at most `request_timeout_s`). A timeout that is not a
+    /// positive number is a 400.
+    pub fn request_ctx<Req, Resp>(
+        &self,
+        chain: &Chain<Req, Resp>,
+        headers: &HeaderMap,
+    ) -> Result<dyn_core::Ctx, ApiError>
+    where
+        Req: Payload,
+        Resp: Payload,
+    {
+        let asked = match headers.get(REQUEST_TIMEOUT) {
+            None => None,
+            Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok()) {
+                Some(t) if t.is_finite() && t > 0.0 => Some(t),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "invalid_request_timeout",
+                        format!("{REQUEST_TIMEOUT} must be a positive number of seconds"),
+                    )
+                    .with_param(REQUEST_TIMEOUT));
+                }
+            },
+        };
+        let ctx = chain.ctx(request_id(headers));
+        let limit = match (asked, self.request_timeout_s) {
+            (Some(a), Some(d)) => Some(a.min(d)),
+            (a, d) => a.or(d),
+        };
+        // Beyond a year is no limit (and would overflow the clock).
+        Ok(match limit.filter(|t| *t < 3.15e7) {
+            Some(t) => ctx.with_timeout(Duration::from_secs_f64(t)),
+            None => ctx,
+        })
     }
 
     /// Bind at build time so a taken port fails start-up with a clear message.
@@ -89,6 +140,21 @@ impl ServerConfig {
         Ok(listener)
     }
 }
+
+/// The header that sets a request's deadline, in seconds from its arrival.
+pub const REQUEST_TIMEOUT: &str = "x-request-timeout";
+
+/// The error of a request whose deadline passed before its answer was complete (504).
+pub fn deadline_exceeded() -> OpError {
+    OpError::new(
+        ErrorKind::Cancelled,
+        "the request's deadline passed before its answer was complete",
+    )
+    .with_code(DEADLINE_EXCEEDED)
+}
+
+/// The code of [`deadline_exceeded`].
+pub const DEADLINE_EXCEEDED: &str = "deadline_exceeded";
 
 /// An error response in OpenAI's shape.
 #[derive(Debug)]
@@ -159,6 +225,12 @@ impl From<OpError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
                 e.code.unwrap_or(Cow::Borrowed(dyn_core::INSTANCE_LOST)),
+                e.message,
+            ),
+            ErrorKind::Cancelled if e.code.as_deref() == Some(DEADLINE_EXCEEDED) => ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_error",
+                DEADLINE_EXCEEDED,
                 e.message,
             ),
             ErrorKind::Cancelled => ApiError::new(

@@ -140,6 +140,8 @@ struct App {
     created: u64,
     /// The planner's view of this frontend's traffic.
     stats: Arc<FrontendStats>,
+    /// The shared server settings (the request deadline's default).
+    server: Arc<ServerConfig>,
 }
 
 impl Ingress for Http {
@@ -158,6 +160,7 @@ impl Ingress for Http {
             model: self.model.into(),
             created: unix_now(),
             stats: self.stats,
+            server: Arc::new(self.config.clone()),
         };
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -1010,7 +1013,14 @@ async fn serve(
         }
     };
     let mut track = Track::new(&app, endpoint, opts.stream);
-    let ctx = app.chain.ctx(super::request_id(&headers));
+    let ctx = match app.server.request_ctx(&app.chain, &headers) {
+        Ok(c) => c,
+        Err(e) => {
+            track.finish("error");
+            return e.into_response();
+        }
+    };
+    let deadline = ctx.deadline();
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completion => "cmpl-",
@@ -1022,13 +1032,34 @@ async fn serve(
         created: unix_now(),
     };
     // Wait for the first delta so an early failure still gets a proper status code.
-    let (first, out, guards) = match choices(&app, ctx, req, opts.n).await {
+    let chosen = choices(&app, ctx, req, opts.n);
+    let chosen = match deadline {
+        // A moment's grace: what stops the request at its deadline below (the admission
+        // queue's 503, say) tells the client why; this is the backstop.
+        Some(d) => tokio::time::timeout_at((d + DEADLINE_GRACE).into(), chosen)
+            .await
+            .unwrap_or_else(|_| Err(super::deadline_exceeded().into())),
+        None => chosen.await,
+    };
+    let late = deadline.is_some_and(|d| Instant::now() >= d);
+    let (first, out, guards) = match chosen {
+        // Failed, or came back empty, as its deadline passed: the deadline's doing (a refusal
+        // for want of room keeps its 503).
+        Ok((None, ..)) if late => {
+            track.finish("error");
+            return ApiError::from(super::deadline_exceeded()).into_response();
+        }
+        Err(e) if late && e.status != StatusCode::SERVICE_UNAVAILABLE => {
+            track.finish("error");
+            return ApiError::from(super::deadline_exceeded()).into_response();
+        }
         Ok(c) => c,
         Err(e) => {
             track.finish("error");
             return e.into_response();
         }
     };
+    let out = until_deadline(out, deadline, first.as_ref(), opts.n);
 
     if !opts.stream {
         let mut acc: Vec<Collected> = (0..opts.n).map(|_| Collected::default()).collect();
@@ -1093,8 +1124,63 @@ async fn serve(
         .into_response()
 }
 
+/// How long past a request's deadline the frontend waits for the graph to stop it.
+const DEADLINE_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The deltas of a request's choices, each tagged with its index.
 type Tagged = futures::stream::BoxStream<'static, (usize, Result<LlmDelta, dyn_core::OpError>)>;
+
+/// `out` (the choices after `first`) ending in a [`super::deadline_exceeded`] error when the
+/// deadline passes before every choice finished. The request's context carries the same
+/// deadline, so everything under it stops too; whichever side notices first, a choice cut
+/// short then reads as late, not as an ordinary error or a silent end.
+fn until_deadline(
+    out: Tagged,
+    deadline: Option<Instant>,
+    first: Option<&(usize, Result<LlmDelta, dyn_core::OpError>)>,
+    n: usize,
+) -> Tagged {
+    let Some(deadline) = deadline else { return out };
+    let mut finished = vec![false; n];
+    if let Some((i, Ok(d))) = first
+        && d.finish.is_some()
+    {
+        finished[*i] = true;
+    }
+    async_stream::stream! {
+        let mut out = out;
+        let timer = tokio::time::sleep_until((deadline + DEADLINE_GRACE).into());
+        tokio::pin!(timer);
+        loop {
+            let next = tokio::select! {
+                next = out.next() => Some(next),
+                _ = &mut timer => None,
+            };
+            let unfinished = finished.iter().position(|f| !f);
+            let late = Instant::now() >= deadline;
+            match next {
+                Some(Some((i, Ok(d)))) => {
+                    if d.finish.is_some() {
+                        finished[i] = true;
+                    }
+                    yield (i, Ok(d));
+                }
+                Some(Some((i, Err(_)))) if late => {
+                    yield (i, Err(super::deadline_exceeded()));
+                    return;
+                }
+                Some(Some(failed)) => yield failed,
+                Some(None) | None => {
+                    if let Some(i) = unfinished.filter(|_| late) {
+                        yield (i, Err(super::deadline_exceeded()));
+                    }
+                    return;
+                }
+            }
+        }
+    }
+    .boxed()
+}
 
 /// Send the request down the graph `n` times (choice `i` with `seed + i` when seeded) and
 /// return the first choice's first delta, then every choice's deltas as they come, and the
@@ -1142,7 +1228,10 @@ async fn choices(
     };
     let mut streams: Vec<Tagged> = vec![first_out.map(|d| (0, d)).boxed()];
     for i in 1..n {
-        let c = app.chain.ctx(Some(format!("{}-{i}", ctx.id()).into()));
+        let mut c = app.chain.ctx(Some(format!("{}-{i}", ctx.id()).into()));
+        if let Some(d) = ctx.deadline() {
+            c = c.with_deadline(d);
+        }
         guards.push(c.kill_on_drop());
         streams.push(app.chain.call(c, child(i)).map(move |d| (i, d)).boxed());
     }

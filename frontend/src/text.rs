@@ -5,6 +5,7 @@
 //! `data: [DONE]`. `GET /health` and `GET /live` report readiness and liveness.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
@@ -77,18 +78,18 @@ impl Ingress for HttpText {
     ) -> BoxFuture<'static, Result<(), OpError>> {
         let api = axum::Router::new()
             .route("/v1/text", post(text))
-            .with_state(chain.clone());
+            .with_state((chain.clone(), Arc::new(self.config.clone())));
         let app = super::app(&self.config, api, axum::Router::new());
         super::serve(self.listener, app, shutdown, chain).boxed()
     }
 }
 
 async fn text(
-    State(chain): State<AppChain>,
+    State((chain, config)): State<(AppChain, Arc<ServerConfig>)>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match handle(chain, headers, body).await {
+    match handle(chain, &config, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -96,30 +97,55 @@ async fn text(
 
 async fn handle(
     chain: AppChain,
+    config: &ServerConfig,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(super::body_error)?;
     let req: TextRequest = super::parse_json(&body)?;
-    let ctx = chain.ctx(super::request_id(&headers));
+    let ctx = config.request_ctx(&chain, &headers)?;
     let id = ctx.id().to_string();
+    // Text has no end marker: past the deadline, an error or an end is the deadline's.
+    let deadline = ctx.deadline();
+    let late = move || deadline.is_some_and(|d| std::time::Instant::now() >= d);
     // Dropped with this future or with the SSE stream: a client that hangs up kills the request.
     let guard = ctx.kill_on_drop();
     let mut out = chain.call(ctx, Text(req.text));
     if !req.stream {
         let mut text = String::new();
         while let Some(item) = out.next().await {
-            text.push_str(&item?.0);
+            text.push_str(
+                &item
+                    .map_err(|e| {
+                        if late() {
+                            super::deadline_exceeded()
+                        } else {
+                            e
+                        }
+                    })?
+                    .0,
+            );
+        }
+        if late() {
+            return Err(super::deadline_exceeded().into());
         }
         guard.disarm();
         return Ok(Json(json!({"id": id, "text": text})).into_response());
     }
     // Wait for the first item so an early failure still gets a proper status code.
     let first = match out.next().await {
-        Some(item) => Some(item?),
+        Some(item) => Some(item.map_err(|e| {
+            if late() {
+                super::deadline_exceeded()
+            } else {
+                e
+            }
+        })?),
+        None if late() => return Err(super::deadline_exceeded().into()),
         None => None,
     };
     let events = async_stream::stream! {
+        let mut failed = false;
         if let Some(Text(t)) = first {
             yield Ok::<_, Infallible>(Event::default().data(json!({"id": id, "text": t}).to_string()));
         }
@@ -127,10 +153,15 @@ async fn handle(
             match item {
                 Ok(Text(t)) => yield Ok(Event::default().data(json!({"id": id, "text": t}).to_string())),
                 Err(e) => {
+                    let e = if late() { super::deadline_exceeded() } else { e };
                     yield Ok(Event::default().data(ApiError::from(e).body().to_string()));
+                    failed = true;
                     break;
                 }
             }
+        }
+        if late() && !failed {
+            yield Ok(Event::default().data(ApiError::from(super::deadline_exceeded()).body().to_string()));
         }
         guard.disarm();
         yield Ok(Event::default().data("[DONE]"));

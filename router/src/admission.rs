@@ -8,7 +8,8 @@
 //! average of the gaps between them), so the `i`-th waiting one should start in about `i`
 //! gaps ([`WAIT_MARGIN`] times over: better-ranked arrivals go ahead of it meanwhile). Most
 //! refusals thus come at once, not after the wait they predict. A waiter whose client
-//! hangs up simply leaves: its place is skipped.
+//! hangs up simply leaves: its place is skipped. A request's own deadline
+//! (`x-request-timeout`) bounds its wait when it is sooner than `max_wait_s`.
 //!
 //! Room: `per_worker` requests in flight from this router per live worker (what `dyn bench`
 //! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone, with the
@@ -278,7 +279,11 @@ impl Admission {
     /// dropped. Refused (503, [`QUEUE_FULL`] or [`QUEUE_TIMEOUT`]) when it cannot get room.
     pub async fn admit(self: &Arc<Self>, ctx: &Ctx, priority: i32) -> Result<Permit, OpError> {
         let wait = Duration::from_secs_f64(self.config.max_wait_s.max(0.0));
-        let deadline = Instant::now() + wait;
+        // The request's own deadline (`x-request-timeout`) when it comes sooner.
+        let deadline = match ctx.deadline() {
+            Some(d) => (Instant::now() + wait).min(Instant::from_std(d)),
+            None => Instant::now() + wait,
+        };
         let rx = {
             let mut s = self.state.lock();
             s.queue.retain(|w| !w.is_closed());
@@ -334,7 +339,7 @@ impl Admission {
 
 fn late_error(max_wait_s: f64) -> OpError {
     OpError::overloaded(format!(
-        "the server is over capacity: no room within {max_wait_s:.1} s"
+        "the server is over capacity: no room before the request's deadline (a wait of at most {max_wait_s:.1} s)"
     ))
     .with_code(QUEUE_TIMEOUT)
 }

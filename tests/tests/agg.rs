@@ -704,3 +704,80 @@ async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_
         "both refusals counted"
     );
 }
+
+#[tokio::test]
+async fn a_request_deadline_cancels_it_in_the_queue_and_in_the_engine() {
+    // One slow worker that the router gives one request at a time.
+    let g = one_slow_worker(&[
+        "--set",
+        "route.admission.per_worker=1",
+        "--set",
+        "route.admission.max_wait_s=60",
+    ]);
+    let long = |stream: bool| {
+        chat(
+            &"a long prompt ".repeat(40),
+            json!({"max_tokens": 1000, "stream": stream}),
+        )
+    };
+    let send = |b: Value, timeout: Option<&str>| {
+        let mut r = client().post(g.url("/v1/chat/completions")).json(&b);
+        if let Some(t) = timeout {
+            r = r.header("x-request-timeout", t);
+        }
+        r.send()
+    };
+
+    // Streamed: tokens, then the deadline ends it with an error event.
+    let r = send(long(true), Some("1.5")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("\"content\""), "{text}");
+    let last = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .last()
+        .unwrap_or_default();
+    let err: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(err["error"]["code"], "deadline_exceeded", "{text}");
+    // The engine let it go: its blocks are free.
+    assert_eq!(
+        wait_for_metric(&g, "dyn_worker_kv_active_blocks", |v| v == 0.0).await,
+        0.0
+    );
+    assert_eq!(metric(&g, "dyn_worker_requests_running").await, 0.0);
+
+    // Unary: a 504 in OpenAI's shape.
+    let r = send(long(false), Some("0.5")).await.unwrap();
+    assert_eq!(r.status(), 504);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "deadline_exceeded", "{err}");
+    assert_eq!(
+        wait_for_metric(&g, "dyn_worker_kv_active_blocks", |v| v == 0.0).await,
+        0.0
+    );
+
+    // Queued behind a running request: refused (503, Retry-After) when its deadline comes,
+    // without ever reaching the worker.
+    let running = send(long(true), None).await.unwrap();
+    assert_eq!(running.status(), 200);
+    let r = send(long(true), Some("0.4")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "queue_timeout", "{err}");
+    // It left the queue (the gauge follows within the router's tick).
+    assert_eq!(
+        wait_for_metric(&g, "dyn_router_queue_waiting", |v| v == 0.0).await,
+        0.0
+    );
+    assert_eq!(metric(&g, "dyn_worker_requests_waiting").await, 0.0);
+    drop(running);
+
+    // A timeout that is not a number of seconds is a 400 naming the header.
+    let r = send(long(false), Some("soon")).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["param"], "x-request-timeout", "{err}");
+}
