@@ -49,6 +49,9 @@ pub struct OpError {
     pub code: Option<Cow<'static, str>>,
     /// The request field at fault (OpenAI's `param`).
     pub param: Option<String>,
+    /// When to ask again, in seconds (HTTP's `Retry-After`), where the refusal knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -68,6 +71,9 @@ pub enum ErrorKind {
     InstanceLost,
     /// The request was cancelled or passed its deadline.
     Cancelled,
+    /// The client (its tenant) is over its rate limit (429 `rate_limit_exceeded`, with a
+    /// `Retry-After`). Never resent.
+    RateLimited,
     /// A bug or an unexpected failure (500).
     #[serde(other)]
     Internal,
@@ -80,7 +86,13 @@ impl OpError {
             message: message.into(),
             code: None,
             param: None,
+            retry_after_s: None,
         }
+    }
+    /// Say when to ask again.
+    pub fn with_retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after_s = Some(seconds);
+        self
     }
     /// Attach a stable error code.
     pub fn with_code(mut self, code: impl Into<Cow<'static, str>>) -> Self {
@@ -102,6 +114,12 @@ impl OpError {
     pub fn overloaded(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Overloaded, message).with_code(WORKER_BUSY)
     }
+    /// Over a rate limit (code `rate_limit_exceeded`); ask again in `retry_after_s`.
+    pub fn rate_limited(message: impl Into<String>, retry_after_s: u64) -> Self {
+        Self::new(ErrorKind::RateLimited, message)
+            .with_code(RATE_LIMIT_EXCEEDED)
+            .with_retry_after(retry_after_s)
+    }
     /// The replica serving the request is gone (code `instance_lost`).
     pub fn instance_lost(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InstanceLost, message).with_code(INSTANCE_LOST)
@@ -120,6 +138,8 @@ pub const INSTANCE_LOST: &str = "instance_lost";
 /// serves no such instance (it left). Only this marks an instance down for callers; a lost
 /// request (an engine's broken stream) says nothing about the next one.
 pub const NOT_SERVED: &str = "instance_not_served";
+/// The code of an [`ErrorKind::RateLimited`] error (OpenAI's).
+pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
 /// The default code of an [`ErrorKind::Overloaded`] error.
 pub const WORKER_BUSY: &str = "worker_busy";
 

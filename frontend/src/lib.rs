@@ -47,9 +47,19 @@ pub struct ServerConfig {
     /// Largest request body accepted; bigger ones get 413.
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
-    /// When non-empty, requests must carry `Authorization: Bearer <one of these>`.
+    /// When non-empty, requests must carry `Authorization: Bearer <one of these>`. A key
+    /// may name its tenant (`{key, tenant}`); a bare key's tenant is `key-N`, N its place in
+    /// this list from 1.
     #[serde(default)]
-    pub api_keys: Vec<String>,
+    pub api_keys: Vec<ApiKey>,
+    /// A header that names the request's tenant (say `x-tenant-id`); where present it wins
+    /// over the API key's. `http` only.
+    #[serde(default)]
+    pub tenant_header: Option<String>,
+    /// Names for priorities that the `x-priority` header may give instead of a number
+    /// (`{interactive: 0, batch: 10}`). `http` only.
+    #[serde(default)]
+    pub priority_classes: std::collections::BTreeMap<String, i32>,
     /// Seconds a request may take, end to end, unless its `x-request-timeout` header asks for
     /// less; past it the request is cancelled everywhere it is (queue, router, prefill,
     /// engine). None: no limit but the client's own.
@@ -77,8 +87,23 @@ impl ServerConfig {
         if self.max_body_bytes == 0 {
             out.push(Invalid::field("max_body_bytes", "must be at least 1"));
         }
-        if self.api_keys.iter().any(String::is_empty) {
+        if self.api_keys.iter().any(|k| k.key().is_empty()) {
             out.push(Invalid::field("api_keys", "keys must not be empty"));
+        }
+        if self
+            .api_keys
+            .iter()
+            .any(|k| matches!(k, ApiKey::Named { tenant, .. } if !tenant_name_ok(tenant)))
+        {
+            out.push(Invalid::field("api_keys", TENANT_NAME_RULE));
+        }
+        if let Some(h) = &self.tenant_header
+            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+        {
+            out.push(Invalid::field(
+                "tenant_header",
+                format!("`{h}` is not a header name"),
+            ));
         }
         if let Some(t) = self.request_timeout_s
             && !(t.is_finite() && t > 0.0)
@@ -141,6 +166,101 @@ impl ServerConfig {
     }
 }
 
+/// An API key, bare or naming its tenant.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a key, or {key, tenant}")]
+pub enum ApiKey {
+    Bare(String),
+    #[serde(rename_all = "snake_case")]
+    Named {
+        key: String,
+        tenant: String,
+    },
+}
+
+impl ApiKey {
+    pub fn key(&self) -> &str {
+        match self {
+            ApiKey::Bare(k) | ApiKey::Named { key: k, .. } => k,
+        }
+    }
+
+    /// Its tenant; `place` is its index in `api_keys`.
+    fn tenant(&self, place: usize) -> String {
+        match self {
+            ApiKey::Bare(_) => format!("key-{}", place + 1),
+            ApiKey::Named { tenant, .. } => tenant.clone(),
+        }
+    }
+}
+
+/// The tenant of the API key a request carried (set by [`require_api_key`]).
+#[derive(Debug, Clone)]
+pub struct KeyTenant(pub String);
+
+const TENANT_NAME_RULE: &str = "a tenant is 1 to 64 letters, digits, '.', '_' or '-'";
+
+fn tenant_name_ok(t: &str) -> bool {
+    (1..=64).contains(&t.len())
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// The header that gives a request's priority: a number (lower first) or a class named in
+/// `priority_classes`.
+pub const PRIORITY: &str = "x-priority";
+
+impl ServerConfig {
+    /// A request's tenant and priority from its headers: the tenant header where configured
+    /// and present, else its API key's tenant; `x-priority` where present. A malformed one is
+    /// a 400 naming the header.
+    pub fn traffic(
+        &self,
+        headers: &HeaderMap,
+        key: Option<&KeyTenant>,
+    ) -> Result<(Option<String>, Option<i32>), ApiError> {
+        let bad = |name: &str, why: String| {
+            ApiError::invalid("invalid_header", why).with_param(name.to_string())
+        };
+        let tenant = match self
+            .tenant_header
+            .as_deref()
+            .and_then(|h| Some((h, headers.get(h)?)))
+        {
+            Some((h, v)) => match v.to_str().ok().filter(|t| tenant_name_ok(t)) {
+                Some(t) => Some(t.to_string()),
+                None => return Err(bad(h, format!("{h}: {TENANT_NAME_RULE}"))),
+            },
+            None => key.map(|k| k.0.clone()),
+        };
+        let priority = match headers.get(PRIORITY) {
+            None => None,
+            Some(v) => {
+                let v = v.to_str().unwrap_or_default().trim();
+                match v
+                    .parse::<i32>()
+                    .ok()
+                    .or_else(|| self.priority_classes.get(v).copied())
+                {
+                    Some(p) => Some(p),
+                    None => {
+                        let names: Vec<&str> =
+                            self.priority_classes.keys().map(String::as_str).collect();
+                        return Err(bad(
+                            PRIORITY,
+                            format!(
+                                "{PRIORITY} must be an integer or one of the graph's classes ({})",
+                                names.join(", ")
+                            ),
+                        ));
+                    }
+                }
+            }
+        };
+        Ok((tenant, priority))
+    }
+}
+
 /// The header that sets a request's deadline, in seconds from its arrival.
 pub const REQUEST_TIMEOUT: &str = "x-request-timeout";
 
@@ -164,6 +284,8 @@ pub struct ApiError {
     pub code: Cow<'static, str>,
     pub message: String,
     pub param: Option<String>,
+    /// Seconds for `Retry-After` (a 503 says 1 unless told).
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -179,6 +301,7 @@ impl ApiError {
             code: code.into(),
             message: message.into(),
             param: None,
+            retry_after_s: None,
         }
     }
 
@@ -204,6 +327,7 @@ impl ApiError {
 impl From<OpError> for ApiError {
     fn from(e: OpError) -> Self {
         let param = e.param;
+        let retry_after_s = e.retry_after_s;
         let mut api = match e.kind {
             ErrorKind::InvalidRequest => ApiError::invalid(
                 e.code.unwrap_or(Cow::Borrowed("invalid_request")),
@@ -219,6 +343,13 @@ impl From<OpError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
                 e.code.unwrap_or(Cow::Borrowed(dyn_core::WORKER_BUSY)),
+                e.message,
+            ),
+            ErrorKind::RateLimited => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                e.code
+                    .unwrap_or(Cow::Borrowed(dyn_core::RATE_LIMIT_EXCEEDED)),
                 e.message,
             ),
             ErrorKind::InstanceLost => ApiError::new(
@@ -250,17 +381,24 @@ impl From<OpError> for ApiError {
             }
         };
         api.param = param;
+        api.retry_after_s = retry_after_s;
         api
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        // A refusal for want of room may be asked again shortly; say when (RFC 9110 §10.2.3).
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        // A refusal for want of room (or over a rate limit) may be asked again; say when
+        // (RFC 9110 §10.2.3).
+        let retry = match self.status {
+            StatusCode::SERVICE_UNAVAILABLE => Some(self.retry_after_s.unwrap_or(1)),
+            StatusCode::TOO_MANY_REQUESTS => self.retry_after_s,
+            _ => None,
+        };
+        if let Some(s) = retry {
             return (
                 self.status,
-                [(axum::http::header::RETRY_AFTER, "1")],
+                [(axum::http::header::RETRY_AFTER, s.max(1).to_string())],
                 Json(self.body()),
             )
                 .into_response();
@@ -322,8 +460,8 @@ impl MakeRequestId for NewRequestId {
 
 /// Middleware: require `Authorization: Bearer KEY` when keys are configured.
 pub async fn require_api_key(
-    State(keys): State<std::sync::Arc<Vec<String>>>,
-    req: Request,
+    State(keys): State<std::sync::Arc<Vec<ApiKey>>>,
+    mut req: Request,
     next: Next,
 ) -> Response {
     if keys.is_empty() {
@@ -333,17 +471,25 @@ pub async fn require_api_key(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    // Every key is compared, each in constant time: how long the check takes says nothing
-    // about how much of a key was right.
-    let known = given.is_some_and(|g| {
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    // Every key is compared, each in constant time, and the match is picked without a
+    // branch: how long the check takes says nothing about how much of a key was right.
+    let (hit, place) =
         keys.iter()
-            .fold(subtle::Choice::from(0), |hit, key| {
-                hit | key.as_bytes().ct_eq(g.as_bytes())
-            })
-            .into()
-    });
-    if known {
+            .enumerate()
+            .fold((subtle::Choice::from(0), 0u64), |(hit, place), (i, key)| {
+                let eq = key.key().as_bytes().ct_eq(given.as_bytes());
+                (
+                    hit | eq,
+                    subtle::ConditionallySelectable::conditional_select(&place, &(i as u64), eq),
+                )
+            });
+    if bool::from(hit) && !given.is_empty() {
+        let place = usize::try_from(place).unwrap_or_default();
+        if let Some(k) = keys.get(place) {
+            req.extensions_mut().insert(KeyTenant(k.tenant(place)));
+        }
         return next.run(req).await;
     }
     ApiError::new(

@@ -15,8 +15,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -41,7 +41,7 @@ use tokio::net::TcpListener;
 use super::admin::Admin;
 use super::reasoning::{ReasoningFormat, ReasoningParser};
 use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
-use super::{ApiError, ServerConfig};
+use super::{ApiError, KeyTenant, ServerConfig};
 use crate::metrics::FRONTEND;
 
 /// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
@@ -551,6 +551,7 @@ fn request(
                 prompt_logprobs: None,
                 constraint,
                 priority: c.priority.unwrap_or(0),
+                tenant: None,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -867,18 +868,20 @@ fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), A
 
 async fn chat(
     State(app): State<App>,
+    key: Option<Extension<KeyTenant>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(app, Endpoint::Chat, headers, body).await
+    serve(app, Endpoint::Chat, key.map(|k| k.0), headers, body).await
 }
 
 async fn completions(
     State(app): State<App>,
+    key: Option<Extension<KeyTenant>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(app, Endpoint::Completion, headers, body).await
+    serve(app, Endpoint::Completion, key.map(|k| k.0), headers, body).await
 }
 
 /// Counts one request in the frontend metrics from start to end; dropped without `finish`
@@ -993,6 +996,7 @@ impl Drop for Track {
 async fn serve(
     app: App,
     endpoint: Endpoint,
+    key: Option<KeyTenant>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -1004,6 +1008,15 @@ async fn serve(
         Endpoint::Chat => chat_request(&app, &body),
         Endpoint::Completion => completion_request(&app, &body),
     };
+    // The headers' tenant and priority (a gateway's word) over the body's.
+    let parsed = parsed.and_then(|(mut req, opts)| {
+        let (tenant, priority) = app.server.traffic(&headers, key.as_ref())?;
+        req.sampling.tenant = tenant;
+        if let Some(p) = priority {
+            req.sampling.priority = p;
+        }
+        Ok((req, opts))
+    });
     let (req, opts) = match parsed {
         Ok(r) => r,
         Err(e) => {

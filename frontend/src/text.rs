@@ -41,7 +41,21 @@ impl IngressConfig for HttpTextConfig {
     type Ingress = HttpText;
 
     fn validate(&self) -> Vec<Invalid> {
-        self.server.validate()
+        let mut out = self.server.validate();
+        // Tenants and priorities steer an LLM router's admission; plain text has neither.
+        if self.server.tenant_header.is_some() {
+            out.push(Invalid::field(
+                "tenant_header",
+                "only the http ingress reads it",
+            ));
+        }
+        if !self.server.priority_classes.is_empty() {
+            out.push(Invalid::field(
+                "priority_classes",
+                "only the http ingress reads it",
+            ));
+        }
+        out
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<HttpText, BuildError> {

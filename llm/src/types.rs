@@ -96,6 +96,10 @@ pub struct Sampling {
     /// which go unchanged from the client to the engine.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub priority: i32,
+    /// Whose request it is (the API key's tenant, or the ingress's tenant header): the
+    /// admission queue shares capacity between tenants by it. Travels as `priority` does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 fn is_zero(v: &i32) -> bool {

@@ -15,11 +15,24 @@
 //! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone, with the
 //! time passed in, so its tests run on a scripted clock.
 //!
+//! **Tenants** (the API key's, or the ingress's tenant header) share the room by weight:
+//! within a priority, the next request to go is the best-ranked one of the tenant that has been
+//! served least for its weight — a virtual token counter (VTC, as AIBrix and llm-d use): each
+//! request dispatched adds its budget (prompt + `max_tokens`, what OpenAI's token limits
+//! count, since the router does not see the output) over the tenant's weight to its counter. A
+//! tenant that was idle comes back level with the router's virtual time (the counter of the
+//! last tenant served), not with credit banked while away, so a tenant sending ten times more
+//! cannot starve another and an idle one cannot flood later. A full queue refuses the worst
+//! entry of the most-served tenant. Per-tenant rate limits (requests and tokens per minute,
+//! token buckets holding a minute's worth) refuse at once with 429 `rate_limit_exceeded` and
+//! the seconds until the bucket has room.
+//!
 //! ```yaml
-//! route: {kind: route, inputs: [preprocess], config: {admission: {per_worker: 8, queue: 256, max_wait_s: 2}}}
+//! route: {kind: route, inputs: [preprocess], config: {admission: {per_worker: 8, queue: 256, max_wait_s: 2,
+//!   tenants: {acme: {weight: 4, requests_per_minute: 600}}, tenant_default: {weight: 1}}}}
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +63,63 @@ pub struct AdmissionConfig {
     /// How long a request may wait before it is refused.
     #[serde(default = "max_wait_s")]
     pub max_wait_s: f64,
+    /// Named tenants' weights and limits.
+    #[serde(default)]
+    pub tenants: BTreeMap<String, TenantConfig>,
+    /// Those of every other tenant, and of requests without one (each tenant counted on its
+    /// own).
+    #[serde(default)]
+    pub tenant_default: TenantConfig,
+}
+
+/// One tenant's share and limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Its share of the room relative to the others' (1 by default).
+    #[serde(default = "one")]
+    pub weight: f64,
+    #[serde(default)]
+    pub requests_per_minute: Option<u32>,
+    /// Prompt + `max_tokens` per minute.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            requests_per_minute: None,
+            tokens_per_minute: None,
+        }
+    }
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// What admission needs to know of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// Lower first.
+    pub priority: i32,
+    /// "" for none.
+    pub tenant: &'a str,
+    /// Its budget: prompt + `max_tokens`.
+    pub tokens: u64,
+}
+
+impl Ask<'static> {
+    /// A request of `priority` from no tenant, of one token.
+    pub fn priority(priority: i32) -> Self {
+        Self {
+            priority,
+            tenant: "",
+            tokens: 1,
+        }
+    }
 }
 
 fn queue() -> usize {
@@ -67,10 +137,17 @@ pub struct Rank {
     seq: u64,
 }
 
-/// The waiting requests, best first; bounded.
+/// The waiting requests, bounded: the best-ranked request (priority, then deadline, then
+/// arrival) of the least-served tenant (its virtual token counter) goes first.
 #[derive(Debug)]
 pub struct Queue<T> {
-    entries: BTreeMap<Rank, T>,
+    /// Each tenant's waiting requests, best first, with their cost (tokens over weight).
+    waiting: HashMap<String, BTreeMap<Rank, (f64, T)>>,
+    /// Each tenant's virtual token counter; absent is the virtual time.
+    served: HashMap<String, f64>,
+    /// The counter of the tenant served last: where a returning tenant starts.
+    vtime: f64,
+    len: usize,
     cap: usize,
     seq: u64,
 }
@@ -86,67 +163,172 @@ pub enum Pushed<T> {
     Refused(T),
 }
 
+/// Counters of idle tenants kept at most; beyond, those level with the virtual time go.
+const SERVED_KEPT: usize = 4096;
+
 impl<T> Queue<T> {
     pub fn new(cap: usize) -> Self {
         Self {
-            entries: BTreeMap::new(),
+            waiting: HashMap::new(),
+            served: HashMap::new(),
+            vtime: 0.0,
+            len: 0,
             cap,
             seq: 0,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
     }
 
-    pub fn push(&mut self, priority: i32, deadline: Instant, item: T) -> Pushed<T> {
+    /// A tenant's counter, lifted to the virtual time: no credit for time away.
+    fn counter(&self, tenant: &str) -> f64 {
+        self.served
+            .get(tenant)
+            .copied()
+            .unwrap_or(0.0)
+            .max(self.vtime)
+    }
+
+    /// The dispatch order's key of `tenant`'s entry `rank`.
+    fn key(&self, tenant: &str, rank: &Rank) -> (i32, f64, Instant, u64) {
+        (rank.priority, self.counter(tenant), rank.deadline, rank.seq)
+    }
+
+    /// Counts `cost` (tokens over weight) as served to `tenant` now: a request that went
+    /// without waiting is charged as one that waited.
+    pub fn charge(&mut self, tenant: &str, cost: f64) {
+        let c = self.counter(tenant);
+        self.vtime = c;
+        self.served.insert(tenant.to_owned(), c + cost);
+        if self.served.len() > SERVED_KEPT {
+            let (waiting, vtime) = (&self.waiting, self.vtime);
+            self.served
+                .retain(|t, c| *c > vtime || waiting.contains_key(t));
+        }
+    }
+
+    pub fn push(
+        &mut self,
+        priority: i32,
+        deadline: Instant,
+        tenant: &str,
+        cost: f64,
+        item: T,
+    ) -> Pushed<T> {
         self.seq += 1;
         let rank = Rank {
             priority,
             deadline,
             seq: self.seq,
         };
-        if self.entries.len() < self.cap {
-            self.entries.insert(rank, item);
-            return Pushed::Waiting;
+        if self.len >= self.cap {
+            let worst = self
+                .waiting
+                .iter()
+                .filter_map(|(t, q)| q.last_key_value().map(|(r, _)| (self.key(t, r), t, *r)))
+                .max_by(|a, b| cmp_key(&a.0, &b.0));
+            let Some((worst_key, worst_tenant, worst_rank)) = worst else {
+                return Pushed::Refused(item);
+            };
+            if cmp_key(&worst_key, &self.key(tenant, &rank)).is_le() {
+                return Pushed::Refused(item);
+            }
+            let worst_tenant = worst_tenant.clone();
+            let out = self.remove(&worst_tenant, &worst_rank);
+            self.insert(tenant, rank, cost, item);
+            return match out {
+                Some(out) => Pushed::Displaced(out),
+                None => Pushed::Waiting,
+            };
         }
-        match self.entries.last_key_value() {
-            Some((worst, _)) if *worst > rank => match self.entries.pop_last() {
-                Some((_, out)) => {
-                    self.entries.insert(rank, item);
-                    Pushed::Displaced(out)
-                }
-                None => Pushed::Refused(item),
-            },
-            _ => Pushed::Refused(item),
-        }
+        self.insert(tenant, rank, cost, item);
+        Pushed::Waiting
     }
 
-    /// The best entry, taken out.
+    fn insert(&mut self, tenant: &str, rank: Rank, cost: f64, item: T) {
+        self.waiting
+            .entry(tenant.to_owned())
+            .or_default()
+            .insert(rank, (cost, item));
+        self.len += 1;
+    }
+
+    fn remove(&mut self, tenant: &str, rank: &Rank) -> Option<T> {
+        let q = self.waiting.get_mut(tenant)?;
+        let (_, item) = q.remove(rank)?;
+        if q.is_empty() {
+            self.waiting.remove(tenant);
+        }
+        self.len -= 1;
+        Some(item)
+    }
+
+    /// The next request to go, taken out and charged to its tenant.
     pub fn pop(&mut self) -> Option<(Rank, T)> {
-        self.entries.pop_first()
+        let (tenant, rank) = self
+            .waiting
+            .iter()
+            .filter_map(|(t, q)| q.first_key_value().map(|(r, _)| (self.key(t, r), t, *r)))
+            .min_by(|a, b| cmp_key(&a.0, &b.0))
+            .map(|(_, t, r)| (t.clone(), r))?;
+        let cost = self
+            .waiting
+            .get(&tenant)
+            .and_then(|q| q.get(&rank))
+            .map_or(0.0, |(c, _)| *c);
+        let item = self.remove(&tenant, &rank)?;
+        self.charge(&tenant, cost);
+        Some((rank, item))
     }
 
     /// Keeps only the entries still waiting (their client has not left).
     pub fn retain(&mut self, mut waiting: impl FnMut(&T) -> bool) {
-        self.entries.retain(|_, v| waiting(v));
+        for q in self.waiting.values_mut() {
+            q.retain(|_, (_, v)| waiting(v));
+        }
+        self.waiting.retain(|_, q| !q.is_empty());
+        self.len = self.waiting.values().map(BTreeMap::len).sum();
     }
 
-    /// Takes out, best first, the entries `late(place, rank)` says to (`place` 0 is the best's).
+    /// Takes out the entries `late(place, rank)` says to, `place` being where each stands in
+    /// the order they would go in now (0 goes next).
     pub fn take_late(&mut self, mut late: impl FnMut(usize, &Rank) -> bool) -> Vec<T> {
-        let out: Vec<Rank> = self
-            .entries
-            .keys()
-            .enumerate()
-            .filter(|(i, r)| late(*i, r))
-            .map(|(_, r)| *r)
+        let mut all: Vec<_> = self
+            .waiting
+            .iter()
+            .flat_map(|(t, q)| q.keys().map(move |r| (t, *r)))
+            .map(|(t, r)| (self.key(t, &r), t.clone(), r))
             .collect();
-        out.iter().filter_map(|r| self.entries.remove(r)).collect()
+        all.sort_by(|a, b| cmp_key(&a.0, &b.0));
+        let out: Vec<(String, Rank)> = all
+            .into_iter()
+            .enumerate()
+            .filter(|(i, (_, _, r))| late(*i, r))
+            .map(|(_, (_, t, r))| (t, r))
+            .collect();
+        out.iter().filter_map(|(t, r)| self.remove(t, r)).collect()
     }
+
+    /// Each tenant's counter (for `dyn inspect` and the tests).
+    pub fn counters(&self) -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> =
+            self.served.iter().map(|(t, c)| (t.clone(), *c)).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+fn cmp_key(a: &(i32, f64, Instant, u64), b: &(i32, f64, Instant, u64)) -> std::cmp::Ordering {
+    a.0.cmp(&b.0)
+        .then(a.1.total_cmp(&b.1))
+        .then(a.2.cmp(&b.2))
+        .then(a.3.cmp(&b.3))
 }
 
 type Waiter = oneshot::Sender<Result<Permit, OpError>>;
@@ -164,9 +346,32 @@ pub struct Admission {
 struct State {
     inflight: usize,
     queue: Queue<Waiter>,
+    /// Rate-limited tenants' buckets.
+    buckets: HashMap<String, Bucket>,
     /// When a request last finished, and the moving average of the gaps between finishes.
     last_done: Option<Instant>,
     gap: Option<Duration>,
+}
+
+/// A tenant's rate-limit buckets: requests and tokens left, refilled continuously up to a
+/// minute's worth.
+struct Bucket {
+    requests: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn refill(&mut self, (rpm, tpm): (Option<f64>, Option<f64>), now: Instant) {
+        let minutes = (now - self.at).as_secs_f64() / 60.0;
+        self.at = now;
+        if let Some(r) = rpm {
+            self.requests = (self.requests + r * minutes).min(r);
+        }
+        if let Some(t) = tpm {
+            self.tokens = (self.tokens + t * minutes).min(t);
+        }
+    }
 }
 
 /// Weight of the newest gap in the moving average.
@@ -211,6 +416,7 @@ impl Admission {
             state: Mutex::new(State {
                 inflight: 0,
                 queue: Queue::new(config.queue),
+                buckets: HashMap::new(),
                 last_done: None,
                 gap: None,
             }),
@@ -277,7 +483,64 @@ impl Admission {
 
     /// Wait for room for a request of `priority`; the permit counts it in flight until
     /// dropped. Refused (503, [`QUEUE_FULL`] or [`QUEUE_TIMEOUT`]) when it cannot get room.
-    pub async fn admit(self: &Arc<Self>, ctx: &Ctx, priority: i32) -> Result<Permit, OpError> {
+    fn tenant(&self, tenant: &str) -> &TenantConfig {
+        self.config
+            .tenants
+            .get(tenant)
+            .unwrap_or(&self.config.tenant_default)
+    }
+
+    /// Takes a request from `tenant`'s buckets, or says in how many seconds there will be
+    /// room (a request over a whole minute's tokens never fits: an hour).
+    fn take(&self, s: &mut State, tenant: &str, tokens: u64) -> Result<(), u64> {
+        let tc = self.tenant(tenant);
+        if tc.requests_per_minute.is_none() && tc.tokens_per_minute.is_none() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if s.buckets.len() > SERVED_KEPT {
+            // A bucket untouched for a minute is full again: the same as none.
+            s.buckets
+                .retain(|_, b| now - b.at < Duration::from_secs(60));
+        }
+        let limits = (
+            tc.requests_per_minute.map(f64::from),
+            tc.tokens_per_minute.map(|t| t as f64),
+        );
+        let b = s.buckets.entry(tenant.to_owned()).or_insert(Bucket {
+            requests: limits.0.unwrap_or(0.0),
+            tokens: limits.1.unwrap_or(0.0),
+            at: now,
+        });
+        b.refill(limits, now);
+        let need = [
+            (limits.0, b.requests, 1.0),
+            (limits.1, b.tokens, tokens as f64),
+        ];
+        let wait = need
+            .iter()
+            .filter_map(|&(limit, have, want)| {
+                let limit = limit?;
+                if want > limit {
+                    return Some(3600.0);
+                }
+                (have < want).then(|| (want - have) / (limit / 60.0))
+            })
+            .fold(0.0f64, f64::max);
+        if wait > 0.0 {
+            return Err(wait.ceil() as u64);
+        }
+        b.requests -= 1.0;
+        b.tokens -= tokens as f64;
+        Ok(())
+    }
+
+    /// Wait for room for `ask`; the permit counts it in flight until dropped. Refused (503,
+    /// [`QUEUE_FULL`] or [`QUEUE_TIMEOUT`]) when it cannot get room, and (429,
+    /// `rate_limit_exceeded`) when its tenant is over a rate limit.
+    pub async fn admit(self: &Arc<Self>, ctx: &Ctx, ask: Ask<'_>) -> Result<Permit, OpError> {
+        let priority = ask.priority;
+        let cost = ask.tokens as f64 / self.tenant(ask.tenant).weight;
         let wait = Duration::from_secs_f64(self.config.max_wait_s.max(0.0));
         // The request's own deadline (`x-request-timeout`) when it comes sooner.
         let deadline = match ctx.deadline() {
@@ -286,15 +549,25 @@ impl Admission {
         };
         let rx = {
             let mut s = self.state.lock();
+            if let Err(retry) = self.take(&mut s, ask.tenant, ask.tokens) {
+                let e = OpError::rate_limited(
+                    format!("this tenant is over its rate limit; try again in {retry} s"),
+                    retry,
+                );
+                return Err(self.refused(e));
+            }
             s.queue.retain(|w| !w.is_closed());
             if s.queue.is_empty() && s.inflight < self.capacity() {
                 s.inflight += 1;
+                s.queue.charge(ask.tenant, cost);
+                drop(s);
+                self.count_tokens(ask);
                 return Ok(Permit {
                     admission: Some(self.clone()),
                 });
             }
             let (tx, rx) = oneshot::channel();
-            match s.queue.push(priority, deadline, tx) {
+            match s.queue.push(priority, deadline, ask.tenant, cost, tx) {
                 Pushed::Waiting => {}
                 Pushed::Displaced(worse) => {
                     let _ = worse.send(Err(self.refused(full())));
@@ -314,6 +587,7 @@ impl Admission {
             Err(_) => Err(self.refused(late_error(self.config.max_wait_s))),
         };
         if answer.is_ok() {
+            self.count_tokens(ask);
             // The label takes a client's number: a bounded set of them.
             let class = if (-16..=16).contains(&priority) {
                 priority.to_string()
@@ -326,6 +600,24 @@ impl Admission {
                 .observe(queued.elapsed().as_secs_f64());
         }
         answer
+    }
+
+    fn count_tokens(&self, ask: Ask<'_>) {
+        // The label takes the graph's names only: a header may carry any.
+        let tenant = match ask.tenant {
+            "" => "none",
+            t if self.config.tenants.contains_key(t) => t,
+            _ => "other",
+        };
+        ADMISSION
+            .tenant_tokens
+            .with_label_values(&[&self.node, tenant])
+            .inc_by(ask.tokens);
+    }
+
+    /// Each tenant's virtual token counter (tokens over weight), for `dyn inspect`.
+    pub fn counters(&self) -> Vec<(String, f64)> {
+        self.state.lock().queue.counters()
     }
 
     /// Lets waiting requests go if workers joined (called on a timer by the router).
@@ -357,10 +649,10 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut q = Queue::new(8);
-        q.push(1, t0 + s(5), "batch late");
-        q.push(1, t0 + s(2), "batch early");
-        q.push(0, t0 + s(9), "interactive");
-        q.push(1, t0 + s(2), "batch early, second");
+        q.push(1, t0 + s(5), "", 1.0, "batch late");
+        q.push(1, t0 + s(2), "", 1.0, "batch early");
+        q.push(0, t0 + s(9), "", 1.0, "interactive");
+        q.push(1, t0 + s(2), "", 1.0, "batch early, second");
         let order: Vec<&str> = std::iter::from_fn(|| q.pop().map(|(_, v)| v)).collect();
         assert_eq!(
             order,
@@ -378,13 +670,19 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut q = Queue::new(2);
-        assert!(matches!(q.push(1, t0 + s(1), "b1"), Pushed::Waiting));
-        assert!(matches!(q.push(1, t0 + s(2), "b2"), Pushed::Waiting));
+        assert!(matches!(
+            q.push(1, t0 + s(1), "", 1.0, "b1"),
+            Pushed::Waiting
+        ));
+        assert!(matches!(
+            q.push(1, t0 + s(2), "", 1.0, "b2"),
+            Pushed::Waiting
+        ));
         // A batch request ranks last: refused.
-        assert_eq!(q.push(1, t0 + s(3), "b3"), Pushed::Refused("b3"));
+        assert_eq!(q.push(1, t0 + s(3), "", 1.0, "b3"), Pushed::Refused("b3"));
         // An interactive one takes the worst place.
         assert!(matches!(
-            q.push(0, t0 + s(3), "i1"),
+            q.push(0, t0 + s(3), "", 1.0, "i1"),
             Pushed::Displaced("b2")
         ));
         assert_eq!(q.pop().map(|(_, v)| v), Some("i1"));
@@ -397,6 +695,8 @@ mod tests {
                 per_worker,
                 queue,
                 max_wait_s,
+                tenants: BTreeMap::new(),
+                tenant_default: TenantConfig::default(),
             },
             "route",
             || 1,
@@ -407,13 +707,17 @@ mod tests {
     async fn requests_wait_for_room_and_go_best_first() {
         let a = admission(1, 4, 10.0);
         let ctx = Ctx::new();
-        let running = a.admit(&ctx, 5).await.expect("room");
+        let running = a.admit(&ctx, Ask::priority(5)).await.expect("room");
         // Two wait; the interactive one (0) goes first when the running one ends.
         let (a1, a2) = (a.clone(), a.clone());
-        let batch = tokio::spawn(async move { a1.admit(&Ctx::new(), 1).await.map(|_| "batch") });
+        let batch = tokio::spawn(async move {
+            a1.admit(&Ctx::new(), Ask::priority(1))
+                .await
+                .map(|_| "batch")
+        });
         tokio::task::yield_now().await;
         let inter = tokio::spawn(async move {
-            let p = a2.admit(&Ctx::new(), 0).await;
+            let p = a2.admit(&Ctx::new(), Ask::priority(0)).await;
             p.map(|p| {
                 drop(p);
                 "interactive"
@@ -429,12 +733,17 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn no_room_within_the_deadline_is_refused_and_a_full_queue_at_once() {
         let a = admission(1, 1, 0.5);
-        let _running = a.admit(&Ctx::new(), 0).await.expect("room");
+        let _running = a.admit(&Ctx::new(), Ask::priority(0)).await.expect("room");
         let a1 = a.clone();
-        let waiting = tokio::spawn(async move { a1.admit(&Ctx::new(), 0).await.err() });
+        let waiting =
+            tokio::spawn(async move { a1.admit(&Ctx::new(), Ask::priority(0)).await.err() });
         tokio::task::yield_now().await;
         // The queue (one place) is taken by an equal: refused now.
-        let e = a.admit(&Ctx::new(), 0).await.err().expect("refused");
+        let e = a
+            .admit(&Ctx::new(), Ask::priority(0))
+            .await
+            .err()
+            .expect("refused");
         assert_eq!(e.code.as_deref(), Some(QUEUE_FULL));
         // The waiter gives up at its deadline.
         let e = waiting.await.unwrap().expect("timed out");
@@ -449,17 +758,17 @@ mod tests {
         let a = admission(1, 16, 1.0);
         // Requests finish every 100 ms.
         for _ in 0..3 {
-            let p = a.admit(&Ctx::new(), 0).await.expect("room");
+            let p = a.admit(&Ctx::new(), Ask::priority(0)).await.expect("room");
             tokio::time::advance(Duration::from_millis(100)).await;
             drop(p);
         }
-        let _running = a.admit(&Ctx::new(), 0).await.expect("room");
+        let _running = a.admit(&Ctx::new(), Ask::priority(0)).await.expect("room");
         let t0 = Instant::now();
         let mut waiting = Vec::new();
         for _ in 0..5 {
             let a = a.clone();
             waiting.push(tokio::spawn(async move {
-                a.admit(&Ctx::new(), 0)
+                a.admit(&Ctx::new(), Ask::priority(0))
                     .await
                     .err()
                     .map(|e| (e.code, Instant::now()))
@@ -480,17 +789,139 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_waiter_whose_client_left_does_not_take_the_room() {
         let a = admission(1, 4, 10.0);
-        let running = a.admit(&Ctx::new(), 0).await.expect("room");
+        let running = a.admit(&Ctx::new(), Ask::priority(0)).await.expect("room");
         let a1 = a.clone();
-        let gone = tokio::spawn(async move { a1.admit(&Ctx::new(), 0).await.map(drop) });
+        let gone =
+            tokio::spawn(async move { a1.admit(&Ctx::new(), Ask::priority(0)).await.map(drop) });
         tokio::task::yield_now().await;
         gone.abort();
         let _ = gone.await;
         let a2 = a.clone();
-        let next = tokio::spawn(async move { a2.admit(&Ctx::new(), 1).await.map(drop) });
+        let next =
+            tokio::spawn(async move { a2.admit(&Ctx::new(), Ask::priority(1)).await.map(drop) });
         tokio::task::yield_now().await;
         drop(running);
         assert!(next.await.unwrap().is_ok());
         assert_eq!(a.counts(), (0, 0));
+    }
+
+    /// Pops `n` from a queue kept full of both tenants' requests (each pushes one back for
+    /// every one popped, as a backlog does): how many each got.
+    fn shares(weights: [(&str, f64); 2], demand: [usize; 2], n: usize) -> [usize; 2] {
+        let t0 = Instant::now();
+        let mut q = Queue::new(1000);
+        let cost = |w: f64| 100.0 / w;
+        for (i, (t, w)) in weights.iter().enumerate() {
+            for _ in 0..demand[i] {
+                q.push(0, t0, t, cost(*w), i);
+            }
+        }
+        let mut got = [0, 0];
+        for _ in 0..n {
+            let (_, i) = q.pop().expect("backlogged");
+            got[i] += 1;
+            q.push(0, t0, weights[i].0, cost(weights[i].1), i);
+        }
+        got
+    }
+
+    #[test]
+    fn backlogged_tenants_share_by_weight() {
+        for (w, want) in [(1.0, 0.5), (3.0, 0.75)] {
+            let got = shares([("a", 1.0), ("b", w)], [50, 50], 400);
+            let share = got[1] as f64 / 400.0;
+            assert!(
+                (share / want - 1.0).abs() <= 0.1,
+                "weight {w}: {got:?}, share {share}, wanted {want}"
+            );
+        }
+        // Ten times the demand buys no more than an equal share.
+        let got = shares([("heavy", 1.0), ("light", 1.0)], [100, 10], 400);
+        assert!((got[1] as f64 / 200.0 - 1.0).abs() <= 0.1, "{got:?}");
+    }
+
+    #[test]
+    fn a_light_tenant_goes_ahead_of_a_heavy_tenants_backlog_and_idle_time_banks_nothing() {
+        let t0 = Instant::now();
+        let mut q = Queue::new(100);
+        for i in 0..10 {
+            q.push(0, t0, "heavy", 1.0, format!("h{i}"));
+        }
+        // The heavy tenant was served a while: its counter runs ahead.
+        for _ in 0..5 {
+            let (_, h) = q.pop().expect("one");
+            q.push(0, t0, "heavy", 1.0, h);
+        }
+        q.push(0, t0, "light", 1.0, "l0".to_string());
+        assert_eq!(q.pop().map(|(_, v)| v), Some("l0".to_string()));
+        // A tenant that comes back after being away starts level with the virtual time: it
+        // gets its turn, not a run of turns.
+        let mut q = Queue::new(100);
+        for i in 0..20 {
+            q.charge("heavy", 1.0);
+            q.push(0, t0, "heavy", 1.0, format!("h{i}"));
+        }
+        for i in 0..3 {
+            q.push(0, t0, "new", 1.0, format!("n{i}"));
+        }
+        let first: Vec<String> = (0..6).filter_map(|_| q.pop().map(|(_, v)| v)).collect();
+        let new = first.iter().filter(|v| v.starts_with('n')).count();
+        assert!((2..=3).contains(&new), "{first:?}");
+        assert!(first.iter().any(|v| v.starts_with('h')), "{first:?}");
+    }
+
+    #[test]
+    fn a_full_queue_refuses_the_most_served_tenants_request() {
+        let t0 = Instant::now();
+        let mut q = Queue::new(2);
+        q.charge("heavy", 50.0);
+        assert_eq!(q.push(0, t0, "heavy", 1.0, "h1"), Pushed::Waiting);
+        assert_eq!(q.push(0, t0, "light", 1.0, "l1"), Pushed::Waiting);
+        assert_eq!(q.push(0, t0, "light", 1.0, "l2"), Pushed::Displaced("h1"));
+        // Still, priority comes first.
+        assert_eq!(q.push(1, t0, "light", 1.0, "l3"), Pushed::Refused("l3"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_over_its_rate_limit_is_refused_with_when_to_come_back() {
+        let limited = TenantConfig {
+            weight: 1.0,
+            requests_per_minute: Some(2),
+            tokens_per_minute: Some(1000),
+        };
+        let a = Admission::new(
+            AdmissionConfig {
+                per_worker: 100,
+                queue: 4,
+                max_wait_s: 1.0,
+                tenants: BTreeMap::from([("acme".to_string(), limited)]),
+                tenant_default: TenantConfig::default(),
+            },
+            "route",
+            || 1,
+        );
+        let ask = |tokens| Ask {
+            priority: 0,
+            tenant: "acme",
+            tokens,
+        };
+        let _p1 = a.admit(&Ctx::new(), ask(100)).await.expect("first");
+        let _p2 = a.admit(&Ctx::new(), ask(100)).await.expect("second");
+        let e = a.admit(&Ctx::new(), ask(100)).await.err().expect("third");
+        assert_eq!(e.kind, dyn_core::ErrorKind::RateLimited);
+        assert_eq!(e.code.as_deref(), Some(dyn_core::RATE_LIMIT_EXCEEDED));
+        // One request comes back every 30 s.
+        assert_eq!(e.retry_after_s, Some(30));
+        // Other tenants are not limited.
+        let _other = a.admit(&Ctx::new(), Ask::priority(0)).await.expect("other");
+        tokio::time::advance(Duration::from_secs(30)).await;
+        // A request comes back; tokens: 800 left of 1000 plus 500 refilled, capped at 1000.
+        let _p3 = a.admit(&Ctx::new(), ask(900)).await.expect("after 30 s");
+        let e = a
+            .admit(&Ctx::new(), ask(5000))
+            .await
+            .err()
+            .expect("never fits");
+        assert_eq!(e.retry_after_s, Some(3600));
     }
 }

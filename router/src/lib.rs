@@ -267,6 +267,31 @@ impl OperatorConfig for RouteConfig {
                 a.max_wait_s.is_finite() && a.max_wait_s >= 0.0,
                 "must be a number of seconds ≥ 0",
             );
+            let tenants = a
+                .tenants
+                .iter()
+                .map(|(name, t)| (format!("admission.tenants.{name}"), t))
+                .chain([("admission.tenant_default".to_string(), &a.tenant_default)]);
+            for (at, t) in tenants {
+                if !(t.weight.is_finite() && t.weight > 0.0) {
+                    out.push(Invalid::field(
+                        format!("{at}.weight"),
+                        "must be a positive number",
+                    ));
+                }
+                if t.requests_per_minute == Some(0) {
+                    out.push(Invalid::field(
+                        format!("{at}.requests_per_minute"),
+                        "must be at least 1",
+                    ));
+                }
+                if t.tokens_per_minute == Some(0) {
+                    out.push(Invalid::field(
+                        format!("{at}.tokens_per_minute"),
+                        "must be at least 1",
+                    ));
+                }
+            }
         }
         out
     }
@@ -495,7 +520,12 @@ impl Operator for Route {
                     if let Some(a) = &inner.admission {
                         // Waits for room (or is refused); dropped with the request when the
                         // client hangs up meanwhile.
-                        let permit = a.admit(&ctx, req.sampling.priority).await?;
+                        let ask = admission::Ask {
+                            priority: req.sampling.priority,
+                            tenant: req.sampling.tenant.as_deref().unwrap_or_default(),
+                            tokens: req.token_ids.len() as u64 + u64::from(req.stop.max_tokens),
+                        };
+                        let permit = a.admit(&ctx, ask).await?;
                         ctx.on_done(move || drop(permit));
                     }
                     let (worker, cached) = inner.route(&ctx, &req.token_ids)?;

@@ -65,10 +65,13 @@ pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
 pub struct Admission {
     /// Requests waiting for room.
     pub waiting: IntGaugeVec,
-    /// Requests refused, by `reason` (`queue_full`, `queue_timeout`).
+    /// Requests refused, by `reason` (`queue_full`, `queue_timeout`, `rate_limit_exceeded`).
     pub refused: IntCounterVec,
     /// How long admitted requests waited, by `priority` (-16 to 16, else `other`).
     pub wait_seconds: HistogramVec,
+    /// Tokens (prompt + `max_tokens`) admitted, by `tenant` (those the graph names, `none`,
+    /// else `other`): the shares fairness gives.
+    pub tenant_tokens: IntCounterVec,
 }
 
 pub static ADMISSION: LazyLock<Admission> = LazyLock::new(|| Admission {
@@ -79,13 +82,18 @@ pub static ADMISSION: LazyLock<Admission> = LazyLock::new(|| Admission {
     ),
     refused: counter_vec(
         "dyn_router_admission_refused_total",
-        "Requests the router refused (503) by reason: queue_full, queue_timeout",
+        "Requests the router refused by reason: queue_full, queue_timeout (503), rate_limit_exceeded (429)",
         &["node", "reason"],
     ),
     wait_seconds: histogram(
         "dyn_router_queue_wait_seconds",
         "Time admitted requests waited at the router, by priority",
         &["node", "priority"],
+    ),
+    tenant_tokens: counter_vec(
+        "dyn_router_tenant_tokens_total",
+        "Tokens (prompt + max_tokens) the router admitted, by tenant",
+        &["node", "tenant"],
     ),
 });
 

@@ -781,3 +781,94 @@ async fn a_request_deadline_cancels_it_in_the_queue_and_in_the_engine() {
     let err: Value = r.json().await.unwrap();
     assert_eq!(err["error"]["param"], "x-request-timeout", "{err}");
 }
+
+#[tokio::test]
+async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_come_by_header() {
+    let g = one_slow_worker(&[
+        "--set",
+        "http.api_keys=[k1, {key: k2, tenant: acme}]",
+        "--set",
+        "http.tenant_header=x-tenant-id",
+        "--set",
+        "http.priority_classes={interactive: 0, batch: 10}",
+        "--set",
+        "route.admission.per_worker=1",
+        "--set",
+        "route.admission.queue=1",
+        "--set",
+        "route.admission.max_wait_s=60",
+        "--set",
+        "route.admission.tenants={acme: {requests_per_minute: 1}}",
+    ]);
+    let send = |key: &'static str, headers: &[(&'static str, &'static str)], stream: bool| {
+        let mut r = client()
+            .post(g.url("/v1/chat/completions"))
+            .bearer_auth(key)
+            // Streamed ones stay in flight a while; unary ones are quick.
+            .json(&chat(
+                "hi",
+                json!({"max_tokens": if stream { 200 } else { 2 }, "stream": stream}),
+            ));
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.send()
+    };
+    // acme (its key) gets one request a minute: the next is a 429 saying when to come back.
+    let r = send("k2", &[], false).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = send("k2", &[], false).await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "rate_limit_exceeded", "{err}");
+    assert_eq!(err["error"]["type"], "rate_limit_error", "{err}");
+    // The tenant header wins over the key's tenant; other tenants are not limited.
+    let r = send("k1", &[("x-tenant-id", "acme")], false).await.unwrap();
+    assert_eq!(r.status(), 429);
+    let r = send("k2", &[("x-tenant-id", "other")], false)
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for (h, v) in [("x-tenant-id", "no spaces"), ("x-priority", "urgent")] {
+        let r = send("k1", &[(h, v)], false).await.unwrap();
+        assert_eq!(r.status(), 400, "{h}: {v}");
+        let err: Value = r.json().await.unwrap();
+        assert_eq!(err["error"]["param"], h, "{err}");
+    }
+
+    // Priority classes by header: an interactive request takes a batch one's place.
+    let running = send("k1", &[], true).await.unwrap();
+    assert_eq!(running.status(), 200);
+    let batch = tokio::spawn(send("k1", &[("x-priority", "batch")], true));
+    wait_for_metric(&g, "dyn_router_queue_waiting", |v| v == 1.0).await;
+    let interactive = tokio::spawn(send("k1", &[("x-priority", "interactive")], true));
+    let displaced = batch.await.unwrap().unwrap();
+    assert_eq!(displaced.status(), 503);
+    drop(running);
+    assert_eq!(interactive.await.unwrap().unwrap().status(), 200);
+
+    // The tenants' admitted tokens: the graph's names, the rest as `other`.
+    let text = metrics_text(&g).await;
+    let tokens = |t: &str| {
+        dyn_tests::metric_sum(
+            &text,
+            "dyn_router_tenant_tokens_total",
+            &[&format!("tenant=\"{t}\"")],
+        )
+    };
+    assert!(tokens("acme") > 0.0 && tokens("other") > 0.0, "{text}");
+    assert_eq!(
+        dyn_tests::metric_sum(
+            &text,
+            "dyn_router_admission_refused_total",
+            &["reason=\"rate_limit_exceeded\""]
+        ),
+        2.0
+    );
+}
