@@ -42,6 +42,8 @@ pub struct Client {
     fresh: reqwest::Client,
     url: String,
     api_key: Option<String>,
+    /// The header a request's tenant goes in (`--tenants`).
+    tenant_header: String,
     /// Counts output tokens when the server sends no usage.
     tokenizer: Option<Arc<Tokenizer>>,
     timeout: Duration,
@@ -57,6 +59,8 @@ pub struct Job {
     pub intended: Option<Duration>,
     /// The `priority` its body carries (`--priority-mix`), for the per-class figures.
     pub priority: Option<i32>,
+    /// The tenant it is sent for (`--tenants`).
+    pub tenant: Option<Arc<str>>,
 }
 
 /// Counters shared with the progress display.
@@ -132,6 +136,7 @@ impl Client {
     pub fn new(
         url: String,
         api_key: Option<String>,
+        tenant_header: String,
         tokenizer: Option<Arc<Tokenizer>>,
         timeout: Duration,
     ) -> Result<Self, reqwest::Error> {
@@ -148,6 +153,7 @@ impl Client {
             fresh,
             url,
             api_key,
+            tenant_header,
             tokenizer,
             timeout,
         })
@@ -162,11 +168,15 @@ impl Client {
             sent,
             input_tokens: job.input_tokens,
             priority: job.priority,
+            tenant: job.tenant.as_deref().map(str::to_owned),
             ..Default::default()
         };
-        let outcome = tokio::time::timeout(self.timeout, self.stream(job.body, t0, &mut rec, live))
-            .await
-            .unwrap_or_else(|_| Err("timeout".into()));
+        let outcome = tokio::time::timeout(
+            self.timeout,
+            self.stream(job.body, job.tenant.as_deref(), t0, &mut rec, live),
+        )
+        .await
+        .unwrap_or_else(|_| Err("timeout".into()));
         rec.end = t0
             .elapsed()
             .max(rec.chunks.last().copied().unwrap_or_default());
@@ -181,11 +191,12 @@ impl Client {
     async fn stream(
         &self,
         body: Bytes,
+        tenant: Option<&str>,
         t0: Instant,
         rec: &mut Record,
         live: &Live,
     ) -> Result<(), String> {
-        let resp = match self.post(&self.http, body.clone()).send().await {
+        let resp = match self.post(&self.http, body.clone(), tenant).send().await {
             Ok(resp) => resp,
             // Nothing answered: most likely a pooled connection the server had just closed.
             // Once more, on a connection of its own.
@@ -193,7 +204,7 @@ impl Client {
                 tracing::debug!(error = %error_chain(&e), "Resending a request on a fresh connection");
                 rec.retried = true;
                 live.retries.fetch_add(1, Ordering::Relaxed);
-                self.post(&self.fresh, body)
+                self.post(&self.fresh, body, tenant)
                     .send()
                     .await
                     .map_err(error_class)?
@@ -260,12 +271,20 @@ impl Client {
         Ok(())
     }
 
-    fn post(&self, http: &reqwest::Client, body: Bytes) -> reqwest::RequestBuilder {
-        let req = http
+    fn post(
+        &self,
+        http: &reqwest::Client,
+        body: Bytes,
+        tenant: Option<&str>,
+    ) -> reqwest::RequestBuilder {
+        let mut req = http
             .post(&self.url)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .body(body);
+        if let Some(t) = tenant {
+            req = req.header(self.tenant_header.as_str(), t);
+        }
         match &self.api_key {
             Some(key) => req.bearer_auth(key),
             None => req,
@@ -370,6 +389,7 @@ mod tests {
         Client::new(
             "http://127.0.0.1:1".into(),
             None,
+            "x-tenant-id".into(),
             tok,
             Duration::from_secs(1),
         )
@@ -498,6 +518,7 @@ mod tests {
         let c = Client::new(
             format!("http://{addr}/v1/completions"),
             None,
+            "x-tenant-id".into(),
             None,
             Duration::from_secs(5),
         )
@@ -510,6 +531,7 @@ mod tests {
             input_tokens: None,
             intended: None,
             priority: None,
+            tenant: None,
         };
         let first = c.send(job(0), t0, &live).await;
         assert_eq!((first.error.as_deref(), first.retried), (None, false));

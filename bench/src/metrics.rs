@@ -44,6 +44,8 @@ pub struct Record {
     pub retried: bool,
     /// Its `priority` (`--priority-mix`).
     pub priority: Option<i32>,
+    /// Its tenant (`--tenants`).
+    pub tenant: Option<String>,
 }
 
 impl Record {
@@ -239,6 +241,9 @@ pub struct Summary {
     /// With `--priority-mix`: the same figures for each priority's requests alone.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub by_priority: BTreeMap<String, Summary>,
+    /// With `--tenants`: the same figures for each tenant's requests alone.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_tenant: BTreeMap<String, Summary>,
     /// First request sent → last response.
     pub duration_s: f64,
     /// Requests meeting every SLO per second; null without `--slo`.
@@ -264,20 +269,24 @@ pub struct Summary {
     pub replica_seconds: Option<f64>,
 }
 
-/// Compute the summary of a run's measured records, and of each priority's when they carry
-/// one.
+/// Compute the summary of a run's measured records, and of each priority's and each
+/// tenant's when they carry one.
 pub fn summarize(records: &[Record], slo: Option<&Slo>) -> Summary {
     let mut s = summarize_flat(records, slo);
-    let mut classes: BTreeMap<i32, Vec<Record>> = BTreeMap::new();
-    for r in records {
-        if let Some(p) = r.priority {
-            classes.entry(p).or_default().push(r.clone());
+    let split = |class: &dyn Fn(&Record) -> Option<String>| {
+        let mut classes: BTreeMap<String, Vec<Record>> = BTreeMap::new();
+        for r in records {
+            if let Some(c) = class(r) {
+                classes.entry(c).or_default().push(r.clone());
+            }
         }
-    }
-    s.by_priority = classes
-        .into_iter()
-        .map(|(p, rs)| (p.to_string(), summarize_flat(&rs, slo)))
-        .collect();
+        classes
+            .into_iter()
+            .map(|(c, rs)| (c, summarize_flat(&rs, slo)))
+            .collect()
+    };
+    s.by_priority = split(&|r| r.priority.map(|p| p.to_string()));
+    s.by_tenant = split(&|r| r.tenant.clone());
     s
 }
 
@@ -359,6 +368,7 @@ fn summarize_flat(records: &[Record], slo: Option<&Slo>) -> Summary {
         errors,
         failed_ms: failed.stats(NS_PER_MS),
         by_priority: BTreeMap::new(),
+        by_tenant: BTreeMap::new(),
         duration_s: duration,
         goodput: slo.map(|_| per_s(good)),
         slo: slo.cloned(),
@@ -447,13 +457,16 @@ mod tests {
     }
 
     #[test]
-    fn each_priority_gets_its_own_figures_and_failures_their_time_to_fail() {
+    fn each_priority_and_tenant_gets_its_own_figures_and_failures_their_time_to_fail() {
         let mut interactive = rec(0, &[10, 20], 2);
         interactive.priority = Some(0);
+        interactive.tenant = Some("light".into());
         let mut batch = rec(0, &[500, 510], 2);
         batch.priority = Some(1);
+        batch.tenant = Some("heavy".into());
         let mut refused = rec(0, &[], 0);
         refused.priority = Some(1);
+        refused.tenant = Some("heavy".into());
         refused.error = Some("http 503 queue_full".into());
         refused.end = ms(3);
         let s = summarize(&[interactive, batch, refused], None);
@@ -463,6 +476,8 @@ mod tests {
         assert!(close(s.by_priority["1"].ttft_ms.unwrap().max, 500.0));
         assert!(close(s.failed_ms.unwrap().max, 3.0));
         assert!(s.by_priority["0"].by_priority.is_empty());
+        assert_eq!(s.by_tenant["heavy"].requests.failed, 1);
+        assert!(close(s.by_tenant["light"].ttft_ms.unwrap().p99, 10.0));
     }
 
     #[test]

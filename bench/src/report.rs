@@ -100,11 +100,16 @@ pub fn table(s: &Summary) -> String {
             num(f.max)
         );
     }
-    for (p, c) in &s.by_priority {
+    let classes = s
+        .by_priority
+        .iter()
+        .map(|(p, c)| (format!("priority {p}"), c))
+        .chain(s.by_tenant.iter().map(|(t, c)| (format!("tenant {t}"), c)));
+    for (p, c) in classes {
         let ttft = |get: fn(&Stats) -> f64| c.ttft_ms.map_or("-".into(), |t| num(get(&t)));
         let _ = write!(
             out,
-            "priority {p}: {} sent, {} ok, {} failed; TTFT p50 {} p99 {} ms",
+            "{p}: {} sent, {} ok, {} failed; TTFT p50 {} p99 {} ms",
             c.requests.sent,
             c.requests.ok,
             c.requests.failed,
@@ -342,6 +347,7 @@ mod tests {
             error: None,
             retried: false,
             priority: None,
+            tenant: None,
         }
     }
 

@@ -85,6 +85,10 @@ pub struct Config {
     /// `(priority, weight)`: each request gets vLLM's `priority` field drawn by these weights
     /// (`--priority-mix`), and the summary has each priority's figures; empty: none sent.
     pub priority_mix: Vec<(i32, f64)>,
+    /// `(tenant, weight)`: each request names a tenant drawn by these weights in
+    /// `tenant_header` (`--tenants`), and the summary has each tenant's figures; empty: none.
+    pub tenants: Vec<(String, f64)>,
+    pub tenant_header: String,
     pub api_key: Option<String>,
     /// Per-request limit; a request over it counts as a `timeout` error.
     pub timeout: Duration,
@@ -123,7 +127,11 @@ pub async fn run(
         Some(m) => m.clone(),
         None => first_model(&base, cfg.api_key.as_deref()).await?,
     };
-    let priorities = priorities(&cfg.priority_mix, cfg.seed, entries.len());
+    let priorities = draw(&cfg.priority_mix, cfg.seed ^ 0x7072_696f, entries.len());
+    let tenants: Vec<Option<Arc<str>>> = draw(&cfg.tenants, cfg.seed ^ 0x7465_6e61, entries.len())
+        .into_iter()
+        .map(|t| t.map(Arc::from))
+        .collect();
     let bodies = entries
         .iter()
         .zip(&priorities)
@@ -132,11 +140,12 @@ pub async fn run(
     let client = Client::new(
         format!("{base}{}", cfg.endpoint.path()),
         cfg.api_key.clone(),
+        cfg.tenant_header.clone(),
         tokenizer,
         cfg.timeout,
     )
     .map_err(|e| Error::Invalid(format!("cannot build the HTTP client: {e}")))?;
-    let dataset = Arc::new(Dataset::new(cfg, bodies, entries, priorities));
+    let dataset = Arc::new(Dataset::new(cfg, bodies, entries, priorities, tenants));
     let pace = pace(cfg, &dataset)?;
     if cfg.warmup > 0 {
         warm_up(cfg, &client, &dataset, interrupted).await;
@@ -275,6 +284,7 @@ fn summarize_run(
 struct Dataset {
     bodies: Vec<Bytes>,
     priorities: Vec<Option<i32>>,
+    tenants: Vec<Option<Arc<str>>>,
     input_tokens: Vec<Option<usize>>,
     at: Vec<Option<Duration>>,
     offset: usize,
@@ -286,10 +296,12 @@ impl Dataset {
         bodies: Vec<Bytes>,
         entries: &[Entry],
         priorities: Vec<Option<i32>>,
+        tenants: Vec<Option<Arc<str>>>,
     ) -> Dataset {
         Dataset {
             bodies,
             priorities,
+            tenants,
             input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
             at: entries.iter().map(|e| e.at).collect(),
             // Measured requests start after the warm-up's entries, except in a trace replay,
@@ -310,6 +322,7 @@ impl Dataset {
             input_tokens: self.input_tokens[i],
             intended,
             priority: self.priorities[i],
+            tenant: self.tenants[i].clone(),
         }
     }
 }
@@ -546,25 +559,25 @@ fn progress_bar(show: bool, stop: Stop) -> ProgressBar {
     bar
 }
 
-/// Each of `n` entries' priority, drawn by `mix`'s weights with `seed` (so reruns send the
-/// same classes); all `None` without a mix.
-fn priorities(mix: &[(i32, f64)], seed: u64, n: usize) -> Vec<Option<i32>> {
+/// Each of `n` entries' class (a priority, a tenant), drawn by `mix`'s weights with `seed`
+/// (so reruns send the same classes); all `None` without a mix.
+fn draw<T: Clone>(mix: &[(T, f64)], seed: u64, n: usize) -> Vec<Option<T>> {
     use rand::{Rng, SeedableRng};
     let total: f64 = mix.iter().map(|(_, w)| w).sum();
     if mix.is_empty() || total <= 0.0 {
         return vec![None; n];
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7072_696f);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n)
         .map(|_| {
             let mut u = rng.random::<f64>() * total;
-            for &(p, w) in mix {
-                if u < w {
-                    return Some(p);
+            for (p, w) in mix {
+                if u < *w {
+                    return Some(p.clone());
                 }
                 u -= w;
             }
-            mix.last().map(|&(p, _)| p)
+            mix.last().map(|(p, _)| p.clone())
         })
         .collect()
 }
@@ -670,6 +683,7 @@ fn describe(cfg: &Config, model: &str, entries: usize) -> Value {
         "ignore_eos": cfg.ignore_eos,
         "extra_inputs": cfg.extra,
         "priority_mix": cfg.priority_mix,
+        "tenants": cfg.tenants,
         "dataset_entries": entries,
         "seed": cfg.seed,
     })

@@ -121,6 +121,13 @@ pub struct BenchArgs {
     /// 20 % interactive, 80 % batch), and report each priority's figures
     #[arg(long, value_delimiter = ',', value_parser = parse_priority)]
     priority_mix: Vec<(i32, f64)>,
+    /// Send each request for a tenant drawn by weight, TENANT:WEIGHT,... (e.g. heavy:10,light:1
+    /// — ten times the demand), named in --tenant-header, and report each tenant's figures
+    #[arg(long, value_delimiter = ',', value_parser = parse_tenant)]
+    tenants: Vec<(String, f64)>,
+    /// The header --tenants names the tenant in (the ingress's `tenant_header`)
+    #[arg(long, default_value = "x-tenant-id")]
+    tenant_header: String,
     #[arg(long, default_value_t = 0)]
     seed: u64,
 
@@ -226,6 +233,16 @@ fn parse_priority(s: &str) -> Result<(i32, f64), String> {
     let (p, w) = s.split_once(':').ok_or_else(bad)?;
     match (p.trim().parse::<i32>(), w.trim().parse::<f64>()) {
         (Ok(p), Ok(w)) if w.is_finite() && w > 0.0 => Ok((p, w)),
+        _ => Err(bad()),
+    }
+}
+
+/// `TENANT:WEIGHT`, e.g. `heavy:10`.
+fn parse_tenant(s: &str) -> Result<(String, f64), String> {
+    let bad = || format!("expected TENANT:WEIGHT, e.g. heavy:10, got {s:?}");
+    let (t, w) = s.rsplit_once(':').ok_or_else(bad)?;
+    match w.trim().parse::<f64>() {
+        Ok(w) if w.is_finite() && w > 0.0 && !t.trim().is_empty() => Ok((t.trim().to_owned(), w)),
         _ => Err(bad()),
     }
 }
@@ -387,6 +404,8 @@ impl BenchArgs {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             priority_mix: self.priority_mix.clone(),
+            tenants: self.tenants.clone(),
+            tenant_header: self.tenant_header.clone(),
             api_key: self.api_key.clone(),
             timeout: Duration::try_from_secs_f64(self.timeout)
                 .context("--timeout must be a non-negative number of seconds")?,
@@ -493,6 +512,21 @@ mod tests {
         .expect("parses");
         let cfg = a.bench.config(Stop::Requests(1)).expect("a config");
         assert_eq!(cfg.priority_mix, [(0, 0.2), (1, 0.8)]);
+        let a = Args::try_parse_from([
+            "bench",
+            "--url",
+            "http://x",
+            "--tenants",
+            "heavy:10,light:1",
+        ])
+        .expect("parses");
+        let cfg = a.bench.config(Stop::Requests(1)).expect("a config");
+        assert_eq!(
+            cfg.tenants,
+            [("heavy".to_string(), 10.0), ("light".to_string(), 1.0)]
+        );
+        assert_eq!(cfg.tenant_header, "x-tenant-id");
+        assert!(Args::try_parse_from(["bench", "--url", "x", "--tenants", "heavy"]).is_err());
         assert!(Args::try_parse_from(["bench", "--url", "x", "--priority-mix", "0"]).is_err());
         assert!(Args::try_parse_from(["bench", "--url", "x", "--priority-mix", "0:-1"]).is_err());
     }

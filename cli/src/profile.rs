@@ -162,6 +162,8 @@ async fn sweep(
             ignore_eos: true,
             extra: Default::default(),
             priority_mix: Vec::new(),
+            tenants: Vec::new(),
+            tenant_header: "x-tenant-id".into(),
             api_key: None,
             timeout: Duration::from_secs(600),
             seed,
