@@ -70,6 +70,11 @@ pub struct AdmissionConfig {
     /// own).
     #[serde(default)]
     pub tenant_default: TenantConfig,
+    /// Places per live worker that no one tenant may take: kept free for the others, so a
+    /// light tenant's request starts at once while a heavy one fills the rest (0: none; a
+    /// single tenant then gets `per_worker - reserve`).
+    #[serde(default)]
+    pub reserve: u32,
 }
 
 /// One tenant's share and limits.
@@ -271,9 +276,15 @@ impl<T> Queue<T> {
 
     /// The next request to go, taken out and charged to its tenant.
     pub fn pop(&mut self) -> Option<(Rank, T)> {
+        self.pop_where(|_| true).map(|(_, r, t)| (r, t))
+    }
+
+    /// The next request to go of a tenant `may_go` allows, taken out and charged to it.
+    pub fn pop_where(&mut self, may_go: impl Fn(&str) -> bool) -> Option<(String, Rank, T)> {
         let (tenant, rank) = self
             .waiting
             .iter()
+            .filter(|(t, _)| may_go(t))
             .filter_map(|(t, q)| q.first_key_value().map(|(r, _)| (self.key(t, r), t, *r)))
             .min_by(|a, b| cmp_key(&a.0, &b.0))
             .map(|(_, t, r)| (t.clone(), r))?;
@@ -284,7 +295,7 @@ impl<T> Queue<T> {
             .map_or(0.0, |(c, _)| *c);
         let item = self.remove(&tenant, &rank)?;
         self.charge(&tenant, cost);
-        Some((rank, item))
+        Some((tenant, rank, item))
     }
 
     /// Keeps only the entries still waiting (their client has not left).
@@ -346,11 +357,24 @@ pub struct Admission {
 struct State {
     inflight: usize,
     queue: Queue<Waiter>,
+    /// Places each tenant holds (with a reserve).
+    held: HashMap<String, usize>,
     /// Rate-limited tenants' buckets.
     buckets: HashMap<String, Bucket>,
     /// When a request last finished, and the moving average of the gaps between finishes.
     last_done: Option<Instant>,
     gap: Option<Duration>,
+}
+
+impl State {
+    fn release(&mut self, tenant: &str) {
+        if let Some(n) = self.held.get_mut(tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.held.remove(tenant);
+            }
+        }
+    }
 }
 
 /// A tenant's rate-limit buckets: requests and tokens left, refilled continuously up to a
@@ -384,6 +408,7 @@ const WAIT_MARGIN: f64 = 4.0;
 /// best waiting request go.
 pub struct Permit {
     admission: Option<Arc<Admission>>,
+    tenant: String,
 }
 
 impl Drop for Permit {
@@ -391,6 +416,7 @@ impl Drop for Permit {
         if let Some(a) = self.admission.take() {
             let mut s = a.state.lock();
             s.inflight = s.inflight.saturating_sub(1);
+            s.release(&self.tenant);
             let now = Instant::now();
             if let Some(last) = s.last_done {
                 let gap = now - last;
@@ -417,6 +443,7 @@ impl Admission {
                 inflight: 0,
                 queue: Queue::new(config.queue),
                 buckets: HashMap::new(),
+                held: HashMap::new(),
                 last_done: None,
                 gap: None,
             }),
@@ -429,6 +456,12 @@ impl Admission {
         (self.workers)() * self.config.per_worker as usize
     }
 
+    /// The places one tenant may hold.
+    fn tenant_cap(&self) -> usize {
+        let per = self.config.per_worker.saturating_sub(self.config.reserve);
+        (self.workers)() * per as usize
+    }
+
     /// Requests in flight and waiting.
     pub fn counts(&self) -> (usize, usize) {
         let s = self.state.lock();
@@ -438,19 +471,25 @@ impl Admission {
     /// Lets waiting requests go while there is room (their permits counted in flight).
     fn dispatch(self: &Arc<Self>, s: &mut State) {
         let cap = self.capacity();
+        let tenant_cap = self.tenant_cap();
         while s.inflight < cap {
-            let Some((_, waiter)) = s.queue.pop() else {
+            let held = &s.held;
+            let may_go = |t: &str| held.get(t).copied().unwrap_or(0) < tenant_cap;
+            let Some((tenant, _, waiter)) = s.queue.pop_where(may_go) else {
                 break;
             };
             s.inflight += 1;
+            *s.held.entry(tenant.clone()).or_default() += 1;
             let permit = Permit {
                 admission: Some(self.clone()),
+                tenant,
             };
             if let Err(Ok(mut p)) = waiter.send(Ok(permit)) {
                 // Its client left: the place goes back (not through the permit's drop, which
                 // would take the lock held here).
                 p.admission = None;
                 s.inflight -= 1;
+                s.release(&p.tenant);
             }
         }
         ADMISSION
@@ -557,13 +596,16 @@ impl Admission {
                 return Err(self.refused(e));
             }
             s.queue.retain(|w| !w.is_closed());
-            if s.queue.is_empty() && s.inflight < self.capacity() {
+            let held = s.held.get(ask.tenant).copied().unwrap_or(0);
+            if s.queue.is_empty() && s.inflight < self.capacity() && held < self.tenant_cap() {
                 s.inflight += 1;
+                *s.held.entry(ask.tenant.to_owned()).or_default() += 1;
                 s.queue.charge(ask.tenant, cost);
                 drop(s);
                 self.count_tokens(ask);
                 return Ok(Permit {
                     admission: Some(self.clone()),
+                    tenant: ask.tenant.to_owned(),
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -697,6 +739,7 @@ mod tests {
                 max_wait_s,
                 tenants: BTreeMap::new(),
                 tenant_default: TenantConfig::default(),
+                reserve: 0,
             },
             "route",
             || 1,
@@ -896,6 +939,7 @@ mod tests {
                 max_wait_s: 1.0,
                 tenants: BTreeMap::from([("acme".to_string(), limited)]),
                 tenant_default: TenantConfig::default(),
+                reserve: 0,
             },
             "route",
             || 1,
@@ -923,5 +967,41 @@ mod tests {
             .err()
             .expect("never fits");
         assert_eq!(e.retry_after_s, Some(3600));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reserve_keeps_places_free_of_any_one_tenant() {
+        let a = Admission::new(
+            AdmissionConfig {
+                per_worker: 3,
+                queue: 8,
+                max_wait_s: 10.0,
+                tenants: BTreeMap::new(),
+                tenant_default: TenantConfig::default(),
+                reserve: 1,
+            },
+            "route",
+            || 1,
+        );
+        let ask = |tenant| Ask {
+            priority: 0,
+            tenant,
+            tokens: 1,
+        };
+        let h1 = a.admit(&Ctx::new(), ask("heavy")).await.expect("room");
+        let _h2 = a.admit(&Ctx::new(), ask("heavy")).await.expect("room");
+        // The heavy tenant holds all it may: its next waits though a place is free...
+        let a1 = a.clone();
+        let h3 = tokio::spawn(async move { a1.admit(&Ctx::new(), ask("heavy")).await.map(drop) });
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (2, 1));
+        // ...which a light tenant's request takes at once.
+        let _l1 = a
+            .admit(&Ctx::new(), ask("light"))
+            .await
+            .expect("the reserve");
+        assert_eq!(a.counts(), (3, 1));
+        drop(h1);
+        assert!(h3.await.unwrap().is_ok());
     }
 }

@@ -267,6 +267,11 @@ impl OperatorConfig for RouteConfig {
                 a.max_wait_s.is_finite() && a.max_wait_s >= 0.0,
                 "must be a number of seconds ≥ 0",
             );
+            check(
+                "admission.reserve",
+                a.reserve < a.per_worker,
+                "must be below per_worker",
+            );
             let tenants = a
                 .tenants
                 .iter()
