@@ -8,6 +8,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
 use dyn_frontend::admin::EventLine;
 use dyn_planner::state::PlannerState;
+use dyn_router::admission::QueueAnswer;
 use dyn_router::inspect::{KvAnswer, KvArgs, Query, Replicas, RouteAnswer, WorkersAnswer};
 use dyn_router::kv::KvEventData;
 use dyn_router::remote_prefill::PrefillRouteAnswer;
@@ -21,6 +22,7 @@ Examples:
   dyn inspect route --prompt 'Hello there'  where that prompt would go, and why (not sent)
   dyn inspect route --messages chat.json    the same for a chat message list
   dyn inspect kv --top 10                   the KV index: blocks per worker, shared prefixes
+  dyn inspect queue                         admission: room, waiting by priority, tenants' shares
   dyn inspect events --follow               KV events as the workers publish them
   dyn inspect planner                       the SLA planner: load, prediction, replicas, why";
 
@@ -67,6 +69,8 @@ enum InspectCommand {
     },
     /// The SLA planner's latest decision: observed load, prediction, targets, replicas, why
     Planner,
+    /// The router's admission queue: room, in flight, waiting by priority, tenants' shares
+    Queue,
     /// KV events as they arrive
     Events {
         /// Keep printing until interrupted
@@ -156,6 +160,7 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         Some(n) => vec![n.clone()],
         None => all_nodes(&http, &base).await?,
     };
+    let (mut answered, mut passed_over) = (0, Vec::new());
     for (i, node) in nodes.iter().enumerate() {
         let query = match &args.command {
             InspectCommand::Workers => Query::Workers,
@@ -163,13 +168,24 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
                 worker: worker.clone(),
                 top: *top,
             }),
+            InspectCommand::Queue => Query::Queue,
             InspectCommand::Route { .. }
             | InspectCommand::Events { .. }
             | InspectCommand::Planner => {
                 unreachable!("handled above")
             }
         };
-        let answer = post(&http, &format!("{base}{}", query.path(node)), &query.args()).await?;
+        let answer = match post(&http, &format!("{base}{}", query.path(node)), &query.args()).await
+        {
+            Ok(a) => a,
+            // Only route nodes with admission have a queue: the others are passed over.
+            Err(e) if matches!(query, Query::Queue) && args.node.is_none() => {
+                passed_over.push(format!("{node}: {e:#}"));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        answered += 1;
         if args.json {
             println!("{}", serde_json::to_string_pretty(&answer)?);
             continue;
@@ -185,11 +201,21 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
                 let r: Replicas<WorkersAnswer> = typed(answer)?;
                 print_replicas(&r.replicas, print_workers);
             }
+            InspectCommand::Queue => {
+                let r: Replicas<QueueAnswer> = typed(answer)?;
+                print_replicas(&r.replicas, print_queue);
+            }
             _ => {
                 let r: Replicas<KvAnswer> = typed(answer)?;
                 print_replicas(&r.replicas, print_kv);
             }
         }
+    }
+    if answered == 0 && !passed_over.is_empty() {
+        bail!(
+            "no node has an admission queue:\n  {}",
+            passed_over.join("\n  ")
+        );
     }
     Ok(())
 }
@@ -352,6 +378,45 @@ fn print_planner(s: &PlannerState) {
 /// An optional figure, `-` when absent.
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
+fn print_queue(q: &QueueAnswer) {
+    println!(
+        "in flight {}/{} (one tenant at most {}); waiting {}/{} (at most {:.1} s); a finish every {} ms",
+        q.in_flight,
+        q.room,
+        q.tenant_room,
+        q.waiting,
+        q.queue,
+        q.max_wait_s,
+        opt(q.finish_gap_ms.map(|g| format!("{g:.1}")))
+    );
+    if !q.waiting_by_priority.is_empty() {
+        let by: Vec<String> = q
+            .waiting_by_priority
+            .iter()
+            .map(|(p, n)| format!("priority {p}: {n}"))
+            .collect();
+        println!("waiting by priority: {}", by.join(", "));
+    }
+    if q.tenants.is_empty() {
+        return;
+    }
+    println!(
+        "{:<24} {:>7} {:>10} {:>8} {:>14}",
+        "tenant", "weight", "in flight", "waiting", "counter"
+    );
+    for t in &q.tenants {
+        let name = if t.tenant.is_empty() {
+            "(none)"
+        } else {
+            &t.tenant
+        };
+        println!(
+            "{:<24} {:>7} {:>10} {:>8} {:>14.0}",
+            name, t.weight, t.in_flight, t.waiting, t.counter
+        );
+    }
 }
 
 fn print_workers(r: &WorkersAnswer) {

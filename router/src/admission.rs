@@ -326,6 +326,19 @@ impl<T> Queue<T> {
         out.iter().filter_map(|(t, r)| self.remove(t, r)).collect()
     }
 
+    /// How many wait, by priority and by tenant.
+    pub fn waiting_by(&self) -> (BTreeMap<i32, usize>, HashMap<&str, usize>) {
+        let mut by_priority = BTreeMap::new();
+        let mut by_tenant = HashMap::new();
+        for (t, q) in &self.waiting {
+            for r in q.keys() {
+                *by_priority.entry(r.priority).or_default() += 1;
+                *by_tenant.entry(t.as_str()).or_default() += 1;
+            }
+        }
+        (by_priority, by_tenant)
+    }
+
     /// Each tenant's counter (for `dyn inspect` and the tests).
     pub fn counters(&self) -> Vec<(String, f64)> {
         let mut out: Vec<(String, f64)> =
@@ -375,6 +388,36 @@ impl State {
             }
         }
     }
+}
+
+/// `dyn inspect queue`: a router's admission queue.
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+pub struct QueueAnswer {
+    pub in_flight: usize,
+    /// Places: live workers × `per_worker`.
+    pub room: usize,
+    /// The places one tenant may hold (`room` less the reserve).
+    pub tenant_room: usize,
+    pub waiting: usize,
+    /// The queue's bound.
+    pub queue: usize,
+    pub max_wait_s: f64,
+    /// The moving average of the gaps between finishes (the refusal forecast's unit).
+    pub finish_gap_ms: Option<f64>,
+    pub waiting_by_priority: BTreeMap<i32, usize>,
+    /// Tenants waiting, in flight, or with a counter, by name ("" for none).
+    pub tenants: Vec<TenantRow>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+pub struct TenantRow {
+    pub tenant: String,
+    pub weight: f64,
+    pub in_flight: usize,
+    pub waiting: usize,
+    /// Its virtual token counter: tokens admitted over weight, from the virtual time it came
+    /// back at.
+    pub counter: f64,
 }
 
 /// A tenant's rate-limit buckets: requests and tokens left, refilled continuously up to a
@@ -657,9 +700,40 @@ impl Admission {
             .inc_by(ask.tokens);
     }
 
-    /// Each tenant's virtual token counter (tokens over weight), for `dyn inspect`.
-    pub fn counters(&self) -> Vec<(String, f64)> {
-        self.state.lock().queue.counters()
+    /// The queue now, for `dyn inspect queue`.
+    pub fn answer(&self) -> QueueAnswer {
+        let s = self.state.lock();
+        let (by_priority, by_tenant) = s.queue.waiting_by();
+        let counters: HashMap<String, f64> = s.queue.counters().into_iter().collect();
+        let mut names: Vec<&str> = by_tenant.keys().copied().collect();
+        names.extend(s.held.keys().map(String::as_str));
+        names.extend(counters.keys().map(String::as_str));
+        names.sort_unstable();
+        names.dedup();
+        let tenants = names
+            .into_iter()
+            .map(|t| {
+                let tc = self.tenant(t);
+                TenantRow {
+                    tenant: t.to_owned(),
+                    weight: tc.weight,
+                    in_flight: s.held.get(t).copied().unwrap_or(0),
+                    waiting: by_tenant.get(t).copied().unwrap_or(0),
+                    counter: counters.get(t).copied().unwrap_or(0.0),
+                }
+            })
+            .collect();
+        QueueAnswer {
+            in_flight: s.inflight,
+            room: self.capacity(),
+            tenant_room: self.tenant_cap(),
+            waiting: s.queue.len(),
+            queue: self.config.queue,
+            max_wait_s: self.config.max_wait_s,
+            finish_gap_ms: s.gap.map(|g| g.as_secs_f64() * 1e3),
+            waiting_by_priority: by_priority,
+            tenants,
+        }
     }
 
     /// Lets waiting requests go if workers joined (called on a timer by the router).

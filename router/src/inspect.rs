@@ -161,23 +161,26 @@ pub enum Query {
     Route(RouteArgs),
     /// The KV index's size and most shared prefixes.
     Kv(KvArgs),
+    /// The admission queue: room, waiting requests by priority, tenants' shares.
+    Queue,
 }
 
 impl Query {
-    pub const NAMES: &'static str = "workers, route, kv";
+    pub const NAMES: &'static str = "workers, route, kv, queue";
 
     pub fn name(&self) -> &'static str {
         match self {
             Self::Workers => "workers",
             Self::Route(_) => "route",
             Self::Kv(_) => "kv",
+            Self::Queue => "queue",
         }
     }
 
     /// The JSON body (`null` for a query without arguments).
     pub fn args(&self) -> Value {
         match self {
-            Self::Workers => Value::Null,
+            Self::Workers | Self::Queue => Value::Null,
             Self::Route(a) => serde_json::to_value(a).unwrap_or_default(),
             Self::Kv(a) => serde_json::to_value(a).unwrap_or_default(),
         }
@@ -194,6 +197,7 @@ impl Query {
             "workers" => Self::Workers,
             "route" => Self::Route(args(a)?),
             "kv" => Self::Kv(args(a)?),
+            "queue" => Self::Queue,
             other => return Err(format!("unknown query {other:?}; known: {}", Self::NAMES)),
         })
     }
@@ -339,6 +343,10 @@ impl Inspect for Inner {
             Query::Workers => to_value(self.workers_answer()),
             Query::Route(a) => to_value(self.route_answer(&a.tokens)?),
             Query::Kv(a) => to_value(self.kv_answer(&a)?),
+            Query::Queue => match &self.admission {
+                Some(a) => to_value(a.answer()),
+                None => Err("this router has no admission queue (route.admission)".into()),
+            },
         }
     }
 }

@@ -847,6 +847,23 @@ async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_com
     assert_eq!(running.status(), 200);
     let batch = tokio::spawn(send("k1", &[("x-priority", "batch")], true));
     wait_for_metric(&g, "dyn_router_queue_waiting", |v| v == 1.0).await;
+    // `dyn inspect queue` shows it: the room, the batch request waiting, the tenants.
+    let q = dyn_tests::inspect_json(&g.url(""), &["queue"]);
+    let q = &q["replicas"][0];
+    assert_eq!(
+        (q["in_flight"].as_u64(), q["room"].as_u64()),
+        (Some(1), Some(1)),
+        "{q}"
+    );
+    assert_eq!(q["waiting_by_priority"]["10"], 1, "{q}");
+    let tenants: Vec<&str> = q["tenants"]
+        .as_array()
+        .map(|t| t.iter().filter_map(|t| t["tenant"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(
+        tenants.contains(&"acme") && tenants.contains(&"key-1"),
+        "{q}"
+    );
     let interactive = tokio::spawn(send("k1", &[("x-priority", "interactive")], true));
     let displaced = batch.await.unwrap().unwrap();
     assert_eq!(displaced.status(), 503);
