@@ -58,6 +58,9 @@ enum InspectCommand {
         /// A JSON file with a chat message list (or {"messages": [...]})
         #[arg(long)]
         messages: Option<PathBuf>,
+        /// The session the request would belong to: its binding, and whether it decides
+        #[arg(long)]
+        session: Option<String>,
     },
     /// The KV index: stored blocks per worker, tree size, memory, top shared prefixes
     Kv {
@@ -122,9 +125,14 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if let InspectCommand::Route { prompt, messages } = &args.command {
+    if let InspectCommand::Route {
+        prompt,
+        messages,
+        session,
+    } = &args.command
+    {
         // Without --node every node on the path explains its part (router, remote prefill).
-        let mut body = json!({"node": args.node});
+        let mut body = json!({"node": args.node, "session": session});
         if let Some(p) = prompt {
             body["prompt"] = json!(p);
         }
@@ -467,6 +475,30 @@ fn print_route(r: &RouteAnswer) {
         "prompt: {} tokens, {} blocks of {}; policy {} → worker {}",
         r.prompt_tokens, r.prompt_blocks, r.block_size, r.policy, r.worker_id,
     );
+    if let Some(s) = &r.session {
+        let per: Vec<String> = s
+            .bound_per_worker
+            .iter()
+            .map(|(w, n)| format!("{w}: {n}"))
+            .collect();
+        match (&s.bound_worker, s.expires_in_s) {
+            (Some(w), Some(left)) => println!(
+                "session {:?}: bound to {w} for {left:.0} s more; {} (sessions per worker: {})",
+                s.session,
+                if s.kept {
+                    "it decides"
+                } else {
+                    "that worker is gone or over its bound: the session moves"
+                },
+                per.join(", ")
+            ),
+            _ => println!(
+                "session {:?}: not bound; this request binds it (sessions per worker: {})",
+                s.session,
+                per.join(", ")
+            ),
+        }
+    }
     let Some(p) = &r.pricing else {
         return;
     };

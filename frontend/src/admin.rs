@@ -145,6 +145,9 @@ struct RouteBody {
     prompt: Option<String>,
     #[serde(default)]
     messages: Option<Vec<ChatMessage>>,
+    /// The session the request would belong to (`session_affinity`).
+    #[serde(default)]
+    session: Option<String>,
 }
 
 async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<Value>, ApiError> {
@@ -172,6 +175,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
     let mut args = RouteArgs {
         tokens: pre.token_ids,
         cached_tokens: 0,
+        session: b.session,
     };
     let route = RouterQuery::Route(args.clone());
     if let Some(node) = b.node {

@@ -210,15 +210,29 @@ fn tenant_name_ok(t: &str) -> bool {
 /// `priority_classes`.
 pub const PRIORITY: &str = "x-priority";
 
+/// The header that names a request's session (its conversation), for session affinity.
+pub const SESSION: &str = "x-session-id";
+
+/// The longest session id taken (header or `user`).
+pub const SESSION_MAX: usize = 256;
+
+/// What a request's headers say of its traffic class.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    pub tenant: Option<String>,
+    pub priority: Option<i32>,
+    pub session: Option<String>,
+}
+
 impl ServerConfig {
-    /// A request's tenant and priority from its headers: the tenant header where configured
-    /// and present, else its API key's tenant; `x-priority` where present. A malformed one is
-    /// a 400 naming the header.
+    /// A request's tenant, priority and session from its headers: the tenant header where
+    /// configured and present, else its API key's tenant; `x-priority` and `x-session-id`
+    /// where present. A malformed one is a 400 naming the header.
     pub fn traffic(
         &self,
         headers: &HeaderMap,
         key: Option<&KeyTenant>,
-    ) -> Result<(Option<String>, Option<i32>), ApiError> {
+    ) -> Result<Traffic, ApiError> {
         let bad = |name: &str, why: String| {
             ApiError::invalid("invalid_header", why).with_param(name.to_string())
         };
@@ -257,7 +271,27 @@ impl ServerConfig {
                 }
             }
         };
-        Ok((tenant, priority))
+        let session = match headers.get(SESSION) {
+            None => None,
+            Some(v) => match v
+                .to_str()
+                .ok()
+                .filter(|s| (1..=SESSION_MAX).contains(&s.len()))
+            {
+                Some(s) => Some(s.to_string()),
+                None => {
+                    return Err(bad(
+                        SESSION,
+                        format!("{SESSION} must be 1 to {SESSION_MAX} visible ASCII characters"),
+                    ));
+                }
+            },
+        };
+        Ok(Traffic {
+            tenant,
+            priority,
+            session,
+        })
     }
 }
 

@@ -232,6 +232,8 @@ struct Common {
     skip_special_tokens: Option<bool>,
     /// vLLM's extension: scheduling priority, lower first.
     priority: Option<i32>,
+    /// OpenAI's end-user id: the session, for session affinity, when no `x-session-id` says.
+    user: Option<String>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     /// vLLM's extensions.
@@ -552,6 +554,9 @@ fn request(
                 constraint,
                 priority: c.priority.unwrap_or(0),
                 tenant: None,
+                session: c
+                    .user
+                    .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX),
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -1010,10 +1015,13 @@ async fn serve(
     };
     // The headers' tenant and priority (a gateway's word) over the body's.
     let parsed = parsed.and_then(|(mut req, opts)| {
-        let (tenant, priority) = app.server.traffic(&headers, key.as_ref())?;
-        req.sampling.tenant = tenant;
-        if let Some(p) = priority {
+        let t = app.server.traffic(&headers, key.as_ref())?;
+        req.sampling.tenant = t.tenant;
+        if let Some(p) = t.priority {
             req.sampling.priority = p;
+        }
+        if t.session.is_some() {
+            req.sampling.session = t.session;
         }
         Ok((req, opts))
     });

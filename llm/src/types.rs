@@ -100,6 +100,10 @@ pub struct Sampling {
     /// admission queue shares capacity between tenants by it. Travels as `priority` does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The conversation it belongs to (`x-session-id`, else OpenAI's `user`): a router with
+    /// session affinity keeps a session's requests on one worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
 }
 
 fn is_zero(v: &i32) -> bool {

@@ -71,6 +71,9 @@ pub struct RouteArgs {
     pub tokens: Vec<u32>,
     #[serde(default)]
     pub cached_tokens: usize,
+    /// The request's session (`session_affinity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
 }
 
 /// `route`: where a prompt would go, and each candidate's terms (`kv`).
@@ -88,6 +91,22 @@ pub struct RouteAnswer {
     #[serde(default)]
     pub reason: String,
     pub candidates: Vec<Candidate>,
+    /// With a session: where it is bound, and whether the binding decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionRow>,
+}
+
+/// A session's binding as `dyn inspect route --session` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionRow {
+    pub session: String,
+    /// The worker it is bound to (none: unbound, or expired).
+    pub bound_worker: Option<String>,
+    pub expires_in_s: Option<f64>,
+    /// The binding decides this request (its worker is live and under its bound).
+    pub kept: bool,
+    /// Sessions bound now, per worker.
+    pub bound_per_worker: BTreeMap<String, usize>,
 }
 
 impl RouteAnswer {
@@ -264,9 +283,36 @@ impl Inner {
         }
     }
 
-    pub fn route_answer(&self, tokens: &[u32]) -> Result<RouteAnswer, String> {
-        let d = self.decide(tokens).map_err(|e| e.message)?;
+    pub fn route_answer(
+        &self,
+        tokens: &[u32],
+        session: Option<&str>,
+    ) -> Result<RouteAnswer, String> {
+        let mut d = self.decide(tokens).map_err(|e| e.message)?;
+        let now = std::time::Instant::now();
+        let session = match (session, &self.sessions) {
+            (Some(s), Some(sessions)) => {
+                let kept = self.affinity(s, now);
+                if let Some(w) = kept {
+                    d.worker = w;
+                }
+                let binding = sessions.binding(s, now);
+                let (_, per) = sessions.counts(now);
+                Some(SessionRow {
+                    session: s.to_owned(),
+                    bound_worker: binding.map(|(w, _)| hex(w)),
+                    expires_in_s: binding.map(|(_, left)| left),
+                    kept: kept.is_some(),
+                    bound_per_worker: per.into_iter().map(|(w, n)| (hex(w), n)).collect(),
+                })
+            }
+            (Some(_), None) => {
+                return Err("this router keeps no sessions (route.session_affinity)".into());
+            }
+            _ => None,
+        };
         Ok(RouteAnswer {
+            session,
             policy: self.config.policy,
             worker_id: hex(d.worker),
             prompt_tokens: tokens.len(),
@@ -341,7 +387,7 @@ impl Inspect for Inner {
     fn inspect(&self, query: &str, a: &Value) -> Result<Value, String> {
         match Query::parse(query, a)? {
             Query::Workers => to_value(self.workers_answer()),
-            Query::Route(a) => to_value(self.route_answer(&a.tokens)?),
+            Query::Route(a) => to_value(self.route_answer(&a.tokens, a.session.as_deref())?),
             Query::Kv(a) => to_value(self.kv_answer(&a)?),
             Query::Queue => match &self.admission {
                 Some(a) => to_value(a.answer()),
@@ -362,7 +408,9 @@ mod tests {
             Query::Route(RouteArgs {
                 tokens: vec![1, 2, 3],
                 cached_tokens: 2,
+                session: Some("conv".into()),
             }),
+            Query::Queue,
             Query::Kv(KvArgs {
                 worker: Some("bee".into()),
                 top: 3,

@@ -38,6 +38,7 @@ pub mod policy;
 pub mod quality;
 pub mod remote_prefill;
 pub mod sequences;
+pub mod sessions;
 #[cfg(test)]
 mod sim;
 
@@ -134,6 +135,9 @@ pub struct RouteConfig {
     /// ([`admission`]); without it every request is sent on at once.
     #[serde(default)]
     pub admission: Option<admission::AdmissionConfig>,
+    /// A conversation's requests stay on one worker ([`sessions`]); off without it.
+    #[serde(default)]
+    pub session_affinity: Option<sessions::AffinityConfig>,
 }
 
 fn one() -> f64 {
@@ -171,6 +175,7 @@ impl Default for RouteConfig {
             approx_ttl_s: ttl(),
             block_size: None,
             admission: None,
+            session_affinity: None,
         }
     }
 }
@@ -278,25 +283,34 @@ impl OperatorConfig for RouteConfig {
                 .map(|(name, t)| (format!("admission.tenants.{name}"), t))
                 .chain([("admission.tenant_default".to_string(), &a.tenant_default)]);
             for (at, t) in tenants {
-                if !(t.weight.is_finite() && t.weight > 0.0) {
-                    out.push(Invalid::field(
-                        format!("{at}.weight"),
-                        "must be a positive number",
-                    ));
-                }
-                if t.requests_per_minute == Some(0) {
-                    out.push(Invalid::field(
-                        format!("{at}.requests_per_minute"),
-                        "must be at least 1",
-                    ));
-                }
-                if t.tokens_per_minute == Some(0) {
-                    out.push(Invalid::field(
-                        format!("{at}.tokens_per_minute"),
-                        "must be at least 1",
-                    ));
-                }
+                check(
+                    &format!("{at}.weight"),
+                    t.weight.is_finite() && t.weight > 0.0,
+                    "must be a positive number",
+                );
+                check(
+                    &format!("{at}.requests_per_minute"),
+                    t.requests_per_minute != Some(0),
+                    "must be at least 1",
+                );
+                check(
+                    &format!("{at}.tokens_per_minute"),
+                    t.tokens_per_minute != Some(0),
+                    "must be at least 1",
+                );
             }
+        }
+        if let Some(a) = &self.session_affinity {
+            check(
+                "session_affinity.ttl_s",
+                a.ttl_s.is_finite() && a.ttl_s > 0.0,
+                "must be a positive number of seconds",
+            );
+            check(
+                "session_affinity.max_active",
+                a.max_active != Some(0),
+                "must be at least 1",
+            );
         }
         out
     }
@@ -351,6 +365,14 @@ impl RouteConfig {
             metrics: Mutex::new(HashMap::new()),
             planes: cx.planes.clone(),
             quality: quality::Quality::new(&cx.node),
+            sessions: self.session_affinity.as_ref().map(|a| {
+                use std::hash::{BuildHasher, Hasher};
+                let origin = std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish();
+                sessions::Sessions::new(std::time::Duration::from_secs_f64(a.ttl_s), origin)
+            }),
+            sessions_subject: sessions::sessions_subject(&cx.namespace, target),
         });
         let follow = follow::follow_workers(
             inner.clone(),
@@ -371,10 +393,39 @@ impl RouteConfig {
                 }
             }))
         });
+        // Other routers' session bindings.
+        let shared = match &inner.sessions {
+            Some(_) => {
+                let mut sub = cx
+                    .planes
+                    .events
+                    .subscribe(&inner.sessions_subject)
+                    .await
+                    .map_err(|e| BuildError::new(format!("cannot follow session bindings: {e}")))?;
+                let me = Arc::downgrade(&inner);
+                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                    async move {
+                        while let Some(ev) = sub.next().await {
+                            let Some(inner) = me.upgrade() else { return };
+                            match serde_json::from_slice::<sessions::Binding>(&ev.payload) {
+                                Ok(b) => {
+                                    if let Some(s) = &inner.sessions {
+                                        s.apply(b, std::time::Instant::now());
+                                    }
+                                }
+                                Err(e) => tracing::warn!(error = %e, "Bad session binding"),
+                            }
+                        }
+                    },
+                )))
+            }
+            None => None,
+        };
         Ok(Route {
             inner,
             _task: task,
             _tick: tick,
+            _sessions: shared,
         })
     }
 }
@@ -383,6 +434,7 @@ pub struct Route {
     inner: Arc<Inner>,
     _task: tokio_util::task::AbortOnDropHandle<()>,
     _tick: Option<tokio_util::task::AbortOnDropHandle<()>>,
+    _sessions: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 impl Route {
@@ -390,7 +442,7 @@ impl Route {
     /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
     /// the request until `ctx` is done.
     pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
-        self.inner.route(ctx, tokens).map(|(w, _)| w)
+        self.inner.route(ctx, tokens, None).map(|(w, _)| w)
     }
 
     /// Live workers, less those the request plane saw fail.
@@ -422,7 +474,7 @@ impl Route {
 
     /// What `dyn inspect route` shows: where `tokens` would go.
     pub fn route_answer(&self, tokens: &[u32]) -> Result<inspect::RouteAnswer, String> {
-        self.inner.route_answer(tokens)
+        self.inner.route_answer(tokens, None)
     }
 
     /// What `dyn inspect kv` shows of this router's index.
@@ -447,6 +499,9 @@ pub(crate) struct Inner {
     planes: Planes,
     /// How well the `kv` policy uses the caches.
     quality: quality::Quality,
+    /// Sessions bound to workers (`session_affinity`).
+    sessions: Option<sessions::Sessions>,
+    sessions_subject: String,
 }
 impl Inner {
     fn unavailable(&self) -> OpError {
@@ -491,10 +546,47 @@ impl Inner {
             .ok_or_else(|| self.unavailable())
     }
 
+    /// The worker `session` is bound to, if it may still take the session's next request:
+    /// live, and under its bound of requests in flight from this router.
+    fn affinity(&self, session: &str, now: std::time::Instant) -> Option<u64> {
+        let sessions = self.sessions.as_ref()?;
+        let w = sessions.get(session, now)?;
+        let bound = self
+            .config
+            .session_affinity
+            .as_ref()
+            .and_then(|a| a.max_active)
+            .or(self.config.admission.as_ref().map(|a| a.per_worker));
+        let room = bound.is_none_or(|b| self.active.load(w).requests < b);
+        (room && self.live().contains(&w)).then_some(w)
+    }
+
     /// Decide, and count the request against its worker until it is over; the worker and
-    /// how many of the prompt's tokens it caches.
-    fn route(&self, ctx: &Ctx, tokens: &[u32]) -> Result<(u64, usize), OpError> {
-        let d = self.decide(tokens)?;
+    /// how many of the prompt's tokens it caches. A request of a bound session goes to its
+    /// worker while that one has room (`session_affinity`).
+    fn route(
+        &self,
+        ctx: &Ctx,
+        tokens: &[u32],
+        session: Option<&str>,
+    ) -> Result<(u64, usize), OpError> {
+        let mut d = self.decide(tokens)?;
+        if let (Some(s), Some(sessions)) = (session, &self.sessions) {
+            let now = std::time::Instant::now();
+            if let Some(w) = self.affinity(s, now) {
+                d.worker = w;
+            }
+            if let Some(b) = sessions.bind(s, d.worker, now)
+                && let Ok(payload) = serde_json::to_vec(&b)
+            {
+                let (events, subject) = (self.planes.events.clone(), self.sessions_subject.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = events.publish(&subject, payload.into()).await {
+                        tracing::warn!(error = %e, "Cannot share a session binding");
+                    }
+                });
+            }
+        }
         self.quality.record(&d);
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;
@@ -533,7 +625,8 @@ impl Operator for Route {
                         let permit = a.admit(&ctx, ask).await?;
                         ctx.on_done(move || drop(permit));
                     }
-                    let (worker, cached) = inner.route(&ctx, &req.token_ids)?;
+                    let (worker, cached) =
+                        inner.route(&ctx, &req.token_ids, req.sampling.session.as_deref())?;
                     tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
                     req.target = Some(worker.into());
                     req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
@@ -608,6 +701,62 @@ mod tests {
 
     // The route's watch and event task run asynchronously: poll until a condition holds.
     use dyn_tests::until;
+
+    #[tokio::test]
+    async fn a_session_sticks_to_its_worker_until_that_one_is_over_its_bound_and_routers_share_it()
+    {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            session_affinity: Some(sessions::AffinityConfig {
+                ttl_s: 60.0,
+                max_active: Some(1),
+            }),
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config.clone(), &[10, 11]).await;
+        let go = |r: &Route, s: Option<&str>| {
+            let ctx = Ctx::new();
+            let w = r.inner.route(&ctx, &[1, 2, 3], s).expect("routed").0;
+            (w, ctx)
+        };
+        // Round robin alone alternates; a session stays.
+        let first = go(&r, Some("conv")).0;
+        for _ in 0..4 {
+            assert_eq!(go(&r, Some("conv")).0, first);
+        }
+        let a = go(&r, None).0;
+        assert_ne!(go(&r, None).0, a, "round robin without a session");
+        // While a request of the session holds its worker at the bound, the policy decides
+        // (round robin: the other worker within two requests), and the session moves there.
+        let (held, _busy) = go(&r, Some("conv"));
+        assert_eq!(held, first);
+        let moved = (0..2).map(|_| go(&r, Some("conv")).0).last();
+        assert_ne!(moved, Some(first));
+        for _ in 0..3 {
+            assert_eq!(Some(go(&r, Some("conv")).0), moved);
+        }
+        // A second router of the same node hears of the binding over the event plane.
+        let other = started(&planes, config, &[10, 11]).await;
+        go(&r, Some("shared"));
+        let bound = r
+            .inner
+            .sessions
+            .as_ref()
+            .and_then(|s| s.get("shared", std::time::Instant::now()))
+            .expect("bound");
+        until("the other router has the binding", || {
+            other
+                .inner
+                .sessions
+                .as_ref()
+                .and_then(|s| s.get("shared", std::time::Instant::now()))
+                == Some(bound)
+        })
+        .await;
+        for _ in 0..3 {
+            assert_eq!(go(&other, Some("shared")).0, bound);
+        }
+    }
 
     /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
     async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
