@@ -25,7 +25,9 @@
 //! cannot starve another and an idle one cannot flood later. A full queue refuses the worst
 //! entry of the most-served tenant. Per-tenant rate limits (requests and tokens per minute,
 //! token buckets holding a minute's worth) refuse at once with 429 `rate_limit_exceeded` and
-//! the seconds until the bucket has room.
+//! the seconds until the bucket has room. Routers of the same node share their tenants'
+//! charges over the event plane (every tick, in order), so their counters follow one history
+//! and a tenant's share is its share of the node, whichever frontend its requests come through.
 //!
 //! ```yaml
 //! route: {kind: route, inputs: [preprocess], config: {admission: {per_worker: 8, queue: 256, max_wait_s: 2,
@@ -152,6 +154,8 @@ pub struct Queue<T> {
     served: HashMap<String, f64>,
     /// The counter of the tenant served last: where a returning tenant starts.
     vtime: f64,
+    /// Tenants' charges made here since [`Queue::take_charged`], for the other routers.
+    charged: Vec<(String, f64)>,
     len: usize,
     cap: usize,
     seq: u64,
@@ -177,6 +181,7 @@ impl<T> Queue<T> {
             waiting: HashMap::new(),
             served: HashMap::new(),
             vtime: 0.0,
+            charged: Vec::new(),
             len: 0,
             cap,
             seq: 0,
@@ -206,8 +211,22 @@ impl<T> Queue<T> {
     }
 
     /// Counts `cost` (tokens over weight) as served to `tenant` now: a request that went
-    /// without waiting is charged as one that waited.
+    /// without waiting is charged as one that waited. Kept for the other routers.
     pub fn charge(&mut self, tenant: &str, cost: f64) {
+        if self.charged.len() < SERVED_KEPT {
+            self.charged.push((tenant.to_owned(), cost));
+        }
+        self.credit(tenant, cost);
+    }
+
+    /// The charges made here since last asked.
+    pub fn take_charged(&mut self) -> Vec<(String, f64)> {
+        std::mem::take(&mut self.charged)
+    }
+
+    /// Counts `cost` as served to `tenant` by another router of the same node, as if here:
+    /// the routers' counters follow one history.
+    pub fn credit(&mut self, tenant: &str, cost: f64) {
         let c = self.counter(tenant);
         self.vtime = c;
         self.served.insert(tenant.to_owned(), c + cost);
@@ -360,6 +379,8 @@ type Waiter = oneshot::Sender<Result<Permit, OpError>>;
 /// Admission for one router.
 pub struct Admission {
     config: AdmissionConfig,
+    /// This router, in the charges it publishes.
+    origin: u64,
     /// The route node, for the metrics.
     node: String,
     state: Mutex<State>,
@@ -388,6 +409,18 @@ impl State {
             }
         }
     }
+}
+
+/// What a router tells the others of the node: its tenants' charges, in order.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+pub struct Charges {
+    pub origin: u64,
+    pub charges: Vec<(String, f64)>,
+}
+
+/// The event-plane subject on which the routers of node `target` share tenants' charges.
+pub fn charges_subject(namespace: &str, target: &str) -> String {
+    format!("dyn.{namespace}.{target}.tenant_charges")
 }
 
 /// `dyn inspect queue`: a router's admission queue.
@@ -480,7 +513,11 @@ impl Admission {
         node: &str,
         workers: impl Fn() -> usize + Send + Sync + 'static,
     ) -> Arc<Self> {
+        use std::hash::{BuildHasher, Hasher};
         Arc::new(Self {
+            origin: std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish(),
             node: node.to_owned(),
             state: Mutex::new(State {
                 inflight: 0,
@@ -698,6 +735,26 @@ impl Admission {
             .tenant_tokens
             .with_label_values(&[&self.node, tenant])
             .inc_by(ask.tokens);
+    }
+
+    /// This router's tenant charges since last asked, to publish (none: nothing to say).
+    pub fn take_charges(&self) -> Option<Charges> {
+        let charges = self.state.lock().queue.take_charged();
+        (!charges.is_empty()).then_some(Charges {
+            origin: self.origin,
+            charges,
+        })
+    }
+
+    /// Another router's charges (this router's own are skipped).
+    pub fn apply_charges(&self, c: Charges) {
+        if c.origin == self.origin {
+            return;
+        }
+        let mut s = self.state.lock();
+        for (tenant, cost) in &c.charges {
+            s.queue.credit(tenant, *cost);
+        }
     }
 
     /// The queue now, for `dyn inspect queue`.
@@ -1077,5 +1134,34 @@ mod tests {
         assert_eq!(a.counts(), (3, 1));
         drop(h1);
         assert!(h3.await.unwrap().is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn routers_replaying_each_others_charges_hold_the_same_counters() {
+        let a = admission(100, 8, 1.0);
+        let b = admission(100, 8, 1.0);
+        let ask = |tenant, tokens| Ask {
+            priority: 0,
+            tenant,
+            tokens,
+        };
+        for (t, n) in [
+            ("heavy", 50),
+            ("light", 10),
+            ("heavy", 50),
+            ("", 7),
+            ("light", 10),
+        ] {
+            drop(a.admit(&Ctx::new(), ask(t, n)).await.expect("room"));
+        }
+        let charges = a.take_charges().expect("charged");
+        assert_eq!(charges.charges.len(), 5);
+        b.apply_charges(charges.clone());
+        let counters = |x: &Admission| x.state.lock().queue.counters();
+        assert_eq!(counters(&a), counters(&b));
+        // Its own, coming back, change nothing.
+        a.apply_charges(charges);
+        assert_eq!(counters(&a), counters(&b));
+        assert!(a.take_charges().is_none());
     }
 }

@@ -383,16 +383,47 @@ impl RouteConfig {
         .await
         .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
         let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
-        // Workers that join make room for waiting requests without one finishing.
+        // Workers that join make room for waiting requests without one finishing; the tenants'
+        // charges go to the node's other routers.
+        let charges = admission::charges_subject(&cx.namespace, target);
         let tick = inner.admission.clone().map(|a| {
+            let (events, subject) = (cx.planes.events.clone(), charges.clone());
             tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
                 let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
                 loop {
                     every.tick().await;
                     a.tick();
+                    let Some(c) = a.take_charges() else { continue };
+                    let Ok(payload) = serde_json::to_vec(&c) else {
+                        continue;
+                    };
+                    if let Err(e) = events.publish(&subject, payload.into()).await {
+                        tracing::warn!(error = %e, "Cannot share tenants' charges");
+                    }
                 }
             }))
         });
+        let heard = match &inner.admission {
+            Some(a) => {
+                let mut sub =
+                    cx.planes.events.subscribe(&charges).await.map_err(|e| {
+                        BuildError::new(format!("cannot follow tenants' charges: {e}"))
+                    })?;
+                let a = Arc::downgrade(a);
+                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+                    async move {
+                        while let Some(ev) = sub.next().await {
+                            let Some(a) = a.upgrade() else { return };
+                            match serde_json::from_slice::<admission::Charges>(&ev.payload) {
+                                Ok(c) => a.apply_charges(c),
+                                Err(e) => tracing::warn!(error = %e, "Bad tenant charges"),
+                            }
+                        }
+                    },
+                )))
+            }
+            None => None,
+        };
         // Other routers' session bindings.
         let shared = match &inner.sessions {
             Some(_) => {
@@ -426,6 +457,7 @@ impl RouteConfig {
             _task: task,
             _tick: tick,
             _sessions: shared,
+            _charges: heard,
         })
     }
 }
@@ -435,6 +467,7 @@ pub struct Route {
     _task: tokio_util::task::AbortOnDropHandle<()>,
     _tick: Option<tokio_util::task::AbortOnDropHandle<()>>,
     _sessions: Option<tokio_util::task::AbortOnDropHandle<()>>,
+    _charges: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 impl Route {

@@ -889,3 +889,56 @@ async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_com
         2.0
     );
 }
+
+#[tokio::test]
+async fn a_session_by_header_or_user_field_stays_on_one_worker() {
+    let g = up(&["--set", "route.session_affinity.ttl_s=60"]);
+    let prompt_blocks = |text: &str, worker: &str| {
+        dyn_tests::metric_sum(
+            text,
+            "dyn_worker_prompt_blocks_total",
+            &[&format!("worker_id=\"{worker}\"")],
+        )
+    };
+    let workers: Vec<String> =
+        dyn_tests::inspect_json(&g.url(""), &["workers"])["replicas"][0]["workers"]
+            .as_array()
+            .map(|w| {
+                w.iter()
+                    .filter_map(|w| w["worker_id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+    assert_eq!(workers.len(), 2);
+    for (how, session) in [("header", "conv-7"), ("user", "alice")] {
+        let before = metrics_text(&g).await;
+        for i in 0..4 {
+            let mut r = client().post(g.url("/v1/chat/completions"));
+            let mut extra = json!({"max_tokens": 2});
+            match how {
+                "header" => r = r.header("x-session-id", session),
+                _ => extra["user"] = json!(session),
+            }
+            let body = chat(&format!("turn {i}: {}", "words ".repeat(40)), extra);
+            assert_eq!(r.json(&body).send().await.unwrap().status(), 200);
+        }
+        // Round robin alone would split the four turns; the session keeps them on one worker.
+        let after = metrics_text(&g).await;
+        let grew: Vec<bool> = workers
+            .iter()
+            .map(|w| prompt_blocks(&after, w) > prompt_blocks(&before, w))
+            .collect();
+        assert_eq!(grew.iter().filter(|g| **g).count(), 1, "{how}: {grew:?}");
+        let r = dyn_tests::inspect_json(
+            &g.url(""),
+            &["route", "--prompt", "x", "--session", session],
+        );
+        let s = &r["replicas"][0]["session"];
+        assert_eq!(s["kept"], true, "{r}");
+        let bound = s["bound_worker"].as_str().unwrap_or_default();
+        assert!(
+            grew[workers.iter().position(|w| w == bound).unwrap()],
+            "{r}"
+        );
+    }
+}

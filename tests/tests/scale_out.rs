@@ -678,11 +678,13 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
 }
 
 /// A second frontend on the cluster's pool: the same graph with only its frontend nodes.
-fn second_frontend(c: &Cluster) -> Graph {
+/// A second frontend process (http, preprocess, route, postprocess) on the cluster's planes,
+/// with `extra` settings.
+fn second_frontend(c: &Cluster, extra: &[&str]) -> Graph {
     let control = format!("etcd://{}", c.etcd.address());
     let events = format!("nats://{}", c.nats.address());
     let dir = scratch_dir(&format!("run-b-{}", c.etcd.address().replace(':', "-")));
-    let args = [
+    let mut args = vec![
         "--control",
         &control,
         "--events",
@@ -692,6 +694,7 @@ fn second_frontend(c: &Cluster) -> Graph {
         "--lease-ttl",
         "2",
     ];
+    args.extend_from_slice(extra);
     Graph::start(
         c.file,
         "http",
@@ -705,7 +708,7 @@ async fn two_frontends_route_on_one_view_of_the_workers() {
     let Some(c) = Cluster::up(AGG_KV, 4, &["--set", "decode.mocker.speedup=20"]) else {
         return;
     };
-    let b = second_frontend(&c);
+    let b = second_frontend(&c, &[]);
     let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
     let live = |url: &str| {
         dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
@@ -878,4 +881,109 @@ fn inspect_planner(c: &Cluster) -> u64 {
     assert_eq!(v["connector"], "processes", "{v}");
     assert!(v["observed"]["request_rate"].is_number(), "{v}");
     v["nodes"][0]["actual"].as_u64().unwrap()
+}
+
+/// Two frontends, each with its router, on real etcd and NATS: a session bound through one is
+/// kept through the other, and both routers' tenant counters follow one history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_frontends_share_session_bindings_and_tenant_shares() {
+    let extra = [
+        "--set",
+        "decode.mocker.speedup=20",
+        "--set",
+        "route.session_affinity.ttl_s=120",
+        "--set",
+        "route.admission.per_worker=8",
+        "--set",
+        "http.tenant_header=x-tenant-id",
+    ];
+    let Some(c) = Cluster::up(AGG_KV, 4, &extra) else {
+        return;
+    };
+    let b = second_frontend(&c, &extra);
+    let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
+    c.wait_for(
+        |_| {
+            dyn_tests::inspect_json(&url_b, &["workers"])["replicas"][0]["workers"]
+                .as_array()
+                .map_or(0, |w| w.iter().filter(|w| w["live"] == true).count())
+                == 4
+        },
+        "the second router sees the 4 workers",
+    );
+    let send = |url: String, session: &'static str, tenant: &'static str, prompt: String| async move {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .header("x-session-id", session)
+            .header("x-tenant-id", tenant)
+            .json(&json!({"model": "tiny", "prompt": prompt, "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    };
+    // A session's first turn through A binds it.
+    send(url_a.clone(), "conv-1", "acme", long_prompt(7)).await;
+    let bound = |url: &str| {
+        let r = dyn_tests::inspect_json(
+            url,
+            &["route", "--prompt", &long_prompt(99), "--session", "conv-1"],
+        );
+        let s = r["replicas"][0]["session"].clone();
+        (
+            s["bound_worker"].as_str().map(str::to_owned),
+            r["replicas"][0]["worker_id"].clone(),
+            s["kept"].clone(),
+        )
+    };
+    let (worker, _, _) = bound(&url_a);
+    let worker = worker.expect("bound through A");
+    // B hears of it: a prompt its KV index would send elsewhere goes to the session's worker.
+    c.wait_for(
+        |_| bound(&url_b).0.as_deref() == Some(worker.as_str()),
+        "router B holds the session bound through A",
+    );
+    let (_, chosen, kept) = bound(&url_b);
+    assert_eq!(
+        (chosen.as_str(), kept),
+        (Some(worker.as_str()), json!(true))
+    );
+    send(url_b.clone(), "conv-1", "acme", long_prompt(8)).await;
+    assert_eq!(bound(&url_a).0.as_deref(), Some(worker.as_str()));
+
+    // Tenants' requests through A only: B's counters follow A's.
+    for i in 0..6 {
+        send(
+            url_a.clone(),
+            "t",
+            if i % 3 == 0 { "light" } else { "heavy" },
+            long_prompt(20 + i),
+        )
+        .await;
+    }
+    let counters = |url: &str| -> Vec<(String, u64)> {
+        let q = dyn_tests::inspect_json(url, &["queue"]);
+        let mut out: Vec<(String, u64)> = q["replicas"][0]["tenants"]
+            .as_array()
+            .map(|t| {
+                t.iter()
+                    .filter(|t| t["tenant"] != "")
+                    .map(|t| {
+                        (
+                            t["tenant"].as_str().unwrap_or_default().to_owned(),
+                            t["counter"].as_f64().unwrap_or(0.0) as u64,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort();
+        out
+    };
+    c.wait_for(
+        |_| counters(&url_b) == counters(&url_a),
+        "router B's tenant counters follow router A's",
+    );
+    let shares = counters(&url_a);
+    assert_eq!(shares.len(), 3, "{shares:?}");
 }
