@@ -61,7 +61,12 @@ pub struct Job {
     pub priority: Option<i32>,
     /// The tenant it is sent for (`--tenants`).
     pub tenant: Option<Arc<str>>,
+    /// The conversation it is a turn of (a trace's `session_id`), sent as `x-session-id`.
+    pub session: Option<Arc<str>>,
 }
+
+/// A request's tenant and session, for its headers.
+type Who<'a> = (Option<&'a str>, Option<&'a str>);
 
 /// Counters shared with the progress display.
 #[derive(Default)]
@@ -173,7 +178,13 @@ impl Client {
         };
         let outcome = tokio::time::timeout(
             self.timeout,
-            self.stream(job.body, job.tenant.as_deref(), t0, &mut rec, live),
+            self.stream(
+                job.body,
+                (job.tenant.as_deref(), job.session.as_deref()),
+                t0,
+                &mut rec,
+                live,
+            ),
         )
         .await
         .unwrap_or_else(|_| Err("timeout".into()));
@@ -191,12 +202,12 @@ impl Client {
     async fn stream(
         &self,
         body: Bytes,
-        tenant: Option<&str>,
+        who: Who<'_>,
         t0: Instant,
         rec: &mut Record,
         live: &Live,
     ) -> Result<(), String> {
-        let resp = match self.post(&self.http, body.clone(), tenant).send().await {
+        let resp = match self.post(&self.http, body.clone(), who).send().await {
             Ok(resp) => resp,
             // Nothing answered: most likely a pooled connection the server had just closed.
             // Once more, on a connection of its own.
@@ -204,7 +215,7 @@ impl Client {
                 tracing::debug!(error = %error_chain(&e), "Resending a request on a fresh connection");
                 rec.retried = true;
                 live.retries.fetch_add(1, Ordering::Relaxed);
-                self.post(&self.fresh, body, tenant)
+                self.post(&self.fresh, body, who)
                     .send()
                     .await
                     .map_err(error_class)?
@@ -275,7 +286,7 @@ impl Client {
         &self,
         http: &reqwest::Client,
         body: Bytes,
-        tenant: Option<&str>,
+        (tenant, session): Who<'_>,
     ) -> reqwest::RequestBuilder {
         let mut req = http
             .post(&self.url)
@@ -284,6 +295,9 @@ impl Client {
             .body(body);
         if let Some(t) = tenant {
             req = req.header(self.tenant_header.as_str(), t);
+        }
+        if let Some(s) = session {
+            req = req.header("x-session-id", s);
         }
         match &self.api_key {
             Some(key) => req.bearer_auth(key),
@@ -532,6 +546,7 @@ mod tests {
             intended: None,
             priority: None,
             tenant: None,
+            session: None,
         };
         let first = c.send(job(0), t0, &live).await;
         assert_eq!((first.error.as_deref(), first.retried), (None, false));

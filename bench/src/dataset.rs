@@ -43,6 +43,8 @@ pub struct Entry {
     /// `unit` tokens, equal ids at a position naming the same text up to there (a Mooncake
     /// trace's hash ids, a prefix group). What the cache [`crate::oracle`] works from.
     pub shared: Shared,
+    /// The conversation it is a turn of (a trace's `session_id`): sent as `x-session-id`.
+    pub session: Option<String>,
 }
 
 /// A prompt's shared leading units (see [`Entry::shared`]); empty for unrelated prompts.
@@ -276,6 +278,7 @@ pub fn synthetic(
                 ids: vec![g as u64],
                 unit: s.prefix_len,
             }),
+            session: None,
         });
     }
     Ok(out)
@@ -332,7 +335,11 @@ pub fn trace(
     for (n, line) in jsonl(&text) {
         let bad = line_error(path, n);
         let t: TraceLine = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
-        let session = t.session_id.as_ref().map(Value::to_string);
+        // A string id as it is, another JSON value (a number) as its JSON.
+        let session = t.session_id.as_ref().map(|v| match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        });
         let after = session.as_ref().and_then(|s| sessions.get(s)).copied();
         let timestamp = match (t.timestamp, t.delay) {
             (Some(ts), _) => ts,
@@ -341,8 +348,8 @@ pub fn trace(
         if !(timestamp.is_finite() && timestamp >= 0.0) {
             return Err(bad(format!("bad timestamp {timestamp}")));
         }
-        if let Some(s) = session {
-            sessions.insert(s, timestamp);
+        if let Some(s) = &session {
+            sessions.insert(s.clone(), timestamp);
         }
         previous = timestamp;
         let input_length = match (&t.text_input, t.input_length) {
@@ -372,6 +379,7 @@ pub fn trace(
                 output_tokens: t.output_length,
                 at,
                 shared,
+                session,
             });
             continue;
         }
@@ -404,6 +412,7 @@ pub fn trace(
             output_tokens: t.output_length,
             at,
             shared,
+            session,
         });
     }
     if out.is_empty() {
@@ -465,6 +474,7 @@ pub fn prompts_file(path: &Path, osl: u32) -> Result<Vec<Entry>, Error> {
             output_tokens: max.unwrap_or(osl).max(1),
             at: None,
             shared: Shared::default(),
+            session: None,
         });
     }
     if out.is_empty() {
@@ -626,6 +636,8 @@ mod tests {
         assert_eq!(text(&e[2]), "hello there");
         assert_eq!(e[3].shared.ids, [1, 3]);
         assert_eq!(e[3].shared.unit, 32);
+        let sessions: Vec<Option<&str>> = e.iter().map(|e| e.session.as_deref()).collect();
+        assert_eq!(sessions, [Some("a"), Some("b"), Some("7"), Some("a")]);
         let path = write(
             "no-length.jsonl",
             r#"{"timestamp": 0, "output_length": 2}

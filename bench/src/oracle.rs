@@ -118,6 +118,7 @@ mod tests {
                 ids: vec![g],
                 unit: prefix,
             }),
+            session: None,
         }
     }
 

@@ -285,6 +285,7 @@ struct Dataset {
     bodies: Vec<Bytes>,
     priorities: Vec<Option<i32>>,
     tenants: Vec<Option<Arc<str>>>,
+    sessions: Vec<Option<Arc<str>>>,
     input_tokens: Vec<Option<usize>>,
     at: Vec<Option<Duration>>,
     offset: usize,
@@ -302,6 +303,10 @@ impl Dataset {
             bodies,
             priorities,
             tenants,
+            sessions: entries
+                .iter()
+                .map(|e| e.session.as_deref().map(Arc::from))
+                .collect(),
             input_tokens: entries.iter().map(|e| e.input_tokens).collect(),
             at: entries.iter().map(|e| e.at).collect(),
             // Measured requests start after the warm-up's entries, except in a trace replay,
@@ -323,6 +328,7 @@ impl Dataset {
             intended,
             priority: self.priorities[i],
             tenant: self.tenants[i].clone(),
+            session: self.sessions[i].clone(),
         }
     }
 }
