@@ -194,8 +194,11 @@ impl Slo {
             // A metric a request does not have (ITL of a one-token answer) cannot miss.
             _ => true,
         };
+        // A request whose answer carried no text (a server that sends it all at the end)
+        // had its first token by its end, no sooner as far as the client saw: it cannot pass
+        // a TTFT objective for want of a measurement.
         r.ok()
-            && ok(self.ttft_ms, r.ttft())
+            && ok(self.ttft_ms, r.ttft().or(Some(r.e2e())))
             && ok(self.itl_ms, r.itl())
             && ok(self.tpot_ms, r.tpot())
             && ok(self.e2e_ms, Some(r.e2e()))
@@ -564,6 +567,10 @@ mod tests {
             rec(0, &[10, 100], 2), // itl 91: misses itl
             rec(0, &[5], 1),       // no itl: cannot miss it
         ];
+        // No text until the end, 500 ms in: its first token counts as then, and misses.
+        let mut silent = rec(0, &[], 2);
+        silent.end = ms(500);
+        let records = [records, vec![silent]].concat();
         let slo: Slo = "ttft_ms=20, itl_ms=50".parse().unwrap();
         let s = summarize(&records, Some(&slo));
         assert!(
