@@ -126,7 +126,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_tenant)]
     tenants: Vec<(String, f64)>,
     /// The header --tenants names the tenant in (the ingress's `tenant_header`)
-    #[arg(long, default_value = "x-tenant-id")]
+    #[arg(long, default_value = "x-tenant-id", value_parser = parse_header)]
     tenant_header: String,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -237,12 +237,24 @@ fn parse_priority(s: &str) -> Result<(i32, f64), String> {
     }
 }
 
+/// An HTTP header name.
+fn parse_header(s: &str) -> Result<String, String> {
+    reqwest::header::HeaderName::from_bytes(s.as_bytes())
+        .map(|_| s.to_owned())
+        .map_err(|_| format!("{s:?} is not a header name"))
+}
+
 /// `TENANT:WEIGHT`, e.g. `heavy:10`.
 fn parse_tenant(s: &str) -> Result<(String, f64), String> {
     let bad = || format!("expected TENANT:WEIGHT, e.g. heavy:10, got {s:?}");
     let (t, w) = s.rsplit_once(':').ok_or_else(bad)?;
+    let t = t.trim();
+    // What the http ingress takes as a tenant: 1 to 64 letters, digits, '.', '_' or '-'.
+    let name_ok = (1..=64).contains(&t.len())
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
     match w.trim().parse::<f64>() {
-        Ok(w) if w.is_finite() && w > 0.0 && !t.trim().is_empty() => Ok((t.trim().to_owned(), w)),
+        Ok(w) if w.is_finite() && w > 0.0 && name_ok => Ok((t.to_owned(), w)),
         _ => Err(bad()),
     }
 }

@@ -186,8 +186,13 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         let answer = match post(&http, &format!("{base}{}", query.path(node)), &query.args()).await
         {
             Ok(a) => a,
-            // Only route nodes with admission have a queue: the others are passed over.
-            Err(e) if matches!(query, Query::Queue) && args.node.is_none() => {
+            // Only route nodes with admission have a queue: the others are passed over (any
+            // other failure is one).
+            Err(e)
+                if matches!(query, Query::Queue)
+                    && args.node.is_none()
+                    && format!("{e:#}").contains("no admission queue") =>
+            {
                 passed_over.push(format!("{node}: {e:#}"));
                 continue;
             }

@@ -52,8 +52,9 @@ pub struct ServerConfig {
     /// this list from 1.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
-    /// A header that names the request's tenant (say `x-tenant-id`); where present it wins
-    /// over the API key's. `http` only.
+    /// A header that names the request's tenant (say `x-tenant-id`), as a gateway in front
+    /// sets it; where present it wins over a bare API key's tenant, not over a key that names
+    /// its own. `http` only.
     #[serde(default)]
     pub tenant_header: Option<String>,
     /// Names for priorities that the `x-priority` header may give instead of a number
@@ -194,9 +195,10 @@ impl ApiKey {
     }
 }
 
-/// The tenant of the API key a request carried (set by [`require_api_key`]).
+/// The tenant of the API key a request carried (set by [`require_api_key`]), and whether the
+/// key names it (then no header may say otherwise).
 #[derive(Debug, Clone)]
-pub struct KeyTenant(pub String);
+pub struct KeyTenant(pub String, pub bool);
 
 const TENANT_NAME_RULE: &str = "a tenant is 1 to 64 letters, digits, '.', '_' or '-'";
 
@@ -225,9 +227,11 @@ pub struct Traffic {
 }
 
 impl ServerConfig {
-    /// A request's tenant, priority and session from its headers: the tenant header where
-    /// configured and present, else its API key's tenant; `x-priority` and `x-session-id`
-    /// where present. A malformed one is a 400 naming the header.
+    /// A request's tenant, priority and session from its headers: a key that names its tenant
+    /// decides (a header cannot move its holder to another tenant's share and limits), else
+    /// the tenant header where configured and present (a gateway's word), else the key's;
+    /// `x-priority` and `x-session-id` where present. A malformed one is a 400 naming the
+    /// header.
     pub fn traffic(
         &self,
         headers: &HeaderMap,
@@ -236,11 +240,11 @@ impl ServerConfig {
         let bad = |name: &str, why: String| {
             ApiError::invalid("invalid_header", why).with_param(name.to_string())
         };
-        let tenant = match self
-            .tenant_header
-            .as_deref()
-            .and_then(|h| Some((h, headers.get(h)?)))
-        {
+        let header = match key {
+            Some(KeyTenant(_, true)) => None,
+            _ => self.tenant_header.as_deref(),
+        };
+        let tenant = match header.and_then(|h| Some((h, headers.get(h)?))) {
             Some((h, v)) => match v.to_str().ok().filter(|t| tenant_name_ok(t)) {
                 Some(t) => Some(t.to_string()),
                 None => return Err(bad(h, format!("{h}: {TENANT_NAME_RULE}"))),
@@ -522,7 +526,9 @@ pub async fn require_api_key(
     if bool::from(hit) && !given.is_empty() {
         let place = usize::try_from(place).unwrap_or_default();
         if let Some(k) = keys.get(place) {
-            req.extensions_mut().insert(KeyTenant(k.tenant(place)));
+            let named = matches!(k, ApiKey::Named { .. });
+            req.extensions_mut()
+                .insert(KeyTenant(k.tenant(place), named));
         }
         return next.run(req).await;
     }

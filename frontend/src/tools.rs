@@ -217,9 +217,20 @@ impl ToolRequest {
         } else {
             "arguments"
         };
+        // Each tool's parameters sit inside the call's schema: their `$defs` move to its root
+        // and their local references follow, as grammar engines resolve them from the root.
+        let mut defs = serde_json::Map::new();
+        let one = allowed.len() == 1;
         let calls: Vec<Value> = allowed
             .iter()
-            .map(|(name, params)| {
+            .enumerate()
+            .map(|(i, (name, params))| {
+                let at = if one {
+                    format!("/properties/{args}")
+                } else {
+                    format!("/anyOf/{i}/properties/{args}")
+                };
+                let params = rehome(params, i, &at, &mut defs);
                 json!({
                     "type": "object",
                     "properties": {"name": {"const": name}, args: params},
@@ -228,11 +239,14 @@ impl ToolRequest {
                 })
             })
             .collect();
-        let schema = if calls.len() == 1 {
+        let mut schema = if one {
             calls.into_iter().next().unwrap_or_default()
         } else {
             json!({"anyOf": calls})
         };
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
         let whole = |before: &str, after: &str| {
             vec![CallForm {
                 before: before.into(),
@@ -280,6 +294,45 @@ impl ToolRequest {
         };
         Some(Constraint::Calls(calls))
     }
+}
+
+/// Tool `i`'s parameters to be placed at JSON pointer `at` inside a larger schema: its `$defs`
+/// (or `definitions`) go into `defs` as `t{i}-NAME`, and its local `$ref`s are rewritten to
+/// resolve from the larger schema's root.
+fn rehome(params: &Value, i: usize, at: &str, defs: &mut serde_json::Map<String, Value>) -> Value {
+    fn walk(v: &mut Value, i: usize, at: &str) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(r)) = o.get_mut("$ref")
+                    && let Some(rest) = r.strip_prefix('#')
+                {
+                    let moved = ["/$defs/", "/definitions/"]
+                        .iter()
+                        .find_map(|p| rest.strip_prefix(p));
+                    *r = match moved {
+                        Some(def) => format!("#/$defs/t{i}-{def}"),
+                        None => format!("#{at}{rest}"),
+                    };
+                }
+                o.values_mut().for_each(|v| walk(v, i, at));
+            }
+            Value::Array(a) => a.iter_mut().for_each(|v| walk(v, i, at)),
+            _ => {}
+        }
+    }
+    let mut params = params.clone();
+    if let Value::Object(o) = &mut params {
+        for key in ["$defs", "definitions"] {
+            if let Some(Value::Object(found)) = o.remove(key) {
+                for (name, mut def) in found {
+                    walk(&mut def, i, at);
+                    defs.insert(format!("t{i}-{name}"), def);
+                }
+            }
+        }
+    }
+    walk(&mut params, i, at);
+    params
 }
 
 /// A call parsed from the model's text.
@@ -951,9 +1004,14 @@ pub(crate) mod tests {
 
     #[test]
     fn the_forcing_grammar_compiles_and_only_auto_is_free() {
+        // Pydantic-style parameters: definitions referred to from inside.
+        let nested = json!({"type": "object", "$defs": {"P": {"type": "object",
+            "properties": {"x": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]}},
+            "required": ["x"]}}, "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]});
         let tools = json!([
             {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
-            {"type": "function", "function": {"name": "b"}}
+            {"type": "function", "function": {"name": "b"}},
+            {"type": "function", "function": {"name": "c", "parameters": nested}}
         ]);
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny");
         let m = dyn_llm::model::ModelDir::load("tiny", std::path::Path::new(dir)).expect("loads");
@@ -967,6 +1025,7 @@ pub(crate) mod tests {
             for choice in [
                 json!("required"),
                 json!({"type": "function", "function": {"name": "b"}}),
+                json!({"type": "function", "function": {"name": "c"}}),
             ] {
                 for parallel in [false, true] {
                     let r = ToolRequest::read(Some(&tools), Some(&choice), Some(parallel))

@@ -34,6 +34,12 @@ const ANNOTATIONS: &[&str] = &[
     "format",
 ];
 
+/// The largest count a repetition may have here (llama.cpp refuses 2,000 and more).
+const MAX_REPEAT: u64 = 1000;
+
+/// The longest grammar written: past it, a schema is refused rather than sent.
+const MAX_GRAMMAR: usize = 256 << 10;
+
 /// JSON's own rules, named `json-*`, which the converted schemas build on.
 const JSON_RULES: &str = r#"json-char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})
 json-string ::= "\"" json-char* "\""
@@ -67,6 +73,12 @@ pub fn calls(c: &Calls) -> Result<String, String> {
         out.push_str(&format!("{name} ::= {body}\n"));
     }
     out.push_str(JSON_RULES);
+    if out.len() > MAX_GRAMMAR {
+        return Err(format!(
+            "so many properties that the grammar passes {} KiB",
+            MAX_GRAMMAR >> 10
+        ));
+    }
     Ok(out)
 }
 
@@ -149,6 +161,19 @@ impl Builder {
             Value::Object(o) => o,
             other => return Err(format!("a schema must be an object, not {other}")),
         };
+        // What a reference, a constant, a choice or a combination says is all that is said:
+        // a constraint beside it would be dropped, so it is refused instead.
+        let whole = ["$ref", "const", "enum", "anyOf", "oneOf", "allOf"];
+        if let Some(w) = whole.iter().find(|w| o.contains_key(**w))
+            && let Some(k) = o.keys().find(|k| {
+                !(ANNOTATIONS.contains(&k.as_str())
+                    || k.starts_with("x-")
+                    || *k == "type"
+                    || whole.contains(&k.as_str()))
+            })
+        {
+            return Err(format!("the keyword {k:?} beside {w:?}"));
+        }
         if let Some(r) = o.get("$ref") {
             return self.reference(r);
         }
@@ -181,7 +206,10 @@ impl Builder {
         }
         let types: Vec<&str> = match o.get("type") {
             Some(Value::String(t)) => vec![t.as_str()],
-            Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+            Some(Value::Array(ts)) => ts
+                .iter()
+                .map(|t| t.as_str().ok_or_else(|| format!("the type {t}")))
+                .collect::<Result<_, _>>()?,
             Some(other) => return Err(format!("type must be a string or array, not {other}")),
             None if o.contains_key("properties") => vec!["object"],
             None if o.contains_key("items") => vec!["array"],
@@ -220,6 +248,15 @@ impl Builder {
         let name = self.rule(String::new());
         self.refs.insert(path.to_string(), name.clone());
         let body = self.schema(&target)?;
+        // A schema that is itself before any text loops in GBNF (left recursion).
+        if body
+            .split(" | ")
+            .any(|alt| alt.split(' ').next() == Some(name.as_str()))
+        {
+            return Err(format!(
+                "the $ref {path:?}, which refers to itself before any text"
+            ));
+        }
         if let Some(slot) = self.rules.iter_mut().find(|(n, _)| *n == name) {
             slot.1 = body;
         }
@@ -227,9 +264,24 @@ impl Builder {
     }
 
     fn typed(&mut self, t: &str, o: &serde_json::Map<String, Value>) -> Result<String, String> {
-        let count = |k: &str| o.get(k).and_then(Value::as_u64);
+        // llama.cpp expands a repetition into rules and refuses one of 2,000 or more.
+        let count = |k: &str| -> Result<Option<u64>, String> {
+            match o.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(n) if n <= MAX_REPEAT => Ok(Some(n)),
+                    Some(n) => Err(format!(
+                        "the {k} {n} (llama.cpp takes at most {MAX_REPEAT})"
+                    )),
+                    None => Err(format!("the {k} {v} (a whole number, please)")),
+                },
+            }
+        };
         match t {
-            "string" => Ok(match (count("minLength"), count("maxLength")) {
+            "string" => Ok(match (count("minLength")?, count("maxLength")?) {
+                (Some(min), Some(max)) if min > max => {
+                    return Err("maxLength below minLength".into());
+                }
                 (None, None) => "json-string".into(),
                 (min, max) => match rep(min.unwrap_or(0), max) {
                     Some(r) => format!("\"\\\"\" json-char{r} \"\\\"\""),
@@ -253,8 +305,8 @@ impl Builder {
                     Some(s) => self.schema(s)?,
                     None => "json-value".into(),
                 };
-                let min = count("minItems").unwrap_or(0);
-                let max = count("maxItems");
+                let min = count("minItems")?.unwrap_or(0);
+                let max = count("maxItems")?;
                 if max.is_some_and(|m| m < min) {
                     return Err("maxItems below minItems".into());
                 }
@@ -315,24 +367,23 @@ impl Builder {
             opt.push(pair(self, key)?);
         }
         let body = if req.is_empty() {
-            // No key is certain: the first one present opens the list. `first[i]` is "the
-            // optional keys from i on, at least one of them".
-            let mut first = String::new();
+            // No key is certain: the first one present opens the list. From the last key
+            // back, `rest` is "each of the keys after this one, after a comma, or not" and
+            // `first` "at least one of the keys from this one on": one rule each per key, so
+            // the grammar grows with the keys, not with their square.
+            let mut rest = String::new();
+            let mut first: Option<String> = None;
             for (i, p) in opt.iter().enumerate().rev() {
-                let rest: Vec<String> = opt[i + 1..]
-                    .iter()
-                    .map(|q| format!("(\", \" {q})?"))
-                    .collect();
-                let this = seq(&[p.clone(), rest.join(" ")]);
-                first = if first.is_empty() {
-                    this
-                } else {
-                    let later = self.rule(first);
-                    format!("{this} | {later}")
-                };
+                let this = seq(&[p.clone(), rest.clone()]);
+                first = Some(self.rule(match first {
+                    Some(later) => format!("{this} | {later}"),
+                    None => this,
+                }));
+                if i > 0 {
+                    rest = self.rule(seq(&[format!("(\", \" {p})?"), rest]));
+                }
             }
-            let first = self.rule(first);
-            format!("({first})?")
+            format!("({})?", first.unwrap_or_default())
         } else {
             let rest: Vec<String> = opt.iter().map(|q| format!("(\", \" {q})?")).collect();
             seq(&[req.join(" \", \" "), rest.join(" ")])
@@ -426,8 +477,9 @@ mod tests {
             one(json!({"properties": {"a": {"type": "boolean"}, "b": {"type": "null"}}})).unwrap();
         let r = rules(&g);
         assert_eq!(r["s2"], r#""\"b\": " s1"#);
-        assert_eq!(r["s3"], r#""\"a\": " s0 (", " "\"b\": " s1)? | s2"#);
-        assert_eq!(r["s4"], r#""{" (s3)? "}""#);
+        assert_eq!(r["s3"], r#"(", " "\"b\": " s1)?"#);
+        assert_eq!(r["s4"], r#""\"a\": " s0 s3 | s2"#);
+        assert_eq!(r["s5"], r#""{" (s4)? "}""#);
     }
 
     #[test]
@@ -463,11 +515,45 @@ mod tests {
             (json!({"type": "array", "uniqueItems": true}), "uniqueItems"),
             (json!({"allOf": [{}, {}]}), "allOf"),
             (json!(3), "3"),
+            (
+                json!({"type": "string", "maxLength": 5000}),
+                "maxLength 5000",
+            ),
+            (
+                json!({"type": "string", "maxLength": 10.5}),
+                "maxLength 10.5",
+            ),
+            (
+                json!({"type": "string", "minLength": 4, "maxLength": 2}),
+                "below minLength",
+            ),
+            (
+                json!({"anyOf": [{"type": "string"}], "maxLength": 3}),
+                "\"maxLength\" beside",
+            ),
+            (json!({"type": ["string", 3]}), "the type 3"),
+            (json!({"$ref": "#"}), "refers to itself"),
         ] {
             let e = one(schema).unwrap_err();
             assert!(e.contains(named), "{e}");
         }
         // Annotations are not constraints.
         one(json!({"type": "string", "format": "date", "description": "d", "x-y": 1})).unwrap();
+        // Many optional keys: the grammar grows with them, not with their square, and past a
+        // bound it is refused rather than written.
+        let props = |n: usize| {
+            let p: serde_json::Map<String, Value> = (0..n)
+                .map(|i| (format!("k{i}"), json!({"type": "integer"})))
+                .collect();
+            json!({"type": "object", "properties": p})
+        };
+        let (small, large) = (one(props(100)).unwrap(), one(props(1000)).unwrap());
+        assert!(
+            large.len() < small.len() * 12,
+            "{} vs {}",
+            small.len(),
+            large.len()
+        );
+        assert!(one(props(20_000)).unwrap_err().contains("KiB"));
     }
 }

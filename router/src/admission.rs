@@ -20,14 +20,15 @@
 //! served least for its weight — a virtual token counter (VTC, as AIBrix and llm-d use): each
 //! request dispatched adds its budget (prompt + `max_tokens`, what OpenAI's token limits
 //! count, since the router does not see the output) over the tenant's weight to its counter. A
-//! tenant that was idle comes back level with the router's virtual time (the counter of the
-//! last tenant served), not with credit banked while away, so a tenant sending ten times more
-//! cannot starve another and an idle one cannot flood later. A full queue refuses the worst
+//! tenant that starts waiting behind tenants served more is lifted to the lowest of theirs, not
+//! left with credit banked while away, so a tenant sending ten times more cannot starve another
+//! and an idle one cannot flood later. A full queue refuses the worst
 //! entry of the most-served tenant. Per-tenant rate limits (requests and tokens per minute,
 //! token buckets holding a minute's worth) refuse at once with 429 `rate_limit_exceeded` and
 //! the seconds until the bucket has room. Routers of the same node share their tenants'
-//! charges over the event plane (every tick, in order), so their counters follow one history
-//! and a tenant's share is its share of the node, whichever frontend its requests come through.
+//! charges over the event plane (every tick): the served counts are sums, so every router holds
+//! the same ones whatever order charges reach it in, and a tenant's share is its share of the
+//! node, whichever frontend its requests come through (the lifts stay each router's own).
 //!
 //! ```yaml
 //! route: {kind: route, inputs: [preprocess], config: {admission: {per_worker: 8, queue: 256, max_wait_s: 2,
@@ -150,10 +151,12 @@ pub struct Rank {
 pub struct Queue<T> {
     /// Each tenant's waiting requests, best first, with their cost (tokens over weight).
     waiting: HashMap<String, BTreeMap<Rank, (f64, T)>>,
-    /// Each tenant's virtual token counter; absent is the virtual time.
+    /// Each tenant's tokens served over its weight, by every router of the node: sums,
+    /// so the routers agree whatever order the charges reach them in.
     served: HashMap<String, f64>,
-    /// The counter of the tenant served last: where a returning tenant starts.
-    vtime: f64,
+    /// What this router adds to a tenant's count when it starts waiting behind tenants
+    /// served more (VTC's lift): its counter is `served + lift`.
+    lift: HashMap<String, f64>,
     /// Tenants' charges made here since [`Queue::take_charged`], for the other routers.
     charged: Vec<(String, f64)>,
     len: usize,
@@ -172,7 +175,8 @@ pub enum Pushed<T> {
     Refused(T),
 }
 
-/// Counters of idle tenants kept at most; beyond, those level with the virtual time go.
+/// Counters of idle tenants kept at most; beyond, the least served idle ones go (coming back,
+/// they would be lifted to the waiting tenants' level anyway).
 const SERVED_KEPT: usize = 4096;
 
 impl<T> Queue<T> {
@@ -180,7 +184,7 @@ impl<T> Queue<T> {
         Self {
             waiting: HashMap::new(),
             served: HashMap::new(),
-            vtime: 0.0,
+            lift: HashMap::new(),
             charged: Vec::new(),
             len: 0,
             cap,
@@ -196,13 +200,10 @@ impl<T> Queue<T> {
         self.len == 0
     }
 
-    /// A tenant's counter, lifted to the virtual time: no credit for time away.
+    /// A tenant's counter: what it was served over its weight, plus its lift.
     fn counter(&self, tenant: &str) -> f64 {
-        self.served
-            .get(tenant)
-            .copied()
-            .unwrap_or(0.0)
-            .max(self.vtime)
+        self.served.get(tenant).copied().unwrap_or(0.0)
+            + self.lift.get(tenant).copied().unwrap_or(0.0)
     }
 
     /// The dispatch order's key of `tenant`'s entry `rank`.
@@ -210,7 +211,7 @@ impl<T> Queue<T> {
         (rank.priority, self.counter(tenant), rank.deadline, rank.seq)
     }
 
-    /// Counts `cost` (tokens over weight) as served to `tenant` now: a request that went
+    /// Counts `cost` (tokens over weight) as served to `tenant` here: a request that went
     /// without waiting is charged as one that waited. Kept for the other routers.
     pub fn charge(&mut self, tenant: &str, cost: f64) {
         if self.charged.len() < SERVED_KEPT {
@@ -224,16 +225,53 @@ impl<T> Queue<T> {
         std::mem::take(&mut self.charged)
     }
 
-    /// Counts `cost` as served to `tenant` by another router of the same node, as if here:
-    /// the routers' counters follow one history.
+    /// Counts `cost` as served to `tenant` (here, or by another router of the node).
     pub fn credit(&mut self, tenant: &str, cost: f64) {
-        let c = self.counter(tenant);
-        self.vtime = c;
-        self.served.insert(tenant.to_owned(), c + cost);
+        *self.served.entry(tenant.to_owned()).or_default() += cost;
         if self.served.len() > SERVED_KEPT {
-            let (waiting, vtime) = (&self.waiting, self.vtime);
-            self.served
-                .retain(|t, c| *c > vtime || waiting.contains_key(t));
+            self.forget_idle();
+        }
+    }
+
+    /// Drops the least served idle tenants down to half the bound.
+    fn forget_idle(&mut self) {
+        let mut idle: Vec<(f64, String)> = self
+            .served
+            .iter()
+            .filter(|(t, _)| !self.waiting.contains_key(*t))
+            .map(|(t, _)| (self.counter(t), t.clone()))
+            .collect();
+        let drop = self
+            .served
+            .len()
+            .saturating_sub(SERVED_KEPT / 2)
+            .min(idle.len());
+        if drop == 0 {
+            return;
+        }
+        idle.select_nth_unstable_by(drop - 1, |a, b| a.0.total_cmp(&b.0));
+        for (_, t) in idle.into_iter().take(drop) {
+            self.served.remove(&t);
+            self.lift.remove(&t);
+        }
+    }
+
+    /// `tenant` starts waiting: a counter below the waiting tenants' lowest is lifted to it,
+    /// so time away from the queue banks no credit (VTC).
+    fn lift_on_arrival(&mut self, tenant: &str) {
+        if self.waiting.contains_key(tenant) {
+            return;
+        }
+        let floor = self
+            .waiting
+            .keys()
+            .map(|t| self.counter(t))
+            .min_by(f64::total_cmp);
+        if let Some(floor) = floor {
+            let c = self.counter(tenant);
+            if c < floor {
+                *self.lift.entry(tenant.to_owned()).or_default() += floor - c;
+            }
         }
     }
 
@@ -251,6 +289,7 @@ impl<T> Queue<T> {
             deadline,
             seq: self.seq,
         };
+        self.lift_on_arrival(tenant);
         if self.len >= self.cap {
             let worst = self
                 .waiting
@@ -359,6 +398,12 @@ impl<T> Queue<T> {
     }
 
     /// Each tenant's counter (for `dyn inspect` and the tests).
+    /// What this router added to `tenant`'s counter on its arrivals.
+    pub fn lift_of(&self, tenant: &str) -> f64 {
+        self.lift.get(tenant).copied().unwrap_or(0.0)
+    }
+
+    /// Each tenant's tokens served over weight, node-wide.
     pub fn counters(&self) -> Vec<(String, f64)> {
         let mut out: Vec<(String, f64)> =
             self.served.iter().map(|(t, c)| (t.clone(), *c)).collect();
@@ -374,7 +419,13 @@ fn cmp_key(a: &(i32, f64, Instant, u64), b: &(i32, f64, Instant, u64)) -> std::c
         .then(a.3.cmp(&b.3))
 }
 
-type Waiter = oneshot::Sender<Result<Permit, OpError>>;
+/// A waiting request: where its permit (or refusal) goes, and what its tenant's rate limits
+/// took for it (given back if it is refused).
+struct Waiter {
+    tx: oneshot::Sender<Result<Permit, OpError>>,
+    tenant: String,
+    tokens: u64,
+}
 
 /// Admission for one router.
 pub struct Admission {
@@ -448,9 +499,12 @@ pub struct TenantRow {
     pub weight: f64,
     pub in_flight: usize,
     pub waiting: usize,
-    /// Its virtual token counter: tokens admitted over weight, from the virtual time it came
-    /// back at.
+    /// Tokens (prompt + `max_tokens`) admitted over its weight, by every router of the node.
     pub counter: f64,
+    /// What this router added when it started waiting behind tenants served more (its
+    /// place in the order is `counter + lift`).
+    #[serde(default)]
+    pub lift: f64,
 }
 
 /// A tenant's rate-limit buckets: requests and tokens left, refilled continuously up to a
@@ -550,6 +604,8 @@ impl Admission {
 
     /// Lets waiting requests go while there is room (their permits counted in flight).
     fn dispatch(self: &Arc<Self>, s: &mut State) {
+        // Requests whose clients left (or gave up waiting) are neither served nor charged.
+        s.queue.retain(|w| !w.tx.is_closed());
         let cap = self.capacity();
         let tenant_cap = self.tenant_cap();
         while s.inflight < cap {
@@ -564,7 +620,7 @@ impl Admission {
                 admission: Some(self.clone()),
                 tenant,
             };
-            if let Err(Ok(mut p)) = waiter.send(Ok(permit)) {
+            if let Err(Ok(mut p)) = waiter.tx.send(Ok(permit)) {
                 // Its client left: the place goes back (not through the permit's drop, which
                 // would take the lock held here).
                 p.admission = None;
@@ -587,7 +643,9 @@ impl Admission {
             .queue
             .take_late(|i, r| now + gap.mul_f64(WAIT_MARGIN * (i + 1) as f64) > r.deadline);
         for w in late {
-            let _ = w.send(Err(self.refused(late_error(self.config.max_wait_s))));
+            self.refund(s, &w.tenant, w.tokens);
+            let _ =
+                w.tx.send(Err(self.refused(late_error(self.config.max_wait_s))));
         }
     }
 
@@ -654,6 +712,20 @@ impl Admission {
         Ok(())
     }
 
+    /// Gives back what a refused request took from its tenant's rate limits: a 503 does not
+    /// count against them.
+    fn refund(&self, s: &mut State, tenant: &str, tokens: u64) {
+        let tc = self.tenant(tenant);
+        if let Some(b) = s.buckets.get_mut(tenant) {
+            if let Some(r) = tc.requests_per_minute {
+                b.requests = (b.requests + 1.0).min(f64::from(r));
+            }
+            if let Some(t) = tc.tokens_per_minute {
+                b.tokens = (b.tokens + tokens as f64).min(t as f64);
+            }
+        }
+    }
+
     /// Wait for room for `ask`; the permit counts it in flight until dropped. Refused (503,
     /// [`QUEUE_FULL`] or [`QUEUE_TIMEOUT`]) when it cannot get room, and (429,
     /// `rate_limit_exceeded`) when its tenant is over a rate limit.
@@ -675,7 +747,7 @@ impl Admission {
                 );
                 return Err(self.refused(e));
             }
-            s.queue.retain(|w| !w.is_closed());
+            s.queue.retain(|w| !w.tx.is_closed());
             let held = s.held.get(ask.tenant).copied().unwrap_or(0);
             if s.queue.is_empty() && s.inflight < self.capacity() && held < self.tenant_cap() {
                 s.inflight += 1;
@@ -689,12 +761,21 @@ impl Admission {
                 });
             }
             let (tx, rx) = oneshot::channel();
-            match s.queue.push(priority, deadline, ask.tenant, cost, tx) {
+            let waiter = Waiter {
+                tx,
+                tenant: ask.tenant.to_owned(),
+                tokens: ask.tokens,
+            };
+            match s.queue.push(priority, deadline, ask.tenant, cost, waiter) {
                 Pushed::Waiting => {}
                 Pushed::Displaced(worse) => {
-                    let _ = worse.send(Err(self.refused(full())));
+                    self.refund(&mut s, &worse.tenant, worse.tokens);
+                    let _ = worse.tx.send(Err(self.refused(full())));
                 }
-                Pushed::Refused(_) => return Err(self.refused(full())),
+                Pushed::Refused(_) => {
+                    self.refund(&mut s, ask.tenant, ask.tokens);
+                    return Err(self.refused(full()));
+                }
             }
             // Room may have opened meanwhile (more workers).
             self.dispatch(&mut s);
@@ -706,7 +787,10 @@ impl Admission {
         let answer = match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(OpError::internal("the admission queue dropped a request")),
-            Err(_) => Err(self.refused(late_error(self.config.max_wait_s))),
+            Err(_) => {
+                self.refund(&mut self.state.lock(), ask.tenant, ask.tokens);
+                Err(self.refused(late_error(self.config.max_wait_s)))
+            }
         };
         if answer.is_ok() {
             self.count_tokens(ask);
@@ -777,6 +861,7 @@ impl Admission {
                     in_flight: s.held.get(t).copied().unwrap_or(0),
                     waiting: by_tenant.get(t).copied().unwrap_or(0),
                     counter: counters.get(t).copied().unwrap_or(0.0),
+                    lift: s.queue.lift_of(t),
                 }
             })
             .collect();
@@ -796,7 +881,7 @@ impl Admission {
     /// Lets waiting requests go if workers joined (called on a timer by the router).
     pub fn tick(self: &Arc<Self>) {
         let mut s = self.state.lock();
-        s.queue.retain(|w| !w.is_closed());
+        s.queue.retain(|w| !w.tx.is_closed());
         self.dispatch(&mut s);
         self.shed(&mut s);
     }
@@ -1026,9 +1111,12 @@ mod tests {
             let (_, h) = q.pop().expect("one");
             q.push(0, t0, "heavy", 1.0, h);
         }
+        // The light tenant starts level with the heavy one (its head, which came first, goes
+        // first on a tie), so it goes ahead of the heavy tenant's backlog.
         q.push(0, t0, "light", 1.0, "l0".to_string());
-        assert_eq!(q.pop().map(|(_, v)| v), Some("l0".to_string()));
-        // A tenant that comes back after being away starts level with the virtual time: it
+        let next: Vec<String> = (0..2).filter_map(|_| q.pop().map(|(_, v)| v)).collect();
+        assert!(next.contains(&"l0".to_string()), "{next:?}");
+        // A tenant that comes back after being away starts level with the waiting ones: it
         // gets its turn, not a run of turns.
         let mut q = Queue::new(100);
         for i in 0..20 {
@@ -1048,9 +1136,10 @@ mod tests {
     fn a_full_queue_refuses_the_most_served_tenants_request() {
         let t0 = Instant::now();
         let mut q = Queue::new(2);
+        assert_eq!(q.push(0, t0, "light", 1.0, "l1"), Pushed::Waiting);
+        // The heavy tenant is served while the light one waits (here, or by another router).
         q.charge("heavy", 50.0);
         assert_eq!(q.push(0, t0, "heavy", 1.0, "h1"), Pushed::Waiting);
-        assert_eq!(q.push(0, t0, "light", 1.0, "l1"), Pushed::Waiting);
         assert_eq!(q.push(0, t0, "light", 1.0, "l2"), Pushed::Displaced("h1"));
         // Still, priority comes first.
         assert_eq!(q.push(1, t0, "light", 1.0, "l3"), Pushed::Refused("l3"));

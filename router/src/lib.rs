@@ -269,8 +269,8 @@ impl OperatorConfig for RouteConfig {
             );
             check(
                 "admission.max_wait_s",
-                a.max_wait_s.is_finite() && a.max_wait_s >= 0.0,
-                "must be a number of seconds ≥ 0",
+                a.max_wait_s.is_finite() && (0.0..=86_400.0).contains(&a.max_wait_s),
+                "must be a number of seconds from 0 to 86400",
             );
             check(
                 "admission.reserve",
@@ -303,8 +303,8 @@ impl OperatorConfig for RouteConfig {
         if let Some(a) = &self.session_affinity {
             check(
                 "session_affinity.ttl_s",
-                a.ttl_s.is_finite() && a.ttl_s > 0.0,
-                "must be a positive number of seconds",
+                a.ttl_s.is_finite() && a.ttl_s > 0.0 && a.ttl_s <= 1e6,
+                "must be a positive number of seconds, at most 1000000",
             );
             check(
                 "session_affinity.max_active",

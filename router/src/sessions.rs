@@ -69,8 +69,22 @@ pub struct Sessions {
     map: Mutex<HashMap<String, Bound>>,
 }
 
-/// Sessions kept at most; past it, expired ones are dropped first and new ones are not kept.
+/// Sessions kept at most; past it, expired ones go, then the tenth nearest to expiring.
 const KEPT: usize = 100_000;
+
+/// Drops expired bindings and, if that is not enough, the tenth nearest to expiring: a full
+/// map keeps taking new sessions, at the cost of its stalest.
+fn make_room(map: &mut HashMap<String, Bound>, now: Instant) {
+    map.retain(|_, b| b.expires > now);
+    if map.len() < KEPT {
+        return;
+    }
+    let mut expiries: Vec<Instant> = map.values().map(|b| b.expires).collect();
+    let cut = KEPT / 10;
+    expiries.select_nth_unstable(cut);
+    let before = expiries[cut];
+    map.retain(|_, b| b.expires > before);
+}
 
 impl Sessions {
     pub fn new(ttl: Duration, origin: u64) -> Self {
@@ -106,10 +120,7 @@ impl Sessions {
             }
             None => {
                 if map.len() >= KEPT {
-                    map.retain(|_, b| b.expires > now);
-                    if map.len() >= KEPT {
-                        return None;
-                    }
+                    make_room(&mut map, now);
                 }
                 map.insert(
                     session.to_owned(),
@@ -138,10 +149,7 @@ impl Sessions {
         let expires = now + Duration::from_millis(b.ttl_ms).min(self.ttl);
         let mut map = self.map.lock();
         if map.len() >= KEPT && !map.contains_key(&b.session) {
-            map.retain(|_, b| b.expires > now);
-            if map.len() >= KEPT {
-                return;
-            }
+            make_room(&mut map, now);
         }
         map.insert(
             b.session,

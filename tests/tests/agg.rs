@@ -828,10 +828,15 @@ async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_com
     let err: Value = r.json().await.unwrap();
     assert_eq!(err["error"]["code"], "rate_limit_exceeded", "{err}");
     assert_eq!(err["error"]["type"], "rate_limit_error", "{err}");
-    // The tenant header wins over the key's tenant; other tenants are not limited.
+    // The tenant header wins over a bare key's tenant, but not over a key naming its own;
+    // other tenants are not limited.
     let r = send("k1", &[("x-tenant-id", "acme")], false).await.unwrap();
     assert_eq!(r.status(), 429);
     let r = send("k2", &[("x-tenant-id", "other")], false)
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let r = send("k1", &[("x-tenant-id", "other")], false)
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
@@ -886,7 +891,7 @@ async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_com
             "dyn_router_admission_refused_total",
             &["reason=\"rate_limit_exceeded\""]
         ),
-        2.0
+        3.0
     );
 }
 
