@@ -416,8 +416,8 @@ fn print_queue(q: &QueueAnswer) {
         return;
     }
     println!(
-        "{:<24} {:>7} {:>10} {:>8} {:>14}",
-        "tenant", "weight", "in flight", "waiting", "counter"
+        "{:<24} {:>7} {:>10} {:>8} {:>14} {:>10}",
+        "tenant", "weight", "in flight", "waiting", "counter", "lift"
     );
     for t in &q.tenants {
         let name = if t.tenant.is_empty() {
@@ -426,8 +426,8 @@ fn print_queue(q: &QueueAnswer) {
             &t.tenant
         };
         println!(
-            "{:<24} {:>7} {:>10} {:>8} {:>14.0}",
-            name, t.weight, t.in_flight, t.waiting, t.counter
+            "{:<24} {:>7} {:>10} {:>8} {:>14.0} {:>10.0}",
+            name, t.weight, t.in_flight, t.waiting, t.counter, t.lift
         );
     }
 }

@@ -157,6 +157,9 @@ pub struct Queue<T> {
     /// What this router adds to a tenant's count when it starts waiting behind tenants
     /// served more (VTC's lift): its counter is `served + lift`.
     lift: HashMap<String, f64>,
+    /// The counter of the tenant this router served last: the floor of a tenant that starts
+    /// waiting in an empty queue.
+    last: f64,
     /// Tenants' charges made here since [`Queue::take_charged`], for the other routers.
     charged: Vec<(String, f64)>,
     len: usize,
@@ -185,6 +188,7 @@ impl<T> Queue<T> {
             waiting: HashMap::new(),
             served: HashMap::new(),
             lift: HashMap::new(),
+            last: 0.0,
             charged: Vec::new(),
             len: 0,
             cap,
@@ -206,6 +210,17 @@ impl<T> Queue<T> {
             + self.lift.get(tenant).copied().unwrap_or(0.0)
     }
 
+    /// Where `tenant`'s entry `rank` stands in the order the queue would empty in: its
+    /// tenant's counter once the `ahead` costs of its requests before it are charged.
+    fn projected(&self, tenant: &str, rank: &Rank, ahead: f64) -> (i32, f64, Instant, u64) {
+        (
+            rank.priority,
+            self.counter(tenant) + ahead,
+            rank.deadline,
+            rank.seq,
+        )
+    }
+
     /// The dispatch order's key of `tenant`'s entry `rank`.
     fn key(&self, tenant: &str, rank: &Rank) -> (i32, f64, Instant, u64) {
         (rank.priority, self.counter(tenant), rank.deadline, rank.seq)
@@ -218,6 +233,7 @@ impl<T> Queue<T> {
             self.charged.push((tenant.to_owned(), cost));
         }
         self.credit(tenant, cost);
+        self.last = self.counter(tenant);
     }
 
     /// The charges made here since last asked.
@@ -256,9 +272,11 @@ impl<T> Queue<T> {
         }
     }
 
-    /// `tenant` starts waiting: a counter below the waiting tenants' lowest is lifted to it,
-    /// so time away from the queue banks no credit (VTC).
-    fn lift_on_arrival(&mut self, tenant: &str) {
+    /// `tenant` starts waiting with a request of `cost`: a counter below the waiting tenants'
+    /// lowest (in an empty queue, below the tenant served last) is lifted to just under it —
+    /// the request goes next, and once charged the tenant stands level with them — so time
+    /// away from the queue banks no credit (VTC).
+    pub fn lift_on_arrival(&mut self, tenant: &str, cost: f64) {
         if self.waiting.contains_key(tenant) {
             return;
         }
@@ -266,12 +284,12 @@ impl<T> Queue<T> {
             .waiting
             .keys()
             .map(|t| self.counter(t))
-            .min_by(f64::total_cmp);
-        if let Some(floor) = floor {
-            let c = self.counter(tenant);
-            if c < floor {
-                *self.lift.entry(tenant.to_owned()).or_default() += floor - c;
-            }
+            .min_by(f64::total_cmp)
+            .unwrap_or(self.last);
+        let c = self.counter(tenant);
+        let to = floor - cost;
+        if c < to {
+            *self.lift.entry(tenant.to_owned()).or_default() += to - c;
         }
     }
 
@@ -289,17 +307,27 @@ impl<T> Queue<T> {
             deadline,
             seq: self.seq,
         };
-        self.lift_on_arrival(tenant);
+        self.lift_on_arrival(tenant, cost);
         if self.len >= self.cap {
+            // The worst entry is the one that would go last: each tenant's last, at its
+            // counter once the tenant's requests before it are served.
             let worst = self
                 .waiting
                 .iter()
-                .filter_map(|(t, q)| q.last_key_value().map(|(r, _)| (self.key(t, r), t, *r)))
+                .filter_map(|(t, q)| {
+                    let (r, (cost, _)) = q.last_key_value()?;
+                    let ahead: f64 = q.values().map(|(c, _)| c).sum::<f64>() - cost;
+                    Some((self.projected(t, r, ahead), t, *r))
+                })
                 .max_by(|a, b| cmp_key(&a.0, &b.0));
             let Some((worst_key, worst_tenant, worst_rank)) = worst else {
                 return Pushed::Refused(item);
             };
-            if cmp_key(&worst_key, &self.key(tenant, &rank)).is_le() {
+            let ahead: f64 = self
+                .waiting
+                .get(tenant)
+                .map_or(0.0, |q| q.values().map(|(c, _)| c).sum());
+            if cmp_key(&worst_key, &self.projected(tenant, &rank, ahead)).is_le() {
                 return Pushed::Refused(item);
             }
             let worst_tenant = worst_tenant.clone();
@@ -368,12 +396,14 @@ impl<T> Queue<T> {
     /// Takes out the entries `late(place, rank)` says to, `place` being where each stands in
     /// the order they would go in now (0 goes next).
     pub fn take_late(&mut self, mut late: impl FnMut(usize, &Rank) -> bool) -> Vec<T> {
-        let mut all: Vec<_> = self
-            .waiting
-            .iter()
-            .flat_map(|(t, q)| q.keys().map(move |r| (t, *r)))
-            .map(|(t, r)| (self.key(t, &r), t.clone(), r))
-            .collect();
+        let mut all = Vec::with_capacity(self.len);
+        for (t, q) in &self.waiting {
+            let mut ahead = 0.0;
+            for (r, (cost, _)) in q {
+                all.push((self.projected(t, r, ahead), t.clone(), *r));
+                ahead += cost;
+            }
+        }
         all.sort_by(|a, b| cmp_key(&a.0, &b.0));
         let out: Vec<(String, Rank)> = all
             .into_iter()
@@ -752,6 +782,7 @@ impl Admission {
             if s.queue.is_empty() && s.inflight < self.capacity() && held < self.tenant_cap() {
                 s.inflight += 1;
                 *s.held.entry(ask.tenant.to_owned()).or_default() += 1;
+                s.queue.lift_on_arrival(ask.tenant, cost);
                 s.queue.charge(ask.tenant, cost);
                 drop(s);
                 self.count_tokens(ask);
@@ -1111,11 +1142,11 @@ mod tests {
             let (_, h) = q.pop().expect("one");
             q.push(0, t0, "heavy", 1.0, h);
         }
-        // The light tenant starts level with the heavy one (its head, which came first, goes
-        // first on a tie), so it goes ahead of the heavy tenant's backlog.
+        // The light tenant starts just under the heavy one: it goes ahead of the heavy
+        // tenant's backlog, and once charged stands level with it.
         q.push(0, t0, "light", 1.0, "l0".to_string());
-        let next: Vec<String> = (0..2).filter_map(|_| q.pop().map(|(_, v)| v)).collect();
-        assert!(next.contains(&"l0".to_string()), "{next:?}");
+        assert_eq!(q.pop().map(|(_, v)| v), Some("l0".to_string()));
+        assert_eq!(q.counter("light"), q.counter("heavy"));
         // A tenant that comes back after being away starts level with the waiting ones: it
         // gets its turn, not a run of turns.
         let mut q = Queue::new(100);
@@ -1143,6 +1174,13 @@ mod tests {
         assert_eq!(q.push(0, t0, "light", 1.0, "l2"), Pushed::Displaced("h1"));
         // Still, priority comes first.
         assert_eq!(q.push(1, t0, "light", 1.0, "l3"), Pushed::Refused("l3"));
+        // Level counters: the entry that would go last is the heavy tenant's last, behind
+        // its own backlog, not the light tenant's one request that arrived after it.
+        let mut q = Queue::new(4);
+        for h in ["h0", "h1", "h2", "h3"] {
+            assert_eq!(q.push(0, t0, "heavy", 1.0, h), Pushed::Waiting);
+        }
+        assert_eq!(q.push(0, t0, "light", 1.0, "l0"), Pushed::Displaced("h3"));
     }
 
     #[tokio::test(start_paused = true)]
