@@ -77,6 +77,7 @@ struct Inner {
 }
 
 type Hook = Box<dyn FnOnce() + Send>;
+type FailureHook = Box<dyn FnOnce(&crate::OpError) + Send>;
 
 #[derive(Default)]
 struct Hooks {
@@ -88,6 +89,7 @@ struct HookState {
     first_output_seen: bool,
     first_output: Vec<Hook>,
     done: Vec<Hook>,
+    failure: Vec<FailureHook>,
 }
 
 impl Drop for Hooks {
@@ -223,6 +225,21 @@ impl Ctx {
     /// Run `f` once the request is over: when the last context of this request is dropped.
     pub fn on_done(&self, f: impl FnOnce() + Send + 'static) {
         self.inner.hooks.state.lock().done.push(Box::new(f));
+    }
+
+    /// Run `f` if the request fails (see [`Ctx::failed`]); hooks are run once, and the ones
+    /// registered after a failure wait for the next.
+    pub fn on_failure(&self, f: impl FnOnce(&crate::OpError) + Send + 'static) {
+        self.inner.hooks.state.lock().failure.push(Box::new(f));
+    }
+
+    /// The request path failed with `e` (the runtime calls this, before it resends the
+    /// request or gives up): runs the failure hooks registered so far.
+    pub fn failed(&self, e: &crate::OpError) {
+        let hooks = std::mem::take(&mut self.inner.hooks.state.lock().failure);
+        for f in hooks {
+            f(e);
+        }
     }
 
     /// The request path yielded its first item; the runtime calls this.

@@ -49,6 +49,10 @@ engine_section! {
         /// the replica's start; a replacement counts afresh), as a kernel assert would.
         /// 0 (the default) never. For testing supervision and migration.
         pub panic_at_step: u64 = 0,
+        /// Fault injection: replicas (by index) that fail every request before its first
+        /// token with an internal error, as a broken worker would. For testing the router's
+        /// circuit breaker and the retry on another worker.
+        pub fail_replicas: Vec<u32> = Vec::new(),
     }
 }
 

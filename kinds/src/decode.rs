@@ -175,7 +175,9 @@ impl OperatorConfig for DecodeConfig {
             Some((kind, c)) => Engine::External(ExternalEngine::start(kind, &c, cx).await?),
             None => Engine::Local(self.start(cx).await?),
         };
-        Ok(Decode { engine })
+        let broken = matches!(self.engine, EngineKind::Mocker)
+            && self.mocker().fail_replicas.contains(&cx.replica);
+        Ok(Decode { engine, broken })
     }
 }
 
@@ -187,6 +189,8 @@ enum Engine {
 
 pub struct Decode {
     engine: Engine,
+    /// The mocker's `fail_replicas` names this replica: every request fails.
+    broken: bool,
 }
 
 impl Operator for Decode {
@@ -194,6 +198,10 @@ impl Operator for Decode {
     type Out = Generated;
 
     fn call(&self, ctx: Ctx, mut input: Input<PreprocessedRequest>) -> Output<Generated> {
+        if self.broken {
+            let e = OpError::internal("mocker: injected failure (fail_replicas)");
+            return futures::stream::iter([Err(e)]).boxed();
+        }
         let engine = match &self.engine {
             Engine::Local(e) => e.clone(),
             Engine::External(e) => return external(e.clone(), ctx, input),

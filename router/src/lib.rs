@@ -29,6 +29,7 @@
 pub mod admission;
 pub mod cost;
 pub mod follow;
+pub mod health;
 pub mod indexer;
 pub mod inspect;
 pub mod kv;
@@ -49,7 +50,7 @@ use dyn_core::planes::ENDPOINT;
 use dyn_core::planes::{Instance, InstanceId, LiveInstances, Planes};
 use dyn_core::registry::Role;
 use dyn_core::{
-    BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
+    BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
     OperatorConfig, Output,
 };
 use dyn_llm::types::PreprocessedRequest;
@@ -373,6 +374,8 @@ impl RouteConfig {
                 sessions::Sessions::new(std::time::Duration::from_secs_f64(a.ttl_s), origin)
             }),
             sessions_subject: sessions::sessions_subject(&cx.namespace, target),
+            health: Arc::default(),
+            avoid: Arc::default(),
         });
         let follow = follow::follow_workers(
             inner.clone(),
@@ -534,6 +537,10 @@ pub(crate) struct Inner {
     quality: quality::Quality,
     /// Sessions bound to workers (`session_affinity`).
     sessions: Option<sessions::Sessions>,
+    /// Each worker's circuit breaker.
+    health: Arc<health::Health>,
+    /// The worker each failed request last went to (by request id), left out of its resend.
+    avoid: Arc<Mutex<HashMap<String, u64>>>,
     sessions_subject: String,
 }
 impl Inner {
@@ -561,11 +568,27 @@ impl Inner {
 
     /// Decide where `tokens` would go, without recording anything.
     fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
-        let live = self.live();
-        if live.is_empty() {
+        self.decide_without(tokens, &|_| false)
+    }
+
+    /// Decide among the live workers `left_out` does not name (among all of them when it
+    /// names every one: leaving workers out never empties the pool).
+    fn decide_without(
+        &self,
+        tokens: &[u32],
+        left_out: &(dyn Fn(u64) -> bool + Sync),
+    ) -> Result<Decision, OpError> {
+        let all = self.live();
+        if all.is_empty() {
             return Err(self.unavailable());
         }
-        let is_down = |id: u64| self.planes.is_down(id.into());
+        let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
+        let (live, leaving) = if kept.is_empty() {
+            (all, false)
+        } else {
+            (kept, true)
+        };
+        let is_down = |id: u64| self.planes.is_down(id.into()) || (leaving && left_out(id));
         let reported = self.metrics.lock();
         let view = View {
             live: &live,
@@ -591,7 +614,8 @@ impl Inner {
             .and_then(|a| a.max_active)
             .or(self.config.admission.as_ref().map(|a| a.per_worker));
         let room = bound.is_none_or(|b| self.active.load(w).requests < b);
-        (room && self.live().contains(&w)).then_some(w)
+        let healthy = self.health.usable(w, now);
+        (room && healthy && self.live().contains(&w)).then_some(w)
     }
 
     /// Decide, and count the request against its worker until it is over; the worker and
@@ -603,9 +627,13 @@ impl Inner {
         tokens: &[u32],
         session: Option<&str>,
     ) -> Result<(u64, usize), OpError> {
-        let mut d = self.decide(tokens)?;
+        let now = std::time::Instant::now();
+        // A resent request (its last worker failed) goes elsewhere; workers whose breaker is
+        // open are left out.
+        let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
+        let left_out = |w: u64| Some(w) == failed_here || !self.health.usable(w, now);
+        let mut d = self.decide_without(tokens, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
-            let now = std::time::Instant::now();
             if let Some(w) = self.affinity(s, now) {
                 d.worker = w;
             }
@@ -633,7 +661,53 @@ impl Inner {
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
+        self.watch_outcome(ctx, d.worker, now);
         Ok((d.worker, cached))
+    }
+
+    /// Feeds the request's outcome on `worker` to its breaker: its first token closes it,
+    /// a failure of the worker counts toward opening it (and leaves the worker out of the
+    /// request's resend).
+    fn watch_outcome(&self, ctx: &Ctx, worker: u64, now: std::time::Instant) {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        const PENDING: u8 = 0;
+        const ANSWERED: u8 = 1;
+        const FAILED: u8 = 2;
+        self.health.taken(worker, now);
+        let outcome = Arc::new(AtomicU8::new(PENDING));
+        let (health, avoid, node) = (self.health.clone(), self.avoid.clone(), self.target.clone());
+        let (id, o) = (ctx.id().to_string(), outcome.clone());
+        ctx.on_failure(move |e| {
+            // A refusal for want of room, or the client's doing, says nothing of its health.
+            if !matches!(e.kind, ErrorKind::Internal | ErrorKind::InstanceLost) {
+                return;
+            }
+            o.store(FAILED, Ordering::Relaxed);
+            avoid.lock().insert(id, worker);
+            if health.failed(worker, std::time::Instant::now()) {
+                metrics::ROUTER.breaker_trips.with_label_values(&[&node]).inc();
+                tracing::warn!(worker_id = format_args!("{worker:x}"), node = %node, error = %e.message, "Worker left out of routing for a while: its requests keep failing");
+            }
+        });
+        let (health, o) = (self.health.clone(), outcome.clone());
+        ctx.on_first_output(move || {
+            if o.compare_exchange(PENDING, ANSWERED, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            {
+                health.ok(worker);
+            }
+        });
+        let (health, avoid, id) = (
+            self.health.clone(),
+            self.avoid.clone(),
+            ctx.id().to_string(),
+        );
+        ctx.on_done(move || {
+            avoid.lock().remove(&id);
+            if outcome.load(Ordering::Relaxed) == PENDING {
+                health.abandoned(worker);
+            }
+        });
     }
 }
 

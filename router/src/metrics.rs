@@ -17,6 +17,8 @@ pub struct Router {
     pub reachable_blocks: IntCounterVec,
     pub achieved_blocks: IntCounterVec,
     pub avoidable_tokens: IntCounterVec,
+    /// Workers left out of routing by their circuit breaker (each time one opens).
+    pub breaker_trips: IntCounterVec,
 }
 
 pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
@@ -56,6 +58,11 @@ pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
         avoidable_tokens: counter_vec(
             "dyn_router_avoidable_prefill_tokens_total",
             "Prompt tokens prefilled that the best-matching worker cached",
+            l,
+        ),
+        breaker_trips: counter_vec(
+            "dyn_router_breaker_trips_total",
+            "Times a worker was left out of routing because its requests kept failing",
             l,
         ),
     }

@@ -947,3 +947,32 @@ async fn a_session_by_header_or_user_field_stays_on_one_worker() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_failing_worker_is_left_out_and_what_it_failed_is_retried_elsewhere() {
+    // Two workers, round robin; the first fails every request before its first token.
+    let g = up(&["--set", "decode.mocker.fail_replicas=[0]"]);
+    for i in 0..12 {
+        let (status, body) = post(
+            &g,
+            "/v1/chat/completions",
+            chat(&format!("request {i}"), json!({"max_tokens": 4})),
+        )
+        .await;
+        // Each failure before the first token is retried once on the other worker.
+        assert_eq!(status, 200, "request {i}: {body}");
+    }
+    // Three failures in a row opened the broken worker's breaker: it was left out.
+    assert!(metric(&g, "dyn_router_breaker_trips_total").await >= 1.0);
+    let logs = g.logs();
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("Worker left out of routing")),
+        "{logs:#?}"
+    );
+    let failed: usize = logs
+        .iter()
+        .filter(|l| l.contains("injected failure"))
+        .count();
+    assert!((3..12).contains(&failed), "{failed} failures: {logs:#?}");
+}

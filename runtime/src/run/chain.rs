@@ -199,8 +199,11 @@ pub(super) fn run_path<S: Step>(
 /// Request migration: the segment's (unary) request is kept, every output the caller gets is
 /// folded into it, and when the replica is lost (an [`ErrorKind::InstanceLost`] error: it
 /// died, was unreachable, or was leaving) the request is sent again, up to `limit` times,
-/// continuing where the caller's stream stopped. The caller sees one stream. A fresh request
-/// is resent for nothing else: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an
+/// continuing where the caller's stream stopped. The caller sees one stream. A worker's
+/// internal failure before the caller got a token is resent once too (the router leaves
+/// that worker out of the resend); every failure is told to the request's failure hooks
+/// first (`Ctx::on_failure`: the router's circuit breaker). A fresh request is resent for
+/// nothing else: a busy replica's refusal ([`ErrorKind::Overloaded`]) or an
 /// empty pool ([`ErrorKind::Unavailable`]) reaches the client at once, since resending would
 /// only add load where there is too much already. A request already being resent (its
 /// client holds part of the stream) also waits those out, within the same `limit`: the
@@ -225,6 +228,8 @@ impl Migrating {
             let mut attempt = 0;
             // A resent request repeats its header; the caller needs exactly one.
             let mut header_sent = false;
+            // The caller got something past the header (a token).
+            let mut answered = false;
             loop {
                 let Some(req) = request.take() else { return };
                 let mut out = run_path(&this.steps, &ctx, stream::iter([req]).boxed());
@@ -237,15 +242,19 @@ impl Migrating {
                                     continue;
                                 }
                                 header_sent = true;
+                            } else {
+                                answered = true;
                             }
                             (this.resume.absorb)(kept.as_mut(), v.as_ref());
                             yield Ok(v);
                         }
-                        Err(e) if retried(&e, attempt) && attempt < this.limit && !ctx.is_killed() => {
-                            lost = Some(e);
-                            break;
-                        }
                         Err(e) => {
+                            // Who routed the attempt learns how it went (a circuit breaker).
+                            ctx.failed(&e);
+                            if retried(&e, attempt, answered) && attempt < this.limit && !ctx.is_killed() {
+                                lost = Some(e);
+                                break;
+                            }
                             yield Err(e);
                             return;
                         }
@@ -273,11 +282,13 @@ impl Migrating {
 }
 
 /// Whether a request that failed with `e` after `attempt` resends is sent again (see
-/// [`Migrating`]).
-fn retried(e: &OpError, attempt: u32) -> bool {
+/// [`Migrating`]): a failure of the worker (an internal error) before the caller got a token
+/// is retried once, elsewhere (the router leaves the failed worker out of the resend).
+fn retried(e: &OpError, attempt: u32, answered: bool) -> bool {
     match e.kind {
         ErrorKind::InstanceLost => true,
         ErrorKind::Overloaded | ErrorKind::Unavailable => attempt > 0,
+        ErrorKind::Internal => attempt == 0 && !answered,
         _ => false,
     }
 }
