@@ -446,7 +446,7 @@ fn print_workers(r: &WorkersAnswer) {
         );
     }
     println!(
-        "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
+        "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10}",
         "worker",
         "live",
         "active",
@@ -456,11 +456,12 @@ fn print_workers(r: &WorkersAnswer) {
         "kv used/total",
         "hit rate",
         "running",
-        "waiting"
+        "waiting",
+        "breaker"
     );
     for w in &r.workers {
         println!(
-            "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8}",
+            "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10}",
             w.worker_id,
             w.live,
             w.active_requests,
@@ -471,6 +472,7 @@ fn print_workers(r: &WorkersAnswer) {
             opt(w.prefix_cache_hit_rate.map(|h| format!("{h:.3}"))),
             opt(w.requests_running),
             opt(w.requests_waiting),
+            w.breaker,
         );
     }
 }

@@ -22,8 +22,8 @@
 //! count, since the router does not see the output) over the tenant's weight to its counter. A
 //! tenant that starts waiting behind tenants served more is lifted to the lowest of theirs, not
 //! left with credit banked while away, so a tenant sending ten times more cannot starve another
-//! and an idle one cannot flood later. A full queue refuses the worst
-//! entry of the most-served tenant. Per-tenant rate limits (requests and tokens per minute,
+//! and an idle one cannot flood later. A full queue refuses the request that would go last
+//! (each tenant's last, at its counter once its requests ahead are charged). Per-tenant rate limits (requests and tokens per minute,
 //! token buckets holding a minute's worth) refuse at once with 429 `rate_limit_exceeded` and
 //! the seconds until the bucket has room. Routers of the same node share their tenants'
 //! charges over the event plane (every tick): the served counts are sums, so every router holds

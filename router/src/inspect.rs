@@ -62,6 +62,14 @@ pub struct WorkerRow {
     pub kv_active_blocks: Option<u32>,
     pub kv_total_blocks: Option<u32>,
     pub prefix_cache_hit_rate: Option<f64>,
+    /// Its circuit breaker: `closed`, `open` (left out of routing) or `half_open` (the next
+    /// request is a probe).
+    #[serde(default = "closed")]
+    pub breaker: String,
+}
+
+fn closed() -> String {
+    "closed".into()
 }
 
 /// `route` arguments: the prompt's token ids, and (for a `remote_prefill` node) how many of
@@ -245,6 +253,7 @@ fn to_value(v: impl Serialize) -> Result<Value, String> {
 
 impl Inner {
     pub fn workers_answer(&self) -> WorkersAnswer {
+        let now = std::time::Instant::now();
         let live = self.live();
         let metrics = self.metrics.lock().clone();
         let index = self.kv.as_ref().map(|kv| kv.index.read());
@@ -270,6 +279,12 @@ impl Inner {
                     kv_active_blocks: m.map(|m| m.kv_active_blocks),
                     kv_total_blocks: m.map(|m| m.kv_total_blocks),
                     prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
+                    breaker: match self.health.state(w, now) {
+                        crate::health::State::Closed => "closed",
+                        crate::health::State::Open => "open",
+                        crate::health::State::HalfOpen => "half_open",
+                    }
+                    .into(),
                 }
             })
             .collect();

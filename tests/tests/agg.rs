@@ -975,4 +975,13 @@ async fn a_failing_worker_is_left_out_and_what_it_failed_is_retried_elsewhere() 
         .filter(|l| l.contains("injected failure"))
         .count();
     assert!((3..12).contains(&failed), "{failed} failures: {logs:#?}");
+    // `dyn inspect workers` shows the breaker: the broken worker's is not closed.
+    let w = dyn_tests::inspect_json(&g.url(""), &["workers"]);
+    let breakers: Vec<&str> = w["replicas"][0]["workers"]
+        .as_array()
+        .map(|w| w.iter().filter_map(|w| w["breaker"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(breakers.len(), 2, "{w}");
+    assert!(breakers.contains(&"closed"), "{w}");
+    assert!(breakers.iter().any(|b| *b != "closed"), "{w}");
 }
