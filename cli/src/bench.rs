@@ -249,10 +249,8 @@ fn parse_tenant(s: &str) -> Result<(String, f64), String> {
     let bad = || format!("expected TENANT:WEIGHT, e.g. heavy:10, got {s:?}");
     let (t, w) = s.rsplit_once(':').ok_or_else(bad)?;
     let t = t.trim();
-    // What the http ingress takes as a tenant: 1 to 64 letters, digits, '.', '_' or '-'.
-    let name_ok = (1..=64).contains(&t.len())
-        && t.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    // What the http ingress takes as a tenant.
+    let name_ok = dyn_frontend::tenant_name_ok(t);
     match w.trim().parse::<f64>() {
         Ok(w) if w.is_finite() && w > 0.0 && name_ok => Ok((t.to_owned(), w)),
         _ => Err(bad()),

@@ -25,7 +25,7 @@ pub use build::{
 pub use ctx::{Ctx, RequestId};
 pub use inspect::{Inspect, Inspectables};
 pub use operator::{
-    Chain, ErrorKind, INSTANCE_LOST, Ingress, Input, OpError, Operator, Output,
+    Chain, DEADLINE_EXCEEDED, ErrorKind, INSTANCE_LOST, Ingress, Input, OpError, Operator, Output,
     RATE_LIMIT_EXCEEDED, ShutdownSignal, WORKER_BUSY,
 };
 pub use payload::{Codec, Payload, PayloadType, Resumable, Resume};

@@ -127,6 +127,15 @@ impl OpError {
     pub fn cancelled() -> Self {
         Self::new(ErrorKind::Cancelled, "request cancelled")
     }
+    /// The request's deadline ([`crate::Ctx::deadline`]) passed before its answer was
+    /// complete (code `deadline_exceeded`).
+    pub fn deadline_exceeded() -> Self {
+        Self::new(
+            ErrorKind::Cancelled,
+            "the request's deadline passed before its answer was complete",
+        )
+        .with_code(DEADLINE_EXCEEDED)
+    }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)
     }
@@ -138,6 +147,8 @@ pub const INSTANCE_LOST: &str = "instance_lost";
 /// serves no such instance (it left). Only this marks an instance down for callers; a lost
 /// request (an engine's broken stream) says nothing about the next one.
 pub const NOT_SERVED: &str = "instance_not_served";
+/// The code of [`OpError::deadline_exceeded`].
+pub const DEADLINE_EXCEEDED: &str = "deadline_exceeded";
 /// The code of an [`ErrorKind::RateLimited`] error (OpenAI's).
 pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
 /// The default code of an [`ErrorKind::Overloaded`] error.

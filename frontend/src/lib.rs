@@ -202,7 +202,8 @@ pub struct KeyTenant(pub String, pub bool);
 
 const TENANT_NAME_RULE: &str = "a tenant is 1 to 64 letters, digits, '.', '_' or '-'";
 
-fn tenant_name_ok(t: &str) -> bool {
+/// Whether `t` may name a tenant (`TENANT_NAME_RULE`).
+pub fn tenant_name_ok(t: &str) -> bool {
     (1..=64).contains(&t.len())
         && t.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
@@ -302,18 +303,6 @@ impl ServerConfig {
 /// The header that sets a request's deadline, in seconds from its arrival.
 pub const REQUEST_TIMEOUT: &str = "x-request-timeout";
 
-/// The error of a request whose deadline passed before its answer was complete (504).
-pub fn deadline_exceeded() -> OpError {
-    OpError::new(
-        ErrorKind::Cancelled,
-        "the request's deadline passed before its answer was complete",
-    )
-    .with_code(DEADLINE_EXCEEDED)
-}
-
-/// The code of [`deadline_exceeded`].
-pub const DEADLINE_EXCEEDED: &str = "deadline_exceeded";
-
 /// An error response in OpenAI's shape.
 #[derive(Debug)]
 pub struct ApiError {
@@ -396,12 +385,14 @@ impl From<OpError> for ApiError {
                 e.code.unwrap_or(Cow::Borrowed(dyn_core::INSTANCE_LOST)),
                 e.message,
             ),
-            ErrorKind::Cancelled if e.code.as_deref() == Some(DEADLINE_EXCEEDED) => ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "timeout_error",
-                DEADLINE_EXCEEDED,
-                e.message,
-            ),
+            ErrorKind::Cancelled if e.code.as_deref() == Some(dyn_core::DEADLINE_EXCEEDED) => {
+                ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout_error",
+                    dyn_core::DEADLINE_EXCEEDED,
+                    e.message,
+                )
+            }
             ErrorKind::Cancelled => ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "request_cancelled",

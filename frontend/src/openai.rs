@@ -1059,7 +1059,7 @@ async fn serve(
         // queue's 503, say) tells the client why; this is the backstop.
         Some(d) => tokio::time::timeout_at((d + DEADLINE_GRACE).into(), chosen)
             .await
-            .unwrap_or_else(|_| Err(super::deadline_exceeded().into())),
+            .unwrap_or_else(|_| Err(OpError::deadline_exceeded().into())),
         None => chosen.await,
     };
     let late = deadline.is_some_and(|d| Instant::now() >= d);
@@ -1068,11 +1068,11 @@ async fn serve(
         // for want of room keeps its 503).
         Ok((None, ..)) if late => {
             track.finish("error");
-            return ApiError::from(super::deadline_exceeded()).into_response();
+            return ApiError::from(OpError::deadline_exceeded()).into_response();
         }
         Err(e) if late && e.status != StatusCode::SERVICE_UNAVAILABLE => {
             track.finish("error");
-            return ApiError::from(super::deadline_exceeded()).into_response();
+            return ApiError::from(OpError::deadline_exceeded()).into_response();
         }
         Ok(c) => c,
         Err(e) => {
@@ -1151,7 +1151,7 @@ const DEADLINE_GRACE: std::time::Duration = std::time::Duration::from_millis(100
 /// The deltas of a request's choices, each tagged with its index.
 type Tagged = futures::stream::BoxStream<'static, (usize, Result<LlmDelta, dyn_core::OpError>)>;
 
-/// `out` (the choices after `first`) ending in a [`super::deadline_exceeded`] error when the
+/// `out` (the choices after `first`) ending in a [`OpError::deadline_exceeded`] error when the
 /// deadline passes before every choice finished. The request's context carries the same
 /// deadline, so everything under it stops too; whichever side notices first, a choice cut
 /// short then reads as late, not as an ordinary error or a silent end.
@@ -1187,13 +1187,13 @@ fn until_deadline(
                     yield (i, Ok(d));
                 }
                 Some(Some((i, Err(_)))) if late => {
-                    yield (i, Err(super::deadline_exceeded()));
+                    yield (i, Err(OpError::deadline_exceeded()));
                     return;
                 }
                 Some(Some(failed)) => yield failed,
                 Some(None) | None => {
                     if let Some(i) = unfinished.filter(|_| late) {
-                        yield (i, Err(super::deadline_exceeded()));
+                        yield (i, Err(OpError::deadline_exceeded()));
                     }
                     return;
                 }

@@ -122,40 +122,32 @@ async fn handle(
     // Text has no end marker: past the deadline, an error or an end is the deadline's.
     let deadline = ctx.deadline();
     let late = move || deadline.is_some_and(|d| std::time::Instant::now() >= d);
+    // A failure past the deadline is the deadline's.
+    let why = move |e: OpError| {
+        if late() {
+            OpError::deadline_exceeded()
+        } else {
+            e
+        }
+    };
     // Dropped with this future or with the SSE stream: a client that hangs up kills the request.
     let guard = ctx.kill_on_drop();
     let mut out = chain.call(ctx, Text(req.text));
     if !req.stream {
         let mut text = String::new();
         while let Some(item) = out.next().await {
-            text.push_str(
-                &item
-                    .map_err(|e| {
-                        if late() {
-                            super::deadline_exceeded()
-                        } else {
-                            e
-                        }
-                    })?
-                    .0,
-            );
+            text.push_str(&item.map_err(why)?.0);
         }
         if late() {
-            return Err(super::deadline_exceeded().into());
+            return Err(OpError::deadline_exceeded().into());
         }
         guard.disarm();
         return Ok(Json(json!({"id": id, "text": text})).into_response());
     }
     // Wait for the first item so an early failure still gets a proper status code.
     let first = match out.next().await {
-        Some(item) => Some(item.map_err(|e| {
-            if late() {
-                super::deadline_exceeded()
-            } else {
-                e
-            }
-        })?),
-        None if late() => return Err(super::deadline_exceeded().into()),
+        Some(item) => Some(item.map_err(why)?),
+        None if late() => return Err(OpError::deadline_exceeded().into()),
         None => None,
     };
     let events = async_stream::stream! {
@@ -167,15 +159,14 @@ async fn handle(
             match item {
                 Ok(Text(t)) => yield Ok(Event::default().data(json!({"id": id, "text": t}).to_string())),
                 Err(e) => {
-                    let e = if late() { super::deadline_exceeded() } else { e };
-                    yield Ok(Event::default().data(ApiError::from(e).body().to_string()));
+                    yield Ok(Event::default().data(ApiError::from(why(e)).body().to_string()));
                     failed = true;
                     break;
                 }
             }
         }
         if late() && !failed {
-            yield Ok(Event::default().data(ApiError::from(super::deadline_exceeded()).body().to_string()));
+            yield Ok(Event::default().data(ApiError::from(OpError::deadline_exceeded()).body().to_string()));
         }
         guard.disarm();
         yield Ok(Event::default().data("[DONE]"));

@@ -289,11 +289,16 @@ pub fn lark_expr(c: &Constraint) -> Option<String> {
 /// Forced calls as a Lark grammar, their JSON in the compact form (unless a schema sets its
 /// own `x-guidance`).
 pub fn calls_lark(c: &Calls) -> String {
-    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
-    let join = |parts: Vec<String>| {
+    // A Lark string literal (JSON's escapes); nothing for empty text.
+    let lit = |s: &str| match s {
+        "" => String::new(),
+        s => serde_json::to_string(s).unwrap_or_default(),
+    };
+    let join = |parts: &[String]| {
         parts
-            .into_iter()
+            .iter()
             .filter(|p| !p.is_empty())
+            .map(String::as_str)
             .collect::<Vec<_>>()
             .join(" ")
     };
@@ -302,17 +307,7 @@ pub fn calls_lark(c: &Calls) -> String {
         .iter()
         .map(|f| {
             let schema = json_schema(&Constraint::JsonSchema(f.schema.clone())).unwrap_or_default();
-            let before = if f.before.is_empty() {
-                String::new()
-            } else {
-                lit(&f.before)
-            };
-            let after = if f.after.is_empty() {
-                String::new()
-            } else {
-                lit(&f.after)
-            };
-            join(vec![before, format!("%json {schema}"), after])
+            join(&[lit(&f.before), format!("%json {schema}"), lit(&f.after)])
         })
         .collect();
     let more = match c.sep.as_deref() {
@@ -320,19 +315,9 @@ pub fn calls_lark(c: &Calls) -> String {
         Some("") => "call*".into(),
         Some(sep) => format!("({} call)*", lit(sep)),
     };
-    let open = if c.open.is_empty() {
-        String::new()
-    } else {
-        lit(&c.open)
-    };
-    let close = if c.close.is_empty() {
-        String::new()
-    } else {
-        lit(&c.close)
-    };
     format!(
         "start: {}\ncall: {}",
-        join(vec![open, "call".into(), more, close]),
+        join(&[lit(&c.open), "call".into(), more, lit(&c.close)]),
         forms.join(" | ")
     )
 }

@@ -597,11 +597,8 @@ impl Admission {
         node: &str,
         workers: impl Fn() -> usize + Send + Sync + 'static,
     ) -> Arc<Self> {
-        use std::hash::{BuildHasher, Hasher};
         Arc::new(Self {
-            origin: std::collections::hash_map::RandomState::new()
-                .build_hasher()
-                .finish(),
+            origin: rand::random(),
             node: node.to_owned(),
             state: Mutex::new(State {
                 inflight: 0,
@@ -978,19 +975,24 @@ mod tests {
         assert_eq!(q.pop().map(|(_, v)| v), Some("b1"));
     }
 
+    fn config(per_worker: u32, queue: usize, max_wait_s: f64) -> AdmissionConfig {
+        AdmissionConfig {
+            per_worker,
+            queue,
+            max_wait_s,
+            tenants: BTreeMap::new(),
+            tenant_default: TenantConfig::default(),
+            reserve: 0,
+        }
+    }
+
+    /// Admission over one worker.
+    fn admitting(config: AdmissionConfig) -> Arc<Admission> {
+        Admission::new(config, "route", || 1)
+    }
+
     fn admission(per_worker: u32, queue: usize, max_wait_s: f64) -> Arc<Admission> {
-        Admission::new(
-            AdmissionConfig {
-                per_worker,
-                queue,
-                max_wait_s,
-                tenants: BTreeMap::new(),
-                tenant_default: TenantConfig::default(),
-                reserve: 0,
-            },
-            "route",
-            || 1,
-        )
+        admitting(config(per_worker, queue, max_wait_s))
     }
 
     #[tokio::test(start_paused = true)]
@@ -1190,18 +1192,10 @@ mod tests {
             requests_per_minute: Some(2),
             tokens_per_minute: Some(1000),
         };
-        let a = Admission::new(
-            AdmissionConfig {
-                per_worker: 100,
-                queue: 4,
-                max_wait_s: 1.0,
-                tenants: BTreeMap::from([("acme".to_string(), limited)]),
-                tenant_default: TenantConfig::default(),
-                reserve: 0,
-            },
-            "route",
-            || 1,
-        );
+        let a = admitting(AdmissionConfig {
+            tenants: BTreeMap::from([("acme".to_string(), limited)]),
+            ..config(100, 4, 1.0)
+        });
         let ask = |tokens| Ask {
             priority: 0,
             tenant: "acme",
@@ -1229,18 +1223,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_reserve_keeps_places_free_of_any_one_tenant() {
-        let a = Admission::new(
-            AdmissionConfig {
-                per_worker: 3,
-                queue: 8,
-                max_wait_s: 10.0,
-                tenants: BTreeMap::new(),
-                tenant_default: TenantConfig::default(),
-                reserve: 1,
-            },
-            "route",
-            || 1,
-        );
+        let a = admitting(AdmissionConfig {
+            reserve: 1,
+            ..config(3, 8, 10.0)
+        });
         let ask = |tenant| Ask {
             priority: 0,
             tenant,

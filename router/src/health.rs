@@ -102,15 +102,6 @@ impl Health {
             b.probing = true;
         }
     }
-
-    /// Workers whose breaker is not closed, for the metrics.
-    pub fn open(&self, now: Instant) -> usize {
-        self.per
-            .lock()
-            .values()
-            .filter(|b| b.open_until.is_some_and(|u| u > now))
-            .count()
-    }
 }
 
 #[cfg(test)]

@@ -367,11 +367,8 @@ impl RouteConfig {
             planes: cx.planes.clone(),
             quality: quality::Quality::new(&cx.node),
             sessions: self.session_affinity.as_ref().map(|a| {
-                use std::hash::{BuildHasher, Hasher};
-                let origin = std::collections::hash_map::RandomState::new()
-                    .build_hasher()
-                    .finish();
-                sessions::Sessions::new(std::time::Duration::from_secs_f64(a.ttl_s), origin)
+                let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
+                sessions::Sessions::new(ttl, rand::random())
             }),
             sessions_subject: sessions::sessions_subject(&cx.namespace, target),
             health: Arc::default(),
@@ -675,15 +672,16 @@ impl Inner {
         const FAILED: u8 = 2;
         self.health.taken(worker, now);
         let outcome = Arc::new(AtomicU8::new(PENDING));
+        let id = ctx.id().to_string();
         let (health, avoid, node) = (self.health.clone(), self.avoid.clone(), self.target.clone());
-        let (id, o) = (ctx.id().to_string(), outcome.clone());
+        let (failed_id, o) = (id.clone(), outcome.clone());
         ctx.on_failure(move |e| {
             // A refusal for want of room, or the client's doing, says nothing of its health.
             if !matches!(e.kind, ErrorKind::Internal | ErrorKind::InstanceLost) {
                 return;
             }
             o.store(FAILED, Ordering::Relaxed);
-            avoid.lock().insert(id, worker);
+            avoid.lock().insert(failed_id, worker);
             if health.failed(worker, std::time::Instant::now()) {
                 metrics::ROUTER.breaker_trips.with_label_values(&[&node]).inc();
                 tracing::warn!(worker_id = format_args!("{worker:x}"), node = %node, error = %e.message, "Worker left out of routing for a while: its requests keep failing");
@@ -697,11 +695,7 @@ impl Inner {
                 health.ok(worker);
             }
         });
-        let (health, avoid, id) = (
-            self.health.clone(),
-            self.avoid.clone(),
-            ctx.id().to_string(),
-        );
+        let (health, avoid) = (self.health.clone(), self.avoid.clone());
         ctx.on_done(move || {
             avoid.lock().remove(&id);
             if outcome.load(Ordering::Relaxed) == PENDING {
