@@ -537,6 +537,7 @@ impl EngineHandle {
             guide,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
+            precedence: s.precedence(),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max_queued = self.settings.scheduler.max_queued_requests as usize;

@@ -553,6 +553,8 @@ fn request(
                 prompt_logprobs: None,
                 constraint,
                 priority: c.priority.unwrap_or(0),
+                // The router's word, never the client's.
+                yields: false,
                 tenant: None,
                 session: c
                     .user

@@ -96,6 +96,11 @@ pub struct Sampling {
     /// which go unchanged from the client to the engine.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub priority: i32,
+    /// Set by the router's admission: the request was sent while its tenant held its share of
+    /// the places or more, so an engine may preempt it for a request of the same priority that
+    /// does not give way (see [`Precedence`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yields: bool,
     /// Whose request it is (the API key's tenant, or the ingress's tenant header): the
     /// admission queue shares capacity between tenants by it. Travels as `priority` does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +109,26 @@ pub struct Sampling {
     /// session affinity keeps a session's requests on one worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+}
+
+impl Sampling {
+    /// Where the request stands for a place in an engine's batch.
+    pub fn precedence(&self) -> Precedence {
+        Precedence {
+            priority: self.priority,
+            yields: self.yields,
+        }
+    }
+}
+
+/// Where a request stands for a place in a batch, lower first: its priority (vLLM's, lower
+/// first), then whether it gives way ([`Sampling::yields`]). Engines with room for no more
+/// preempt a running request for a waiting one that comes strictly before it (vLLM's
+/// priority scheduling), and the router counts a worker's places by it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Precedence {
+    pub priority: i32,
+    pub yields: bool,
 }
 
 fn is_zero(v: &i32) -> bool {

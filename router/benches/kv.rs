@@ -160,6 +160,7 @@ fn decisions(c: &mut Criterion) {
                 w,
                 128,
                 (0..72).map(|k| mix(w << 32 | r << 16 | k)).collect(),
+                Default::default(),
             )
         })
         .collect();

@@ -30,6 +30,15 @@
 //! the same ones whatever order charges reach it in, and a tenant's share is its share of the
 //! node, whichever frontend its requests come through (the lifts stay each router's own).
 //!
+//! **Preemption** (`preempt`, on by default): the room is counted by [`Precedence`] — priority,
+//! then whether a request gives way. A request goes at once, beyond the room, while fewer
+//! requests than the places come before it or level with it; the router sends it to a worker
+//! where one that comes after it runs, and the engine preempts that one for it (recomputing
+//! its KV when it resumes, as vLLM's priority scheduling does). A request gives way when its
+//! tenant held its share of the places or more as it went, unless that tenant is the one
+//! served least lately. So at full occupancy an interactive request starts at once, and so
+//! does a light tenant's burst, while the queue still orders everything else.
+//!
 //! ```yaml
 //! route: {kind: route, inputs: [preprocess], config: {admission: {per_worker: 8, queue: 256, max_wait_s: 2,
 //!   tenants: {acme: {weight: 4, requests_per_minute: 600}}, tenant_default: {weight: 1}}}}
@@ -43,6 +52,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use dyn_core::{Ctx, OpError};
+use dyn_llm::types::Precedence;
 
 use super::metrics::ADMISSION;
 use parking_lot::Mutex;
@@ -78,6 +88,17 @@ pub struct AdmissionConfig {
     /// single tenant then gets `per_worker - reserve`).
     #[serde(default)]
     pub reserve: u32,
+    /// A request that comes before some in flight (a better priority, or a tenant under its
+    /// share against one over it: [`Precedence`]) goes at once, beyond the room, to a worker
+    /// where one of those runs, and the engine preempts that one for it (the native engine and
+    /// the mocker do; vLLM with `--scheduling-policy priority`). Off: priorities and tenants
+    /// only order the queue, for engines that would queue such a request instead.
+    #[serde(default = "yes")]
+    pub preempt: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// One tenant's share and limits.
@@ -162,6 +183,9 @@ pub struct Queue<T> {
     last: f64,
     /// Tenants' charges made here since [`Queue::take_charged`], for the other routers.
     charged: Vec<(String, f64)>,
+    /// Each tenant's recent service (tokens over weight, halving every [`RECENT_HALF_LIFE`])
+    /// and when it was last brought up to date: who was served least lately, lifts aside.
+    recent: HashMap<String, (f64, Instant)>,
     len: usize,
     cap: usize,
     seq: u64,
@@ -190,6 +214,7 @@ impl<T> Queue<T> {
             lift: HashMap::new(),
             last: 0.0,
             charged: Vec::new(),
+            recent: HashMap::new(),
             len: 0,
             cap,
             seq: 0,
@@ -205,7 +230,7 @@ impl<T> Queue<T> {
     }
 
     /// A tenant's counter: what it was served over its weight, plus its lift.
-    fn counter(&self, tenant: &str) -> f64 {
+    pub fn counter(&self, tenant: &str) -> f64 {
         self.served.get(tenant).copied().unwrap_or(0.0)
             + self.lift.get(tenant).copied().unwrap_or(0.0)
     }
@@ -244,6 +269,9 @@ impl<T> Queue<T> {
     /// Counts `cost` as served to `tenant` (here, or by another router of the node).
     pub fn credit(&mut self, tenant: &str, cost: f64) {
         *self.served.entry(tenant.to_owned()).or_default() += cost;
+        let now = Instant::now();
+        let r = self.recent.entry(tenant.to_owned()).or_insert((0.0, now));
+        *r = (decayed(*r, now) + cost, now);
         if self.served.len() > SERVED_KEPT {
             self.forget_idle();
         }
@@ -269,7 +297,13 @@ impl<T> Queue<T> {
         for (_, t) in idle.into_iter().take(drop) {
             self.served.remove(&t);
             self.lift.remove(&t);
+            self.recent.remove(&t);
         }
+    }
+
+    /// `tenant`'s recent service at `now`.
+    pub fn recent(&self, tenant: &str, now: Instant) -> f64 {
+        self.recent.get(tenant).map_or(0.0, |r| decayed(*r, now))
     }
 
     /// `tenant` starts waiting with a request of `cost`: a counter below the waiting tenants'
@@ -362,26 +396,37 @@ impl<T> Queue<T> {
 
     /// The next request to go, taken out and charged to its tenant.
     pub fn pop(&mut self) -> Option<(Rank, T)> {
-        self.pop_where(|_| true).map(|(_, r, t)| (r, t))
+        self.pop_where(|_, _| true).map(|(_, r, t)| (r, t))
     }
 
-    /// The next request to go of a tenant `may_go` allows, taken out and charged to it.
-    pub fn pop_where(&mut self, may_go: impl Fn(&str) -> bool) -> Option<(String, Rank, T)> {
-        let (tenant, rank) = self
-            .waiting
+    /// The next request to go among each tenant's best-ranked one that `may_go` allows,
+    /// taken out and charged to its tenant.
+    pub fn pop_where(&mut self, may_go: impl Fn(&str, &Rank) -> bool) -> Option<(String, Rank, T)> {
+        let (tenant, rank) = self.peek_where(may_go)?;
+        self.take(&tenant, &rank)
+    }
+
+    /// Which request [`Self::pop_where`] would take.
+    pub fn peek_where(&self, may_go: impl Fn(&str, &Rank) -> bool) -> Option<(String, Rank)> {
+        self.waiting
             .iter()
-            .filter(|(t, _)| may_go(t))
-            .filter_map(|(t, q)| q.first_key_value().map(|(r, _)| (self.key(t, r), t, *r)))
+            .filter_map(|(t, q)| q.first_key_value().map(|(r, _)| (t, *r)))
+            .filter(|(t, r)| may_go(t, r))
+            .map(|(t, r)| (self.key(t, &r), t, r))
             .min_by(|a, b| cmp_key(&a.0, &b.0))
-            .map(|(_, t, r)| (t.clone(), r))?;
+            .map(|(_, t, r)| (t.clone(), r))
+    }
+
+    /// Takes out `tenant`'s request `rank`, charged to it.
+    pub fn take(&mut self, tenant: &str, rank: &Rank) -> Option<(String, Rank, T)> {
         let cost = self
             .waiting
-            .get(&tenant)
-            .and_then(|q| q.get(&rank))
+            .get(tenant)
+            .and_then(|q| q.get(rank))
             .map_or(0.0, |(c, _)| *c);
-        let item = self.remove(&tenant, &rank)?;
-        self.charge(&tenant, cost);
-        Some((tenant, rank, item))
+        let item = self.remove(tenant, rank)?;
+        self.charge(tenant, cost);
+        Some((tenant.to_owned(), *rank, item))
     }
 
     /// Keeps only the entries still waiting (their client has not left).
@@ -414,6 +459,11 @@ impl<T> Queue<T> {
         out.iter().filter_map(|(t, r)| self.remove(t, r)).collect()
     }
 
+    /// The tenants with requests waiting.
+    pub fn tenants(&self) -> impl Iterator<Item = &str> {
+        self.waiting.keys().map(String::as_str)
+    }
+
     /// How many wait, by priority and by tenant.
     pub fn waiting_by(&self) -> (BTreeMap<i32, usize>, HashMap<&str, usize>) {
         let mut by_priority = BTreeMap::new();
@@ -440,6 +490,15 @@ impl<T> Queue<T> {
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
+}
+
+/// How fast recent service is forgotten (see [`Queue::recent`]).
+const RECENT_HALF_LIFE: Duration = Duration::from_secs(5);
+
+/// A recent-service value `(value, at)` brought to `now`.
+fn decayed((value, at): (f64, Instant), now: Instant) -> f64 {
+    let halves = now.saturating_duration_since(at).as_secs_f64() / RECENT_HALF_LIFE.as_secs_f64();
+    value * 0.5f64.powf(halves)
 }
 
 fn cmp_key(a: &(i32, f64, Instant, u64), b: &(i32, f64, Instant, u64)) -> std::cmp::Ordering {
@@ -471,6 +530,8 @@ pub struct Admission {
 
 struct State {
     inflight: usize,
+    /// Requests in flight by precedence.
+    ranks: BTreeMap<Precedence, usize>,
     queue: Queue<Waiter>,
     /// Places each tenant holds (with a reserve).
     held: HashMap<String, usize>,
@@ -482,6 +543,30 @@ struct State {
 }
 
 impl State {
+    /// Requests in flight that come before a request of `p` or level with it.
+    fn ahead(&self, p: Precedence) -> usize {
+        self.ranks.range(..=p).map(|(_, n)| n).sum()
+    }
+
+    /// Counts a request of `tenant` and `p` in flight.
+    fn hold(&mut self, tenant: &str, p: Precedence) {
+        self.inflight += 1;
+        *self.ranks.entry(p).or_default() += 1;
+        *self.held.entry(tenant.to_owned()).or_default() += 1;
+    }
+
+    /// A request of `tenant` and `p` is no longer in flight.
+    fn unhold(&mut self, tenant: &str, p: Precedence) {
+        self.inflight = self.inflight.saturating_sub(1);
+        if let Some(n) = self.ranks.get_mut(&p) {
+            *n -= 1;
+            if *n == 0 {
+                self.ranks.remove(&p);
+            }
+        }
+        self.release(tenant);
+    }
+
     fn release(&mut self, tenant: &str) {
         if let Some(n) = self.held.get_mut(tenant) {
             *n = n.saturating_sub(1);
@@ -564,19 +649,35 @@ const GAP_WEIGHT: f64 = 0.1;
 /// arriving meanwhile go ahead of it, so a place is worth more than one gap.
 const WAIT_MARGIN: f64 = 4.0;
 
+/// The tenants in flight or waiting, as [`Admission::precedence`] weighs them.
+struct Active {
+    weight: f64,
+    /// The two lowest recent services, with their tenants (infinite where fewer).
+    lowest: [(f64, String); 2],
+    now: Instant,
+}
+
 /// A request's place among those in flight; dropping it (when the request is over) lets the
 /// best waiting request go.
 pub struct Permit {
     admission: Option<Arc<Admission>>,
     tenant: String,
+    precedence: Precedence,
+}
+
+impl Permit {
+    /// Where the request stands for a place at its worker (its priority, and whether it
+    /// gives way: its tenant held its share of the places or more when it went).
+    pub fn precedence(&self) -> Precedence {
+        self.precedence
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         if let Some(a) = self.admission.take() {
             let mut s = a.state.lock();
-            s.inflight = s.inflight.saturating_sub(1);
-            s.release(&self.tenant);
+            s.unhold(&self.tenant, self.precedence);
             let now = Instant::now();
             if let Some(last) = s.last_done {
                 let gap = now - last;
@@ -602,6 +703,7 @@ impl Admission {
             node: node.to_owned(),
             state: Mutex::new(State {
                 inflight: 0,
+                ranks: BTreeMap::new(),
                 queue: Queue::new(config.queue),
                 buckets: HashMap::new(),
                 held: HashMap::new(),
@@ -629,30 +731,113 @@ impl Admission {
         (s.inflight, s.queue.len())
     }
 
+    /// Where a request of `tenant` and `priority` sent now would stand (see [`Precedence`]):
+    /// it gives way if its tenant holds its share of the places or more — the places shared
+    /// by weight among the tenants in flight or waiting — unless it is the one served least
+    /// of them lately ([`Queue::recent`], over weight: a light tenant's burst goes at once,
+    /// where the virtual token counter, lifted level on each arrival, would make it wait).
+    /// A tenant on its own gives way beyond the share it would have beside one more tenant
+    /// of the default weight, so that a tenant arriving at a node that another fills finds
+    /// requests that give way to it. Requests of no tenant never do.
+    fn precedence(&self, s: &State, tenant: &str, priority: i32, active: &Active) -> Precedence {
+        if !self.config.preempt || tenant.is_empty() {
+            return Precedence {
+                priority,
+                yields: false,
+            };
+        }
+        let held = s.held.get(tenant).copied().unwrap_or(0);
+        let weight = self.tenant(tenant).weight;
+        let share = self.capacity() as f64 * weight
+            / active
+                .weight
+                .max(weight + self.config.tenant_default.weight);
+        let others = match &active.lowest {
+            [(_, t), (second, _)] if t == tenant => *second,
+            [(first, _), _] => *first,
+        };
+        // (Alone, there are no others: infinity.)
+        let least = others.is_finite() && s.queue.recent(tenant, active.now) < others;
+        Precedence {
+            priority,
+            yields: held as f64 >= share && !least,
+        }
+    }
+
+    /// The tenants in flight or waiting, and `also` if it is neither.
+    fn active(&self, s: &State, also: Option<&str>) -> Active {
+        let mut names: Vec<&str> = s.held.keys().map(String::as_str).collect();
+        names.extend(s.queue.tenants());
+        names.extend(also);
+        names.sort_unstable();
+        names.dedup();
+        let now = Instant::now();
+        let mut lowest = [
+            (f64::INFINITY, String::new()),
+            (f64::INFINITY, String::new()),
+        ];
+        for t in &names {
+            let c = s.queue.recent(t, now);
+            if c < lowest[0].0 {
+                lowest[1] = std::mem::replace(&mut lowest[0], (c, (*t).to_owned()));
+            } else if c < lowest[1].0 {
+                lowest[1] = (c, (*t).to_owned());
+            }
+        }
+        Active {
+            weight: names.iter().map(|t| self.tenant(t).weight).sum(),
+            lowest,
+            now,
+        }
+    }
+
+    /// Whether a request of `tenant` standing at `p` may go now: fewer requests than the
+    /// places come before it or level with it (the rest give way to it at their workers), and
+    /// with a reserve, its tenant holds less than the places left to one tenant.
+    fn may_start(&self, s: &State, tenant: &str, p: Precedence) -> bool {
+        let ahead = if self.config.preempt {
+            s.ahead(p)
+        } else {
+            s.inflight
+        };
+        let held = s.held.get(tenant).copied().unwrap_or(0);
+        ahead < self.capacity() && (self.config.reserve == 0 || held < self.tenant_cap())
+    }
+
+    /// Whether requests may go beyond the room, making running ones give way.
+    pub fn preempts(&self) -> bool {
+        self.config.preempt
+    }
+
     /// Lets waiting requests go while there is room (their permits counted in flight).
     fn dispatch(self: &Arc<Self>, s: &mut State) {
         // Requests whose clients left (or gave up waiting) are neither served nor charged.
         s.queue.retain(|w| !w.tx.is_closed());
-        let cap = self.capacity();
-        let tenant_cap = self.tenant_cap();
-        while s.inflight < cap {
-            let held = &s.held;
-            let may_go = |t: &str| held.get(t).copied().unwrap_or(0) < tenant_cap;
-            let Some((tenant, _, waiter)) = s.queue.pop_where(may_go) else {
+        loop {
+            let active = self.active(s, None);
+            let state = &*s;
+            let go = |t: &str, r: &Rank| {
+                self.may_start(state, t, self.precedence(state, t, r.priority, &active))
+            };
+            // Chosen, then taken: the queue cannot be borrowed while `go` reads the state.
+            let Some((tenant, rank)) = s.queue.peek_where(go) else {
                 break;
             };
-            s.inflight += 1;
-            *s.held.entry(tenant.clone()).or_default() += 1;
+            let p = self.precedence(s, &tenant, rank.priority, &active);
+            let Some((tenant, _, waiter)) = s.queue.take(&tenant, &rank) else {
+                break;
+            };
+            s.hold(&tenant, p);
             let permit = Permit {
                 admission: Some(self.clone()),
                 tenant,
+                precedence: p,
             };
-            if let Err(Ok(mut p)) = waiter.tx.send(Ok(permit)) {
+            if let Err(Ok(mut permit)) = waiter.tx.send(Ok(permit)) {
                 // Its client left: the place goes back (not through the permit's drop, which
                 // would take the lock held here).
-                p.admission = None;
-                s.inflight -= 1;
-                s.release(&p.tenant);
+                permit.admission = None;
+                s.unhold(&permit.tenant, p);
             }
         }
         ADMISSION
@@ -775,10 +960,10 @@ impl Admission {
                 return Err(self.refused(e));
             }
             s.queue.retain(|w| !w.tx.is_closed());
-            let held = s.held.get(ask.tenant).copied().unwrap_or(0);
-            if s.queue.is_empty() && s.inflight < self.capacity() && held < self.tenant_cap() {
-                s.inflight += 1;
-                *s.held.entry(ask.tenant.to_owned()).or_default() += 1;
+            let active = self.active(&s, Some(ask.tenant));
+            let p = self.precedence(&s, ask.tenant, priority, &active);
+            if s.queue.is_empty() && self.may_start(&s, ask.tenant, p) {
+                s.hold(ask.tenant, p);
                 s.queue.lift_on_arrival(ask.tenant, cost);
                 s.queue.charge(ask.tenant, cost);
                 drop(s);
@@ -786,6 +971,7 @@ impl Admission {
                 return Ok(Permit {
                     admission: Some(self.clone()),
                     tenant: ask.tenant.to_owned(),
+                    precedence: p,
                 });
             }
             let (tx, rx) = oneshot::channel();
@@ -810,7 +996,7 @@ impl Admission {
             self.shed(&mut s);
             rx
         };
-        tracing::debug!(request_id = %ctx.id(), priority, "Waiting for room");
+        tracing::debug!(request_id = %ctx.id(), priority, tenant = ask.tenant, "Waiting for room");
         let queued = Instant::now();
         let answer = match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
@@ -983,6 +1169,7 @@ mod tests {
             tenants: BTreeMap::new(),
             tenant_default: TenantConfig::default(),
             reserve: 0,
+            preempt: true,
         }
     }
 
@@ -997,7 +1184,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn requests_wait_for_room_and_go_best_first() {
-        let a = admission(1, 4, 10.0);
+        // Without preemption, priority orders the queue only.
+        let a = admitting(AdmissionConfig {
+            preempt: false,
+            ..config(1, 4, 10.0)
+        });
         let ctx = Ctx::new();
         let running = a.admit(&ctx, Ask::priority(5)).await.expect("room");
         // Two wait; the interactive one (0) goes first when the running one ends.
@@ -1020,6 +1211,106 @@ mod tests {
         drop(running);
         assert_eq!(inter.await.unwrap().unwrap(), "interactive");
         assert_eq!(batch.await.unwrap().unwrap(), "batch");
+    }
+
+    /// Admits `ask` in the background; the permit comes back through the handle.
+    fn admit_later(a: &Arc<Admission>, priority: i32, tenant: &'static str) -> Later {
+        let a = a.clone();
+        tokio::spawn(async move {
+            let ask = Ask {
+                priority,
+                tenant,
+                tokens: 1,
+            };
+            a.admit(&Ctx::new(), ask).await
+        })
+    }
+
+    type Later = tokio::task::JoinHandle<Result<Permit, OpError>>;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_comes_first_goes_beyond_the_room_for_a_running_one_to_give_way() {
+        let a = admission(2, 8, 10.0);
+        let batch = [
+            a.admit(&Ctx::new(), Ask::priority(1)).await.expect("room"),
+            a.admit(&Ctx::new(), Ask::priority(1)).await.expect("room"),
+        ];
+        let waiting_batch = admit_later(&a, 1, "");
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (2, 1));
+        // Interactive requests go at once, past the waiting batch one, while fewer than the
+        // places come before them: the engine preempts a batch request for each.
+        let i1 = a
+            .admit(&Ctx::new(), Ask::priority(0))
+            .await
+            .expect("at once");
+        let i2 = a
+            .admit(&Ctx::new(), Ask::priority(0))
+            .await
+            .expect("at once");
+        assert_eq!(i1.precedence(), Precedence::default());
+        assert_eq!(a.counts(), (4, 1));
+        let waiting_interactive = admit_later(&a, 0, "");
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (4, 2), "two interactive ones fill the places");
+        // A batch request ending frees no place that anyone waiting could start in...
+        drop(batch);
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (2, 2));
+        // ...an interactive one ending does, and the interactive waiter goes first.
+        drop(i1);
+        let next = waiting_interactive.await.unwrap().expect("its turn");
+        assert_eq!(next.precedence().priority, 0);
+        assert_eq!(a.counts(), (2, 1));
+        drop((i2, next));
+        assert!(waiting_batch.await.unwrap().is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_under_its_share_takes_a_place_from_one_over_it() {
+        let a = admission(4, 8, 10.0);
+        let ask = |tenant, tokens| Ask {
+            priority: 0,
+            tenant,
+            tokens,
+        };
+        // Alone, a tenant's share is half the places (a newcomer's is the other half): its
+        // requests beyond it give way.
+        let mut heavy = Vec::new();
+        for _ in 0..4 {
+            heavy.push(a.admit(&Ctx::new(), ask("heavy", 100)).await.expect("room"));
+        }
+        let yields: Vec<bool> = heavy.iter().map(|p| p.precedence().yields).collect();
+        assert_eq!(yields, [false, false, true, true]);
+        let a1 = a.clone();
+        let heavy_waits =
+            tokio::spawn(async move { a1.admit(&Ctx::new(), ask("heavy", 100)).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (4, 1));
+        // A light tenant goes ahead of the heavy one's queue and past the room, taking the
+        // places of the two that give way.
+        let a1 = a.clone();
+        let l1 = tokio::spawn(async move { a1.admit(&Ctx::new(), ask("light", 1)).await });
+        tokio::task::yield_now().await;
+        let l1 = l1.await.unwrap().expect("at once");
+        assert!(!l1.precedence().yields);
+        let l2 = a
+            .admit(&Ctx::new(), ask("light", 1))
+            .await
+            .expect("at once");
+        assert!(!l2.precedence().yields);
+        assert_eq!(a.counts(), (6, 1));
+        // No more give way: its third waits, and goes when a heavy request ends. It holds its
+        // share by then, yet does not give way: it is the tenant served least lately.
+        let a1 = a.clone();
+        let l3 = tokio::spawn(async move { a1.admit(&Ctx::new(), ask("light", 1)).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.counts(), (6, 2));
+        drop(heavy.remove(0));
+        let l3 = l3.await.unwrap().expect("its turn");
+        assert!(!l3.precedence().yields);
+        drop((l1, l2, l3, heavy));
+        assert!(heavy_waits.await.unwrap().is_ok());
     }
 
     #[tokio::test(start_paused = true)]

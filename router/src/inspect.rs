@@ -307,7 +307,7 @@ impl Inner {
         let now = std::time::Instant::now();
         let session = match (session, &self.sessions) {
             (Some(s), Some(sessions)) => {
-                let kept = self.affinity(s, now);
+                let kept = self.affinity(s, dyn_llm::types::Precedence::default(), now);
                 if let Some(w) = kept {
                     d.worker = w;
                 }

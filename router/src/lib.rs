@@ -53,7 +53,7 @@ use dyn_core::{
     BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
     OperatorConfig, Output,
 };
-use dyn_llm::types::PreprocessedRequest;
+use dyn_llm::types::{Precedence, PreprocessedRequest};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -475,7 +475,9 @@ impl Route {
     /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
     /// the request until `ctx` is done.
     pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
-        self.inner.route(ctx, tokens, None).map(|(w, _)| w)
+        self.inner
+            .route(ctx, tokens, None, Precedence::default())
+            .map(|(w, _)| w)
     }
 
     /// Live workers, less those the request plane saw fail.
@@ -599,9 +601,25 @@ impl Inner {
             .ok_or_else(|| self.unavailable())
     }
 
-    /// The worker `session` is bound to, if it may still take the session's next request:
-    /// live, and under its bound of requests in flight from this router.
-    fn affinity(&self, session: &str, now: std::time::Instant) -> Option<u64> {
+    /// This router's requests on `worker` that a request of `precedence` would wait behind
+    /// there: those that come before it or level with it where the engines preempt
+    /// (`admission.preempt`), else all.
+    fn before(&self, worker: u64, precedence: Precedence) -> u32 {
+        match &self.admission {
+            Some(a) if a.preempts() => self.active.ahead(worker, precedence),
+            _ => self.active.load(worker).requests,
+        }
+    }
+
+    /// The worker `session` is bound to, if it may still take the session's next request
+    /// (of `precedence`): live, and under its bound of requests in flight from this router
+    /// that come before it or level with it.
+    fn affinity(
+        &self,
+        session: &str,
+        precedence: Precedence,
+        now: std::time::Instant,
+    ) -> Option<u64> {
         let sessions = self.sessions.as_ref()?;
         let w = sessions.get(session, now)?;
         let bound = self
@@ -610,7 +628,7 @@ impl Inner {
             .as_ref()
             .and_then(|a| a.max_active)
             .or(self.config.admission.as_ref().map(|a| a.per_worker));
-        let room = bound.is_none_or(|b| self.active.load(w).requests < b);
+        let room = bound.is_none_or(|b| self.before(w, precedence) < b);
         let healthy = self.health.usable(w, now);
         (room && healthy && self.live().contains(&w)).then_some(w)
     }
@@ -623,15 +641,22 @@ impl Inner {
         ctx: &Ctx,
         tokens: &[u32],
         session: Option<&str>,
+        precedence: Precedence,
     ) -> Result<(u64, usize), OpError> {
         let now = std::time::Instant::now();
         // A resent request (its last worker failed) goes elsewhere; workers whose breaker is
-        // open are left out.
+        // open are left out, and with admission, workers where it would not start at once
+        // (as many requests as places come before it or level with it).
         let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
-        let left_out = |w: u64| Some(w) == failed_here || !self.health.usable(w, now);
+        let places = self.config.admission.as_ref().map(|a| a.per_worker);
+        let left_out = |w: u64| {
+            Some(w) == failed_here
+                || !self.health.usable(w, now)
+                || places.is_some_and(|n| self.before(w, precedence) >= n)
+        };
         let mut d = self.decide_without(tokens, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
-            if let Some(w) = self.affinity(s, now) {
+            if let Some(w) = self.affinity(s, precedence, now) {
                 d.worker = w;
             }
             if let Some(b) = sessions.bind(s, d.worker, now)
@@ -654,7 +679,7 @@ impl Inner {
             kv.record_own_decision(d.worker, &d.blocks);
         }
         let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
-        let active = Arc::new(self.active.start(d.worker, prefill, hashes));
+        let active = Arc::new(self.active.start(d.worker, prefill, hashes, precedence));
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
@@ -724,11 +749,17 @@ impl Operator for Route {
                             tokens: req.token_ids.len() as u64 + u64::from(req.stop.max_tokens),
                         };
                         let permit = a.admit(&ctx, ask).await?;
+                        // The engine may preempt it for requests that come before it.
+                        req.sampling.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
-                    let (worker, cached) =
-                        inner.route(&ctx, &req.token_ids, req.sampling.session.as_deref())?;
-                    tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, "Routed");
+                    let (worker, cached) = inner.route(
+                        &ctx,
+                        &req.token_ids,
+                        req.sampling.session.as_deref(),
+                        req.sampling.precedence(),
+                    )?;
+                    tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, yields = req.sampling.yields, tenant = req.sampling.tenant.as_deref().unwrap_or_default(), "Routed");
                     req.target = Some(worker.into());
                     req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
                     Ok(req)
@@ -817,7 +848,11 @@ mod tests {
         let r = started(&planes, config.clone(), &[10, 11]).await;
         let go = |r: &Route, s: Option<&str>| {
             let ctx = Ctx::new();
-            let w = r.inner.route(&ctx, &[1, 2, 3], s).expect("routed").0;
+            let w = r
+                .inner
+                .route(&ctx, &[1, 2, 3], s, Precedence::default())
+                .expect("routed")
+                .0;
             (w, ctx)
         };
         // Round robin alone alternates; a session stays.

@@ -7,7 +7,7 @@
 //! token, finish and cancel through the request's context hooks, so it is exact and
 //! immediate where the workers' own load metrics are periodic.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::LoadMetrics;
+use dyn_llm::types::Precedence;
 
 /// A worker's last load metrics, and this router's own load on it when they arrived: what
 /// the router sent since is not in them yet (with several routers, the others' requests
@@ -48,6 +49,9 @@ struct Active {
     prefill_tokens: u64,
     /// Block hash → active requests holding it.
     blocks: HashMap<u64, u32>,
+    /// Active requests by precedence: a request has a place there if fewer than the bound
+    /// come before it or level with it (the engine preempts the others for it).
+    ranks: BTreeMap<Precedence, u32>,
 }
 
 impl Active {
@@ -69,10 +73,12 @@ impl ActiveSequences {
         worker: u64,
         prefill_tokens: u64,
         hashes: Vec<u64>,
+        precedence: Precedence,
     ) -> ActiveRequest {
         let mut m = self.per_worker.lock();
         let a = m.entry(worker).or_default();
         a.requests += 1;
+        *a.ranks.entry(precedence).or_default() += 1;
         a.prefill_tokens += prefill_tokens;
         for h in &hashes {
             *a.blocks.entry(*h).or_insert(0) += 1;
@@ -82,7 +88,17 @@ impl ActiveSequences {
             worker,
             prefill: AtomicU64::new(prefill_tokens),
             hashes,
+            precedence,
         }
+    }
+
+    /// Active requests on `worker` that come before a request of `precedence`, or level with
+    /// it: with fewer than the worker's places, the request starts there at once.
+    pub fn ahead(&self, worker: u64, precedence: Precedence) -> u32 {
+        self.per_worker
+            .lock()
+            .get(&worker)
+            .map_or(0, |a| a.ranks.range(..=precedence).map(|(_, n)| n).sum())
     }
 
     pub fn load(&self, worker: u64) -> Load {
@@ -136,6 +152,7 @@ pub struct ActiveRequest {
     worker: u64,
     prefill: AtomicU64,
     hashes: Vec<u64>,
+    precedence: Precedence,
 }
 
 impl ActiveRequest {
@@ -154,8 +171,15 @@ impl Drop for ActiveRequest {
     fn drop(&mut self) {
         let p = *self.prefill.get_mut();
         let hashes = std::mem::take(&mut self.hashes);
+        let precedence = self.precedence;
         self.seqs.settle(self.worker, |a| {
             a.requests = a.requests.saturating_sub(1);
+            if let Some(n) = a.ranks.get_mut(&precedence) {
+                *n -= 1;
+                if *n == 0 {
+                    a.ranks.remove(&precedence);
+                }
+            }
             a.prefill_tokens = a.prefill_tokens.saturating_sub(p);
             for h in hashes {
                 if let Some(n) = a.blocks.get_mut(&h) {
@@ -177,8 +201,16 @@ mod tests {
     fn active_sequences_return_to_zero_after_finish_and_cancel() {
         let active = Arc::new(ActiveSequences::default());
         // Two requests sharing blocks 1 and 2: they count once.
-        let done = active.start(7, 100, vec![1, 2, 3]);
-        let cancelled = active.start(7, 50, vec![1, 2, 4]);
+        let batch = Precedence {
+            priority: 1,
+            yields: false,
+        };
+        let done = active.start(7, 100, vec![1, 2, 3], batch);
+        let cancelled = active.start(7, 50, vec![1, 2, 4], Precedence::default());
+        // Counted by precedence: one comes level with an interactive request, both with a
+        // batch one.
+        assert_eq!(active.ahead(7, Precedence::default()), 1);
+        assert_eq!(active.ahead(7, batch), 2);
         assert_eq!(
             active.load(7),
             Load {
@@ -202,6 +234,7 @@ mod tests {
         // Cancelled before its first token: its prefill goes too.
         drop(cancelled);
         assert_eq!(active.load(7), Load::default());
+        assert_eq!(active.ahead(7, batch), 0);
         assert!(active.snapshot().is_empty());
     }
 }

@@ -83,7 +83,8 @@ impl Sim {
         let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
         (
             d.worker,
-            self.active.start(d.worker, prefill as u64, hashes),
+            self.active
+                .start(d.worker, prefill as u64, hashes, Default::default()),
         )
     }
 
@@ -249,7 +250,9 @@ async fn another_routers_requests_count_through_the_workers_reports() {
     let p = sim.prompt(1);
     // This router sent one request to worker 1 before its last report and two since; the
     // report says 5 (three of them another router's).
-    let _held: Vec<_> = (0..3).map(|_| sim.active.start(1, 0, Vec::new())).collect();
+    let _held: Vec<_> = (0..3)
+        .map(|_| sim.active.start(1, 0, Vec::new(), Default::default()))
+        .collect();
     sim.report(
         LoadMetrics {
             worker_id: 1,

@@ -706,6 +706,49 @@ async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_
 }
 
 #[tokio::test]
+async fn an_interactive_request_starts_at_once_and_the_engine_preempts_a_batch_one() {
+    // One slow worker with one place, in the engine and at the router.
+    let g = one_slow_worker(&[
+        "--set",
+        "decode.mocker.max_num_seqs=1",
+        "--set",
+        "route.admission.per_worker=1",
+        "--set",
+        "route.admission.max_wait_s=60",
+    ]);
+    let body = |priority: i32, max_tokens: u32| {
+        chat(
+            "hi",
+            json!({"max_tokens": max_tokens, "stream": true, "priority": priority,
+                   "stream_options": {"include_usage": true}}),
+        )
+    };
+    let send = |b: Value| client().post(g.url("/v1/chat/completions")).json(&b).send();
+    let mut batch = send(body(1, 200)).await.unwrap();
+    assert_eq!(batch.status(), 200);
+    batch
+        .chunk()
+        .await
+        .unwrap()
+        .expect("the batch request runs");
+    // The interactive request does not wait for it: it goes past the router's room, and the
+    // worker preempts the batch request for it.
+    let r = send(body(0, 3)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("\"completion_tokens\":3"), "{text}");
+    assert!(metric(&g, "dyn_worker_preemptions_total").await >= 1.0);
+    assert_eq!(metric(&g, "dyn_router_queue_waiting").await, 0.0);
+    // The batch request then resumes and gets all its tokens.
+    let mut rest = String::new();
+    while let Some(c) = batch.chunk().await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&c));
+    }
+    assert!(rest.contains("\"completion_tokens\":200"), "{rest}");
+    assert!(!rest.contains("\"error\""), "{rest}");
+}
+
+#[tokio::test]
 async fn a_request_deadline_cancels_it_in_the_queue_and_in_the_engine() {
     // One slow worker that the router gives one request at a time.
     let g = one_slow_worker(&[

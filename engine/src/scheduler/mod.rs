@@ -5,8 +5,11 @@
 //! Each [`Scheduler::step`] gives every running sequence its tokens for this step (one for a
 //! decoding sequence, up to the remaining token budget for one still in prefill), preempting
 //! the most recently admitted sequence when a block cannot be found, then admits waiting
-//! sequences first come first served while the batch has room (`max_num_seqs`), tokens are
-//! left in the budget (`max_num_batched_tokens`) and blocks can be found. Prompt blocks
+//! sequences by precedence (priority, lower first, then arrival) while the batch has room
+//! (`max_num_seqs`), tokens are left in the budget (`max_num_batched_tokens`) and blocks can
+//! be found. A full batch makes way for a waiting sequence that comes strictly before a
+//! running one: the running one is preempted (vLLM's priority scheduling), which is how a
+//! router's interactive request, or a tenant under its share, starts at once. Prompt blocks
 //! already in the prefix cache are not computed again. The planned [`Work`] goes to the
 //! engine's executor, which computes it and samples a token for each sequence whose KV is
 //! complete; the scheduler then ends sequences on `max_tokens` or a stop token.
@@ -20,7 +23,7 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use dyn_llm::types::FinishReason;
+use dyn_llm::types::{FinishReason, Precedence};
 use dyn_router::kv::{BlockHash, chain_hash, local_hash};
 
 use super::EngineError;
@@ -56,6 +59,10 @@ pub struct SeqSpec {
     /// position, so its output continues the original one exactly).
     pub offset: u32,
     pub role: SeqRole,
+    /// Its place in the order for the batch: waiting sequences are admitted by it (then by
+    /// arrival), and one that comes strictly before a running one takes its place when the
+    /// batch is full.
+    pub precedence: Precedence,
 }
 
 impl SeqSpec {
@@ -243,20 +250,36 @@ impl Scheduler {
 
     pub fn add(&mut self, id: SeqId, spec: SeqSpec) {
         self.unadmitted += 1;
-        self.waiting.push_back(Seq {
-            id,
-            tokens: spec.prompt.clone(),
-            spec,
-            generated: 0,
-            computed: 0,
-            blocks: Vec::new(),
-            hashes: Vec::new(),
-            preemptions: 0,
-            hit_blocks: 0,
-            fetched: false,
-            loading: Vec::new(),
-            onboard: Vec::new(),
-        });
+        self.enqueue(
+            Seq {
+                id,
+                tokens: spec.prompt.clone(),
+                spec,
+                generated: 0,
+                computed: 0,
+                blocks: Vec::new(),
+                hashes: Vec::new(),
+                preemptions: 0,
+                hit_blocks: 0,
+                fetched: false,
+                loading: Vec::new(),
+                onboard: Vec::new(),
+            },
+            false,
+        );
+    }
+
+    /// Puts `seq` in the waiting queue, which stays ordered by precedence: after the waiting
+    /// sequences of its precedence, or (`first`: one that was running, or is taken up again)
+    /// before them.
+    fn enqueue(&mut self, seq: Seq, first: bool) {
+        let p = seq.spec.precedence;
+        let at = if first {
+            self.waiting.partition_point(|s| s.spec.precedence < p)
+        } else {
+            self.waiting.partition_point(|s| s.spec.precedence <= p)
+        };
+        self.waiting.insert(at, seq);
     }
 
     pub fn running(&self) -> usize {
@@ -360,9 +383,9 @@ impl Scheduler {
         tracing::debug!(
             seq = seq.id,
             preemptions = seq.preemptions,
-            "Mocker preempted a sequence"
+            "Preempted a sequence"
         );
-        self.waiting.push_front(seq);
+        self.enqueue(seq, true);
     }
 
     /// Plan one step, have `exec` compute it (it returns a token for each [`Work`] with
@@ -381,6 +404,7 @@ impl Scheduler {
         let mut out = StepOutcome::default();
         let mut budget = self.limits.max_num_batched_tokens;
         let mut scheduled: Vec<(usize, usize)> = Vec::new(); // (index in running, tokens)
+        self.give_way(&mut out);
         self.schedule_running(&mut budget, &mut scheduled, &mut out);
         self.return_loaded();
         self.admit_waiting(&mut budget, &mut scheduled);
@@ -407,6 +431,56 @@ impl Scheduler {
         let finished = self.advance(scheduled, sampled, &mut out);
         self.retire_finished(finished, &mut out);
         Ok(out)
+    }
+
+    /// Preempts running sequences for waiting ones that come before them (vLLM's priority
+    /// scheduling): once the batch's free places are taken, each waiting sequence, best
+    /// first, takes the place of the running one that comes last (the newest of equals) if
+    /// that one comes strictly after it. Done before anything is scheduled, so that the
+    /// places freed are filled in this step.
+    fn give_way(&mut self, out: &mut StepOutcome) {
+        let max = self.limits.max_num_seqs;
+        let Some(best) = self.waiting.front() else {
+            return;
+        };
+        if self.running.len() < max
+            || self
+                .running
+                .iter()
+                .all(|r| r.spec.precedence <= best.spec.precedence)
+        {
+            return;
+        }
+        // Running sequences, the first to give way first: the last in precedence, then the
+        // newest (admitted last, so further back in `running`).
+        let mut order: Vec<usize> = (0..self.running.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (pa, pb) = (
+                self.running[a].spec.precedence,
+                self.running[b].spec.precedence,
+            );
+            pb.cmp(&pa).then(b.cmp(&a))
+        });
+        let mut order = order.into_iter();
+        let mut free = max.saturating_sub(self.running.len());
+        let mut victims = Vec::new();
+        for w in self.waiting.iter().take(max) {
+            if free > 0 {
+                free -= 1;
+                continue;
+            }
+            match order.next() {
+                Some(i) if self.running[i].spec.precedence > w.spec.precedence => victims.push(i),
+                _ => break,
+            }
+        }
+        // From the back, so that the indices left stay valid.
+        victims.sort_unstable_by(|a, b| b.cmp(a));
+        for i in victims {
+            let seq = self.running.remove(i);
+            out.preempted += 1;
+            self.preempt(seq);
+        }
     }
 
     /// Running sequences first, oldest first, within `budget`; the newest is preempted when
@@ -467,7 +541,7 @@ impl Scheduler {
                 .partition(|s| !lower.pending(&s.loading));
             self.loading = still;
             for seq in ready.into_iter().rev() {
-                self.waiting.push_front(seq);
+                self.enqueue(seq, true);
             }
         }
     }
@@ -545,7 +619,7 @@ impl Scheduler {
         let (mut want, mut reach) = plan(hit + lower_ready);
         let new_blocks = reach.div_ceil(block_size) - hit;
         if new_blocks as u32 > self.pool.available() {
-            self.waiting.push_front(seq);
+            self.enqueue(seq, true);
             return Admitted::Blocked;
         }
         let mut onboarded = 0;
@@ -578,7 +652,7 @@ impl Scheduler {
             seq.hashes.clear();
             seq.computed = 0;
             seq.onboard.clear();
-            self.waiting.push_front(seq);
+            self.enqueue(seq, true);
             return Admitted::Blocked;
         }
         if onboarded > 0 {

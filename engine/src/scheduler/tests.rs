@@ -25,6 +25,7 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         prompt_logprobs: None,
         guide: None,
         role: SeqRole::Full,
+        precedence: Precedence::default(),
     }
 }
 
@@ -296,4 +297,78 @@ fn a_preempted_import_recomputes_its_prompt() {
             .map(|i| token_at(&sp, &vocab(), i))
             .collect::<Vec<_>>()[..]
     );
+}
+
+fn ranked(prompt: Vec<u32>, max_tokens: u32, priority: i32, yields: bool) -> SeqSpec {
+    SeqSpec {
+        precedence: Precedence { priority, yields },
+        ..spec(prompt, max_tokens)
+    }
+}
+
+#[test]
+fn a_full_batch_makes_way_for_a_request_that_comes_first() {
+    let mut got = std::collections::BTreeMap::<SeqId, Vec<u32>>::new();
+    let mut run = |s: &mut Scheduler| {
+        let out = step(s);
+        for (id, t, _) in &out.tokens {
+            got.entry(*id).or_default().push(*t);
+        }
+        out
+    };
+    // Two places, both taken by batch requests (priority 1) in decode.
+    let mut s = Scheduler::new(limits(2, 64), 64);
+    s.add(1, ranked(vec![1, 2, 3], 20, 1, false));
+    s.add(2, ranked(vec![4, 5, 6], 20, 1, false));
+    run(&mut s);
+    run(&mut s);
+    assert_eq!(s.running(), 2);
+    // An equal does not preempt: it waits.
+    s.add(3, ranked(vec![7, 8, 9], 2, 1, false));
+    let out = run(&mut s);
+    assert_eq!((out.preempted, s.running(), s.waiting()), (0, 2, 1));
+    // An interactive one (priority 0) goes ahead of the waiting one and takes the newest
+    // batch request's place in the same step.
+    s.add(4, ranked(vec![10, 11, 12], 2, 0, false));
+    let out = run(&mut s);
+    assert_eq!(out.preempted, 1);
+    assert!(
+        out.tokens.iter().any(|(id, _, _)| *id == 4),
+        "it starts at once"
+    );
+    assert!(
+        out.tokens.iter().all(|(id, _, _)| *id != 2),
+        "the newest batch one gave way"
+    );
+    while !s.is_idle() {
+        run(&mut s);
+    }
+    // Everyone finishes, the preempted one with the tokens it would have had alone.
+    let alone = spec(vec![4, 5, 6], 20);
+    let want: Vec<u32> = (0..20).map(|i| token_at(&alone, &vocab(), i)).collect();
+    assert_eq!(got[&2], want);
+    assert_eq!((got[&3].len(), got[&4].len()), (2, 2));
+}
+
+#[test]
+fn within_a_priority_a_request_that_yields_gives_way_to_one_that_does_not() {
+    let mut s = Scheduler::new(limits(2, 64), 64);
+    s.add(1, ranked(vec![1, 2, 3], 20, 0, false));
+    s.add(2, ranked(vec![4, 5, 6], 20, 0, true));
+    step(&mut s);
+    // A yielding newcomer waits; one that does not yield takes the yielding one's place.
+    s.add(3, ranked(vec![7, 8, 9], 4, 0, true));
+    assert_eq!(step(&mut s).preempted, 0);
+    s.add(4, ranked(vec![10, 11, 12], 4, 0, false));
+    let out = step(&mut s);
+    assert_eq!(out.preempted, 1);
+    assert!(out.tokens.iter().any(|(id, _, _)| *id == 4));
+    assert!(
+        out.tokens.iter().any(|(id, _, _)| *id == 1),
+        "the other keeps its place"
+    );
+    // The preempted one waits ahead of the later yielding one.
+    let order: Vec<SeqId> = s.waiting.iter().map(|q| q.id).collect();
+    assert_eq!(order, [2, 3]);
+    drain(&mut s);
 }
