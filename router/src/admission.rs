@@ -438,9 +438,9 @@ impl<T> Queue<T> {
         self.len = self.waiting.values().map(BTreeMap::len).sum();
     }
 
-    /// Takes out the entries `late(place, rank)` says to, `place` being where each stands in
-    /// the order they would go in now (0 goes next).
-    pub fn take_late(&mut self, mut late: impl FnMut(usize, &Rank) -> bool) -> Vec<T> {
+    /// Takes out the entries `late(place, rank, entry)` says to, `place` being where each
+    /// stands in the order they would go in now (0 goes next).
+    pub fn take_late(&mut self, mut late: impl FnMut(usize, &Rank, &T) -> bool) -> Vec<T> {
         let mut all = Vec::with_capacity(self.len);
         for (t, q) in &self.waiting {
             let mut ahead = 0.0;
@@ -450,10 +450,16 @@ impl<T> Queue<T> {
             }
         }
         all.sort_by(|a, b| cmp_key(&a.0, &b.0));
+        let waiting = &self.waiting;
         let out: Vec<(String, Rank)> = all
             .into_iter()
             .enumerate()
-            .filter(|(i, (_, _, r))| late(*i, r))
+            .filter(|(i, (_, t, r))| {
+                waiting
+                    .get(t)
+                    .and_then(|q| q.get(r))
+                    .is_some_and(|(_, item)| late(*i, r, item))
+            })
             .map(|(_, (_, t, r))| (t, r))
             .collect();
         out.iter().filter_map(|(t, r)| self.remove(t, r)).collect()
@@ -514,6 +520,8 @@ struct Waiter {
     tx: oneshot::Sender<Result<Permit, OpError>>,
     tenant: String,
     tokens: u64,
+    /// When it started waiting.
+    since: Instant,
 }
 
 /// Admission for one router.
@@ -537,7 +545,8 @@ struct State {
     held: HashMap<String, usize>,
     /// Rate-limited tenants' buckets.
     buckets: HashMap<String, Bucket>,
-    /// When a request last finished, and the moving average of the gaps between finishes.
+    /// When a request last finished leaving a place for the queue, and the moving average of
+    /// the gaps between such finishes.
     last_done: Option<Instant>,
     gap: Option<Duration>,
 }
@@ -657,6 +666,12 @@ struct Active {
     now: Instant,
 }
 
+/// How long after it starts waiting a request may still be refused by forecast: one that
+/// passed it is kept for its turn — past `max_wait_s` if need be, up to twice that or its own
+/// deadline — so that a refusal comes at once or (rarely) at that bound, and a request the
+/// forecast let in is served late rather than refused late.
+const REFUSE_WINDOW: Duration = Duration::from_millis(50);
+
 /// A request's place among those in flight; dropping it (when the request is over) lets the
 /// best waiting request go.
 pub struct Permit {
@@ -678,15 +693,19 @@ impl Drop for Permit {
         if let Some(a) = self.admission.take() {
             let mut s = a.state.lock();
             s.unhold(&self.tenant, self.precedence);
-            let now = Instant::now();
-            if let Some(last) = s.last_done {
-                let gap = now - last;
-                s.gap = Some(match s.gap {
-                    Some(avg) => avg.mul_f64(1.0 - GAP_WEIGHT) + gap.mul_f64(GAP_WEIGHT),
-                    None => gap,
-                });
+            // Only a finish that leaves a place for the queue counts: one that brings requests
+            // that went past the room back down to it lets no one wait less.
+            if s.inflight < a.capacity() {
+                let now = Instant::now();
+                if let Some(last) = s.last_done {
+                    let gap = now - last;
+                    s.gap = Some(match s.gap {
+                        Some(avg) => avg.mul_f64(1.0 - GAP_WEIGHT) + gap.mul_f64(GAP_WEIGHT),
+                        None => gap,
+                    });
+                }
+                s.last_done = Some(now);
             }
-            s.last_done = Some(now);
             a.dispatch(&mut s);
         }
     }
@@ -851,9 +870,10 @@ impl Admission {
     fn shed(&self, s: &mut State) {
         let Some(gap) = s.gap else { return };
         let now = Instant::now();
-        let late = s
-            .queue
-            .take_late(|i, r| now + gap.mul_f64(WAIT_MARGIN * (i + 1) as f64) > r.deadline);
+        let late = s.queue.take_late(|i, r, w| {
+            now - w.since < REFUSE_WINDOW
+                && now + gap.mul_f64(WAIT_MARGIN * (i + 1) as f64) > r.deadline
+        });
         for w in late {
             self.refund(s, &w.tenant, w.tokens);
             let _ =
@@ -946,9 +966,10 @@ impl Admission {
         let cost = ask.tokens as f64 / self.tenant(ask.tenant).weight;
         let wait = Duration::from_secs_f64(self.config.max_wait_s.max(0.0));
         // The request's own deadline (`x-request-timeout`) when it comes sooner.
+        let queued = Instant::now();
         let deadline = match ctx.deadline() {
-            Some(d) => (Instant::now() + wait).min(Instant::from_std(d)),
-            None => Instant::now() + wait,
+            Some(d) => (queued + wait).min(Instant::from_std(d)),
+            None => queued + wait,
         };
         let rx = {
             let mut s = self.state.lock();
@@ -979,6 +1000,7 @@ impl Admission {
                 tx,
                 tenant: ask.tenant.to_owned(),
                 tokens: ask.tokens,
+                since: Instant::now(),
             };
             match s.queue.push(priority, deadline, ask.tenant, cost, waiter) {
                 Pushed::Waiting => {}
@@ -997,8 +1019,13 @@ impl Admission {
             rx
         };
         tracing::debug!(request_id = %ctx.id(), priority, tenant = ask.tenant, "Waiting for room");
-        let queued = Instant::now();
-        let answer = match tokio::time::timeout_at(deadline, rx).await {
+        // Past the refusal window a request is kept for its turn (see [`REFUSE_WINDOW`]), up
+        // to twice the wait its forecast was held to (its own deadline still ends it).
+        let kept = match ctx.deadline() {
+            Some(d) => (queued + wait * 2).min(Instant::from_std(d)),
+            None => queued + wait * 2,
+        };
+        let answer = match tokio::time::timeout_at(kept, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(OpError::internal("the admission queue dropped a request")),
             Err(_) => {
