@@ -12,8 +12,8 @@
 //! (`x-request-timeout`) bounds its wait when it is sooner than `max_wait_s`.
 //!
 //! Room: `per_worker` requests in flight from this router per live worker (what `dyn bench`
-//! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone, with the
-//! time passed in, so its tests run on a scripted clock.
+//! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone; time is
+//! tokio's clock, so the tests run on a paused, scripted one.
 //!
 //! **Tenants** (the API key's, or the ingress's tenant header) share the room by weight:
 //! within a priority, the next request to go is the best-ranked one of the tenant that has been
@@ -55,6 +55,7 @@ use dyn_core::{Ctx, OpError};
 use dyn_llm::types::Precedence;
 
 use super::metrics::ADMISSION;
+use super::sequences::ByPrecedence;
 use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::oneshot;
@@ -246,11 +247,6 @@ impl<T> Queue<T> {
         )
     }
 
-    /// The dispatch order's key of `tenant`'s entry `rank`.
-    fn key(&self, tenant: &str, rank: &Rank) -> (i32, f64, Instant, u64) {
-        (rank.priority, self.counter(tenant), rank.deadline, rank.seq)
-    }
-
     /// Counts `cost` (tokens over weight) as served to `tenant` here: a request that went
     /// without waiting is charged as one that waited. Kept for the other routers.
     pub fn charge(&mut self, tenant: &str, cost: f64) {
@@ -395,24 +391,19 @@ impl<T> Queue<T> {
     }
 
     /// The next request to go, taken out and charged to its tenant.
+    #[cfg(test)]
     pub fn pop(&mut self) -> Option<(Rank, T)> {
-        self.pop_where(|_, _| true).map(|(_, r, t)| (r, t))
+        let (tenant, rank) = self.peek_where(|_, _| true)?;
+        self.take(&tenant, &rank).map(|(_, r, t)| (r, t))
     }
 
-    /// The next request to go among each tenant's best-ranked one that `may_go` allows,
-    /// taken out and charged to its tenant.
-    pub fn pop_where(&mut self, may_go: impl Fn(&str, &Rank) -> bool) -> Option<(String, Rank, T)> {
-        let (tenant, rank) = self.peek_where(may_go)?;
-        self.take(&tenant, &rank)
-    }
-
-    /// Which request [`Self::pop_where`] would take.
+    /// The next request to go among each tenant's best-ranked one that `may_go` allows.
     pub fn peek_where(&self, may_go: impl Fn(&str, &Rank) -> bool) -> Option<(String, Rank)> {
         self.waiting
             .iter()
             .filter_map(|(t, q)| q.first_key_value().map(|(r, _)| (t, *r)))
             .filter(|(t, r)| may_go(t, r))
-            .map(|(t, r)| (self.key(t, &r), t, r))
+            .map(|(t, r)| (self.projected(t, &r, 0.0), t, r))
             .min_by(|a, b| cmp_key(&a.0, &b.0))
             .map(|(_, t, r)| (t.clone(), r))
     }
@@ -483,7 +474,6 @@ impl<T> Queue<T> {
         (by_priority, by_tenant)
     }
 
-    /// Each tenant's counter (for `dyn inspect` and the tests).
     /// What this router added to `tenant`'s counter on its arrivals.
     pub fn lift_of(&self, tenant: &str) -> f64 {
         self.lift.get(tenant).copied().unwrap_or(0.0)
@@ -539,9 +529,9 @@ pub struct Admission {
 struct State {
     inflight: usize,
     /// Requests in flight by precedence.
-    ranks: BTreeMap<Precedence, usize>,
+    ranks: ByPrecedence,
     queue: Queue<Waiter>,
-    /// Places each tenant holds (with a reserve).
+    /// Places each tenant holds.
     held: HashMap<String, usize>,
     /// Rate-limited tenants' buckets.
     buckets: HashMap<String, Bucket>,
@@ -554,25 +544,20 @@ struct State {
 impl State {
     /// Requests in flight that come before a request of `p` or level with it.
     fn ahead(&self, p: Precedence) -> usize {
-        self.ranks.range(..=p).map(|(_, n)| n).sum()
+        self.ranks.ahead(p) as usize
     }
 
     /// Counts a request of `tenant` and `p` in flight.
     fn hold(&mut self, tenant: &str, p: Precedence) {
         self.inflight += 1;
-        *self.ranks.entry(p).or_default() += 1;
+        self.ranks.add(p);
         *self.held.entry(tenant.to_owned()).or_default() += 1;
     }
 
     /// A request of `tenant` and `p` is no longer in flight.
     fn unhold(&mut self, tenant: &str, p: Precedence) {
         self.inflight = self.inflight.saturating_sub(1);
-        if let Some(n) = self.ranks.get_mut(&p) {
-            *n -= 1;
-            if *n == 0 {
-                self.ranks.remove(&p);
-            }
-        }
+        self.ranks.remove(p);
         self.release(tenant);
     }
 
@@ -658,11 +643,19 @@ const GAP_WEIGHT: f64 = 0.1;
 /// arriving meanwhile go ahead of it, so a place is worth more than one gap.
 const WAIT_MARGIN: f64 = 4.0;
 
+/// Places: live workers × `per_worker`, and those one tenant may hold (less the reserve).
+#[derive(Debug, Clone, Copy)]
+struct Room {
+    places: usize,
+    tenant_places: usize,
+}
+
 /// The tenants in flight or waiting, as [`Admission::precedence`] weighs them.
-struct Active {
+struct Active<'a> {
     weight: f64,
+    room: Room,
     /// The two lowest recent services, with their tenants (infinite where fewer).
-    lowest: [(f64, String); 2],
+    lowest: [(f64, &'a str); 2],
     now: Instant,
 }
 
@@ -695,7 +688,8 @@ impl Drop for Permit {
             s.unhold(&self.tenant, self.precedence);
             // Only a finish that leaves a place for the queue counts: one that brings requests
             // that went past the room back down to it lets no one wait less.
-            if s.inflight < a.capacity() {
+            let room = a.room();
+            if s.inflight < room.places {
                 let now = Instant::now();
                 if let Some(last) = s.last_done {
                     let gap = now - last;
@@ -706,7 +700,7 @@ impl Drop for Permit {
                 }
                 s.last_done = Some(now);
             }
-            a.dispatch(&mut s);
+            a.dispatch(&mut s, room);
         }
     }
 }
@@ -722,7 +716,7 @@ impl Admission {
             node: node.to_owned(),
             state: Mutex::new(State {
                 inflight: 0,
-                ranks: BTreeMap::new(),
+                ranks: ByPrecedence::default(),
                 queue: Queue::new(config.queue),
                 buckets: HashMap::new(),
                 held: HashMap::new(),
@@ -734,14 +728,14 @@ impl Admission {
         })
     }
 
-    fn capacity(&self) -> usize {
-        (self.workers)() * self.config.per_worker as usize
-    }
-
-    /// The places one tenant may hold.
-    fn tenant_cap(&self) -> usize {
+    /// The places now (asks the router for its live workers once).
+    fn room(&self) -> Room {
+        let workers = (self.workers)();
         let per = self.config.per_worker.saturating_sub(self.config.reserve);
-        (self.workers)() * per as usize
+        Room {
+            places: workers * self.config.per_worker as usize,
+            tenant_places: workers * per as usize,
+        }
     }
 
     /// Requests in flight and waiting.
@@ -767,13 +761,13 @@ impl Admission {
         }
         let held = s.held.get(tenant).copied().unwrap_or(0);
         let weight = self.tenant(tenant).weight;
-        let share = self.capacity() as f64 * weight
+        let share = active.room.places as f64 * weight
             / active
                 .weight
                 .max(weight + self.config.tenant_default.weight);
-        let others = match &active.lowest {
-            [(_, t), (second, _)] if t == tenant => *second,
-            [(first, _), _] => *first,
+        let others = match active.lowest {
+            [(_, t), (second, _)] if t == tenant => second,
+            [(first, _), _] => first,
         };
         // (Alone, there are no others: infinity.)
         let least = others.is_finite() && s.queue.recent(tenant, active.now) < others;
@@ -784,43 +778,41 @@ impl Admission {
     }
 
     /// The tenants in flight or waiting, and `also` if it is neither.
-    fn active(&self, s: &State, also: Option<&str>) -> Active {
+    fn active<'a>(&self, s: &'a State, also: Option<&'a str>, room: Room) -> Active<'a> {
         let mut names: Vec<&str> = s.held.keys().map(String::as_str).collect();
         names.extend(s.queue.tenants());
         names.extend(also);
         names.sort_unstable();
         names.dedup();
         let now = Instant::now();
-        let mut lowest = [
-            (f64::INFINITY, String::new()),
-            (f64::INFINITY, String::new()),
-        ];
-        for t in &names {
+        let mut lowest = [(f64::INFINITY, ""); 2];
+        for &t in &names {
             let c = s.queue.recent(t, now);
             if c < lowest[0].0 {
-                lowest[1] = std::mem::replace(&mut lowest[0], (c, (*t).to_owned()));
+                lowest = [(c, t), lowest[0]];
             } else if c < lowest[1].0 {
-                lowest[1] = (c, (*t).to_owned());
+                lowest[1] = (c, t);
             }
         }
         Active {
             weight: names.iter().map(|t| self.tenant(t).weight).sum(),
             lowest,
             now,
+            room,
         }
     }
 
     /// Whether a request of `tenant` standing at `p` may go now: fewer requests than the
     /// places come before it or level with it (the rest give way to it at their workers), and
     /// with a reserve, its tenant holds less than the places left to one tenant.
-    fn may_start(&self, s: &State, tenant: &str, p: Precedence) -> bool {
+    fn may_start(&self, s: &State, tenant: &str, p: Precedence, room: Room) -> bool {
         let ahead = if self.config.preempt {
             s.ahead(p)
         } else {
             s.inflight
         };
         let held = s.held.get(tenant).copied().unwrap_or(0);
-        ahead < self.capacity() && (self.config.reserve == 0 || held < self.tenant_cap())
+        ahead < room.places && (self.config.reserve == 0 || held < room.tenant_places)
     }
 
     /// Whether requests may go beyond the room, making running ones give way.
@@ -829,14 +821,15 @@ impl Admission {
     }
 
     /// Lets waiting requests go while there is room (their permits counted in flight).
-    fn dispatch(self: &Arc<Self>, s: &mut State) {
+    fn dispatch(self: &Arc<Self>, s: &mut State, room: Room) {
         // Requests whose clients left (or gave up waiting) are neither served nor charged.
         s.queue.retain(|w| !w.tx.is_closed());
         loop {
-            let active = self.active(s, None);
+            let active = self.active(s, None, room);
             let state = &*s;
             let go = |t: &str, r: &Rank| {
-                self.may_start(state, t, self.precedence(state, t, r.priority, &active))
+                let p = self.precedence(state, t, r.priority, &active);
+                self.may_start(state, t, p, room)
             };
             // Chosen, then taken: the queue cannot be borrowed while `go` reads the state.
             let Some((tenant, rank)) = s.queue.peek_where(go) else {
@@ -890,8 +883,7 @@ impl Admission {
         e
     }
 
-    /// Wait for room for a request of `priority`; the permit counts it in flight until
-    /// dropped. Refused (503, [`QUEUE_FULL`] or [`QUEUE_TIMEOUT`]) when it cannot get room.
+    /// `tenant`'s weight and limits.
     fn tenant(&self, tenant: &str) -> &TenantConfig {
         self.config
             .tenants
@@ -981,9 +973,10 @@ impl Admission {
                 return Err(self.refused(e));
             }
             s.queue.retain(|w| !w.tx.is_closed());
-            let active = self.active(&s, Some(ask.tenant));
+            let room = self.room();
+            let active = self.active(&s, Some(ask.tenant), room);
             let p = self.precedence(&s, ask.tenant, priority, &active);
-            if s.queue.is_empty() && self.may_start(&s, ask.tenant, p) {
+            if s.queue.is_empty() && self.may_start(&s, ask.tenant, p, room) {
                 s.hold(ask.tenant, p);
                 s.queue.lift_on_arrival(ask.tenant, cost);
                 s.queue.charge(ask.tenant, cost);
@@ -1014,7 +1007,7 @@ impl Admission {
                 }
             }
             // Room may have opened meanwhile (more workers).
-            self.dispatch(&mut s);
+            self.dispatch(&mut s, self.room());
             self.shed(&mut s);
             rx
         };
@@ -1084,6 +1077,7 @@ impl Admission {
 
     /// The queue now, for `dyn inspect queue`.
     pub fn answer(&self) -> QueueAnswer {
+        let room = self.room();
         let s = self.state.lock();
         let (by_priority, by_tenant) = s.queue.waiting_by();
         let counters: HashMap<String, f64> = s.queue.counters().into_iter().collect();
@@ -1108,8 +1102,8 @@ impl Admission {
             .collect();
         QueueAnswer {
             in_flight: s.inflight,
-            room: self.capacity(),
-            tenant_room: self.tenant_cap(),
+            room: room.places,
+            tenant_room: room.tenant_places,
             waiting: s.queue.len(),
             queue: self.config.queue,
             max_wait_s: self.config.max_wait_s,
@@ -1122,8 +1116,8 @@ impl Admission {
     /// Lets waiting requests go if workers joined (called on a timer by the router).
     pub fn tick(self: &Arc<Self>) {
         let mut s = self.state.lock();
-        s.queue.retain(|w| !w.tx.is_closed());
-        self.dispatch(&mut s);
+        // (`dispatch` first drops the waiters whose clients left.)
+        self.dispatch(&mut s, self.room());
         self.shed(&mut s);
     }
 }

@@ -51,7 +51,31 @@ struct Active {
     blocks: HashMap<u64, u32>,
     /// Active requests by precedence: a request has a place there if fewer than the bound
     /// come before it or level with it (the engine preempts the others for it).
-    ranks: BTreeMap<Precedence, u32>,
+    ranks: ByPrecedence,
+}
+
+/// Requests counted by precedence (see [`Precedence`]).
+#[derive(Debug, Default)]
+pub struct ByPrecedence(BTreeMap<Precedence, u32>);
+
+impl ByPrecedence {
+    pub fn add(&mut self, p: Precedence) {
+        *self.0.entry(p).or_default() += 1;
+    }
+
+    pub fn remove(&mut self, p: Precedence) {
+        if let Some(n) = self.0.get_mut(&p) {
+            *n -= 1;
+            if *n == 0 {
+                self.0.remove(&p);
+            }
+        }
+    }
+
+    /// Those that come before a request of `p`, or level with it.
+    pub fn ahead(&self, p: Precedence) -> u32 {
+        self.0.range(..=p).map(|(_, n)| n).sum()
+    }
 }
 
 impl Active {
@@ -78,7 +102,7 @@ impl ActiveSequences {
         let mut m = self.per_worker.lock();
         let a = m.entry(worker).or_default();
         a.requests += 1;
-        *a.ranks.entry(precedence).or_default() += 1;
+        a.ranks.add(precedence);
         a.prefill_tokens += prefill_tokens;
         for h in &hashes {
             *a.blocks.entry(*h).or_insert(0) += 1;
@@ -98,7 +122,7 @@ impl ActiveSequences {
         self.per_worker
             .lock()
             .get(&worker)
-            .map_or(0, |a| a.ranks.range(..=precedence).map(|(_, n)| n).sum())
+            .map_or(0, |a| a.ranks.ahead(precedence))
     }
 
     pub fn load(&self, worker: u64) -> Load {
@@ -174,12 +198,7 @@ impl Drop for ActiveRequest {
         let precedence = self.precedence;
         self.seqs.settle(self.worker, |a| {
             a.requests = a.requests.saturating_sub(1);
-            if let Some(n) = a.ranks.get_mut(&precedence) {
-                *n -= 1;
-                if *n == 0 {
-                    a.ranks.remove(&precedence);
-                }
-            }
+            a.ranks.remove(precedence);
             a.prefill_tokens = a.prefill_tokens.saturating_sub(p);
             for h in hashes {
                 if let Some(n) = a.blocks.get_mut(&h) {

@@ -31,6 +31,19 @@ fn one_slow_worker(extra: &[&str]) -> Graph {
     Graph::up_with_ingress(GRAPH, "http", &args)
 }
 
+/// One slow worker that the router gives one request at a time (`route.admission`), a request
+/// waiting for it up to a minute.
+fn one_place(extra: &[&str]) -> Graph {
+    let mut args = vec![
+        "--set",
+        "route.admission.per_worker=1",
+        "--set",
+        "route.admission.max_wait_s=60",
+    ];
+    args.extend_from_slice(extra);
+    one_slow_worker(&args)
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
@@ -665,14 +678,7 @@ async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
 #[tokio::test]
 async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_refused_at_once() {
     // One slow worker; the router lets one request in flight on it and one more wait.
-    let g = one_slow_worker(&[
-        "--set",
-        "route.admission.per_worker=1",
-        "--set",
-        "route.admission.queue=1",
-        "--set",
-        "route.admission.max_wait_s=60",
-    ]);
+    let g = one_place(&["--set", "route.admission.queue=1"]);
     let body = |priority: i32| {
         chat(
             "hi",
@@ -708,14 +714,7 @@ async fn beyond_the_workers_room_requests_wait_at_the_router_by_priority_or_are_
 #[tokio::test]
 async fn an_interactive_request_starts_at_once_and_the_engine_preempts_a_batch_one() {
     // One slow worker with one place, in the engine and at the router.
-    let g = one_slow_worker(&[
-        "--set",
-        "decode.mocker.max_num_seqs=1",
-        "--set",
-        "route.admission.per_worker=1",
-        "--set",
-        "route.admission.max_wait_s=60",
-    ]);
+    let g = one_place(&["--set", "decode.mocker.max_num_seqs=1"]);
     let body = |priority: i32, max_tokens: u32| {
         chat(
             "hi",
@@ -750,13 +749,7 @@ async fn an_interactive_request_starts_at_once_and_the_engine_preempts_a_batch_o
 
 #[tokio::test]
 async fn a_request_deadline_cancels_it_in_the_queue_and_in_the_engine() {
-    // One slow worker that the router gives one request at a time.
-    let g = one_slow_worker(&[
-        "--set",
-        "route.admission.per_worker=1",
-        "--set",
-        "route.admission.max_wait_s=60",
-    ]);
+    let g = one_place(&[]);
     let long = |stream: bool| {
         chat(
             &"a long prompt ".repeat(40),
@@ -827,7 +820,7 @@ async fn a_request_deadline_cancels_it_in_the_queue_and_in_the_engine() {
 
 #[tokio::test]
 async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_come_by_header() {
-    let g = one_slow_worker(&[
+    let g = one_place(&[
         "--set",
         "http.api_keys=[k1, {key: k2, tenant: acme}]",
         "--set",
@@ -835,11 +828,7 @@ async fn tenants_from_keys_or_a_header_are_rate_limited_and_priority_classes_com
         "--set",
         "http.priority_classes={interactive: 0, batch: 10}",
         "--set",
-        "route.admission.per_worker=1",
-        "--set",
         "route.admission.queue=1",
-        "--set",
-        "route.admission.max_wait_s=60",
         "--set",
         "route.admission.tenants={acme: {requests_per_minute: 1}}",
     ]);

@@ -434,9 +434,9 @@ impl Scheduler {
     }
 
     /// Preempts running sequences for waiting ones that come before them (vLLM's priority
-    /// scheduling): once the batch's free places are taken, each waiting sequence, best
-    /// first, takes the place of the running one that comes last (the newest of equals) if
-    /// that one comes strictly after it. Done before anything is scheduled, so that the
+    /// scheduling): with the batch full, each waiting sequence, best first, takes the place of
+    /// the running one that comes last (the newest of equals) if that one comes strictly after
+    /// it. Done before anything is scheduled, so that the
     /// places freed are filled in this step.
     fn give_way(&mut self, out: &mut StepOutcome) {
         let max = self.limits.max_num_seqs;
@@ -462,13 +462,8 @@ impl Scheduler {
             pb.cmp(&pa).then(b.cmp(&a))
         });
         let mut order = order.into_iter();
-        let mut free = max.saturating_sub(self.running.len());
         let mut victims = Vec::new();
         for w in self.waiting.iter().take(max) {
-            if free > 0 {
-                free -= 1;
-                continue;
-            }
             match order.next() {
                 Some(i) if self.running[i].spec.precedence > w.spec.precedence => victims.push(i),
                 _ => break,
