@@ -219,13 +219,8 @@ fn llamacpp_constraint(c: &Constraint) -> Result<(&'static str, Value), String> 
     match c {
         Constraint::JsonSchema(s) => Ok(("json_schema", s.clone())),
         Constraint::JsonObject => Ok(("json_schema", json!({"type": "object"}))),
-        Constraint::Choice(o) => {
-            let alts: Vec<String> = o
-                .iter()
-                .map(|s| serde_json::to_string(s).unwrap_or_default())
-                .collect();
-            Ok(("grammar", json!(format!("root ::= {}", alts.join(" | ")))))
-        }
+        // GBNF's own escapes: JSON's `\b` and `\f` are not GBNF.
+        Constraint::Choice(o) => Ok(("grammar", json!(dyn_llm::gbnf::choice(o)))),
         Constraint::Calls(c) => dyn_llm::gbnf::calls(c)
             .map(|g| ("grammar", json!(g)))
             .map_err(|e| {

@@ -94,7 +94,7 @@ impl ServerConfig {
         if self
             .api_keys
             .iter()
-            .any(|k| matches!(k, ApiKey::Named { tenant, .. } if !tenant_name_ok(tenant)))
+            .any(|k| matches!(k, ApiKey::Named(n) if !tenant_name_ok(&n.tenant)))
         {
             out.push(Invalid::field("api_keys", TENANT_NAME_RULE));
         }
@@ -172,17 +172,21 @@ impl ServerConfig {
 #[serde(untagged, expecting = "a key, or {key, tenant}")]
 pub enum ApiKey {
     Bare(String),
-    #[serde(rename_all = "snake_case")]
-    Named {
-        key: String,
-        tenant: String,
-    },
+    Named(NamedKey),
+}
+
+/// A key naming its tenant (a struct of its own, so that an unknown field is an error).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedKey {
+    pub key: String,
+    pub tenant: String,
 }
 
 impl ApiKey {
     pub fn key(&self) -> &str {
         match self {
-            ApiKey::Bare(k) | ApiKey::Named { key: k, .. } => k,
+            ApiKey::Bare(k) | ApiKey::Named(NamedKey { key: k, .. }) => k,
         }
     }
 
@@ -190,7 +194,7 @@ impl ApiKey {
     fn tenant(&self, place: usize) -> String {
         match self {
             ApiKey::Bare(_) => format!("key-{}", place + 1),
-            ApiKey::Named { tenant, .. } => tenant.clone(),
+            ApiKey::Named(n) => n.tenant.clone(),
         }
     }
 }
@@ -517,7 +521,7 @@ pub async fn require_api_key(
     if bool::from(hit) && !given.is_empty() {
         let place = usize::try_from(place).unwrap_or_default();
         if let Some(k) = keys.get(place) {
-            let named = matches!(k, ApiKey::Named { .. });
+            let named = matches!(k, ApiKey::Named(_));
             req.extensions_mut()
                 .insert(KeyTenant(k.tenant(place), named));
         }
@@ -629,5 +633,24 @@ async fn refuse_while_draining(
             "the server is shutting down; retry on another replica",
         )
         .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_api_key_is_bare_or_names_its_tenant_and_nothing_else() {
+        let keys: Vec<ApiKey> =
+            serde_json::from_value(json!(["k1", {"key": "k2", "tenant": "acme"}])).unwrap();
+        assert_eq!(
+            (keys[0].tenant(0), keys[1].tenant(1)),
+            ("key-1".into(), "acme".into())
+        );
+        // A field it does not know is an error, not a limit quietly dropped.
+        let extra = json!([{"key": "k", "tenant": "acme", "requests_per_minute": 60}]);
+        assert!(serde_json::from_value::<Vec<ApiKey>>(extra).is_err());
     }
 }

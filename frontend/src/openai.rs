@@ -44,7 +44,8 @@ use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
 use super::{ApiError, KeyTenant, ServerConfig};
 use crate::metrics::FRONTEND;
 
-/// Only the shared server settings (`listen`, `max_body_bytes`, `api_keys`).
+/// Only the shared server settings ([`ServerConfig`]: listen address, body limit, keys, traffic
+/// headers).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(transparent)]
 pub struct HttpConfig {
@@ -1015,7 +1016,8 @@ async fn serve(
         Endpoint::Chat => chat_request(&app, &body),
         Endpoint::Completion => completion_request(&app, &body),
     };
-    // The headers' tenant and priority (a gateway's word) over the body's.
+    // The headers' tenant (the key's, or the tenant header) and priority (a gateway's word,
+    // over the body's `priority`).
     let parsed = parsed.and_then(|(mut req, opts)| {
         let t = app.server.traffic(&headers, key.as_ref())?;
         req.sampling.tenant = t.tenant;

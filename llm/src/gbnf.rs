@@ -37,6 +37,10 @@ const ANNOTATIONS: &[&str] = &[
 /// The largest count a repetition may have here (llama.cpp refuses 2,000 and more).
 const MAX_REPEAT: u64 = 1000;
 
+/// The deepest a schema may nest, counting `$ref`s followed: the conversion recurses, and a
+/// chain of references is not bounded by the JSON parser's own nesting limit.
+const MAX_DEPTH: usize = 64;
+
 /// The longest grammar written: past it, a schema is refused rather than sent.
 const MAX_GRAMMAR: usize = 256 << 10;
 
@@ -80,6 +84,15 @@ pub fn calls(c: &Calls) -> Result<String, String> {
         ));
     }
     Ok(out)
+}
+
+/// A grammar matching exactly one of `options` (a structured output's `choice`).
+pub fn choice(options: &[String]) -> String {
+    let alts: Vec<String> = options
+        .iter()
+        .map(|o| if o.is_empty() { "\"\"".into() } else { lit(o) })
+        .collect();
+    format!("root ::= {}", alts.join(" | "))
 }
 
 /// A GBNF string literal for `s` (empty for empty text, which a sequence leaves out).
@@ -145,6 +158,8 @@ struct Builder {
     root: Value,
     /// Rules already made for a `$ref` (recursive schemas refer to them while being made).
     refs: HashMap<String, String>,
+    /// Schemas being converted now, one inside the other.
+    depth: usize,
 }
 
 impl Builder {
@@ -156,6 +171,18 @@ impl Builder {
 
     /// A rule matching what `s` allows.
     fn schema(&mut self, s: &Value) -> Result<String, String> {
+        if self.depth >= MAX_DEPTH {
+            return Err(format!(
+                "a schema nested deeper than {MAX_DEPTH} levels (references included)"
+            ));
+        }
+        self.depth += 1;
+        let rule = self.schema_at_depth(s);
+        self.depth -= 1;
+        rule
+    }
+
+    fn schema_at_depth(&mut self, s: &Value) -> Result<String, String> {
         let o = match s {
             Value::Bool(true) => return Ok("json-value".into()),
             Value::Object(o) => o,
@@ -533,6 +560,13 @@ mod tests {
             ),
             (json!({"type": ["string", 3]}), "the type 3"),
             (json!({"$ref": "#"}), "refers to itself"),
+            // A long chain of references is refused, not followed down the stack.
+            (
+                json!({"$ref": "#/$defs/d0", "$defs": (0..5000)
+                    .map(|i| (format!("d{i}"), json!({"$ref": format!("#/$defs/d{}", i + 1)})))
+                    .collect::<serde_json::Map<String, Value>>()}),
+                "deeper than 64",
+            ),
         ] {
             let e = one(schema).unwrap_err();
             assert!(e.contains(named), "{e}");

@@ -656,7 +656,11 @@ impl Inner {
         };
         let mut d = self.decide_without(tokens, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
-            if let Some(w) = self.affinity(s, precedence, now) {
+            // (Not back to the worker the request just failed on.)
+            if let Some(w) = self
+                .affinity(s, precedence, now)
+                .filter(|w| Some(*w) != failed_here)
+            {
                 d.worker = w;
             }
             if let Some(b) = sessions.bind(s, d.worker, now)

@@ -677,7 +677,6 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
 }
 
-/// A second frontend on the cluster's pool: the same graph with only its frontend nodes.
 /// A second frontend process (http, preprocess, route, postprocess) on the cluster's planes,
 /// with `extra` settings.
 fn second_frontend(c: &Cluster, extra: &[&str]) -> Graph {

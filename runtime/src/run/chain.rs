@@ -325,9 +325,15 @@ impl DynChain for ChainRunner {
             // Only the first item fires the hooks; later ones skip the context's lock.
             let mut first = true;
             while let Some(item) = out.next().await {
-                if first && item.is_ok() {
-                    first = false;
-                    ctx.first_output();
+                match &item {
+                    Ok(_) if first => {
+                        first = false;
+                        ctx.first_output();
+                    }
+                    // Who routed the request learns how it went (a circuit breaker), with
+                    // migration or without; hooks already told by a resend are gone.
+                    Err(e) => ctx.failed(e),
+                    Ok(_) => {}
                 }
                 yield item;
             }
