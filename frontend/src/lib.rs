@@ -355,6 +355,17 @@ impl ApiError {
     }
 }
 
+/// What a failure is for the client when it came as the request's deadline passed (`late`):
+/// the deadline's (504), unless it is a refusal for want of room or workers, which keeps its
+/// 503 and `Retry-After`. Both ingresses answer so.
+pub(crate) fn at_deadline(e: ApiError, late: bool) -> ApiError {
+    if late && e.status != StatusCode::SERVICE_UNAVAILABLE {
+        OpError::deadline_exceeded().into()
+    } else {
+        e
+    }
+}
+
 impl From<OpError> for ApiError {
     fn from(e: OpError) -> Self {
         let param = e.param;

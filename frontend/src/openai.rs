@@ -1074,14 +1074,10 @@ async fn serve(
             track.finish("error");
             return ApiError::from(OpError::deadline_exceeded()).into_response();
         }
-        Err(e) if late && e.status != StatusCode::SERVICE_UNAVAILABLE => {
-            track.finish("error");
-            return ApiError::from(OpError::deadline_exceeded()).into_response();
-        }
         Ok(c) => c,
         Err(e) => {
             track.finish("error");
-            return e.into_response();
+            return super::at_deadline(e, late).into_response();
         }
     };
     let out = until_deadline(out, deadline, first.as_ref(), opts.n);

@@ -119,17 +119,11 @@ async fn handle(
     let req: TextRequest = super::parse_json(&body)?;
     let ctx = config.request_ctx(&chain, &headers)?;
     let id = ctx.id().to_string();
-    // Text has no end marker: past the deadline, an error or an end is the deadline's.
+    // Text has no end marker: past the deadline, an end is the deadline's, and so is an
+    // error (a refusal for want of room aside).
     let deadline = ctx.deadline();
     let late = move || deadline.is_some_and(|d| std::time::Instant::now() >= d);
-    // A failure past the deadline is the deadline's.
-    let why = move |e: OpError| {
-        if late() {
-            OpError::deadline_exceeded()
-        } else {
-            e
-        }
-    };
+    let why = move |e: OpError| super::at_deadline(e.into(), late());
     // Dropped with this future or with the SSE stream: a client that hangs up kills the request.
     let guard = ctx.kill_on_drop();
     let mut out = chain.call(ctx, Text(req.text));
@@ -159,7 +153,7 @@ async fn handle(
             match item {
                 Ok(Text(t)) => yield Ok(Event::default().data(json!({"id": id, "text": t}).to_string())),
                 Err(e) => {
-                    yield Ok(Event::default().data(ApiError::from(why(e)).body().to_string()));
+                    yield Ok(Event::default().data(why(e).body().to_string()));
                     failed = true;
                     break;
                 }

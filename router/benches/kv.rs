@@ -186,11 +186,9 @@ fn decisions(c: &mut Criterion) {
                 .collect()
         })
         .collect();
-    let is_down = |_| false;
     let view = View {
         live: &live,
         instances: &instances,
-        is_down: &is_down,
         active: &active,
         reported: &reported,
     };

@@ -539,6 +539,9 @@ struct State {
     /// the gaps between such finishes.
     last_done: Option<Instant>,
     gap: Option<Duration>,
+    /// When the newest waiter started waiting (none younger: nothing for the forecast to
+    /// refuse).
+    newest: Option<Instant>,
 }
 
 impl State {
@@ -722,6 +725,7 @@ impl Admission {
                 held: HashMap::new(),
                 last_done: None,
                 gap: None,
+                newest: None,
             }),
             config,
             workers: Box::new(workers),
@@ -863,6 +867,9 @@ impl Admission {
     fn shed(&self, s: &mut State) {
         let Some(gap) = s.gap else { return };
         let now = Instant::now();
+        if s.newest.is_none_or(|t| now - t >= REFUSE_WINDOW) {
+            return;
+        }
         let late = s.queue.take_late(|i, r, w| {
             now - w.since < REFUSE_WINDOW
                 && now + gap.mul_f64(WAIT_MARGIN * (i + 1) as f64) > r.deadline
@@ -993,8 +1000,9 @@ impl Admission {
                 tx,
                 tenant: ask.tenant.to_owned(),
                 tokens: ask.tokens,
-                since: Instant::now(),
+                since: queued,
             };
+            s.newest = Some(queued);
             match s.queue.push(priority, deadline, ask.tenant, cost, waiter) {
                 Pushed::Waiting => {}
                 Pushed::Displaced(worse) => {

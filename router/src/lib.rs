@@ -582,17 +582,11 @@ impl Inner {
             return Err(self.unavailable());
         }
         let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
-        let (live, leaving) = if kept.is_empty() {
-            (all, false)
-        } else {
-            (kept, true)
-        };
-        let is_down = |id: u64| self.planes.is_down(id.into()) || (leaving && left_out(id));
+        let live = if kept.is_empty() { all } else { kept };
         let reported = self.metrics.lock();
         let view = View {
             live: &live,
             instances: &self.workers,
-            is_down: &is_down,
             active: &self.active,
             reported: &reported,
         };

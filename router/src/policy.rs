@@ -59,11 +59,11 @@ impl Policy {
 
 /// What a policy sees of the workers when it decides.
 pub struct View<'a> {
-    /// Workers in discovery, less those the request plane just saw fail; never empty.
+    /// The workers it may choose: those in discovery, less those the request plane just saw
+    /// fail and those the router leaves out of this request (unless that is all); never empty.
     pub live: &'a [u64],
-    /// The same workers as discovery lists them (round robin keeps its cursor there).
+    /// Every worker as discovery lists them (round robin keeps its cursor there).
     pub instances: &'a LiveInstances,
-    pub is_down: &'a (dyn Fn(u64) -> bool + Sync),
     /// What this router has outstanding on each worker.
     pub active: &'a ActiveSequences,
     /// Each worker's last load metrics, with this router's load there when they arrived.
@@ -120,13 +120,13 @@ pub trait RoutingPolicy: Send + Sync {
     fn decide(&self, tokens: &[u32], view: &View<'_>) -> Option<Decision>;
 }
 
-/// In turn, skipping workers seen down.
+/// In turn, skipping workers it may not choose.
 struct RoundRobin;
 
 impl RoutingPolicy for RoundRobin {
     fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
         view.instances
-            .round_robin(|i| !(view.is_down)(i.instance_id.get()))
+            .round_robin(|i| view.live.contains(&i.instance_id.get()))
             .map(|i| Decision::plain(i.instance_id.get()))
     }
 }

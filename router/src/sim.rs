@@ -58,7 +58,6 @@ impl Sim {
         let view = View {
             live: &self.live,
             instances: &self.instances,
-            is_down: &|_| false,
             active: &self.active,
             reported: &self.reported,
         };
