@@ -222,6 +222,12 @@ impl Ctx {
         }
     }
 
+    /// Whether the request path has yielded an item (a resent request's client already has
+    /// part of its answer).
+    pub fn output_started(&self) -> bool {
+        self.inner.hooks.state.lock().first_output_seen
+    }
+
     /// Run `f` once the request is over: when the last context of this request is dropped.
     pub fn on_done(&self, f: impl FnOnce() + Send + 'static) {
         self.inner.hooks.state.lock().done.push(Box::new(f));

@@ -710,14 +710,18 @@ impl Inner {
                 tracing::warn!(worker_id = format_args!("{worker:x}"), node = %node, error = %e.message, "Worker left out of routing for a while: its requests keep failing");
             }
         });
-        let (health, o) = (self.health.clone(), outcome.clone());
-        ctx.on_first_output(move || {
-            if o.compare_exchange(PENDING, ANSWERED, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-            {
-                health.ok(worker);
-            }
-        });
+        // A request resent after its client got tokens has had its first output: the hook
+        // would run at once, before this worker answered anything, which proves nothing.
+        if !ctx.output_started() {
+            let (health, o) = (self.health.clone(), outcome.clone());
+            ctx.on_first_output(move || {
+                if o.compare_exchange(PENDING, ANSWERED, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    health.ok(worker);
+                }
+            });
+        }
         let (health, avoid) = (self.health.clone(), self.avoid.clone());
         ctx.on_done(move || {
             avoid.lock().remove(&id);
