@@ -191,7 +191,7 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
             Err(e)
                 if matches!(query, Query::Queue)
                     && args.node.is_none()
-                    && format!("{e:#}").contains("no admission queue") =>
+                    && format!("{e:#}").contains(dyn_router::inspect::NO_QUEUE) =>
             {
                 passed_over.push(format!("{node}: {e:#}"));
                 continue;

@@ -398,6 +398,10 @@ impl Inner {
     }
 }
 
+/// What a node without an admission queue answers `dyn inspect queue` with (the CLI passes
+/// such nodes over by it).
+pub const NO_QUEUE: &str = "no admission queue";
+
 impl Inspect for Inner {
     fn inspect(&self, query: &str, a: &Value) -> Result<Value, String> {
         match Query::parse(query, a)? {
@@ -406,7 +410,7 @@ impl Inspect for Inner {
             Query::Kv(a) => to_value(self.kv_answer(&a)?),
             Query::Queue => match &self.admission {
                 Some(a) => to_value(a.answer()),
-                None => Err("this router has no admission queue (route.admission)".into()),
+                None => Err(format!("this router has {NO_QUEUE} (route.admission)")),
             },
         }
     }

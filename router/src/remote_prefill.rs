@@ -519,9 +519,10 @@ impl Inspect for Inner {
                 to_value(json!(answer))
             }
             crate::inspect::Query::Kv(a) => to_value(json!(self.pool.kv_answer(&a)?)),
-            crate::inspect::Query::Queue => {
-                Err("a remote_prefill node has no admission queue; ask its route node".into())
-            }
+            crate::inspect::Query::Queue => Err(format!(
+                "a remote_prefill node has {}; ask its route node",
+                crate::inspect::NO_QUEUE
+            )),
             crate::inspect::Query::Route(a) => {
                 // The queue's depth is not read: an admin query does not wait on the queue's
                 // server. The decision shown assumes the queue has room.

@@ -677,6 +677,13 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
 }
 
+/// The workers the router behind `url` sees live.
+fn live_workers(url: &str) -> usize {
+    dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
+        .as_array()
+        .map_or(0, |w| w.iter().filter(|w| w["live"] == true).count())
+}
+
 /// A second frontend process (http, preprocess, route, postprocess) on the cluster's planes,
 /// with `extra` settings.
 fn second_frontend(c: &Cluster, extra: &[&str]) -> Graph {
@@ -709,13 +716,8 @@ async fn two_frontends_route_on_one_view_of_the_workers() {
     };
     let b = second_frontend(&c, &[]);
     let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
-    let live = |url: &str| {
-        dyn_tests::inspect_json(url, &["workers"])["replicas"][0]["workers"]
-            .as_array()
-            .map_or(0, |w| w.iter().filter(|w| w["live"] == true).count())
-    };
     c.wait_for(
-        |_| live(&url_b) == 4,
+        |_| live_workers(&url_b) == 4,
         "the second router sees the 4 workers",
     );
 
@@ -902,12 +904,7 @@ async fn two_frontends_share_session_bindings_and_tenant_shares() {
     let b = second_frontend(&c, &extra);
     let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
     c.wait_for(
-        |_| {
-            dyn_tests::inspect_json(&url_b, &["workers"])["replicas"][0]["workers"]
-                .as_array()
-                .map_or(0, |w| w.iter().filter(|w| w["live"] == true).count())
-                == 4
-        },
+        |_| live_workers(&url_b) == 4,
         "the second router sees the 4 workers",
     );
     let send = |url: String, session: &'static str, tenant: &'static str, prompt: String| async move {
