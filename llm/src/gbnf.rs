@@ -118,8 +118,8 @@ fn lit(s: &str) -> String {
     out
 }
 
-/// Items in a row, the empty ones left out.
-fn seq(items: &[String]) -> String {
+/// Items in a row, the empty ones left out (Lark writes them so too).
+pub(crate) fn seq(items: &[String]) -> String {
     let parts: Vec<&str> = items
         .iter()
         .map(String::as_str)

@@ -250,18 +250,20 @@ pub fn compact_json() -> Value {
 /// The JSON Schema a JSON constraint compiles (`None` for the others), with the compact
 /// options unless the schema sets its own (`x-guidance`).
 fn json_schema(c: &Constraint) -> Option<Value> {
-    let compact = compact_json();
     match c {
-        Constraint::JsonObject => Some(json!({"type": "object", "x-guidance": compact})),
-        Constraint::JsonSchema(schema) => {
-            let mut schema = schema.clone();
-            if let Value::Object(o) = &mut schema {
-                o.entry("x-guidance").or_insert(compact);
-            }
-            Some(schema)
-        }
+        Constraint::JsonObject => Some(json!({"type": "object", "x-guidance": compact_json()})),
+        Constraint::JsonSchema(schema) => Some(with_compact(schema)),
         _ => None,
     }
+}
+
+/// `schema` asking for the compact form (unless it sets its own `x-guidance`).
+fn with_compact(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(o) = &mut schema {
+        o.entry("x-guidance").or_insert_with(compact_json);
+    }
+    schema
 }
 
 /// A choice of strings as a Lark expression (its literals take JSON's escapes).
@@ -294,19 +296,12 @@ pub fn calls_lark(c: &Calls) -> String {
         "" => String::new(),
         s => serde_json::to_string(s).unwrap_or_default(),
     };
-    let join = |parts: &[String]| {
-        parts
-            .iter()
-            .filter(|p| !p.is_empty())
-            .map(String::as_str)
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let join = crate::gbnf::seq;
     let forms: Vec<String> = c
         .forms
         .iter()
         .map(|f| {
-            let schema = json_schema(&Constraint::JsonSchema(f.schema.clone())).unwrap_or_default();
+            let schema = with_compact(&f.schema);
             join(&[lit(&f.before), format!("%json {schema}"), lit(&f.after)])
         })
         .collect();
