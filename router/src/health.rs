@@ -41,6 +41,26 @@ pub enum State {
     HalfOpen,
 }
 
+impl State {
+    /// Its name in `dyn inspect workers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::Open => "open",
+            State::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// The state of a breaker (none: closed) at `now`.
+fn state_of(b: Option<&Breaker>, now: Instant) -> State {
+    match b.and_then(|b| b.open_until) {
+        Some(until) if until > now => State::Open,
+        Some(_) => State::HalfOpen,
+        None => State::Closed,
+    }
+}
+
 impl Health {
     /// A request routed to `worker` failed; whether that opened its breaker.
     pub fn failed(&self, worker: u64, now: Instant) -> bool {
@@ -74,23 +94,17 @@ impl Health {
     }
 
     pub fn state(&self, worker: u64, now: Instant) -> State {
-        match self.per.lock().get(&worker).and_then(|b| b.open_until) {
-            Some(until) if until > now => State::Open,
-            Some(_) => State::HalfOpen,
-            None => State::Closed,
-        }
+        state_of(self.per.lock().get(&worker), now)
     }
 
     /// Whether `worker` may take a request now: closed, or half-open with no probe out.
     pub fn usable(&self, worker: u64, now: Instant) -> bool {
         let per = self.per.lock();
-        match per.get(&worker) {
-            None => true,
-            Some(b) => match b.open_until {
-                Some(until) if until > now => false,
-                Some(_) => !b.probing,
-                None => true,
-            },
+        let b = per.get(&worker);
+        match state_of(b, now) {
+            State::Closed => true,
+            State::Open => false,
+            State::HalfOpen => !b.is_some_and(|b| b.probing),
         }
     }
 

@@ -279,12 +279,7 @@ impl Inner {
                     kv_active_blocks: m.map(|m| m.kv_active_blocks),
                     kv_total_blocks: m.map(|m| m.kv_total_blocks),
                     prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
-                    breaker: match self.health.state(w, now) {
-                        crate::health::State::Closed => "closed",
-                        crate::health::State::Open => "open",
-                        crate::health::State::HalfOpen => "half_open",
-                    }
-                    .into(),
+                    breaker: self.health.state(w, now).as_str().into(),
                 }
             })
             .collect();

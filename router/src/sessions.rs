@@ -97,11 +97,7 @@ impl Sessions {
 
     /// The worker `session` is bound to at `now`.
     pub fn get(&self, session: &str, now: Instant) -> Option<u64> {
-        self.map
-            .lock()
-            .get(session)
-            .filter(|b| b.expires > now)
-            .map(|b| b.worker)
+        self.binding(session, now).map(|(w, _)| w)
     }
 
     /// Binds `session` to `worker` from `now` for the TTL; the binding to publish when the
