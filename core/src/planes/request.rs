@@ -35,6 +35,15 @@ pub struct TcpOptions {
     pub connect_timeout: Duration,
     /// Largest frame either side accepts: one payload item plus a tag byte.
     pub max_message_bytes: usize,
+    /// A server whose handler has nothing to send says it is alive this often.
+    pub heartbeat: Duration,
+    /// A caller that hears nothing from the server for this long (no item, no heartbeat)
+    /// fails the call as an instance lost: the process froze or its host went dark, which
+    /// leaves TCP connections established and silent.
+    pub silence: Duration,
+    /// Who may connect, and whom this process connects to: the cluster identity (TLS with
+    /// mutual authentication), or none (plain TCP). The KV transfer agent uses it too.
+    pub trust: dyn_trust::Trust,
 }
 
 impl Default for TcpOptions {
@@ -44,6 +53,9 @@ impl Default for TcpOptions {
             advertise_host: None,
             connect_timeout: Duration::from_secs(3),
             max_message_bytes: 16 << 20,
+            heartbeat: Duration::from_secs(1),
+            silence: Duration::from_secs(5),
+            trust: dyn_trust::Trust::plain(),
         }
     }
 }

@@ -19,6 +19,13 @@
 //! Calls to an instance served by this same process skip the socket and the codecs. A failed
 //! connection marks the instance down in [`InstanceHealth`] so routers stop choosing it before
 //! its discovery lease runs out.
+//!
+//! With a cluster identity ([`dyn_trust::Trust`]) every connection is TLS and a peer that
+//! cannot prove the identity is refused before any frame is read. While a request is served
+//! and its handler has nothing to send, the server sends a heartbeat frame every
+//! `TcpOptions::heartbeat`; a caller that hears nothing for `TcpOptions::silence` fails the
+//! call as an instance lost (so it migrates): a frozen process or a host gone dark keeps its TCP connection
+//! established, and nothing else would tell.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,10 +34,12 @@ use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
 use bytes::{BufMut, Bytes, BytesMut};
+use dyn_trust::PlaneStream;
 use futures::stream::{self, StreamExt};
 use futures::{FutureExt, SinkExt, Stream};
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
@@ -52,6 +61,8 @@ const DONE: u8 = b'D';
 /// Caller to server: the caller no longer wants the current request's output (its consumer
 /// stopped early); the server kills it and ends with a done mark, keeping the connection.
 const CANCEL: u8 = b'C';
+/// Server to caller: still serving, nothing to send yet.
+const PING: u8 = b'P';
 /// A done mark on the wire: the length-delimited codec's 4-byte length, then the tag.
 const DONE_FRAME: &[u8] = &[0, 0, 0, 1, DONE];
 
@@ -106,8 +117,8 @@ struct Shared {
     opts: TcpOptions,
 }
 
-type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, LengthDelimitedCodec>;
-type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>;
+type Reader = FramedRead<ReadHalf<PlaneStream>, LengthDelimitedCodec>;
+type Writer = FramedWrite<WriteHalf<PlaneStream>, LengthDelimitedCodec>;
 
 /// Idle connections to other processes' request planes, by address.
 #[derive(Default)]
@@ -125,14 +136,9 @@ impl ConnPool {
             let (r, w) = self.idle.lock().get_mut(address)?.pop()?;
             // Nothing may arrive on an idle connection: end of file (or anything else) means
             // the other side is gone or confused, and the connection is dropped.
-            let mut probe = [0u8; 1];
-            match r.get_ref().try_read(&mut probe) {
-                Err(e)
-                    if e.kind() == std::io::ErrorKind::WouldBlock && r.read_buffer().is_empty() =>
-                {
-                    return Some((r, w));
-                }
-                _ => continue,
+            let mut r = r;
+            if r.read_buffer().is_empty() && r.next().now_or_never().is_none() {
+                return Some((r, w));
             }
         }
     }
@@ -278,8 +284,14 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(serve_connection(stream, shared.clone()));
+                dyn_trust::tune(&stream);
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    match shared.opts.trust.accept(stream).await {
+                        Ok(stream) => serve_connection(stream, shared).await,
+                        Err(e) => tracing::warn!(error = %e, "Request plane: connection refused"),
+                    }
+                });
             }
             Err(e) => {
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -300,8 +312,8 @@ struct Incoming {
 }
 
 /// Serve requests on one connection, one after another.
-async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
-    let (r, w) = stream.into_split();
+async fn serve_connection(stream: PlaneStream, shared: Arc<Shared>) {
+    let (r, w) = tokio::io::split(stream);
     let max = shared.opts.max_message_bytes;
     let mut reader = FramedRead::new(r, length_codec(max));
     let mut writer = FramedWrite::new(w, length_codec(max));
@@ -407,7 +419,7 @@ async fn serve_one(
     header: &Header,
     ctx: Ctx,
     input: mpsc::Receiver<Bytes>,
-    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
+    writer: &mut Writer,
 ) -> bool {
     let found = shared
         .handlers
@@ -451,7 +463,18 @@ async fn serve_one(
                 if SinkExt::<Bytes>::flush(writer).await.is_err() {
                     return false;
                 }
-                out.next().await
+                // Silent handler: a heartbeat each period, so the caller can tell a slow
+                // answer from a dead host.
+                loop {
+                    match tokio::time::timeout(shared.opts.heartbeat, out.next()).await {
+                        Ok(item) => break item,
+                        Err(_) => {
+                            if writer.send(frame(PING, b"")).await.is_err() {
+                                return false;
+                            }
+                        }
+                    }
+                }
             }
         };
         let Some(item) = item else { break };
@@ -489,10 +512,7 @@ fn error_frame(e: &OpError) -> Bytes {
     frame(ERROR, &serde_json::to_vec(e).unwrap_or_default())
 }
 
-async fn send_error_and_done(
-    writer: &mut FramedWrite<tokio::net::tcp::OwnedWriteHalf, LengthDelimitedCodec>,
-    e: &OpError,
-) -> bool {
+async fn send_error_and_done(writer: &mut Writer, e: &OpError) -> bool {
     writer.send(error_frame(e)).await.is_ok() && writer.send(frame(DONE, b"")).await.is_ok()
 }
 
@@ -591,7 +611,7 @@ impl RemoteCall {
         }
         let connect =
             tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&self.address));
-        let stream = match connect.await {
+        let tcp = match connect.await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 self.health.report_down(self.instance_id);
@@ -605,8 +625,19 @@ impl RemoteCall {
                 )));
             }
         };
-        let _ = stream.set_nodelay(true);
-        let (r, w) = stream.into_split();
+        dyn_trust::tune(&tcp);
+        let host = self
+            .address
+            .rsplit_once(':')
+            .map_or(self.address.as_str(), |(h, _)| h);
+        let stream = match self.opts.trust.connect(tcp, host).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.health.report_down(self.instance_id);
+                return Err(self.lost(e));
+            }
+        };
+        let (r, w) = tokio::io::split(stream);
         let max = self.opts.max_message_bytes;
         Ok((
             FramedRead::new(r, length_codec(max)),
@@ -666,6 +697,7 @@ impl RemoteCall {
                 Reply::Failed(e)
             }
             Some((&DONE, _)) => Reply::Done,
+            Some((&PING, _)) => Reply::Alive,
             _ => Reply::Broken(OpError::internal(format!(
                 "unexpected frame from '{}'",
                 self.component
@@ -724,16 +756,22 @@ impl RemoteCall {
                             return;
                         }
                     },
-                    frame = reader.next() => {
+                    frame = tokio::time::timeout(self.opts.silence, reader.next()) => {
                         let frame = match frame {
-                            Some(Ok(f)) => f,
-                            Some(Err(e)) => {
+                            Ok(Some(Ok(f))) => f,
+                            Err(_) => {
+                                drop(send_input);
+                                conn.poison();
+                                yield Err(self.broke(format!("nothing heard for {:?}: the process or its host stopped", self.opts.silence)));
+                                return;
+                            }
+                            Ok(Some(Err(e))) => {
                                 drop(send_input);
                                 conn.poison();
                                 yield Err(self.broke(format!("connection failed: {e}")));
                                 return;
                             }
-                            None => {
+                            Ok(None) => {
                                 drop(send_input);
                                 conn.poison();
                                 yield Err(self.broke("connection closed mid-response"));
@@ -742,6 +780,7 @@ impl RemoteCall {
                         };
                         got_any = true;
                         match self.reply(&frame, &out_codec, reader) {
+                            Reply::Alive => {}
                             Reply::Item(v) => yield Ok(v),
                             Reply::Last(v, done) => {
                                 drop(send_input);
@@ -798,6 +837,8 @@ enum Reply {
     Last(AnyPayload, bool),
     /// The done mark: the call ended cleanly.
     Done,
+    /// A heartbeat: the server is there and still serving.
+    Alive,
     /// The worker's error; the exchange itself went by the protocol.
     Failed(OpError),
     /// A frame that breaks the protocol: the connection is not reused.

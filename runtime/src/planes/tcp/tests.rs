@@ -156,7 +156,7 @@ async fn a_pooled_connection_the_other_side_closed_is_dropped_not_used() {
     let address = listener.local_addr().unwrap().to_string();
     let pool = ConnPool::default();
     let conn = |s: TcpStream| {
-        let (r, w) = s.into_split();
+        let (r, w) = tokio::io::split(dyn_trust::PlaneStream::Plain(s));
         (
             FramedRead::new(r, length_codec(1024)),
             FramedWrite::new(w, length_codec(1024)),
@@ -327,4 +327,112 @@ async fn oversized_items_fail_cleanly_and_the_deadline_travels() {
     assert_eq!(err.map(|e| e.kind), Some(ErrorKind::Cancelled));
     eventually(|| killed.load(Ordering::SeqCst) > 0).await;
     assert!(killed.load(Ordering::SeqCst) >= 1);
+}
+
+fn with_token(token: &str) -> TcpOptions {
+    TcpOptions {
+        trust: dyn_trust::Trust::from_secrets(dyn_trust::Secrets {
+            token: Some(token.as_bytes().to_vec()),
+            ca: None,
+        })
+        .unwrap(),
+        ..TcpOptions::default()
+    }
+}
+
+/// With a cluster identity the plane is TLS: members stream as before (over a reused
+/// connection); a process with another token or none, or an intruder writing frames by hand,
+/// is refused before the handler sees anything.
+#[tokio::test]
+async fn only_members_of_the_cluster_are_served() {
+    const TOKEN: &str = "a-cluster-token-of-some-length";
+    let (_server, inst, _) = served(3, Duration::ZERO, with_token(TOKEN)).await;
+    let member = TcpRequestPlane::new(with_token(TOKEN), Arc::default());
+    for round in 0..2 {
+        let out: Vec<_> = member
+            .call(&inst, types(), Ctx::new(), nums(&[round]))
+            .collect()
+            .await;
+        let (ok, err) = collect_nums(out);
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(ok, vec![round, round + 1, round + 2]);
+    }
+    for stranger in [with_token("another-token-entirely!"), TcpOptions::default()] {
+        let health = Arc::new(InstanceHealth::default());
+        let client = TcpRequestPlane::new(stranger, health.clone());
+        let out: Vec<_> = client
+            .call(&inst, types(), Ctx::new(), nums(&[1]))
+            .collect()
+            .await;
+        let (ok, err) = collect_nums(out);
+        assert!(ok.is_empty());
+        let err = err.expect("refused");
+        assert_eq!(err.kind, ErrorKind::InstanceLost, "{}", err.message);
+        assert!(health.is_down(inst.instance_id));
+    }
+    // By hand: a header naming the instance, an item and the end of input, as a caller writes
+    // them. The connection is closed; nothing is served.
+    let Transport::Tcp { address } = &inst.transport else {
+        panic!("served over TCP")
+    };
+    let s = TcpStream::connect(address).await.unwrap();
+    let (r, w) = s.into_split();
+    let mut w = FramedWrite::new(w, length_codec(1 << 20));
+    let header = serde_json::json!({"instance_id": inst.instance_id, "request_id": "x"});
+    let _ = w.feed(frame(HEADER, header.to_string().as_bytes())).await;
+    let _ = w.feed(frame(ITEM, b"5")).await;
+    let _ = w.send(frame(END_INPUT, b"")).await;
+    let mut r = FramedRead::new(r, length_codec(1 << 20));
+    let answer = tokio::time::timeout(Duration::from_secs(6), r.next()).await;
+    assert!(
+        matches!(answer, Ok(None | Some(Err(_)))),
+        "closed without an answer"
+    );
+}
+
+/// A silent handler is kept alive by heartbeats; a server that says nothing at all (a frozen
+/// process keeps its sockets open) loses the call as an instance lost, and is marked down.
+#[tokio::test]
+async fn heartbeats_tell_a_slow_answer_from_a_frozen_process() {
+    let quick = TcpOptions {
+        heartbeat: Duration::from_millis(20),
+        silence: Duration::from_millis(150),
+        ..TcpOptions::default()
+    };
+    let (_server, inst, _) = served(2, Duration::from_millis(400), quick.clone()).await;
+    let client = TcpRequestPlane::new(quick.clone(), Arc::default());
+    let out: Vec<_> = client
+        .call(&inst, types(), Ctx::new(), nums(&[0]))
+        .collect()
+        .await;
+    let (ok, err) = collect_nums(out);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(ok, vec![0, 1]);
+
+    // A listener that accepts and never answers.
+    let frozen = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = frozen.local_addr().unwrap().to_string();
+    let _hold = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Ok((s, _)) = frozen.accept().await {
+            kept.push(s);
+        }
+    });
+    let gone = Instance {
+        transport: Transport::Tcp { address },
+        instance_id: InstanceId(99),
+        ..inst.clone()
+    };
+    let health = Arc::new(InstanceHealth::default());
+    let client = TcpRequestPlane::new(quick, health.clone());
+    let started = Instant::now();
+    let out: Vec<_> = client
+        .call(&gone, types(), Ctx::new(), nums(&[0]))
+        .collect()
+        .await;
+    let err = collect_nums(out).1.expect("lost");
+    assert_eq!(err.kind, ErrorKind::InstanceLost, "{}", err.message);
+    assert!(err.message.contains("nothing heard"), "{}", err.message);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(health.is_down(InstanceId(99)));
 }
