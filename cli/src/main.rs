@@ -123,6 +123,10 @@ struct UpArgs {
     /// Address other processes reach this machine's request plane at
     #[arg(long, env = "DYN_REQUEST_HOST", default_value = "127.0.0.1")]
     request_host: String,
+    /// Serve the request plane and KV transfers beyond loopback without a cluster identity
+    /// (DYN_CLUSTER_TOKEN, or DYN_CLUSTER_CA/CERT/KEY): anyone who reaches the port is served
+    #[arg(long, env = "DYN_INSECURE_PLANES")]
+    insecure_planes: bool,
     /// Run one process-group replica (what the supervisor starts): NAME:REPLICA
     #[arg(long, hide = true, value_name = "NAME:REPLICA")]
     group: Option<String>,
@@ -349,16 +353,43 @@ fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
         }
         None => Placement::All,
     };
+    let trust = dyn_trust::Trust::from_env()?;
+    if !trust.is_secure() && !args.insecure_planes && !is_loopback(&args.request_host) {
+        anyhow::bail!(
+            "--request-host {} is reachable from other machines, and without a cluster identity \
+             anyone who reaches it could send work and read prompts' KV: set {} (the same \
+             secret on every machine; or {}, {} and {}), or pass --insecure-planes on a \
+             network you trust",
+            args.request_host,
+            dyn_trust::TOKEN_ENV,
+            dyn_trust::CA_ENV,
+            dyn_trust::CERT_ENV,
+            dyn_trust::KEY_ENV
+        );
+    }
+    if trust.is_secure() {
+        tracing::debug!(identity = trust.describe(), "Cluster identity");
+    }
     Ok(RunOptions {
         grace,
         placement,
         only: args.only.clone(),
         tcp: dyn_runtime::planes::TcpOptions {
             bind: format!("{}:0", args.request_host),
+            trust,
             ..Default::default()
         },
         lease_ttl: Duration::from_secs(args.lease_ttl.max(1)),
     })
+}
+
+/// True for a host only this machine reaches (`localhost`, 127.0.0.0/8, ::1).
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    bare.eq_ignore_ascii_case("localhost")
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// What `dyn graph ps` and `down` read about this run, as of now.
@@ -558,6 +589,9 @@ fn child_args(args: &UpArgs, graph: &CompiledGraph, log: LogFormat, group: &str)
     if let Some(only) = &args.only {
         a.push("--only".into());
         a.push(only.join(","));
+    }
+    if args.insecure_planes {
+        a.push("--insecure-planes".into());
     }
     a
 }

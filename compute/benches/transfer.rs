@@ -63,8 +63,12 @@ fn bench(c: &mut Criterion) {
 
     let (prefill, decode) = rt.block_on(async {
         (
-            TcpAgent::bind("127.0.0.1:0", None).await.unwrap(),
-            TcpAgent::bind("127.0.0.1:0", None).await.unwrap(),
+            TcpAgent::bind("127.0.0.1:0", None, dyn_trust::Trust::plain())
+                .await
+                .unwrap(),
+            TcpAgent::bind("127.0.0.1:0", None, dyn_trust::Trust::plain())
+                .await
+                .unwrap(),
         )
     });
     let format = BlockFormat {
@@ -79,7 +83,7 @@ fn bench(c: &mut Criterion) {
                 let desc = prefill
                     .offer(ids, blocks.clone(), format.clone(), Duration::from_secs(60))
                     .unwrap();
-                decode.pull(&desc).await.unwrap()
+                decode.pull(&desc, None).await.unwrap()
             })
         })
     });

@@ -10,13 +10,21 @@
 //! - [`TcpAgent`]: one listener per process; a pull is one connection that sends the transfer
 //!   id and reads a header and then every block's bytes back to back, so the transfer is one
 //!   pipelined stream limited by the socket, not by round trips. Pulls of offers made by the
-//!   same agent skip the socket.
+//!   same agent skip the socket. With a cluster identity the connection is TLS and a stranger
+//!   is refused before it can name an offer.
+//!
+//! An offer is a capability: its id is 128 random bits, it can be pulled once, and only by the
+//! worker it was made for (the decode worker the router chose) when the offer names one. A
+//! pull that names a wrong puller is refused and leaves the offer in place, so nobody but the
+//! intended worker can take it or make it vanish.
 //!
 //! A CUDA agent (device↔host staging, peer copies) comes with the native engine's CUDA backend.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use dyn_trust::{PlaneStream, Trust};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -32,7 +40,7 @@ use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 pub struct TransferDescriptor {
     /// The agent holding the blocks: `tcp://HOST:PORT` or `inproc://ID`.
     pub agent: String,
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// The prefill worker's block ids, in sequence order.
     pub block_ids: Vec<u32>,
     /// Bytes per block (every block has the same size).
@@ -41,6 +49,37 @@ pub struct TransferDescriptor {
     pub layout: BlockLayout,
     /// Element type.
     pub dtype: BlockDType,
+}
+
+/// An offer's id: 128 random bits, written as 32 hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferId(pub u128);
+
+impl TransferId {
+    fn random() -> Self {
+        Self(rand::random())
+    }
+}
+
+impl std::fmt::Display for TransferId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl Serialize for TransferId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for TransferId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        u128::from_str_radix(&s, 16)
+            .map(Self)
+            .map_err(|_| serde::de::Error::custom("a transfer id is 32 hex digits"))
+    }
 }
 
 /// How the offered blocks are laid out.
@@ -112,8 +151,10 @@ pub enum TransferError {
     BadBlock { index: usize, got: usize, want: u32 },
     #[error("{0} block ids for {1} blocks")]
     Mismatch(usize, usize),
-    #[error("transfer {0:x} is unknown: already pulled, expired, or never offered here")]
-    Unknown(u64),
+    #[error(
+        "transfer {0} is unknown: already pulled, expired, never offered here, or not for this worker"
+    )]
+    Unknown(TransferId),
     #[error("agent {0} is not reachable from this one")]
     Unreachable(String),
     #[error("transfer from {agent}: {message}")]
@@ -127,7 +168,7 @@ pub type Hold = Box<dyn std::any::Any + Send + Sync>;
 /// See the module docs.
 #[async_trait::async_trait]
 pub trait KvTransferAgent: Send + Sync + 'static {
-    /// Pin `blocks` until they are pulled or `ttl` passes.
+    /// Pin `blocks` until they are pulled or `ttl` passes; anyone may pull them.
     fn offer(
         &self,
         block_ids: Vec<u32>,
@@ -135,10 +176,11 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         format: BlockFormat,
         ttl: Duration,
     ) -> Result<TransferDescriptor, TransferError> {
-        self.offer_held(block_ids, blocks, format, ttl, None)
+        self.offer_held(block_ids, blocks, format, ttl, None, None)
     }
 
-    /// [`offer`](Self::offer), with `hold` dropped when the offer ends.
+    /// [`offer`](Self::offer), with `hold` dropped when the offer ends, for worker `to` only
+    /// when it is named.
     fn offer_held(
         &self,
         block_ids: Vec<u32>,
@@ -146,10 +188,15 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
+        to: Option<u64>,
     ) -> Result<TransferDescriptor, TransferError>;
 
-    /// Fetch the blocks `desc` names, in order; the offer is released.
-    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError>;
+    /// Fetch the blocks `desc` names, in order, as worker `puller`; the offer is released.
+    async fn pull(
+        &self,
+        desc: &TransferDescriptor,
+        puller: Option<u64>,
+    ) -> Result<Vec<Bytes>, TransferError>;
 
     /// End an offer of this agent's that nobody will pull (its request was cancelled, or
     /// prefilled elsewhere), so its blocks are free now rather than at the TTL. True when
@@ -161,14 +208,15 @@ struct Offer {
     blocks: Vec<Bytes>,
     block_bytes: u32,
     expires: Instant,
+    /// The only worker that may pull it, when named.
+    to: Option<u64>,
     _hold: Option<Hold>,
 }
 
 /// Offers pinned by one agent.
 #[derive(Default)]
 struct Offers {
-    map: Mutex<HashMap<u64, Offer>>,
-    next: AtomicU64,
+    map: Mutex<HashMap<TransferId, Offer>>,
 }
 
 impl Offers {
@@ -179,7 +227,8 @@ impl Offers {
         format: &BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
-    ) -> Result<u64, TransferError> {
+        to: Option<u64>,
+    ) -> Result<TransferId, TransferError> {
         if block_ids.len() != blocks.len() {
             return Err(TransferError::Mismatch(block_ids.len(), blocks.len()));
         }
@@ -194,7 +243,7 @@ impl Offers {
                 want: format.block_bytes,
             });
         }
-        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = TransferId::random();
         let now = Instant::now();
         let mut map = self.map.lock();
         // Offers nobody pulled in time are dropped here, so the map cannot grow without bound.
@@ -205,6 +254,7 @@ impl Offers {
                 blocks,
                 block_bytes: format.block_bytes,
                 expires: now + ttl,
+                to,
                 _hold: hold,
             },
         );
@@ -220,8 +270,9 @@ impl Offers {
         f: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
+        to: Option<u64>,
     ) -> Result<TransferDescriptor, TransferError> {
-        let transfer_id = self.add(&block_ids, blocks, &f, ttl, hold)?;
+        let transfer_id = self.add(&block_ids, blocks, &f, ttl, hold, to)?;
         Ok(TransferDescriptor {
             agent: agent.to_owned(),
             transfer_id,
@@ -232,10 +283,19 @@ impl Offers {
         })
     }
 
-    fn take(&self, id: u64) -> Result<Offer, TransferError> {
-        match self.map.lock().remove(&id) {
-            Some(o) if o.expires > Instant::now() => Ok(o),
-            _ => Err(TransferError::Unknown(id)),
+    /// The offer, for `puller`: one made for another worker stays where it is.
+    fn take(&self, id: TransferId, puller: Option<u64>) -> Result<Offer, TransferError> {
+        let mut map = self.map.lock();
+        match map.get(&id) {
+            Some(o) if o.to.is_some() && o.to != puller => Err(TransferError::Unknown(id)),
+            Some(o) if o.expires > Instant::now() => {
+                Ok(map.remove(&id).ok_or(TransferError::Unknown(id))?)
+            }
+            Some(_) => {
+                map.remove(&id);
+                Err(TransferError::Unknown(id))
+            }
+            None => Err(TransferError::Unknown(id)),
         }
     }
 }
@@ -271,16 +331,21 @@ impl KvTransferAgent for InProcessAgent {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
+        to: Option<u64>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.offers
-            .offer(&self.name, block_ids, blocks, format, ttl, hold)
+            .offer(&self.name, block_ids, blocks, format, ttl, hold, to)
     }
 
-    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
+    async fn pull(
+        &self,
+        desc: &TransferDescriptor,
+        puller: Option<u64>,
+    ) -> Result<Vec<Bytes>, TransferError> {
         if desc.agent != self.name {
             return Err(TransferError::Unreachable(desc.agent.clone()));
         }
-        Ok(self.offers.take(desc.transfer_id)?.blocks)
+        Ok(self.offers.take(desc.transfer_id, puller)?.blocks)
     }
 
     fn discard(&self, desc: &TransferDescriptor) -> bool {
@@ -289,12 +354,33 @@ impl KvTransferAgent for InProcessAgent {
     }
 }
 
+/// A TCP pull: which offer, for which worker.
+#[derive(Serialize, Deserialize)]
+struct PullRequest {
+    id: TransferId,
+    puller: Option<u64>,
+}
+
+/// A pull whose bytes stop coming for this long fails (the prefill host went dark).
+const PULL_STALL: Duration = Duration::from_secs(10);
+
 /// The response header of a TCP pull; the blocks' bytes follow it.
 #[derive(Serialize, Deserialize)]
 struct PullHeader {
     error: Option<String>,
     blocks: u32,
     block_bytes: u32,
+}
+
+/// The most one pull may bring: far above any prompt's KV (a 128k-token prompt of a 70B model
+/// in bf16 is 40 GiB), far below what a forged descriptor could ask a process to allocate.
+const MAX_PULL_BYTES: u64 = 64 << 30;
+
+fn stalled() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no bytes for {PULL_STALL:?}"),
+    )
 }
 
 /// Largest header or request accepted (they are small JSON objects).
@@ -335,6 +421,7 @@ async fn read_control<T: for<'de> Deserialize<'de>>(
 pub struct TcpAgent {
     /// Its offers, and pulls of them from this process, which skip the socket.
     local: InProcessAgent,
+    trust: Trust,
     _listener: tokio::task::JoinHandle<()>,
 }
 
@@ -345,18 +432,29 @@ impl Drop for TcpAgent {
 }
 
 impl TcpAgent {
-    /// Listen on `bind` (port 0: any); `advertise` is the host peers use (default: the bound IP).
-    pub async fn bind(bind: &str, advertise: Option<&str>) -> std::io::Result<Self> {
+    /// Listen on `bind` (port 0: any); `advertise` is the host peers use (default: the bound
+    /// IP); `trust` says who may pull, and how this agent connects to others.
+    pub async fn bind(bind: &str, advertise: Option<&str>, trust: Trust) -> std::io::Result<Self> {
         let listener = TcpListener::bind(bind).await?;
         let local = listener.local_addr()?;
         let host = advertise.map_or_else(|| local.ip().to_string(), str::to_owned);
         let agent = InProcessAgent::named(format!("tcp://{host}:{}", local.port()));
         let serving = agent.offers.clone();
+        let accepting = trust.clone();
         let task = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok((s, _)) => {
-                        tokio::spawn(serve_pull(s, serving.clone()));
+                        dyn_trust::tune(&s);
+                        let (offers, trust) = (serving.clone(), accepting.clone());
+                        tokio::spawn(async move {
+                            match trust.accept(s).await {
+                                Ok(s) => serve_pull(s, offers).await,
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "KV transfer: connection refused")
+                                }
+                            }
+                        });
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "KV transfer accept failed");
@@ -367,6 +465,7 @@ impl TcpAgent {
         });
         Ok(Self {
             local: agent,
+            trust,
             _listener: task,
         })
     }
@@ -377,14 +476,13 @@ impl TcpAgent {
     }
 }
 
-async fn serve_pull(stream: TcpStream, offers: Arc<Offers>) {
-    let _ = stream.set_nodelay(true);
-    let (mut r, w) = stream.into_split();
+async fn serve_pull(stream: PlaneStream, offers: Arc<Offers>) {
+    let (mut r, w) = tokio::io::split(stream);
     // Coalesce small blocks into large writes; large blocks go through in one call each.
     let mut w = BufWriter::with_capacity(256 << 10, w);
     let result = async {
-        let (id, _): (u64, _) = read_control(&mut r).await?;
-        match offers.take(id) {
+        let (pull, _): (PullRequest, _) = read_control(&mut r).await?;
+        match offers.take(pull.id, pull.puller) {
             Ok(offer) => {
                 let header = PullHeader {
                     error: None,
@@ -421,17 +519,23 @@ impl KvTransferAgent for TcpAgent {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
+        to: Option<u64>,
     ) -> Result<TransferDescriptor, TransferError> {
-        self.local.offer_held(block_ids, blocks, format, ttl, hold)
+        self.local
+            .offer_held(block_ids, blocks, format, ttl, hold, to)
     }
 
     fn discard(&self, desc: &TransferDescriptor) -> bool {
         self.local.discard(desc)
     }
 
-    async fn pull(&self, desc: &TransferDescriptor) -> Result<Vec<Bytes>, TransferError> {
+    async fn pull(
+        &self,
+        desc: &TransferDescriptor,
+        puller: Option<u64>,
+    ) -> Result<Vec<Bytes>, TransferError> {
         if desc.agent == self.local.name {
-            return self.local.pull(desc).await;
+            return self.local.pull(desc, puller).await;
         }
         let addr = desc
             .agent
@@ -441,13 +545,42 @@ impl KvTransferAgent for TcpAgent {
             agent: desc.agent.clone(),
             message: e.to_string(),
         };
-        let mut s = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+        // Nothing is connected to, nor allocated for, a descriptor that could not be served.
+        let total = (desc.block_ids.len() as u64)
+            .checked_mul(u64::from(desc.block_bytes))
+            .filter(|&t| t <= MAX_PULL_BYTES)
+            .ok_or_else(|| TransferError::Io {
+                agent: desc.agent.clone(),
+                message: format!(
+                    "{} blocks of {} bytes is more than one pull may bring",
+                    desc.block_ids.len(),
+                    desc.block_bytes
+                ),
+            })? as usize;
+        let tcp = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
             .await
             .map_err(|_| TransferError::Unreachable(desc.agent.clone()))?
             .map_err(io)?;
-        let _ = s.set_nodelay(true);
-        write_control(&mut s, &desc.transfer_id).await.map_err(io)?;
-        let (header, read_ahead): (PullHeader, _) = read_control(&mut s).await.map_err(io)?;
+        dyn_trust::tune(&tcp);
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+        let mut s = self
+            .trust
+            .connect(tcp, host)
+            .await
+            .map_err(|e| TransferError::Io {
+                agent: desc.agent.clone(),
+                message: e.to_string(),
+            })?;
+        let pull = PullRequest {
+            id: desc.transfer_id,
+            puller,
+        };
+        write_control(&mut s, &pull).await.map_err(io)?;
+        let (header, read_ahead): (PullHeader, _) =
+            tokio::time::timeout(PULL_STALL, read_control(&mut s))
+                .await
+                .map_err(|_| io(stalled()))?
+                .map_err(io)?;
         if let Some(e) = header.error {
             return Err(TransferError::Io {
                 agent: desc.agent.clone(),
@@ -468,16 +601,24 @@ impl KvTransferAgent for TcpAgent {
             });
         }
         // One buffer for everything, read straight from the socket (after what the header's
-        // read took ahead), then split per block without copying.
-        let total = header.blocks as usize * header.block_bytes as usize;
+        // read took ahead), then split per block without copying. `total` is the descriptor's
+        // size, which the header matched.
         if read_ahead.len() > total {
             return Err(io(std::io::Error::other("bytes past the last block")));
         }
         let mut buf = BytesMut::zeroed(total);
         buf[..read_ahead.len()].copy_from_slice(&read_ahead);
-        s.read_exact(&mut buf[read_ahead.len()..])
-            .await
-            .map_err(io)?;
+        let mut at = read_ahead.len();
+        while at < total {
+            let n = tokio::time::timeout(PULL_STALL, s.read(&mut buf[at..]))
+                .await
+                .map_err(|_| io(stalled()))?
+                .map_err(io)?;
+            if n == 0 {
+                return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            at += n;
+        }
         let mut all = buf.freeze();
         Ok((0..header.blocks)
             .map(|_| all.split_to(header.block_bytes as usize))
@@ -524,18 +665,18 @@ mod tests {
         fn random_block_sets_arrive_byte_identical(n in 0usize..48, size in 1usize..9000, seed: u8) {
             let rt = rt();
             rt.block_on(async {
-                let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
-                let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+                let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain()).await.unwrap();
+                let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain()).await.unwrap();
                 let sent = blocks(n, size, seed);
                 let ids: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
                 let desc = prefill.offer(ids.clone(), sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
                 assert_eq!(desc.block_ids, ids);
-                let got = decode.pull(&desc).await.unwrap();
+                let got = decode.pull(&desc, None).await.unwrap();
                 assert_eq!(got, sent);
                 // In-process: the same buffers come back.
                 let local = InProcessAgent::default();
                 let desc = local.offer(ids, sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
-                assert_eq!(local.pull(&desc).await.unwrap(), sent);
+                assert_eq!(local.pull(&desc, None).await.unwrap(), sent);
             });
         }
     }
@@ -565,8 +706,12 @@ mod tests {
 
     #[tokio::test]
     async fn an_offer_is_pulled_once_and_expires() {
-        let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
-        let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
+        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
         let desc = prefill
             .offer(
                 vec![1, 2],
@@ -575,8 +720,8 @@ mod tests {
                 Duration::from_secs(10),
             )
             .unwrap();
-        decode.pull(&desc).await.unwrap();
-        let again = decode.pull(&desc).await.unwrap_err();
+        decode.pull(&desc, None).await.unwrap();
+        let again = decode.pull(&desc, None).await.unwrap_err();
         assert!(again.to_string().contains("unknown"), "{again}");
         let short = prefill
             .offer(
@@ -587,12 +732,12 @@ mod tests {
             )
             .unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(decode.pull(&short).await.is_err());
+        assert!(decode.pull(&short, None).await.is_err());
         // Pulling from the agent that made the offer skips the socket.
         let own = prefill
             .offer(vec![9], blocks(1, 8, 3), format(8), Duration::from_secs(10))
             .unwrap();
-        assert_eq!(prefill.pull(&own).await.unwrap(), blocks(1, 8, 3));
+        assert_eq!(prefill.pull(&own, None).await.unwrap(), blocks(1, 8, 3));
     }
 
     /// The engine learns through the hold when its pinned blocks are free again.
@@ -604,8 +749,12 @@ mod tests {
                 self.0.store(true, Ordering::SeqCst);
             }
         }
-        let prefill = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
-        let decode = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
+        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
         let held = |f: &Arc<std::sync::atomic::AtomicBool>| Some(Box::new(Flag(f.clone())) as Hold);
         let pulled = Arc::default();
         let desc = prefill
@@ -615,10 +764,11 @@ mod tests {
                 format(8),
                 Duration::from_secs(10),
                 held(&pulled),
+                None,
             )
             .unwrap();
         assert!(!pulled.load(Ordering::SeqCst));
-        decode.pull(&desc).await.unwrap();
+        decode.pull(&desc, None).await.unwrap();
         for _ in 0..100 {
             if pulled.load(Ordering::SeqCst) {
                 break;
@@ -634,6 +784,7 @@ mod tests {
                 format(8),
                 Duration::ZERO,
                 held(&expired),
+                None,
             )
             .unwrap();
         // Expired offers are swept when the next one is made.
@@ -674,10 +825,12 @@ mod tests {
             )
             .unwrap();
         assert!(matches!(
-            b.pull(&desc).await,
+            b.pull(&desc, None).await,
             Err(TransferError::Unreachable(_))
         ));
-        let tcp = TcpAgent::bind("127.0.0.1:0", None).await.unwrap();
+        let tcp = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
         let port = {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().port()
@@ -686,6 +839,88 @@ mod tests {
             agent: format!("tcp://127.0.0.1:{port}"),
             ..desc
         };
-        assert!(tcp.pull(&gone).await.is_err());
+        assert!(tcp.pull(&gone, None).await.is_err());
+    }
+
+    fn token(t: &str) -> Trust {
+        Trust::from_secrets(dyn_trust::Secrets {
+            token: Some(t.as_bytes().to_vec()),
+            ca: None,
+        })
+        .unwrap()
+    }
+
+    /// Offers are capabilities: unguessable, for the worker named only, and a refused pull
+    /// leaves them for that worker; a stranger to the cluster is refused before it can ask.
+    #[tokio::test]
+    async fn only_the_intended_worker_of_the_cluster_takes_an_offer() {
+        const TOKEN: &str = "transfer-token-of-the-cluster";
+        let prefill = TcpAgent::bind("127.0.0.1:0", None, token(TOKEN))
+            .await
+            .unwrap();
+        let decode = TcpAgent::bind("127.0.0.1:0", None, token(TOKEN))
+            .await
+            .unwrap();
+        let sent = blocks(2, 64, 7);
+        let desc = prefill
+            .offer_held(
+                vec![1, 2],
+                sent.clone(),
+                format(64),
+                Duration::from_secs(10),
+                None,
+                Some(0xdec0de),
+            )
+            .unwrap();
+        // Strangers: no identity, another token.
+        for trust in [Trust::plain(), token("not-the-cluster-token")] {
+            let stranger = TcpAgent::bind("127.0.0.1:0", None, trust).await.unwrap();
+            let e = stranger.pull(&desc, Some(0xdec0de)).await.unwrap_err();
+            assert!(matches!(e, TransferError::Io { .. }), "{e}");
+        }
+        // A member that is not the intended worker, or does not say which it is.
+        for puller in [None, Some(0xbad)] {
+            let e = decode.pull(&desc, puller).await.unwrap_err();
+            assert!(e.to_string().contains("unknown"), "{e}");
+        }
+        // Guessed ids find nothing.
+        for _ in 0..64 {
+            let guess = TransferDescriptor {
+                transfer_id: TransferId::random(),
+                ..desc.clone()
+            };
+            assert!(decode.pull(&guess, Some(0xdec0de)).await.is_err());
+        }
+        // The intended worker still gets every byte, once.
+        assert_eq!(decode.pull(&desc, Some(0xdec0de)).await.unwrap(), sent);
+        assert!(decode.pull(&desc, Some(0xdec0de)).await.is_err());
+        assert_eq!(desc.transfer_id.to_string().len(), 32);
+        let json = serde_json::to_value(&desc).unwrap();
+        assert_eq!(
+            serde_json::from_value::<TransferDescriptor>(json).unwrap(),
+            desc
+        );
+    }
+
+    /// A forged descriptor asking for more than a pull may bring is refused before anything
+    /// is connected to or allocated.
+    #[tokio::test]
+    async fn a_forged_descriptor_is_refused_before_connecting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let forged = TransferDescriptor {
+            agent: format!("tcp://{}", listener.local_addr().unwrap()),
+            transfer_id: TransferId(1),
+            block_ids: vec![0; 1 << 20],
+            block_bytes: u32::MAX,
+            layout: BlockLayout::TokenIds,
+            dtype: BlockDType::U32le,
+        };
+        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
+        let e = decode.pull(&forged, None).await.unwrap_err();
+        assert!(e.to_string().contains("more than one pull"), "{e}");
+        let accepted = tokio::time::timeout(Duration::from_millis(100), listener.accept()).await;
+        assert!(accepted.is_err(), "nothing connected");
     }
 }

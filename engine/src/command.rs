@@ -17,6 +17,13 @@ pub type EngineItem = Result<Generated, OpError>;
 /// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
 pub type OfferResult = Result<TransferDescriptor, EngineError>;
 
+/// Prefill role: where the offer of a prompt's blocks goes, and the one worker that may pull
+/// them (the decode worker the router chose), when known.
+pub struct OfferTo {
+    pub reply: oneshot::Sender<OfferResult>,
+    pub puller: Option<u64>,
+}
+
 pub(super) enum Command {
     Add {
         id: SeqId,
@@ -25,7 +32,7 @@ pub(super) enum Command {
         kv: Option<Vec<Bytes>>,
         tx: mpsc::Sender<EngineItem>,
         /// Prefill role: where to send the offer of the prompt's blocks.
-        offer: Option<oneshot::Sender<OfferResult>>,
+        offer: Option<OfferTo>,
     },
     /// Publish the whole cache (a router lost events).
     Dump,

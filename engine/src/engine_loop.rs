@@ -15,9 +15,9 @@ use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
 use dyn_core::OpError;
 use dyn_llm::types::{Generated, Logprobs, TokenLogprob};
 use dyn_router::kv::{LoadMetrics, Medium, dump_events};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
-use super::command::{Command, EngineItem, OfferResult};
+use super::command::{Command, EngineItem, OfferTo};
 use super::events::KvPublisher;
 use super::offload::{Meta, Tiers};
 use super::pool::{BlockId, Evicted};
@@ -38,14 +38,14 @@ pub(super) struct Outbox {
     prompt: Option<(u32, Vec<Option<TokenLogprob>>)>,
     finish: Option<dyn_llm::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
-    offer: Option<oneshot::Sender<OfferResult>>,
+    offer: Option<OfferTo>,
 }
 
 impl Outbox {
     pub(super) fn new(
         tx: mpsc::Sender<EngineItem>,
         spec: &crate::scheduler::SeqSpec,
-        offer: Option<oneshot::Sender<OfferResult>>,
+        offer: Option<OfferTo>,
     ) -> Self {
         let prompt_len = spec.prompt_len();
         let prompt = match (spec.prompt_logprobs, spec.prompt.first()) {
@@ -319,8 +319,8 @@ impl EngineLoop {
     /// Offer a finished prefill's blocks to the transfer agent; they stay pinned until the
     /// offer ends.
     fn offer(&mut self, id: SeqId, blocks: Vec<BlockId>, tokens: &[u32]) {
-        let reply = match self.outboxes.get_mut(&id).and_then(|o| o.offer.take()) {
-            Some(r) if !r.is_closed() => r,
+        let (reply, puller) = match self.outboxes.get_mut(&id).and_then(|o| o.offer.take()) {
+            Some(OfferTo { reply, puller }) if !reply.is_closed() => (reply, puller),
             _ => {
                 // Nobody waits for this offer any more.
                 self.release(&blocks);
@@ -345,6 +345,7 @@ impl EngineLoop {
             self.format.clone(),
             self.pin_ttl,
             Some(Box::new(hold)),
+            puller,
         ) {
             Ok(desc) => {
                 self.pinned

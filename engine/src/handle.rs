@@ -16,7 +16,7 @@ use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
 use dyn_router::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
 use tokio::sync::{mpsc, oneshot};
 
-use super::command::Command;
+use super::command::{Command, OfferTo};
 pub use super::command::{EngineItem, OfferResult};
 use super::engine_loop::EngineLoop;
 use super::events::KvPublisher;
@@ -359,15 +359,20 @@ impl EngineHandle {
     pub async fn import(&self, req: &PreprocessedRequest, p: &Prefilled) -> Option<ImportedKv> {
         let started = Instant::now();
         let want = &self.import.format;
+        let bs = self.settings.scheduler.block_size as usize;
         let result = async {
+            // Checked before anything is connected to or allocated: the descriptor came over
+            // the network.
             if p.prompt_tokens as usize != req.token_ids.len()
+                || p.transfer.block_ids.len() != req.token_ids.len().div_ceil(bs)
                 || p.transfer.block_bytes != want.block_bytes
                 || p.transfer.layout != want.layout
                 || p.transfer.dtype != want.dtype
             {
                 return Err(EngineError::Mismatch(format!(
-                    "the offer covers {} tokens in blocks of {} bytes ({}, {}); this worker has a {}-token prompt and blocks of {} bytes ({}, {})",
+                    "the offer covers {} tokens in {} blocks of {} bytes ({}, {}); this worker has a {}-token prompt and blocks of {} bytes ({}, {})",
                     p.prompt_tokens,
+                    p.transfer.block_ids.len(),
                     p.transfer.block_bytes,
                     p.transfer.layout,
                     p.transfer.dtype,
@@ -378,8 +383,7 @@ impl EngineHandle {
                 )));
             }
             tokio::time::sleep((self.import.delay)(req.token_ids.len())).await;
-            let blocks = self.agent.pull(&p.transfer).await?;
-            let bs = self.settings.scheduler.block_size as usize;
+            let blocks = self.agent.pull(&p.transfer, Some(self.worker_id)).await?;
             if blocks.len() != req.token_ids.len().div_ceil(bs) {
                 return Err(EngineError::Mismatch(format!(
                     "{} blocks pulled for a {}-token prompt",
@@ -417,13 +421,18 @@ impl EngineHandle {
     }
 
     /// Queue a prefill-only request: its first token arrives on the first channel, the offer
-    /// of its prompt's KV blocks on the second.
+    /// of its prompt's KV blocks on the second. The offer is for `req.target` only (the decode
+    /// worker the router chose) when it names one.
     pub fn submit_prefill(
         &self,
         req: &PreprocessedRequest,
     ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
-        let (otx, orx) = oneshot::channel();
-        Ok((self.enqueue(req, SeqRole::Prefill, None, Some(otx))?, orx))
+        let (reply, orx) = oneshot::channel();
+        let to = OfferTo {
+            reply,
+            puller: req.target.map(|t| t.0),
+        };
+        Ok((self.enqueue(req, SeqRole::Prefill, None, Some(to))?, orx))
     }
 
     /// The grammar state of a structured output whose output so far is `generated` and that
@@ -452,7 +461,7 @@ impl EngineHandle {
         req: &PreprocessedRequest,
         role: SeqRole,
         kv: Option<Vec<Bytes>>,
-        offer: Option<oneshot::Sender<OfferResult>>,
+        offer: Option<OfferTo>,
     ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
         if req.token_ids.is_empty() {
             return Err(OpError::invalid("the prompt has no tokens"));

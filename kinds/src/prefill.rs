@@ -435,7 +435,10 @@ mod tests {
         .await;
         cancel(&planes, 3).await;
         until("discarded", || p.jobs().counts() == (0, 0, 0)).await;
-        assert!(agent.pull(&prefilled.transfer).await.is_err(), "offer gone");
+        assert!(
+            agent.pull(&prefilled.transfer, None).await.is_err(),
+            "offer gone"
+        );
         until("blocks released", || p.engine.gauges.active_blocks() == 0).await;
     }
 }

@@ -485,6 +485,16 @@ impl Route {
         self.inner.live()
     }
 
+    /// Worker `id`'s discovery record, while it is registered.
+    pub fn instance(&self, id: u64) -> Option<Instance> {
+        self.inner
+            .workers
+            .read()
+            .iter()
+            .find(|i| i.instance_id.get() == id)
+            .cloned()
+    }
+
     /// Requests on the live workers: per worker, what its load metrics last said (running +
     /// waiting, from every router) or what this router has sent it and not seen finish,
     /// whichever is more (metrics lag a burst by up to their publishing interval).

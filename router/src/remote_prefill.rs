@@ -28,9 +28,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use dyn_core::planes::{Instance, Transport};
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -146,7 +146,6 @@ impl OperatorConfig for RemotePrefillConfig {
             planes: cx.planes.clone(),
             reply,
             waiting,
-            next_job: AtomicU64::new(1),
             counts: Mutex::new(HashMap::new()),
         });
         let shown: Arc<dyn Inspect> = inner.clone();
@@ -287,6 +286,39 @@ pub fn decide(
     }
 }
 
+/// Whether a prefill reply may be acted on: it comes from `worker`, the worker the job went to,
+/// and its KV waits at an agent on that worker's host as discovery (`record`) has it. A reply
+/// arrives on the event plane; a decode worker connects to whatever agent it names.
+fn believe(worker: u64, record: Option<&Instance>, p: &Prefilled) -> Result<(), String> {
+    if p.worker_id != worker {
+        return Err(format!(
+            "a reply for worker {worker:x} came from {:x}",
+            p.worker_id
+        ));
+    }
+    let agent = &p.transfer.agent;
+    let ok = match record.map(|r| &r.transport) {
+        Some(Transport::Tcp { address }) => {
+            let host = address
+                .rsplit_once(':')
+                .map_or(address.as_str(), |(h, _)| h);
+            agent
+                .strip_prefix("tcp://")
+                .and_then(|a| a.rsplit_once(':'))
+                .is_some_and(|(h, _)| h == host)
+        }
+        Some(Transport::InProcess) => agent.starts_with("inproc://"),
+        None => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "worker {worker:x} named agent {agent}, which is not on its host"
+        ))
+    }
+}
+
 /// Remote prefills waiting for their reply, by job id.
 type Waiting = Mutex<HashMap<u64, oneshot::Sender<Result<Prefilled, OpError>>>>;
 
@@ -306,7 +338,6 @@ struct Inner {
     /// This replica's reply subject.
     reply: String,
     waiting: Arc<Waiting>,
-    next_job: AtomicU64,
     /// Decisions so far, for `dyn inspect`.
     counts: Mutex<HashMap<&'static str, u64>>,
 }
@@ -353,7 +384,8 @@ impl Inner {
             .pool
             .choose(&pctx, &req.token_ids)
             .map_err(|e| e.message)?;
-        let id = self.next_job.fetch_add(1, Ordering::Relaxed);
+        // Random: a reply is matched by this id, and nobody can guess one to answer first.
+        let id = rand::random::<u64>();
         let (tx, rx) = oneshot::channel();
         self.waiting.lock().insert(id, tx);
         // Whatever happens below, the slot goes.
@@ -366,7 +398,8 @@ impl Inner {
         let _slot = Slot(self, id);
         let timeout = Duration::from_secs_f64(self.config.timeout_s);
         let mut request = req.clone();
-        request.target = None;
+        // `target` stays: the decode worker the router chose is the only one that may pull
+        // the offer.
         request.prefilled = None;
         let job = PrefillJob {
             id,
@@ -401,7 +434,13 @@ impl Inner {
                 // The worker answered (a failure included): it holds nothing to cancel.
                 Ok(answer) => {
                     cancel.inner = None;
-                    answer.map_err(|e| format!("the prefill worker failed ({:?}): {}", e.kind, e.message))
+                    answer
+                        .map_err(|e| format!("the prefill worker failed ({:?}): {}", e.kind, e.message))
+                        .and_then(|p| {
+                            let record = self.pool.instance(worker);
+                            believe(worker, record.as_ref(), &p)?;
+                            Ok(p)
+                        })
                 }
                 Err(_) => Err("the reply channel closed".to_owned()),
             },
@@ -554,6 +593,44 @@ impl Inspect for Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reply names its worker and its agent: both must be those the job went to.
+    #[test]
+    fn a_reply_is_believed_only_from_the_chosen_worker_and_its_host() {
+        let reply = |worker_id: u64, agent: &str| -> Prefilled {
+            serde_json::from_value(json!({
+                "worker_id": worker_id, "prompt_tokens": 4, "first_token": 1,
+                "transfer": {"agent": agent, "transfer_id": "9", "block_ids": [0],
+                    "block_bytes": 16, "layout": "token_ids", "dtype": "u32le"},
+            }))
+            .unwrap()
+        };
+        let record = |transport| Instance {
+            namespace: "ns".into(),
+            component: "prefill".into(),
+            endpoint: "generate".into(),
+            instance_id: dyn_core::InstanceId(7),
+            transport,
+            metadata: Default::default(),
+        };
+        let tcp = record(Transport::Tcp {
+            address: "10.0.0.5:4100".into(),
+        });
+        assert!(believe(7, Some(&tcp), &reply(7, "tcp://10.0.0.5:4200")).is_ok());
+        for (worker, agent) in [
+            (8, "tcp://10.0.0.5:4200"),      // another worker's reply
+            (7, "tcp://169.254.169.254:80"), // an agent elsewhere
+            (7, "tcp://10.0.0.55:4200"),     // a host that starts alike
+            (7, "inproc://1"),
+        ] {
+            let e = believe(7, Some(&tcp), &reply(worker, agent));
+            assert!(e.is_err(), "{worker} {agent}");
+        }
+        assert!(believe(7, None, &reply(7, "tcp://10.0.0.5:4200")).is_err());
+        let local = record(Transport::InProcess);
+        assert!(believe(7, Some(&local), &reply(7, "inproc://3")).is_ok());
+        assert!(believe(7, Some(&local), &reply(7, "tcp://10.0.0.5:1")).is_err());
+    }
 
     fn config() -> RemotePrefillConfig {
         RemotePrefillConfig {

@@ -17,6 +17,8 @@ use dyn_tests::{Graph, dyn_cmd, long_prompt, metric, scratch_dir};
 use serde_json::{Value, json};
 
 const AGG: &str = "graphs/agg.yaml";
+/// Every multi-process test runs its planes with a cluster identity: TLS between processes.
+const CLUSTER_TOKEN: &str = "scale-out-tests-cluster-token";
 const AGG_KV: &str = "graphs/agg_kv.yaml";
 
 struct Cluster {
@@ -51,7 +53,12 @@ impl Cluster {
         ];
         args.extend_from_slice(extra);
         let dir = run_dir.display().to_string();
-        let g = Graph::start(file, "http", &args, &[("DYN_RUN_DIR", &dir)]);
+        let g = Graph::start(
+            file,
+            "http",
+            &args,
+            &[("DYN_RUN_DIR", &dir), ("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN)],
+        );
         let c = Cluster {
             g,
             etcd,
@@ -616,6 +623,96 @@ async fn disaggregated_across_processes_long_prompts_go_remote_short_stay_local(
     assert_eq!(c.remote_decisions(), 8);
 }
 
+/// Frames as a caller writes them by hand: a header naming `instance`, one item, the end.
+fn hand_written_call(instance: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    let header = json!({"instance_id": instance, "request_id": "intruder-1"}).to_string();
+    let item = json!({"model": "x", "token_ids": [1, 2, 3]}).to_string();
+    for (tag, body) in [
+        (b'H', header.as_bytes()),
+        (b'I', item.as_bytes()),
+        (b'E', &[][..]),
+    ] {
+        out.extend_from_slice(&(body.len() as u32 + 1).to_be_bytes());
+        out.push(tag);
+        out.extend_from_slice(body);
+    }
+    out
+}
+
+/// Writes `bytes` to `address` and reads until the other side closes: what came back.
+/// A TLS listener answers garbage with at most an alert record (content type 21), never a frame.
+async fn knock(address: &str, bytes: &[u8]) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(address).await.unwrap();
+    let _ = s.write_all(bytes).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "{address} kept the connection open");
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_without_the_cluster_identity_gets_no_work_done_and_no_kv() {
+    let Some(c) = Cluster::disagg(&["--set", "remote_prefill.max_queue=1000"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    // A long prompt goes remote: an offer exists on the prefill worker's agent meanwhile.
+    let (_, n) = stream_chat(&url, &long_prompt(7), 8).await.unwrap();
+    assert_eq!(n, 8);
+    let ps = c.ps();
+    let decode = ps["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["component"] == "decode")
+        .unwrap()
+        .clone();
+    let address = decode["transport"]["address"].as_str().unwrap().to_owned();
+    let id = decode["instance_id"].as_u64().unwrap();
+    // Plain TCP, frames by hand: closed, nothing back.
+    let got = knock(&address, &hand_written_call(id)).await;
+    assert!(got.is_empty() || got[0] == 21, "{got:?}");
+    // TLS with another token: refused in the handshake's proof.
+    let stranger = dyn_trust::Trust::from_secrets(dyn_trust::Secrets {
+        token: Some(b"a-token-of-another-cluster".to_vec()),
+        ca: None,
+    })
+    .unwrap();
+    let tcp = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let e = stranger.connect(tcp, "127.0.0.1").await.err().unwrap();
+    assert!(e.to_string().contains("not of this cluster"), "{e}");
+    // The KV transfer agent: a pull of a guessed offer, by hand, is closed unanswered.
+    let agents: Vec<String> = dyn_tests::process_logs(&c.g.logs(), "prefill.0")
+        .iter()
+        .filter(|v| v["message"] == "KV transfer agent listening")
+        .filter_map(|v| v["agent"].as_str().map(str::to_owned))
+        .collect();
+    let agent = agents[0].strip_prefix("tcp://").unwrap().to_owned();
+    let pull = json!({"id": format!("{:032x}", 1), "puller": id}).to_string();
+    let mut frame = (pull.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(pull.as_bytes());
+    let got = knock(&agent, &frame).await;
+    assert!(got.is_empty() || got[0] == 21, "{got:?}");
+    // Nothing was served: no process saw the intruder's request; each refusal was logged.
+    assert!(!c.g.logs().iter().any(|l| l.contains("intruder-1")));
+    dyn_tests::until("both refusals at the decode worker are logged", || {
+        logged(&c, "decode", 2, "Request plane: connection refused") >= 2
+    })
+    .await;
+    dyn_tests::until("the refusal at the agent is logged", || {
+        logged(&c, "prefill", 1, "KV transfer: connection refused") >= 1
+    })
+    .await;
+    // Members go on as before, over TLS: remote prefills pull their KV.
+    let before = logged(&c, "frontend", 1, "Prefilled remotely");
+    let (_, n) = stream_chat(&url, &long_prompt(8), 8).await.unwrap();
+    assert_eq!(n, 8);
+    assert_eq!(logged(&c, "decode", 2, "KV transfer failed"), 0);
+    assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), before + 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_worker_killed_mid_transfer_leaves_requests_to_local_prefill() {
     // A slow link (~2.5 s per prompt's KV) leaves time to kill the prefill worker while the
@@ -705,7 +802,10 @@ fn second_frontend(c: &Cluster, extra: &[&str]) -> Graph {
         c.file,
         "http",
         &args,
-        &[("DYN_RUN_DIR", &dir.display().to_string())],
+        &[
+            ("DYN_RUN_DIR", &dir.display().to_string()),
+            ("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN),
+        ],
     )
 }
 
