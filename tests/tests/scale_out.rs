@@ -413,6 +413,48 @@ async fn streams_survive_a_worker_killed_mid_stream() {
     eprintln!("{migrated} requests migrated");
 }
 
+/// A worker frozen mid-stream (SIGSTOP: what a host that lost power looks like from the other
+/// end, connections established and silent) is given up after the request plane's silence
+/// bound, and its streams migrate and finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_migrate_off_a_frozen_worker_within_the_heartbeat_bound() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let prompts = prompts(32);
+    let expected: Vec<_> = stream_all(&url, &prompts, 48)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let run = tokio::spawn({
+        let (url, prompts) = (url.clone(), prompts.clone());
+        async move { stream_all(&url, &prompts, 48).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let frozen = c.pid("decode", 1);
+    signal(frozen, "-STOP");
+    let stopped = Instant::now();
+    let got = run.await.unwrap();
+    eprintln!("streams done {:?} after the freeze", stopped.elapsed());
+    signal(frozen, "-CONT");
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.as_ref().unwrap(), e, "stream {i}");
+    }
+    let lost = c
+        .frontend_logs()
+        .iter()
+        .filter(|l| l["message"] == "Replica lost; migrating the request")
+        .filter(|l| l.to_string().contains("nothing heard"))
+        .count();
+    assert!(
+        lost > 0,
+        "streams on the frozen worker were given up and migrated"
+    );
+    eprintln!("{lost} requests migrated off the frozen worker");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_goes_on_through_nats_and_etcd_restarts() {
     let Some(mut c) = Cluster::up(AGG_KV, 4, &["--set", "decode.mocker.speedup=20"]) else {
