@@ -325,7 +325,21 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-fn up(args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Result<()> {
+fn up(mut args: UpArgs, registry: &dyn_core::Registry, log: LogFormat) -> anyhow::Result<()> {
+    // A supervised process gets the run's `--set` overrides in its environment, not its
+    // command line: they may hold secrets, and any local user can read a command line.
+    if args.group.is_some()
+        && let Some(sets) = std::env::var_os(SET_ENV)
+    {
+        let sets: Vec<String> = serde_json::from_str(&sets.to_string_lossy())
+            .with_context(|| format!("{SET_ENV} is not a JSON list of overrides"))?;
+        for s in sets {
+            args.set.push(
+                s.parse()
+                    .map_err(|e: String| anyhow::anyhow!("{SET_ENV}: {e}"))?,
+            );
+        }
+    }
     let mut graph = compile(&args.file, &args.set, registry)?;
     args.planes.apply(&mut graph);
     let grace = Duration::try_from_secs_f64(args.grace_period)
@@ -479,7 +493,7 @@ fn up_supervised(
     let args_for: procs::ArgsFor = {
         let graph = graph.clone();
         Box::new(move |process, replica| {
-            child_args(&args, &graph, log, &format!("{process}:{replica}"))
+            child_command(&args, &graph, log, &format!("{process}:{replica}"))
         })
     };
     tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
@@ -555,8 +569,37 @@ fn planner_plan(graph: &CompiledGraph) -> anyhow::Result<Option<dyn_planner::run
     Ok(Some(dyn_planner::run::Plan::of(cfg, &facts)?))
 }
 
-/// The arguments of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)
-/// of a supervised graph: this run's settings, with the planes resolved.
+/// Where a supervised process finds the run's `--set` overrides (a JSON list).
+const SET_ENV: &str = "DYN_SET";
+
+/// The command of the `dyn` process that runs one process-group replica (`NAME:REPLICA`)
+/// of a supervised graph: this run's settings, with the planes resolved. The overrides go in
+/// its environment (`SET_ENV`), which only its user can read.
+fn child_command(
+    args: &UpArgs,
+    graph: &CompiledGraph,
+    log: LogFormat,
+    group: &str,
+) -> procs::ChildCommand {
+    let sets: Vec<String> = args
+        .set
+        .iter()
+        .map(|o| format!("{}.{}={}", o.node, o.path.join("."), o.value))
+        .collect();
+    let env = if sets.is_empty() {
+        Vec::new()
+    } else {
+        vec![(
+            SET_ENV.to_owned(),
+            serde_json::to_string(&sets).unwrap_or_default(),
+        )]
+    };
+    procs::ChildCommand {
+        args: child_args(args, graph, log, group),
+        env,
+    }
+}
+
 fn child_args(args: &UpArgs, graph: &CompiledGraph, log: LogFormat, group: &str) -> Vec<String> {
     let log = log
         .to_possible_value()
@@ -568,10 +611,6 @@ fn child_args(args: &UpArgs, graph: &CompiledGraph, log: LogFormat, group: &str)
         "up".into(),
         args.file.display().to_string(),
     ];
-    for o in &args.set {
-        a.push("--set".into());
-        a.push(format!("{}.{}={}", o.node, o.path.join("."), o.value));
-    }
     a.extend([
         "--grace-period".into(),
         args.grace_period.to_string(),

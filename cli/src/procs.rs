@@ -144,15 +144,21 @@ fn signal(pid: u32, sig: Signal) {
     }
 }
 
-/// One process to supervise: its group, replica, and the arguments of its `dyn` command.
+/// One process to supervise: its group, replica, and its `dyn` command.
 pub struct Group {
     pub process: String,
     pub replica: u32,
-    pub args: Vec<String>,
+    pub command: ChildCommand,
 }
 
-/// The arguments of the `dyn` process running replica `replica` of process group `process`.
-pub type ArgsFor = Box<dyn Fn(&str, u32) -> Vec<String> + Send + Sync>;
+/// A supervised `dyn` process's arguments, and what its environment adds to this process's.
+pub struct ChildCommand {
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+/// The command of the `dyn` process running replica `replica` of process group `process`.
+pub type ArgsFor = Box<dyn Fn(&str, u32) -> ChildCommand + Send + Sync>;
 
 /// A running replica and the switch that stops it.
 type Replica = (u32, watch::Sender<bool>);
@@ -208,7 +214,7 @@ impl Supervisor {
         let g = Group {
             process: process.to_owned(),
             replica,
-            args: (self.args_for)(process, replica),
+            command: (self.args_for)(process, replica),
         };
         self.tasks
             .lock()
@@ -350,7 +356,8 @@ async fn keep_running(
         }
         let started = Instant::now();
         let child = tokio::process::Command::new(&exe)
-            .args(&g.args)
+            .args(&g.command.args)
+            .envs(g.command.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

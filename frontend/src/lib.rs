@@ -52,6 +52,11 @@ pub struct ServerConfig {
     /// this list from 1.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
+    /// A file of more API keys, so they need not be in the graph or on a command line: one
+    /// per line, `KEY` or `KEY TENANT`; blank lines and `#` comments are skipped. Keys in the
+    /// environment variable `DYN_API_KEYS` (same form, lines or commas) are added too.
+    #[serde(default)]
+    pub api_keys_file: Option<std::path::PathBuf>,
     /// A header that names the request's tenant (say `x-tenant-id`), as a gateway in front
     /// sets it; where present it wins over a bare API key's tenant, not over a key that names
     /// its own. `http` only.
@@ -154,6 +159,28 @@ impl ServerConfig {
         })
     }
 
+    /// These settings with the API keys from `api_keys_file` and `DYN_API_KEYS` added.
+    pub fn resolved(&self) -> Result<ServerConfig, BuildError> {
+        let mut out = self.clone();
+        if let Some(path) = &self.api_keys_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| BuildError::new(format!("api_keys_file {}: {e}", path.display())))?;
+            out.api_keys.extend(
+                parse_keys(&text, &['\n']).map_err(|e| {
+                    BuildError::new(format!("api_keys_file {}: {e}", path.display()))
+                })?,
+            );
+        }
+        if let Some(text) = std::env::var_os(API_KEYS_ENV) {
+            let text = text.to_string_lossy();
+            out.api_keys.extend(
+                parse_keys(&text, &['\n', ','])
+                    .map_err(|e| BuildError::new(format!("{API_KEYS_ENV}: {e}")))?,
+            );
+        }
+        Ok(out)
+    }
+
     /// Bind at build time so a taken port fails start-up with a clear message.
     pub async fn bind(&self, node: &str) -> Result<TcpListener, BuildError> {
         let listener = TcpListener::bind(&self.listen)
@@ -165,6 +192,35 @@ impl ServerConfig {
         tracing::info!(node, addr = %addr, "HTTP ingress listening");
         Ok(listener)
     }
+}
+
+/// API keys in the environment (see [`ServerConfig::api_keys_file`]).
+pub const API_KEYS_ENV: &str = "DYN_API_KEYS";
+
+/// Keys written `KEY` or `KEY TENANT`, one per entry (entries split at `seps`); blank entries
+/// and `#` comments skipped. Errors name the entry by its place, never by its text (a key).
+fn parse_keys(text: &str, seps: &[char]) -> Result<Vec<ApiKey>, String> {
+    let mut out = Vec::new();
+    for (n, entry) in text.split(seps).enumerate() {
+        let entry = entry.trim();
+        if entry.is_empty() || entry.starts_with('#') {
+            continue;
+        }
+        let mut words = entry.split_whitespace();
+        let key = words.next().unwrap_or_default().to_owned();
+        match (words.next(), words.next()) {
+            (None, _) => out.push(ApiKey::Bare(key)),
+            (Some(t), None) if tenant_name_ok(t) => out.push(ApiKey::Named(NamedKey {
+                key,
+                tenant: t.to_owned(),
+            })),
+            (Some(_), None) => return Err(format!("entry {}: {TENANT_NAME_RULE}", n + 1)),
+            (Some(_), Some(_)) => {
+                return Err(format!("entry {}: write `KEY` or `KEY TENANT`", n + 1));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// An API key, bare or naming its tenant.
@@ -651,6 +707,26 @@ async fn refuse_while_draining(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn keys_from_a_file_or_the_environment_are_read_line_by_line() {
+        let keys = parse_keys("# ops\nk1\n\n  k2 acme  \n", &['\n']).unwrap();
+        let got: Vec<_> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.key().to_owned(), k.tenant(i)))
+            .collect();
+        assert_eq!(
+            got,
+            [("k1".into(), "key-1".into()), ("k2".into(), "acme".into())]
+        );
+        assert_eq!(parse_keys("a,b x", &['\n', ',']).unwrap().len(), 2);
+        // Errors point at the entry, never show the key.
+        let e = parse_keys("s3cret a b", &['\n']).unwrap_err();
+        assert!(e.contains("entry 1") && !e.contains("s3cret"), "{e}");
+        let e = parse_keys("ok\ns3cret bad/tenant", &['\n']).unwrap_err();
+        assert!(e.contains("entry 2") && !e.contains("s3cret"), "{e}");
+    }
 
     #[test]
     fn an_api_key_is_bare_or_names_its_tenant_and_nothing_else() {

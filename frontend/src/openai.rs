@@ -103,7 +103,7 @@ impl IngressConfig for HttpConfig {
             tool_format,
             reasoning,
             listener: self.server.bind(&cx.node).await?,
-            config: self.server.clone(),
+            config: self.server.resolved()?,
             model: model.name.clone(),
             admin: Admin {
                 inspect: cx.service::<dyn_core::Inspectables>().await?,

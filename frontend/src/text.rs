@@ -61,7 +61,7 @@ impl IngressConfig for HttpTextConfig {
     async fn build(&self, cx: &BuildCx) -> Result<HttpText, BuildError> {
         Ok(HttpText {
             listener: self.server.bind(&cx.node).await?,
-            config: self.server.clone(),
+            config: self.server.resolved()?,
         })
     }
 }

@@ -439,6 +439,38 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
     assert!(!g.logs().iter().any(|l| l.contains("panicked")));
 }
 
+/// Keys kept off the graph and the command line: a file the graph names, and the environment.
+#[tokio::test]
+async fn api_keys_come_from_a_file_and_the_environment() {
+    let file = dyn_tests::scratch_dir("api-keys").join("keys");
+    std::fs::write(&file, "# one per line\nfile-key acme\n").unwrap();
+    let g = Graph::start(
+        GRAPH,
+        "http",
+        &[
+            "--set",
+            "decode.mocker.speedup=100",
+            "--set",
+            &format!("http.api_keys_file={}", file.display()),
+        ],
+        &[("DYN_API_KEYS", "env-key-1,env-key-2 beta")],
+    );
+    let body = chat("hi", json!({"max_tokens": 2}));
+    for (key, status) in [
+        (None, 401),
+        (Some("nope"), 401),
+        (Some("file-key"), 200),
+        (Some("env-key-1"), 200),
+        (Some("env-key-2"), 200),
+    ] {
+        let mut req = client().post(g.url("/v1/chat/completions")).json(&body);
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        assert_eq!(req.send().await.unwrap().status(), status, "{key:?}");
+    }
+}
+
 #[tokio::test]
 async fn api_keys_are_required_when_configured() {
     let g = up(&["--set", "http.api_keys=[sekret]"]);

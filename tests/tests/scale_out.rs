@@ -19,6 +19,8 @@ use serde_json::{Value, json};
 const AGG: &str = "graphs/agg.yaml";
 /// Every multi-process test runs its planes with a cluster identity: TLS between processes.
 const CLUSTER_TOKEN: &str = "scale-out-tests-cluster-token";
+/// Every request carries this key; a test that configures it checks it stays off command lines.
+const API_KEY: &str = "scale-out-tests-api-key";
 const AGG_KV: &str = "graphs/agg_kv.yaml";
 
 struct Cluster {
@@ -178,6 +180,7 @@ async fn stream_chat(url: &str, content: &str, max_tokens: u32) -> Result<(Strin
     });
     let r = reqwest::Client::new()
         .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(API_KEY)
         .json(&body)
         .send()
         .await
@@ -696,9 +699,31 @@ async fn knock(address: &str, bytes: &[u8]) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_without_the_cluster_identity_gets_no_work_done_and_no_kv() {
-    let Some(c) = Cluster::disagg(&["--set", "remote_prefill.max_queue=1000"]) else {
+    let keys = format!("http.api_keys=[{API_KEY}]");
+    let Some(c) = Cluster::disagg(&["--set", "remote_prefill.max_queue=1000", "--set", &keys])
+    else {
         return;
     };
+    // Secrets stay off every command line: the cluster token is in the environment, and the
+    // supervisor hands `--set` (an API key here) to its processes the same way.
+    let ps = c.ps();
+    let mut pids: Vec<u32> = ps["runs"][0]["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["pid"].as_u64().map(|p| p as u32))
+        .collect();
+    pids.push(c.g.pid());
+    assert!(pids.len() >= 4, "{ps}");
+    for pid in pids {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        assert!(cmdline.contains("graph up"), "{cmdline}");
+        if pid != c.g.pid() {
+            assert!(!cmdline.contains(API_KEY), "{pid}: {cmdline}");
+        }
+        assert!(!cmdline.contains(CLUSTER_TOKEN), "{pid}: {cmdline}");
+    }
     let url = format!("http://{}", c.g.addr);
     // A long prompt goes remote: an offer exists on the prefill worker's agent meanwhile.
     let (_, n) = stream_chat(&url, &long_prompt(7), 8).await.unwrap();
