@@ -213,6 +213,13 @@ struct Offer {
     _hold: Option<Hold>,
 }
 
+/// How long an offer stays, what it holds meanwhile, and whom it is for.
+struct Terms {
+    ttl: Duration,
+    hold: Option<Hold>,
+    to: Option<u64>,
+}
+
 /// Offers pinned by one agent.
 #[derive(Default)]
 struct Offers {
@@ -225,9 +232,7 @@ impl Offers {
         block_ids: &[u32],
         blocks: Vec<Bytes>,
         format: &BlockFormat,
-        ttl: Duration,
-        hold: Option<Hold>,
-        to: Option<u64>,
+        Terms { ttl, hold, to }: Terms,
     ) -> Result<TransferId, TransferError> {
         if block_ids.len() != blocks.len() {
             return Err(TransferError::Mismatch(block_ids.len(), blocks.len()));
@@ -268,11 +273,9 @@ impl Offers {
         block_ids: Vec<u32>,
         blocks: Vec<Bytes>,
         f: BlockFormat,
-        ttl: Duration,
-        hold: Option<Hold>,
-        to: Option<u64>,
+        terms: Terms,
     ) -> Result<TransferDescriptor, TransferError> {
-        let transfer_id = self.add(&block_ids, blocks, &f, ttl, hold, to)?;
+        let transfer_id = self.add(&block_ids, blocks, &f, terms)?;
         Ok(TransferDescriptor {
             agent: agent.to_owned(),
             transfer_id,
@@ -333,8 +336,13 @@ impl KvTransferAgent for InProcessAgent {
         hold: Option<Hold>,
         to: Option<u64>,
     ) -> Result<TransferDescriptor, TransferError> {
-        self.offers
-            .offer(&self.name, block_ids, blocks, format, ttl, hold, to)
+        self.offers.offer(
+            &self.name,
+            block_ids,
+            blocks,
+            format,
+            Terms { ttl, hold, to },
+        )
     }
 
     async fn pull(
