@@ -47,8 +47,9 @@ use disk::DiskDir;
 pub struct OffloadConfig {
     /// G2: blocks kept in host memory (0: no offload).
     pub host_blocks: u32,
-    /// G3: directory for blocks on local disk, relative to the graph file. Each worker locks
-    /// its own slot directory under `{disk_dir}/{node}/` and reuses it after a restart.
+    /// G3: directory for blocks on local disk, relative to the graph file; none: the user's
+    /// cache directory ([`disk::default_dir`]). Each worker locks its own slot directory under
+    /// `{disk_dir}/{node}/` and reuses it after a restart.
     pub disk_dir: Option<String>,
     /// G3: blocks kept on disk (0: no disk tier).
     pub disk_blocks: u32,
@@ -83,12 +84,6 @@ impl OffloadConfig {
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
         let mut out = Vec::new();
         let field = |f: &str| format!("{prefix}{f}");
-        if self.disk_blocks > 0 && self.disk_dir.is_none() {
-            out.push(Invalid::field(
-                field("disk_dir"),
-                "the disk tier needs a directory (or `disk_blocks: 0` for none)",
-            ));
-        }
         if self.disk_blocks > 0 && self.host_blocks == 0 {
             out.push(Invalid::field(
                 field("host_blocks"),
@@ -195,8 +190,9 @@ pub struct Tiers {
 }
 
 impl Tiers {
-    /// Open the tiers (locking and scanning the disk directory, `disk_dir` resolved already)
-    /// and start the offload thread. Blocks a previous run left on disk are announced.
+    /// Open the tiers (locking and scanning the disk directory, `disk_dir` resolved already;
+    /// none: [`disk::default_dir`]) and start the offload thread. Blocks a previous run left on
+    /// disk are announced.
     pub fn start(
         config: &OffloadConfig,
         disk_dir: Option<PathBuf>,
@@ -207,9 +203,10 @@ impl Tiers {
     ) -> std::io::Result<Arc<Tiers>> {
         let host_capacity = config.host_blocks.max(1) as usize;
         let disk_capacity = config.disk_blocks as usize;
-        let dir = match (&disk_dir, NonZeroUsize::new(disk_capacity)) {
-            (Some(base), Some(_)) => Some(DiskDir::open(base, node, format)?),
-            _ => None,
+        let dir = match (disk_dir, NonZeroUsize::new(disk_capacity)) {
+            (_, None) => None,
+            (Some(base), Some(_)) => Some(DiskDir::open(&base, node, format)?),
+            (None, Some(_)) => Some(DiskDir::open(&disk::default_dir()?, node, format)?),
         };
         let mut disk = NonZeroUsize::new(disk_capacity)
             .filter(|_| dir.is_some())
