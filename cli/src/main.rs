@@ -498,6 +498,9 @@ fn up_supervised(
     };
     tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
     rt.block_on(async {
+        dyn_runtime::planes::check(&graph.control, &graph.events)
+            .await
+            .context("the graph's planes are not reachable")?;
         let sup = procs::Supervisor::new(file, args_for, groups_of)?;
         for (process, replica) in &groups {
             sup.start(process, *replica);

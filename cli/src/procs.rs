@@ -488,9 +488,10 @@ pub async fn ps(
     let instances = match control {
         dyn_runtime::compile::PlaneAddr::Etcd(eps) => {
             let prefix = format!("v1/instances/{namespace}/");
-            let urls: Vec<String> = eps.iter().map(|e| format!("http://{e}")).collect();
+            let creds = dyn_runtime::planes::EtcdCredentials::from_env()?;
+            let urls = creds.urls(eps);
             Some(
-                dyn_runtime::planes::etcd::list_instances(&urls, &prefix)
+                dyn_runtime::planes::etcd::list_instances(&urls, &creds, &prefix)
                     .await
                     .with_context(|| {
                         format!("cannot list instances in etcd at {}", eps.join(","))

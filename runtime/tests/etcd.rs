@@ -171,9 +171,13 @@ async fn a_dead_endpoint_among_several_is_passed_over() {
         .unwrap();
     let i = instance(&ns, 1);
     a.register(i.clone()).await.unwrap();
-    let listed = dyn_runtime::planes::etcd::list_instances(&["http://127.0.0.1:1", &url], &i.key())
-        .await
-        .unwrap();
+    let listed = dyn_runtime::planes::etcd::list_instances(
+        &["http://127.0.0.1:1", &url],
+        &Default::default(),
+        &i.key(),
+    )
+    .await
+    .unwrap();
     assert_eq!(listed, vec![i]);
 }
 
@@ -208,7 +212,8 @@ async fn a_member_lost_after_connecting_is_replaced_by_the_next() {
     );
     let prefix = format!("v1/instances/{ns}/");
     let second_url = [second.url()];
-    let on_second = || dyn_runtime::planes::etcd::list_instances(&second_url, &prefix);
+    let none = dyn_runtime::planes::EtcdCredentials::default();
+    let on_second = || dyn_runtime::planes::etcd::list_instances(&second_url, &none, &prefix);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let mut listed = on_second().await.unwrap();
@@ -307,4 +312,44 @@ async fn watches_started_during_registrations_miss_nothing() {
     for w in watchers {
         assert_eq!(w.await.unwrap(), N as usize);
     }
+}
+
+/// With authentication on, the credentials in `ETCD_AUTH_USERNAME`/`PASSWORD` get through and
+/// their absence is a clear error that names the variables.
+#[tokio::test]
+async fn an_etcd_with_authentication_takes_a_user_and_says_what_is_missing() {
+    if etcd().is_none() {
+        return;
+    }
+    let Some(server) = dyn_tests::servers::Server::etcd_with_auth("root", "etcd-root-pw") else {
+        dyn_tests::skip("etcd is not on PATH");
+        return;
+    };
+    let url = server.url();
+    let e = EtcdDiscovery::connect(&[&url], TTL).await.err().unwrap();
+    assert!(e.to_string().contains("set ETCD_AUTH_USERNAME"), "{e}");
+    let vars = |pw: &'static str| {
+        move |k: &str| match k {
+            "ETCD_AUTH_USERNAME" => Some("root".into()),
+            "ETCD_AUTH_PASSWORD" => Some(pw.into()),
+            _ => None,
+        }
+    };
+    let wrong = dyn_runtime::planes::EtcdCredentials::from_vars(vars("nope")).unwrap();
+    let e = EtcdDiscovery::connect_with(&[&url], TTL, wrong)
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("refused"), "{e}");
+    let creds = dyn_runtime::planes::EtcdCredentials::from_vars(vars("etcd-root-pw")).unwrap();
+    let d = EtcdDiscovery::connect_with(&[&url], TTL, creds.clone())
+        .await
+        .unwrap();
+    let ns = namespace();
+    let i = instance(&ns, 1);
+    d.register(i.clone()).await.unwrap();
+    let listed = dyn_runtime::planes::etcd::list_instances(&[&url], &creds, &i.key())
+        .await
+        .unwrap();
+    assert_eq!(listed, vec![i]);
 }

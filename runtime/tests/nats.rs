@@ -161,3 +161,42 @@ async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
         .unwrap()
         .unwrap()
 }
+
+/// A NATS server with a user: the credentials get through, their absence is a clear error.
+#[tokio::test]
+async fn a_nats_server_with_a_user_takes_credentials_and_says_what_is_missing() {
+    if test_server("DYN_TEST_NATS").is_none() {
+        return;
+    }
+    let Some(server) = Server::nats_with_user("dyn", "nats-pw") else {
+        dyn_tests::skip("nats-server is not on PATH");
+        return;
+    };
+    let at = endpoint(&server.url());
+    let e = NatsEventBus::connect(&at).await.err().unwrap();
+    assert!(e.to_string().contains("set NATS_AUTH_USERNAME"), "{e}");
+    let creds = |pw: &'static str| {
+        dyn_runtime::planes::NatsCredentials::from_vars(move |k| match k {
+            "NATS_AUTH_USERNAME" => Some("dyn".into()),
+            "NATS_AUTH_PASSWORD" => Some(pw.into()),
+            _ => None,
+        })
+        .unwrap()
+    };
+    let e = NatsEventBus::connect_with(&at, &creds("nope"))
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("refused"), "{e}");
+    let a = NatsEventBus::connect_with(&at, &creds("nats-pw"))
+        .await
+        .unwrap();
+    let mut sub = a.subscribe("t.auth").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a.publish("t.auth", Bytes::from_static(b"x")).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut sub))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got.payload[..], b"x");
+}

@@ -65,15 +65,56 @@ impl Server {
 
     /// nats-server with JetStream; `None` when the binary is missing.
     pub fn nats() -> Option<Server> {
+        Self::nats_with(&[])
+    }
+
+    /// nats-server that admits `user` with `password` only.
+    pub fn nats_with_user(user: &str, password: &str) -> Option<Server> {
+        Self::nats_with(&["--user", user, "--pass", password])
+    }
+
+    fn nats_with(extra: &[&str]) -> Option<Server> {
         let port = free_port();
         let dir = crate::scratch_dir(&format!("nats-{port}"));
         let data = dir.join("data");
+        let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         Self::start_new("nats", port, dir, move || {
             let mut c = Command::new("nats-server");
             c.args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-                .arg(&data);
+                .arg(&data)
+                .args(&extra);
             c
         })
+    }
+
+    /// etcd with authentication on: user `user` (granted the root role) with `password`.
+    pub fn etcd_with_auth(user: &str, password: &str) -> Option<Server> {
+        let server = Self::etcd()?;
+        let url = server.url();
+        let (user, password) = (user.to_owned(), password.to_owned());
+        let enabled = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let mut c = etcd_client::Client::connect([url], None).await.ok()?;
+                c.user_add(user.as_str(), password.as_str(), None)
+                    .await
+                    .ok()?;
+                if user != "root" {
+                    c.user_add("root", password.as_str(), None).await.ok()?;
+                }
+                c.role_add("root").await.ok();
+                c.user_grant_role(user.as_str(), "root").await.ok()?;
+                c.user_grant_role("root", "root").await.ok();
+                c.auth_enable().await.ok()
+            })
+        })
+        .join()
+        .ok()
+        .flatten();
+        enabled.map(|_| server)
     }
 
     fn start_new(

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::{BoxStream, StreamExt};
@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::PlaneError;
+use super::auth::EtcdCredentials;
 use super::discovery::{Discovery, DiscoveryEvent, Instance};
 
 fn err(e: impl std::fmt::Display) -> PlaneError {
@@ -45,6 +46,7 @@ struct Registrations {
 /// next member that answers (in order after the failed one) and is tried once more there.
 struct Members {
     endpoints: Vec<String>,
+    creds: EtcdCredentials,
     /// The index of the member in use, and its client.
     current: Mutex<(usize, Client)>,
 }
@@ -58,7 +60,15 @@ impl Members {
     async fn fail_over(&self) -> Client {
         let at = self.current.lock().0;
         let status = |mut c: Client| async move { c.status().await.map_err(err) }.boxed();
-        match first_member(&self.endpoints, at + 1, Duration::from_secs(2), status).await {
+        match first_member(
+            &self.endpoints,
+            &self.creds,
+            at + 1,
+            Duration::from_secs(2),
+            status,
+        )
+        .await
+        {
             Ok((next, client, _)) => {
                 if next != at {
                     tracing::warn!(
@@ -98,13 +108,12 @@ pub struct EtcdDiscovery {
 /// that is down and fails them.
 async fn first_member<'a, E: AsRef<str>, T>(
     endpoints: &[E],
+    creds: &EtcdCredentials,
     from: usize,
     timeout: Duration,
     first: impl Fn(Client) -> BoxFuture<'a, Result<T, PlaneError>>,
 ) -> Result<(usize, Client, T), PlaneError> {
-    let opts = ConnectOptions::new()
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout);
+    let opts = creds.options(timeout);
     let mut failures = Vec::new();
     for k in 0..endpoints.len() {
         let at = (from + k) % endpoints.len();
@@ -115,7 +124,13 @@ async fn first_member<'a, E: AsRef<str>, T>(
         };
         match answered {
             Ok(ok) => return Ok(ok),
-            Err(e) => failures.push(format!("{endpoint}: {e}")),
+            Err(e) => {
+                let e = e.to_string();
+                match creds.explain(&e) {
+                    Some(why) => failures.push(format!("{endpoint}: {e} ({why})")),
+                    None => failures.push(format!("{endpoint}: {e}")),
+                }
+            }
         }
     }
     Err(err(if failures.is_empty() {
@@ -129,14 +144,17 @@ async fn first_member<'a, E: AsRef<str>, T>(
 /// first of `endpoints` that answers.
 pub async fn list_instances<E: AsRef<str>>(
     endpoints: &[E],
+    creds: &EtcdCredentials,
     prefix: &str,
 ) -> Result<Vec<Instance>, PlaneError> {
     let snapshot =
         |mut c: Client| async move { EtcdDiscovery::snapshot(&mut c, prefix).await }.boxed();
-    Ok(first_member(endpoints, 0, Duration::from_secs(3), snapshot)
-        .await?
-        .2
-        .0)
+    Ok(
+        first_member(endpoints, creds, 0, Duration::from_secs(3), snapshot)
+            .await?
+            .2
+            .0,
+    )
 }
 
 impl EtcdDiscovery {
@@ -148,12 +166,29 @@ impl EtcdDiscovery {
         endpoints: &[E],
         ttl: Duration,
     ) -> Result<Self, PlaneError> {
+        Self::connect_with(endpoints, ttl, EtcdCredentials::default()).await
+    }
+
+    /// [`connect`](Self::connect) with a user or TLS.
+    pub async fn connect_with<E: AsRef<str>>(
+        endpoints: &[E],
+        ttl: Duration,
+        creds: EtcdCredentials,
+    ) -> Result<Self, PlaneError> {
         let ttl_s = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         // The first call reaches the server: a wrong address fails here, not later.
-        let grant =
-            |mut c: Client| async move { c.lease_grant(ttl_s, None).await.map_err(err) }.boxed();
+        // A read first: with authentication on, etcd grants leases to anyone but refuses
+        // reads without a user, and a missing user should fail here, not at the first watch.
+        let grant = |mut c: Client| {
+            async move {
+                let probe = GetOptions::new().with_prefix().with_count_only();
+                c.get("v1/instances/", Some(probe)).await.map_err(err)?;
+                c.lease_grant(ttl_s, None).await.map_err(err)
+            }
+            .boxed()
+        };
         let (at, client, granted) =
-            first_member(endpoints, 0, Duration::from_secs(5), grant).await?;
+            first_member(endpoints, &creds, 0, Duration::from_secs(5), grant).await?;
         let lease = granted.id();
         let state = Arc::new(Mutex::new(Registrations {
             lease,
@@ -161,6 +196,7 @@ impl EtcdDiscovery {
         }));
         let members = Arc::new(Members {
             endpoints: endpoints.iter().map(|e| e.as_ref().to_owned()).collect(),
+            creds,
             current: Mutex::new((at, client)),
         });
         let task = tokio::spawn(keep_alive(members.clone(), state.clone(), ttl_s));

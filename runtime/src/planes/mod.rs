@@ -3,12 +3,14 @@
 //! implementations), so operators never know which they run on; [`connect`] picks them from a
 //! graph's plane addresses.
 
+pub mod auth;
 pub mod etcd;
 pub mod nats;
 pub mod tcp;
 
 use std::sync::Arc;
 
+pub use auth::{EtcdCredentials, NatsCredentials};
 pub use dyn_core::planes::*;
 pub use etcd::EtcdDiscovery;
 pub use nats::{NatsEventBus, NatsWorkQueue};
@@ -16,8 +18,22 @@ pub use tcp::TcpRequestPlane;
 
 use crate::compile::PlaneAddr;
 
+/// Reach etcd and NATS once with the environment's credentials, as a supervisor does before
+/// it starts processes that would each fail the same way (and be restarted for ever).
+pub async fn check(control: &PlaneAddr, events: &PlaneAddr) -> Result<(), PlaneError> {
+    if let PlaneAddr::Etcd(endpoints) = control {
+        let creds = EtcdCredentials::from_env()?;
+        etcd::list_instances(&creds.urls(endpoints), &creds, "v1/instances/").await?;
+    }
+    if let PlaneAddr::Nats(endpoints) = events {
+        NatsEventBus::connect_with(endpoints, &NatsCredentials::from_env()?).await?;
+    }
+    Ok(())
+}
+
 /// The planes a graph's addresses name: etcd discovery, NATS events, and the TCP request
-/// plane as soon as either leaves the process (another process may then call in).
+/// plane as soon as either leaves the process (another process may then call in). etcd's
+/// and NATS's credentials come from the environment ([`auth`]).
 pub async fn connect(
     control: &PlaneAddr,
     events: &PlaneAddr,
@@ -33,12 +49,13 @@ pub async fn connect(
                 message: "no etcd endpoint".into(),
             });
         }
-        let urls: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
-        planes.discovery = Arc::new(EtcdDiscovery::connect(&urls, lease_ttl).await?);
+        let creds = EtcdCredentials::from_env()?;
+        let urls = creds.urls(endpoints);
+        planes.discovery = Arc::new(EtcdDiscovery::connect_with(&urls, lease_ttl, creds).await?);
         distributed = true;
     }
     if let PlaneAddr::Nats(endpoints) = events {
-        let bus = NatsEventBus::connect(endpoints).await?;
+        let bus = NatsEventBus::connect_with(endpoints, &NatsCredentials::from_env()?).await?;
         planes.queue = Arc::new(bus.work_queue());
         planes.events = Arc::new(bus);
         distributed = true;

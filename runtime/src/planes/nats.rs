@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream::{BoxStream, StreamExt};
 
+use super::auth::NatsCredentials;
 use super::{Event, EventBus, PlaneError};
 use dyn_core::planes::events::valid_subject;
 
@@ -33,6 +34,14 @@ impl NatsEventBus {
     /// Connect to `endpoints` (`host:port`, several for a cluster); fails when none answers
     /// within a few seconds, so a wrong address is reported at start-up.
     pub async fn connect(endpoints: &[String]) -> Result<Self, PlaneError> {
+        Self::connect_with(endpoints, &NatsCredentials::default()).await
+    }
+
+    /// [`connect`](Self::connect) with credentials or TLS.
+    pub async fn connect_with(
+        endpoints: &[String],
+        creds: &NatsCredentials,
+    ) -> Result<Self, PlaneError> {
         let urls: Vec<String> = endpoints.iter().map(|e| format!("nats://{e}")).collect();
         let shown = urls.join(",");
         let opts = async_nats::ConnectOptions::new()
@@ -54,10 +63,20 @@ impl NatsEventBus {
                     other => tracing::debug!(event = %other, "Event plane"),
                 }
             });
+        let opts = creds.apply(opts).await?;
         let client = tokio::time::timeout(Duration::from_secs(5), opts.connect(urls.clone()))
             .await
             .map_err(|_| err(format!("no NATS server answered at {shown} within 5 s")))?
-            .map_err(|e| err(format!("cannot connect to NATS at {shown}: {e}")))?;
+            .map_err(|e| {
+                use async_nats::ConnectErrorKind as K;
+                match e.kind() {
+                    K::AuthorizationViolation | K::Authentication => err(format!(
+                        "cannot connect to NATS at {shown}: {e} ({})",
+                        creds.explain()
+                    )),
+                    _ => err(format!("cannot connect to NATS at {shown}: {e}")),
+                }
+            })?;
         Ok(Self { client })
     }
 }
