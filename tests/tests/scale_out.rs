@@ -458,6 +458,107 @@ async fn streams_migrate_off_a_frozen_worker_within_the_heartbeat_bound() {
     eprintln!("{lost} requests migrated off the frozen worker");
 }
 
+/// etcd with authentication and NATS with a user: `dyn graph up` says which credentials are
+/// missing and exits; with them in the environment the graph serves, and no process's
+/// command line holds a password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_and_nats_credentials_come_from_the_environment() {
+    if test_server("DYN_TEST_ETCD").is_none() {
+        return;
+    }
+    let (Some(etcd), Some(nats)) = (
+        Server::etcd_with_auth("root", "etcd-secret-pw"),
+        Server::nats_with_user("dyn", "nats-secret-pw"),
+    ) else {
+        dyn_tests::skip("etcd or nats-server is not on PATH");
+        return;
+    };
+    let control = format!("etcd://{}", etcd.address());
+    let events = format!("nats://{}", nats.address());
+    let dir = scratch_dir(&format!("run-auth-{}", etcd.address().replace(':', "-")));
+    let etcd_creds = [
+        ("ETCD_AUTH_USERNAME", "root"),
+        ("ETCD_AUTH_PASSWORD", "etcd-secret-pw"),
+    ];
+    let nats_creds = [
+        ("NATS_AUTH_USERNAME", "dyn"),
+        ("NATS_AUTH_PASSWORD", "nats-secret-pw"),
+    ];
+    let refused = |env: &[(&str, &str)]| {
+        let out = std::process::Command::new("timeout")
+            .arg("60")
+            .arg(dyn_tests::dyn_bin())
+            .args([
+                "graph",
+                "up",
+                AGG,
+                "--control",
+                &control,
+                "--events",
+                &events,
+            ])
+            .current_dir(dyn_tests::root())
+            .env("DYN_RUN_DIR", &dir)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = refused(&[]);
+    assert!(
+        e.contains("set ETCD_AUTH_USERNAME and ETCD_AUTH_PASSWORD"),
+        "{e}"
+    );
+    let e = refused(&etcd_creds);
+    assert!(e.contains("NATS wants credentials"), "{e}");
+    let mut env: Vec<(&str, &str)> = vec![
+        ("DYN_RUN_DIR", &*dir.to_str().unwrap()),
+        ("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN),
+    ];
+    env.extend(etcd_creds);
+    env.extend(nats_creds);
+    let g = Graph::start(
+        AGG,
+        "http",
+        &[
+            "--control",
+            &control,
+            "--events",
+            &events,
+            "--lease-ttl",
+            "2",
+        ],
+        &env,
+    );
+    let url = format!("http://{}", g.addr);
+    let mut served = Err(String::new());
+    for _ in 0..300 {
+        served = stream_chat(&url, "hello", 4).await;
+        if served.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served.unwrap().1, 4);
+    let mut seen = 0;
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        // dyn's processes (the test's nats-server has its password on its own).
+        if !cmdline.contains("graph\0up") || !cmdline.contains(&control) {
+            continue;
+        }
+        seen += 1;
+        for secret in ["etcd-secret-pw", "nats-secret-pw", CLUSTER_TOKEN] {
+            assert!(!cmdline.contains(secret), "{:?}: {cmdline}", entry.path());
+        }
+    }
+    assert!(seen >= 3, "the supervisor and its processes: {seen}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_goes_on_through_nats_and_etcd_restarts() {
     let Some(mut c) = Cluster::up(AGG_KV, 4, &["--set", "decode.mocker.speedup=20"]) else {
