@@ -29,7 +29,6 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::serve::ListenerExt as _;
 use dyn_core::{BuildError, Chain, ErrorKind, Invalid, OpError, Payload, ShutdownSignal};
 use serde::Deserialize;
 use serde_json::json;
@@ -71,6 +70,31 @@ pub struct ServerConfig {
     /// engine). None: no limit but the client's own.
     #[serde(default)]
     pub request_timeout_s: Option<f64>,
+    /// Connections served at once; one more is closed as it arrives (a flood of idle or slow
+    /// connections cannot take the process's file descriptors).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Seconds a client gets to send a request's headers (each request of a kept-alive
+    /// connection too); a slower one is disconnected (slowloris).
+    #[serde(default = "default_header_read_timeout_s")]
+    pub header_read_timeout_s: f64,
+    /// When set, `/metrics` asks for `Authorization: Bearer <this>` (also from
+    /// `DYN_METRICS_KEY`).
+    #[serde(default)]
+    pub metrics_key: Option<String>,
+    /// When set, `/admin/*` asks for `Authorization: Bearer <this>` besides a loopback peer
+    /// (a reverse proxy on the same host makes every peer loopback); also from
+    /// `DYN_ADMIN_KEY`.
+    #[serde(default)]
+    pub admin_key: Option<String>,
+}
+
+fn default_max_connections() -> usize {
+    4096
+}
+
+fn default_header_read_timeout_s() -> f64 {
+    10.0
 }
 
 fn default_listen() -> String {
@@ -118,6 +142,25 @@ impl ServerConfig {
                 "request_timeout_s",
                 "must be a positive number of seconds",
             ));
+        }
+        if !(self.header_read_timeout_s.is_finite()
+            && (0.01..=3600.0).contains(&self.header_read_timeout_s))
+        {
+            out.push(Invalid::field(
+                "header_read_timeout_s",
+                "must be between 0.01 and 3600 seconds",
+            ));
+        }
+        if self.max_connections == 0 {
+            out.push(Invalid::field("max_connections", "must be at least 1"));
+        }
+        for (name, k) in [
+            ("metrics_key", &self.metrics_key),
+            ("admin_key", &self.admin_key),
+        ] {
+            if k.as_deref().is_some_and(str::is_empty) {
+                out.push(Invalid::field(name, "must not be empty"));
+            }
         }
         out
     }
@@ -170,6 +213,14 @@ impl ServerConfig {
                     BuildError::new(format!("api_keys_file {}: {e}", path.display()))
                 })?,
             );
+        }
+        for (var, slot) in [
+            ("DYN_METRICS_KEY", &mut out.metrics_key),
+            ("DYN_ADMIN_KEY", &mut out.admin_key),
+        ] {
+            if let Some(k) = std::env::var_os(var).filter(|k| !k.is_empty()) {
+                *slot = Some(k.to_string_lossy().into_owned());
+            }
         }
         if let Some(text) = std::env::var_os(API_KEYS_ENV) {
             let text = text.to_string_lossy();
@@ -567,12 +618,7 @@ pub async fn require_api_key(
     if keys.is_empty() {
         return next.run(req).await;
     }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
+    let given = bearer(req.headers()).unwrap_or_default();
     // Every key is compared, each in constant time, and the match is picked without a
     // branch: how long the check takes says nothing about how much of a key was right.
     let (hit, place) =
@@ -620,20 +666,125 @@ pub async fn not_found() -> ApiError {
     )
 }
 
+/// An ingress's routes and the limits of the connections that reach them.
+pub struct HttpApp {
+    router: axum::Router,
+    max_connections: usize,
+    header_read_timeout: Duration,
+}
+
 /// The whole app of an HTTP ingress: its `api` routes behind the API-key check, its `open`
-/// routes (metrics and the like) and the probes without it, a JSON 404 and the body limit.
-/// Every request has an `x-request-id` (the client's, or a UUID), echoed on the response.
-pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum::Router {
+/// routes (metrics and the like, each behind its own key when set) and the probes without
+/// it, a JSON 404 and the body limit. Every request has an `x-request-id` (the client's, or
+/// a UUID), echoed on the response. A server on loopback answers only requests addressed to
+/// a loopback name (`Host`), so a web page cannot reach it through DNS rebinding.
+pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> HttpApp {
     let keys = std::sync::Arc::new(config.api_keys.clone());
-    axum::Router::new()
+    let ops = Arc::new(OpsKeys {
+        metrics: config.metrics_key.clone(),
+        admin: config.admin_key.clone(),
+    });
+    let mut router = axum::Router::new()
         .merge(api.route_layer(axum::middleware::from_fn_with_state(keys, require_api_key)))
-        .merge(open)
+        // `layer`, not `route_layer`: an ingress may have no open routes at all.
+        .merge(open.layer(axum::middleware::from_fn_with_state(ops, require_ops_key)))
         .route("/health", axum::routing::get(health))
         .route("/live", axum::routing::get(live))
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes))
-        .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(SetRequestIdLayer::x_request_id(NewRequestId))
+        .layer(axum::extract::DefaultBodyLimit::max(config.max_body_bytes));
+    if config
+        .listen
+        .parse::<SocketAddr>()
+        .is_ok_and(|a| a.ip().is_loopback())
+    {
+        router = router.layer(axum::middleware::from_fn(loopback_host_only));
+    }
+    HttpApp {
+        router: router
+            .layer(PropagateRequestIdLayer::x_request_id())
+            .layer(SetRequestIdLayer::x_request_id(NewRequestId)),
+        max_connections: config.max_connections,
+        header_read_timeout: Duration::from_secs_f64(config.header_read_timeout_s),
+    }
+}
+
+/// The keys of the operators' routes.
+struct OpsKeys {
+    metrics: Option<String>,
+    admin: Option<String>,
+}
+
+async fn require_ops_key(State(keys): State<Arc<OpsKeys>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let want = if path == "/metrics" {
+        keys.metrics.as_deref()
+    } else if path.starts_with("/admin") {
+        keys.admin.as_deref()
+    } else {
+        None
+    };
+    let Some(want) = want else {
+        return next.run(req).await;
+    };
+    let given = bearer(req.headers()).unwrap_or_default();
+    if bool::from(given.as_bytes().ct_eq(want.as_bytes())) {
+        return next.run(req).await;
+    }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        "missing or invalid key for this endpoint",
+    )
+    .into_response()
+}
+
+/// The token of an `Authorization: Bearer` header.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+}
+
+/// Whether `host` (a `Host` header: name or address, maybe a port) names this machine's
+/// loopback interface.
+fn loopback_host(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        // `[::1]:8000`, `[::1]`, `name:port`; a bare IPv6 address has more than one colon.
+        Some((h, port)) if !h.contains(':') || h.ends_with(']') => {
+            if port.bytes().all(|b| b.is_ascii_digit()) {
+                h
+            } else {
+                host
+            }
+        }
+        _ => host,
+    };
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    name.eq_ignore_ascii_case("localhost")
+        || name.to_ascii_lowercase().ends_with(".localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+async fn loopback_host_only(req: Request, next: Next) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .map(|h| h.to_str().unwrap_or("?"));
+    if host.is_none_or(loopback_host) {
+        return next.run(req).await;
+    }
+    ApiError::new(
+        StatusCode::MISDIRECTED_REQUEST,
+        "invalid_request_error",
+        "misdirected_request",
+        "this server listens on loopback and answers requests for localhost only (Host header)",
+    )
+    .into_response()
 }
 
 /// Serve `app` until shutdown, then drain: while requests sent down `chain` are still
@@ -642,12 +793,12 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> axum
 /// server closes (the runtime bounds how long all this may take).
 pub async fn serve<Req: Payload, Resp: Payload>(
     listener: TcpListener,
-    app: axum::Router,
+    app: HttpApp,
     shutdown: ShutdownSignal,
     chain: Chain<Req, Resp>,
 ) -> Result<(), OpError> {
     let draining = Arc::new(AtomicBool::new(false));
-    let app = app.layer(axum::middleware::from_fn_with_state(
+    let router = app.router.layer(axum::middleware::from_fn_with_state(
         draining.clone(),
         refuse_while_draining,
     ));
@@ -660,21 +811,58 @@ pub async fn serve<Req: Payload, Resp: Payload>(
         );
         chain.drained().await;
     };
-    // Streamed tokens are small writes: with Nagle's algorithm on, each one after the first
-    // waits for the client's (delayed) ACK, ~40 ms on Linux, which paced every stream.
-    let listener = listener.tap_io(|tcp| {
+    // hyper's own connection loop rather than `axum::serve`, which installs no timer: without
+    // one hyper cannot time out a client that never finishes its headers.
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(app.header_read_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(app.max_connections));
+    tokio::pin!(closed);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut closed => break,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(peer = %peer, "Connection limit reached; closing a new connection");
+            continue;
+        };
+        // Streamed tokens are small writes: with Nagle's algorithm on, each one after the
+        // first waits for the client's (delayed) ACK, ~40 ms on Linux, which paced every
+        // stream.
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
-    });
-    // Peer addresses reach the handlers: the admin routes answer loopback clients only.
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(closed)
-    .await
-    .map_err(|e| OpError::internal(format!("HTTP server failed: {e}")))
+        // Peer addresses reach the handlers: the admin routes answer loopback clients only.
+        let router = router.clone();
+        let service =
+            hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                req.extensions_mut()
+                    .insert(axum::extract::ConnectInfo(peer));
+                tower::ServiceExt::oneshot(router.clone(), req)
+            });
+        let conn =
+            graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    // Every request is answered by now (the drain waited for them): connections close after
+    // their current exchange, and idle ones at once.
+    let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
+    Ok(())
 }
 
 async fn refuse_while_draining(
@@ -707,6 +895,32 @@ async fn refuse_while_draining(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn loopback_names_are_told_from_others() {
+        for h in [
+            "localhost",
+            "LOCALHOST:8000",
+            "app.localhost:1",
+            "127.0.0.1",
+            "127.1.2.3:80",
+            "[::1]:8000",
+            "[::1]",
+            "::1",
+        ] {
+            assert!(loopback_host(h), "{h}");
+        }
+        for h in [
+            "evil.example",
+            "evil.example:8000",
+            "localhost.evil.example",
+            "10.0.0.1:8000",
+            "[::2]:1",
+            "",
+        ] {
+            assert!(!loopback_host(h), "{h}");
+        }
+    }
 
     #[test]
     fn keys_from_a_file_or_the_environment_are_read_line_by_line() {

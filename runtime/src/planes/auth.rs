@@ -21,8 +21,14 @@ use super::PlaneError;
 #[derive(Clone, Default)]
 pub struct EtcdCredentials {
     user: Option<(String, String)>,
-    /// The CA's PEM, and the client's certificate and key PEMs.
-    tls: Option<(Vec<u8>, Option<(Vec<u8>, Vec<u8>)>)>,
+    tls: Option<EtcdTls>,
+}
+
+/// The CA's PEM, and the client's certificate and key PEMs.
+#[derive(Clone)]
+struct EtcdTls {
+    ca: Vec<u8>,
+    client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// How to reach NATS: at most one way to authenticate, and TLS.
@@ -98,8 +104,11 @@ impl EtcdCredentials {
         let key = pem(&var, "ETCD_AUTH_CLIENT_KEY").map_err(control)?;
         let tls = match (ca, cert, key) {
             (None, None, None) => None,
-            (Some(ca), None, None) => Some((ca, None)),
-            (Some(ca), Some(c), Some(k)) => Some((ca, Some((c, k)))),
+            (Some(ca), None, None) => Some(EtcdTls { ca, client: None }),
+            (Some(ca), Some(c), Some(k)) => Some(EtcdTls {
+                ca,
+                client: Some((c, k)),
+            }),
             _ => {
                 return Err(control(
                     "ETCD_AUTH_CLIENT_CERT and ETCD_AUTH_CLIENT_KEY need each other and ETCD_AUTH_CA"
@@ -127,7 +136,7 @@ impl EtcdCredentials {
         if let Some((u, p)) = &self.user {
             o = o.with_user(u, p);
         }
-        if let Some((ca, client)) = &self.tls {
+        if let Some(EtcdTls { ca, client }) = &self.tls {
             let mut tls = etcd_client::TlsOptions::new()
                 .ca_certificate(etcd_client::Certificate::from_pem(ca));
             if let Some((c, k)) = client {
