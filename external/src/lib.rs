@@ -140,7 +140,14 @@ impl ExternalEngine {
         Ok(Arc::new(ExternalEngine {
             kind,
             server,
-            client: reqwest::Client::new(),
+            // A server that stops answering mid-stream (wedged, not dead: its health check
+            // catches that) fails the request after five minutes without a byte, which
+            // migrates it; a queued request of a loaded server waits well within that.
+            client: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .read_timeout(Duration::from_secs(300))
+                .build()
+                .map_err(|e| BuildError::new(format!("HTTP client: {e}")))?,
             tokenizer: model.tokenizer.clone(),
             _tasks: tasks,
         }))
