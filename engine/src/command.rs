@@ -27,7 +27,9 @@ pub struct OfferTo {
 pub(super) enum Command {
     Add {
         id: SeqId,
-        spec: SeqSpec,
+        /// Boxed: a request's spec is large, and the queue's every slot is as large as the
+        /// largest command.
+        spec: Box<SeqSpec>,
         /// Imported KV for the sequence's blocks.
         kv: Option<Vec<Bytes>>,
         tx: mpsc::Sender<EngineItem>,

@@ -288,7 +288,7 @@ impl EngineLoop {
                 // it unadmitted, and is released in `account`.
                 self.received_unadmitted += 1;
                 let outbox = Outbox::new(tx, &spec, offer);
-                self.sched.add(id, spec);
+                self.sched.add(id, *spec);
                 if let Some(kv) = kv {
                     self.imports.insert(id, kv);
                 }

@@ -547,6 +547,7 @@ impl EngineHandle {
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
             precedence: s.precedence(),
+            salt: s.cache_salt.as_deref().map(dyn_router::kv::salt_hash),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max_queued = self.settings.scheduler.max_queued_requests as usize;
@@ -558,7 +559,7 @@ impl EngineHandle {
         }
         match self.commands.try_send(Command::Add {
             id,
-            spec,
+            spec: Box::new(spec),
             kv,
             tx,
             offer,

@@ -120,6 +120,10 @@ pub fn request(
             }
             if kind == ExternalKind::Vllm {
                 put("return_token_ids", json!(true));
+                // vLLM's own field: its prefix cache keeps salted prompts apart too.
+                if let Some(salt) = &s.cache_salt {
+                    put("cache_salt", json!(salt));
+                }
                 if let Some(n) = s.logprobs {
                     put("logprobs", json!(n));
                     put("return_tokens_as_token_ids", json!(true));

@@ -235,6 +235,8 @@ struct Common {
     priority: Option<i32>,
     /// OpenAI's end-user id: the session, for session affinity, when no `x-session-id` says.
     user: Option<String>,
+    /// vLLM's extension: requests share cached prefixes only with requests of the same salt.
+    cache_salt: Option<Value>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     /// vLLM's extensions.
@@ -535,6 +537,14 @@ fn request(
         }
         r => r,
     };
+    let cache_salt = match c.cache_salt {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => match dyn_llm::types::cache_salt_problem(&salt) {
+            Some(problem) => return Err(invalid("cache_salt", problem)),
+            None => Some(salt),
+        },
+        Some(_) => return Err(invalid("cache_salt", "cache_salt must be a string")),
+    };
     Ok((
         LlmRequest {
             endpoint,
@@ -560,6 +570,7 @@ fn request(
                 session: c
                     .user
                     .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX),
+                cache_salt,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -1026,6 +1037,15 @@ async fn serve(
         }
         if t.session.is_some() {
             req.sampling.session = t.session;
+        }
+        // Behind API keys, a request without a salt of its own caches under its tenant's:
+        // tenants share no prefix (nor learn of each other's prompts from its timing) unless
+        // they send the same `cache_salt`.
+        if key.is_some()
+            && req.sampling.cache_salt.is_none()
+            && let Some(tenant) = &req.sampling.tenant
+        {
+            req.sampling.cache_salt = Some(dyn_llm::types::tenant_cache_salt(tenant));
         }
         Ok((req, opts))
     });

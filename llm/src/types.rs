@@ -109,6 +109,40 @@ pub struct Sampling {
     /// session affinity keeps a session's requests on one worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same
+    /// salt (none: only with unsalted ones). Engines and routers hash the prompt's blocks
+    /// with it (`dyn_router::kv::salt_hash`). The client's, else, behind API keys, its
+    /// tenant's ([`tenant_cache_salt`]). Travels as `priority` does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+}
+
+/// The longest `cache_salt` a client may send, in characters.
+pub const CACHE_SALT_MAX_CHARS: usize = 256;
+
+/// Why a client's `cache_salt` is refused, if it is: 1 to [`CACHE_SALT_MAX_CHARS`]
+/// characters, none of them a control character (those are kept for the tenants' default
+/// salts, so no client can take one: see [`tenant_cache_salt`]).
+pub fn cache_salt_problem(salt: &str) -> Option<String> {
+    let chars = salt.chars().count();
+    if chars == 0 {
+        Some("cache_salt must not be empty".into())
+    } else if chars > CACHE_SALT_MAX_CHARS {
+        Some(format!(
+            "cache_salt must be at most {CACHE_SALT_MAX_CHARS} characters, got {chars}"
+        ))
+    } else if salt.chars().any(char::is_control) {
+        Some("cache_salt must not contain control characters".into())
+    } else {
+        None
+    }
+}
+
+/// The salt of a request that has none, where the ingress knows its tenant from its API key:
+/// the tenant's own, which no client's `cache_salt` can equal (it starts with a control
+/// character), so tenants share no cached prefix unless they send the same salt.
+pub fn tenant_cache_salt(tenant: &str) -> String {
+    format!("\u{1}tenant:{tenant}")
 }
 
 impl Sampling {
@@ -447,5 +481,34 @@ impl Resumable for PreprocessedRequest {
         self.cached_tokens = 0;
         // The offer was for the lost worker (and is pulled or expired by now).
         self.prefilled = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_salt_travels_and_old_payloads_parse_without_it() {
+        let mut req = crate::testing::preprocessed(vec![1, 2, 3], 4);
+        let json = serde_json::to_string(&req).expect("json");
+        assert!(!json.contains("cache_salt"), "{json}");
+        let old: PreprocessedRequest = serde_json::from_str(&json).expect("parses");
+        assert_eq!(old.sampling.cache_salt, None);
+        req.sampling.cache_salt = Some("a".into());
+        let json = serde_json::to_string(&req).expect("json");
+        let back: PreprocessedRequest = serde_json::from_str(&json).expect("parses");
+        assert_eq!(back.sampling.cache_salt.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn a_client_salt_is_short_and_printable_and_never_a_tenants() {
+        assert_eq!(cache_salt_problem("a"), None);
+        assert_eq!(cache_salt_problem(&"é".repeat(CACHE_SALT_MAX_CHARS)), None);
+        assert!(cache_salt_problem("").is_some());
+        assert!(cache_salt_problem(&"x".repeat(CACHE_SALT_MAX_CHARS + 1)).is_some());
+        assert!(cache_salt_problem("a\nb").is_some());
+        assert!(cache_salt_problem(&tenant_cache_salt("acme")).is_some());
+        assert_ne!(tenant_cache_salt("acme"), tenant_cache_salt("beta"));
     }
 }

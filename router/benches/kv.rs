@@ -218,7 +218,9 @@ fn decisions(c: &mut Criterion) {
         g.bench_function(format!("1152_tokens_16_workers_{name}"), |b| {
             b.iter(|| {
                 next = (next + 1) % prompts.len();
-                kv.decide(black_box(&prompts[next]), &view).unwrap().worker
+                kv.decide(black_box(&prompts[next]), None, &view)
+                    .unwrap()
+                    .worker
             })
         });
     }

@@ -6,6 +6,14 @@
 //! sequence hash is the local hash for the first block and, after that, XXH3-64 (seed 1337)
 //! over the parent's sequence hash and the local hash as little-endian `u64`s. The sequence
 //! hash therefore names the whole prefix up to and including the block.
+//!
+//! A request's `cache_salt` (vLLM's field) makes its prefix its own: the salt, hashed by
+//! [`salt_hash`], stands for a parent of the first block, so the first block's local hash is
+//! [`chain_hash`] of the salt and the tokens' local hash ([`salted_local`]), and every
+//! sequence hash after it differs from the unsalted prompt's and from any other salt's.
+//! Events carry that salted local hash as the first block's `tokens_hash`, so a router's
+//! index (which chains `tokens_hash`es, see [`crate::indexer`]) names the block exactly as
+//! the router hashes the salted prompt. Without a salt nothing changes.
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -46,12 +54,47 @@ pub fn chain_hash(parent: Option<u64>, local: u64) -> u64 {
     }
 }
 
+/// A request's `cache_salt` as a hash: the first 8 bytes (little-endian) of SHA-256 over a
+/// domain tag and the salt. Cryptographic, unlike the block hashes, so that no one can find
+/// another salt standing for the same parent (a tenant's default salt is its name, which
+/// others may know).
+pub fn salt_hash(salt: &str) -> u64 {
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"dyn.cache_salt\0");
+    ctx.update(salt.as_bytes());
+    let digest = ctx.finish();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_ref()[..8]);
+    u64::from_le_bytes(first)
+}
+
+/// The local hash of a prompt's first block under `salt` (a [`salt_hash`]): the salt chained
+/// before the tokens' local hash, as if it were the sequence hash of a parent block; `local`
+/// itself without a salt.
+pub fn salted_local(salt: Option<u64>, local: u64) -> u64 {
+    match salt {
+        None => local,
+        Some(s) => chain_hash(Some(s), local),
+    }
+}
+
 /// `(local, sequence)` hashes of every full block of `tokens`.
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    block_hashes_salted(tokens, block_size, None)
+}
+
+/// [`block_hashes`] of a prompt with a `cache_salt` ([`salt_hash`]; `None`: unsalted, the
+/// same hashes as [`block_hashes`]): the first block's local hash is [`salted_local`].
+pub fn block_hashes_salted(tokens: &[u32], block_size: usize, salt: Option<u64>) -> Vec<BlockHash> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
     let mut parent = None;
     for block in tokens.chunks_exact(block_size.max(1)) {
         let local = local_hash(block);
+        let local = if parent.is_none() {
+            salted_local(salt, local)
+        } else {
+            local
+        };
         let seq = chain_hash(parent, local);
         out.push(BlockHash {
             tokens_hash: local,
@@ -265,6 +308,36 @@ mod tests {
         let g = block_hashes(&[9, 9, 3, 4], 2);
         assert_eq!(g[1].tokens_hash, h[1].tokens_hash);
         assert_ne!(g[1].block_hash, h[1].block_hash);
+    }
+
+    #[test]
+    fn a_salt_changes_every_block_hash_and_no_salt_changes_none() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let plain = block_hashes(&tokens, 16);
+        assert_eq!(block_hashes_salted(&tokens, 16, None), plain);
+        let (a, b) = (salt_hash("a"), salt_hash("b"));
+        assert_ne!(a, b);
+        assert_eq!(a, salt_hash("a"), "deterministic");
+        let sa = block_hashes_salted(&tokens, 16, Some(a));
+        let sb = block_hashes_salted(&tokens, 16, Some(b));
+        assert_eq!(block_hashes_salted(&tokens, 16, Some(a)), sa);
+        for i in 0..plain.len() {
+            assert_ne!(sa[i].block_hash, plain[i].block_hash, "block {i}");
+            assert_ne!(sa[i].block_hash, sb[i].block_hash, "block {i}");
+        }
+        // The salt is the first block's parent: its local hash is salted, the later ones are
+        // the tokens' own, and the chain is the usual one from there.
+        assert_eq!(sa[0].tokens_hash, chain_hash(Some(a), plain[0].tokens_hash));
+        assert_eq!(sa[0].block_hash, sa[0].tokens_hash);
+        for i in 1..plain.len() {
+            assert_eq!(sa[i].tokens_hash, plain[i].tokens_hash);
+            assert_eq!(
+                sa[i].block_hash,
+                chain_hash(Some(sa[i - 1].block_hash), sa[i].tokens_hash)
+            );
+        }
+        // Not the salt's bytes hashed the way blocks are (a known hash nobody may aim at).
+        assert_ne!(a, xxh3_64_with_seed(b"a", HASH_SEED));
     }
 
     /// Vectors computed independently with Python's `xxhash` (scripts/make-kv-hash-vectors).

@@ -471,12 +471,12 @@ pub struct Route {
 }
 
 impl Route {
-    /// Route `tokens` among the workers, as a request through this node would be (for kinds
-    /// that choose among a pool of their own, like `remote_prefill`): the worker's load counts
-    /// the request until `ctx` is done.
-    pub fn choose(&self, ctx: &Ctx, tokens: &[u32]) -> Result<u64, OpError> {
+    /// Route `tokens` (with `cache_salt` `salt`, see [`kv::salt_hash`]) among the workers,
+    /// as a request through this node would be (for kinds that choose among a pool of their
+    /// own, like `remote_prefill`): the worker's load counts the request until `ctx` is done.
+    pub fn choose(&self, ctx: &Ctx, tokens: &[u32], salt: Option<u64>) -> Result<u64, OpError> {
         self.inner
-            .route(ctx, tokens, None, Precedence::default())
+            .route(ctx, tokens, salt, None, Precedence::default())
             .map(|(w, _)| w)
     }
 
@@ -575,9 +575,9 @@ impl Inner {
         !self.config.kv_events || !self.planes.events.connected()
     }
 
-    /// Decide where `tokens` would go, without recording anything.
+    /// Decide where `tokens` (unsalted) would go, without recording anything.
     fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
-        self.decide_without(tokens, &|_| false)
+        self.decide_without(tokens, None, &|_| false)
     }
 
     /// Decide among the live workers `left_out` does not name (among all of them when it
@@ -585,6 +585,7 @@ impl Inner {
     fn decide_without(
         &self,
         tokens: &[u32],
+        salt: Option<u64>,
         left_out: &(dyn Fn(u64) -> bool + Sync),
     ) -> Result<Decision, OpError> {
         let all = self.live();
@@ -601,7 +602,7 @@ impl Inner {
             reported: &reported,
         };
         self.policy
-            .decide(tokens, &view)
+            .decide(tokens, salt, &view)
             .ok_or_else(|| self.unavailable())
     }
 
@@ -639,11 +640,12 @@ impl Inner {
 
     /// Decide, and count the request against its worker until it is over; the worker and
     /// how many of the prompt's tokens it caches. A request of a bound session goes to its
-    /// worker while that one has room (`session_affinity`).
+    /// worker while that one has room (`session_affinity`). `salt`: its `cache_salt`.
     fn route(
         &self,
         ctx: &Ctx,
         tokens: &[u32],
+        salt: Option<u64>,
         session: Option<&str>,
         precedence: Precedence,
     ) -> Result<(u64, usize), OpError> {
@@ -658,7 +660,7 @@ impl Inner {
                 || !self.health.usable(w, now)
                 || places.is_some_and(|n| self.before(w, precedence) >= n)
         };
-        let mut d = self.decide_without(tokens, &left_out)?;
+        let mut d = self.decide_without(tokens, salt, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
             // (Not back to the worker the request just failed on.)
             if let Some(w) = self
@@ -765,9 +767,11 @@ impl Operator for Route {
                         req.sampling.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
+                    let salt = req.sampling.cache_salt.as_deref().map(kv::salt_hash);
                     let (worker, cached) = inner.route(
                         &ctx,
                         &req.token_ids,
+                        salt,
                         req.sampling.session.as_deref(),
                         req.sampling.precedence(),
                     )?;
@@ -862,7 +866,7 @@ mod tests {
             let ctx = Ctx::new();
             let w = r
                 .inner
-                .route(&ctx, &[1, 2, 3], s, Precedence::default())
+                .route(&ctx, &[1, 2, 3], None, s, Precedence::default())
                 .expect("routed")
                 .0;
             (w, ctx)
@@ -917,15 +921,26 @@ mod tests {
 
     /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
     async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
+        publish_blocks(planes, worker, 0, block_hashes(tokens, 16)).await
+    }
+
+    /// Publish worker `worker`'s KV event `event_id`: it stored `blocks`, a chain from the
+    /// root.
+    async fn publish_blocks(
+        planes: &Planes,
+        worker: u64,
+        event_id: u64,
+        blocks: Vec<crate::kv::BlockHash>,
+    ) {
         let ev = RouterEvent {
             worker_id: worker,
             event: crate::kv::KvCacheEvent {
-                event_id: 0,
+                event_id,
                 dp_rank: 0,
                 medium: Default::default(),
                 data: KvEventData::Stored {
                     parent_hash: None,
-                    blocks: block_hashes(tokens, 16),
+                    blocks,
                 },
             },
         };
@@ -984,6 +999,55 @@ mod tests {
             r.inner.active.load(11) == sequences::Load::default()
         })
         .await;
+    }
+
+    /// A salted prompt matches the blocks a worker stored under the same salt only: not the
+    /// unsalted prompt's, not another salt's (and an unsalted prompt not the salted ones).
+    #[tokio::test]
+    async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
+        use crate::kv::{block_hashes_salted, salt_hash};
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        let prompt: Vec<u32> = (0..64).collect();
+        let a = Some(salt_hash("a"));
+        // Worker 11 caches the prompt under salt "a", worker 10 unsalted.
+        publish_blocks(&planes, 11, 0, block_hashes_salted(&prompt, 16, a)).await;
+        publish_stored(&planes, 10, &prompt).await;
+        let kv = r.inner.kv.as_ref().expect("kv state");
+        until("the stored blocks indexed", || {
+            let ix = kv.index.read();
+            ix.worker_blocks(11) == 4 && ix.worker_blocks(10) == 4
+        })
+        .await;
+        let matched = |salt: Option<u64>| -> Vec<(u64, usize)> {
+            let d = r
+                .inner
+                .decide_without(&prompt, salt, &|_| false)
+                .expect("decides");
+            let mut m: Vec<(u64, usize)> = d
+                .candidates
+                .iter()
+                .map(|c| (c.worker, c.matched_blocks))
+                .collect();
+            m.sort();
+            m
+        };
+        assert_eq!(matched(a), vec![(10, 0), (11, 4)]);
+        assert_eq!(matched(None), vec![(10, 4), (11, 0)]);
+        assert_eq!(matched(Some(salt_hash("b"))), vec![(10, 0), (11, 0)]);
+        // Through the operator: the request's `cache_salt` decides.
+        let mut req = dyn_llm::testing::preprocessed(prompt.clone(), 1);
+        req.sampling.cache_salt = Some("a".into());
+        let mut out = r.call(Ctx::new(), stream::iter([req]).boxed());
+        let routed = out.next().await.expect("item").expect("routed");
+        assert_eq!(
+            (routed.target.map(|t| t.get()), routed.cached_tokens),
+            (Some(11), 64)
+        );
     }
 
     #[tokio::test]

@@ -116,15 +116,17 @@ impl Decision {
 
 /// How a router picks a worker.
 pub trait RoutingPolicy: Send + Sync {
-    /// Where `tokens` would go; `None` when no worker can take it. Records nothing.
-    fn decide(&self, tokens: &[u32], view: &View<'_>) -> Option<Decision>;
+    /// Where `tokens` would go; `None` when no worker can take it. Records nothing. `salt`
+    /// is the request's `cache_salt` ([`crate::kv::salt_hash`]): a salted prompt shares
+    /// cached blocks only with prompts of the same salt.
+    fn decide(&self, tokens: &[u32], salt: Option<u64>, view: &View<'_>) -> Option<Decision>;
 }
 
 /// In turn, skipping workers it may not choose.
 struct RoundRobin;
 
 impl RoutingPolicy for RoundRobin {
-    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
         view.instances
             .round_robin(|i| view.live.contains(&i.instance_id.get()))
             .map(|i| Decision::plain(i.instance_id.get()))
@@ -135,7 +137,7 @@ impl RoutingPolicy for RoundRobin {
 struct Random(Mutex<StdRng>);
 
 impl RoutingPolicy for Random {
-    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
         let i = self.0.lock().random_range(0..view.live.len());
         Some(Decision::plain(view.live[i]))
     }
@@ -145,7 +147,7 @@ impl RoutingPolicy for Random {
 struct LeastLoaded(Mutex<StdRng>);
 
 impl RoutingPolicy for LeastLoaded {
-    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
         least_loaded(view.live, view.active, &mut self.0.lock()).map(Decision::plain)
     }
 }
@@ -154,7 +156,7 @@ impl RoutingPolicy for LeastLoaded {
 struct PowerOfTwo(Mutex<StdRng>);
 
 impl RoutingPolicy for PowerOfTwo {
-    fn decide(&self, _tokens: &[u32], view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
         let mut rng = self.0.lock();
         let a = view.live[rng.random_range(0..view.live.len())];
         let b = view.live[rng.random_range(0..view.live.len())];

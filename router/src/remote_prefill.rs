@@ -382,7 +382,11 @@ impl Inner {
         let pctx = ctx.child(format!("{}-prefill", ctx.id()));
         let worker = self
             .pool
-            .choose(&pctx, &req.token_ids)
+            .choose(
+                &pctx,
+                &req.token_ids,
+                req.sampling.cache_salt.as_deref().map(crate::kv::salt_hash),
+            )
             .map_err(|e| e.message)?;
         // Random: a reply is matched by this id, and nobody can guess one to answer first.
         let id = rand::random::<u64>();

@@ -61,7 +61,7 @@ impl Sim {
             active: &self.active,
             reported: &self.reported,
         };
-        self.kv.decide(tokens, &view).expect("a decision")
+        self.kv.decide(tokens, None, &view).expect("a decision")
     }
 
     /// Worker `m.worker_id` reports its load; this router had `own_then` there at the time.

@@ -1049,3 +1049,117 @@ async fn a_failing_worker_is_left_out_and_what_it_failed_is_retried_elsewhere() 
     assert!(breakers.contains(&"closed"), "{w}");
     assert!(breakers.iter().any(|b| *b != "closed"), "{w}");
 }
+
+/// `cache_salt` (vLLM's field) keeps prefix caches apart: the same long prompt under another
+/// salt finds nothing cached, in the router's index nor in the engine; under its own salt it
+/// does. Behind API keys a request without a salt caches under its tenant's, so tenants share
+/// a prefix only by sending the same salt. Bad salts are a 400 naming `cache_salt`.
+#[tokio::test]
+async fn a_cache_salt_keeps_cached_prefixes_apart_and_tenants_get_their_own() {
+    // One worker, so every hit is there to see; the KV-aware router follows its events.
+    let g = up(&[
+        "--set",
+        "decode.replicas=1",
+        "--set",
+        "route.policy=kv",
+        "--set",
+        "http.api_keys=[{key: ka, tenant: alpha}, {key: kb, tenant: beta}]",
+    ]);
+    let indexed = || -> u64 {
+        dyn_tests::inspect_json(&g.url(""), &["workers"])["replicas"][0]["workers"]
+            .as_array()
+            .map(|w| w.iter().filter_map(|w| w["indexed_blocks"].as_u64()).sum())
+            .unwrap_or_default()
+    };
+    let prompt = dyn_tests::long_prompt(7);
+    // Send the prompt with `key` and `salt`: the prompt blocks the engine found cached, and
+    // those the router expected the worker to hold.
+    let send = async |key: &str, salt: Option<&str>| -> (f64, f64) {
+        let before = metrics_text(&g).await;
+        let indexed_before = indexed();
+        let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 2});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let r = client()
+            .post(g.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{key} {salt:?}");
+        r.bytes().await.unwrap();
+        let looked_up = dyn_tests::metric_sum(&before, "dyn_worker_prompt_blocks_total", &[]);
+        wait_for_metric(&g, "dyn_worker_prompt_blocks_total", |v| v > looked_up).await;
+        let after = metrics_text(&g).await;
+        let grew = |name: &str| {
+            dyn_tests::metric_sum(&after, name, &[]) - dyn_tests::metric_sum(&before, name, &[])
+        };
+        let hits = (
+            grew("dyn_worker_prefix_cache_hit_blocks_total"),
+            grew("dyn_router_achieved_hit_blocks_total"),
+        );
+        if hits.0 == 0.0 {
+            // A miss stored the prompt's blocks: the router's index has them before the next
+            // request is routed.
+            dyn_tests::until("the stored blocks indexed", || indexed() > indexed_before).await;
+        }
+        hits
+    };
+    assert_eq!(send("ka", Some("a")).await, (0.0, 0.0), "first sight");
+    assert_eq!(send("ka", Some("b")).await, (0.0, 0.0), "another salt");
+    // The same salt hits, whoever sends it.
+    let (engine, router) = send("kb", Some("a")).await;
+    assert!(
+        engine > 50.0 && router > 50.0,
+        "same salt: {engine} {router}"
+    );
+    // Without a salt, each tenant caches under its own.
+    assert_eq!(send("ka", None).await, (0.0, 0.0), "alpha's default salt");
+    assert_eq!(send("kb", None).await, (0.0, 0.0), "beta's default salt");
+    let (engine, router) = send("ka", None).await;
+    assert!(
+        engine > 50.0 && router > 50.0,
+        "alpha again: {engine} {router}"
+    );
+
+    // Chat takes it too; bad salts are refused by name on both endpoints.
+    let r = client()
+        .post(g.url("/v1/chat/completions"))
+        .bearer_auth("ka")
+        .json(&chat("hi", json!({"max_tokens": 2, "cache_salt": "a"})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for bad in [
+        json!(""),
+        json!("x".repeat(257)),
+        json!(12),
+        json!("a\u{1}b"),
+    ] {
+        for (path, body) in [
+            (
+                "/v1/chat/completions",
+                chat("hi", json!({"max_tokens": 2, "cache_salt": bad})),
+            ),
+            (
+                "/v1/completions",
+                json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "cache_salt": bad}),
+            ),
+        ] {
+            let r = client()
+                .post(g.url(path))
+                .bearer_auth("ka")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 400, "{path} {bad}");
+            let err: Value = r.json().await.unwrap();
+            assert_eq!(err["error"]["param"], "cache_salt", "{path} {bad}: {err}");
+            assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+        }
+    }
+}

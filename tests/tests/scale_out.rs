@@ -513,7 +513,7 @@ async fn etcd_and_nats_credentials_come_from_the_environment() {
     let e = refused(&etcd_creds);
     assert!(e.contains("NATS wants credentials"), "{e}");
     let mut env: Vec<(&str, &str)> = vec![
-        ("DYN_RUN_DIR", &*dir.to_str().unwrap()),
+        ("DYN_RUN_DIR", dir.to_str().unwrap()),
         ("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN),
     ];
     env.extend(etcd_creds);

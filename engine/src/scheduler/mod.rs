@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 
 use bytes::Bytes;
 use dyn_llm::types::{FinishReason, Precedence};
-use dyn_router::kv::{BlockHash, chain_hash, local_hash};
+use dyn_router::kv::{BlockHash, chain_hash, local_hash, salted_local};
 
 use super::EngineError;
 use super::pool::{BlockId, Evicted, Pool};
@@ -63,6 +63,10 @@ pub struct SeqSpec {
     /// arrival), and one that comes strictly before a running one takes its place when the
     /// batch is full.
     pub precedence: Precedence,
+    /// The request's `cache_salt` ([`dyn_router::kv::salt_hash`]): its prompt shares cached
+    /// blocks only with prompts of the same salt (`None`: unsalted ones), the first block's
+    /// local hash being salted ([`dyn_router::kv::salted_local`]).
+    pub salt: Option<u64>,
 }
 
 impl SeqSpec {
@@ -357,7 +361,10 @@ impl Scheduler {
         while seq.hashes.len() < full {
             let i = seq.hashes.len();
             let parent = seq.hashes.last().map(|h| h.block_hash);
-            let local = local_hash(&seq.tokens[i * block_size..(i + 1) * block_size]);
+            let mut local = local_hash(&seq.tokens[i * block_size..(i + 1) * block_size]);
+            if i == 0 {
+                local = salted_local(seq.spec.salt, local);
+            }
             let hash = BlockHash {
                 block_hash: chain_hash(parent, local),
                 tokens_hash: local,
@@ -570,7 +577,11 @@ impl Scheduler {
         } else {
             (seq.tokens.len() - 1) / block_size
         };
-        let hashes = dyn_router::kv::block_hashes(&seq.tokens[..full * block_size], block_size);
+        let hashes = dyn_router::kv::block_hashes_salted(
+            &seq.tokens[..full * block_size],
+            block_size,
+            seq.spec.salt,
+        );
         let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
         let hit = self.pool.cached_prefix(&seq_hashes);
         // Imported KV costs no compute, only blocks for the whole prompt.

@@ -26,6 +26,7 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         guide: None,
         role: SeqRole::Full,
         precedence: Precedence::default(),
+        salt: None,
     }
 }
 
@@ -145,6 +146,54 @@ fn a_repeated_prompt_reuses_its_cached_prefix() {
         (s.counters.prompt_blocks, s.counters.prompt_blocks_hit),
         (4, 2)
     );
+}
+
+#[test]
+fn a_salted_prompt_hits_only_blocks_cached_under_its_own_salt() {
+    use dyn_router::kv::{KvEventData, block_hashes, block_hashes_salted, salt_hash};
+    let mut s = Scheduler::new(limits(8, 64), 16);
+    let prompt: Vec<u32> = (0..10).collect(); // two full blocks of 4, and 2 tokens
+    let mut next = 0;
+    // Run the prompt with `salt`; the prompt blocks it found cached, and the blocks it stored.
+    let mut run = |salt: Option<&str>| {
+        next += 1;
+        let before = s.counters.prompt_blocks_hit;
+        s.add(
+            next,
+            SeqSpec {
+                salt: salt.map(salt_hash),
+                ..spec(prompt.clone(), 2)
+            },
+        );
+        drain(&mut s);
+        let stored: Vec<(Option<u64>, Vec<dyn_router::kv::BlockHash>)> = s
+            .pool
+            .take_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEventData::Stored {
+                    parent_hash,
+                    blocks,
+                } => Some((parent_hash, blocks)),
+                _ => None,
+            })
+            .collect();
+        (s.counters.prompt_blocks_hit - before, stored)
+    };
+    let (hit, stored) = run(Some("a"));
+    assert_eq!(hit, 0);
+    // Its events name the salted blocks, a chain from the root, as routers hash them.
+    let salted = block_hashes_salted(&prompt[..8], 4, Some(salt_hash("a")));
+    assert_eq!(stored[0].0, None);
+    assert_eq!(stored[0].1[..2], salted[..]);
+    assert_ne!(salted, block_hashes(&prompt[..8], 4));
+    // Another salt, or none, finds nothing; the same salt finds both blocks.
+    assert_eq!(run(Some("b")).0, 0);
+    let (hit, stored) = run(None);
+    assert_eq!(hit, 0);
+    assert_eq!(stored[0].1[..2], block_hashes(&prompt[..8], 4)[..]);
+    assert_eq!(run(Some("a")).0, 2);
+    assert_eq!(run(None).0, 2);
 }
 
 #[test]
