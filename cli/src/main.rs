@@ -127,6 +127,10 @@ struct UpArgs {
     /// (DYN_CLUSTER_TOKEN, or DYN_CLUSTER_CA/CERT/KEY): anyone who reaches the port is served
     #[arg(long, env = "DYN_INSECURE_PLANES")]
     insecure_planes: bool,
+    /// Seconds a call waits without a word (an item or a heartbeat) from the process serving
+    /// it before giving it up as lost (its host froze or lost power); the request migrates
+    #[arg(long, env = "DYN_PLANE_SILENCE", default_value_t = 5.0)]
+    plane_silence: f64,
     /// Run one process-group replica (what the supervisor starts): NAME:REPLICA
     #[arg(long, hide = true, value_name = "NAME:REPLICA")]
     group: Option<String>,
@@ -193,6 +197,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    raise_open_files_limit();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<ConfigError>() => ExitCode::from(EXIT_CONFIG as u8),
@@ -367,6 +372,11 @@ fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
         }
         None => Placement::All,
     };
+    anyhow::ensure!(
+        args.plane_silence.is_finite() && (0.5..=3600.0).contains(&args.plane_silence),
+        "--plane-silence must be between 0.5 and 3600 seconds"
+    );
+    let silence = Duration::from_secs_f64(args.plane_silence);
     let trust = dyn_trust::Trust::from_env()?;
     if !trust.is_secure() && !args.insecure_planes && !is_loopback(&args.request_host) {
         anyhow::bail!(
@@ -391,6 +401,9 @@ fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
         tcp: dyn_runtime::planes::TcpOptions {
             bind: format!("{}:0", args.request_host),
             trust,
+            // Heartbeats five times within the bound, so a late one or two do not matter.
+            heartbeat: silence / 5,
+            silence,
             ..Default::default()
         },
         lease_ttl: Duration::from_secs(args.lease_ttl.max(1)),
@@ -635,7 +648,21 @@ fn child_args(args: &UpArgs, graph: &CompiledGraph, log: LogFormat, group: &str)
     if args.insecure_planes {
         a.push("--insecure-planes".into());
     }
+    a.push("--plane-silence".into());
+    a.push(args.plane_silence.to_string());
     a
+}
+
+/// Open files up to the hard limit: a server's connections are file descriptors, and the soft
+/// limit (1024 on most systems) is below `max_connections`.
+fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::debug!(error = %e, "Cannot raise the open-files limit");
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -13,10 +13,11 @@
 //!   same agent skip the socket. With a cluster identity the connection is TLS and a stranger
 //!   is refused before it can name an offer.
 //!
-//! An offer is a capability: its id is 128 random bits, it can be pulled once, and only by the
-//! worker it was made for (the decode worker the router chose) when the offer names one. A
-//! pull that names a wrong puller is refused and leaves the offer in place, so nobody but the
-//! intended worker can take it or make it vanish.
+//! An offer is a capability: its id is 128 random bits, it can be pulled once, and only by a
+//! pull naming the worker it was made for (the decode worker the router chose) when the offer
+//! names one. A pull that names another is refused and leaves the offer in place, so a guess
+//! or a mistaken worker cannot take it or make it vanish (the name is the puller's claim: the
+//! id itself travels only on the cluster's planes).
 //!
 //! A CUDA agent (device↔host staging, peer copies) comes with the native engine's CUDA backend.
 
@@ -446,6 +447,12 @@ impl TcpAgent {
         let listener = TcpListener::bind(bind).await?;
         let local = listener.local_addr()?;
         let host = advertise.map_or_else(|| local.ip().to_string(), str::to_owned);
+        // `[v6]:PORT`, as the request plane writes it (and as a connect parses it).
+        let host = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]")
+        } else {
+            host
+        };
         let agent = InProcessAgent::named(format!("tcp://{host}:{}", local.port()));
         let serving = agent.offers.clone();
         let accepting = trust.clone();

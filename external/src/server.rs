@@ -30,6 +30,26 @@ use tokio_util::sync::CancellationToken;
 
 use super::config::{ExternalConfig, ExternalKind, fill};
 
+/// dyn's secrets, kept out of engine servers' environments.
+const SECRETS: &[&str] = &[
+    "DYN_CLUSTER_TOKEN",
+    "DYN_CLUSTER_TOKEN_FILE",
+    "DYN_CLUSTER_KEY",
+    "DYN_SET",
+    "DYN_API_KEYS",
+    "DYN_METRICS_KEY",
+    "DYN_ADMIN_KEY",
+    "ETCD_AUTH_USERNAME",
+    "ETCD_AUTH_PASSWORD",
+    "ETCD_AUTH_CLIENT_KEY",
+    "NATS_AUTH_USERNAME",
+    "NATS_AUTH_PASSWORD",
+    "NATS_AUTH_TOKEN",
+    "NATS_AUTH_NKEY",
+    "NATS_AUTH_CREDENTIALS_FILE",
+    "NATS_TLS_CLIENT_KEY_PATH",
+];
+
 /// How a launched command runs: under `sh`, as the leader of its own process group, beside a
 /// watchdog that reads dyn's end of a pipe and, when it closes — dyn exited, even by SIGKILL
 /// — sends SIGTERM to the whole group, so no server outlives dyn. The command itself (`$1`)
@@ -256,6 +276,11 @@ impl Supervisor {
     fn launch(&self, line: &str) -> Result<Launched, Down> {
         let s = &self.spec;
         let mut command = tokio::process::Command::new("sh");
+        // A third party's server gets none of dyn's secrets (its config's `env` may still
+        // hand one on on purpose).
+        for var in SECRETS {
+            command.env_remove(var);
+        }
         command
             .arg("-c")
             .arg(WATCHDOG)

@@ -82,6 +82,10 @@ pub struct ServerConfig {
     /// `DYN_METRICS_KEY`).
     #[serde(default)]
     pub metrics_key: Option<String>,
+    /// More `Host` names a loopback server answers (a reverse proxy on this host that passes
+    /// the public name on); `"*"` answers any. A server on another address checks none.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
     /// When set, `/admin/*` asks for `Authorization: Bearer <this>` besides a loopback peer
     /// (a reverse proxy on the same host makes every peer loopback); also from
     /// `DYN_ADMIN_KEY`.
@@ -93,8 +97,11 @@ fn default_max_connections() -> usize {
     4096
 }
 
+/// Longer than load balancers keep idle connections (60 s is common): hyper's timer also runs
+/// while a kept-alive connection waits for its next request, and a balancer that finds its
+/// pooled connection closed fails the request it sent on it.
 fn default_header_read_timeout_s() -> f64 {
-    10.0
+    75.0
 }
 
 fn default_listen() -> String {
@@ -151,8 +158,8 @@ impl ServerConfig {
                 "must be between 0.01 and 3600 seconds",
             ));
         }
-        if self.max_connections == 0 {
-            out.push(Invalid::field("max_connections", "must be at least 1"));
+        if !(1..=1 << 20).contains(&self.max_connections) {
+            out.push(Invalid::field("max_connections", "must be 1 to 1048576"));
         }
         for (name, k) in [
             ("metrics_key", &self.metrics_key),
@@ -696,8 +703,19 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> Http
         .listen
         .parse::<SocketAddr>()
         .is_ok_and(|a| a.ip().is_loopback())
+        && !config.allowed_hosts.iter().any(|h| h == "*")
     {
-        router = router.layer(axum::middleware::from_fn(loopback_host_only));
+        let allowed: Arc<Vec<String>> = Arc::new(
+            config
+                .allowed_hosts
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect(),
+        );
+        router = router.layer(axum::middleware::from_fn_with_state(
+            allowed,
+            loopback_host_only,
+        ));
     }
     HttpApp {
         router: router
@@ -770,12 +788,21 @@ fn loopback_host(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-async fn loopback_host_only(req: Request, next: Next) -> Response {
+async fn loopback_host_only(
+    State(allowed): State<Arc<Vec<String>>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let host = req
         .headers()
         .get(header::HOST)
         .map(|h| h.to_str().unwrap_or("?"));
-    if host.is_none_or(loopback_host) {
+    let named = |h: &str| {
+        let h = h.to_ascii_lowercase();
+        let name = h.rsplit_once(':').map_or(h.as_str(), |(n, _)| n);
+        allowed.iter().any(|a| *a == h || *a == name)
+    };
+    if host.is_none_or(|h| loopback_host(h) || named(h)) {
         return next.run(req).await;
     }
     ApiError::new(
@@ -859,8 +886,9 @@ pub async fn serve<Req: Payload, Resp: Payload>(
             drop(slot);
         });
     }
-    // Every request is answered by now (the drain waited for them): connections close after
-    // their current exchange, and idle ones at once.
+    // The requests sent down the chain are answered by now (the drain waited for them);
+    // others (metrics, admin, the end of a stream being written) get a few seconds more, then
+    // their connections are dropped with the process.
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
     Ok(())
 }

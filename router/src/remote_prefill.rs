@@ -297,15 +297,15 @@ fn believe(worker: u64, record: Option<&Instance>, p: &Prefilled) -> Result<(), 
         ));
     }
     let agent = &p.transfer.agent;
+    // `HOST:PORT` to HOST, `[v6]:PORT` to v6.
+    let host = |a: &str| {
+        a.rsplit_once(':')
+            .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_owned())
+    };
     let ok = match record.map(|r| &r.transport) {
         Some(Transport::Tcp { address }) => {
-            let host = address
-                .rsplit_once(':')
-                .map_or(address.as_str(), |(h, _)| h);
-            agent
-                .strip_prefix("tcp://")
-                .and_then(|a| a.rsplit_once(':'))
-                .is_some_and(|(h, _)| h == host)
+            let theirs = agent.strip_prefix("tcp://").and_then(host);
+            theirs.is_some() && theirs == host(address)
         }
         Some(Transport::InProcess) => agent.starts_with("inproc://"),
         None => false,
@@ -436,16 +436,17 @@ impl Inner {
         let result = tokio::select! {
             r = rx => match r {
                 // The worker answered (a failure included): it holds nothing to cancel.
-                Ok(answer) => {
+                // The worker failed: it holds nothing to cancel.
+                Ok(Err(e)) => {
                     cancel.inner = None;
-                    answer
-                        .map_err(|e| format!("the prefill worker failed ({:?}): {}", e.kind, e.message))
-                        .and_then(|p| {
-                            let record = self.pool.instance(worker);
-                            believe(worker, record.as_ref(), &p)?;
-                            Ok(p)
-                        })
+                    Err(format!("the prefill worker failed ({:?}): {}", e.kind, e.message))
                 }
+                // A reply not believed leaves the job armed: the cancel below releases
+                // whatever the worker pinned for it.
+                Ok(Ok(p)) => believe(worker, self.pool.instance(worker).as_ref(), &p).map(|()| {
+                    cancel.inner = None;
+                    p
+                }),
                 Err(_) => Err("the reply channel closed".to_owned()),
             },
             _ = tokio::time::sleep(timeout) => Err(format!("no answer within {timeout:?}")),
@@ -631,6 +632,11 @@ mod tests {
             assert!(e.is_err(), "{worker} {agent}");
         }
         assert!(believe(7, None, &reply(7, "tcp://10.0.0.5:4200")).is_err());
+        let v6 = record(Transport::Tcp {
+            address: "[fd00::5]:4100".into(),
+        });
+        assert!(believe(7, Some(&v6), &reply(7, "tcp://[fd00::5]:4200")).is_ok());
+        assert!(believe(7, Some(&v6), &reply(7, "tcp://[fd00::6]:4200")).is_err());
         let local = record(Transport::InProcess);
         assert!(believe(7, Some(&local), &reply(7, "inproc://3")).is_ok());
         assert!(believe(7, Some(&local), &reply(7, "tcp://10.0.0.5:1")).is_err());

@@ -119,6 +119,24 @@ async fn a_loopback_server_refuses_other_host_names() {
             assert_eq!(body["error"]["code"], "misdirected_request", "{body}");
         }
     }
+    // A reverse proxy on this host that passes its public name on: named in `allowed_hosts`.
+    let g = Graph::up(
+        "graphs/echo.yaml",
+        &[
+            "--set",
+            "echo.delay_ms=0",
+            "--set",
+            "ingress.allowed_hosts=[api.example.com]",
+        ],
+    );
+    for (host, status) in [
+        ("api.example.com", 200),
+        ("API.example.com:443", 200),
+        ("evil.example", 421),
+    ] {
+        let resp = text(&g).header("host", host).send().await.unwrap();
+        assert_eq!(resp.status(), status, "{host}");
+    }
 }
 
 /// `/metrics` and `/admin` behind their own keys; the API's keys do not open them.

@@ -265,13 +265,14 @@ fn check_base(path: &Path) -> io::Result<()> {
             &format!("owned by uid {}, not this user (uid {me}) or root", m.uid()),
         ));
     }
-    // Group-writable is left to the operator: with a private group per user (a 002 umask)
-    // it is the norm, and the directories below are checked strictly.
-    if m.mode() & 0o002 != 0 && m.mode() & 0o1000 == 0 {
+    // Anyone else who may write here could rename the worker's directory out and put a
+    // symlink in its place between checks (O_NOFOLLOW guards a path's last part only), unless
+    // the directory is sticky (only an entry's owner may rename it, as in /tmp).
+    if m.mode() & 0o022 != 0 && m.mode() & 0o1000 == 0 {
         return Err(refuse(
             path,
-            "writable by every user and not sticky (other users could rename the worker's \
-             directories in it): chmod o-w or +t it, or choose another `disk_dir`",
+            "writable by other users and not sticky (they could rename the worker's \
+             directories in it): chmod go-w or +t it, or choose another `disk_dir`",
         ));
     }
     Ok(())
@@ -539,15 +540,18 @@ mod tests {
             }
         }
 
-        // `disk_dir` itself may be shared (group-writable, or sticky as /tmp is), not open to
-        // every user to rename the worker's directory out of.
+        // `disk_dir` itself may be shared only when sticky (as /tmp is): nobody else may rename
+        // the worker's directory out of it.
         let base = tmp.join("base");
         fs::create_dir(&base).expect("mkdir");
         fs::set_permissions(&base, fs::Permissions::from_mode(0o777)).expect("chmod");
         let e = refused(DiskDir::open(&base, "decode", "x"));
         assert!(e.contains("not sticky"), "{e}");
         assert!(!base.join("decode").exists());
-        for bits in [0o1777, 0o770] {
+        fs::set_permissions(&base, fs::Permissions::from_mode(0o770)).expect("chmod");
+        let e = refused(DiskDir::open(&base, "decode", "x"));
+        assert!(e.contains("not sticky"), "{e}");
+        for bits in [0o1777, 0o1770, 0o755] {
             fs::set_permissions(&base, fs::Permissions::from_mode(bits)).expect("chmod");
             DiskDir::open(&base, "decode", "x").expect("open");
         }

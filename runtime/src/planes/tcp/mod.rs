@@ -136,8 +136,15 @@ impl ConnPool {
             let (r, w) = self.idle.lock().get_mut(address)?.pop()?;
             // Nothing may arrive on an idle connection: end of file (or anything else) means
             // the other side is gone or confused, and the connection is dropped.
+            // Unconstrained: with the task's cooperative budget spent, a read would say
+            // Pending without looking, and a closed connection would pass.
             let mut r = r;
-            if r.read_buffer().is_empty() && r.next().now_or_never().is_none() {
+            if r.read_buffer().is_empty()
+                && tokio::task::unconstrained(r.next())
+                    .now_or_never()
+                    .is_none()
+                && r.read_buffer().is_empty()
+            {
                 return Some((r, w));
             }
         }
@@ -778,7 +785,8 @@ impl RemoteCall {
                                 return;
                             }
                         };
-                        got_any = true;
+                        // A heartbeat says the process lives, not that it took the request.
+                        got_any |= frame.first() != Some(&PING);
                         match self.reply(&frame, &out_codec, reader) {
                             Reply::Alive => {}
                             Reply::Item(v) => yield Ok(v),
