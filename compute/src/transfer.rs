@@ -666,6 +666,12 @@ mod tests {
             .collect()
     }
 
+    /// A prefill side's agent and a decode side's, on loopback, without an identity.
+    async fn plain_pair() -> (TcpAgent, TcpAgent) {
+        let bind = || TcpAgent::bind("127.0.0.1:0", None, Trust::plain());
+        (bind().await.unwrap(), bind().await.unwrap())
+    }
+
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -680,8 +686,7 @@ mod tests {
         fn random_block_sets_arrive_byte_identical(n in 0usize..48, size in 1usize..9000, seed: u8) {
             let rt = rt();
             rt.block_on(async {
-                let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain()).await.unwrap();
-                let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain()).await.unwrap();
+                let (prefill, decode) = plain_pair().await;
                 let sent = blocks(n, size, seed);
                 let ids: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
                 let desc = prefill.offer(ids.clone(), sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
@@ -721,12 +726,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_offer_is_pulled_once_and_expires() {
-        let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
-            .await
-            .unwrap();
-        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
-            .await
-            .unwrap();
+        let (prefill, decode) = plain_pair().await;
         let desc = prefill
             .offer(
                 vec![1, 2],
@@ -764,12 +764,7 @@ mod tests {
                 self.0.store(true, Ordering::SeqCst);
             }
         }
-        let prefill = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
-            .await
-            .unwrap();
-        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
-            .await
-            .unwrap();
+        let (prefill, decode) = plain_pair().await;
         let held = |f: &Arc<std::sync::atomic::AtomicBool>| Some(Box::new(Flag(f.clone())) as Hold);
         let pulled = Arc::default();
         let desc = prefill

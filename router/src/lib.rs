@@ -920,6 +920,15 @@ mod tests {
     }
 
     /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
+    /// A `kv` router over workers `ids`.
+    async fn kv_router(planes: &Planes, ids: &[u64]) -> Route {
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            ..RouteConfig::default()
+        };
+        started(planes, config, ids).await
+    }
+
     async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
         publish_blocks(planes, worker, 0, block_hashes(tokens, 16)).await
     }
@@ -969,11 +978,7 @@ mod tests {
     #[tokio::test]
     async fn kv_policy_follows_the_cached_prefix() {
         let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[10, 11]).await;
+        let r = kv_router(&planes, &[10, 11]).await;
         let prompt: Vec<u32> = (0..64).collect();
         publish_stored(&planes, 11, &prompt).await;
         let kv = r.inner.kv.as_ref().expect("kv state");
@@ -1007,11 +1012,7 @@ mod tests {
     async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
         use crate::kv::{block_hashes_salted, salt_hash};
         let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[10, 11]).await;
+        let r = kv_router(&planes, &[10, 11]).await;
         let prompt: Vec<u32> = (0..64).collect();
         let a = Some(salt_hash("a"));
         // Worker 11 caches the prompt under salt "a", worker 10 unsalted.
@@ -1053,11 +1054,7 @@ mod tests {
     #[tokio::test]
     async fn a_departed_worker_leaves_the_index() {
         let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[10, 11]).await;
+        let r = kv_router(&planes, &[10, 11]).await;
         publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
         let kv = r.inner.kv.as_ref().expect("kv state");
         until("the blocks indexed", || {

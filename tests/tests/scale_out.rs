@@ -379,13 +379,12 @@ async fn multi_process_graph_serves_and_a_killed_worker_leaves_within_its_ttl() 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_survive_a_worker_killed_mid_stream() {
-    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
-        return;
-    };
+/// `n` streams of 48 tokens on two slow workers, with `hit` done to worker process decode.1
+/// once they are under way; each must equal its run without the hit. The frontend's
+/// migration log lines after.
+async fn streams_through(c: &Cluster, n: usize, hit: impl FnOnce(u32)) -> Vec<Value> {
     let url = format!("http://{}", c.g.addr);
-    let prompts = prompts(64);
+    let prompts = prompts(n);
     // The mocker's output is a function of the prompt: the expected streams.
     let t0 = Instant::now();
     let expected: Vec<_> = stream_all(&url, &prompts, 48)
@@ -394,26 +393,33 @@ async fn streams_survive_a_worker_killed_mid_stream() {
         .map(Result::unwrap)
         .collect();
     assert!(expected.iter().all(|(_, n)| *n == 48));
-    eprintln!("64 streams took {:?}", t0.elapsed());
-
+    eprintln!("{n} streams took {:?}", t0.elapsed());
     let run = tokio::spawn({
         let (url, prompts) = (url.clone(), prompts.clone());
         async move { stream_all(&url, &prompts, 48).await }
     });
-    // Kill a worker once the streams are under way.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    signal(c.pid("decode", 1), "-KILL");
+    hit(c.pid("decode", 1));
+    let hit_at = Instant::now();
     let got = run.await.unwrap();
+    eprintln!("streams done {:?} after the hit", hit_at.elapsed());
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
         assert_eq!(g.as_ref().unwrap(), e, "stream {i}");
     }
-    let migrated = c
-        .frontend_logs()
-        .iter()
+    c.frontend_logs()
+        .into_iter()
         .filter(|l| l["message"] == "Replica lost; migrating the request")
-        .count();
-    assert!(migrated > 0, "some streams were cut and migrated");
-    eprintln!("{migrated} requests migrated");
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_survive_a_worker_killed_mid_stream() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
+        return;
+    };
+    let migrated = streams_through(&c, 64, |pid| signal(pid, "-KILL")).await;
+    assert!(!migrated.is_empty(), "some streams were cut and migrated");
+    eprintln!("{} requests migrated", migrated.len());
 }
 
 /// A worker frozen mid-stream (SIGSTOP: what a host that lost power looks like from the other
@@ -424,31 +430,11 @@ async fn streams_migrate_off_a_frozen_worker_within_the_heartbeat_bound() {
     let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=0.25"]) else {
         return;
     };
-    let url = format!("http://{}", c.g.addr);
-    let prompts = prompts(32);
-    let expected: Vec<_> = stream_all(&url, &prompts, 48)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
-    let run = tokio::spawn({
-        let (url, prompts) = (url.clone(), prompts.clone());
-        async move { stream_all(&url, &prompts, 48).await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let frozen = c.pid("decode", 1);
-    signal(frozen, "-STOP");
-    let stopped = Instant::now();
-    let got = run.await.unwrap();
-    eprintln!("streams done {:?} after the freeze", stopped.elapsed());
+    let migrated = streams_through(&c, 32, |pid| signal(pid, "-STOP")).await;
     signal(frozen, "-CONT");
-    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(g.as_ref().unwrap(), e, "stream {i}");
-    }
-    let lost = c
-        .frontend_logs()
+    let lost = migrated
         .iter()
-        .filter(|l| l["message"] == "Replica lost; migrating the request")
         .filter(|l| l.to_string().contains("nothing heard"))
         .count();
     assert!(

@@ -206,15 +206,8 @@ impl Trust {
         let Some(c) = &self.0 else {
             return Ok(PlaneStream::Plain(tcp));
         };
-        let peer = peer_name(&tcp);
-        let io = |source| TrustError::Io {
-            peer: peer.clone(),
-            source,
-        };
-        let refused = |message: String| TrustError::Refused {
-            peer: peer.clone(),
-            message,
-        };
+        let peer = Peer::of(&tcp);
+        let (io, refused) = (|e| peer.io(e), |m| peer.refused(m));
         let handshake = async {
             let mut tls = tokio_rustls::TlsAcceptor::from(c.server.clone())
                 .accept(tcp)
@@ -238,23 +231,17 @@ impl Trust {
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
             .await
-            .unwrap_or_else(|_| Err(refused("no handshake within 5 s".into())))
+            .unwrap_or_else(|_| Err(peer.refused("no handshake within 5 s".into())))
     }
 
-    /// The calling side of a new connection to `host`: the server proves the identity first.
+    /// The calling side of a new connection to `host`: this side proves the identity first,
+    /// and sends nothing else until the server has proved it back.
     pub async fn connect(&self, tcp: TcpStream, host: &str) -> Result<PlaneStream, TrustError> {
         let Some(c) = &self.0 else {
             return Ok(PlaneStream::Plain(tcp));
         };
-        let peer = peer_name(&tcp);
-        let io = |source| TrustError::Io {
-            peer: peer.clone(),
-            source,
-        };
-        let refused = |message: String| TrustError::Refused {
-            peer: peer.clone(),
-            message,
-        };
+        let peer = Peer::of(&tcp);
+        let (io, refused) = (|e| peer.io(e), |m| peer.refused(m));
         let name = if c.ca {
             // `[v6]` as the address spells it: the name is the bare address.
             let host = host.trim_start_matches('[').trim_end_matches(']');
@@ -288,7 +275,7 @@ impl Trust {
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
             .await
-            .unwrap_or_else(|_| Err(refused("no handshake within 5 s".into())))
+            .unwrap_or_else(|_| Err(peer.refused("no handshake within 5 s".into())))
     }
 }
 
@@ -345,9 +332,30 @@ fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TrustError> {
         .map_err(|e| TrustError::Config(format!("{}: no PEM private key ({e})", path.display())))
 }
 
-fn peer_name(tcp: &TcpStream) -> String {
-    tcp.peer_addr()
-        .map_or_else(|_| "a peer".to_owned(), |a| a.to_string())
+/// The other end of a connection, for errors.
+struct Peer(String);
+
+impl Peer {
+    fn of(tcp: &TcpStream) -> Self {
+        Self(
+            tcp.peer_addr()
+                .map_or_else(|_| "a peer".to_owned(), |a| a.to_string()),
+        )
+    }
+
+    fn io(&self, source: io::Error) -> TrustError {
+        TrustError::Io {
+            peer: self.0.clone(),
+            source,
+        }
+    }
+
+    fn refused(&self, message: String) -> TrustError {
+        TrustError::Refused {
+            peer: self.0.clone(),
+            message,
+        }
+    }
 }
 
 /// The session's exported keying material: equal on both ends of one TLS session only.
