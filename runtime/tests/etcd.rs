@@ -353,3 +353,95 @@ async fn an_etcd_with_authentication_takes_a_user_and_says_what_is_missing() {
         .unwrap();
     assert_eq!(listed, vec![i]);
 }
+
+/// etcd over TLS with client certificates: `ETCD_AUTH_CA` and the client certificate get
+/// through (https), the CA alone or plain http do not.
+#[tokio::test]
+async fn an_etcd_over_tls_takes_the_ca_and_a_client_certificate() {
+    if etcd().is_none() {
+        return;
+    }
+    let dir = dyn_tests::scratch_dir("etcd-pki");
+    let pki = dyn_tests::servers::pki(&dir).expect("test certificates");
+    let Some(server) = dyn_tests::servers::Server::etcd_tls(&pki) else {
+        dyn_tests::skip("etcd is not on PATH");
+        return;
+    };
+    let path = |p: &std::path::Path| std::ffi::OsString::from(p.as_os_str());
+    let full = dyn_runtime::planes::EtcdCredentials::from_vars(|k| match k {
+        "ETCD_AUTH_CA" => Some(path(&pki.ca)),
+        "ETCD_AUTH_CLIENT_CERT" => Some(path(&pki.client_cert)),
+        "ETCD_AUTH_CLIENT_KEY" => Some(path(&pki.client_key)),
+        _ => None,
+    })
+    .unwrap();
+    let urls = full.urls(&[server.address()]);
+    assert!(urls[0].starts_with("https://"), "{urls:?}");
+    let d = EtcdDiscovery::connect_with(&urls, TTL, full.clone())
+        .await
+        .unwrap();
+    let ns = namespace();
+    let i = instance(&ns, 1);
+    d.register(i.clone()).await.unwrap();
+    let listed = dyn_runtime::planes::etcd::list_instances(&urls, &full, &i.key())
+        .await
+        .unwrap();
+    assert_eq!(listed, vec![i]);
+    // Without a client certificate, or without TLS: refused.
+    let ca_only = dyn_runtime::planes::EtcdCredentials::from_vars(|k| {
+        (k == "ETCD_AUTH_CA").then(|| path(&pki.ca))
+    })
+    .unwrap();
+    assert!(
+        EtcdDiscovery::connect_with(&urls, TTL, ca_only)
+            .await
+            .is_err()
+    );
+    assert!(
+        EtcdDiscovery::connect(&[format!("http://{}", server.address())], TTL)
+            .await
+            .is_err()
+    );
+}
+
+/// An etcd login token that expires (here after a second) is renewed: registrations and
+/// lists go on long after it.
+#[tokio::test]
+async fn an_expired_etcd_login_is_renewed() {
+    if etcd().is_none() {
+        return;
+    }
+    let Some(server) = dyn_tests::servers::Server::etcd_with_auth_ttl("root", "etcd-root-pw", 1)
+    else {
+        dyn_tests::skip("etcd is not on PATH");
+        return;
+    };
+    let url = server.url();
+    let creds = dyn_runtime::planes::EtcdCredentials::from_vars(|k| match k {
+        "ETCD_AUTH_USERNAME" => Some("root".into()),
+        "ETCD_AUTH_PASSWORD" => Some("etcd-root-pw".into()),
+        _ => None,
+    })
+    .unwrap();
+    let d = EtcdDiscovery::connect_with(&[&url], TTL, creds.clone())
+        .await
+        .unwrap();
+    let ns = namespace();
+    let (_, mut watch) = d.watch(&format!("v1/instances/{ns}/")).await.unwrap();
+    for id in 1..=2 {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let i = instance(&ns, id);
+        d.register(i.clone()).await.unwrap();
+        let listed = dyn_runtime::planes::etcd::list_instances(&[&url], &creds, &i.key())
+            .await
+            .unwrap();
+        assert_eq!(listed, vec![i.clone()]);
+        loop {
+            if let DiscoveryEvent::Put(got) = next(&mut watch, Duration::from_secs(10)).await
+                && got == i
+            {
+                break;
+            }
+        }
+    }
+}

@@ -200,3 +200,42 @@ async fn a_nats_server_with_a_user_takes_credentials_and_says_what_is_missing() 
         .unwrap();
     assert_eq!(&got.payload[..], b"x");
 }
+
+/// NATS over TLS with client certificates: `NATS_TLS_CA_CERT_PATH` and the client certificate
+/// get through, the CA alone or no TLS do not.
+#[tokio::test]
+async fn a_nats_server_over_tls_takes_the_ca_and_a_client_certificate() {
+    if test_server("DYN_TEST_NATS").is_none() {
+        return;
+    }
+    let dir = dyn_tests::scratch_dir("nats-pki");
+    let pki = dyn_tests::servers::pki(&dir).expect("test certificates");
+    let Some(server) = Server::nats_tls(&pki) else {
+        dyn_tests::skip("nats-server is not on PATH");
+        return;
+    };
+    let at = endpoint(&server.url());
+    let path = |p: &std::path::Path| std::ffi::OsString::from(p.as_os_str());
+    let full = dyn_runtime::planes::NatsCredentials::from_vars(|k| match k {
+        "NATS_TLS_CA_CERT_PATH" => Some(path(&pki.ca)),
+        "NATS_TLS_CLIENT_CERT_PATH" => Some(path(&pki.client_cert)),
+        "NATS_TLS_CLIENT_KEY_PATH" => Some(path(&pki.client_key)),
+        _ => None,
+    })
+    .unwrap();
+    let a = NatsEventBus::connect_with(&at, &full).await.unwrap();
+    let mut sub = a.subscribe("t.tls").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a.publish("t.tls", Bytes::from_static(b"y")).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut sub))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got.payload[..], b"y");
+    let ca_only = dyn_runtime::planes::NatsCredentials::from_vars(|k| {
+        (k == "NATS_TLS_CA_CERT_PATH").then(|| path(&pki.ca))
+    })
+    .unwrap();
+    assert!(NatsEventBus::connect_with(&at, &ca_only).await.is_err());
+    assert!(NatsEventBus::connect(&at).await.is_err());
+}

@@ -2,7 +2,7 @@
 //! ports, a temporary data directory, killed on drop. Tests that only need a server running
 //! use the shared ones `scripts/test` starts (`DYN_TEST_ETCD`, `DYN_TEST_NATS`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -38,6 +38,11 @@ pub struct Server {
 impl Server {
     /// etcd with one member; `None` when the binary is missing.
     pub fn etcd() -> Option<Server> {
+        Self::etcd_with(&[])
+    }
+
+    fn etcd_with(extra: &[&str]) -> Option<Server> {
+        let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let (port, peer) = (free_port(), free_port());
         let dir = crate::scratch_dir(&format!("etcd-{port}"));
         let data = dir.join("data");
@@ -59,6 +64,7 @@ impl Server {
                 &peer,
             ]);
             c.args(["--initial-cluster", &format!("p={peer}")]);
+            c.args(&extra);
             c
         })
     }
@@ -87,9 +93,70 @@ impl Server {
         })
     }
 
+    /// etcd serving clients over TLS (https) with `pki`'s server certificate, asking each
+    /// client for a certificate its CA signed.
+    pub fn etcd_tls(pki: &Pki) -> Option<Server> {
+        let (port, peer) = (free_port(), free_port());
+        let dir = crate::scratch_dir(&format!("etcd-tls-{port}"));
+        let data = dir.join("data");
+        let pki = pki.clone();
+        Self::start_new("https", port, dir, move || {
+            let client = format!("https://127.0.0.1:{port}");
+            let peer = format!("http://127.0.0.1:{peer}");
+            let mut c = Command::new("etcd");
+            c.args(["--name", "p", "--data-dir"]).arg(&data);
+            c.args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ]);
+            c.args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ]);
+            c.args(["--initial-cluster", &format!("p={peer}")]);
+            c.arg("--cert-file").arg(&pki.server_cert);
+            c.arg("--key-file").arg(&pki.server_key);
+            c.arg("--trusted-ca-file").arg(&pki.ca);
+            c.arg("--client-cert-auth");
+            c
+        })
+    }
+
+    /// nats-server over TLS with `pki`'s server certificate, asking each client for a
+    /// certificate its CA signed.
+    pub fn nats_tls(pki: &Pki) -> Option<Server> {
+        let port = free_port();
+        let dir = crate::scratch_dir(&format!("nats-tls-{port}"));
+        let pki = pki.clone();
+        Self::start_new("nats", port, dir, move || {
+            let mut c = Command::new("nats-server");
+            c.args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "--tls",
+                "--tlsverify",
+            ]);
+            c.arg("--tlscert").arg(&pki.server_cert);
+            c.arg("--tlskey").arg(&pki.server_key);
+            c.arg("--tlscacert").arg(&pki.ca);
+            c
+        })
+    }
+
     /// etcd with authentication on: user `user` (granted the root role) with `password`.
     pub fn etcd_with_auth(user: &str, password: &str) -> Option<Server> {
-        let server = Self::etcd()?;
+        Self::etcd_with_auth_ttl(user, password, 300)
+    }
+
+    /// [`Server::etcd_with_auth`] whose login tokens expire after `ttl_s` seconds.
+    pub fn etcd_with_auth_ttl(user: &str, password: &str, ttl_s: u32) -> Option<Server> {
+        let server = Self::etcd_with(&["--auth-token-ttl", &ttl_s.to_string()])?;
         let url = server.url();
         let (user, password) = (user.to_owned(), password.to_owned());
         let enabled = std::thread::spawn(move || {
@@ -180,4 +247,47 @@ impl Drop for Server {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A test CA, and PEM files it signed: a server certificate for 127.0.0.1 and a client's.
+#[derive(Clone)]
+pub struct Pki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+/// Make a [`Pki`] in `dir`.
+pub fn pki(dir: &Path) -> Option<Pki> {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).ok()?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().ok()?;
+    let ca_cert = ca.self_signed(&ca_key).ok()?;
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let write = |name: &str, body: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).ok().map(|()| p)
+    };
+    let signed = |names: Vec<String>, client: bool| {
+        let key = rcgen::KeyPair::generate().ok()?;
+        let mut params = rcgen::CertificateParams::new(names).ok()?;
+        params.extended_key_usages = vec![if client {
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth
+        } else {
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth
+        }];
+        let cert = params.signed_by(&key, &issuer).ok()?;
+        Some((cert.pem(), key.serialize_pem()))
+    };
+    let (server_cert, server_key) = signed(vec!["127.0.0.1".into(), "localhost".into()], false)?;
+    let (client_cert, client_key) = signed(vec!["dyn-client".into()], true)?;
+    Some(Pki {
+        ca: write("ca.pem", ca_cert.pem())?,
+        server_cert: write("server.pem", server_cert)?,
+        server_key: write("server.key", server_key)?,
+        client_cert: write("client.pem", client_cert)?,
+        client_key: write("client.key", client_key)?,
+    })
 }
