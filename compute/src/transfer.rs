@@ -933,4 +933,37 @@ mod tests {
         let accepted = tokio::time::timeout(Duration::from_millis(100), listener.accept()).await;
         assert!(accepted.is_err(), "nothing connected");
     }
+
+    /// A prefill host that goes silent mid-pull (its header sent, its blocks never) fails the
+    /// pull after the stall bound instead of holding the decode worker for ever. Virtual time:
+    /// the runtime jumps to the bound as soon as everything waits.
+    #[tokio::test(start_paused = true)]
+    async fn a_pull_from_a_host_gone_silent_fails_at_the_stall_bound() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let agent = format!("tcp://{}", listener.local_addr().unwrap());
+        let _silent = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let _: (PullRequest, _) = read_control(&mut s).await.unwrap();
+            let header = PullHeader {
+                error: None,
+                blocks: 2,
+                block_bytes: 64,
+            };
+            write_control(&mut s, &header).await.unwrap();
+            std::future::pending::<()>().await;
+        });
+        let desc = TransferDescriptor {
+            agent,
+            transfer_id: TransferId(7),
+            block_ids: vec![0, 1],
+            block_bytes: 64,
+            layout: BlockLayout::TokenIds,
+            dtype: BlockDType::U32le,
+        };
+        let decode = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
+        let e = decode.pull(&desc, None).await.unwrap_err();
+        assert!(e.to_string().contains("no bytes for 10s"), "{e}");
+    }
 }
