@@ -193,3 +193,18 @@ fn the_environment_is_read_with_clear_errors() {
     assert_eq!(s.token.as_deref(), Some(A.as_bytes()));
     let _ = std::fs::remove_file(f);
 }
+
+/// Every plane socket keeps alive (a host gone dark is noticed on an idle pooled connection
+/// within about a minute) and sends frames without Nagle's delay.
+#[tokio::test]
+async fn plane_sockets_keep_alive_and_do_not_wait_to_send() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let s = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    tune(&s);
+    let r = socket2::SockRef::from(&s);
+    assert!(r.keepalive().unwrap());
+    assert_eq!(r.tcp_keepalive_time().unwrap(), Duration::from_secs(30));
+    assert_eq!(r.tcp_keepalive_interval().unwrap(), Duration::from_secs(10));
+    assert_eq!(r.tcp_keepalive_retries().unwrap(), 3);
+    assert!(s.nodelay().unwrap());
+}
