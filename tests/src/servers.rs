@@ -42,12 +42,17 @@ impl Server {
     }
 
     fn etcd_with(extra: &[&str]) -> Option<Server> {
+        Self::etcd_with_scheme("http", extra)
+    }
+
+    /// etcd serving clients over `scheme` (http, or https with the TLS flags in `extra`).
+    fn etcd_with_scheme(scheme: &'static str, extra: &[&str]) -> Option<Server> {
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         let (port, peer) = (free_port(), free_port());
         let dir = crate::scratch_dir(&format!("etcd-{port}"));
         let data = dir.join("data");
-        Self::start_new("http", port, dir, move || {
-            let client = format!("http://127.0.0.1:{port}");
+        Self::start_new(scheme, port, dir, move || {
+            let client = format!("{scheme}://127.0.0.1:{port}");
             let peer = format!("http://127.0.0.1:{peer}");
             let mut c = Command::new("etcd");
             c.args(["--name", "p", "--data-dir"]).arg(&data);
@@ -96,34 +101,19 @@ impl Server {
     /// etcd serving clients over TLS (https) with `pki`'s server certificate, asking each
     /// client for a certificate its CA signed.
     pub fn etcd_tls(pki: &Pki) -> Option<Server> {
-        let (port, peer) = (free_port(), free_port());
-        let dir = crate::scratch_dir(&format!("etcd-tls-{port}"));
-        let data = dir.join("data");
-        let pki = pki.clone();
-        Self::start_new("https", port, dir, move || {
-            let client = format!("https://127.0.0.1:{port}");
-            let peer = format!("http://127.0.0.1:{peer}");
-            let mut c = Command::new("etcd");
-            c.args(["--name", "p", "--data-dir"]).arg(&data);
-            c.args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ]);
-            c.args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ]);
-            c.args(["--initial-cluster", &format!("p={peer}")]);
-            c.arg("--cert-file").arg(&pki.server_cert);
-            c.arg("--key-file").arg(&pki.server_key);
-            c.arg("--trusted-ca-file").arg(&pki.ca);
-            c.arg("--client-cert-auth");
-            c
-        })
+        let path = |p: &Path| p.display().to_string();
+        Self::etcd_with_scheme(
+            "https",
+            &[
+                "--cert-file",
+                &path(&pki.server_cert),
+                "--key-file",
+                &path(&pki.server_key),
+                "--trusted-ca-file",
+                &path(&pki.ca),
+                "--client-cert-auth",
+            ],
+        )
     }
 
     /// nats-server over TLS with `pki`'s server certificate, asking each client for a
