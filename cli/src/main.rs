@@ -378,7 +378,10 @@ fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
     );
     let silence = Duration::from_secs_f64(args.plane_silence);
     let trust = dyn_trust::Trust::from_env()?;
-    if !trust.is_secure() && !args.insecure_planes && !is_loopback(&args.request_host) {
+    if !trust.is_secure()
+        && !args.insecure_planes
+        && !dyn_frontend::loopback_host(&args.request_host)
+    {
         anyhow::bail!(
             "--request-host {} is reachable from other machines, and without a cluster identity \
              anyone who reaches it could send work and read prompts' KV: set {} (the same \
@@ -408,15 +411,6 @@ fn run_options(args: &UpArgs, grace: Duration) -> anyhow::Result<RunOptions> {
         },
         lease_ttl: Duration::from_secs(args.lease_ttl.max(1)),
     })
-}
-
-/// True for a host only this machine reaches (`localhost`, 127.0.0.0/8, ::1).
-fn is_loopback(host: &str) -> bool {
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    bare.eq_ignore_ascii_case("localhost")
-        || bare
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// What `dyn graph ps` and `down` read about this run, as of now.

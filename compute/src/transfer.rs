@@ -577,10 +577,9 @@ impl KvTransferAgent for TcpAgent {
             .map_err(|_| TransferError::Unreachable(desc.agent.clone()))?
             .map_err(io)?;
         dyn_trust::tune(&tcp);
-        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
         let mut s = self
             .trust
-            .connect(tcp, host)
+            .connect(tcp, addr)
             .await
             .map_err(|e| TransferError::Io {
                 agent: desc.agent.clone(),

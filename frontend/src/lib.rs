@@ -766,21 +766,10 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .strip_prefix("Bearer ")
 }
 
-/// Whether `host` (a `Host` header: name or address, maybe a port) names this machine's
-/// loopback interface.
-fn loopback_host(host: &str) -> bool {
-    let name = match host.rsplit_once(':') {
-        // `[::1]:8000`, `[::1]`, `name:port`; a bare IPv6 address has more than one colon.
-        Some((h, port)) if !h.contains(':') || h.ends_with(']') => {
-            if port.bytes().all(|b| b.is_ascii_digit()) {
-                h
-            } else {
-                host
-            }
-        }
-        _ => host,
-    };
-    let name = name.trim_start_matches('[').trim_end_matches(']');
+/// Whether `host` (a `Host` header or an address: name or IP, maybe a port) names this
+/// machine's loopback interface.
+pub fn loopback_host(host: &str) -> bool {
+    let name = dyn_trust::host_of(host);
     name.eq_ignore_ascii_case("localhost")
         || name.to_ascii_lowercase().ends_with(".localhost")
         || name
@@ -799,7 +788,7 @@ async fn loopback_host_only(
         .map(|h| h.to_str().unwrap_or("?"));
     let named = |h: &str| {
         let h = h.to_ascii_lowercase();
-        let name = h.rsplit_once(':').map_or(h.as_str(), |(n, _)| n);
+        let name = dyn_trust::host_of(&h);
         allowed.iter().any(|a| *a == h || *a == name)
     };
     if host.is_none_or(|h| loopback_host(h) || named(h)) {

@@ -297,16 +297,10 @@ fn believe(worker: u64, record: Option<&Instance>, p: &Prefilled) -> Result<(), 
         ));
     }
     let agent = &p.transfer.agent;
-    // `HOST:PORT` to HOST, `[v6]:PORT` to v6.
-    let host = |a: &str| {
-        a.rsplit_once(':')
-            .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_owned())
-    };
     let ok = match record.map(|r| &r.transport) {
-        Some(Transport::Tcp { address }) => {
-            let theirs = agent.strip_prefix("tcp://").and_then(host);
-            theirs.is_some() && theirs == host(address)
-        }
+        Some(Transport::Tcp { address }) => agent
+            .strip_prefix("tcp://")
+            .is_some_and(|a| dyn_trust::host_of(a) == dyn_trust::host_of(address)),
         Some(Transport::InProcess) => agent.starts_with("inproc://"),
         None => false,
     };

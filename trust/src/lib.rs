@@ -234,17 +234,17 @@ impl Trust {
             .unwrap_or_else(|_| Err(peer.refused("no handshake within 5 s".into())))
     }
 
-    /// The calling side of a new connection to `host`: this side proves the identity first,
-    /// and sends nothing else until the server has proved it back.
-    pub async fn connect(&self, tcp: TcpStream, host: &str) -> Result<PlaneStream, TrustError> {
+    /// The calling side of a new connection to `address` (`HOST:PORT`, `[v6]:PORT`, or a bare
+    /// host): this side proves the identity first, and sends nothing else until the server
+    /// has proved it back.
+    pub async fn connect(&self, tcp: TcpStream, address: &str) -> Result<PlaneStream, TrustError> {
         let Some(c) = &self.0 else {
             return Ok(PlaneStream::Plain(tcp));
         };
         let peer = Peer::of(&tcp);
         let (io, refused) = (|e| peer.io(e), |m| peer.refused(m));
         let name = if c.ca {
-            // `[v6]` as the address spells it: the name is the bare address.
-            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let host = host_of(address);
             ServerName::try_from(host.to_owned())
                 .map_err(|e| TrustError::Config(format!("`{host}` is not a server name: {e}")))?
         } else {
@@ -277,6 +277,22 @@ impl Trust {
             .await
             .unwrap_or_else(|_| Err(peer.refused("no handshake within 5 s".into())))
     }
+}
+
+/// The host of an address as peers dial it: `HOST:PORT` → HOST, `[v6]:PORT` → v6 (no
+/// brackets), a bare host as it is.
+pub fn host_of(address: &str) -> &str {
+    let host = match address.rsplit_once(':') {
+        // A bare IPv6 address has colons but no port.
+        Some((h, port))
+            if (!h.contains(':') || h.ends_with(']'))
+                && port.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            h
+        }
+        _ => address,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// Reads the identity's secrets through `var` (the environment, or a test's map).

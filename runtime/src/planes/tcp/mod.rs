@@ -633,11 +633,7 @@ impl RemoteCall {
             }
         };
         dyn_trust::tune(&tcp);
-        let host = self
-            .address
-            .rsplit_once(':')
-            .map_or(self.address.as_str(), |(h, _)| h);
-        let stream = match self.opts.trust.connect(tcp, host).await {
+        let stream = match self.opts.trust.connect(tcp, &self.address).await {
             Ok(s) => s,
             Err(e) => {
                 self.health.report_down(self.instance_id);
