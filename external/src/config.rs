@@ -40,6 +40,9 @@ pub struct KvPublisher {
     pub replay: Option<String>,
 }
 
+/// The longest interval or timeout a section may give: a year.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
 /// An external engine's section. Exactly one of `url`, `urls` and `launch` says where the
 /// replicas' servers are:
 ///
@@ -69,6 +72,10 @@ pub struct ExternalConfig {
     pub startup_timeout_s: f64,
     /// Seconds between health checks of a ready server.
     pub health_interval_s: f64,
+    /// Seconds a request may wait for the server's next byte (its response, then each streamed
+    /// event) before the replica counts as lost and the request migrates: what catches a
+    /// server that still answers its health check but no longer its streams.
+    pub stall_timeout_s: f64,
     /// Seconds between scrapes of the server's Prometheus metrics (its load); 0 turns it off.
     pub metrics_interval_s: f64,
     /// vLLM with `launch`: subscribe to its KV events (dyn adds `--kv-events-config`).
@@ -91,6 +98,8 @@ impl Default for ExternalConfig {
             // vLLM compiles its model at start: minutes on a small CPU.
             startup_timeout_s: 600.0,
             health_interval_s: 2.0,
+            // A queued request of a loaded server waits well within this.
+            stall_timeout_s: 300.0,
             metrics_interval_s: 0.5,
             kv_events: false,
             kv_publishers: Vec::new(),
@@ -194,12 +203,19 @@ impl ExternalConfig {
         for (name, v) in [
             ("startup_timeout_s", self.startup_timeout_s),
             ("health_interval_s", self.health_interval_s),
+            ("stall_timeout_s", self.stall_timeout_s),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                out.push(Invalid::field(f(name), "must be a positive number"));
+            // Bounded: a number of seconds past a Duration's range would panic the worker.
+            if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+                out.push(Invalid::field(
+                    f(name),
+                    format!("must be a positive number of seconds, at most {MAX_SECONDS}"),
+                ));
             }
         }
-        if !(self.metrics_interval_s.is_finite() && self.metrics_interval_s >= 0.0) {
+        if !(self.metrics_interval_s.is_finite()
+            && (0.0..=MAX_SECONDS).contains(&self.metrics_interval_s))
+        {
             out.push(Invalid::field(
                 f("metrics_interval_s"),
                 "must be 0 (off) or a positive number",
@@ -378,6 +394,20 @@ mod tests {
         assert!(p[0].contains("give `events`"), "{p:?}");
         let p = problems(ExternalKind::Vllm, "url: http://a:1\nkv_events: true");
         assert!(p[0].contains("only with `launch`"), "{p:?}");
+        // Seconds past a Duration's range are refused, not a panic at run time.
+        let p = problems(
+            ExternalKind::Vllm,
+            "url: http://a:1\nstall_timeout_s: 1e300\nhealth_interval_s: 0\nmetrics_interval_s: 1e30",
+        );
+        assert_eq!(p.len(), 3, "{p:?}");
+        assert!(
+            p[0].starts_with("vllm.health_interval_s: must be a positive"),
+            "{p:?}"
+        );
+        assert!(
+            p[1].starts_with("vllm.stall_timeout_s: must be a positive"),
+            "{p:?}"
+        );
     }
 
     #[test]

@@ -57,6 +57,8 @@ pub struct ExternalEngine {
     server: Server,
     client: reqwest::Client,
     tokenizer: Arc<Tokenizer>,
+    /// How long the server may send nothing (`stall_timeout_s`).
+    stall: Duration,
     _tasks: Vec<AbortOnDropHandle<()>>,
 }
 
@@ -141,14 +143,14 @@ impl ExternalEngine {
             kind,
             server,
             // A server that stops answering mid-stream (wedged, not dead: its health check
-            // catches that) fails the request after five minutes without a byte, which
-            // migrates it; a queued request of a loaded server waits well within that.
+            // catches that) fails the request after `stall` without a byte (`send`,
+            // `next_data`), which migrates it.
             client: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
-                .read_timeout(Duration::from_secs(300))
                 .build()
                 .map_err(|e| BuildError::new(format!("HTTP client: {e}")))?,
             tokenizer: model.tokenizer.clone(),
+            stall: Duration::from_secs_f64(config.stall_timeout_s),
             _tasks: tasks,
         }))
     }
@@ -287,9 +289,17 @@ impl ExternalEngine {
         let call = protocol::request(self.kind, req, &ask)
             .map_err(|(param, e)| OpError::invalid(e).with_param(param))?;
         let url = format!("{}{}", ep.base, call.path);
-        let resp = match self.client.post(&url).json(&call.body).send().await {
-            Ok(r) => r,
-            Err(e) => {
+        let sent = tokio::time::timeout(self.stall, self.client.post(&url).json(&call.body).send());
+        let resp = match sent.await {
+            Ok(Ok(r)) => r,
+            Err(_) => {
+                self.server.suspect();
+                return Err(OpError::instance_lost(format!(
+                    "the engine server at {} sent no response for {:?}",
+                    ep.base, self.stall
+                )));
+            }
+            Ok(Err(e)) => {
                 self.server.suspect();
                 return Err(OpError::instance_lost(format!(
                     "the engine server at {} did not take the request: {e}",
@@ -334,7 +344,16 @@ impl ExternalEngine {
     ) -> Result<Option<String>, OpError> {
         loop {
             let ev = tokio::select! {
-                ev = events.next() => ev,
+                ev = tokio::time::timeout(self.stall, events.next()) => match ev {
+                    Ok(ev) => ev,
+                    Err(_) => {
+                        self.server.suspect();
+                        return Err(OpError::instance_lost(format!(
+                            "the engine server at {} sent nothing for {:?} mid-stream",
+                            ep.base, self.stall
+                        )));
+                    }
+                },
                 changed = health.changed() => {
                     if changed.is_err() || health.borrow_and_update().as_ref() != Some(ep) {
                         return Err(OpError::instance_lost(format!(

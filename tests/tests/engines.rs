@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use dyn_tests::{Graph, completion, inspect_json, scratch_dir, unprefixed};
 use futures::StreamExt;
+use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
 /// One engine test at a time under `cargo test` (nextest runs them with `--test-threads 1`):
@@ -169,6 +170,19 @@ async fn kill_one_mid_stream(
     running: &str,
     max_tokens: u32,
 ) {
+    signal_one_mid_stream(g, servers, running, max_tokens, Signal::SIGKILL).await;
+}
+
+/// Send `signal` to the process group of a server that is busy (by `running`) while `n`
+/// streams run; every stream must finish with the text it has without it. The time from the
+/// signal until the last stream finished.
+async fn signal_one_mid_stream(
+    g: &Graph,
+    servers: &[(u64, String, u32)],
+    running: &str,
+    max_tokens: u32,
+    signal: Signal,
+) -> Duration {
     let url = g.url("");
     let n = 2;
     let want = streams(&url, n, max_tokens).await;
@@ -187,8 +201,8 @@ async fn kill_one_mid_stream(
                     // procps' `kill -KILL -PID`, which takes `-PID` for something else.
                     assert!(*pid > 1, "no pid for {surl}");
                     let group = nix::unistd::Pid::from_raw(i32::try_from(*pid).unwrap());
-                    nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL).unwrap();
-                    return;
+                    nix::sys::signal::killpg(group, signal).unwrap();
+                    return Instant::now();
                 }
             }
             assert!(
@@ -198,7 +212,8 @@ async fn kill_one_mid_stream(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    let (got, ()) = tokio::join!(streams(&url, n, max_tokens), killer);
+    let (got, signalled) = tokio::join!(streams(&url, n, max_tokens), killer);
+    let after = signalled.elapsed();
     assert_eq!(
         got, want,
         "streams after the kill differ from the same streams without it"
@@ -209,6 +224,7 @@ async fn kill_one_mid_stream(
         .filter(|l| l.contains("Replica lost; migrating the request"))
         .count();
     assert!(migrated >= 1, "no request migrated");
+    after
 }
 
 // --- llama.cpp -------------------------------------------------------------------------------
@@ -485,6 +501,42 @@ async fn llamacpp_server_killed_mid_stream_streams_finish_on_the_other() {
     // The killed server is started again and the replica comes back.
     let again = servers_restarted(&g, Duration::from_secs(60));
     assert!(again, "the killed server was not restarted");
+}
+
+/// A server that still holds its connections but sends nothing (frozen with SIGSTOP; health
+/// checks far apart, so only the stall timeout can tell): its streams fail at the stall bound
+/// and finish on the other server.
+#[tokio::test(flavor = "multi_thread")]
+async fn llamacpp_server_frozen_mid_stream_streams_finish_on_the_other_at_the_stall_bound() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((g, _)) = llamacpp_graph(&[
+        "--set",
+        "decode.llamacpp.stall_timeout_s=3",
+        "--set",
+        "decode.llamacpp.health_interval_s=3600",
+    ]) else {
+        return;
+    };
+    let servers = servers(&g, 2, Duration::from_secs(60));
+    let after = signal_one_mid_stream(
+        &g,
+        &servers,
+        "llamacpp:requests_processing",
+        160,
+        Signal::SIGSTOP,
+    )
+    .await;
+    eprintln!("streams finished {after:?} after the freeze (stall bound 3 s)");
+    let stalled = g
+        .logs()
+        .iter()
+        .any(|l| l.contains("sent nothing for 3s mid-stream"));
+    assert!(stalled, "no stream failed at the stall bound");
+    // The frozen server fails the health check the stall asked for and is started again.
+    assert!(
+        servers_restarted(&g, Duration::from_secs(60)),
+        "the frozen server was not restarted"
+    );
 }
 
 fn servers_restarted(g: &Graph, timeout: Duration) -> bool {
