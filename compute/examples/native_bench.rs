@@ -63,6 +63,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
             blocks: bl,
             logits: true,
             all_logits: false,
+            lora: None,
         })
         .collect();
     let first: Vec<u32> = b
@@ -84,6 +85,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
                 blocks: bl,
                 logits: true,
                 all_logits: false,
+                lora: None,
             })
             .collect();
         let logits = match b.forward(&batch) {
@@ -114,6 +116,7 @@ fn prefill(b: &mut dyn Backend, rounds: usize) -> f64 {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         };
         let t = Instant::now();
         if let Err(e) = b.forward(&[step]) {

@@ -22,6 +22,10 @@ pub struct SeqStep<'a> {
     /// With `logits`: after every new token, in order, not only the last (a prompt's
     /// log-probabilities).
     pub all_logits: bool,
+    /// The sequence's LoRA adapter, added to the base's projections for its tokens only (see
+    /// [`Backend::lora`]). Its KV is the adapter's: a sequence's blocks must never be shared
+    /// with one of another adapter.
+    pub lora: Option<&'a crate::model::lora::LoraAdapter>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +96,11 @@ pub trait Backend: Send {
 
     fn kv_dtype(&self) -> DType;
 
+    /// Whether [`SeqStep::lora`] is applied; a backend that does not refuses batches with one.
+    fn lora(&self) -> bool {
+        false
+    }
+
     /// For logs: `cpu f32`, `cuda:0 bf16`.
     fn describe(&self) -> String;
 }
@@ -121,6 +130,15 @@ pub fn check_batch(
             return Err(ComputeError::Invalid(format!(
                 "sequence {i}: token {t} is outside the vocabulary ({})",
                 c.vocab
+            )));
+        }
+        if let Some(a) = s.lora
+            && a.layers() != c.layers
+        {
+            return Err(ComputeError::Invalid(format!(
+                "sequence {i}: a LoRA adapter of {} layers on a model of {}",
+                a.layers(),
+                c.layers
             )));
         }
         if s.tokens.is_empty() && s.logits {

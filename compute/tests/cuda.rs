@@ -86,6 +86,7 @@ mod gpu {
                     blocks: bl,
                     logits: true,
                     all_logits: false,
+                    lora: None,
                 })
                 .collect();
             let logits = b.forward(&batch).unwrap();
@@ -192,6 +193,7 @@ mod gpu {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         };
         let first = argmax(&g.forward(&[step]).unwrap()[0]);
         assert_eq!(first, case.greedy[0]);
@@ -207,6 +209,7 @@ mod gpu {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         };
         assert_eq!(argmax(&c.forward(&[step]).unwrap()[0]), case.greedy[1]);
     }

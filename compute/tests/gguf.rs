@@ -194,6 +194,7 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<V
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         };
         let l = b.forward(&[step]).unwrap().remove(0);
         done = tokens.len();
@@ -218,6 +219,7 @@ fn forced(b: &mut dyn Backend, prompt: &[u32], given: &[u32]) -> Vec<u32> {
                 blocks: &blocks,
                 logits: true,
                 all_logits: false,
+                lora: None,
             };
             done = end;
             argmax(&b.forward(&[step]).unwrap().remove(0))
@@ -348,6 +350,7 @@ fn perplexity(b: &mut dyn Backend, tokens: &[u32]) -> f64 {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         };
         let l = b.forward(&[step]).unwrap().remove(0);
         let max = l.iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v)) as f64;

@@ -67,6 +67,7 @@ fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
                     blocks: &s.blocks,
                     logits: s.computed + n == s.tokens.len(),
                     all_logits: false,
+                    lora: None,
                 }
             })
             .collect();
@@ -284,6 +285,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[0],
         logits: true,
         all_logits: false,
+        lora: None,
     };
     assert!(b.forward(&[too_few_blocks]).is_err());
     let bad_token = SeqStep {
@@ -292,6 +294,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[0],
         logits: true,
         all_logits: false,
+        lora: None,
     };
     assert!(b.forward(&[bad_token]).is_err());
     let bad_block = SeqStep {
@@ -300,6 +303,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[9999],
         logits: true,
         all_logits: false,
+        lora: None,
     };
     assert!(b.forward(&[bad_block]).is_err());
 }

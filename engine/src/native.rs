@@ -415,6 +415,7 @@ impl Executor for NativeExec {
                 blocks: w.blocks,
                 logits: w.sample || prompt_rows(w),
                 all_logits: prompt_rows(w),
+                lora: None,
             })
             .collect();
         // Logits come in batch order: a row for each sampling entry (which all have new

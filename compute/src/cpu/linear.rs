@@ -188,9 +188,25 @@ impl Linear {
     /// `y[m×out] (+)= x[m×inp] · Wᵀ (+ b)` (gated: see [`Linear::gated`]); `scratch` keeps
     /// its buffers between calls (fresh large buffers would cost page faults every step).
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], write: Write, scratch: &mut Scratch) {
+        self.forward_pre(x, m, y, write, scratch, None);
+    }
+
+    /// [`Linear::forward`] with `pre` (`[m, 2 · out]`: gate features, then up features) added
+    /// to a gated product before its activation: what a LoRA adapter of the gate and up
+    /// projections adds. (An ungated product takes such additions after it, as it is linear.)
+    pub fn forward_pre(
+        &self,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        write: Write,
+        scratch: &mut Scratch,
+        pre: Option<&[f32]>,
+    ) {
         let (out, inp) = (self.out, self.inp);
         debug_assert_eq!(x.len(), m * inp);
         debug_assert_eq!(y.len(), m * out);
+        debug_assert!(pre.is_none_or(|p| self.gated && p.len() == m * 2 * out));
         if m == 0 {
             return;
         }
@@ -275,6 +291,15 @@ impl Linear {
                         }
                     }
                     let (off, n) = (c0 - cols.start, (cols.end - c0).min(WIDTH));
+                    if let Some(pre) = pre {
+                        for (i, row) in block.chunks_exact_mut(ld).enumerate() {
+                            let (g, u) = row.split_at_mut(WIDTH);
+                            let at = i * 2 * out + c0;
+                            g[..n].iter_mut().zip(&pre[at..]).for_each(|(v, p)| *v += p);
+                            let at = at + out;
+                            u[..n].iter_mut().zip(&pre[at..]).for_each(|(v, p)| *v += p);
+                        }
+                    }
                     for (i, src) in block.chunks_exact(ld).enumerate() {
                         let dst = &mut band.row(i)[off..off + n];
                         match (self.gated, write) {

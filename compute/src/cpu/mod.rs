@@ -10,19 +10,22 @@
 //! KV head against them in query tiles (two more matrix products). The causal mask (and a
 //! sliding window, for mistral) is applied between the two.
 //!
-//! The cache keeps the weights' precision ([`kv`] has its layout).
+//! The cache keeps the weights' precision ([`kv`] has its layout). LoRA adapters are added
+//! per token row after (inside, for the gated MLP) the base's products ([`lora`]).
 
 mod attn;
 mod columns;
 pub mod gemm;
 mod kv;
 pub mod linear;
+mod lora;
 pub(crate) mod math;
 pub mod panel;
 
 use rayon::prelude::*;
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
+use crate::model::lora::Target;
 use crate::model::{DType, Host, ModelConfig, ModelWeights};
 use columns::by_bands;
 use kv::{Geometry, KvCache, on_cache};
@@ -46,6 +49,8 @@ struct Buffers {
     qkv: Vec<f32>,
     attn: Vec<f32>,
     act: Vec<f32>,
+    /// LoRA's additions to the gate and up products, before the activation.
+    pre: Vec<f32>,
     logits: Vec<f32>,
     linear: linear::Scratch,
 }
@@ -173,11 +178,16 @@ impl CpuBackend {
             .map(|(sin, cos)| (cos, sin))
             .collect();
         let half = self.inv_freq.len();
+        let lora = lora::Rows::of(batch);
+        let i = c.intermediate;
         for (li, layer) in self.layers.iter().enumerate() {
             rmsnorm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.normed);
             layer
                 .qkv
                 .forward(&b.normed, t, &mut b.qkv, Write::Set, &mut b.linear);
+            for (target, at) in [(Target::Q, 0), (Target::K, qd), (Target::V, qd + kvd)] {
+                lora.add(li, target, &b.normed, h, &mut b.qkv, width, at);
+            }
             // Rope on q and k (rows in parallel for prefill), then store k and v in the
             // token's cache slot.
             b.qkv
@@ -195,13 +205,22 @@ impl CpuBackend {
             layer
                 .o
                 .forward(&b.attn, t, &mut b.x, Write::Add, &mut b.linear);
+            lora.add(li, Target::O, &b.attn, qd, &mut b.x, h, 0);
             rmsnorm(&b.x, &layer.mlp_norm, c.rms_eps, &mut b.normed);
+            let pre = (lora.changes(li, Target::Gate) || lora.changes(li, Target::Up)).then(|| {
+                b.pre.clear();
+                b.pre.resize(t * 2 * i, 0.0);
+                lora.add(li, Target::Gate, &b.normed, h, &mut b.pre, 2 * i, 0);
+                lora.add(li, Target::Up, &b.normed, h, &mut b.pre, 2 * i, i);
+                &b.pre[..]
+            });
             layer
                 .gate_up
-                .forward(&b.normed, t, &mut b.act, Write::Set, &mut b.linear);
+                .forward_pre(&b.normed, t, &mut b.act, Write::Set, &mut b.linear, pre);
             layer
                 .down
                 .forward(&b.act, t, &mut b.x, Write::Add, &mut b.linear);
+            lora.add(li, Target::Down, &b.act, i, &mut b.x, h, 0);
         }
         // Logits only for the last new token of the sequences that asked (every new token of
         // those that asked for all).
@@ -395,6 +414,10 @@ impl Backend for CpuBackend {
 
     fn kv_dtype(&self) -> DType {
         self.dtype
+    }
+
+    fn lora(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

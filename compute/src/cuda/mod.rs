@@ -779,6 +779,11 @@ where
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
         check_batch(batch, self.kv, &self.cfg)?;
+        if batch.iter().any(|s| s.lora.is_some()) {
+            return Err(ComputeError::Invalid(
+                "LoRA adapters run on the CPU backend only so far".into(),
+            ));
+        }
         self.bind()?;
         self.step(batch)
     }

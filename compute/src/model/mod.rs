@@ -1,10 +1,11 @@
 //! Loading a Llama-family checkpoint: its shape ([`config`]) and its weights
 //! ([`weights`]), gathered into [`ModelWeights`] in the layout every backend uses: q, k and v
 //! projections fused into one matrix, gate and up fused into another, so a layer is four
-//! matrix products.
+//! matrix products. [`lora`] reads LoRA adapters, which backends add to those products.
 
 pub mod config;
 pub mod gguf;
+pub mod lora;
 pub mod weights;
 
 use std::path::Path;

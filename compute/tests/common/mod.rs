@@ -60,6 +60,7 @@ pub fn all_logits_step<'a>(
             blocks,
             logits: true,
             all_logits: true,
+            lora: None,
         },
         SeqStep {
             tokens: other,
@@ -67,6 +68,7 @@ pub fn all_logits_step<'a>(
             blocks: other_blocks,
             logits: true,
             all_logits: false,
+            lora: None,
         },
     ]
 }

@@ -1,0 +1,374 @@
+//! LoRA adapters: low-rank additions `y += scale · B · (A · x)` to a layer's projections,
+//! read from PEFT's files (`adapter_config.json` + `adapter_model.safetensors`, what
+//! `save_pretrained` writes and what vLLM's `--lora-modules` and `load_lora_adapter` take).
+//!
+//! The base weights are never touched: a backend adds each sequence's own adapter to the
+//! products of the base (quantized or not), so sequences with different adapters, and none,
+//! share one batch (the Punica / S-LoRA way). An adapter is kept in f32 with its scale folded
+//! into `B`, stored transposed (`[rank, out]`), so that applying it to one row is `rank` dot
+//! products of the input and `rank` scaled additions into the output, both over contiguous
+//! memory.
+//!
+//! What is read, and refused with the reason: `peft_type` LORA; `r`, `lora_alpha`,
+//! `use_rslora` (`alpha / √r`), `rank_pattern` and `alpha_pattern` keyed by module names
+//! (plain names, matched at the end of the module's path as PEFT does; not regular
+//! expressions); DoRA, `fan_in_fan_out`, trained biases and `modules_to_save` are refused, as
+//! are tensors for anything but the seven projections of the decoder layers. Each tensor's
+//! shape is checked against the base model's, so an adapter of another model is refused
+//! before it is used, naming the first tensor that does not fit.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+use super::weights::le_vec;
+use super::{ModelConfig, ModelError};
+
+/// The projections an adapter may change, in a layer's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The module's name in Hugging Face's Llama (`q_proj`, …).
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    fn from_module(name: &str) -> Option<Target> {
+        Target::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    /// `(in, out)` features of this projection in a model shaped by `c`.
+    pub fn dims(self, c: &ModelConfig) -> (usize, usize) {
+        let (h, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        match self {
+            Target::Q => (h, qd),
+            Target::K | Target::V => (h, kvd),
+            Target::O => (qd, h),
+            Target::Gate | Target::Up => (h, c.intermediate),
+            Target::Down => (c.intermediate, h),
+        }
+    }
+}
+
+/// One projection's addition: `y += Bᵀ-stored · (A · x)`.
+#[derive(Debug, Clone)]
+pub struct LoraPair {
+    pub rank: usize,
+    pub inp: usize,
+    pub out: usize,
+    /// `[rank, inp]`, row-major (PEFT's `lora_A.weight`).
+    pub a: Vec<f32>,
+    /// `[rank, out]`: PEFT's `lora_B.weight` (`[out, rank]`) transposed, times the scale.
+    pub bt: Vec<f32>,
+}
+
+impl LoraPair {
+    /// `y[..out] += scale · B · (A · x)` for one row `x` (`inp` values); `u` is scratch.
+    pub fn add_row(&self, x: &[f32], y: &mut [f32], u: &mut Vec<f32>) {
+        u.clear();
+        u.extend(
+            self.a
+                .chunks_exact(self.inp)
+                .map(|a| a.iter().zip(x).map(|(a, x)| a * x).sum::<f32>()),
+        );
+        for (b, u) in self.bt.chunks_exact(self.out).zip(u.iter()) {
+            y.iter_mut().zip(b).for_each(|(y, b)| *y += u * b);
+        }
+    }
+}
+
+/// An adapter's additions, per layer and projection.
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    /// `layers[l][t as usize]`.
+    layers: Vec<[Option<LoraPair>; 7]>,
+    /// The largest rank of any projection.
+    pub rank: usize,
+}
+
+/// A projection's `lora_A` and `lora_B` as they are read, and the module's path.
+struct Halves {
+    a: Option<Vec<f32>>,
+    b: Option<Vec<f32>>,
+    module: String,
+}
+
+/// PEFT's `adapter_config.json`, the fields that change what the weights mean.
+#[derive(Debug, Deserialize)]
+struct PeftConfig {
+    #[serde(default)]
+    peft_type: Option<String>,
+    r: usize,
+    lora_alpha: f64,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    #[serde(default)]
+    bias: Option<String>,
+    #[serde(default)]
+    lora_bias: bool,
+    #[serde(default)]
+    modules_to_save: Option<Vec<String>>,
+    #[serde(default)]
+    rank_pattern: HashMap<String, usize>,
+    #[serde(default)]
+    alpha_pattern: HashMap<String, f64>,
+}
+
+/// The largest rank accepted: far above what adapters use (8 to 256), and a bound on what a
+/// file can make the process allocate per row.
+pub const MAX_RANK: usize = 4096;
+
+impl LoraAdapter {
+    /// The addition to projection `t` of layer `layer`, if the adapter changes it.
+    pub fn pair(&self, layer: usize, t: Target) -> Option<&LoraPair> {
+        self.layers.get(layer)?[t as usize].as_ref()
+    }
+
+    /// The layers it was read for (the base model's).
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether the adapter changes `t` in any layer.
+    pub fn changes(&self, t: Target) -> bool {
+        self.layers.iter().any(|l| l[t as usize].is_some())
+    }
+
+    /// Bytes its weights take.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|p| 4 * (p.a.len() + p.bt.len()))
+            .sum()
+    }
+
+    /// Read a PEFT adapter directory for a model shaped by `c`.
+    pub fn load_peft(dir: &Path, c: &ModelConfig) -> Result<Self, ModelError> {
+        let cfg_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+        let cfg: PeftConfig = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", cfg_path.display())))?;
+        let bad = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        if let Some(t) = cfg.peft_type.as_deref().filter(|t| *t != "LORA") {
+            return Err(bad(format!("peft_type {t} is not LORA")));
+        }
+        if cfg.use_dora {
+            return Err(bad("DoRA adapters (use_dora) are not supported".into()));
+        }
+        if cfg.fan_in_fan_out {
+            return Err(bad(
+                "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported".into(),
+            ));
+        }
+        if cfg.lora_bias || cfg.bias.as_deref().is_some_and(|b| b != "none") {
+            return Err(bad("adapters with trained biases are not supported".into()));
+        }
+        if let Some(m) = cfg.modules_to_save.as_ref().filter(|m| !m.is_empty()) {
+            return Err(bad(format!(
+                "modules_to_save {m:?}: an adapter that replaces whole modules is not supported"
+            )));
+        }
+        if cfg.r == 0 || cfg.r > MAX_RANK {
+            return Err(bad(format!("r must be 1 to {MAX_RANK}, got {}", cfg.r)));
+        }
+        let path = dir.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+        let mut parts: HashMap<(usize, Target), Halves> = HashMap::new();
+        for name in st.names() {
+            let (layer, target, is_a, module) = parse_name(name).ok_or_else(|| {
+                ModelError::Weights(format!(
+                    "{}: tensor {name} is not a LoRA A or B of a decoder layer's projection (q/k/v/o, gate/up/down)",
+                    path.display()
+                ))
+            })?;
+            if layer >= c.layers {
+                return Err(ModelError::Weights(format!(
+                    "{}: tensor {name} is for layer {layer}; the base model has {}",
+                    path.display(),
+                    c.layers
+                )));
+            }
+            let t = st
+                .tensor(name)
+                .map_err(|e| ModelError::Weights(format!("{}: {name}: {e}", path.display())))?;
+            let (inp, out) = target.dims(c);
+            let rank = match (is_a, t.shape()) {
+                (true, [r, i]) if *i == inp => *r,
+                (false, [o, r]) if *o == out => *r,
+                (_, shape) => {
+                    let want = if is_a { "[r, {inp}]" } else { "[{out}, r]" };
+                    let want = want
+                        .replace("{inp}", &inp.to_string())
+                        .replace("{out}", &out.to_string());
+                    return Err(ModelError::Weights(format!(
+                        "{}: tensor {name} has shape {shape:?}; the base model's {} needs {want}: an adapter for another model?",
+                        path.display(),
+                        target.module()
+                    )));
+                }
+            };
+            if rank == 0 || rank > MAX_RANK {
+                return Err(ModelError::Weights(format!(
+                    "{}: tensor {name} has rank {rank}; 1 to {MAX_RANK} is accepted",
+                    path.display()
+                )));
+            }
+            let data: Vec<f32> = match t.dtype() {
+                Dtype::F32 => le_vec(t.data()),
+                Dtype::F16 => le_vec::<half::f16>(t.data())
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+                Dtype::BF16 => le_vec::<half::bf16>(t.data())
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+                other => {
+                    return Err(ModelError::Weights(format!(
+                        "{}: tensor {name} is {other:?}; supported: F32, F16, BF16",
+                        path.display()
+                    )));
+                }
+            };
+            let e = parts.entry((layer, target)).or_insert(Halves {
+                a: None,
+                b: None,
+                module,
+            });
+            if is_a {
+                e.a = Some(data);
+            } else {
+                e.b = Some(data);
+            }
+        }
+        if parts.is_empty() {
+            return Err(ModelError::Weights(format!(
+                "{}: no LoRA tensors",
+                path.display()
+            )));
+        }
+        let mut layers: Vec<[Option<LoraPair>; 7]> =
+            (0..c.layers).map(|_| Default::default()).collect();
+        let mut max_rank = 0;
+        for ((layer, target), Halves { a, b, module }) in parts {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(ModelError::Weights(format!(
+                    "{}: {module} has only one of lora_A and lora_B",
+                    path.display()
+                )));
+            };
+            let (inp, out) = target.dims(c);
+            let rank = a.len() / inp;
+            if b.len() != out * rank {
+                return Err(ModelError::Weights(format!(
+                    "{}: {module}: lora_A has rank {rank}, lora_B {}",
+                    path.display(),
+                    b.len() / out
+                )));
+            }
+            let alpha = pattern(&cfg.alpha_pattern, &module).unwrap_or(cfg.lora_alpha);
+            let r = pattern(&cfg.rank_pattern, &module).unwrap_or(cfg.r);
+            if r != rank {
+                return Err(ModelError::Weights(format!(
+                    "{}: {module} has rank {rank}, the config says {r}",
+                    path.display()
+                )));
+            }
+            let scale = if cfg.use_rslora {
+                alpha / (rank as f64).sqrt()
+            } else {
+                alpha / rank as f64
+            } as f32;
+            let mut bt = vec![0.0; rank * out];
+            for o in 0..out {
+                for j in 0..rank {
+                    bt[j * out + o] = b[o * rank + j] * scale;
+                }
+            }
+            max_rank = max_rank.max(rank);
+            layers[layer][target as usize] = Some(LoraPair {
+                rank,
+                inp,
+                out,
+                a,
+                bt,
+            });
+        }
+        Ok(LoraAdapter {
+            layers,
+            rank: max_rank,
+        })
+    }
+}
+
+/// `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` → (3, Q, A, the module's
+/// path `model.layers.3.self_attn.q_proj`).
+fn parse_name(name: &str) -> Option<(usize, Target, bool, String)> {
+    let (module, tail) = name
+        .strip_suffix(".weight")?
+        .rsplit_once('.')
+        .filter(|(_, ab)| matches!(*ab, "lora_A" | "lora_B"))?;
+    let is_a = tail == "lora_A";
+    let (path, proj) = module.rsplit_once('.')?;
+    let target = Target::from_module(proj)?;
+    let (_, after) = path.split_once("layers.")?;
+    let (index, kind) = after.split_once('.')?;
+    if !matches!(
+        (kind, target),
+        ("self_attn", Target::Q | Target::K | Target::V | Target::O)
+            | ("mlp", Target::Gate | Target::Up | Target::Down)
+    ) {
+        return None;
+    }
+    let layer = index.parse().ok()?;
+    let module = module.strip_prefix("base_model.model.").unwrap_or(module);
+    Some((layer, target, is_a, module.to_owned()))
+}
+
+/// A `rank_pattern`/`alpha_pattern` value for `module`: a key equal to its path or to the end
+/// of it after a dot (PEFT matches `(.*\.)?key$`).
+fn pattern<T: Copy>(patterns: &HashMap<String, T>, module: &str) -> Option<T> {
+    patterns
+        .iter()
+        .filter(|(k, _)| module == k.as_str() || module.ends_with(&format!(".{k}")))
+        // The longest key is the most specific.
+        .max_by_key(|(k, _)| k.len())
+        .map(|(_, v)| *v)
+}

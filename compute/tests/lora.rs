@@ -1,0 +1,291 @@
+//! LoRA adapters on the CPU backend against transformers + peft (models/tiny-lora, made by
+//! scripts/make-lora-fixtures: three PEFT adapters of models/tiny with random, non-zero A and
+//! B), a batch mixing adapters, and adapters that do not fit refused with the reason.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{dir, max_diff};
+use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::lora::LoraAdapter;
+use dyn_compute::model::{DType, ModelConfig, ModelWeights};
+use dyn_compute::sample::argmax;
+
+#[derive(serde::Deserialize)]
+struct Reference {
+    prompts: Vec<Vec<u32>>,
+    /// By adapter (`base`: none), one per prompt.
+    outputs: HashMap<String, Vec<Output>>,
+}
+
+#[derive(serde::Deserialize)]
+struct Output {
+    greedy: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+const ADAPTERS: [&str; 3] = ["qv", "all", "mlp"];
+
+fn reference() -> Reference {
+    let text = std::fs::read_to_string(dir("tiny-lora").join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn backend() -> CpuBackend {
+    let w = ModelWeights::load(&dir("tiny"), DType::F32).unwrap();
+    let kv = KvShape {
+        num_blocks: 256,
+        block_size: 4,
+    };
+    CpuBackend::new(w, kv).unwrap()
+}
+
+fn config() -> ModelConfig {
+    ModelConfig::load(&dir("tiny")).unwrap()
+}
+
+fn adapter(name: &str) -> LoraAdapter {
+    LoraAdapter::load_peft(&dir("tiny-lora").join(name), &config()).unwrap()
+}
+
+struct Seq<'a> {
+    tokens: Vec<u32>,
+    computed: usize,
+    blocks: Vec<u32>,
+    lora: Option<&'a LoraAdapter>,
+    /// The logits of each sampled token.
+    logits: Vec<Vec<f32>>,
+}
+
+/// Run `seqs` together, `chunk` prompt tokens a step, until each has `steps` new tokens.
+fn generate(b: &mut CpuBackend, seqs: &mut [Seq<'_>], steps: usize, chunk: usize) {
+    while seqs.iter().any(|s| s.logits.len() < steps) {
+        let plan: Vec<(usize, usize)> = (0..seqs.len())
+            .filter(|&i| seqs[i].logits.len() < steps)
+            .map(|i| (i, (seqs[i].tokens.len() - seqs[i].computed).min(chunk)))
+            .collect();
+        let batch: Vec<SeqStep<'_>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &seqs[i];
+                SeqStep {
+                    tokens: &s.tokens[s.computed..s.computed + n],
+                    start: s.computed,
+                    blocks: &s.blocks,
+                    logits: s.computed + n == s.tokens.len(),
+                    all_logits: false,
+                    lora: s.lora,
+                }
+            })
+            .collect();
+        let mut logits = b.forward(&batch).unwrap().into_iter();
+        for &(i, n) in &plan {
+            let s = &mut seqs[i];
+            s.computed += n;
+            if s.computed == s.tokens.len() {
+                let l = logits.next().unwrap();
+                s.tokens.push(argmax(&l));
+                s.logits.push(l);
+            }
+        }
+    }
+}
+
+fn seq<'a>(prompt: &[u32], slot: u32, lora: Option<&'a LoraAdapter>) -> Seq<'a> {
+    Seq {
+        tokens: prompt.to_vec(),
+        computed: 0,
+        blocks: (slot * 16..slot * 16 + 16).collect(),
+        lora,
+        logits: Vec::new(),
+    }
+}
+
+#[test]
+fn adapters_give_what_transformers_and_peft_give() {
+    let r = reference();
+    let mut b = backend();
+    let loaded: Vec<(String, Option<LoraAdapter>)> = std::iter::once(("base".to_owned(), None))
+        .chain(ADAPTERS.iter().map(|a| (a.to_string(), Some(adapter(a)))))
+        .collect();
+    for (name, lora) in &loaded {
+        for (pi, prompt) in r.prompts.iter().enumerate() {
+            let want = &r.outputs[name][pi];
+            let mut s = [seq(prompt, 0, lora.as_ref())];
+            generate(&mut b, &mut s, want.greedy.len(), usize::MAX);
+            let d = max_diff(&s[0].logits[0], &want.logits);
+            assert!(d < 1e-4, "{name} prompt {pi}: prefill logits differ by {d}");
+            assert_eq!(
+                &s[0].tokens[prompt.len()..],
+                &want.greedy[..],
+                "{name} prompt {pi}"
+            );
+        }
+    }
+    // Each adapter changes every continuation: the test above would catch an adapter ignored.
+    for name in ADAPTERS {
+        for (pi, out) in r.outputs[name].iter().enumerate() {
+            assert_ne!(out.greedy, r.outputs["base"][pi].greedy, "{name} {pi}");
+        }
+    }
+}
+
+/// Three adapters and the base in the same steps (chunked prefills beside decodes): each
+/// sequence gets the tokens it gets alone.
+#[test]
+fn a_batch_mixing_three_adapters_and_the_base_gives_each_its_own_tokens() {
+    let r = reference();
+    let adapters: Vec<LoraAdapter> = ADAPTERS.iter().map(|a| adapter(a)).collect();
+    let mut b = backend();
+    let names = ["base", "qv", "all", "mlp"];
+    let mut seqs: Vec<Seq<'_>> = Vec::new();
+    for (slot, (pi, name)) in [
+        (0, "base"),
+        (1, "qv"),
+        (2, "all"),
+        (0, "mlp"),
+        (1, "all"),
+        (2, "base"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lora = names
+            .iter()
+            .position(|n| *n == name)
+            .and_then(|i| i.checked_sub(1))
+            .map(|i| &adapters[i]);
+        seqs.push(seq(&r.prompts[pi], slot as u32, lora));
+    }
+    generate(&mut b, &mut seqs, 12, 3);
+    for (s, (pi, name)) in seqs.iter().zip([
+        (0, "base"),
+        (1, "qv"),
+        (2, "all"),
+        (0, "mlp"),
+        (1, "all"),
+        (2, "base"),
+    ]) {
+        let prompt = &r.prompts[pi];
+        assert_eq!(
+            &s.tokens[prompt.len()..],
+            &r.outputs[name][pi].greedy[..],
+            "{name} prompt {pi} in a mixed batch"
+        );
+    }
+}
+
+/// A fresh directory under the target directory with an adapter's files.
+fn scratch(name: &str, config: &str, tensors: &[(&str, Vec<usize>)]) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("dyn-lora-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("adapter_config.json"), config).unwrap();
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, shape)| {
+            let len: usize = shape.iter().product();
+            (n.to_string(), vec![0u8; 4 * len], shape.clone())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, bytes, shape)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &d.join("adapter_model.safetensors")).unwrap();
+    d
+}
+
+#[test]
+fn adapters_that_do_not_fit_are_refused_with_the_reason() {
+    let c = config();
+    let err = |d: &std::path::Path| LoraAdapter::load_peft(d, &c).unwrap_err().to_string();
+    let ok = r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4}"#;
+    let q = "base_model.model.model.layers.0.self_attn.q_proj";
+    // Another model's shapes (hidden 128 where tiny has 64).
+    let d = scratch(
+        "shape",
+        ok,
+        &[
+            (&format!("{q}.lora_A.weight"), vec![2, 128]),
+            (&format!("{q}.lora_B.weight"), vec![64, 2]),
+        ],
+    );
+    let e = err(&d);
+    assert!(
+        e.contains("has shape [2, 128]")
+            && e.contains("needs [r, 64]")
+            && e.contains("another model"),
+        "{e}"
+    );
+    // A layer the model does not have.
+    let q9 = "base_model.model.model.layers.9.self_attn.q_proj";
+    let d = scratch(
+        "layer",
+        ok,
+        &[
+            (&format!("{q9}.lora_A.weight"), vec![2, 64]),
+            (&format!("{q9}.lora_B.weight"), vec![64, 2]),
+        ],
+    );
+    assert!(
+        err(&d).contains("for layer 9; the base model has 2"),
+        "{}",
+        err(&d)
+    );
+    // Half a pair.
+    let d = scratch("half", ok, &[(&format!("{q}.lora_A.weight"), vec![2, 64])]);
+    assert!(
+        err(&d).contains("only one of lora_A and lora_B"),
+        "{}",
+        err(&d)
+    );
+    // Something other than a projection (an embedding adapter).
+    let d = scratch(
+        "embed",
+        ok,
+        &[(
+            "base_model.model.model.embed_tokens.lora_embedding_A",
+            vec![2, 689],
+        )],
+    );
+    assert!(err(&d).contains("is not a LoRA A or B"), "{}", err(&d));
+    // Kinds of adapter not supported.
+    for (cfg, says) in [
+        (r#"{"r": 2, "lora_alpha": 4, "use_dora": true}"#, "DoRA"),
+        (
+            r#"{"r": 2, "lora_alpha": 4, "modules_to_save": ["lm_head"]}"#,
+            "modules_to_save",
+        ),
+        (
+            r#"{"peft_type": "IA3", "r": 2, "lora_alpha": 4}"#,
+            "not LORA",
+        ),
+        (r#"{"r": 0, "lora_alpha": 4}"#, "r must be 1 to"),
+        (r#"{"lora_alpha": 4}"#, "missing field `r`"),
+    ] {
+        let d = scratch(
+            "kind",
+            cfg,
+            &[
+                (&format!("{q}.lora_A.weight"), vec![2, 64]),
+                (&format!("{q}.lora_B.weight"), vec![64, 2]),
+            ],
+        );
+        assert!(err(&d).contains(says), "{cfg}: {}", err(&d));
+    }
+    // No directory at all.
+    let e = err(std::path::Path::new("/nonexistent/adapter"));
+    assert!(
+        e.contains("/nonexistent/adapter/adapter_config.json"),
+        "{e}"
+    );
+}
