@@ -21,7 +21,8 @@ use tokio::sync::OnceCell;
 
 use crate::planes::Planes;
 
-/// The model a graph serves: a name for clients and a Hugging Face-style directory.
+/// The model a graph serves: a name for clients and a Hugging Face-style directory (or a GGUF
+/// file), and the LoRA adapters served on it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
@@ -34,6 +35,35 @@ pub struct ModelSpec {
     /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_parser: Option<ReasoningParserName>,
+    /// LoRA adapters served beside the model, by name: PEFT directories (relative to the
+    /// graph file). A request whose `model` is one of these names runs with that adapter.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub loras: std::collections::BTreeMap<String, String>,
+}
+
+impl ModelSpec {
+    /// What is wrong with its adapters' names, if anything: each is a name clients send as
+    /// `model`, so it must be one (1 to 256 characters, no spaces or control characters) and
+    /// not the model's own.
+    pub fn lora_problems(&self) -> Vec<String> {
+        self.loras
+            .keys()
+            .filter_map(|name| {
+                let bad = name.is_empty()
+                    || name.chars().count() > 256
+                    || name.chars().any(|c| c.is_control() || c.is_whitespace());
+                if bad {
+                    Some(format!(
+                        "model.loras: `{name}` is not a model name (1 to 256 characters, no spaces)"
+                    ))
+                } else if *name == self.name {
+                    Some(format!("model.loras: `{name}` is the model's own name"))
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
 }
 
 /// The tool-call formats a graph can name for its model (vLLM's parser names).
@@ -267,5 +297,19 @@ mod tests {
         let other = BuildCx::for_tests("n", crate::planes::Planes::embedded());
         let c = other.service::<Counter>().await.unwrap();
         assert_ne!(a.0, c.0, "a fresh set starts its own");
+    }
+
+    #[test]
+    fn adapter_names_must_be_model_names_other_than_the_model() {
+        let spec: ModelSpec = serde_json::from_value(serde_json::json!({
+            "name": "tiny", "path": "m",
+            "loras": {"ok-1": "a", "tiny": "b", "two words": "c", "": "d"},
+        }))
+        .unwrap();
+        let p = spec.lora_problems();
+        assert_eq!(p.len(), 3, "{p:?}");
+        assert!(p[0].contains("`` is not a model name"), "{p:?}");
+        assert!(p[1].contains("`tiny` is the model's own name"), "{p:?}");
+        assert!(p[2].contains("`two words` is not a model name"), "{p:?}");
     }
 }

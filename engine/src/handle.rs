@@ -82,6 +82,9 @@ pub struct ImportedKv {
     pub blocks: Vec<Bytes>,
 }
 
+/// A sequence's LoRA adapter.
+pub type Lora = std::sync::Arc<dyn_compute::model::lora::LoraAdapter>;
+
 /// A running engine worker; dropping the last handle stops its thread.
 pub struct EngineHandle {
     commands: std_mpsc::SyncSender<Command>,
@@ -331,12 +334,31 @@ impl EngineHandle {
         Ok(worker)
     }
 
+    /// The LoRA adapter `req` runs with ([`Sampling::lora`](dyn_llm::types::Sampling)),
+    /// loaded if it is not resident: what [`EngineHandle::submit`] and
+    /// [`EngineHandle::submit_prefill`] take with it.
+    pub async fn adapter(&self, req: &PreprocessedRequest) -> Result<Option<Lora>, OpError> {
+        let Some(r) = &req.sampling.lora else {
+            return Ok(None);
+        };
+        let store = self.settings.loras.as_ref().ok_or_else(|| {
+            OpError::invalid(format!(
+                "model `{}` is a LoRA adapter; this worker's engine runs none",
+                r.name
+            ))
+            .with_param("model")
+        })?;
+        store.get(r).await.map(Some)
+    }
+
     /// Queue a request; its tokens arrive on the returned channel. `kv`: the prompt's KV
-    /// imported from a prefill worker (decode role), or none (aggregated).
+    /// imported from a prefill worker (decode role), or none (aggregated); `lora`: its
+    /// adapter ([`EngineHandle::adapter`]).
     pub fn submit(
         &self,
         req: &PreprocessedRequest,
         kv: Option<ImportedKv>,
+        lora: Option<Lora>,
     ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
         match kv {
             Some(kv) => self.enqueue(
@@ -346,8 +368,9 @@ impl EngineHandle {
                 },
                 Some(kv.blocks),
                 None,
+                lora,
             ),
-            None => self.enqueue(req, SeqRole::Full, None, None),
+            None => self.enqueue(req, SeqRole::Full, None, None, lora),
         }
     }
 
@@ -426,13 +449,17 @@ impl EngineHandle {
     pub fn submit_prefill(
         &self,
         req: &PreprocessedRequest,
+        lora: Option<Lora>,
     ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
         let (reply, orx) = oneshot::channel();
         let to = OfferTo {
             reply,
             puller: req.target.map(|t| t.0),
         };
-        Ok((self.enqueue(req, SeqRole::Prefill, None, Some(to))?, orx))
+        Ok((
+            self.enqueue(req, SeqRole::Prefill, None, Some(to), lora)?,
+            orx,
+        ))
     }
 
     /// The grammar state of a structured output whose output so far is `generated` and that
@@ -462,9 +489,16 @@ impl EngineHandle {
         role: SeqRole,
         kv: Option<Vec<Bytes>>,
         offer: Option<OfferTo>,
+        lora: Option<Lora>,
     ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
         if req.token_ids.is_empty() {
             return Err(OpError::invalid("the prompt has no tokens"));
+        }
+        if req.sampling.lora.is_some() != lora.is_some() {
+            // Never the base model's tokens for an adapter's request, nor the reverse.
+            return Err(OpError::internal(
+                "a request's LoRA adapter was not resolved before it was queued",
+            ));
         }
         if let Some(vocab) = self.settings.vocab_size
             && let Some(t) = req.token_ids.iter().find(|t| **t >= vocab)
@@ -547,7 +581,11 @@ impl EngineHandle {
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
             precedence: s.precedence(),
-            salt: s.cache_salt.as_deref().map(dyn_router::kv::salt_hash),
+            salt: dyn_router::kv::salt_of(
+                s.cache_salt.as_deref(),
+                s.lora.as_ref().map(dyn_llm::types::LoraRef::key).as_deref(),
+            ),
+            lora,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max_queued = self.settings.scheduler.max_queued_requests as usize;
@@ -602,7 +640,11 @@ mod tests {
         let mut health = readiness.subscribe();
         let m = mocker::start(&config, &cx).await.expect("starts");
         let rx = m
-            .submit(&dyn_llm::testing::preprocessed((0..40).collect(), 20), None)
+            .submit(
+                &dyn_llm::testing::preprocessed((0..40).collect(), 20),
+                None,
+                None,
+            )
             .expect("submitted");
         let items: Vec<EngineItem> = request_items(rx).collect().await;
         // Three steps of tokens (prefill, two decodes), then the loss, and nothing after.
@@ -627,7 +669,11 @@ mod tests {
         assert!(!readiness.is_ready());
         // What still reaches it is refused as lost, so routers' picks migrate.
         let e = m
-            .submit(&dyn_llm::testing::preprocessed((0..40).collect(), 20), None)
+            .submit(
+                &dyn_llm::testing::preprocessed((0..40).collect(), 20),
+                None,
+                None,
+            )
             .expect_err("refused");
         assert_eq!(e.kind, dyn_core::ErrorKind::InstanceLost, "{e:?}");
     }
@@ -645,11 +691,11 @@ mod tests {
             .await
             .expect("starts");
         let req = dyn_llm::testing::preprocessed((0..40).collect(), 50);
-        let _running = m.submit(&req, None).expect("runs");
+        let _running = m.submit(&req, None, None).expect("runs");
         let mut refused = None;
         let mut held = Vec::new();
         for _ in 0..3 {
-            match m.submit(&req, None) {
+            match m.submit(&req, None, None) {
                 Ok(rx) => held.push(rx),
                 Err(e) => {
                     refused = Some(e);
@@ -666,7 +712,7 @@ mod tests {
     }
 
     async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
-        let mut rx = m.submit(req, None).expect("submitted");
+        let mut rx = m.submit(req, None, None).expect("submitted");
         let mut out = Vec::new();
         while let Some(Ok(Generated::Tokens { ids, finish, .. })) = rx.recv().await {
             out.extend(ids);

@@ -23,12 +23,14 @@
 //! Files: [`handle`] (what a node holds: submit, import, the thread's start), `engine_loop`
 //! (the thread), [`settings`] (the scheduler settings every engine shares), [`transfer`] (the
 //! KV transfer agent service), [`offload`] (the tiers below the pool), [`events`] (the KV
-//! event stream); an engine adds an [`Executor`] and its config section.
+//! event stream), [`lora`] (the LoRA adapters a native worker keeps); an engine adds an
+//! [`Executor`] and its config section.
 
 mod command;
 mod engine_loop;
 pub mod events;
 pub mod handle;
+pub mod lora;
 pub mod metrics;
 pub mod mocker;
 pub mod native;

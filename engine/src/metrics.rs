@@ -31,6 +31,26 @@ pub static GRAMMAR: LazyLock<Grammar> = LazyLock::new(|| Grammar {
     ),
 });
 
+/// LoRA adapters on the native engine, per node: adapters read from their files, and those
+/// resident now.
+pub struct Lora {
+    pub loads: IntCounterVec,
+    pub resident: IntGaugeVec,
+}
+
+pub static LORA: LazyLock<Lora> = LazyLock::new(|| Lora {
+    loads: counter_vec(
+        "dyn_worker_lora_loads_total",
+        "LoRA adapters read from their files (first use, or again after eviction)",
+        &["node"],
+    ),
+    resident: gauge(
+        "dyn_worker_loras_resident",
+        "LoRA adapters resident in the worker's memory",
+        &["node"],
+    ),
+});
+
 struct WorkerMetrics {
     running: IntGaugeVec,
     waiting: IntGaugeVec,

@@ -99,6 +99,7 @@ impl MockerConfig {
             offload_model: Some(self.offload_model()),
             model: None,
             logprobs: false,
+            loras: None,
         }
     }
 

@@ -92,6 +92,10 @@ engine_section! {
         /// Threads computing structured outputs' grammar masks beside the forward pass, then
         /// drawing the batch's tokens (0: a quarter of the cores, at least one, at most eight).
         pub sampler_threads: usize = 0,
+        /// LoRA adapters kept in memory at once (least recently used evicted, read again
+        /// from their files on demand); which adapters exist is the graph's `model.loras`
+        /// and the ingress's `/v1/load_lora_adapter`.
+        pub max_loras: usize = 8,
     }
 }
 
@@ -106,11 +110,18 @@ impl NativeConfig {
             offload_model: None,
             model: None,
             logprobs: true,
+            loras: None,
         }
     }
 
     pub fn validate(&self, prefix: &str) -> Vec<Invalid> {
         let mut out = self.validate_shared(prefix);
+        if self.max_loras == 0 {
+            out.push(Invalid::field(
+                format!("{prefix}max_loras"),
+                "must be at least 1",
+            ));
+        }
         if self.device == DeviceChoice::Cuda && !dyn_compute::cuda_compiled() {
             out.push(Invalid::field(
                 format!("{prefix}device"),
@@ -148,6 +159,17 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
     };
     let mut settings = config.settings(u32::try_from(backend.config().vocab).ok());
     settings.model = tokenizer(cx, &dir).await;
+    if backend.lora() {
+        let max =
+            std::num::NonZeroUsize::new(config.max_loras).unwrap_or(std::num::NonZeroUsize::MIN);
+        settings.loras = Some(Arc::new(crate::lora::LoraStore::new(
+            backend.config().clone(),
+            max,
+            &cx.node,
+        )));
+    } else {
+        tracing::info!(node = %cx.node, "LoRA adapters run on the CPU backend only so far: requests for one are refused here");
+    }
     let import = ImportCheck {
         format,
         delay: Box::new(|_| Duration::ZERO),
@@ -415,7 +437,7 @@ impl Executor for NativeExec {
                 blocks: w.blocks,
                 logits: w.sample || prompt_rows(w),
                 all_logits: prompt_rows(w),
-                lora: None,
+                lora: w.spec.lora.as_deref(),
             })
             .collect();
         // Logits come in batch order: a row for each sampling entry (which all have new
@@ -613,7 +635,7 @@ mod tests {
                 req.sampling.temperature = Some(0.8);
                 req.sampling.constraint = c.clone();
                 req.stop.ignore_eos = c.is_none();
-                let rx = engine.submit(&req, None).expect("submitted");
+                let rx = engine.submit(&req, None, None).expect("submitted");
                 crate::handle::request_items(rx).collect::<Vec<_>>()
             })
             .collect();

@@ -71,6 +71,8 @@ pub struct EngineSettings {
     pub model: Option<std::sync::Arc<dyn_llm::model::ModelDir>>,
     /// The engine computes log-probabilities (requests asking for them are refused otherwise).
     pub logprobs: bool,
+    /// The LoRA adapters it runs (requests naming one are refused without it).
+    pub loras: Option<std::sync::Arc<crate::lora::LoraStore>>,
 }
 
 /// Declares an engine's config section: the [`SchedulerConfig`] fields (with the engine's

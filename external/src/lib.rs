@@ -167,6 +167,14 @@ impl ExternalEngine {
                 yield Err(OpError::instance_lost("the engine server is down"));
                 return;
             };
+            if let Some(l) = &req.sampling.lora {
+                yield Err(OpError::invalid(format!(
+                    "model `{}` is a LoRA adapter; adapters run on dyn's native engine only so far",
+                    l.name
+                ))
+                .with_param("model"));
+                return;
+            }
             if req.stop.max_tokens == 0 {
                 // Migrated after its last token, before the server said it was done.
                 yield Ok(Generated::Start(req.output.clone()));

@@ -12,6 +12,7 @@
 
 pub mod admin;
 pub mod harmony;
+pub mod lora;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;

@@ -17,7 +17,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dyn_core::{
@@ -39,6 +39,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 use super::admin::Admin;
+use super::lora::Adapters;
 use super::reasoning::{ReasoningFormat, ReasoningParser};
 use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
 use super::{ApiError, KeyTenant, ServerConfig};
@@ -66,6 +67,7 @@ impl IngressConfig for HttpConfig {
             BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
         })?;
         let dir = ModelDir::shared(cx).await?;
+        let adapters = Adapters::start(cx, &model.name, dir.path.clone()).await?;
         let template = dir.chat_template.clone();
         let preprocess = Preprocess::new(dir)?;
         // The graph's word for the model's formats, else what its chat template shows.
@@ -114,6 +116,7 @@ impl IngressConfig for HttpConfig {
                 planner: cx.service::<PlannerView>().await?,
             },
             stats: cx.service::<FrontendStats>().await?,
+            adapters,
         })
     }
 }
@@ -126,6 +129,7 @@ pub struct Http {
     model: String,
     admin: Admin,
     stats: Arc<FrontendStats>,
+    adapters: Arc<Adapters>,
 }
 
 type AppChain = Chain<LlmRequest, LlmDelta>;
@@ -143,6 +147,8 @@ struct App {
     stats: Arc<FrontendStats>,
     /// The shared server settings (the request deadline's default).
     server: Arc<ServerConfig>,
+    /// The model's LoRA adapters: which `model` names run which.
+    adapters: Arc<Adapters>,
 }
 
 impl Ingress for Http {
@@ -162,12 +168,14 @@ impl Ingress for Http {
             created: unix_now(),
             stats: self.stats,
             server: Arc::new(self.config.clone()),
+            adapters: self.adapters.clone(),
         };
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/v1/models", get(models))
-            .with_state(state);
+            .with_state(state)
+            .merge(super::lora::routes(self.adapters));
         let open = axum::Router::new()
             .route("/metrics", get(metrics))
             .merge(super::admin::router(self.admin));
@@ -191,10 +199,7 @@ async fn metrics() -> Response {
 }
 
 async fn models(State(app): State<App>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{"id": &*app.model, "object": "model", "created": app.created, "owned_by": "dyn"}],
-    }))
+    super::lora::models_body(&app.adapters, app.created)
 }
 
 // ---- request bodies ------------------------------------------------------------------------
@@ -434,19 +439,7 @@ fn request(
     prompt: Prompt,
     c: Common,
 ) -> Result<(LlmRequest, Options), ApiError> {
-    if c.model != *app.model {
-        // A 404, as OpenAI answers (its clients raise `NotFoundError`).
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "The model `{}` does not exist; this server serves `{}`",
-                c.model, app.model
-            ),
-        )
-        .with_param("model"));
-    }
+    let lora = app.adapters.resolve(&c.model)?;
     refuse_unsupported(&c.unsupported)?;
     let mut constraint = constraint(&c)?;
     // A harmony model answers in channels: the structured answer goes in its `final` channel,
@@ -571,6 +564,7 @@ fn request(
                     .user
                     .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX),
                 cache_salt,
+                lora,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -1073,7 +1067,8 @@ async fn serve(
     let shape = Shape {
         id: format!("{prefix}{}", ctx.id()),
         endpoint,
-        model: app.model.clone(),
+        // The model the client named: an adapter's name where it named one.
+        model: req.model.as_str().into(),
         created: unix_now(),
     };
     // Wait for the first delta so an early failure still gets a proper status code.

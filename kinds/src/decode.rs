@@ -208,6 +208,16 @@ impl Operator for Decode {
         };
         async_stream::stream! {
             let Some(mut req) = input.next().await else { return };
+            let lora = tokio::select! {
+                lora = engine.adapter(&req) => match lora {
+                    Ok(lora) => lora,
+                    Err(e) => {
+                        yield Err(e);
+                        return;
+                    }
+                },
+                _ = ctx.killed() => return,
+            };
             let kv = match req.prefilled.take() {
                 Some(p) => tokio::select! {
                     kv = engine.import(&req, &p) => kv,
@@ -215,7 +225,7 @@ impl Operator for Decode {
                 },
                 None => None,
             };
-            let rx = match engine.submit(&req, kv) {
+            let rx = match engine.submit(&req, kv, lora) {
                 Ok(rx) => rx,
                 Err(e) => {
                     yield Err(e);

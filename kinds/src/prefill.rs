@@ -299,7 +299,8 @@ async fn prefill(
     req: &PreprocessedRequest,
     worker_id: u64,
 ) -> Result<Prefilled, OpError> {
-    let (mut tokens, offer) = engine.submit_prefill(req)?;
+    let lora = engine.adapter(req).await?;
+    let (mut tokens, offer) = engine.submit_prefill(req, lora)?;
     let work = async {
         let mut first = None;
         while let Some(g) = tokens.recv().await {

@@ -15,6 +15,7 @@ pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> 
             path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
             tool_parser: None,
             reasoning_parser: None,
+            loras: Default::default(),
         }),
         ..BuildCx::for_tests(node, planes.clone())
     }

@@ -115,6 +115,35 @@ pub struct Sampling {
     /// tenant's ([`tenant_cache_salt`]). Travels as `priority` does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// The LoRA adapter it runs with: set by the ingress when the request's `model` names one
+    /// (never read from a client's body). Its KV is the adapter's, so engines and routers
+    /// hash its blocks apart from other adapters' and the base's (`dyn_router::kv::salt_of`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraRef>,
+}
+
+/// A LoRA adapter as a request names it: its name and where its files are (a PEFT
+/// directory), which a worker loads on first use.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LoraRef {
+    pub name: String,
+    pub path: String,
+    /// Which loading of the name: 0 for the graph's adapters, random for each
+    /// `/v1/load_lora_adapter`, so an adapter unloaded and loaded again from changed files
+    /// is neither served from a worker's old copy nor matched against its old KV.
+    #[serde(default)]
+    pub id: u64,
+}
+
+impl LoraRef {
+    /// What its blocks are hashed with ([`Sampling::lora`]): the name, and the loading's id
+    /// when it has one.
+    pub fn key(&self) -> String {
+        match self.id {
+            0 => self.name.clone(),
+            id => format!("{}#{id:x}", self.name),
+        }
+    }
 }
 
 /// The longest `cache_salt` a client may send, in characters.

@@ -68,6 +68,20 @@ pub fn salt_hash(salt: &str) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// The salt a request's blocks are hashed with: its `cache_salt` and its LoRA adapter's name
+/// (`None` with neither: the unsalted hashes). The adapter is joined after a NUL, which no
+/// `cache_salt` may hold, so no salt can stand for another's adapter.
+pub fn salt_of(cache_salt: Option<&str>, lora: Option<&str>) -> Option<u64> {
+    match (cache_salt, lora) {
+        (None, None) => None,
+        (salt, None) => salt.map(salt_hash),
+        (salt, Some(lora)) => Some(salt_hash(&format!(
+            "{}\0lora:{lora}",
+            salt.unwrap_or_default()
+        ))),
+    }
+}
+
 /// The local hash of a prompt's first block under `salt` (a [`salt_hash`]): the salt chained
 /// before the tokens' local hash, as if it were the sequence hash of a parent block; `local`
 /// itself without a salt.

@@ -767,7 +767,11 @@ impl Operator for Route {
                         req.sampling.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
-                    let salt = req.sampling.cache_salt.as_deref().map(kv::salt_hash);
+                    let s = &req.sampling;
+                    let salt = kv::salt_of(
+                        s.cache_salt.as_deref(),
+                        s.lora.as_ref().map(dyn_llm::types::LoraRef::key).as_deref(),
+                    );
                     let (worker, cached) = inner.route(
                         &ctx,
                         &req.token_ids,

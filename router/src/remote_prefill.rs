@@ -379,7 +379,14 @@ impl Inner {
             .choose(
                 &pctx,
                 &req.token_ids,
-                req.sampling.cache_salt.as_deref().map(crate::kv::salt_hash),
+                crate::kv::salt_of(
+                    req.sampling.cache_salt.as_deref(),
+                    req.sampling
+                        .lora
+                        .as_ref()
+                        .map(dyn_llm::types::LoraRef::key)
+                        .as_deref(),
+                ),
             )
             .map_err(|e| e.message)?;
         // Random: a reply is matched by this id, and nobody can guess one to answer first.

@@ -372,6 +372,9 @@ fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> O
             String::new()
         }
     };
+    for problem in header.model.iter().flat_map(ModelSpec::lora_problems) {
+        diags.push(Diagnostic::error(root_pos, None, problem));
+    }
     Some(GraphSpec {
         name,
         namespace: header

@@ -35,6 +35,16 @@ impl ModelError {
     }
 }
 
+/// The shape of the model at `path` (a checkpoint directory or a GGUF file), read from its
+/// config or its GGUF header alone: what an adapter is checked against.
+pub fn shape(path: &Path) -> Result<ModelConfig, ModelError> {
+    if gguf::is_gguf(path) {
+        gguf::Gguf::open(path)?.config()
+    } else {
+        ModelConfig::load(path)
+    }
+}
+
 /// A matrix `[rows, cols]` (row-major, as `nn.Linear` stores `[out, in]`) with optional bias.
 #[derive(Debug, Clone)]
 pub struct Matrix {

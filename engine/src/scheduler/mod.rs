@@ -67,6 +67,8 @@ pub struct SeqSpec {
     /// blocks only with prompts of the same salt (`None`: unsalted ones), the first block's
     /// local hash being salted ([`dyn_router::kv::salted_local`]).
     pub salt: Option<u64>,
+    /// The LoRA adapter its tokens run with (the native engine's; `salt` includes its name).
+    pub lora: Option<std::sync::Arc<dyn_compute::model::lora::LoraAdapter>>,
 }
 
 impl SeqSpec {

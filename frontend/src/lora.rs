@@ -1,0 +1,306 @@
+//! The LoRA adapters the OpenAI ingress serves beside its model, with vLLM's API:
+//!
+//! - the graph's `model.loras` (name → PEFT directory), checked against the model's shapes
+//!   when the ingress starts;
+//! - `POST /v1/load_lora_adapter {lora_name, lora_path}` and `POST /v1/unload_lora_adapter
+//!   {lora_name}` at run time. They make the server read files, so, like `/admin`, they answer
+//!   loopback clients only (and need the API key where one is set);
+//! - `GET /v1/models` lists the adapters after the model, each with its `parent` and `root`
+//!   (its path), as vLLM does; a request whose `model` is an adapter's name runs with it.
+//!
+//! The ingress resolves the name: the request carries the adapter's name, path and loading
+//! ([`LoraRef`]) to whichever worker serves it, which reads it on first use
+//! (`dyn_engine::lora`). Ingresses of one graph tell each other what they load and unload on
+//! the event plane (`{namespace}.lora_adapters`), so every frontend serves the same
+//! adapters; one started later knows the graph's adapters and those loaded after it started.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Extension, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use dyn_compute::model::ModelConfig;
+use dyn_compute::model::lora::LoraAdapter;
+use dyn_core::planes::EventBus;
+use dyn_core::{BuildCx, BuildError};
+use dyn_llm::types::LoraRef;
+use futures::StreamExt;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::ApiError;
+
+/// The adapters an ingress serves, by name.
+pub struct Adapters {
+    base: String,
+    base_path: PathBuf,
+    list: RwLock<BTreeMap<String, LoraRef>>,
+    events: Arc<dyn EventBus>,
+    subject: String,
+    /// This ingress, in its own announcements (it ignores them when they come back).
+    origin: u64,
+    node: String,
+}
+
+/// What an ingress announces to the others.
+#[derive(Debug, Serialize, Deserialize)]
+struct Announce {
+    origin: u64,
+    /// `None`: unloaded.
+    load: Option<LoraRef>,
+    name: String,
+}
+
+/// An adapter's files against the model's shapes (on the blocking pool: it reads them all).
+async fn check(base_path: &Path, lora: &LoraRef) -> Result<(), String> {
+    let (base, path) = (base_path.to_owned(), PathBuf::from(&lora.path));
+    tokio::task::spawn_blocking(move || {
+        let shape: ModelConfig = dyn_compute::model::shape(&base)
+            .map_err(|e| format!("the model's shape ({}): {e}", base.display()))?;
+        LoraAdapter::load_peft(&path, &shape)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("adapter check failed: {e}"))?
+}
+
+impl Adapters {
+    /// The graph's adapters, each checked against the model, and the announcements of other
+    /// ingresses followed from now on.
+    pub async fn start(
+        cx: &BuildCx,
+        base: &str,
+        base_path: PathBuf,
+    ) -> Result<Arc<Self>, BuildError> {
+        let mut list = BTreeMap::new();
+        for (name, path) in cx.model.iter().flat_map(|m| &m.loras) {
+            let lora = LoraRef {
+                name: name.clone(),
+                path: cx.resolve(path).display().to_string(),
+                id: 0,
+            };
+            check(&base_path, &lora)
+                .await
+                .map_err(|e| BuildError::new(format!("model.loras.{name}: {e}")))?;
+            list.insert(name.clone(), lora);
+        }
+        let subject = format!("{}.lora_adapters", cx.namespace);
+        let adapters = Arc::new(Adapters {
+            base: base.to_owned(),
+            base_path,
+            list: RwLock::new(list),
+            events: cx.planes.events.clone(),
+            subject,
+            origin: rand::random(),
+            node: cx.node.clone(),
+        });
+        let mut announced = adapters
+            .events
+            .subscribe(&adapters.subject)
+            .await
+            .map_err(|e| BuildError::new(format!("LoRA announcements: {e}")))?;
+        let weak = Arc::downgrade(&adapters);
+        tokio::spawn(async move {
+            while let Some(ev) = announced.next().await {
+                let Some(this) = weak.upgrade() else { return };
+                match serde_json::from_slice::<Announce>(&ev.payload) {
+                    Ok(a) if a.origin != this.origin => this.apply(a),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(node = %this.node, error = %e, "Unreadable LoRA announcement")
+                    }
+                }
+            }
+        });
+        Ok(adapters)
+    }
+
+    fn apply(&self, a: Announce) {
+        let mut list = self.list.write();
+        match a.load {
+            Some(lora) => {
+                tracing::info!(node = %self.node, lora = %lora.name, path = %lora.path, "LoRA adapter loaded by another ingress");
+                list.insert(a.name, lora);
+            }
+            None => {
+                tracing::info!(node = %self.node, lora = %a.name, "LoRA adapter unloaded by another ingress");
+                list.remove(&a.name);
+            }
+        }
+    }
+
+    async fn announce(&self, name: &str, load: Option<LoraRef>) {
+        let a = Announce {
+            origin: self.origin,
+            load,
+            name: name.to_owned(),
+        };
+        let payload = serde_json::to_vec(&a).unwrap_or_default();
+        if let Err(e) = self.events.publish(&self.subject, payload.into()).await {
+            tracing::warn!(node = %self.node, lora = %name, error = %e, "Other ingresses were not told of a LoRA adapter change");
+        }
+    }
+
+    /// The adapter a request's `model` names (`None`: the model itself), or a 404 naming what
+    /// is served.
+    pub fn resolve(&self, model: &str) -> Result<Option<LoraRef>, ApiError> {
+        if model == self.base {
+            return Ok(None);
+        }
+        let list = self.list.read();
+        if let Some(l) = list.get(model) {
+            return Ok(Some(l.clone()));
+        }
+        let served = std::iter::once(self.base.as_str())
+            .chain(list.keys().map(String::as_str))
+            .map(|m| format!("`{m}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // A 404, as OpenAI answers (its clients raise `NotFoundError`).
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The model `{model}` does not exist; this server serves {served}"),
+        )
+        .with_param("model"))
+    }
+
+    /// `/v1/models`' entries: the model, then its adapters.
+    pub fn models(&self, created: u64) -> Vec<Value> {
+        let mut out = vec![json!({
+            "id": self.base, "object": "model", "created": created, "owned_by": "dyn",
+            "root": self.base_path.display().to_string(), "parent": null,
+        })];
+        out.extend(self.list.read().values().map(|l| {
+            json!({
+                "id": l.name, "object": "model", "created": created, "owned_by": "dyn",
+                "root": l.path, "parent": self.base,
+            })
+        }));
+        out
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadBody {
+    lora_name: String,
+    lora_path: String,
+    /// vLLM's: replace an adapter already loaded under this name.
+    #[serde(default)]
+    load_inplace: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UnloadBody {
+    lora_name: String,
+    /// vLLM's; ignored.
+    #[serde(default)]
+    #[allow(dead_code)]
+    lora_int_id: Option<i64>,
+}
+
+fn body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
+}
+
+fn loopback(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Result<(), ApiError> {
+    if peer.is_some_and(|c| c.0.0.ip().is_loopback()) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "invalid_request_error",
+        "forbidden",
+        "loading and unloading LoRA adapters is answered to loopback clients only",
+    ))
+}
+
+/// `POST /v1/load_lora_adapter`.
+pub async fn load(
+    State(adapters): State<Arc<Adapters>>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    bytes: Bytes,
+) -> Result<Response, ApiError> {
+    loopback(peer)?;
+    let b: LoadBody = body(&bytes)?;
+    let name = b.lora_name;
+    let problems = dyn_core::ModelSpec {
+        name: adapters.base.clone(),
+        path: String::new(),
+        tool_parser: None,
+        reasoning_parser: None,
+        loras: [(name.clone(), String::new())].into(),
+    }
+    .lora_problems();
+    if let Some(p) = problems.first() {
+        let p = p.trim_start_matches("model.loras: ");
+        return Err(ApiError::invalid("invalid_value", p.to_owned()).with_param("lora_name"));
+    }
+    if adapters.list.read().contains_key(&name) && !b.load_inplace {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            format!("The lora adapter '{name}' has already been loaded."),
+        )
+        .with_param("lora_name"));
+    }
+    let lora = LoraRef {
+        name: name.clone(),
+        path: b.lora_path,
+        // Never 0 (the graph's adapters'), so a reload is never the graph's copy.
+        id: rand::random::<u64>() | 1,
+    };
+    check(&adapters.base_path, &lora)
+        .await
+        .map_err(|e| ApiError::invalid("invalid_value", e).with_param("lora_path"))?;
+    adapters.list.write().insert(name.clone(), lora.clone());
+    tracing::info!(node = %adapters.node, lora = %name, path = %lora.path, "LoRA adapter loaded");
+    adapters.announce(&name, Some(lora)).await;
+    Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
+}
+
+/// `POST /v1/unload_lora_adapter`.
+pub async fn unload(
+    State(adapters): State<Arc<Adapters>>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    bytes: Bytes,
+) -> Result<Response, ApiError> {
+    loopback(peer)?;
+    let b: UnloadBody = body(&bytes)?;
+    let name = b.lora_name;
+    if adapters.list.write().remove(&name).is_none() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The lora adapter '{name}' cannot be found."),
+        )
+        .with_param("lora_name"));
+    }
+    tracing::info!(node = %adapters.node, lora = %name, "LoRA adapter unloaded");
+    adapters.announce(&name, None).await;
+    Ok(format!("Success: LoRA adapter '{name}' removed successfully.").into_response())
+}
+
+/// The routes, for the ingress's API router.
+pub fn routes(adapters: Arc<Adapters>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/load_lora_adapter", axum::routing::post(load))
+        .route("/v1/unload_lora_adapter", axum::routing::post(unload))
+        .with_state(adapters)
+}
+
+/// `GET /v1/models`.
+pub fn models_body(adapters: &Adapters, created: u64) -> Json<Value> {
+    Json(json!({"object": "list", "data": adapters.models(created)}))
+}

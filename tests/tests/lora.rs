@@ -1,0 +1,256 @@
+//! LoRA adapters behind the real `dyn` binary and HTTP (`graphs/lora.yaml`: models/tiny with
+//! PEFT adapters from scripts/make-lora-fixtures): each adapter's greedy answers equal
+//! transformers + peft's while requests of three adapters and the base run at once (mixed
+//! batches, and prefix-cache hits kept apart per adapter); `/v1/models` lists the adapters;
+//! vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` at run time, with clear errors;
+//! streams of an adapter unloaded mid-stream finish; 100 load/unload cycles leave the worker
+//! holding no more than `max_loras` adapters.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use std::collections::BTreeMap;
+
+use dyn_tests::{Graph, completion, metric, post_json, root};
+use serde_json::{Value, json};
+
+struct Reference {
+    prompts: Vec<Vec<u32>>,
+    /// Greedy answers by adapter (`base`: none), one per prompt.
+    greedy: BTreeMap<String, Vec<Vec<u32>>>,
+}
+
+fn reference() -> Reference {
+    let text = std::fs::read_to_string(root().join("models/tiny-lora/reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let prompts = serde_json::from_value(v["prompts"].clone()).unwrap();
+    let greedy = v["outputs"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, outs)| {
+            let g = outs
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| serde_json::from_value(o["greedy"].clone()).unwrap())
+                .collect();
+            (name.clone(), g)
+        })
+        .collect();
+    Reference { prompts, greedy }
+}
+
+/// `model`'s greedy answer to `prompt` (token ids), 12 tokens.
+async fn greedy(url: &str, model: &str, prompt: &[u32]) -> Result<Vec<u32>, Value> {
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true, "return_token_ids": true});
+    let (status, v) = completion(url, &body).await;
+    if status != 200 {
+        return Err(v);
+    }
+    assert_eq!(v["model"], model, "{v}");
+    Ok(serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap())
+}
+
+/// Every prompt under each of `models` (graph names; `tiny` is the base), all at once; each
+/// answer must be transformers + peft's.
+async fn all_at_once_match(url: &str, r: &Reference, models: &[&str]) {
+    let asks: Vec<(&str, usize)> = models
+        .iter()
+        .flat_map(|m| (0..r.prompts.len()).map(move |p| (*m, p)))
+        .collect();
+    let got =
+        futures::future::join_all(asks.iter().map(|(m, p)| greedy(url, m, &r.prompts[*p]))).await;
+    for ((m, p), got) in asks.iter().zip(got) {
+        let key = if *m == "tiny" { "base" } else { m };
+        assert_eq!(got.unwrap(), r.greedy[key][*p], "{m} prompt {p}");
+    }
+}
+
+fn load_body(name: &str, path: &str) -> Value {
+    json!({"lora_name": name, "lora_path": path})
+}
+
+/// POST `body` to `path`; the status and the text of the answer.
+async fn post_text(url: &str, body: &Value) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+fn adapter_path(name: &str) -> String {
+    root()
+        .join("models/tiny-lora")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn adapters_answer_as_peft_does_and_load_and_unload_at_run_time() {
+    let g = Graph::up_with_ingress("graphs/lora.yaml", "http", &[]);
+    let url = g.url("");
+    let r = reference();
+
+    // The graph's adapters are listed after the model, with their parent.
+    let models: Value = reqwest::get(format!("{url}/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<(&str, &Value)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap(), &m["parent"]))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            ("tiny", &Value::Null),
+            ("all", &json!("tiny")),
+            ("qv", &json!("tiny"))
+        ],
+        "{models}"
+    );
+
+    // Base and two adapters at once, twice: the second round hits the prefix cache, which
+    // must keep each adapter's KV its own.
+    all_at_once_match(&url, &r, &["tiny", "qv", "all"]).await;
+    all_at_once_match(&url, &r, &["all", "tiny", "qv"]).await;
+
+    // Not served yet: a 404 naming what is.
+    let e = greedy(&url, "mlp", &r.prompts[0]).await.unwrap_err();
+    assert_eq!(e["error"]["code"], "model_not_found", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("serves `tiny`, `all`, `qv`"), "{msg}");
+
+    // Loaded at run time (vLLM's endpoint and answers).
+    let load = g.url("/v1/load_lora_adapter");
+    let (status, text) = post_text(&load, &load_body("mlp", &adapter_path("mlp"))).await;
+    assert_eq!(
+        (status, text.as_str()),
+        (200, "Success: LoRA adapter 'mlp' added successfully.")
+    );
+    all_at_once_match(&url, &r, &["mlp", "qv", "tiny", "all"]).await;
+
+    // Loading it again, a missing directory, a bad name, a bad body: 400s that say why.
+    let (status, v) = post_json(&load, &load_body("mlp", &adapter_path("mlp"))).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("has already been loaded"),
+        "{v}"
+    );
+    let (status, v) = post_json(&load, &load_body("x", "/nonexistent/adapter")).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("lora_path")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/adapter/adapter_config.json"),
+        "{v}"
+    );
+    let (status, v) = post_json(&load, &load_body("tiny", &adapter_path("qv"))).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("lora_name")),
+        "{v}"
+    );
+    let (status, v) = post_json(&load, &json!({"lora_name": "y"})).await;
+    assert_eq!(status, 400, "{v}");
+    // An adapter of the model's own directory is no adapter at all.
+    let base = root().join("models/tiny").display().to_string();
+    let (status, v) = post_json(&load, &load_body("z", &base)).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("adapter_config.json"),
+        "{v}"
+    );
+
+    // Unloaded: no longer served, no longer listed; a second unload is a 404.
+    let unload = g.url("/v1/unload_lora_adapter");
+    let (status, text) = post_text(&unload, &json!({"lora_name": "mlp"})).await;
+    assert_eq!(
+        (status, text.as_str()),
+        (200, "Success: LoRA adapter 'mlp' removed successfully.")
+    );
+    let e = greedy(&url, "mlp", &r.prompts[0]).await.unwrap_err();
+    assert_eq!(e["error"]["code"], "model_not_found", "{e}");
+    let (status, v) = post_json(&unload, &json!({"lora_name": "mlp"})).await;
+    assert_eq!(status, 404, "{v}");
+}
+
+/// Streams of an adapter unloaded while they run finish with its answer; load/unload cycles,
+/// each with a request, leave the worker with at most `max_loras` adapters in memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn unloading_under_load_finishes_streams_and_cycles_leak_nothing() {
+    let g = Graph::up_with_ingress(
+        "graphs/lora.yaml",
+        "http",
+        &["--set", "decode.native.max_loras=2"],
+    );
+    let url = g.url("");
+    let r = reference();
+    let load = g.url("/v1/load_lora_adapter");
+    let unload = g.url("/v1/unload_lora_adapter");
+    let (status, _) = post_text(&load, &load_body("mlp", &adapter_path("mlp"))).await;
+    assert_eq!(status, 200);
+
+    // Sixteen long streams of `mlp`; unloaded once they run.
+    let long = |i: usize| {
+        json!({"model": "mlp", "prompt": r.prompts[i % 3], "max_tokens": 200, "temperature": 0,
+               "ignore_eos": true, "return_token_ids": true})
+    };
+    let streams = futures::future::join_all((0..16).map(|i| {
+        let (url, body) = (url.clone(), long(i));
+        async move { completion(&url, &body).await }
+    }));
+    let unloader = async {
+        dyn_tests::until("the streams run", || {
+            metric(&g.get("/metrics"), &["dyn_worker_requests_running"]) > 0
+        })
+        .await;
+        post_text(&unload, &json!({"lora_name": "mlp"})).await
+    };
+    let (done, (status, _)) = tokio::join!(streams, unloader);
+    assert_eq!(status, 200);
+    for (i, (status, v)) in done.into_iter().enumerate() {
+        assert_eq!(status, 200, "stream {i}: {v}");
+        let ids: Vec<u32> = serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap();
+        // The adapter's answer, not the base's.
+        assert_eq!(ids[..12], r.greedy["mlp"][i % 3][..], "stream {i}");
+        assert_eq!(ids.len(), 200);
+    }
+
+    // A hundred cycles, each loading the adapter afresh and running it.
+    for cycle in 0..100 {
+        let (status, text) = post_text(&load, &load_body("mlp", &adapter_path("mlp"))).await;
+        assert_eq!(status, 200, "cycle {cycle}: {text}");
+        let p = cycle % 3;
+        let got = greedy(&url, "mlp", &r.prompts[p]).await.unwrap();
+        assert_eq!(got, r.greedy["mlp"][p], "cycle {cycle}");
+        let (status, text) = post_text(&unload, &json!({"lora_name": "mlp"})).await;
+        assert_eq!(status, 200, "cycle {cycle}: {text}");
+    }
+    let m = g.get("/metrics");
+    // Each loading was read once (a new loading is a new adapter), and no more than two were
+    // ever kept.
+    assert!(metric(&m, &["dyn_worker_lora_loads_total"]) >= 101, "{m}");
+    assert!(metric(&m, &["dyn_worker_loras_resident"]) <= 2, "{m}");
+    // The graph's adapters still answer after all that.
+    all_at_once_match(&url, &r, &["qv", "tiny"]).await;
+}
