@@ -132,10 +132,13 @@ pub async fn run(
         .into_iter()
         .map(|t| t.map(Arc::from))
         .collect();
+    // Several models (a model and its LoRA adapters) take turns, request by request.
+    let models: Vec<&str> = model.split(',').map(str::trim).collect();
     let bodies = entries
         .iter()
         .zip(&priorities)
-        .map(|(e, p)| body(cfg, &model, e, *p))
+        .enumerate()
+        .map(|(i, (e, p))| body(cfg, models[i % models.len()], e, *p))
         .collect::<Result<Vec<_>, _>>()?;
     let client = Client::new(
         format!("{base}{}", cfg.endpoint.path()),

@@ -30,7 +30,8 @@ pub struct BenchArgs {
     /// Server base URL (an OpenAI-compatible API)
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     url: String,
-    /// Model name [default: the first one the server lists]
+    /// Model name; several, comma-separated, take turns request by request (a model's LoRA
+    /// adapters) [default: the first one the server lists]
     #[arg(long)]
     model: Option<String>,
     #[arg(long, value_enum, default_value_t = EndpointArg::Chat)]

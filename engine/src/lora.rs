@@ -28,16 +28,20 @@ pub struct LoraStore {
     /// The base model's shape: adapters are checked against it.
     base: ModelConfig,
     node: String,
+    /// The worker's id as its metrics label it (hex).
+    worker: String,
     /// name → (the reference it was read for, the adapter).
     resident: Mutex<LruCache<String, (LoraRef, Arc<LoraAdapter>)>>,
 }
 
 impl LoraStore {
-    pub fn new(base: ModelConfig, max_resident: NonZeroUsize, node: &str) -> Self {
-        LORA.resident.with_label_values(&[node]).set(0);
+    pub fn new(base: ModelConfig, max_resident: NonZeroUsize, node: &str, worker_id: u64) -> Self {
+        let worker = format!("{worker_id:x}");
+        LORA.resident.with_label_values(&[node, &worker]).set(0);
         LoraStore {
             base,
             node: node.to_owned(),
+            worker,
             resident: Mutex::new(LruCache::new(max_resident)),
         }
     }
@@ -63,11 +67,13 @@ impl LoraStore {
             let mut resident = self.resident.lock();
             let evicted = resident.push(r.name.clone(), (r.clone(), a.clone()));
             LORA.resident
-                .with_label_values(&[&self.node])
+                .with_label_values(&[&self.node, &self.worker])
                 .set(resident.len() as i64);
             evicted
         };
-        LORA.loads.with_label_values(&[&self.node]).inc();
+        LORA.loads
+            .with_label_values(&[&self.node, &self.worker])
+            .inc();
         tracing::info!(node = %self.node, lora = %r.name, rank = a.rank, bytes = a.bytes(), seconds = started.elapsed().as_secs_f64(), "LoRA adapter loaded");
         if let Some((name, _)) = evicted.filter(|(name, _)| *name != r.name) {
             tracing::debug!(node = %self.node, lora = %name, "LoRA adapter evicted");
@@ -80,7 +86,7 @@ impl LoraStore {
         let mut resident = self.resident.lock();
         let had = resident.pop(name).is_some();
         LORA.resident
-            .with_label_values(&[&self.node])
+            .with_label_values(&[&self.node, &self.worker])
             .set(resident.len() as i64);
         had
     }

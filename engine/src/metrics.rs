@@ -31,8 +31,8 @@ pub static GRAMMAR: LazyLock<Grammar> = LazyLock::new(|| Grammar {
     ),
 });
 
-/// LoRA adapters on the native engine, per node: adapters read from their files, and those
-/// resident now.
+/// LoRA adapters on the native engine, per worker: adapters read from their files, and
+/// those resident now.
 pub struct Lora {
     pub loads: IntCounterVec,
     pub resident: IntGaugeVec,
@@ -42,12 +42,12 @@ pub static LORA: LazyLock<Lora> = LazyLock::new(|| Lora {
     loads: counter_vec(
         "dyn_worker_lora_loads_total",
         "LoRA adapters read from their files (first use, or again after eviction)",
-        &["node"],
+        &["node", "worker_id"],
     ),
     resident: gauge(
         "dyn_worker_loras_resident",
         "LoRA adapters resident in the worker's memory",
-        &["node"],
+        &["node", "worker_id"],
     ),
 });
 

@@ -166,6 +166,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
             backend.config().clone(),
             max,
             &cx.node,
+            cx.instance_id.get(),
         )));
     } else {
         tracing::info!(node = %cx.node, "LoRA adapters run on the CPU backend only so far: requests for one are refused here");

@@ -63,6 +63,8 @@ pub struct Pricing {
     /// Step time and prefill cost for workers that report none (nor does any other).
     pub step_ms: f64,
     pub prefill_ms_per_token: f64,
+    /// `time`: the cost of a LoRA adapter's request on a worker without the adapter.
+    pub lora_load_ms: f64,
 }
 
 impl Default for Pricing {
@@ -80,6 +82,7 @@ impl Default for Pricing {
             temperature: 0.0,
             step_ms: 5.0,
             prefill_ms_per_token: 0.02,
+            lora_load_ms: 200.0,
         }
     }
 }
@@ -100,6 +103,8 @@ pub struct WorkerView<'a> {
     pub cached_total: usize,
     /// Its last load metrics, and this router's load there when they arrived.
     pub reported: Option<&'a Reported>,
+    /// The request runs with a LoRA adapter this worker is not known to hold.
+    pub lora_missing: bool,
 }
 
 /// One worker's terms for one prompt: the decision and what `dyn inspect route` shows.
@@ -128,9 +133,13 @@ pub struct Candidate {
     pub requests: u32,
     /// Prompt tokens queued for prefill there, counted the same way.
     pub queued_tokens: u64,
-    /// Predicted wait before this prompt's prefill, and the prefill itself (`time` model).
+    /// Predicted wait before this prompt's prefill, and the prefill itself (`time` model),
+    /// a LoRA adapter's first read there included.
     pub queue_ms: f64,
     pub prefill_ms: f64,
+    /// Of `prefill_ms`, the adapter's read (`time` model; 0 where it holds the adapter).
+    #[serde(default)]
+    pub lora_ms: f64,
     pub cost: f64,
     /// Why it was left out, if it was.
     pub excluded: Option<String>,
@@ -221,8 +230,9 @@ pub fn candidates(
             let in_step = if requests > 0 { step_ms / 2.0 } else { 0.0 };
             let queue_ms = in_step + queued_tokens as f64 * per_token;
             let own_ms = prefill_tokens as f64 * per_token;
+            let lora_ms = if w.lora_missing { p.lora_load_ms } else { 0.0 };
             let cost = match p.model {
-                CostModel::Time => queue_ms + step_ms + p.miss_weight * own_ms,
+                CostModel::Time => queue_ms + step_ms + p.miss_weight * own_ms + lora_ms,
                 CostModel::Blocks => {
                     p.overlap_weight * prefill_blocks as f64 + w.load.decode_blocks as f64
                 }
@@ -240,7 +250,8 @@ pub fn candidates(
                 requests,
                 queued_tokens,
                 queue_ms,
-                prefill_ms: step_ms + own_ms,
+                prefill_ms: step_ms + own_ms + lora_ms,
+                lora_ms,
                 cost,
                 excluded: None,
             }

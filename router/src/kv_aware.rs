@@ -144,6 +144,7 @@ impl RoutingPolicy for KvAware {
                         load,
                         cached_total: index.worker_blocks(w),
                         reported: view.reported.get(&w),
+                        lora_missing: view.lora_holders.is_some_and(|h| !h.contains(&w)),
                     }
                 })
                 .collect()

@@ -139,6 +139,21 @@ pub struct RouteConfig {
     /// A conversation's requests stay on one worker ([`sessions`]); off without it.
     #[serde(default)]
     pub session_affinity: Option<sessions::AffinityConfig>,
+    /// `kv`, `cost: time`: what sending a LoRA adapter's request to a worker that does not
+    /// hold the adapter costs, in milliseconds (its first read there), so an adapter's requests
+    /// stay with the workers that have it until their load outweighs a read elsewhere.
+    #[serde(default = "lora_load_ms")]
+    pub lora_load_ms: f64,
+    /// How many adapters the router remembers per worker (the workers' `max_loras`).
+    #[serde(default = "eight_usize")]
+    pub lora_slots: usize,
+}
+
+fn lora_load_ms() -> f64 {
+    200.0
+}
+fn eight_usize() -> usize {
+    8
 }
 
 fn one() -> f64 {
@@ -177,6 +192,8 @@ impl Default for RouteConfig {
             block_size: None,
             admission: None,
             session_affinity: None,
+            lora_load_ms: lora_load_ms(),
+            lora_slots: eight_usize(),
         }
     }
 }
@@ -195,6 +212,7 @@ impl RouteConfig {
             busy_kv_usage: self.busy_threshold,
             busy_prefill_tokens: self.active_prefill_tokens_threshold,
             temperature: self.temperature,
+            lora_load_ms: self.lora_load_ms,
             ..Pricing::default()
         }
     }
@@ -230,6 +248,12 @@ impl OperatorConfig for RouteConfig {
             number(self.miss_weight, 0.0),
             "must be a number ≥ 0",
         );
+        check(
+            "lora_load_ms",
+            number(self.lora_load_ms, 0.0),
+            "must be a number ≥ 0",
+        );
+        check("lora_slots", self.lora_slots > 0, "must be at least 1");
         for (name, v) in [
             ("overlap_credit", self.overlap_credit),
             ("host_credit", self.host_credit),
@@ -371,6 +395,7 @@ impl RouteConfig {
                 sessions::Sessions::new(ttl, rand::random())
             }),
             sessions_subject: sessions::sessions_subject(&cx.namespace, target),
+            loras_held: Mutex::new(HashMap::new()),
             health: Arc::default(),
             avoid: Arc::default(),
         });
@@ -474,9 +499,15 @@ impl Route {
     /// Route `tokens` (with `cache_salt` `salt`, see [`kv::salt_hash`]) among the workers,
     /// as a request through this node would be (for kinds that choose among a pool of their
     /// own, like `remote_prefill`): the worker's load counts the request until `ctx` is done.
-    pub fn choose(&self, ctx: &Ctx, tokens: &[u32], salt: Option<u64>) -> Result<u64, OpError> {
+    pub fn choose(
+        &self,
+        ctx: &Ctx,
+        tokens: &[u32],
+        salt: Option<u64>,
+        lora: Option<&str>,
+    ) -> Result<u64, OpError> {
         self.inner
-            .route(ctx, tokens, salt, None, Precedence::default())
+            .route(ctx, tokens, salt, lora, None, Precedence::default())
             .map(|(w, _)| w)
     }
 
@@ -551,6 +582,9 @@ pub(crate) struct Inner {
     /// The worker each failed request last went to (by request id), left out of its resend.
     avoid: Arc<Mutex<HashMap<String, u64>>>,
     sessions_subject: String,
+    /// The LoRA adapters (keys) this router sent to each worker lately, most recent last, at
+    /// most `lora_slots`: what it takes the worker to hold.
+    loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
 }
 impl Inner {
     fn unavailable(&self) -> OpError {
@@ -569,6 +603,18 @@ impl Inner {
             .collect()
     }
 
+    /// Remember that `worker` got a request of adapter `key` (and so holds it, while it is
+    /// among the last `lora_slots` adapters sent there).
+    fn hold_lora(&self, worker: u64, key: &str) {
+        let mut held = self.loras_held.lock();
+        let h = held.entry(worker).or_default();
+        h.retain(|k| k != key);
+        h.push_back(key.to_owned());
+        while h.len() > self.config.lora_slots.max(1) {
+            h.pop_front();
+        }
+    }
+
     /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
     /// or while the event plane is down. The router then records its own decisions.
     fn approximate(&self) -> bool {
@@ -577,15 +623,17 @@ impl Inner {
 
     /// Decide where `tokens` (unsalted) would go, without recording anything.
     fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
-        self.decide_without(tokens, None, &|_| false)
+        self.decide_without(tokens, None, None, &|_| false)
     }
 
     /// Decide among the live workers `left_out` does not name (among all of them when it
     /// names every one: leaving workers out never empties the pool).
+    /// `lora`: the key of the request's adapter ([`dyn_llm::types::LoraRef::key`]).
     fn decide_without(
         &self,
         tokens: &[u32],
         salt: Option<u64>,
+        lora: Option<&str>,
         left_out: &(dyn Fn(u64) -> bool + Sync),
     ) -> Result<Decision, OpError> {
         let all = self.live();
@@ -594,12 +642,20 @@ impl Inner {
         }
         let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
         let live = if kept.is_empty() { all } else { kept };
+        let holders: Option<Vec<u64>> = lora.map(|key| {
+            let held = self.loras_held.lock();
+            live.iter()
+                .copied()
+                .filter(|w| held.get(w).is_some_and(|h| h.iter().any(|k| k == key)))
+                .collect()
+        });
         let reported = self.metrics.lock();
         let view = View {
             live: &live,
             instances: &self.workers,
             active: &self.active,
             reported: &reported,
+            lora_holders: holders.as_deref(),
         };
         self.policy
             .decide(tokens, salt, &view)
@@ -646,6 +702,7 @@ impl Inner {
         ctx: &Ctx,
         tokens: &[u32],
         salt: Option<u64>,
+        lora: Option<&str>,
         session: Option<&str>,
         precedence: Precedence,
     ) -> Result<(u64, usize), OpError> {
@@ -660,7 +717,7 @@ impl Inner {
                 || !self.health.usable(w, now)
                 || places.is_some_and(|n| self.before(w, precedence) >= n)
         };
-        let mut d = self.decide_without(tokens, salt, &left_out)?;
+        let mut d = self.decide_without(tokens, salt, lora, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
             // (Not back to the worker the request just failed on.)
             if let Some(w) = self
@@ -681,6 +738,9 @@ impl Inner {
             }
         }
         self.quality.record(&d);
+        if let Some(key) = lora {
+            self.hold_lora(d.worker, key);
+        }
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;
         if let Some(kv) = &self.kv
@@ -768,14 +828,13 @@ impl Operator for Route {
                         ctx.on_done(move || drop(permit));
                     }
                     let s = &req.sampling;
-                    let salt = kv::salt_of(
-                        s.cache_salt.as_deref(),
-                        s.lora.as_ref().map(dyn_llm::types::LoraRef::key).as_deref(),
-                    );
+                    let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
+                    let salt = kv::salt_of(s.cache_salt.as_deref(), lora.as_deref());
                     let (worker, cached) = inner.route(
                         &ctx,
                         &req.token_ids,
                         salt,
+                        lora.as_deref(),
                         req.sampling.session.as_deref(),
                         req.sampling.precedence(),
                     )?;
@@ -870,7 +929,7 @@ mod tests {
             let ctx = Ctx::new();
             let w = r
                 .inner
-                .route(&ctx, &[1, 2, 3], None, s, Precedence::default())
+                .route(&ctx, &[1, 2, 3], None, None, s, Precedence::default())
                 .expect("routed")
                 .0;
             (w, ctx)
@@ -1031,7 +1090,7 @@ mod tests {
         let matched = |salt: Option<u64>| -> Vec<(u64, usize)> {
             let d = r
                 .inner
-                .decide_without(&prompt, salt, &|_| false)
+                .decide_without(&prompt, salt, None, &|_| false)
                 .expect("decides");
             let mut m: Vec<(u64, usize)> = d
                 .candidates
@@ -1194,5 +1253,60 @@ mod tests {
         let mut c = cx(&planes);
         c.consumers.clear();
         assert!(RouteConfig::default().build(&c).await.is_err());
+    }
+
+    /// An adapter's requests stay with the worker that got its first one (it holds the
+    /// adapter) while the load allows; another adapter's may go elsewhere; a worker that has
+    /// not seen an adapter for `lora_slots` others no longer counts as holding it.
+    #[tokio::test]
+    async fn an_adapter_s_requests_go_where_it_is_held_until_the_load_says_otherwise() {
+        let planes = Planes::embedded();
+        let config = RouteConfig {
+            policy: Policy::Kv,
+            lora_slots: 2,
+            // Ten queued 40-token prompts at the default 0.02 ms a token.
+            lora_load_ms: 8.0,
+            ..RouteConfig::default()
+        };
+        let r = started(&planes, config, &[10, 11]).await;
+        let mut prompt = 0u32;
+        let mut go = |lora: Option<&str>| {
+            let ctx = Ctx::new();
+            prompt += 100;
+            let tokens: Vec<u32> = (prompt..prompt + 40).collect();
+            let w = r
+                .inner
+                .route(&ctx, &tokens, None, lora, None, Precedence::default())
+                .expect("routed")
+                .0;
+            (w, ctx)
+        };
+        // One at a time (each done before the next): the holder every time.
+        let home = go(Some("a")).0;
+        for _ in 0..8 {
+            assert_eq!(go(Some("a")).0, home);
+        }
+        // Held open, they pile up on the holder until its queue outweighs a read elsewhere:
+        // a hot adapter spreads.
+        let busy: Vec<(u64, Ctx)> = (0..40).map(|_| go(Some("a"))).collect();
+        let away = busy.iter().filter(|(w, _)| *w != home).count();
+        assert!(
+            away > 0 && away < 40,
+            "{away} of 40 went away from the holder"
+        );
+        drop(busy);
+        // Both hold `a` now; the other worker forgets it after two other adapters.
+        let other = if home == 10 { 11 } else { 10 };
+        r.inner.hold_lora(other, "b");
+        r.inner.hold_lora(other, "c");
+        let d = r
+            .inner
+            .decide_without(&[1, 2, 3], None, Some("a"), &|_| false)
+            .expect("decides");
+        let lora_ms: Vec<(u64, f64)> = d.candidates.iter().map(|c| (c.worker, c.lora_ms)).collect();
+        assert!(
+            lora_ms.contains(&(home, 0.0)) && lora_ms.contains(&(other, 8.0)),
+            "{lora_ms:?}"
+        );
     }
 }

@@ -68,6 +68,8 @@ pub struct View<'a> {
     pub active: &'a ActiveSequences,
     /// Each worker's last load metrics, with this router's load there when they arrived.
     pub reported: &'a HashMap<u64, Reported>,
+    /// For a request with a LoRA adapter: the workers known to hold it (`None`: no adapter).
+    pub lora_holders: Option<&'a [u64]>,
 }
 
 /// One routing decision, with what it was based on.

@@ -374,19 +374,14 @@ impl Inner {
     ) -> Result<Prefilled, String> {
         // The prefill worker's load counts this request until its prefill is over.
         let pctx = ctx.child(format!("{}-prefill", ctx.id()));
+        let lora = req.sampling.lora.as_ref().map(dyn_llm::types::LoraRef::key);
         let worker = self
             .pool
             .choose(
                 &pctx,
                 &req.token_ids,
-                crate::kv::salt_of(
-                    req.sampling.cache_salt.as_deref(),
-                    req.sampling
-                        .lora
-                        .as_ref()
-                        .map(dyn_llm::types::LoraRef::key)
-                        .as_deref(),
-                ),
+                crate::kv::salt_of(req.sampling.cache_salt.as_deref(), lora.as_deref()),
+                lora.as_deref(),
             )
             .map_err(|e| e.message)?;
         // Random: a reply is matched by this id, and nobody can guess one to answer first.

@@ -60,6 +60,7 @@ impl Sim {
             instances: &self.instances,
             active: &self.active,
             reported: &self.reported,
+            lora_holders: None,
         };
         self.kv.decide(tokens, None, &view).expect("a decision")
     }

@@ -254,3 +254,30 @@ async fn unloading_under_load_finishes_streams_and_cycles_leak_nothing() {
     // The graph's adapters still answer after all that.
     all_at_once_match(&url, &r, &["qv", "tiny"]).await;
 }
+
+/// Two workers behind the `kv` router: an adapter's requests, one after another with prompts
+/// that share nothing, all go to the worker that read it first, so it is read once (with
+/// `route.lora_load_ms=0` they alternate and both read it).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_router_keeps_an_adapter_s_requests_where_it_is_held() {
+    let g = Graph::up_with_ingress("graphs/lora.yaml", "http", &["--set", "decode.replicas=2"]);
+    let url = g.url("");
+    dyn_tests::until("both workers serve", || {
+        g.get("/metrics")
+            .lines()
+            .filter(|l| l.starts_with("dyn_worker_loras_resident{"))
+            .count()
+            == 2
+    })
+    .await;
+    for i in 0..8u32 {
+        let prompt: Vec<u32> = (0..20).map(|t| 7 + (i * 37 + t * 11) % 600).collect();
+        greedy(&url, "qv", &prompt).await.unwrap();
+    }
+    let m = g.get("/metrics");
+    assert_eq!(
+        metric(&m, &["dyn_worker_lora_loads_total"]),
+        1,
+        "the adapter was read on more than one worker:\n{m}"
+    );
+}

@@ -5,9 +5,8 @@
 //! The base weights are never touched: a backend adds each sequence's own adapter to the
 //! products of the base (quantized or not), so sequences with different adapters, and none,
 //! share one batch (the Punica / S-LoRA way). An adapter is kept in f32 with its scale folded
-//! into `B`, stored transposed (`[rank, out]`), so that applying it to one row is `rank` dot
-//! products of the input and `rank` scaled additions into the output, both over contiguous
-//! memory.
+//! into `B`, both matrices stored transposed (`Aᵀ` `[in, rank]`, `Bᵀ` `[rank, out]`): the
+//! right-hand sides of the two small matrix products that apply it to a group of rows.
 //!
 //! What is read, and refused with the reason: `peft_type` LORA; `r`, `lora_alpha`,
 //! `use_rslora` (`alpha / √r`), `rank_pattern` and `alpha_pattern` keyed by module names
@@ -79,31 +78,16 @@ impl Target {
     }
 }
 
-/// One projection's addition: `y += Bᵀ-stored · (A · x)`.
+/// One projection's addition: `y += scale · B · (A · x)`.
 #[derive(Debug, Clone)]
 pub struct LoraPair {
     pub rank: usize,
     pub inp: usize,
     pub out: usize,
-    /// `[rank, inp]`, row-major (PEFT's `lora_A.weight`).
-    pub a: Vec<f32>,
+    /// `[inp, rank]`: PEFT's `lora_A.weight` (`[rank, inp]`) transposed.
+    pub at: Vec<f32>,
     /// `[rank, out]`: PEFT's `lora_B.weight` (`[out, rank]`) transposed, times the scale.
     pub bt: Vec<f32>,
-}
-
-impl LoraPair {
-    /// `y[..out] += scale · B · (A · x)` for one row `x` (`inp` values); `u` is scratch.
-    pub fn add_row(&self, x: &[f32], y: &mut [f32], u: &mut Vec<f32>) {
-        u.clear();
-        u.extend(
-            self.a
-                .chunks_exact(self.inp)
-                .map(|a| a.iter().zip(x).map(|(a, x)| a * x).sum::<f32>()),
-        );
-        for (b, u) in self.bt.chunks_exact(self.out).zip(u.iter()) {
-            y.iter_mut().zip(b).for_each(|(y, b)| *y += u * b);
-        }
-    }
 }
 
 /// An adapter's additions, per layer and projection.
@@ -173,7 +157,7 @@ impl LoraAdapter {
             .iter()
             .flatten()
             .flatten()
-            .map(|p| 4 * (p.a.len() + p.bt.len()))
+            .map(|p| 4 * (p.at.len() + p.bt.len()))
             .sum()
     }
 
@@ -322,12 +306,18 @@ impl LoraAdapter {
                     bt[j * out + o] = b[o * rank + j] * scale;
                 }
             }
+            let mut at = vec![0.0; inp * rank];
+            for j in 0..rank {
+                for k in 0..inp {
+                    at[k * rank + j] = a[j * inp + k];
+                }
+            }
             max_rank = max_rank.max(rank);
             layers[layer][target as usize] = Some(LoraPair {
                 rank,
                 inp,
                 out,
-                a,
+                at,
                 bt,
             });
         }
