@@ -40,6 +40,8 @@ use super::ApiError;
 pub struct Adapters {
     base: String,
     base_path: PathBuf,
+    /// The model's shape, read at the first adapter (none when the graph declares none).
+    shape: tokio::sync::OnceCell<ModelConfig>,
     list: RwLock<BTreeMap<String, LoraRef>>,
     events: Arc<dyn EventBus>,
     subject: String,
@@ -57,12 +59,21 @@ struct Announce {
     name: String,
 }
 
-/// An adapter's files against the model's shapes (on the blocking pool: it reads them all).
-async fn check(base_path: &Path, lora: &LoraRef) -> Result<(), String> {
-    let (base, path) = (base_path.to_owned(), PathBuf::from(&lora.path));
+/// The model's shape, read once (a GGUF file's whole header is parsed for it).
+async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
+    let base = base_path.to_owned();
     tokio::task::spawn_blocking(move || {
-        let shape: ModelConfig = dyn_compute::model::shape(&base)
-            .map_err(|e| format!("the model's shape ({}): {e}", base.display()))?;
+        dyn_compute::model::shape(&base)
+            .map_err(|e| format!("the model's shape ({}): {e}", base.display()))
+    })
+    .await
+    .map_err(|e| format!("reading the model's shape failed: {e}"))?
+}
+
+/// An adapter's files against the model's shapes (on the blocking pool: it reads them all).
+async fn check(shape: &ModelConfig, lora: &LoraRef) -> Result<(), String> {
+    let (shape, path) = (shape.clone(), PathBuf::from(&lora.path));
+    tokio::task::spawn_blocking(move || {
         LoraAdapter::load_peft(&path, &shape)
             .map(drop)
             .map_err(|e| e.to_string())
@@ -80,13 +91,18 @@ impl Adapters {
         base_path: PathBuf,
     ) -> Result<Arc<Self>, BuildError> {
         let mut list = BTreeMap::new();
+        let shape = tokio::sync::OnceCell::new();
         for (name, path) in cx.model.iter().flat_map(|m| &m.loras) {
             let lora = LoraRef {
                 name: name.clone(),
                 path: cx.resolve(path).display().to_string(),
                 id: 0,
             };
-            check(&base_path, &lora)
+            let s = shape
+                .get_or_try_init(|| shape_of(&base_path))
+                .await
+                .map_err(|e| BuildError::new(format!("model.loras.{name}: {e}")))?;
+            check(s, &lora)
                 .await
                 .map_err(|e| BuildError::new(format!("model.loras.{name}: {e}")))?;
             list.insert(name.clone(), lora);
@@ -95,6 +111,7 @@ impl Adapters {
         let adapters = Arc::new(Adapters {
             base: base.to_owned(),
             base_path,
+            shape,
             list: RwLock::new(list),
             events: cx.planes.events.clone(),
             subject,
@@ -260,7 +277,19 @@ pub async fn load(
         // Never 0 (the graph's adapters'), so a reload is never the graph's copy.
         id: rand::random::<u64>() | 1,
     };
-    check(&adapters.base_path, &lora)
+    let shape = adapters
+        .shape
+        .get_or_try_init(|| shape_of(&adapters.base_path))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+                e,
+            )
+        })?;
+    check(shape, &lora)
         .await
         .map_err(|e| ApiError::invalid("invalid_value", e).with_param("lora_path"))?;
     adapters.list.write().insert(name.clone(), lora.clone());

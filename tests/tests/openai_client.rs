@@ -98,3 +98,33 @@ fn python_lines(python: &std::ffi::OsStr, script: &str, args: &[&str]) -> Vec<Va
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// LoRA adapters as the official client sees them (tests/py/lora.py on graphs/lora.yaml):
+/// listed with their parent, selected by `model` (the answers are transformers + peft's, and
+/// name the adapter), streamed chat, and a 404 `NotFoundError` for one not served.
+#[test]
+fn openai_python_client_lists_and_selects_lora_adapters() {
+    let Some(python) = std::env::var_os("DYN_TEST_PYTHON") else {
+        dyn_tests::skip("DYN_TEST_PYTHON is not set (scripts/test sets it up)");
+        return;
+    };
+    let text = std::fs::read_to_string(root().join("models/tiny-lora/reference.json")).unwrap();
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let g = Graph::up_with_ingress("graphs/lora.yaml", "http", &[]);
+    let prompt = r["prompts"][0].to_string();
+    let lines = python_lines(&python, "tests/py/lora.py", &[&g.url("/v1"), &prompt]);
+    assert_eq!(
+        lines[0],
+        json!([["tiny", null], ["all", "tiny"], ["qv", "tiny"]])
+    );
+    for (line, (model, key)) in
+        lines[1..4]
+            .iter()
+            .zip([("tiny", "base"), ("qv", "qv"), ("all", "all")])
+    {
+        assert_eq!(line["model"], model, "{line}");
+        assert_eq!(line["ids"], r["outputs"][key][0]["greedy"], "{model}");
+    }
+    assert_eq!(lines[4], json!({"models": ["qv"], "text": true}));
+    assert_eq!(lines[5], json!({"error": "NotFoundError", "status": 404}));
+}
