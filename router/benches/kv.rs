@@ -191,6 +191,7 @@ fn decisions(c: &mut Criterion) {
         instances: &instances,
         active: &active,
         reported: &reported,
+        lora_holders: None,
     };
     let mut g = c.benchmark_group("decide");
     for (name, model) in [
