@@ -258,6 +258,25 @@ fn adapters_that_do_not_fit_are_refused_with_the_reason() {
         )],
     );
     assert!(err(&d).contains("is not a LoRA A or B"), "{}", err(&d));
+    // Another tower's layers, and the same half twice.
+    let d = scratch(
+        "tower",
+        ok,
+        &[(
+            "base_model.model.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight",
+            vec![2, 64],
+        )],
+    );
+    assert!(err(&d).contains("is not a LoRA A or B"), "{}", err(&d));
+    let d = scratch(
+        "twice",
+        ok,
+        &[
+            (&format!("{q}.lora_A.weight"), vec![2, 64]),
+            ("model.layers.0.self_attn.q_proj.lora_A.weight", vec![2, 64]),
+        ],
+    );
+    assert!(err(&d).contains("has two lora_A"), "{}", err(&d));
     // Kinds of adapter not supported.
     for (cfg, says) in [
         (r#"{"r": 2, "lora_alpha": 4, "use_dora": true}"#, "DoRA"),
@@ -270,6 +289,10 @@ fn adapters_that_do_not_fit_are_refused_with_the_reason() {
             "not LORA",
         ),
         (r#"{"r": 0, "lora_alpha": 4}"#, "r must be 1 to"),
+        (
+            r#"{"r": 2, "lora_alpha": 4, "layer_replication": [[0, 2]]}"#,
+            "not supported",
+        ),
         (r#"{"lora_alpha": 4}"#, "missing field `r`"),
     ] {
         let d = scratch(

@@ -5,13 +5,15 @@
 //! adapters it serves), so a worker needs no list of its own and a worker that starts late
 //! serves every adapter at once. A miss reads the adapter on the blocking pool before the
 //! request is queued, so a step never waits for a file. The sequence holds its adapter
-//! (`Arc`) while it runs: an adapter evicted or unloaded meanwhile finishes the requests
-//! already running with it, and its memory goes with the last of them. Two requests missing
-//! the same adapter at once may both read it; the second copy replaces the first.
+//! (`Arc`) while it runs: an adapter evicted meanwhile finishes the requests already running
+//! with it, later ones take that same copy while any sequence holds it, and its memory goes
+//! with the last of them — so memory is `max_loras` adapters plus those only running
+//! sequences hold. Two requests missing the same adapter at once may both read it; the
+//! second copy replaces the first.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use dyn_compute::model::ModelConfig;
@@ -32,6 +34,8 @@ pub struct LoraStore {
     worker: String,
     /// name → (the reference it was read for, the adapter).
     resident: Mutex<LruCache<String, (LoraRef, Arc<LoraAdapter>)>>,
+    /// Every copy read, while anything holds it (running sequences after an eviction).
+    alive: Mutex<Vec<(LoraRef, Weak<LoraAdapter>)>>,
 }
 
 impl LoraStore {
@@ -43,6 +47,7 @@ impl LoraStore {
             node: node.to_owned(),
             worker,
             resident: Mutex::new(LruCache::new(max_resident)),
+            alive: Mutex::new(Vec::new()),
         }
     }
 
@@ -54,41 +59,57 @@ impl LoraStore {
         {
             return Ok(a.clone());
         }
+        // Evicted, but still held by a running sequence: that copy, resident again.
+        let held = self
+            .alive
+            .lock()
+            .iter()
+            .find(|(at, _)| at == r)
+            .and_then(|(_, a)| a.upgrade());
+        if let Some(a) = held {
+            self.keep(r, a.clone());
+            return Ok(a);
+        }
         let started = Instant::now();
         let (path, base) = (PathBuf::from(&r.path), self.base.clone());
         let loaded = tokio::task::spawn_blocking(move || LoraAdapter::load_peft(&path, &base))
             .await
             .map_err(|e| OpError::internal(format!("adapter loading task failed: {e}")))?
             .map_err(|e| {
-                OpError::invalid(format!("LoRA adapter `{}`: {e}", r.name)).with_param("model")
+                // The details (paths, the OS's words) are the operator's, not the client's.
+                tracing::warn!(node = %self.node, lora = %r.name, path = %r.path, error = %e, "Cannot read a LoRA adapter");
+                OpError::invalid(format!(
+                    "LoRA adapter `{}` cannot be read on this worker (its log says why)",
+                    r.name
+                ))
+                .with_param("model")
             })?;
         let a = Arc::new(loaded);
-        let evicted = {
-            let mut resident = self.resident.lock();
-            let evicted = resident.push(r.name.clone(), (r.clone(), a.clone()));
-            LORA.resident
-                .with_label_values(&[&self.node, &self.worker])
-                .set(resident.len() as i64);
-            evicted
-        };
+        {
+            let mut alive = self.alive.lock();
+            alive.retain(|(_, w)| w.strong_count() > 0);
+            alive.push((r.clone(), Arc::downgrade(&a)));
+        }
+        self.keep(r, a.clone());
         LORA.loads
             .with_label_values(&[&self.node, &self.worker])
             .inc();
         tracing::info!(node = %self.node, lora = %r.name, rank = a.rank, bytes = a.bytes(), seconds = started.elapsed().as_secs_f64(), "LoRA adapter loaded");
-        if let Some((name, _)) = evicted.filter(|(name, _)| *name != r.name) {
-            tracing::debug!(node = %self.node, lora = %name, "LoRA adapter evicted");
-        }
         Ok(a)
     }
 
-    /// Forget the resident copy of `name` (unloaded): running requests keep theirs.
-    pub fn forget(&self, name: &str) -> bool {
+    /// Make `a` resident under `r`'s name, evicting the least recently used past the bound.
+    fn keep(&self, r: &LoraRef, a: Arc<LoraAdapter>) {
         let mut resident = self.resident.lock();
-        let had = resident.pop(name).is_some();
+        if let Some((name, _)) = resident
+            .push(r.name.clone(), (r.clone(), a))
+            .filter(|(name, _)| *name != r.name)
+        {
+            tracing::debug!(node = %self.node, lora = %name, "LoRA adapter evicted");
+        }
         LORA.resident
             .with_label_values(&[&self.node, &self.worker])
             .set(resident.len() as i64);
-        had
     }
 
     /// The resident adapters' names, most recently used first.

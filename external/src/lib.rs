@@ -317,7 +317,11 @@ impl ExternalEngine {
         };
         let status = resp.status();
         if !status.is_success() {
-            let body = resp.text().await.unwrap_or_default();
+            let body = tokio::time::timeout(self.stall, resp.text())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
             return Err(refused(&self.server, status, &body));
         }
         Ok(resp)

@@ -65,7 +65,8 @@ async fn loopback_only(req: Request, next: Next) -> Response {
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.ip());
-    if peer.is_some_and(|ip| ip.is_loopback()) {
+    // (An IPv4 client of a dual-stack listener shows as `::ffff:127.0.0.1`.)
+    if peer.is_some_and(|ip| ip.to_canonical().is_loopback()) {
         return next.run(req).await;
     }
     ApiError::new(

@@ -737,7 +737,7 @@ async fn require_ops_key(State(keys): State<Arc<OpsKeys>>, req: Request, next: N
     let path = req.uri().path();
     let want = if path == "/metrics" {
         keys.metrics.as_deref()
-    } else if path.starts_with("/admin") {
+    } else if path.starts_with("/admin") || path.ends_with("_lora_adapter") {
         keys.admin.as_deref()
     } else {
         None

@@ -3,16 +3,19 @@
 //! - the graph's `model.loras` (name → PEFT directory), checked against the model's shapes
 //!   when the ingress starts;
 //! - `POST /v1/load_lora_adapter {lora_name, lora_path}` and `POST /v1/unload_lora_adapter
-//!   {lora_name}` at run time. They make the server read files, so, like `/admin`, they answer
-//!   loopback clients only (and need the API key where one is set);
+//!   {lora_name}` at run time. They make the server read files and change what every tenant
+//!   is served, so, like `/admin`, they answer loopback clients only, with the `admin_key`
+//!   where one is set (not the tenants' API keys), and only JSON bodies (a web page cannot
+//!   send one without a preflight);
 //! - `GET /v1/models` lists the adapters after the model, each with its `parent` and `root`
 //!   (its path), as vLLM does; a request whose `model` is an adapter's name runs with it.
 //!
 //! The ingress resolves the name: the request carries the adapter's name, path and loading
 //! ([`LoraRef`]) to whichever worker serves it, which reads it on first use
 //! (`dyn_engine::lora`). Ingresses of one graph tell each other what they load and unload on
-//! the event plane (`{namespace}.lora_adapters`), so every frontend serves the same
-//! adapters; one started later knows the graph's adapters and those loaded after it started.
+//! the event plane (`dyn.{namespace}.lora_adapters`, for their model), so every frontend
+//! serves the same adapters; one started later knows the graph's adapters and those loaded
+//! after it started (announcements are not kept: a restarted ingress misses earlier ones).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -22,7 +25,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Extension, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use dyn_compute::model::ModelConfig;
 use dyn_compute::model::lora::LoraAdapter;
@@ -54,6 +57,8 @@ pub struct Adapters {
 #[derive(Debug, Serialize, Deserialize)]
 struct Announce {
     origin: u64,
+    /// The model the adapter is for: graphs sharing a namespace ignore each other's.
+    parent: String,
     /// `None`: unloaded.
     load: Option<LoraRef>,
     name: String,
@@ -70,13 +75,25 @@ async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
     .map_err(|e| format!("reading the model's shape failed: {e}"))?
 }
 
-/// An adapter's files against the model's shapes (on the blocking pool: it reads them all).
-async fn check(shape: &ModelConfig, lora: &LoraRef) -> Result<(), String> {
-    let (shape, path) = (shape.clone(), PathBuf::from(&lora.path));
+/// The adapter `name` in directory `dir`, checked against the model's shapes (on the blocking
+/// pool: it reads every file): its absolute path, and the version of its files.
+async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, String> {
+    let (shape, dir, name) = (shape.clone(), PathBuf::from(dir), name.to_owned());
     tokio::task::spawn_blocking(move || {
-        LoraAdapter::load_peft(&path, &shape)
-            .map(drop)
-            .map_err(|e| e.to_string())
+        LoraAdapter::load_peft(&dir, &shape).map_err(|e| e.to_string())?;
+        // Workers read the same path, whatever their working directory.
+        let path = std::fs::canonicalize(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&path, &mut h);
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            let m = std::fs::metadata(path.join(f)).map_err(|e| format!("{f}: {e}"))?;
+            std::hash::Hash::hash(&(m.len(), m.modified().ok()), &mut h);
+        }
+        Ok(LoraRef {
+            name,
+            path: path.display().to_string(),
+            id: std::hash::Hasher::finish(&h),
+        })
     })
     .await
     .map_err(|e| format!("adapter check failed: {e}"))?
@@ -93,21 +110,17 @@ impl Adapters {
         let mut list = BTreeMap::new();
         let shape = tokio::sync::OnceCell::new();
         for (name, path) in cx.model.iter().flat_map(|m| &m.loras) {
-            let lora = LoraRef {
-                name: name.clone(),
-                path: cx.resolve(path).display().to_string(),
-                id: 0,
-            };
+            let bad = |e: String| BuildError::new(format!("model.loras.{name}: {e}"));
             let s = shape
                 .get_or_try_init(|| shape_of(&base_path))
                 .await
-                .map_err(|e| BuildError::new(format!("model.loras.{name}: {e}")))?;
-            check(s, &lora)
+                .map_err(bad)?;
+            let lora = check(s, name, &cx.resolve(path).display().to_string())
                 .await
-                .map_err(|e| BuildError::new(format!("model.loras.{name}: {e}")))?;
+                .map_err(bad)?;
             list.insert(name.clone(), lora);
         }
-        let subject = format!("{}.lora_adapters", cx.namespace);
+        let subject = format!("dyn.{}.lora_adapters", cx.namespace);
         let adapters = Arc::new(Adapters {
             base: base.to_owned(),
             base_path,
@@ -128,7 +141,7 @@ impl Adapters {
             while let Some(ev) = announced.next().await {
                 let Some(this) = weak.upgrade() else { return };
                 match serde_json::from_slice::<Announce>(&ev.payload) {
-                    Ok(a) if a.origin != this.origin => this.apply(a),
+                    Ok(a) if a.origin != this.origin && a.parent == this.base => this.apply(a),
                     Ok(_) => {}
                     Err(e) => {
                         tracing::warn!(node = %this.node, error = %e, "Unreadable LoRA announcement")
@@ -156,6 +169,7 @@ impl Adapters {
     async fn announce(&self, name: &str, load: Option<LoraRef>) {
         let a = Announce {
             origin: self.origin,
+            parent: self.base.clone(),
             load,
             name: name.to_owned(),
         };
@@ -226,13 +240,25 @@ struct UnloadBody {
     lora_int_id: Option<i64>,
 }
 
-fn body<T: serde::de::DeserializeOwned>(bytes: &Bytes) -> Result<T, ApiError> {
+fn body<T: serde::de::DeserializeOwned>(headers: &HeaderMap, bytes: &Bytes) -> Result<T, ApiError> {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    if !json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            "unsupported_media_type",
+            "send the body as JSON (content-type: application/json)",
+        ));
+    }
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
 }
 
 fn loopback(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Result<(), ApiError> {
-    if peer.is_some_and(|c| c.0.0.ip().is_loopback()) {
+    if peer.is_some_and(|c| c.0.0.ip().to_canonical().is_loopback()) {
         return Ok(());
     }
     Err(ApiError::new(
@@ -247,10 +273,11 @@ fn loopback(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Result<(), ApiE
 pub async fn load(
     State(adapters): State<Arc<Adapters>>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     loopback(peer)?;
-    let b: LoadBody = body(&bytes)?;
+    let b: LoadBody = body(&headers, &bytes)?;
     let name = b.lora_name;
     let problems = dyn_core::ModelSpec {
         name: adapters.base.clone(),
@@ -264,19 +291,16 @@ pub async fn load(
         let p = p.trim_start_matches("model.loras: ");
         return Err(ApiError::invalid("invalid_value", p.to_owned()).with_param("lora_name"));
     }
-    if adapters.list.read().contains_key(&name) && !b.load_inplace {
-        return Err(ApiError::invalid(
+    let taken = || {
+        ApiError::invalid(
             "invalid_value",
             format!("The lora adapter '{name}' has already been loaded."),
         )
-        .with_param("lora_name"));
-    }
-    let lora = LoraRef {
-        name: name.clone(),
-        path: b.lora_path,
-        // Never 0 (the graph's adapters'), so a reload is never the graph's copy.
-        id: rand::random::<u64>() | 1,
+        .with_param("lora_name")
     };
+    if adapters.list.read().contains_key(&name) && !b.load_inplace {
+        return Err(taken());
+    }
     let shape = adapters
         .shape
         .get_or_try_init(|| shape_of(&adapters.base_path))
@@ -289,10 +313,17 @@ pub async fn load(
                 e,
             )
         })?;
-    check(shape, &lora)
+    let lora = check(shape, &name, &b.lora_path)
         .await
         .map_err(|e| ApiError::invalid("invalid_value", e).with_param("lora_path"))?;
-    adapters.list.write().insert(name.clone(), lora.clone());
+    {
+        // Checked again: another load of the name may have finished meanwhile.
+        let mut list = adapters.list.write();
+        if list.contains_key(&name) && !b.load_inplace {
+            return Err(taken());
+        }
+        list.insert(name.clone(), lora.clone());
+    }
     tracing::info!(node = %adapters.node, lora = %name, path = %lora.path, "LoRA adapter loaded");
     adapters.announce(&name, Some(lora)).await;
     Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
@@ -302,10 +333,11 @@ pub async fn load(
 pub async fn unload(
     State(adapters): State<Arc<Adapters>>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     loopback(peer)?;
-    let b: UnloadBody = body(&bytes)?;
+    let b: UnloadBody = body(&headers, &bytes)?;
     let name = b.lora_name;
     if adapters.list.write().remove(&name).is_none() {
         return Err(ApiError::new(

@@ -174,10 +174,11 @@ impl Ingress for Http {
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/v1/models", get(models))
-            .with_state(state)
-            .merge(super::lora::routes(self.adapters));
+            .with_state(state);
+        // Operators' routes: behind `admin_key` (not the tenants' API keys), loopback only.
         let open = axum::Router::new()
             .route("/metrics", get(metrics))
+            .merge(super::lora::routes(self.adapters))
             .merge(super::admin::router(self.admin));
         let app = super::app(&self.config, api, open);
         super::serve(self.listener, app, shutdown, chain).boxed()

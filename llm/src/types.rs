@@ -128,21 +128,19 @@ pub struct Sampling {
 pub struct LoraRef {
     pub name: String,
     pub path: String,
-    /// Which loading of the name: 0 for the graph's adapters, random for each
-    /// `/v1/load_lora_adapter`, so an adapter unloaded and loaded again from changed files
-    /// is neither served from a worker's old copy nor matched against its old KV.
+    /// Which version of the files: a hash of the directory's path and its files' sizes and
+    /// modification times, taken by the ingress when it checked them. Files changed in place
+    /// are another version, neither served from a worker's old copy nor matched against KV
+    /// cached under the old one (the disk tier keeps KV across restarts).
     #[serde(default)]
     pub id: u64,
 }
 
 impl LoraRef {
-    /// What its blocks are hashed with ([`Sampling::lora`]): the name, and the loading's id
-    /// when it has one.
+    /// What its blocks are hashed with ([`Sampling::lora`]): the name and the version, joined
+    /// by a NUL, which no model name holds.
     pub fn key(&self) -> String {
-        match self.id {
-            0 => self.name.clone(),
-            id => format!("{}#{id:x}", self.name),
-        }
+        format!("{}\0{:x}", self.name, self.id)
     }
 }
 

@@ -250,8 +250,8 @@ impl OperatorConfig for RouteConfig {
         );
         check(
             "lora_load_ms",
-            number(self.lora_load_ms, 0.0),
-            "must be a number ≥ 0",
+            number(self.lora_load_ms, 0.0) && self.lora_load_ms <= 1e7,
+            "must be a number of milliseconds from 0 to 1e7",
         );
         check("lora_slots", self.lora_slots > 0, "must be at least 1");
         for (name, v) in [
@@ -607,6 +607,11 @@ impl Inner {
     /// among the last `lora_slots` adapters sent there).
     fn hold_lora(&self, worker: u64, key: &str) {
         let mut held = self.loras_held.lock();
+        if held.len() > 2 * self.workers.read().len() + 8 {
+            // Workers gone (scaled down, restarted under new ids) are forgotten.
+            let live = self.live();
+            held.retain(|w, _| live.contains(w));
+        }
         let h = held.entry(worker).or_default();
         h.retain(|k| k != key);
         h.push_back(key.to_owned());

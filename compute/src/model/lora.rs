@@ -126,6 +126,10 @@ struct PeftConfig {
     #[serde(default)]
     modules_to_save: Option<Vec<String>>,
     #[serde(default)]
+    layer_replication: Option<serde_json::Value>,
+    #[serde(default)]
+    target_parameters: Option<serde_json::Value>,
+    #[serde(default)]
     rank_pattern: HashMap<String, usize>,
     #[serde(default)]
     alpha_pattern: HashMap<String, f64>,
@@ -187,10 +191,39 @@ impl LoraAdapter {
                 "modules_to_save {m:?}: an adapter that replaces whole modules is not supported"
             )));
         }
+        let set = |v: &Option<serde_json::Value>| {
+            v.as_ref()
+                .is_some_and(|v| !(v.is_null() || v.as_array().is_some_and(Vec::is_empty)))
+        };
+        if set(&cfg.layer_replication) || set(&cfg.target_parameters) {
+            return Err(bad(
+                "layer_replication and target_parameters adapters are not supported".into(),
+            ));
+        }
         if cfg.r == 0 || cfg.r > MAX_RANK {
             return Err(bad(format!("r must be 1 to {MAX_RANK}, got {}", cfg.r)));
         }
         let path = dir.join("adapter_model.safetensors");
+        // Bounded before reading: every projection of every layer at the largest rank (in
+        // f32), and a header.
+        let most: u64 = Target::ALL
+            .iter()
+            .map(|t| {
+                let (i, o) = t.dims(c);
+                (MAX_RANK * (i + o) * 4) as u64
+            })
+            .sum::<u64>()
+            .saturating_mul(c.layers as u64)
+            .saturating_add(1 << 24);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| ModelError::io(&path, e))?
+            .len();
+        if len > most {
+            return Err(ModelError::Weights(format!(
+                "{}: {len} bytes, more than an adapter of this model can hold ({most})",
+                path.display()
+            )));
+        }
         let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
@@ -256,10 +289,14 @@ impl LoraAdapter {
                 b: None,
                 module,
             });
-            if is_a {
-                e.a = Some(data);
-            } else {
-                e.b = Some(data);
+            let half = if is_a { &mut e.a } else { &mut e.b };
+            if half.replace(data).is_some() {
+                return Err(ModelError::Weights(format!(
+                    "{}: {} has two lora_{}",
+                    path.display(),
+                    e.module,
+                    if is_a { "A" } else { "B" }
+                )));
             }
         }
         if parts.is_empty() {
@@ -329,16 +366,18 @@ impl LoraAdapter {
 }
 
 /// `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` → (3, Q, A, the module's
-/// path `model.layers.3.self_attn.q_proj`).
+/// path `model.layers.3.self_attn.q_proj`); `None` for anything else.
 fn parse_name(name: &str) -> Option<(usize, Target, bool, String)> {
     let (module, tail) = name
         .strip_suffix(".weight")?
         .rsplit_once('.')
         .filter(|(_, ab)| matches!(*ab, "lora_A" | "lora_B"))?;
     let is_a = tail == "lora_A";
+    let module = module.strip_prefix("base_model.model.").unwrap_or(module);
     let (path, proj) = module.rsplit_once('.')?;
     let target = Target::from_module(proj)?;
-    let (_, after) = path.split_once("layers.")?;
+    // The decoder's layers only (not, say, a vision tower's `…encoder.layers.3…`).
+    let after = path.strip_prefix("model.layers.")?;
     let (index, kind) = after.split_once('.')?;
     if !matches!(
         (kind, target),
@@ -348,7 +387,6 @@ fn parse_name(name: &str) -> Option<(usize, Target, bool, String)> {
         return None;
     }
     let layer = index.parse().ok()?;
-    let module = module.strip_prefix("base_model.model.").unwrap_or(module);
     Some((layer, target, is_a, module.to_owned()))
 }
 
