@@ -48,21 +48,27 @@ impl ModelSpec {
     pub fn lora_problems(&self) -> Vec<String> {
         self.loras
             .keys()
-            .filter_map(|name| {
-                let bad = name.is_empty()
-                    || name.chars().count() > 256
-                    || name.chars().any(|c| c.is_control() || c.is_whitespace());
-                if bad {
-                    Some(format!(
-                        "model.loras: `{name}` is not a model name (1 to 256 characters, no spaces)"
-                    ))
-                } else if *name == self.name {
-                    Some(format!("model.loras: `{name}` is the model's own name"))
-                } else {
-                    None
-                }
-            })
+            .filter_map(|name| lora_name_problem(name, &self.name))
+            .map(|p| format!("model.loras: {p}"))
             .collect()
+    }
+}
+
+/// Why `name` cannot name a LoRA adapter of model `model`, if it cannot: clients send it as
+/// `model`, so it must be a model name (1 to 256 characters, no spaces or control
+/// characters) other than the model's own.
+pub fn lora_name_problem(name: &str, model: &str) -> Option<String> {
+    let bad = name.is_empty()
+        || name.chars().count() > 256
+        || name.chars().any(|c| c.is_control() || c.is_whitespace());
+    if bad {
+        Some(format!(
+            "`{name}` is not a model name (1 to 256 characters, no spaces)"
+        ))
+    } else if name == model {
+        Some(format!("`{name}` is the model's own name"))
+    } else {
+        None
     }
 }
 

@@ -20,7 +20,7 @@ pub mod scale;
 
 pub use build::{
     BuildCx, BuildError, Health, ModelSpec, Readiness, ReasoningParserName, Service, Services,
-    ToolParserName,
+    ToolParserName, lora_name_problem,
 };
 pub use ctx::{Ctx, RequestId};
 pub use inspect::{Inspect, Inspectables};

@@ -240,7 +240,13 @@ struct UnloadBody {
     lora_int_id: Option<i64>,
 }
 
-fn body<T: serde::de::DeserializeOwned>(headers: &HeaderMap, bytes: &Bytes) -> Result<T, ApiError> {
+/// An operator's request body: from a loopback client, as JSON.
+fn operator_body<T: serde::de::DeserializeOwned>(
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
+    headers: &HeaderMap,
+    bytes: &Bytes,
+) -> Result<T, ApiError> {
+    loopback(peer)?;
     let json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -276,20 +282,10 @@ pub async fn load(
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
-    loopback(peer)?;
-    let b: LoadBody = body(&headers, &bytes)?;
+    let b: LoadBody = operator_body(peer, &headers, &bytes)?;
     let name = b.lora_name;
-    let problems = dyn_core::ModelSpec {
-        name: adapters.base.clone(),
-        path: String::new(),
-        tool_parser: None,
-        reasoning_parser: None,
-        loras: [(name.clone(), String::new())].into(),
-    }
-    .lora_problems();
-    if let Some(p) = problems.first() {
-        let p = p.trim_start_matches("model.loras: ");
-        return Err(ApiError::invalid("invalid_value", p.to_owned()).with_param("lora_name"));
+    if let Some(p) = dyn_core::lora_name_problem(&name, &adapters.base) {
+        return Err(ApiError::invalid("invalid_value", p).with_param("lora_name"));
     }
     let taken = || {
         ApiError::invalid(
@@ -336,8 +332,7 @@ pub async fn unload(
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
-    loopback(peer)?;
-    let b: UnloadBody = body(&headers, &bytes)?;
+    let b: UnloadBody = operator_body(peer, &headers, &bytes)?;
     let name = b.lora_name;
     if adapters.list.write().remove(&name).is_none() {
         return Err(ApiError::new(
