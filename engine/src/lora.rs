@@ -52,7 +52,7 @@ impl LoraStore {
     }
 
     /// The adapter `r` names: the resident copy, else read from its path (a different path
-    /// or loading under the same name is another adapter, read afresh).
+    /// or version under the same name is another adapter, read afresh).
     pub async fn get(&self, r: &LoraRef) -> Result<Arc<LoraAdapter>, OpError> {
         if let Some((at, a)) = self.resident.lock().get(&r.name)
             && at == r
