@@ -8,9 +8,9 @@
 //! (`Arc`) while it runs: an adapter evicted meanwhile finishes the requests already running
 //! with it, later ones take that same copy while any sequence holds it, and its memory goes
 //! with the last of them — so memory is `max_loras` adapters plus those only running
-//! sequences hold. Two requests missing the same adapter at once may both read it; the
-//! second copy replaces the first.
+//! sequences hold. Requests missing the same adapter at once wait for one read of it.
 
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::{Arc, Weak};
@@ -36,6 +36,8 @@ pub struct LoraStore {
     resident: Mutex<LruCache<String, (LoraRef, Arc<LoraAdapter>)>>,
     /// Every copy read, while anything holds it (running sequences after an eviction).
     alive: Mutex<Vec<(LoraRef, Weak<LoraAdapter>)>>,
+    /// A turn per adapter being read (by key), so that it is read once.
+    reading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl LoraStore {
@@ -48,28 +50,52 @@ impl LoraStore {
             worker,
             resident: Mutex::new(LruCache::new(max_resident)),
             alive: Mutex::new(Vec::new()),
+            reading: Mutex::new(HashMap::new()),
         }
     }
 
     /// The adapter `r` names: the resident copy, else read from its path (a different path
     /// or version under the same name is another adapter, read afresh).
     pub async fn get(&self, r: &LoraRef) -> Result<Arc<LoraAdapter>, OpError> {
+        if let Some(a) = self.cached(r) {
+            return Ok(a);
+        }
+        // One read per adapter at a time: requests missing it together wait for the first.
+        let key = r.key();
+        let gate = self.reading.lock().entry(key.clone()).or_default().clone();
+        let turn = gate.lock().await;
+        let got = match self.cached(r) {
+            Some(a) => Ok(a),
+            None => self.read(r).await,
+        };
+        drop(turn);
+        let mut reading = self.reading.lock();
+        // (This request's clone and the map's: nobody else waits.)
+        if Arc::strong_count(&gate) <= 2 {
+            reading.remove(&key);
+        }
+        got
+    }
+
+    /// The resident copy of `r`, or one running sequences still hold (made resident again).
+    fn cached(&self, r: &LoraRef) -> Option<Arc<LoraAdapter>> {
         if let Some((at, a)) = self.resident.lock().get(&r.name)
             && at == r
         {
-            return Ok(a.clone());
+            return Some(a.clone());
         }
-        // Evicted, but still held by a running sequence: that copy, resident again.
         let held = self
             .alive
             .lock()
             .iter()
             .find(|(at, _)| at == r)
-            .and_then(|(_, a)| a.upgrade());
-        if let Some(a) = held {
-            self.keep(r, a.clone());
-            return Ok(a);
-        }
+            .and_then(|(_, a)| a.upgrade())?;
+        self.keep(r, held.clone());
+        Some(held)
+    }
+
+    /// Read `r` from its files, on the blocking pool, and make it resident.
+    async fn read(&self, r: &LoraRef) -> Result<Arc<LoraAdapter>, OpError> {
         let started = Instant::now();
         let (path, base) = (PathBuf::from(&r.path), self.base.clone());
         let loaded = tokio::task::spawn_blocking(move || LoraAdapter::load_peft(&path, &base))
@@ -128,5 +154,56 @@ impl std::fmt::Debug for LoraStore {
             .field("node", &self.node)
             .field("resident", &self.resident())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn models() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
+    }
+
+    /// Sixteen requests missing one adapter together read it once; a bad directory is a 400
+    /// that names the adapter and not the path.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_adapter_missed_by_many_at_once_is_read_once() {
+        let base = ModelConfig::load(&models().join("tiny")).unwrap();
+        let store = Arc::new(LoraStore::new(
+            base,
+            NonZeroUsize::new(2).unwrap(),
+            "lora-test",
+            0x5eed,
+        ));
+        let r = LoraRef {
+            name: "qv".into(),
+            path: models().join("tiny-lora/qv").display().to_string(),
+            id: 1,
+        };
+        let all = (0..16).map(|_| {
+            let (store, r) = (store.clone(), r.clone());
+            tokio::spawn(async move { store.get(&r).await })
+        });
+        let got: Vec<Arc<LoraAdapter>> = futures::future::join_all(all)
+            .await
+            .into_iter()
+            .map(|j| j.unwrap().unwrap())
+            .collect();
+        assert!(got.iter().all(|a| Arc::ptr_eq(a, &got[0])));
+        let loads = LORA.loads.with_label_values(&["lora-test", "5eed"]).get();
+        assert_eq!(loads, 1);
+        assert!(store.reading.lock().is_empty());
+        let bad = LoraRef {
+            name: "gone".into(),
+            path: "/nonexistent/adapter".into(),
+            id: 2,
+        };
+        let e = store.get(&bad).await.unwrap_err();
+        assert!(
+            e.message.contains("`gone`") && !e.message.contains("/nonexistent"),
+            "{}",
+            e.message
+        );
     }
 }
