@@ -7,12 +7,11 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{dir, max_diff};
-use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use common::{Seq, dir, generate, max_diff};
+use dyn_compute::backend::KvShape;
 use dyn_compute::cpu::CpuBackend;
 use dyn_compute::model::lora::LoraAdapter;
 use dyn_compute::model::{DType, ModelConfig, ModelWeights};
-use dyn_compute::sample::argmax;
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -51,56 +50,11 @@ fn adapter(name: &str) -> LoraAdapter {
     LoraAdapter::load_peft(&dir("tiny-lora").join(name), &config()).unwrap()
 }
 
-struct Seq<'a> {
-    tokens: Vec<u32>,
-    computed: usize,
-    blocks: Vec<u32>,
-    lora: Option<&'a LoraAdapter>,
-    /// The logits of each sampled token.
-    logits: Vec<Vec<f32>>,
-}
-
-/// Run `seqs` together, `chunk` prompt tokens a step, until each has `steps` new tokens.
-fn generate(b: &mut CpuBackend, seqs: &mut [Seq<'_>], steps: usize, chunk: usize) {
-    while seqs.iter().any(|s| s.logits.len() < steps) {
-        let plan: Vec<(usize, usize)> = (0..seqs.len())
-            .filter(|&i| seqs[i].logits.len() < steps)
-            .map(|i| (i, (seqs[i].tokens.len() - seqs[i].computed).min(chunk)))
-            .collect();
-        let batch: Vec<SeqStep<'_>> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let s = &seqs[i];
-                SeqStep {
-                    tokens: &s.tokens[s.computed..s.computed + n],
-                    start: s.computed,
-                    blocks: &s.blocks,
-                    logits: s.computed + n == s.tokens.len(),
-                    all_logits: false,
-                    lora: s.lora,
-                }
-            })
-            .collect();
-        let mut logits = b.forward(&batch).unwrap().into_iter();
-        for &(i, n) in &plan {
-            let s = &mut seqs[i];
-            s.computed += n;
-            if s.computed == s.tokens.len() {
-                let l = logits.next().unwrap();
-                s.tokens.push(argmax(&l));
-                s.logits.push(l);
-            }
-        }
-    }
-}
-
+/// A sequence on blocks of its own (`slot`), with `lora`.
 fn seq<'a>(prompt: &[u32], slot: u32, lora: Option<&'a LoraAdapter>) -> Seq<'a> {
     Seq {
-        tokens: prompt.to_vec(),
-        computed: 0,
-        blocks: (slot * 16..slot * 16 + 16).collect(),
         lora,
-        logits: Vec::new(),
+        ..Seq::new(prompt, slot * 16, 4, 64)
     }
 }
 

@@ -5,11 +5,10 @@
 
 mod common;
 
-use common::{MODELS, all_logits_step, dir, max_diff, reference};
+use common::{MODELS, Seq, all_logits_step, dir, generate, max_diff, reference};
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::cpu::CpuBackend;
 use dyn_compute::model::{DType, ModelWeights};
-use dyn_compute::sample::argmax;
 
 fn backend(model: &str, dtype: DType, block_size: usize) -> CpuBackend {
     let w = ModelWeights::load(&dir(model), dtype).unwrap();
@@ -21,67 +20,6 @@ fn backend(model: &str, dtype: DType, block_size: usize) -> CpuBackend {
         },
     )
     .unwrap()
-}
-
-/// One sequence's state for driving a backend by hand.
-struct Seq {
-    tokens: Vec<u32>,
-    computed: usize,
-    blocks: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-}
-
-impl Seq {
-    fn new(prompt: &[u32], first_block: u32, block_size: usize, max_len: usize) -> Seq {
-        let n = max_len.div_ceil(block_size) as u32;
-        Seq {
-            tokens: prompt.to_vec(),
-            computed: 0,
-            blocks: (first_block..first_block + n).collect(),
-            logits: Vec::new(),
-        }
-    }
-}
-
-/// Run `seqs` together until each has `steps` new tokens, prefilling `chunk` tokens a step.
-fn generate(b: &mut dyn Backend, seqs: &mut [Seq], steps: usize, chunk: usize) {
-    loop {
-        let want: Vec<bool> = seqs.iter().map(|s| s.logits.len() < steps).collect();
-        if !want.contains(&true) {
-            return;
-        }
-        let plan: Vec<(usize, usize)> = seqs
-            .iter()
-            .zip(&want)
-            .enumerate()
-            .filter(|(_, (_, w))| **w)
-            .map(|(i, (s, _))| (i, (s.tokens.len() - s.computed).min(chunk)))
-            .collect();
-        let batch: Vec<SeqStep<'_>> = plan
-            .iter()
-            .map(|&(i, n)| {
-                let s = &seqs[i];
-                SeqStep {
-                    tokens: &s.tokens[s.computed..s.computed + n],
-                    start: s.computed,
-                    blocks: &s.blocks,
-                    logits: s.computed + n == s.tokens.len(),
-                    all_logits: false,
-                    lora: None,
-                }
-            })
-            .collect();
-        let mut logits = b.forward(&batch).unwrap().into_iter();
-        for &(i, n) in &plan {
-            let s = &mut seqs[i];
-            s.computed += n;
-            if s.computed == s.tokens.len() {
-                let l = logits.next().unwrap();
-                s.tokens.push(argmax(&l));
-                s.logits.push(l);
-            }
-        }
-    }
 }
 
 #[test]

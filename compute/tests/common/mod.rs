@@ -80,3 +80,73 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// One sequence's state for driving a backend by hand.
+pub struct Seq<'a> {
+    pub tokens: Vec<u32>,
+    pub computed: usize,
+    pub blocks: Vec<u32>,
+    /// The LoRA adapter its tokens run with.
+    pub lora: Option<&'a dyn_compute::model::lora::LoraAdapter>,
+    /// The logits of each sampled token.
+    pub logits: Vec<Vec<f32>>,
+}
+
+impl<'a> Seq<'a> {
+    pub fn new(prompt: &[u32], first_block: u32, block_size: usize, max_len: usize) -> Seq<'a> {
+        let n = max_len.div_ceil(block_size) as u32;
+        Seq {
+            tokens: prompt.to_vec(),
+            computed: 0,
+            blocks: (first_block..first_block + n).collect(),
+            lora: None,
+            logits: Vec::new(),
+        }
+    }
+}
+
+/// Run `seqs` together until each has `steps` new tokens, prefilling `chunk` tokens a step.
+pub fn generate(
+    b: &mut dyn dyn_compute::backend::Backend,
+    seqs: &mut [Seq<'_>],
+    steps: usize,
+    chunk: usize,
+) {
+    loop {
+        let want: Vec<bool> = seqs.iter().map(|s| s.logits.len() < steps).collect();
+        if !want.contains(&true) {
+            return;
+        }
+        let plan: Vec<(usize, usize)> = seqs
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .filter(|(_, (_, w))| **w)
+            .map(|(i, (s, _))| (i, (s.tokens.len() - s.computed).min(chunk)))
+            .collect();
+        let batch: Vec<dyn_compute::backend::SeqStep<'_>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &seqs[i];
+                dyn_compute::backend::SeqStep {
+                    tokens: &s.tokens[s.computed..s.computed + n],
+                    start: s.computed,
+                    blocks: &s.blocks,
+                    logits: s.computed + n == s.tokens.len(),
+                    all_logits: false,
+                    lora: s.lora,
+                }
+            })
+            .collect();
+        let mut logits = b.forward(&batch).unwrap().into_iter();
+        for &(i, n) in &plan {
+            let s = &mut seqs[i];
+            s.computed += n;
+            if s.computed == s.tokens.len() {
+                let l = logits.next().unwrap();
+                s.tokens.push(dyn_compute::sample::argmax(&l));
+                s.logits.push(l);
+            }
+        }
+    }
+}
