@@ -581,10 +581,7 @@ impl EngineHandle {
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
             precedence: s.precedence(),
-            salt: dyn_router::kv::salt_of(
-                s.cache_salt.as_deref(),
-                s.lora.as_ref().map(dyn_llm::types::LoraRef::key).as_deref(),
-            ),
+            salt: dyn_router::kv::request_salt(s),
             lora,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

@@ -82,6 +82,12 @@ pub fn salt_of(cache_salt: Option<&str>, lora: Option<&str>) -> Option<u64> {
     }
 }
 
+/// [`salt_of`] a request's sampling parameters: its `cache_salt` and its adapter's key.
+pub fn request_salt(s: &dyn_llm::types::Sampling) -> Option<u64> {
+    let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
+    salt_of(s.cache_salt.as_deref(), lora.as_deref())
+}
+
 /// The local hash of a prompt's first block under `salt` (a [`salt_hash`]): the salt chained
 /// before the tokens' local hash, as if it were the sequence hash of a parent block; `local`
 /// itself without a salt.

@@ -834,7 +834,7 @@ impl Operator for Route {
                     }
                     let s = &req.sampling;
                     let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
-                    let salt = kv::salt_of(s.cache_salt.as_deref(), lora.as_deref());
+                    let salt = kv::request_salt(s);
                     let (worker, cached) = inner.route(
                         &ctx,
                         &req.token_ids,

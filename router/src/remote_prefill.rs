@@ -380,7 +380,7 @@ impl Inner {
             .choose(
                 &pctx,
                 &req.token_ids,
-                crate::kv::salt_of(req.sampling.cache_salt.as_deref(), lora.as_deref()),
+                crate::kv::request_salt(&req.sampling),
                 lora.as_deref(),
             )
             .map_err(|e| e.message)?;
