@@ -234,9 +234,8 @@ struct LoadBody {
 #[serde(deny_unknown_fields)]
 struct UnloadBody {
     lora_name: String,
-    /// vLLM's; ignored.
+    /// vLLM's other way to name an adapter: refused (adapters here have names only).
     #[serde(default)]
-    #[allow(dead_code)]
     lora_int_id: Option<i64>,
 }
 
@@ -333,6 +332,13 @@ pub async fn unload(
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     let b: UnloadBody = operator_body(peer, &headers, &bytes)?;
+    if b.lora_int_id.is_some() {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            "lora_int_id is not supported: name the adapter by lora_name",
+        )
+        .with_param("lora_int_id"));
+    }
     let name = b.lora_name;
     if adapters.list.write().remove(&name).is_none() {
         return Err(ApiError::new(

@@ -192,6 +192,12 @@ async fn adapters_answer_as_peft_does_and_load_and_unload_at_run_time() {
     assert_eq!(e["error"]["code"], "model_not_found", "{e}");
     let (status, v) = post_json(&unload, &json!({"lora_name": "mlp"})).await;
     assert_eq!(status, 404, "{v}");
+    let (status, v) = post_json(&unload, &json!({"lora_name": "qv", "lora_int_id": 1})).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("lora_int_id")),
+        "{v}"
+    );
 }
 
 /// Streams of an adapter unloaded while they run finish with its answer; load/unload cycles,
