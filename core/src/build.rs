@@ -168,8 +168,13 @@ pub struct BuildCx {
     /// pass-through nodes (by their kinds' [`Role`](crate::registry::Role), like `remote_prefill`) to the workers
     /// behind them: a router watches their instances.
     pub consumers: Vec<String>,
-    /// The model named in the graph, if any.
+    /// The model this node serves, if any: the graph's `model`, or for a graph of several
+    /// (`models:`) the one its request path serves.
     pub model: Option<ModelSpec>,
+    /// Every model served through this node: for an ingress, one per request path it feeds
+    /// (it sends each request down the path of the model the request names, see
+    /// [`crate::payload::Payload::model_name`]); for other nodes, `model` alone.
+    pub models: Vec<ModelSpec>,
     /// Directory of the graph file: relative paths in configs are resolved against it.
     pub base_dir: PathBuf,
     pub planes: Planes,
@@ -263,6 +268,7 @@ impl BuildCx {
             instance_id: crate::planes::InstanceId(1),
             consumers: Vec::new(),
             model: None,
+            models: Vec::new(),
             base_dir: ".".into(),
             planes,
             services: Services::default(),

@@ -27,6 +27,12 @@ pub trait Payload: Send + 'static {
         None
     }
 
+    /// The model this request is for, where an ingress serves several: the runtime sends it
+    /// down the request path serving that model (graphs with `models:`).
+    fn model_name(&self) -> Option<&str> {
+        None
+    }
+
     /// How to resend this request after the replica serving it was lost (request migration);
     /// `None`: it cannot be resent. Implement [`Resumable`] and return [`Resume::of`].
     fn resume() -> Option<Resume> {
@@ -94,6 +100,7 @@ pub type AnyPayload = Box<dyn ErasedPayload>;
 pub trait ErasedPayload: Any + Send {
     fn type_name(&self) -> &'static str;
     fn target_instance(&self) -> Option<crate::planes::InstanceId>;
+    fn model_name(&self) -> Option<&str>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
@@ -105,6 +112,9 @@ impl<T: Payload> ErasedPayload for T {
     }
     fn target_instance(&self) -> Option<crate::planes::InstanceId> {
         Payload::target_instance(self)
+    }
+    fn model_name(&self) -> Option<&str> {
+        Payload::model_name(self)
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
         self

@@ -1,13 +1,14 @@
-//! The LoRA adapters the OpenAI ingress serves beside its model, with vLLM's API:
+//! The LoRA adapters the OpenAI ingress serves beside its models, with vLLM's API:
 //!
-//! - the graph's `model.loras` (name → PEFT directory), checked against the model's shapes
-//!   when the ingress starts;
+//! - each model's `loras` in the graph (name → PEFT directory), checked against the model's
+//!   shapes when the ingress starts;
 //! - `POST /v1/load_lora_adapter {lora_name, lora_path}` and `POST /v1/unload_lora_adapter
 //!   {lora_name}` at run time. They make the server read files and change what every tenant
 //!   is served, so, like `/admin`, they answer loopback clients only, with the `admin_key`
 //!   where one is set (not the tenants' API keys), and only JSON bodies (a web page cannot
-//!   send one without a preflight);
-//! - `GET /v1/models` lists the adapters after the model, each with its `parent` and `root`
+//!   send one without a preflight). Where the ingress serves several models, `base_model_name`
+//!   says which one an adapter is for; without it, the first whose shapes it fits;
+//! - `GET /v1/models` lists each model, then its adapters, each with its `parent` and `root`
 //!   (its path), as vLLM does; a request whose `model` is an adapter's name runs with it.
 //!
 //! The ingress resolves the name: the request carries the adapter's name, path and loading
@@ -104,13 +105,14 @@ impl Adapters {
     /// ingresses followed from now on.
     pub async fn start(
         cx: &BuildCx,
-        base: &str,
+        model: &dyn_core::ModelSpec,
         base_path: PathBuf,
     ) -> Result<Arc<Self>, BuildError> {
+        let base = &model.name;
         let mut list = BTreeMap::new();
         let shape = tokio::sync::OnceCell::new();
-        for (name, path) in cx.model.iter().flat_map(|m| &m.loras) {
-            let bad = |e: String| BuildError::new(format!("model.loras.{name}: {e}"));
+        for (name, path) in &model.loras {
+            let bad = |e: String| BuildError::new(format!("{base}: loras.{name}: {e}"));
             let s = shape
                 .get_or_try_init(|| shape_of(&base_path))
                 .await
@@ -179,29 +181,25 @@ impl Adapters {
         }
     }
 
-    /// The adapter a request's `model` names (`None`: the model itself), or a 404 naming what
-    /// is served.
-    pub fn resolve(&self, model: &str) -> Result<Option<LoraRef>, ApiError> {
+    /// The model's name.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// What a request's `model` names here: `Some(None)` the model itself, `Some(Some(_))`
+    /// one of its adapters, `None` neither.
+    pub fn find(&self, model: &str) -> Option<Option<LoraRef>> {
         if model == self.base {
-            return Ok(None);
+            return Some(None);
         }
-        let list = self.list.read();
-        if let Some(l) = list.get(model) {
-            return Ok(Some(l.clone()));
-        }
-        let served = std::iter::once(self.base.as_str())
-            .chain(list.keys().map(String::as_str))
-            .map(|m| format!("`{m}`"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        // A 404, as OpenAI answers (its clients raise `NotFoundError`).
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!("The model `{model}` does not exist; this server serves {served}"),
-        )
-        .with_param("model"))
+        self.list.read().get(model).map(|l| Some(l.clone()))
+    }
+
+    /// The model's name, then its adapters'.
+    fn names(&self) -> Vec<String> {
+        std::iter::once(self.base.clone())
+            .chain(self.list.read().keys().cloned())
+            .collect()
     }
 
     /// `/v1/models`' entries: the model, then its adapters.
@@ -225,6 +223,9 @@ impl Adapters {
 struct LoadBody {
     lora_name: String,
     lora_path: String,
+    /// dyn's: which model the adapter is for, where the ingress serves several.
+    #[serde(default)]
+    base_model_name: Option<String>,
     /// vLLM's: replace an adapter already loaded under this name.
     #[serde(default)]
     load_inplace: bool,
@@ -274,18 +275,107 @@ fn loopback(peer: Option<Extension<ConnectInfo<SocketAddr>>>) -> Result<(), ApiE
     ))
 }
 
+/// Every model an ingress serves, with its adapters: what a request's `model` names.
+pub struct Catalog(pub Vec<Arc<Adapters>>);
+
+impl Catalog {
+    /// The model a request's `model` names and its adapter (`None`: the model itself), or a
+    /// 404 naming what is served.
+    pub fn resolve(&self, model: &str) -> Result<(usize, Option<LoraRef>), ApiError> {
+        for (i, a) in self.0.iter().enumerate() {
+            if let Some(lora) = a.find(model) {
+                return Ok((i, lora));
+            }
+        }
+        let served = self
+            .0
+            .iter()
+            .flat_map(|a| a.names())
+            .map(|m| format!("`{m}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // A 404, as OpenAI answers (its clients raise `NotFoundError`).
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("The model `{model}` does not exist; this server serves {served}"),
+        )
+        .with_param("model"))
+    }
+
+    /// `GET /v1/models`: each model, then its adapters.
+    pub fn models_body(&self, created: u64) -> Json<Value> {
+        let data: Vec<Value> = self.0.iter().flat_map(|a| a.models(created)).collect();
+        Json(json!({"object": "list", "data": data}))
+    }
+}
+
+fn server_error(e: String) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "internal_error",
+        e,
+    )
+}
+
+/// The model `b` is for and the adapter checked against it: the one it names, the only one,
+/// or the first whose shapes the files fit.
+async fn load_target(
+    catalog: &Catalog,
+    b: &LoadBody,
+) -> Result<(Arc<Adapters>, LoraRef), ApiError> {
+    let bad_path = |e: String| ApiError::invalid("invalid_value", e).with_param("lora_path");
+    let candidates: Vec<&Arc<Adapters>> = match &b.base_model_name {
+        Some(m) => match catalog.0.iter().find(|a| &a.base == m) {
+            Some(a) => vec![a],
+            None => {
+                let served: Vec<&str> = catalog.0.iter().map(|a| a.base.as_str()).collect();
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    format!(
+                        "base_model_name `{m}` is not served here ({})",
+                        served.join(", ")
+                    ),
+                )
+                .with_param("base_model_name"));
+            }
+        },
+        None => catalog.0.iter().collect(),
+    };
+    let mut refusals = Vec::new();
+    for a in candidates {
+        let shape = a
+            .shape
+            .get_or_try_init(|| shape_of(&a.base_path))
+            .await
+            .map_err(server_error)?;
+        match check(shape, &b.lora_name, &b.lora_path).await {
+            Ok(lora) => return Ok((a.clone(), lora)),
+            Err(e) => refusals.push((a.base.clone(), e)),
+        }
+    }
+    match refusals.as_slice() {
+        [(_, e)] => Err(bad_path(e.clone())),
+        many => Err(bad_path(
+            many.iter()
+                .map(|(m, e)| format!("not for `{m}`: {e}"))
+                .collect::<Vec<_>>()
+                .join("; "),
+        )),
+    }
+}
+
 /// `POST /v1/load_lora_adapter`.
 pub async fn load(
-    State(adapters): State<Arc<Adapters>>,
+    State(catalog): State<Arc<Catalog>>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, ApiError> {
     let b: LoadBody = operator_body(peer, &headers, &bytes)?;
-    let name = b.lora_name;
-    if let Some(p) = dyn_core::lora_name_problem(&name, &adapters.base) {
-        return Err(ApiError::invalid("invalid_value", p).with_param("lora_name"));
-    }
+    let name = b.lora_name.clone();
     let taken = || {
         ApiError::invalid(
             "invalid_value",
@@ -293,24 +383,29 @@ pub async fn load(
         )
         .with_param("lora_name")
     };
-    if adapters.list.read().contains_key(&name) && !b.load_inplace {
+    // One name, one meaning: a model's name or another model's adapter cannot be reused.
+    let holder = catalog.0.iter().find(|a| a.find(&name).is_some());
+    for a in &catalog.0 {
+        if let Some(p) = dyn_core::lora_name_problem(&name, &a.base) {
+            return Err(ApiError::invalid("invalid_value", p).with_param("lora_name"));
+        }
+    }
+    if holder.is_some() && !b.load_inplace {
         return Err(taken());
     }
-    let shape = adapters
-        .shape
-        .get_or_try_init(|| shape_of(&adapters.base_path))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "internal_error",
-                e,
-            )
-        })?;
-    let lora = check(shape, &name, &b.lora_path)
-        .await
-        .map_err(|e| ApiError::invalid("invalid_value", e).with_param("lora_path"))?;
+    let (adapters, lora) = load_target(&catalog, &b).await?;
+    if let Some(h) = holder
+        && !Arc::ptr_eq(h, &adapters)
+    {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            format!(
+                "The lora adapter '{name}' is loaded for `{}`; unload it first",
+                h.base
+            ),
+        )
+        .with_param("lora_name"));
+    }
     {
         // Checked again: another load of the name may have finished meanwhile.
         let mut list = adapters.list.write();
@@ -319,14 +414,14 @@ pub async fn load(
         }
         list.insert(name.clone(), lora.clone());
     }
-    tracing::info!(node = %adapters.node, lora = %name, path = %lora.path, "LoRA adapter loaded");
+    tracing::info!(node = %adapters.node, lora = %name, path = %lora.path, model = %adapters.base, "LoRA adapter loaded");
     adapters.announce(&name, Some(lora)).await;
     Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
 }
 
 /// `POST /v1/unload_lora_adapter`.
 pub async fn unload(
-    State(adapters): State<Arc<Adapters>>,
+    State(catalog): State<Arc<Catalog>>,
     peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     headers: HeaderMap,
     bytes: Bytes,
@@ -340,7 +435,11 @@ pub async fn unload(
         .with_param("lora_int_id"));
     }
     let name = b.lora_name;
-    if adapters.list.write().remove(&name).is_none() {
+    let removed = catalog
+        .0
+        .iter()
+        .find(|a| a.list.write().remove(&name).is_some());
+    let Some(adapters) = removed else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -348,21 +447,16 @@ pub async fn unload(
             format!("The lora adapter '{name}' cannot be found."),
         )
         .with_param("lora_name"));
-    }
+    };
     tracing::info!(node = %adapters.node, lora = %name, "LoRA adapter unloaded");
     adapters.announce(&name, None).await;
     Ok(format!("Success: LoRA adapter '{name}' removed successfully.").into_response())
 }
 
 /// The routes, for the ingress's API router.
-pub fn routes(adapters: Arc<Adapters>) -> axum::Router {
+pub fn routes(catalog: Arc<Catalog>) -> axum::Router {
     axum::Router::new()
         .route("/v1/load_lora_adapter", axum::routing::post(load))
         .route("/v1/unload_lora_adapter", axum::routing::post(unload))
-        .with_state(adapters)
-}
-
-/// `GET /v1/models`.
-pub fn models_body(adapters: &Adapters, created: u64) -> Json<Value> {
-    Json(json!({"object": "list", "data": adapters.models(created)}))
+        .with_state(catalog)
 }

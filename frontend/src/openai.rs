@@ -28,7 +28,7 @@ use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
 use dyn_llm::types::{
     ChatMessage, Constraint, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt,
-    Sampling, TextLogprob, Usage,
+    Sampling, SlaTargets, TextLogprob, Usage,
 };
 use dyn_planner::state::PlannerView;
 use dyn_planner::stats::FrontendStats;
@@ -39,7 +39,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
 use super::admin::Admin;
-use super::lora::Adapters;
+use super::lora::{Adapters, Catalog};
 use super::reasoning::{ReasoningFormat, ReasoningParser};
 use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
 use super::{ApiError, KeyTenant, ServerConfig};
@@ -63,73 +63,104 @@ impl IngressConfig for HttpConfig {
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Http, BuildError> {
-        let model = cx.model.as_ref().ok_or_else(|| {
-            BuildError::new("the http ingress serves the graph's model: add `model: {name, path}`")
-        })?;
-        let dir = ModelDir::shared(cx).await?;
-        let adapters = Adapters::start(cx, &model.name, dir.path.clone()).await?;
-        let template = dir.chat_template.clone();
-        let preprocess = Preprocess::new(dir)?;
-        // The graph's word for the model's formats, else what its chat template shows.
-        let tool_format = match (model.tool_parser, model.reasoning_parser) {
-            (Some(n), _) => ToolFormat::from(n),
-            (None, Some(ReasoningParserName::Harmony)) => ToolFormat::Harmony,
-            (None, _) => ToolFormat::detect(template.as_deref()),
+        if cx.models.is_empty() {
+            return Err(BuildError::new(
+                "the http ingress serves the graph's model: add `model: {name, path}`",
+            ));
+        }
+        let mut served = Vec::with_capacity(cx.models.len());
+        let mut catalog = Vec::with_capacity(cx.models.len());
+        let mut admin = None;
+        for model in &cx.models {
+            let dir = ModelDir::shared_spec(cx, model).await?;
+            let adapters = Adapters::start(cx, model, dir.path.clone()).await?;
+            let template = dir.chat_template.clone();
+            let preprocess = Preprocess::new(dir)?;
+            let (tool_format, reasoning) = formats(model, template.as_deref(), &preprocess)
+                .map_err(|e| BuildError::new(format!("{}: {e}", model.name)))?;
+            tracing::info!(node = %cx.node, model = %model.name, tools = ?tool_format, reasoning = ?reasoning, "Chat answers parsed");
+            // `/admin` (`dyn inspect`) tokenizes with the first model.
+            if admin.is_none() {
+                admin = Some(Admin {
+                    inspect: cx.service::<dyn_core::Inspectables>().await?,
+                    events: cx.planes.events.clone(),
+                    namespace: cx.namespace.clone(),
+                    model: model.name.clone(),
+                    preprocess: Arc::new(preprocess),
+                    planner: cx.service::<PlannerView>().await?,
+                });
+            }
+            served.push(Served {
+                name: model.name.as_str().into(),
+                tool_format,
+                reasoning,
+            });
+            catalog.push(adapters);
+        }
+        let Some(admin) = admin else {
+            return Err(BuildError::new("no model to serve"));
         };
-        let harmony = tool_format == ToolFormat::Harmony;
-        let reasoning = match model.reasoning_parser {
-            // Harmony's reasoning is a channel, parsed with the calls.
-            Some(ReasoningParserName::None | ReasoningParserName::Harmony) | None if harmony => {
-                None
-            }
-            Some(_) if harmony => {
-                return Err(BuildError::new(
-                    "model.reasoning_parser: a harmony model (tool_parser: harmony) reasons in its analysis channel; leave reasoning_parser out or set it to harmony",
-                ));
-            }
-            Some(ReasoningParserName::Harmony) => {
-                return Err(BuildError::new(
-                    "model.reasoning_parser: harmony is parsed together with its tool calls; set tool_parser: harmony too",
-                ));
-            }
-            Some(ReasoningParserName::None) => None,
-            Some(ReasoningParserName::Qwen3) => Some(ReasoningFormat::Qwen3),
-            Some(ReasoningParserName::DeepseekR1) => Some(ReasoningFormat::DeepseekR1),
-            None => ReasoningFormat::detect(
-                template.as_deref(),
-                preprocess.generation_prompt().as_deref(),
-            ),
-        };
-        tracing::info!(node = %cx.node, tools = ?tool_format, reasoning = ?reasoning, "Chat answers parsed");
         Ok(Http {
-            tool_format,
-            reasoning,
             listener: self.server.bind(&cx.node).await?,
             config: self.server.resolved()?,
-            model: model.name.clone(),
-            admin: Admin {
-                inspect: cx.service::<dyn_core::Inspectables>().await?,
-                events: cx.planes.events.clone(),
-                namespace: cx.namespace.clone(),
-                model: model.name.clone(),
-                preprocess: Arc::new(preprocess),
-                planner: cx.service::<PlannerView>().await?,
-            },
+            served: served.into(),
+            admin,
             stats: cx.service::<FrontendStats>().await?,
-            adapters,
+            catalog: Arc::new(Catalog(catalog)),
         })
     }
 }
 
+/// How `model` writes tool calls and reasoning: the graph's word, else what its chat
+/// template shows.
+fn formats(
+    model: &dyn_core::ModelSpec,
+    template: Option<&str>,
+    preprocess: &Preprocess,
+) -> Result<(ToolFormat, Option<ReasoningFormat>), &'static str> {
+    let tool_format = match (model.tool_parser, model.reasoning_parser) {
+        (Some(n), _) => ToolFormat::from(n),
+        (None, Some(ReasoningParserName::Harmony)) => ToolFormat::Harmony,
+        (None, _) => ToolFormat::detect(template),
+    };
+    let harmony = tool_format == ToolFormat::Harmony;
+    let reasoning = match model.reasoning_parser {
+        // Harmony's reasoning is a channel, parsed with the calls.
+        Some(ReasoningParserName::None | ReasoningParserName::Harmony) | None if harmony => None,
+        Some(_) if harmony => {
+            return Err(
+                "reasoning_parser: a harmony model (tool_parser: harmony) reasons in its analysis channel; leave reasoning_parser out or set it to harmony",
+            );
+        }
+        Some(ReasoningParserName::Harmony) => {
+            return Err(
+                "reasoning_parser: harmony is parsed together with its tool calls; set tool_parser: harmony too",
+            );
+        }
+        Some(ReasoningParserName::None) => None,
+        Some(ReasoningParserName::Qwen3) => Some(ReasoningFormat::Qwen3),
+        Some(ReasoningParserName::DeepseekR1) => Some(ReasoningFormat::DeepseekR1),
+        None => ReasoningFormat::detect(template, preprocess.generation_prompt().as_deref()),
+    };
+    Ok((tool_format, reasoning))
+}
+
 pub struct Http {
     listener: TcpListener,
-    tool_format: ToolFormat,
-    reasoning: Option<ReasoningFormat>,
     config: ServerConfig,
-    model: String,
+    /// The models served, in the catalog's order.
+    served: Arc<[Served]>,
     admin: Admin,
     stats: Arc<FrontendStats>,
-    adapters: Arc<Adapters>,
+    catalog: Arc<Catalog>,
+}
+
+/// One base model the ingress serves: how its answers are parsed (configured, or detected
+/// from its chat template).
+struct Served {
+    name: Arc<str>,
+    tool_format: ToolFormat,
+    reasoning: Option<ReasoningFormat>,
 }
 
 type AppChain = Chain<LlmRequest, LlmDelta>;
@@ -137,18 +168,15 @@ type AppChain = Chain<LlmRequest, LlmDelta>;
 #[derive(Clone)]
 struct App {
     chain: AppChain,
-    /// How the model writes tool calls and reasoning (configured, or detected from its chat
-    /// template).
-    tool_format: ToolFormat,
-    reasoning: Option<ReasoningFormat>,
-    model: Arc<str>,
+    /// The models served, in the catalog's order.
+    served: Arc<[Served]>,
     created: u64,
     /// The planner's view of this frontend's traffic.
     stats: Arc<FrontendStats>,
     /// The shared server settings (the request deadline's default).
     server: Arc<ServerConfig>,
-    /// The model's LoRA adapters: which `model` names run which.
-    adapters: Arc<Adapters>,
+    /// The models and their LoRA adapters: which `model` names run what.
+    catalog: Arc<Catalog>,
 }
 
 impl Ingress for Http {
@@ -161,14 +189,12 @@ impl Ingress for Http {
         shutdown: ShutdownSignal,
     ) -> BoxFuture<'static, Result<(), OpError>> {
         let state = App {
-            tool_format: self.tool_format,
-            reasoning: self.reasoning,
             chain: chain.clone(),
-            model: self.model.into(),
+            served: self.served,
             created: unix_now(),
             stats: self.stats,
             server: Arc::new(self.config.clone()),
-            adapters: self.adapters.clone(),
+            catalog: self.catalog.clone(),
         };
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -178,7 +204,7 @@ impl Ingress for Http {
         // Operators' routes: behind `admin_key` (not the tenants' API keys), loopback only.
         let open = axum::Router::new()
             .route("/metrics", get(metrics))
-            .merge(super::lora::routes(self.adapters))
+            .merge(super::lora::routes(self.catalog))
             .merge(super::admin::router(self.admin));
         let app = super::app(&self.config, api, open);
         super::serve(self.listener, app, shutdown, chain).boxed()
@@ -200,7 +226,7 @@ async fn metrics() -> Response {
 }
 
 async fn models(State(app): State<App>) -> Json<Value> {
-    super::lora::models_body(&app.adapters, app.created)
+    app.catalog.models_body(app.created)
 }
 
 // ---- request bodies ------------------------------------------------------------------------
@@ -218,10 +244,27 @@ struct StreamOptions {
     include_usage: bool,
 }
 
+/// Dynamo's request extensions (`nvext`): the ones read here.
+#[derive(Debug, Default, Deserialize)]
+struct NvExt {
+    #[serde(default)]
+    router: Option<RouterHints>,
+}
+
+/// `nvext.router`: the latency the client asks for, milliseconds; a router choosing among
+/// pools picks one run for it.
+#[derive(Debug, Default, Deserialize)]
+struct RouterHints {
+    ttft_target: Option<f64>,
+    itl_target: Option<f64>,
+}
+
 /// Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send many.
 #[derive(Debug, Deserialize)]
 struct Common {
     model: String,
+    #[serde(default)]
+    nvext: Option<NvExt>,
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
@@ -433,6 +476,22 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid("invalid_value", message).with_param(param)
 }
 
+/// `nvext.router`'s targets, each a positive number of milliseconds.
+fn targets(ext: Option<NvExt>) -> Result<SlaTargets, ApiError> {
+    let hints = ext.and_then(|e| e.router).unwrap_or_default();
+    let ms = |name: &str, v: Option<f64>| match v {
+        Some(x) if !(x.is_finite() && x > 0.0) => Err(invalid(
+            &format!("nvext.router.{name}"),
+            format!("{name} must be a positive number of milliseconds, got {x}"),
+        )),
+        _ => Ok(v),
+    };
+    Ok(SlaTargets {
+        ttft_ms: ms("ttft_target", hints.ttft_target)?,
+        itl_ms: ms("itl_target", hints.itl_target)?,
+    })
+}
+
 /// The checks that need no model: the model name and parameters this server never supports.
 fn request(
     app: &App,
@@ -440,12 +499,13 @@ fn request(
     prompt: Prompt,
     c: Common,
 ) -> Result<(LlmRequest, Options), ApiError> {
-    let lora = app.adapters.resolve(&c.model)?;
+    let (at, lora) = app.catalog.resolve(&c.model)?;
+    let model = &app.served[at];
     refuse_unsupported(&c.unsupported)?;
     let mut constraint = constraint(&c)?;
     // A harmony model answers in channels: the structured answer goes in its `final` channel,
     // after the reasoning the model may write first (a raw Lark grammar stays as written).
-    let harmony = app.tool_format == ToolFormat::Harmony && endpoint == Endpoint::Chat;
+    let harmony = model.tool_format == ToolFormat::Harmony && endpoint == Endpoint::Chat;
     if harmony && let Some(expr) = constraint.as_ref().and_then(dyn_llm::grammar::lark_expr) {
         constraint = Some(Constraint::Lark(super::harmony::answer_grammar(&expr)));
     }
@@ -459,13 +519,13 @@ fn request(
     }
     let forcing = tools.as_ref().is_some_and(ToolRequest::forcing);
     let parses = tools.as_ref().is_some_and(ToolRequest::parses);
-    let forced = tools.as_ref().and_then(|t| t.forced(app.tool_format));
+    let forced = tools.as_ref().and_then(|t| t.forced(model.tool_format));
     if forcing && forced.is_none() {
         return Err(invalid(
             "tool_choice",
             format!(
                 "this model writes tool calls in the {:?} format, which no grammar here can force; use tool_choice auto",
-                app.tool_format
+                model.tool_format
             ),
         ));
     }
@@ -542,7 +602,7 @@ fn request(
     Ok((
         LlmRequest {
             endpoint,
-            model: c.model,
+            model: model.name.to_string(),
             prompt,
             sampling: Sampling {
                 temperature: c.temperature,
@@ -566,6 +626,7 @@ fn request(
                     .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX),
                 cache_salt,
                 lora,
+                targets: targets(c.nvext)?,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -582,17 +643,18 @@ fn request(
             tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
         Options {
+            named: c.model.as_str().into(),
             stream: c.stream,
             include_usage,
             // Harmony's channels always need parsing, calls or not.
-            tools: (parses || harmony).then_some(app.tool_format),
+            tools: (parses || harmony).then_some(model.tool_format),
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
             token_ids: c.return_token_ids.unwrap_or(false),
             // A grammar shapes the answer from its first token, so an answer cannot start
             // inside a block the template opened (R1): all of it is the answer.
-            reasoning: app.reasoning.filter(|f| {
+            reasoning: model.reasoning.filter(|f| {
                 endpoint == Endpoint::Chat && !(constrained && *f == ReasoningFormat::DeepseekR1)
             }),
         },
@@ -800,6 +862,8 @@ struct Options {
     /// vLLM's `return_token_ids`: choices carry `token_ids`, and the prompt's come back as
     /// `prompt_token_ids` (completions: per choice; chat: beside the choices).
     token_ids: bool,
+    /// The model the client named (an adapter's name where it named one): the answer's.
+    named: Arc<str>,
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -915,8 +979,8 @@ struct Track {
 }
 
 impl Track {
-    fn new(app: &App, endpoint: Endpoint, stream: bool) -> Self {
-        let model = app.model.clone();
+    /// Counted under `model`: the base model the request runs on.
+    fn new(app: &App, model: Arc<str>, endpoint: Endpoint, stream: bool) -> Self {
         FRONTEND.inflight.with_label_values(&[&*model]).inc();
         app.stats.arrived();
         Self {
@@ -1047,12 +1111,13 @@ async fn serve(
     let (req, opts) = match parsed {
         Ok(r) => r,
         Err(e) => {
-            let mut t = Track::new(&app, endpoint, false);
+            // A request refused before its model was known counts under the first model.
+            let mut t = Track::new(&app, app.served[0].name.clone(), endpoint, false);
             t.finish("error");
             return e.into_response();
         }
     };
-    let mut track = Track::new(&app, endpoint, opts.stream);
+    let mut track = Track::new(&app, req.model.as_str().into(), endpoint, opts.stream);
     let ctx = match app.server.request_ctx(&app.chain, &headers) {
         Ok(c) => c,
         Err(e) => {
@@ -1068,8 +1133,7 @@ async fn serve(
     let shape = Shape {
         id: format!("{prefix}{}", ctx.id()),
         endpoint,
-        // The model the client named: an adapter's name where it named one.
-        model: req.model.as_str().into(),
+        model: opts.named.clone(),
         created: unix_now(),
     };
     // Wait for the first delta so an early failure still gets a proper status code.

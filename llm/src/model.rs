@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
-use dyn_core::{BuildCx, BuildError, Service};
+use dyn_core::{BuildCx, BuildError, ModelSpec, Service};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -175,7 +175,7 @@ impl ModelDir {
             .clone()
     }
 
-    /// The graph's model, resolved against the graph file's directory (or `~`): loaded once per
+    /// The node's model, resolved against the graph file's directory (or `~`): loaded once per
     /// graph run (file reads and tokenizer parsing on the blocking pool), then shared.
     pub async fn shared(cx: &BuildCx) -> Result<Arc<ModelDir>, BuildError> {
         let spec = cx.model.as_ref().ok_or_else(|| {
@@ -183,6 +183,11 @@ impl ModelDir {
                 "this kind needs a model: add `model: {name: ..., path: ...}` to the graph",
             )
         })?;
+        Self::shared_spec(cx, spec).await
+    }
+
+    /// Model `spec` (one of the graph's), loaded once per graph run as [`Self::shared`] does.
+    pub async fn shared_spec(cx: &BuildCx, spec: &ModelSpec) -> Result<Arc<ModelDir>, BuildError> {
         let cache = cx.service::<ModelCache>().await?;
         let key = (spec.name.clone(), cx.resolve(&spec.path));
         if let Some(m) = cache.loaded.lock().get(&key).and_then(Weak::upgrade) {

@@ -7,16 +7,18 @@ use crate::types::{OutputSpec, PreprocessedRequest, Sampling, StopConditions};
 
 /// A build context for `node` with the repository's tiny model, on `planes`.
 pub fn cx(node: &str, instance_id: u64, consumers: &[&str], planes: &Planes) -> BuildCx {
+    let model = dyn_core::ModelSpec {
+        name: "tiny".into(),
+        path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
+        tool_parser: None,
+        reasoning_parser: None,
+        loras: Default::default(),
+    };
     BuildCx {
         instance_id: instance_id.into(),
         consumers: consumers.iter().map(|c| c.to_string()).collect(),
-        model: Some(dyn_core::ModelSpec {
-            name: "tiny".into(),
-            path: concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny").into(),
-            tool_parser: None,
-            reasoning_parser: None,
-            loras: Default::default(),
-        }),
+        model: Some(model.clone()),
+        models: vec![model],
         ..BuildCx::for_tests(node, planes.clone())
     }
 }

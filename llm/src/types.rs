@@ -120,6 +120,26 @@ pub struct Sampling {
     /// hash its blocks apart from other adapters' and the base's (`dyn_router::kv::salt_of`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraRef>,
+    /// The latency the client asks for (Dynamo's `nvext.router.ttft_target` and
+    /// `itl_target`): where a router chooses among pools, it picks one run for targets at
+    /// least this tight.
+    #[serde(default, skip_serializing_if = "SlaTargets::is_empty")]
+    pub targets: SlaTargets,
+}
+
+/// A request's latency targets, milliseconds (see [`Sampling::targets`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SlaTargets {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_ms: Option<f64>,
+}
+
+impl SlaTargets {
+    pub fn is_empty(&self) -> bool {
+        self.ttft_ms.is_none() && self.itl_ms.is_none()
+    }
 }
 
 /// A LoRA adapter as a request names it: its name and where its files are (a PEFT
@@ -260,6 +280,8 @@ pub struct Limits {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlmRequest {
     pub endpoint: Endpoint,
+    /// The base model: the ingress names it, for a request of one of its adapters too (the
+    /// adapter travels in `sampling.lora`); it picks the path of graphs with several models.
     pub model: String,
     pub prompt: Prompt,
     pub sampling: Sampling,
@@ -465,9 +487,20 @@ macro_rules! json_payload {
 
 json_payload! {
     Prefilled => "Prefilled",
-    LlmRequest => "LlmRequest",
     Generated => "Generated",
     LlmDelta => "LlmDelta",
+}
+
+impl Payload for LlmRequest {
+    const NAME: &'static str = "LlmRequest";
+    fn codec() -> Option<Codec> {
+        Some(Codec::json::<Self>())
+    }
+    /// The base model (the ingress names it, for an adapter too): the runtime sends the
+    /// request down that model's path.
+    fn model_name(&self) -> Option<&str> {
+        Some(&self.model)
+    }
 }
 
 impl Payload for PreprocessedRequest {

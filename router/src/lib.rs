@@ -36,6 +36,7 @@ pub mod kv;
 pub mod kv_aware;
 pub mod metrics;
 pub mod policy;
+pub mod pools;
 pub mod quality;
 pub mod remote_prefill;
 pub mod sequences;
@@ -147,6 +148,11 @@ pub struct RouteConfig {
     /// How many adapters the router remembers per worker (the workers' `max_loras`).
     #[serde(default = "eight_usize")]
     pub lora_slots: usize,
+    /// Where the node feeds several worker nodes (pools), what each takes ([`pools`]); the
+    /// router chooses a pool per request, then a worker in it, each pool with the settings
+    /// above.
+    #[serde(default)]
+    pub pools: Vec<pools::PoolRule>,
 }
 
 fn lora_load_ms() -> f64 {
@@ -194,6 +200,7 @@ impl Default for RouteConfig {
             session_affinity: None,
             lora_load_ms: lora_load_ms(),
             lora_slots: eight_usize(),
+            pools: Vec::new(),
         }
     }
 }
@@ -226,6 +233,20 @@ impl OperatorConfig for RouteConfig {
 
     fn validate(&self) -> Vec<Invalid> {
         let mut out = Vec::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            if self.pools[..i].iter().any(|o| o.node == p.node) {
+                out.push(Invalid::field(
+                    "pools",
+                    format!("pool '{}' is listed twice", p.node),
+                ));
+            }
+            for (field, what) in p.problems() {
+                out.push(Invalid::field(
+                    "pools",
+                    format!("pool '{}': {field} {what}", p.node),
+                ));
+            }
+        }
         let mut check = |name: &str, ok: bool, what: &str| {
             if !ok {
                 out.push(Invalid::field(name, what));
@@ -341,12 +362,23 @@ impl OperatorConfig for RouteConfig {
     }
 
     async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
-        let [target] = cx.consumers.as_slice() else {
-            return Err(BuildError::new(
-                "route needs exactly one node taking its output (the workers to choose from)",
-            ));
+        let route = match cx.consumers.as_slice() {
+            [] => {
+                return Err(BuildError::new(
+                    "route needs a node taking its output (the workers to choose from)",
+                ));
+            }
+            [target] => {
+                if let Some(p) = self.pools.first() {
+                    return Err(BuildError::new(format!(
+                        "pools names '{}', but the route feeds one node ('{target}'); pools are the worker nodes it feeds",
+                        p.node
+                    )));
+                }
+                self.start(cx, target).await?
+            }
+            many => self.start_pools(cx, many).await?,
         };
-        let route = self.start(cx, target).await?;
         let shown: Arc<dyn Inspect> = route.inner.clone();
         cx.service::<Inspectables>()
             .await?
@@ -356,6 +388,41 @@ impl OperatorConfig for RouteConfig {
 }
 
 impl RouteConfig {
+    /// A router over several pools (the worker nodes `targets`): one router per pool, the
+    /// first shown in `dyn inspect`.
+    async fn start_pools(&self, cx: &BuildCx, targets: &[String]) -> Result<Route, BuildError> {
+        if let Some(p) = self.pools.iter().find(|p| !targets.contains(&p.node)) {
+            return Err(BuildError::new(format!(
+                "pools names '{}', which the route does not feed (it feeds {})",
+                p.node,
+                targets.join(", ")
+            )));
+        }
+        // Named pools in the list's order, then the others.
+        let mut rules = self.pools.clone();
+        for t in targets {
+            if !rules.iter().any(|p| &p.node == t) {
+                rules.push(pools::PoolRule {
+                    node: t.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+        let mut routes = Vec::with_capacity(rules.len());
+        for r in &rules {
+            routes.push(self.start(cx, &r.node).await?);
+        }
+        let shared: Pools = rules
+            .into_iter()
+            .zip(&routes)
+            .map(|(rule, r)| (rule, r.inner.clone()))
+            .collect();
+        let mut top = routes.remove(0);
+        top.pools = Some(shared);
+        top._pool_routes = routes;
+        Ok(top)
+    }
+
     /// A router among the instances of node `target`, not shown in `dyn inspect` on its own
     /// (kinds that route a pool of their own, like `remote_prefill`, show it through themselves).
     pub async fn start(&self, cx: &BuildCx, target: &str) -> Result<Route, BuildError> {
@@ -483,9 +550,14 @@ impl RouteConfig {
             _tick: tick,
             _sessions: shared,
             _charges: heard,
+            pools: None,
+            _pool_routes: Vec::new(),
         })
     }
 }
+
+/// Each pool's rule and router, in the order they are tried.
+type Pools = Arc<[(pools::PoolRule, Arc<Inner>)]>;
 
 pub struct Route {
     inner: Arc<Inner>,
@@ -493,6 +565,10 @@ pub struct Route {
     _tick: Option<tokio_util::task::AbortOnDropHandle<()>>,
     _sessions: Option<tokio_util::task::AbortOnDropHandle<()>>,
     _charges: Option<tokio_util::task::AbortOnDropHandle<()>>,
+    /// Over several pools: each one's rule and router (`inner` is the first's).
+    pools: Option<Pools>,
+    /// The other pools' routers, kept running.
+    _pool_routes: Vec<Route>,
 }
 
 impl Route {
@@ -667,6 +743,24 @@ impl Inner {
             .ok_or_else(|| self.unavailable())
     }
 
+    /// The predicted time to first token of `tokens` on the worker this router would choose,
+    /// milliseconds (the `kv` policy's `time` cost; `None` for the others).
+    fn predicted_ttft_ms(
+        &self,
+        tokens: &[u32],
+        salt: Option<u64>,
+        lora: Option<&str>,
+    ) -> Option<f64> {
+        if self.config.policy != Policy::Kv || self.config.cost != CostModel::Time {
+            return None;
+        }
+        let d = self.decide_without(tokens, salt, lora, &|_| false).ok()?;
+        d.candidates
+            .iter()
+            .find(|c| c.worker == d.worker)
+            .map(cost::Candidate::ttft_ms)
+    }
+
     /// This router's requests on `worker` that a request of `precedence` would wait behind
     /// there: those that come before it or level with it where the engines preempt
     /// (`admission.preempt`), else all.
@@ -814,27 +908,28 @@ impl Operator for Route {
     type Out = PreprocessedRequest;
 
     fn call(&self, ctx: Ctx, input: Input<PreprocessedRequest>) -> Output<PreprocessedRequest> {
-        let inner = self.inner.clone();
+        let (first, pools) = (self.inner.clone(), self.pools.clone());
         input
             .then(move |mut req| {
-                let (inner, ctx) = (inner.clone(), ctx.clone());
+                let (ctx, pools) = (ctx.clone(), pools.clone());
+                let s = &req.sampling;
+                let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
+                let salt = kv::request_salt(s);
+                let inner = match &pools {
+                    None => first.clone(),
+                    Some(p) => pick_pool(p, &req, salt, lora.as_deref(), &ctx),
+                };
                 async move {
                     if let Some(a) = &inner.admission {
-                        // Waits for room (or is refused); dropped with the request when the
-                        // client hangs up meanwhile.
                         let ask = admission::Ask {
                             priority: req.sampling.priority,
                             tenant: req.sampling.tenant.as_deref().unwrap_or_default(),
                             tokens: req.token_ids.len() as u64 + u64::from(req.stop.max_tokens),
                         };
                         let permit = a.admit(&ctx, ask).await?;
-                        // The engine may preempt it for requests that come before it.
                         req.sampling.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
-                    let s = &req.sampling;
-                    let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
-                    let salt = kv::request_salt(s);
                     let (worker, cached) = inner.route(
                         &ctx,
                         &req.token_ids,
@@ -851,6 +946,27 @@ impl Operator for Route {
             })
             .boxed()
     }
+}
+
+/// The pool for `req` ([`pools::choose`]), counted in `dyn_router_pool_requests_total`.
+fn pick_pool(
+    pools: &[(pools::PoolRule, Arc<Inner>)],
+    req: &PreprocessedRequest,
+    salt: Option<u64>,
+    lora: Option<&str>,
+    ctx: &Ctx,
+) -> Arc<Inner> {
+    let rules: Vec<&pools::PoolRule> = pools.iter().map(|(r, _)| r).collect();
+    let (i, why) = pools::choose(&rules, req.token_ids.len(), &req.sampling.targets, |i| {
+        pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora)
+    });
+    let (rule, inner) = &pools[i];
+    metrics::ROUTER
+        .pool_requests
+        .with_label_values(&[inner.quality.node(), rule.node.as_str()])
+        .inc();
+    tracing::debug!(request_id = %ctx.id(), pool = %rule.node, why = ?why, prompt_tokens = req.token_ids.len(), "Pool chosen");
+    inner.clone()
 }
 
 #[cfg(test)]

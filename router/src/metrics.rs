@@ -19,12 +19,19 @@ pub struct Router {
     pub avoidable_tokens: IntCounterVec,
     /// Workers left out of routing by their circuit breaker (each time one opens).
     pub breaker_trips: IntCounterVec,
+    /// Requests sent to each pool, where a route node feeds several.
+    pub pool_requests: IntCounterVec,
 }
 
 pub static ROUTER: LazyLock<Router> = LazyLock::new(|| {
     let l: &[&str] = &["node"];
     Router {
         decisions: counter_vec("dyn_router_decisions_total", "Requests routed", l),
+        pool_requests: counter_vec(
+            "dyn_router_pool_requests_total",
+            "Requests sent to each pool, where a route node chooses among several",
+            &["node", "pool"],
+        ),
         routed: counter_vec(
             "dyn_router_routed_requests_total",
             "Requests routed, by worker (every policy)",

@@ -62,6 +62,11 @@ impl QualityRow {
 }
 
 impl Quality {
+    /// The route node it counts for.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     pub fn new(node: &str) -> Self {
         let r = &*ROUTER;
         let l = [node];

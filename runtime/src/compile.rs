@@ -51,13 +51,36 @@ pub struct CompiledNode {
     pub process: String,
     /// See [`crate::spec::NodeSpec::migration_limit`].
     pub migration_limit: u32,
+    /// The model it serves (a name in [`CompiledGraph::models`]), if the graph has any.
+    pub model: Option<String>,
 }
 
-/// The path one ingress's requests take: `path` in call order, the last one answers.
+/// A path an ingress's requests take: `path` in call order, the last one answers. An ingress
+/// has one path per model it serves (each request goes down its model's); a router may feed
+/// several worker nodes, pools of one model, choosing one per request (`pools`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainPath {
     pub ingress: usize,
+    /// The model of this path's requests, if the graph names models.
+    pub model: Option<String>,
+    /// The hops; where a router chooses among pools, the first pool.
     pub path: Vec<usize>,
+    /// Hops whose node a router chooses per request: position in `path` → every pool there
+    /// (`path[position]` first).
+    pub pools: BTreeMap<usize, Vec<usize>>,
+}
+
+impl ChainPath {
+    /// Every node a request of this path may visit: the hops and the other pools.
+    pub fn nodes(&self) -> impl Iterator<Item = usize> + '_ {
+        self.path
+            .iter()
+            .enumerate()
+            .flat_map(|(at, &i)| match self.pools.get(&at) {
+                Some(all) => all.clone(),
+                None => vec![i],
+            })
+    }
 }
 
 /// A checked graph, ready to plan and run.
@@ -67,7 +90,8 @@ pub struct CompiledGraph {
     pub namespace: String,
     pub control: PlaneAddr,
     pub events: PlaneAddr,
-    pub model: Option<ModelSpec>,
+    /// The models the graph serves (`model:`, or `models:`).
+    pub models: Vec<ModelSpec>,
     pub base_dir: PathBuf,
     pub nodes: Vec<CompiledNode>,
     pub chains: Vec<ChainPath>,
@@ -80,6 +104,11 @@ pub struct CompiledGraph {
 impl CompiledGraph {
     pub fn node(&self, id: &str) -> Option<&CompiledNode> {
         self.nodes.iter().find(|n| n.id == id)
+    }
+
+    /// The model named `name`.
+    pub fn model(&self, name: &str) -> Option<&ModelSpec> {
+        self.models.iter().find(|m| m.name == name)
     }
 
     /// The graph's section of type `C`, if the file has one.
@@ -226,6 +255,10 @@ struct Compiler<'a> {
     consumers: Vec<Vec<(usize, Option<Pos>)>>,
     /// Nodes named in other nodes' configs (a remote prefill's pool).
     called: Vec<bool>,
+    /// Per node: the nodes whose configs name it.
+    callers: Vec<Vec<usize>>,
+    /// Per node: the model it serves, once the paths are traced.
+    model: Vec<Option<String>>,
     chains: Vec<ChainPath>,
     on_chain: Vec<bool>,
     /// Per node: its replica count, from `replicas` or else from its config (see
@@ -237,13 +270,14 @@ struct Compiler<'a> {
 impl<'a> Compiler<'a> {
     /// The passes, in order. Each reports everything it finds; later passes look only at what
     /// earlier ones let through (a node whose config failed to parse has no type to check).
-    const PASSES: [(&'static str, Pass<'a>); 11] = [
+    const PASSES: [(&'static str, Pass<'a>); 12] = [
         ("nodes", Self::parse_nodes),
         ("edges", Self::link_edges),
         ("calls", Self::resolve_calls),
         ("fan-out", Self::check_fan_out),
         ("cycles", Self::check_cycles),
         ("paths", Self::trace_paths),
+        ("models", Self::assign_models),
         ("reach", Self::warn_unreached),
         ("roles", Self::check_roles),
         ("process groups", Self::check_process_groups),
@@ -267,6 +301,8 @@ impl<'a> Compiler<'a> {
             inputs: vec![Vec::new(); n],
             consumers: vec![Vec::new(); n],
             called: vec![false; n],
+            callers: vec![Vec::new(); n],
+            model: vec![None; n],
             chains: Vec::new(),
             on_chain: vec![false; n],
             replicas: spec.nodes.iter().map(|n| n.replicas).collect(),
@@ -371,7 +407,10 @@ impl<'a> Compiler<'a> {
             };
             for name in config.calls() {
                 match self.index.get(name.as_str()) {
-                    Some(&i) => self.called[i] = true,
+                    Some(&i) => {
+                        self.called[i] = true;
+                        self.callers[i].push(j);
+                    }
                     None if self.spec.broken.contains(&name) => {}
                     None => self.error(
                         Pos::of_span(n.config.span()).or(n.pos),
@@ -383,10 +422,17 @@ impl<'a> Compiler<'a> {
         }
     }
 
-    /// Each node feeds at most one: a request's path must be unambiguous.
+    /// Each node feeds at most one, so a request's path is unambiguous, but for two choosers:
+    /// an ingress feeds one path per model (a request names its model), and a router may feed
+    /// several pools (it names the worker); [`Self::trace_paths`] checks those.
     fn check_fan_out(&mut self) {
         for (i, cs) in self.consumers.iter().enumerate() {
-            if cs.len() > 1 {
+            // An ingress chooses by model only where the graph has several.
+            let several = self.spec.models.len() > 1;
+            let chooses = self.parsed[i]
+                .as_ref()
+                .is_some_and(|(k, _)| (k.is_ingress() && several) || k.role == Role::Router);
+            if cs.len() > 1 && !chooses {
                 let names: Vec<String> = cs
                     .iter()
                     .map(|(c, _)| format!("'{}'", self.spec.nodes[*c].id))
@@ -409,7 +455,8 @@ impl<'a> Compiler<'a> {
         report_cycles(self.spec, &self.inputs, &mut self.diags);
     }
 
-    /// Every ingress reaches a last node whose output is the ingress's response type.
+    /// Every ingress reaches, down each path, a last node whose output is the ingress's
+    /// response type; pools behind a router are workers that feed the same node.
     fn trace_paths(&mut self) {
         for i in 0..self.parsed.len() {
             let Some((kind, _)) = &self.parsed[i] else {
@@ -419,38 +466,239 @@ impl<'a> Compiler<'a> {
                 continue;
             };
             self.on_chain[i] = true;
-            let mut path = Vec::new();
-            let mut cur = i;
-            while let [(next, _)] = self.consumers[cur].as_slice() {
-                if self.on_chain[*next] && path.contains(next) || *next == i {
-                    break; // a cycle, reported already
-                }
-                path.push(*next);
-                self.on_chain[*next] = true;
-                cur = *next;
-            }
             let node = &self.spec.nodes[i];
-            match path.last() {
-                None if self.consumers[i].is_empty() => self.error(
+            if self.consumers[i].is_empty() {
+                self.error(
                     node.pos,
                     i,
                     "ingress has no node taking its requests; name it in another node's `inputs`",
-                ),
-                None => {}
-                Some(&last) => {
-                    if let Some((last_kind, _)) = &self.parsed[last] {
-                        let produced = output_type(last_kind);
-                        if produced != response {
-                            let msg = format!(
-                                "ends the path of ingress '{}', which answers with {response}, but '{}' ({}) yields {produced}",
-                                node.id, self.spec.nodes[last].id, last_kind.name
-                            );
-                            self.error(self.spec.nodes[last].pos, last, msg);
-                        }
+                );
+                self.chains.push(ChainPath {
+                    ingress: i,
+                    model: None,
+                    path: Vec::new(),
+                    pools: BTreeMap::new(),
+                });
+                continue;
+            }
+            let firsts: Vec<usize> = self.consumers[i].iter().map(|&(c, _)| c).collect();
+            for first in firsts {
+                let chain = self.trace_one(i, first);
+                if let Some(&last) = chain.path.last()
+                    && let Some((last_kind, _)) = &self.parsed[last]
+                {
+                    let produced = output_type(last_kind);
+                    if produced != response {
+                        let msg = format!(
+                            "ends the path of ingress '{}', which answers with {response}, but '{}' ({}) yields {produced}",
+                            node.id, self.spec.nodes[last].id, last_kind.name
+                        );
+                        self.error(self.spec.nodes[last].pos, last, msg);
+                    }
+                }
+                self.chains.push(chain);
+            }
+        }
+    }
+
+    /// The path of ingress `ingress` that starts at `first`.
+    fn trace_one(&mut self, ingress: usize, first: usize) -> ChainPath {
+        let mut path = vec![first];
+        let mut pools = BTreeMap::new();
+        self.on_chain[first] = true;
+        let mut cur = first;
+        loop {
+            let next: Vec<usize> = self.consumers[cur].iter().map(|&(c, _)| c).collect();
+            let Some(&one) = next.first() else { break };
+            if next.iter().any(|n| path.contains(n) || *n == ingress) {
+                break; // a cycle, reported already
+            }
+            if next.len() > 1 {
+                if !self.check_pools(cur, &next) {
+                    break;
+                }
+                pools.insert(path.len(), next.clone());
+                for &n in &next {
+                    self.on_chain[n] = true;
+                }
+            }
+            path.push(one);
+            self.on_chain[one] = true;
+            cur = one;
+        }
+        ChainPath {
+            ingress,
+            model: None,
+            path,
+            pools,
+        }
+    }
+
+    /// Router `router`'s pools: workers (a router chooses a worker) that all feed the same
+    /// node, so the path goes on the same way whichever the router picks.
+    fn check_pools(&mut self, router: usize, pools: &[usize]) -> bool {
+        let mut ok = true;
+        let feeds = |c: &Self, p: usize| -> Vec<usize> {
+            let mut v: Vec<usize> = c.consumers[p].iter().map(|&(n, _)| n).collect();
+            v.sort_unstable();
+            v
+        };
+        let first = feeds(self, pools[0]);
+        for &p in pools {
+            if let Some((k, _)) = &self.parsed[p]
+                && k.role != Role::Worker
+            {
+                let msg = format!(
+                    "router '{}' feeds several nodes, pools it chooses among, but '{}' ({}) is a {}, not a worker",
+                    self.spec.nodes[router].id, self.spec.nodes[p].id, k.name, k.role
+                );
+                self.error(self.spec.nodes[p].pos, p, msg);
+                ok = false;
+            }
+            if feeds(self, p) != first {
+                let names = |v: Vec<usize>| -> String {
+                    let v: Vec<String> = v
+                        .iter()
+                        .map(|&n| format!("'{}'", self.spec.nodes[n].id))
+                        .collect();
+                    if v.is_empty() {
+                        "nothing".into()
+                    } else {
+                        v.join(", ")
+                    }
+                };
+                let msg = format!(
+                    "pools of router '{}' must feed the same node: '{}' feeds {} but '{}' feeds {}",
+                    self.spec.nodes[router].id,
+                    self.spec.nodes[pools[0]].id,
+                    names(first.clone()),
+                    self.spec.nodes[p].id,
+                    names(feeds(self, p))
+                );
+                self.error(self.spec.nodes[p].pos, p, msg);
+                ok = false;
+            }
+        }
+        ok
+    }
+
+    /// The model of every path and node: the one a node on the path names (`model:`), else
+    /// the graph's only model; a node serves one model, and an ingress one path per model.
+    /// Nodes off every path (a prefill pool a config calls) take their callers' model.
+    fn assign_models(&mut self) {
+        let spec = self.spec;
+        for (i, n) in spec.nodes.iter().enumerate() {
+            if let Some((name, pos)) = &n.model {
+                if spec.models.iter().all(|m| &m.name != name) {
+                    let known: Vec<String> = spec
+                        .models
+                        .iter()
+                        .map(|m| format!("`{}`", m.name))
+                        .collect();
+                    let msg = if known.is_empty() {
+                        format!("`model: {name}`, but the graph names no model")
+                    } else {
+                        format!(
+                            "`model: {name}` is not one of the graph's models ({})",
+                            known.join(", ")
+                        )
+                    };
+                    self.error(*pos, i, msg);
+                    continue;
+                }
+                if self.parsed[i].as_ref().is_some_and(|(k, _)| k.is_ingress()) {
+                    self.error(*pos, i, "an ingress serves the models of its paths; name the model on the first node of each path");
+                    continue;
+                }
+                self.model[i] = Some(name.clone());
+            }
+        }
+        let only = match spec.models.as_slice() {
+            [m] => Some(m.name.clone()),
+            _ => None,
+        };
+        for c in 0..self.chains.len() {
+            let nodes: Vec<usize> = self.chains[c].nodes().collect();
+            let named: Vec<(usize, String)> = nodes
+                .iter()
+                .filter_map(|&j| self.model[j].clone().map(|m| (j, m)))
+                .collect();
+            let model = match named.first() {
+                Some((_, m)) => Some(m.clone()),
+                None if spec.models.len() > 1 => {
+                    if let Some(&first) = self.chains[c].path.first() {
+                        let ingress = &spec.nodes[self.chains[c].ingress].id;
+                        let msg = format!(
+                            "the graph serves several models: name this path's (from ingress '{ingress}') with `model:` on its first node"
+                        );
+                        self.error(spec.nodes[first].pos, first, msg);
+                    }
+                    None
+                }
+                None => only.clone(),
+            };
+            for (j, m) in &named {
+                if Some(m) != model.as_ref() {
+                    let msg = format!(
+                        "serves `{m}` but is on a path of `{}` (from '{}')",
+                        model.as_deref().unwrap_or_default(),
+                        spec.nodes[named[0].0].id
+                    );
+                    self.error(spec.nodes[*j].model.as_ref().and_then(|m| m.1), *j, msg);
+                }
+            }
+            self.chains[c].model = model;
+        }
+        // Each node on paths: their model, one.
+        let mut seen: Vec<Option<(String, usize)>> = vec![None; spec.nodes.len()];
+        for c in 0..self.chains.len() {
+            let Some(m) = self.chains[c].model.clone() else {
+                continue;
+            };
+            for j in self.chains[c].nodes().collect::<Vec<_>>() {
+                match &seen[j] {
+                    Some((other, _)) if *other != m => {
+                        let msg = format!(
+                            "is on paths of two models (`{other}` and `{m}`); a node serves one: give each model nodes of its own"
+                        );
+                        self.error(spec.nodes[j].pos, j, msg);
+                    }
+                    _ => {
+                        seen[j] = Some((m.clone(), c));
+                        self.model[j] = Some(m.clone());
                     }
                 }
             }
-            self.chains.push(ChainPath { ingress: i, path });
+        }
+        // An ingress: one path per model (with fewer models, the fan-out pass said it).
+        for a in (0..self.chains.len()).filter(|_| spec.models.len() > 1) {
+            for b in 0..a {
+                let (x, y) = (&self.chains[a], &self.chains[b]);
+                if x.ingress == y.ingress && x.model == y.model && x.path.first() != y.path.first()
+                {
+                    let (ingress, first) =
+                        (x.ingress, x.path.first().copied().unwrap_or(x.ingress));
+                    let msg = format!(
+                        "ingress '{}' feeds two paths of {} ('{}' and '{}'); it picks a path by the request's model, so each path serves another (`model:` on its first node)",
+                        spec.nodes[ingress].id,
+                        x.model
+                            .as_ref()
+                            .map_or("no model".to_owned(), |m| format!("model `{m}`")),
+                        y.path.first().map_or("", |&f| spec.nodes[f].id.as_str()),
+                        spec.nodes[first].id,
+                    );
+                    self.error(spec.nodes[first].pos, first, msg);
+                }
+            }
+        }
+        // Off every path: the callers' model (a prefill pool serves its caller's model).
+        for i in 0..spec.nodes.len() {
+            if self.model[i].is_none() {
+                self.model[i] = self.callers[i]
+                    .iter()
+                    .find_map(|&c| self.model[c].clone())
+                    .or_else(|| only.clone());
+            }
         }
     }
 
@@ -567,7 +815,7 @@ impl<'a> Compiler<'a> {
     fn check_wire_codecs(&mut self) {
         for chain in &self.chains {
             let ingress = &self.spec.nodes[chain.ingress];
-            for &j in &chain.path {
+            for j in chain.nodes() {
                 let n = &self.spec.nodes[j];
                 let Some((kind, _)) = &self.parsed[j] else {
                     continue;
@@ -621,7 +869,7 @@ impl<'a> Compiler<'a> {
             .collect();
         for s in &spec.sections {
             let Some(kind) = self.registry.get_section(&s.name) else {
-                let mut known = vec!["name", "namespace", "planes", "model", "nodes"];
+                let mut known = vec!["name", "namespace", "planes", "model", "models", "nodes"];
                 known.extend(self.registry.section_names());
                 self.diags.push(Diagnostic::error(
                     s.pos,
@@ -668,8 +916,10 @@ impl<'a> Compiler<'a> {
             .zip(self.parsed)
             .zip(self.inputs)
             .zip(self.replicas)
-            .filter_map(|(((n, p), inputs), replicas)| {
+            .zip(self.model)
+            .filter_map(|((((n, p), inputs), replicas), model)| {
                 p.map(|(kind, config)| CompiledNode {
+                    model,
                     id: n.id.clone(),
                     kind,
                     config,
@@ -685,7 +935,7 @@ impl<'a> Compiler<'a> {
             namespace: spec.namespace.clone(),
             control,
             events,
-            model: spec.model.clone(),
+            models: spec.models.clone(),
             base_dir,
             nodes,
             chains: self.chains,

@@ -56,7 +56,18 @@ pub struct EdgePlan {
 #[derive(Debug, Clone, Serialize)]
 pub struct PathPlan {
     pub ingress: String,
+    /// The model its requests are for, where the graph names models.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Node ids in call order; a hop where a router chooses among pools is `a|b`.
     pub path: Vec<String>,
+}
+
+impl PathPlan {
+    /// The node that answers (the first pool where pools end the path).
+    fn last(&self) -> Option<&str> {
+        self.path.last().and_then(|h| h.split('|').next())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +130,20 @@ impl Plan {
             .iter()
             .map(|c| PathPlan {
                 ingress: g.nodes[c.ingress].id.clone(),
-                path: c.path.iter().map(|&i| g.nodes[i].id.clone()).collect(),
+                model: c.model.clone(),
+                path: c
+                    .path
+                    .iter()
+                    .enumerate()
+                    .map(|(at, &i)| match c.pools.get(&at) {
+                        Some(all) => all
+                            .iter()
+                            .map(|&p| g.nodes[p].id.as_str())
+                            .collect::<Vec<_>>()
+                            .join("|"),
+                        None => g.nodes[i].id.clone(),
+                    })
+                    .collect(),
             })
             .collect();
         Plan {
@@ -183,14 +207,17 @@ impl Plan {
         let _ = writeln!(s, "\nrequest paths:");
         for p in &self.paths {
             let back = p
-                .path
                 .last()
                 .and_then(|id| self.node(id))
                 .map(|n| n.output)
                 .unwrap_or("?");
+            let model = p
+                .model
+                .as_ref()
+                .map_or(String::new(), |m| format!(" (model {m})"));
             let _ = writeln!(
                 s,
-                "  {} → {} ⇒ {} answers with {back}",
+                "  {} → {} ⇒ {} answers with {back}{model}",
                 p.ingress,
                 p.path.join(" → "),
                 p.ingress
@@ -232,7 +259,7 @@ impl Plan {
             );
         }
         for p in &self.paths {
-            if let Some(last) = p.path.last() {
+            if let Some(last) = p.last() {
                 let _ = writeln!(
                     s,
                     "  \"{last}\" -> \"{}\" [style=dashed, label=\"response\"];",
@@ -274,7 +301,7 @@ impl Plan {
             );
         }
         for p in &self.paths {
-            if let Some(last) = p.path.last() {
+            if let Some(last) = p.last() {
                 let _ = writeln!(s, "  {} -.->|response| {}", mid(last), mid(&p.ingress));
             }
         }

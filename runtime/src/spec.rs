@@ -27,7 +27,9 @@ pub struct GraphSpec {
     pub name: String,
     pub namespace: String,
     pub planes: PlanesSpec,
-    pub model: Option<ModelSpec>,
+    /// The models it serves: `model:` (one), or `models:` (several, each with a name that
+    /// nodes' `model` fields and requests' `model` pick), in file order.
+    pub models: Vec<ModelSpec>,
     pub nodes: Vec<NodeSpec>,
     /// Top-level keys other than the header's and `nodes`: sections a registry defines
     /// (`planner:`), checked by the compiler against the registry.
@@ -56,7 +58,7 @@ pub struct SectionSpec {
 }
 
 /// The graph's own top-level keys; any other is a section (see [`SectionSpec`]).
-const HEADER_KEYS: &[&str] = &["name", "namespace", "planes", "model", "nodes"];
+const HEADER_KEYS: &[&str] = &["name", "namespace", "planes", "model", "models", "nodes"];
 
 /// One node as written.
 #[derive(Debug, Clone)]
@@ -75,6 +77,9 @@ pub struct NodeSpec {
     /// How many times a request this node serves is resent to another replica after losing
     /// one (when its input type can be resumed).
     pub migration_limit: u32,
+    /// The model this node serves (a name in `models:`); unset, the model of its inputs, or the
+    /// graph's only model.
+    pub model: Option<(String, Option<Pos>)>,
     /// The kind's own config; an empty mapping when absent.
     pub config: Node,
 }
@@ -92,6 +97,8 @@ struct HeaderRaw {
     planes: Option<PlanesRaw>,
     #[serde(default)]
     model: Option<ModelSpec>,
+    #[serde(default)]
+    models: Option<Spanned<Vec<ModelSpec>>>,
     #[allow(dead_code)] // walked by hand below, to keep each node's config as a marked node
     nodes: serde::de::IgnoredAny,
 }
@@ -117,6 +124,8 @@ struct NodeRaw {
     process: Option<Spanned<String>>,
     #[serde(default)]
     migration_limit: Option<Spanned<u32>>,
+    #[serde(default)]
+    model: Option<Spanned<String>>,
     #[allow(dead_code)] // taken as a marked node, parsed later by the node's kind
     #[serde(default)]
     config: Option<serde::de::IgnoredAny>,
@@ -129,6 +138,7 @@ pub const NODE_FIELDS: &[&str] = &[
     "replicas",
     "process",
     "migration_limit",
+    "model",
     "config",
 ];
 
@@ -372,7 +382,61 @@ fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> O
             String::new()
         }
     };
-    for problem in header.model.iter().flat_map(ModelSpec::lora_problems) {
+    let models = match (header.model, header.models) {
+        (Some(_), Some(list)) => {
+            diags.push(Diagnostic::error(
+                pos_of(&list),
+                None,
+                "give `model` (one) or `models` (several), not both",
+            ));
+            Vec::new()
+        }
+        (Some(m), None) => vec![m],
+        (None, Some(list)) => {
+            let at = pos_of(&list);
+            let list: Vec<ModelSpec> = (*list).clone();
+            if list.is_empty() {
+                diags.push(Diagnostic::error(at, None, "`models` lists no model"));
+            }
+            for (i, m) in list.iter().enumerate() {
+                if list[..i].iter().any(|o| o.name == m.name) {
+                    diags.push(Diagnostic::error(
+                        at,
+                        None,
+                        format!("models: `{}` is named twice", m.name),
+                    ));
+                }
+                // A request's `model` picks a base model or an adapter: one name, one meaning.
+                for other in &list[..i] {
+                    for name in m.loras.keys().filter(|n| other.loras.contains_key(*n)) {
+                        diags.push(Diagnostic::error(
+                            at,
+                            None,
+                            format!(
+                                "models: adapter `{name}` is named in `{}` and `{}`",
+                                other.name, m.name
+                            ),
+                        ));
+                    }
+                }
+                for other in &list {
+                    if other.loras.contains_key(&m.name) {
+                        diags.push(Diagnostic::error(
+                            at,
+                            None,
+                            format!(
+                                "models: `{}` is a model and an adapter of `{}`",
+                                m.name, other.name
+                            ),
+                        ));
+                    }
+                }
+            }
+            list
+        }
+        (None, None) => Vec::new(),
+    };
+    for problem in models.iter().flat_map(ModelSpec::lora_problems) {
         diags.push(Diagnostic::error(root_pos, None, problem));
     }
     Some(GraphSpec {
@@ -385,7 +449,7 @@ fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> O
             control: plane(planes.control),
             events: plane(planes.events),
         },
-        model: header.model,
+        models,
         nodes: Vec::new(),
         sections,
         broken: Vec::new(),
@@ -454,6 +518,7 @@ fn node(id: String, pos: Option<Pos>, value: &Node) -> Result<NodeSpec, Diagnost
             .migration_limit
             .as_ref()
             .map_or(DEFAULT_MIGRATION_LIMIT, |m| **m),
+        model: raw.model.as_ref().map(|m| (m.to_string(), pos_of(m))),
         config,
         id,
     })

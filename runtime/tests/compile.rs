@@ -405,7 +405,7 @@ fn overrides_reach_the_graph_header() {
         "model.name=b".parse().unwrap(),
     ];
     let (spec, _) = load_str("g.yaml", &yaml, &set).unwrap();
-    let m = spec.model.unwrap();
+    let m = &spec.models[0];
     assert_eq!((m.name.as_str(), m.path.as_str()), ("b", "/models/b.gguf"));
     // A graph without a model section gets one; a wrong key is checked as if written.
     let bare = format!("{HEADER}  in: {{kind: src}}\n");
@@ -414,12 +414,7 @@ fn overrides_reach_the_graph_header() {
         "model.name=x".parse().unwrap(),
     ];
     assert_eq!(
-        load_str("g.yaml", &bare, &set)
-            .unwrap()
-            .0
-            .model
-            .unwrap()
-            .path,
+        load_str("g.yaml", &bare, &set).unwrap().0.models[0].path,
         "x"
     );
     let bad: Vec<Override> = vec!["model.size=3".parse().unwrap()];
@@ -459,4 +454,109 @@ fn plan_renderings() {
     let json: serde_json::Value =
         serde_json::from_str(&plan.render(dyn_runtime::Format::Json)).unwrap();
     assert_eq!(json["processes"][1]["replicas"], 2);
+}
+
+const TWO_MODELS: &str =
+    "name: t\nmodels:\n  - {name: m1, path: a}\n  - {name: m2, path: b}\nnodes:\n";
+
+#[test]
+fn an_ingress_feeds_one_path_per_model_and_each_node_serves_its_paths_model() {
+    let g = check_with(
+        &format!(
+            "{TWO_MODELS}  in: {{kind: src}}\n  x1: {{kind: a2b, inputs: [in], model: m1}}\n  y1: {{kind: b2b, inputs: [x1]}}\n  x2: {{kind: a2b, inputs: [in], model: m2}}\n  y2: {{kind: b2b, inputs: [x2]}}\n"
+        ),
+        &[],
+    )
+    .unwrap();
+    let paths: Vec<(Option<&str>, Vec<&str>)> = g
+        .chains
+        .iter()
+        .map(|c| {
+            let ids = c.path.iter().map(|&i| g.nodes[i].id.as_str()).collect();
+            (c.model.as_deref(), ids)
+        })
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            (Some("m1"), vec!["x1", "y1"]),
+            (Some("m2"), vec!["x2", "y2"])
+        ]
+    );
+    let model = |id: &str| g.node(id).unwrap().model.as_deref();
+    assert_eq!((model("y1"), model("y2")), (Some("m1"), Some("m2")));
+    let text = Plan::new(&g).render(dyn_runtime::Format::Text);
+    assert!(
+        text.contains("in → x2 → y2 ⇒ in answers with B (model m2)"),
+        "{text}"
+    );
+
+    // Each path names its model; names are the graph's; a node serves one model; an ingress
+    // feeds one path per model.
+    let e = errors(&format!(
+        "{TWO_MODELS}  in: {{kind: src}}\n  x1: {{kind: a2b, inputs: [in], model: m3}}\n  x2: {{kind: a2b, inputs: [in]}}\n"
+    ));
+    assert!(
+        e.contains("`model: m3` is not one of the graph's models (`m1`, `m2`)"),
+        "{e}"
+    );
+    assert!(
+        e.contains("node 'x2': the graph serves several models: name this path's"),
+        "{e}"
+    );
+    let e = errors(&format!(
+        "{TWO_MODELS}  in: {{kind: src}}\n  x1: {{kind: a2b, inputs: [in], model: m1}}\n  x2: {{kind: a2b, inputs: [in], model: m1}}\n"
+    ));
+    assert!(
+        e.contains("ingress 'in' feeds two paths of model `m1` ('x1' and 'x2')"),
+        "{e}"
+    );
+    let e = errors(&format!(
+        "{TWO_MODELS}  in: {{kind: src}}\n  x1: {{kind: a2b, inputs: [in], model: m1}}\n  y: {{kind: b2b, inputs: [x1], model: m2}}\n"
+    ));
+    assert!(
+        e.contains("node 'y': serves `m2` but is on a path of `m1`"),
+        "{e}"
+    );
+    let e =
+        errors("name: t\nmodel: {name: m, path: a}\nmodels:\n  - {name: n, path: b}\nnodes: {}\n");
+    assert!(
+        e.contains("give `model` (one) or `models` (several), not both"),
+        "{e}"
+    );
+    let e = errors(
+        "name: t\nmodels:\n  - {name: m, path: a, loras: {x: d}}\n  - {name: x, path: b}\nnodes: {}\n",
+    );
+    assert!(e.contains("`x` is a model and an adapter of `m`"), "{e}");
+}
+
+#[test]
+fn a_router_may_feed_several_worker_pools_that_feed_the_same_node() {
+    let g = check_with(
+        &format!(
+            "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  r: {{kind: router, inputs: [x]}}\n  short: {{kind: worker, inputs: [r]}}\n  long: {{kind: worker, inputs: [r], replicas: 2}}\n  post: {{kind: b2b, inputs: [short, long]}}\n"
+        ),
+        &[],
+    )
+    .unwrap();
+    let c = &g.chains[0];
+    let ids = |v: &[usize]| -> Vec<String> { v.iter().map(|&i| g.nodes[i].id.clone()).collect() };
+    assert_eq!(ids(&c.path), ["x", "r", "short", "post"]);
+    assert_eq!(ids(&c.pools[&2]), ["short", "long"]);
+    let text = Plan::new(&g).render(dyn_runtime::Format::Text);
+    assert!(text.contains("in → x → r → short|long → post"), "{text}");
+
+    let e = errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  r: {{kind: router, inputs: [x]}}\n  short: {{kind: worker, inputs: [r]}}\n  long: {{kind: b2b, inputs: [r]}}\n  post: {{kind: b2b, inputs: [short]}}\n"
+    ));
+    assert!(e.contains("'long' (b2b) is a stage, not a worker"), "{e}");
+    assert!(
+        e.contains("pools of router 'r' must feed the same node: 'short' feeds 'post' but 'long' feeds nothing"),
+        "{e}"
+    );
+    // Anything else still feeds one node.
+    let e = errors(&format!(
+        "{HEADER}  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n  a: {{kind: b2b, inputs: [x]}}\n  b: {{kind: b2b, inputs: [x]}}\n"
+    ));
+    assert!(e.contains("node 'x' feeds 2 nodes ('a', 'b')"), "{e}");
 }

@@ -1,6 +1,6 @@
-//! The request path: the edge client that calls one node, the stages of an ingress's path
-//! (with request migration around a worker and its router) and the chain runner the ingress
-//! holds.
+//! The request path: the edge client that calls one node, the hops of a path (a node, or the
+//! pools a router chooses among), its stages (with request migration around a worker and its
+//! router) and the chain runner the ingress holds (one path per model it serves).
 
 use super::*;
 
@@ -57,6 +57,11 @@ impl EdgeClient {
             .ok_or_else(|| OpError::unavailable(format!("no live instance of '{}'", self.node)))
     }
 
+    /// Whether `id` is one of this node's live instances.
+    fn holds(&self, id: InstanceId) -> bool {
+        self.instances.read().iter().any(|i| i.instance_id == id)
+    }
+
     pub(super) fn call(self: &Arc<Self>, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
         let this = self.clone();
         // The target is a property of the first item (a routed request); peek at it.
@@ -84,32 +89,77 @@ impl EdgeClient {
     }
 }
 
-/// One step of a request path: a node, or a node with the router in front of it wrapped in
-/// request migration.
+/// One hop of a request path: a node, or the worker nodes (pools) a router in front chooses
+/// among; the router names a worker, and the hop calls the pool that has it.
+#[derive(Clone)]
+pub(super) enum Hop {
+    One(Arc<EdgeClient>),
+    Pools(Arc<[Arc<EdgeClient>]>),
+}
+
+impl Hop {
+    fn role(&self) -> Role {
+        match self {
+            Hop::One(e) => e.role,
+            Hop::Pools(_) => Role::Worker,
+        }
+    }
+
+    fn types(&self) -> EndpointTypes {
+        match self {
+            Hop::One(e) => e.types,
+            Hop::Pools(p) => p[0].types,
+        }
+    }
+
+    fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
+        let pools = match self {
+            Hop::One(e) => return e.call(ctx, input),
+            Hop::Pools(p) => p.clone(),
+        };
+        async_stream::stream! {
+            let mut input = input.peekable();
+            let target = Pin::new(&mut input).peek().await.and_then(|p| p.target_instance());
+            let Some(t) = target else {
+                yield Err(OpError::internal("the router in front of several pools chose no worker"));
+                return;
+            };
+            let Some(edge) = pools.iter().find(|e| e.holds(t)) else {
+                yield Err(OpError::instance_lost(format!("instance {t:x} is in none of the pools")));
+                return;
+            };
+            let mut out = edge.call(ctx, input.boxed());
+            while let Some(item) = out.next().await {
+                yield item;
+            }
+        }
+        .boxed()
+    }
+}
+
+/// One step of a request path: a hop, or a worker hop with the router in front of it wrapped
+/// in request migration.
 pub(super) enum Stage {
-    Node(Arc<EdgeClient>),
+    Node(Hop),
     Migrating(Arc<Migrating>),
 }
 
 impl Stage {
-    /// The stage for `node`; a migrating worker takes the routers and pass-through nodes right
-    /// before it into its segment, so a resent request is routed and prefilled afresh.
-    pub(super) fn for_node(
-        edge: Arc<EdgeClient>,
-        node: &CompiledNode,
-        stages: &mut Vec<Stage>,
-    ) -> Stage {
+    /// The stage for `hop` (whose first node is `node`); a migrating worker takes the routers
+    /// and pass-through nodes right before it into its segment, so a resent request is routed
+    /// and prefilled afresh.
+    pub(super) fn for_node(hop: Hop, node: &CompiledNode, stages: &mut Vec<Stage>) -> Stage {
         let resume = match (
             node.kind.role,
             node.migration_limit,
-            edge.types.input.resume,
+            hop.types().input.resume,
         ) {
             (Role::Worker, limit, Some(resume)) if limit > 0 => resume,
-            _ => return Stage::Node(edge),
+            _ => return Stage::Node(hop),
         };
-        let mut steps = vec![edge];
+        let mut steps = vec![hop];
         while let Some(Stage::Node(prev)) = stages.last()
-            && prev.role.forwards()
+            && prev.role().forwards()
         {
             steps.insert(0, prev.clone());
             stages.pop();
@@ -123,7 +173,7 @@ impl Stage {
 
     pub(super) fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
         match self {
-            Stage::Node(e) => e.call(ctx, input),
+            Stage::Node(h) => h.call(ctx, input),
             Stage::Migrating(m) => m.call(ctx, input),
         }
     }
@@ -134,9 +184,9 @@ pub(super) trait Step {
     fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload>;
 }
 
-impl Step for Arc<EdgeClient> {
+impl Step for Hop {
     fn call(&self, ctx: Ctx, input: Input<AnyPayload>) -> Output<AnyPayload> {
-        EdgeClient::call(self, ctx, input)
+        Hop::call(self, ctx, input)
     }
 }
 
@@ -209,7 +259,7 @@ pub(super) fn run_path<S: Step>(
 /// client holds part of the stream) also waits those out, within the same `limit`: the
 /// survivors of a lost replica are briefly full, and discovery briefly empty.
 pub(super) struct Migrating {
-    pub(super) steps: Vec<Arc<EdgeClient>>,
+    pub(super) steps: Vec<Hop>,
     pub(super) resume: Resume,
     pub(super) limit: u32,
 }
@@ -293,10 +343,12 @@ fn retried(e: &OpError, attempt: u32, answered: bool) -> bool {
     }
 }
 
-/// Walks one ingress's request path: the output stream of each stage is the input stream of
-/// the next, and the last stage's outputs go back to the ingress.
+/// Walks one ingress's request paths: a request goes down the path of its model (the only one
+/// when there is one), the output stream of each stage is the input stream of the next, and
+/// the last stage's outputs go back to the ingress.
 pub(super) struct ChainRunner {
-    pub(super) stages: Vec<Stage>,
+    /// Each path's model and stages.
+    pub(super) paths: Vec<(Option<String>, Vec<Stage>)>,
     pub(super) root: Ctx,
     /// One token per request whose response stream is open: the ingress drains on it.
     pub(super) in_flight: TaskTracker,
@@ -319,7 +371,18 @@ impl DynChain for ChainRunner {
 
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload> {
         let token = self.in_flight.token();
-        let mut out = run_path(&self.stages, &ctx, stream::iter([request]).boxed());
+        let stages = match self.paths.as_slice() {
+            [(_, only)] => only,
+            paths => {
+                let model = request.model_name();
+                let Some((_, stages)) = paths.iter().find(|(m, _)| m.as_deref() == model) else {
+                    let msg = format!("no path of this graph serves model {model:?}");
+                    return stream::iter([Err(OpError::invalid(msg))]).boxed();
+                };
+                stages
+            }
+        };
+        let mut out = run_path(stages, &ctx, stream::iter([request]).boxed());
         async_stream::stream! {
             let _token = token;
             // Only the first item fires the hooks; later ones skip the context's lock.

@@ -301,35 +301,32 @@ impl Startup<'_> {
         .shared();
         let mut ingresses = JoinSet::new();
         let mut edges: Vec<Option<Arc<EdgeClient>>> = vec![None; graph.nodes.len()];
-        for chain in &graph.chains {
-            let n = &graph.nodes[chain.ingress];
-            if !self.opts.runs_node(n) {
+        for (at, n) in graph.nodes.iter().enumerate() {
+            if !matches!(n.kind.ports, Ports::Ingress { .. }) || !self.opts.runs_node(n) {
                 continue;
             }
-            let mut stages = Vec::new();
-            for &i in &chain.path {
-                let node = &graph.nodes[i];
-                let Ports::Operator { input, output } = node.kind.ports else {
-                    continue;
-                };
-                let edge = match &edges[i] {
-                    Some(e) => e.clone(),
-                    None => {
-                        let types = EndpointTypes { input, output };
-                        let e = EdgeClient::start(
-                            &self.planes,
-                            &graph.namespace,
-                            &node.id,
-                            node.kind.role,
-                            types,
-                            local.clone(),
-                        )
-                        .await?;
-                        edges[i].insert(Arc::new(e)).clone()
+            let mut paths = Vec::new();
+            for chain in graph.chains.iter().filter(|c| c.ingress == at) {
+                let mut stages = Vec::new();
+                for (hop_at, &i) in chain.path.iter().enumerate() {
+                    let node = &graph.nodes[i];
+                    if !matches!(node.kind.ports, Ports::Operator { .. }) {
+                        continue;
                     }
-                };
-                let stage = Stage::for_node(edge, node, &mut stages);
-                stages.push(stage);
+                    let hop = match chain.pools.get(&hop_at) {
+                        None => Hop::One(self.edge(&mut edges, i, &local).await?),
+                        Some(pools) => {
+                            let mut all = Vec::with_capacity(pools.len());
+                            for &p in pools {
+                                all.push(self.edge(&mut edges, p, &local).await?);
+                            }
+                            Hop::Pools(all.into())
+                        }
+                    };
+                    let stage = Stage::for_node(hop, node, &mut stages);
+                    stages.push(stage);
+                }
+                paths.push((chain.model.clone(), stages));
             }
             let replica = match &self.opts.placement {
                 Placement::All => 0,
@@ -343,7 +340,7 @@ impl Startup<'_> {
                 return Err(wrong_build(n, replica, "kind built an operator"));
             };
             let runner = Arc::new(ChainRunner {
-                stages,
+                paths,
                 root: self.root.clone(),
                 in_flight: TaskTracker::new(),
             });
@@ -360,6 +357,34 @@ impl Startup<'_> {
             ingresses,
             stop: stop_tx,
         })
+    }
+}
+
+impl Startup<'_> {
+    /// The edge client calling node `i`, one per node (shared by the paths through it).
+    async fn edge(
+        &self,
+        edges: &mut [Option<Arc<EdgeClient>>],
+        i: usize,
+        local: &Arc<HashSet<InstanceId>>,
+    ) -> Result<Arc<EdgeClient>, RuntimeError> {
+        if let Some(e) = &edges[i] {
+            return Ok(e.clone());
+        }
+        let node = &self.graph.nodes[i];
+        let Ports::Operator { input, output } = node.kind.ports else {
+            return Err(wrong_build(node, 0, "an ingress is not called"));
+        };
+        let e = EdgeClient::start(
+            &self.planes,
+            &self.graph.namespace,
+            &node.id,
+            node.kind.role,
+            EndpointTypes { input, output },
+            local.clone(),
+        )
+        .await?;
+        Ok(edges[i].insert(Arc::new(e)).clone())
     }
 }
 

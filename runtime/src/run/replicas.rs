@@ -87,6 +87,22 @@ impl ReplicaSet {
         readiness: Readiness,
     ) -> BuildCx {
         let g = &self.graph;
+        let model = g
+            .node(node)
+            .and_then(|n| n.model.as_deref())
+            .and_then(|m| g.model(m))
+            .cloned();
+        // An ingress serves its paths' models; any other node its own.
+        let index = g.nodes.iter().position(|n| n.id == node);
+        let mut models: Vec<dyn_core::ModelSpec> = g
+            .chains
+            .iter()
+            .filter(|c| Some(c.ingress) == index)
+            .filter_map(|c| c.model.as_deref().and_then(|m| g.model(m)).cloned())
+            .collect();
+        if models.is_empty() {
+            models.extend(model.clone());
+        }
         BuildCx {
             graph: g.name.clone(),
             namespace: g.namespace.clone(),
@@ -94,7 +110,8 @@ impl ReplicaSet {
             replica,
             instance_id,
             consumers: workers_after(g, node),
-            model: g.model.clone(),
+            model,
+            models,
             base_dir: g.base_dir.clone(),
             planes: self.planes.clone(),
             services: self.services.clone(),
@@ -151,7 +168,7 @@ impl ReplicaSet {
         };
         let mut metadata = n.config.metadata();
         metadata.kind = Some(n.kind.name.into());
-        metadata.model = self.graph.model.as_ref().map(|m| m.name.clone());
+        metadata.model = n.model.clone();
         let mut instance = Instance {
             namespace: self.graph.namespace.clone(),
             component: n.id.clone(),
