@@ -79,12 +79,13 @@ impl PoolRule {
             && self.max_prompt_tokens.is_none_or(|m| n <= u64::from(m))
     }
 
-    /// Run for targets at least as tight as `asked` (a target the pool does not state, or the
-    /// request does not ask, does not count against it).
+    /// Run for targets at least as tight as `asked`: a target the request does not ask for
+    /// does not count, one it asks for must be stated and no looser.
     fn meets(&self, asked: &SlaTargets) -> bool {
         let ok = |promise: Option<f64>, asked: Option<f64>| match (promise, asked) {
             (Some(p), Some(a)) => p <= a,
-            _ => true,
+            (None, Some(_)) => false,
+            (_, None) => true,
         };
         ok(self.ttft_ms, asked.ttft_ms) && ok(self.itl_ms, asked.itl_ms)
     }

@@ -1,0 +1,195 @@
+//! Many models behind one endpoint, through the real `dyn` binary and HTTP:
+//!
+//! - two base models in one graph (SmolLM2-135M-Instruct as GGUF and models/tiny, each on a
+//!   native worker of its own): `/v1/models` lists both, and each request is tokenized,
+//!   answered and detokenized by its own model's tokenizer (checked against the Hugging Face
+//!   tokenizers of both), for completions and chat;
+//! - two pools of one model (`graphs/pools.yaml`): long prompts go to the long pool, short ones
+//!   to the short pool, counted by the router's `dyn_router_pool_requests_total`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
+
+use dyn_tests::{Graph, completion, long_prompt, metric, root, scratch_dir};
+use serde_json::{Value, json};
+
+fn env_path(var: &str) -> Option<String> {
+    let p = std::env::var(var).ok()?;
+    std::path::Path::new(&p).exists().then_some(p)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_base_models_answer_each_with_its_own_tokenizer() {
+    let (Some(gguf), Some(hf)) = (env_path("DYN_SMOLLM2_GGUF"), env_path("DYN_SMOLLM2_HF")) else {
+        dyn_tests::skip("DYN_SMOLLM2_GGUF or DYN_SMOLLM2_HF is not set (scripts/test sets both)");
+        return;
+    };
+    // graphs/models.yaml, with the model where this machine has it.
+    let text = std::fs::read_to_string(root().join("graphs/models.yaml"))
+        .unwrap()
+        .replace("~/.cache/dyn/models/SmolLM2-135M-Instruct.Q4_1.gguf", &gguf)
+        .replace(
+            "../models/tiny",
+            &root().join("models/tiny").display().to_string(),
+        );
+    let file = scratch_dir("models").join("models.yaml");
+    std::fs::write(&file, text).unwrap();
+    let g = Graph::up_with_ingress(file.to_str().unwrap(), "http", &[]);
+    let url = g.url("");
+
+    let listed: Value = reqwest::get(g.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let names: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["smollm2", "tiny"], "{listed}");
+
+    let tokenizers = [
+        ("smollm2", format!("{hf}/tokenizer.json")),
+        (
+            "tiny",
+            root()
+                .join("models/tiny/tokenizer.json")
+                .display()
+                .to_string(),
+        ),
+    ];
+    let prompt = "The quick brown fox jumps over the lazy dog";
+    let mut prompts = Vec::new();
+    for (model, file) in &tokenizers {
+        let tok = tokenizers::Tokenizer::from_file(file).unwrap();
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                          "ignore_eos": true, "return_token_ids": true});
+        let (status, v) = completion(&url, &body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["model"], *model, "{v}");
+        let choice = &v["choices"][0];
+        // The prompt as this model's tokenizer reads it (after any BOS the model adds)...
+        let want = tok.encode(prompt, false).unwrap().get_ids().to_vec();
+        let got = ids(&choice["prompt_token_ids"]);
+        assert!(
+            got.ends_with(&want),
+            "{model}: prompt {got:?}, tokenizer says {want:?}"
+        );
+        // ... and the answer in its words.
+        let out = ids(&choice["token_ids"]);
+        assert_eq!(out.len(), 12, "{v}");
+        assert_eq!(
+            choice["text"].as_str().unwrap(),
+            tok.decode(&out, true).unwrap(),
+            "{model}"
+        );
+        prompts.push(got);
+    }
+    assert_ne!(
+        prompts[0], prompts[1],
+        "the two tokenizers read the prompt alike"
+    );
+
+    // Chat: each model's own template (SmolLM2's `<|im_start|>` turns; tiny's own).
+    for (model, _) in &tokenizers {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "Hi!"}],
+                          "max_tokens": 4, "temperature": 0});
+        let r = reqwest::Client::new()
+            .post(g.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["model"], *model, "{v}");
+        assert!(
+            v["usage"]["completion_tokens"].as_u64().unwrap() >= 1,
+            "{v}"
+        );
+    }
+
+    // Neither: a 404 naming both.
+    let (status, v) = completion(&url, &json!({"model": "other", "prompt": "x"})).await;
+    assert_eq!(status, 404, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("serves `smollm2`, `tiny`"), "{msg}");
+
+    // Each model's requests are counted under its name.
+    let metrics = reqwest::get(g.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for m in ["smollm2", "tiny"] {
+        let label = format!("model=\"{m}\"");
+        assert!(
+            metric(
+                &metrics,
+                &["dyn_frontend_requests_total", &label, "status=\"success\""]
+            ) >= 2,
+            "{m}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn long_prompts_go_to_the_long_pool() {
+    let g = Graph::up_with_ingress("graphs/pools.yaml", "http", &[]);
+    let url = g.url("");
+    let ask = |prompt: String| {
+        let url = url.clone();
+        async move {
+            let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 4});
+            completion(&url, &body).await
+        }
+    };
+    // Six of each at once, interleaved.
+    let asks = (0..12).map(|i| {
+        if i % 2 == 0 {
+            ask(format!("a short prompt {i}"))
+        } else {
+            ask(long_prompt(i))
+        }
+    });
+    for (i, (status, v)) in futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(status, 200, "{v}");
+        let n = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(n > 512, i % 2 == 1, "request {i}: {n} prompt tokens");
+    }
+    let metrics = reqwest::get(g.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let sent = |pool: &str| {
+        metric(
+            &metrics,
+            &[
+                "dyn_router_pool_requests_total",
+                &format!("pool=\"{pool}\""),
+            ],
+        )
+    };
+    assert_eq!((sent("short"), sent("long")), (6, 6), "{metrics}");
+
+    // A target that is no latency is refused, naming the field.
+    let body = json!({"model": "tiny", "prompt": "x", "nvext": {"router": {"ttft_target": 0}}});
+    let (status, v) = completion(&url, &body).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("nvext.router.ttft_target")),
+        "{v}"
+    );
+}
