@@ -90,6 +90,8 @@ struct HookState {
     first_output: Vec<Hook>,
     done: Vec<Hook>,
     failure: Vec<FailureHook>,
+    /// The pool serving the request (see [`Ctx::set_pool`]).
+    pool: Option<Arc<str>>,
 }
 
 impl Drop for Hooks {
@@ -226,6 +228,17 @@ impl Ctx {
     /// part of its answer).
     pub fn output_started(&self) -> bool {
         self.inner.hooks.state.lock().first_output_seen
+    }
+
+    /// Where a router chose among several worker nodes (pools), the one serving this request;
+    /// the runtime sets it, and the frontend counts latencies per pool for the planner.
+    pub fn set_pool(&self, node: &str) {
+        self.inner.hooks.state.lock().pool = Some(node.into());
+    }
+
+    /// The pool serving this request, once chosen (see [`Ctx::set_pool`]).
+    pub fn pool(&self) -> Option<Arc<str>> {
+        self.inner.hooks.state.lock().pool.clone()
     }
 
     /// Run `f` once the request is over: when the last context of this request is dropped.

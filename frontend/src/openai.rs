@@ -21,7 +21,7 @@ use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dyn_core::{
-    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ReasoningParserName,
+    BuildCx, BuildError, Chain, Ctx, Ingress, IngressConfig, Invalid, OpError, ReasoningParserName,
     ShutdownSignal,
 };
 use dyn_llm::model::ModelDir;
@@ -966,6 +966,10 @@ async fn completions(
 /// (the client went away) it counts as cancelled.
 struct Track {
     model: Arc<str>,
+    /// The request's context until its first token: it names the pool serving the request,
+    /// if a router chose among pools (let go then, so the request's end hooks are not held).
+    ctx: Option<Ctx>,
+    pool: Option<Arc<str>>,
     endpoint: &'static str,
     stream: bool,
     start: Instant,
@@ -985,6 +989,8 @@ impl Track {
         app.stats.arrived();
         Self {
             stats: app.stats.clone(),
+            ctx: None,
+            pool: None,
             first_token: None,
             later_tokens: 0,
             usage: None,
@@ -1012,7 +1018,9 @@ impl Track {
                     .ttft
                     .with_label_values(&m)
                     .observe((now - self.start).as_secs_f64());
-                self.stats.first_token(now - self.start);
+                self.pool = self.ctx.take().and_then(|c| c.pool());
+                self.stats
+                    .first_token(now - self.start, self.pool.as_deref());
                 self.first_token = Some(now);
             }
             Some(last) => {
@@ -1061,7 +1069,9 @@ impl Drop for Track {
             _ => None,
         };
         // A cancelled request is the client's doing, not a failure of the deployment.
-        self.stats.finished(status != "error", self.usage, itl);
+        let pool = self.pool.take().or_else(|| self.ctx.take()?.pool());
+        self.stats
+            .finished(status != "error", self.usage, itl, pool.as_deref());
         if status == "success" {
             FRONTEND
                 .duration
@@ -1125,6 +1135,7 @@ async fn serve(
             return e.into_response();
         }
     };
+    track.ctx = Some(ctx.clone());
     let deadline = ctx.deadline();
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",

@@ -40,6 +40,13 @@ pub struct PlannerConfig {
 pub struct Bounds {
     pub min: u32,
     pub max: u32,
+    /// This node's own TTFT target, milliseconds (default: the planner's `ttft_ms`); for a
+    /// pool, held against the pool's own latencies.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// This node's own ITL target, milliseconds (default: the planner's `itl_ms`).
+    #[serde(default)]
+    pub itl_ms: Option<f64>,
 }
 
 /// How the next interval's load is predicted.
@@ -136,6 +143,14 @@ impl SectionConfig for PlannerConfig {
                         n.process
                     ),
                 ));
+            }
+            for (name, v) in [("ttft_ms", b.ttft_ms), ("itl_ms", b.itl_ms)] {
+                if v.is_some_and(|v| !positive(v)) {
+                    out.push(Invalid::field(
+                        format!("{field}.{name}"),
+                        "must be a positive number",
+                    ));
+                }
             }
             if b.min == 0 {
                 out.push(Invalid::field(

@@ -51,6 +51,52 @@ pub struct Observation {
     pub inflight: u64,
     /// Per scaled node: what its workers reported last.
     pub nodes: BTreeMap<String, NodeLoad>,
+    /// Per pool (a worker node a router chooses among others): its own share of the traffic.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, PoolObservation>,
+}
+
+/// One pool's traffic over an interval: the requests that finished there (their rate stands
+/// for its arrivals: the pool is chosen after a request arrives), their mean prompt and output
+/// tokens and their latencies at the planner's percentile.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolObservation {
+    pub request_rate: f64,
+    pub isl: Option<f64>,
+    pub osl: Option<f64>,
+    pub ttft_ms: Option<f64>,
+    pub itl_ms: Option<f64>,
+}
+
+/// What the planner weighs for `node`: the graph's targets unless the node names its own
+/// (`nodes.NODE.ttft_ms` / `itl_ms`), and, for a pool, the pool's own traffic and latencies
+/// in place of the whole frontend's (`pool`: its observation this interval, or an empty one
+/// once it has been seen as a pool), so each pool is scaled on its own targets.
+pub fn node_view(
+    cfg: &PlannerConfig,
+    obs: &Observation,
+    node: &str,
+    pool: Option<&PoolObservation>,
+) -> (PlannerConfig, Observation) {
+    let mut cfg = cfg.clone();
+    if let Some(b) = cfg.nodes.get(node).copied() {
+        cfg.ttft_ms = b.ttft_ms.unwrap_or(cfg.ttft_ms);
+        cfg.itl_ms = b.itl_ms.unwrap_or(cfg.itl_ms);
+    }
+    let mut obs = obs.clone();
+    if let Some(p) = pool {
+        obs.request_rate = p.request_rate;
+        obs.isl = p.isl;
+        obs.osl = p.osl;
+        obs.ttft_ms = p.ttft_ms;
+        obs.itl_ms = p.itl_ms;
+        // Requests in flight are the frontends', not the pool's: its own queue says more.
+        obs.inflight = obs
+            .nodes
+            .get(node)
+            .map_or(0, |l| u64::from(l.running + l.waiting));
+    }
+    (cfg, obs)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -338,7 +384,15 @@ mod tests {
             predictor: PredictorKind::Holt,
             profile: None,
             utilization: 0.8,
-            nodes: BTreeMap::from([("decode".into(), Bounds { min: 1, max: 6 })]),
+            nodes: BTreeMap::from([(
+                "decode".into(),
+                Bounds {
+                    min: 1,
+                    max: 6,
+                    ttft_ms: None,
+                    itl_ms: None,
+                },
+            )]),
         }
     }
 
@@ -357,6 +411,7 @@ mod tests {
             ttft_ms: (r.0 > 0.0).then_some(r.1),
             itl_ms: (r.0 > 0.0).then_some(r.2),
             inflight: 0,
+            pools: BTreeMap::new(),
             nodes: BTreeMap::from([(
                 "decode".into(),
                 NodeLoad {
@@ -478,7 +533,15 @@ mod tests {
     #[test]
     fn a_drop_to_nothing_goes_to_min_after_the_cooldown_and_max_caps() {
         let mut cfg = cfg();
-        cfg.nodes.insert("decode".into(), Bounds { min: 2, max: 3 });
+        cfg.nodes.insert(
+            "decode".into(),
+            Bounds {
+                min: 2,
+                max: 3,
+                ttft_ms: None,
+                itl_ms: None,
+            },
+        );
         let st = NodeState {
             node: "decode",
             phase: Phase::Both,
@@ -526,7 +589,12 @@ mod tests {
         let st = NodeState {
             node: "decode",
             phase: Phase::Both,
-            bounds: Bounds { min: 1, max: 6 },
+            bounds: Bounds {
+                min: 1,
+                max: 6,
+                ttft_ms: None,
+                itl_ms: None,
+            },
             current: 1,
             since_change_s: f64::INFINITY,
         };
@@ -554,7 +622,12 @@ mod tests {
         let st = |phase| NodeState {
             node: "decode",
             phase,
-            bounds: Bounds { min: 1, max: 4 },
+            bounds: Bounds {
+                min: 1,
+                max: 4,
+                ttft_ms: None,
+                itl_ms: None,
+            },
             current: 2,
             since_change_s: f64::INFINITY,
         };
@@ -573,5 +646,77 @@ mod tests {
         // …and prefill 20 × 512 / (32 583 × 0.8) ≈ 0.39, but its TTFT is missed: one more.
         let d = decide(&cfg, Some(&p), &obs, &pred, &st(Phase::Prefill));
         assert_eq!(d.desired, 3, "{}", d.reason);
+    }
+
+    #[test]
+    fn each_pool_is_scaled_on_its_own_traffic_and_targets() {
+        // Two pools: `short` run for a 100 ms TTFT, `long` on the graph's 200 ms. Over the
+        // whole frontend p90 TTFT is 900 ms (the long prompts'); per pool, short's is 80 ms
+        // (met) and long's 900 ms (missed).
+        let mut cfg = cfg();
+        cfg.nodes = BTreeMap::from([
+            (
+                "short".into(),
+                Bounds {
+                    min: 1,
+                    max: 4,
+                    ttft_ms: Some(100.0),
+                    itl_ms: None,
+                },
+            ),
+            (
+                "long".into(),
+                Bounds {
+                    min: 1,
+                    max: 4,
+                    ttft_ms: None,
+                    itl_ms: None,
+                },
+            ),
+        ]);
+        let mut obs = observation(Rec(20.0, 900.0, 8.0, 0), 5.0);
+        let load = obs.nodes["decode"].clone();
+        obs.nodes = BTreeMap::from([("short".into(), load.clone()), ("long".into(), load)]);
+        let pool = |rate: f64, isl: f64, ttft: f64| PoolObservation {
+            request_rate: rate,
+            isl: Some(isl),
+            osl: Some(64.0),
+            ttft_ms: Some(ttft),
+            itl_ms: Some(8.0),
+        };
+        obs.pools = BTreeMap::from([
+            ("short".into(), pool(15.0, 100.0, 80.0)),
+            ("long".into(), pool(5.0, 4000.0, 900.0)),
+        ]);
+        let pred = Prediction {
+            request_rate: 20.0,
+            isl: 512.0,
+            osl: 64.0,
+        };
+        fn st<'a>(cfg: &PlannerConfig, node: &'a str) -> NodeState<'a> {
+            NodeState {
+                node,
+                phase: Phase::Both,
+                bounds: cfg.nodes[node],
+                current: 2,
+                since_change_s: f64::INFINITY,
+            }
+        }
+        let desired = |node: &str| {
+            let (c, o) = node_view(&cfg, &obs, node, obs.pools.get(node));
+            assert_eq!(c.ttft_ms, if node == "short" { 100.0 } else { 200.0 });
+            decide(&c, None, &o, &pred, &st(&cfg, node)).desired
+        };
+        assert_eq!(desired("long"), 3, "long misses its target");
+        assert_eq!(desired("short"), 2, "short meets its own");
+        // On the whole frontend's latencies both would have grown.
+        assert_eq!(
+            decide(&cfg, None, &obs, &pred, &st(&cfg, "short")).desired,
+            3
+        );
+        // A pool with no request this interval is idle, whatever the others do.
+        let (c, o) = node_view(&cfg, &obs, "short", Some(&PoolObservation::default()));
+        assert_eq!((o.request_rate, o.ttft_ms), (0.0, None));
+        assert_eq!(c.ttft_ms, 100.0);
     }
 }

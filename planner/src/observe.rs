@@ -10,8 +10,8 @@ use dyn_router::kv::{LoadMetrics, load_metrics_subject};
 use futures::StreamExt;
 use parking_lot::Mutex;
 
-use super::decide::{NodeLoad, Observation};
-use super::stats::{FrontendWindow, stats_subject};
+use super::decide::{NodeLoad, Observation, PoolObservation};
+use super::stats::{FrontendWindow, PoolWindow, stats_subject};
 
 /// A worker that has not reported for this long is not counted.
 const STALE: Duration = Duration::from_secs(10);
@@ -29,6 +29,8 @@ struct Acc {
     inflight: HashMap<u64, (Instant, u64)>,
     /// Per node and worker: the latest load report.
     workers: HashMap<(String, u64), (Instant, LoadMetrics)>,
+    /// Per pool (worker node): its requests' share, where a router chooses among pools.
+    pools: BTreeMap<String, PoolWindow>,
 }
 
 impl Acc {
@@ -42,6 +44,14 @@ impl Acc {
         self.itl.extend(w.itl_ms);
         self.inflight
             .insert(w.frontend_id, (Instant::now(), w.inflight));
+        for (node, p) in w.pools {
+            let a = self.pools.entry(node).or_default();
+            a.finished += p.finished;
+            a.input_tokens += p.input_tokens;
+            a.output_tokens += p.output_tokens;
+            a.ttft_ms.extend(p.ttft_ms);
+            a.itl_ms.extend(p.itl_ms);
+        }
     }
 }
 
@@ -107,6 +117,7 @@ impl Observer {
         acc.inflight.retain(|_, (at, _)| now - *at < STALE);
         acc.workers.retain(|_, (at, _)| now - *at < STALE);
         let secs = interval.as_secs_f64().max(1e-3);
+        let pooled = std::mem::take(&mut acc.pools);
         let per = |total: u64| (acc.finished > 0).then(|| total as f64 / acc.finished as f64);
         let mut nodes = BTreeMap::new();
         for node in &self.nodes {
@@ -129,7 +140,23 @@ impl Observer {
             };
             nodes.insert(node.clone(), load);
         }
+        let q = self.quantile;
+        let pools = pooled
+            .into_iter()
+            .map(|(node, mut p)| {
+                let per = |total: u64| (p.finished > 0).then(|| total as f64 / p.finished as f64);
+                let o = PoolObservation {
+                    request_rate: p.finished as f64 / secs,
+                    isl: per(p.input_tokens),
+                    osl: per(p.output_tokens),
+                    ttft_ms: quantile(&mut p.ttft_ms, q),
+                    itl_ms: quantile(&mut p.itl_ms, q),
+                };
+                (node, o)
+            })
+            .collect();
         let obs = Observation {
+            pools,
             interval_s: secs,
             request_rate: acc.arrivals as f64 / secs,
             finished: acc.finished,

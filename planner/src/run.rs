@@ -9,7 +9,7 @@ use dyn_core::Connector;
 use dyn_core::planes::EventBus;
 
 use super::config::PlannerConfig;
-use super::decide::{Phase, Prediction, decide};
+use super::decide::{Phase, PoolObservation, Prediction, decide, node_view};
 use super::observe::Observer;
 use super::predict::{Predictor, Smoothed};
 use super::profile::{Profile, ProfileError};
@@ -80,6 +80,45 @@ fn resolve(base: &Path, p: &Path) -> std::path::PathBuf {
     }
 }
 
+/// One traffic series' predictors: the request rate (the configured predictor) and the mean
+/// prompt and output lengths (smoothed).
+struct Series {
+    rate: Predictor,
+    isl: Smoothed,
+    osl: Smoothed,
+}
+
+impl Series {
+    fn new(cfg: &PlannerConfig) -> Self {
+        Self {
+            rate: Predictor::new(cfg.predictor),
+            isl: Smoothed::default(),
+            osl: Smoothed::default(),
+        }
+    }
+
+    /// Take this interval's figures; the next interval's prediction (lengths from the
+    /// profile's first decode point until traffic shows them).
+    fn next(
+        &mut self,
+        seen: &PoolObservation,
+        fallback: Option<&super::profile::DecodePoint>,
+    ) -> Prediction {
+        self.rate.observe(seen.request_rate);
+        if let Some(x) = seen.isl {
+            self.isl.observe(x);
+        }
+        if let Some(x) = seen.osl {
+            self.osl.observe(x);
+        }
+        Prediction {
+            request_rate: self.rate.predict().unwrap_or(0.0),
+            isl: self.isl.get().or(fallback.map(|d| d.isl)).unwrap_or(0.0),
+            osl: self.osl.get().or(fallback.map(|d| d.osl)).unwrap_or(0.0),
+        }
+    }
+}
+
 fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -105,8 +144,9 @@ pub async fn run(plan: Plan, events: Arc<dyn EventBus>, connector: Arc<dyn Conne
         }
     };
     let interval = Duration::from_secs_f64(cfg.interval_s);
-    let mut rate = Predictor::new(cfg.predictor);
-    let (mut isl, mut osl) = (Smoothed::default(), Smoothed::default());
+    let mut all = Series::new(cfg);
+    // Per pool (a node a router chooses among others, once seen as one): its own series.
+    let mut pools: BTreeMap<String, Series> = BTreeMap::new();
     // Start-up counts as a change: no scale-down within the first cool-down.
     let mut changed: BTreeMap<String, Instant> =
         nodes.iter().map(|n| (n.clone(), Instant::now())).collect();
@@ -126,19 +166,25 @@ pub async fn run(plan: Plan, events: Arc<dyn EventBus>, connector: Arc<dyn Conne
         let now = Instant::now();
         let obs = observer.take(now - last);
         last = now;
-        rate.observe(obs.request_rate);
-        if let Some(x) = obs.isl {
-            isl.observe(x);
-        }
-        if let Some(x) = obs.osl {
-            osl.observe(x);
-        }
         let fallback = plan.profile.as_ref().and_then(|p| p.decode.first());
-        let pred = Prediction {
-            request_rate: rate.predict().unwrap_or(0.0),
-            isl: isl.get().or(fallback.map(|d| d.isl)).unwrap_or(0.0),
-            osl: osl.get().or(fallback.map(|d| d.osl)).unwrap_or(0.0),
+        let whole = PoolObservation {
+            request_rate: obs.request_rate,
+            isl: obs.isl,
+            osl: obs.osl,
+            ttft_ms: obs.ttft_ms,
+            itl_ms: obs.itl_ms,
         };
+        let pred = all.next(&whole, fallback);
+        for node in obs.pools.keys() {
+            if nodes.contains(node) && !pools.contains_key(node) {
+                pools.insert(node.clone(), Series::new(cfg));
+            }
+        }
+        let mut pool_preds = BTreeMap::new();
+        for (node, series) in &mut pools {
+            let seen = obs.pools.get(node).cloned().unwrap_or_default();
+            pool_preds.insert(node.clone(), series.next(&seen, fallback));
+        }
         let mut states = Vec::new();
         for node in &nodes {
             let current = match connector.replicas(node).await {
@@ -158,7 +204,14 @@ pub async fn run(plan: Plan, events: Arc<dyn EventBus>, connector: Arc<dyn Conne
                 current,
                 since_change_s: since,
             };
-            let d = decide(cfg, plan.profile.as_ref(), &obs, &pred, &st);
+            // A pool is weighed on its own traffic and targets; any node on its own targets.
+            let empty = PoolObservation::default();
+            let pool = pools
+                .contains_key(node)
+                .then(|| obs.pools.get(node).unwrap_or(&empty));
+            let (node_cfg, node_obs) = node_view(cfg, &obs, node, pool);
+            let node_pred = pool_preds.get(node).unwrap_or(&pred);
+            let d = decide(&node_cfg, plan.profile.as_ref(), &node_obs, node_pred, &st);
             let mut error = None;
             if d.desired != current {
                 tracing::info!(node, from = current, to = d.desired, reason = %d.reason, "Planner scaling");

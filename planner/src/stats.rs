@@ -8,6 +8,7 @@
 //! the planner computes exact percentiles over its interval from every frontend at little
 //! cost, and no bucket layout bounds their precision.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -43,6 +44,23 @@ pub struct FrontendWindow {
     pub ttft_ms: Vec<f32>,
     pub itl_ms: Vec<f32>,
     /// Latency samples seen in the window (more than kept past [`MAX_SAMPLES`]).
+    #[serde(default)]
+    pub ttft_seen: u64,
+    #[serde(default)]
+    pub itl_seen: u64,
+    /// Where a router chooses among pools: each pool's share of the window, by worker node.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, PoolWindow>,
+}
+
+/// One pool's requests in a window: those that finished there, their tokens and latencies.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolWindow {
+    pub finished: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub ttft_ms: Vec<f32>,
+    pub itl_ms: Vec<f32>,
     #[serde(default)]
     pub ttft_seen: u64,
     #[serde(default)]
@@ -128,19 +146,28 @@ impl FrontendStats {
         self.counts.arrivals.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn first_token(&self, ttft: Duration) {
+    /// A request's first token came `ttft` after it arrived; `pool`: the pool serving it,
+    /// where a router chose one.
+    pub fn first_token(&self, ttft: Duration, pool: Option<&str>) {
+        let ms = ttft.as_secs_f32() * 1000.0;
         let mut g = self.window.lock();
         let w = &mut g.w;
-        Window::sample(
-            &mut w.ttft_ms,
-            &mut w.ttft_seen,
-            ttft.as_secs_f32() * 1000.0,
-        );
+        Window::sample(&mut w.ttft_ms, &mut w.ttft_seen, ms);
+        if let Some(p) = pool {
+            let p = w.pools.entry(p.to_owned()).or_default();
+            Window::sample(&mut p.ttft_ms, &mut p.ttft_seen, ms);
+        }
     }
 
     /// A request ended: `ok` or failed, its token counts (when known), and its mean gap
-    /// between tokens (when it had two or more).
-    pub fn finished(&self, ok: bool, tokens: Option<(u32, u32)>, itl: Option<Duration>) {
+    /// between tokens (when it had two or more); `pool` as for [`Self::first_token`].
+    pub fn finished(
+        &self,
+        ok: bool,
+        tokens: Option<(u32, u32)>,
+        itl: Option<Duration>,
+        pool: Option<&str>,
+    ) {
         let c = &self.counts;
         c.inflight.fetch_sub(1, Ordering::Relaxed);
         let done = if ok { &c.finished } else { &c.errors };
@@ -151,10 +178,25 @@ impl FrontendStats {
             c.output_tokens
                 .fetch_add(u64::from(output), Ordering::Relaxed);
         }
-        if let Some(itl) = itl {
-            let mut g = self.window.lock();
-            let w = &mut g.w;
-            Window::sample(&mut w.itl_ms, &mut w.itl_seen, itl.as_secs_f32() * 1000.0);
+        let itl_ms = itl.map(|d| d.as_secs_f32() * 1000.0);
+        if itl_ms.is_none() && pool.is_none() {
+            return;
+        }
+        let mut g = self.window.lock();
+        let w = &mut g.w;
+        if let Some(ms) = itl_ms {
+            Window::sample(&mut w.itl_ms, &mut w.itl_seen, ms);
+        }
+        if let Some(p) = pool {
+            let p = w.pools.entry(p.to_owned()).or_default();
+            p.finished += u64::from(ok);
+            if let Some((input, output)) = tokens {
+                p.input_tokens += u64::from(input);
+                p.output_tokens += u64::from(output);
+            }
+            if let Some(ms) = itl_ms {
+                Window::sample(&mut p.itl_ms, &mut p.itl_seen, ms);
+            }
         }
     }
 }

@@ -193,3 +193,82 @@ async fn long_prompts_go_to_the_long_pool() {
         "{v}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_planner_scales_each_pool_on_its_own_targets() {
+    // The long pool's TTFT target is out of reach, the short pool's generous: only the long
+    // pool grows, although both see traffic.
+    let g = Graph::up_with_ingress(
+        "graphs/pools.yaml",
+        "http",
+        &[
+            "--set",
+            "planner.interval_s=1",
+            "--set",
+            "planner.nodes.long.ttft_ms=1",
+            "--set",
+            "planner.nodes.short.ttft_ms=60000",
+        ],
+    );
+    let url = g.url("");
+    let replicas = |metrics: &str, node: &str| {
+        dyn_tests::metric_sum(
+            metrics,
+            "dyn_planner_replicas",
+            &[&format!("node=\"{node}\""), "which=\"actual\""],
+        )
+    };
+    let round = |round: usize| {
+        let url = url.clone();
+        let asks = (0..8).map(move |i| {
+            let prompt = if i % 2 == 0 {
+                format!("short {round} {i}")
+            } else {
+                long_prompt(round * 8 + i)
+            };
+            let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 8});
+            let url = url.clone();
+            async move { completion(&url, &body).await }
+        });
+        futures::future::join_all(asks)
+    };
+    let mut grown = false;
+    for r in 0..12 {
+        for (status, v) in round(r).await {
+            assert_eq!(status, 200, "{v}");
+        }
+        let metrics = reqwest::get(g.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        // (0 until the planner's first decision.)
+        let short = replicas(&metrics, "short");
+        assert!(
+            short == 0.0 || short == 2.0,
+            "short left its minimum: {short}"
+        );
+        if short == 2.0 && replicas(&metrics, "long") >= 2.0 {
+            grown = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    assert!(grown, "the long pool did not grow");
+
+    // The planner sees each pool's own traffic (the frontend counts it by pool): the long
+    // prompts in the long pool, the short ones in the short pool.
+    let mut seen = Value::Null;
+    for r in 12..24 {
+        round(r).await;
+        seen = dyn_tests::inspect_json(&g.url(""), &["planner"]);
+        let pools = &seen["observed"]["pools"];
+        let isl = |p: &str| pools[p]["isl"].as_f64();
+        if let (Some(long), Some(short)) = (isl("long"), isl("short")) {
+            assert!(long > 512.0 && short < 64.0, "{seen}");
+            return;
+        }
+    }
+    panic!("the planner never saw both pools: {seen}");
+}

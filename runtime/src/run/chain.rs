@@ -128,6 +128,7 @@ impl Hop {
                 yield Err(OpError::instance_lost(format!("instance {t:x} is in none of the pools")));
                 return;
             };
+            ctx.set_pool(&edge.node);
             let mut out = edge.call(ctx, input.boxed());
             while let Some(item) = out.next().await {
                 yield item;
