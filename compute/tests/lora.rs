@@ -266,3 +266,46 @@ fn adapters_that_do_not_fit_are_refused_with_the_reason() {
         "{e}"
     );
 }
+
+/// The same adapters as llama.cpp's converter writes them (models/tiny-lora/*.gguf, from the
+/// PEFT directories): `qv` gives transformers + peft's tokens and logits; `all` holds the same
+/// matrices (k's and q's rows put back in order) at llama.cpp's scale, alpha / rank, where PEFT's
+/// rslora scale is alpha / √rank.
+#[test]
+fn gguf_lora_files_hold_the_same_adapters() {
+    let c = config();
+    let gguf = |name: &str| LoraAdapter::load(&dir("tiny-lora").join(format!("{name}.gguf")), &c);
+    let qv = gguf("qv").unwrap();
+    let r = reference();
+    let mut b = backend();
+    for (pi, prompt) in r.prompts.iter().enumerate() {
+        let want = &r.outputs["qv"][pi];
+        let mut s = [seq(prompt, 0, Some(&qv))];
+        generate(&mut b, &mut s, want.greedy.len(), usize::MAX);
+        let d = max_diff(&s[0].logits[0], &want.logits);
+        assert!(d < 1e-4, "qv.gguf prompt {pi}: prefill logits differ by {d}");
+        assert_eq!(&s[0].tokens[prompt.len()..], &want.greedy[..], "qv.gguf {pi}");
+    }
+    let (peft, all) = (adapter("all"), gguf("all").unwrap());
+    // rank 4: PEFT's scale 8 / 2, llama.cpp's 8 / 4.
+    let ratio = 0.5;
+    for l in 0..c.layers {
+        for t in dyn_compute::model::lora::Target::ALL {
+            let (p, g) = (peft.pair(l, t).unwrap(), all.pair(l, t).unwrap());
+            assert_eq!((p.rank, p.inp, p.out), (g.rank, g.inp, g.out));
+            assert!(max_diff(&p.at, &g.at) < 1e-6, "layer {l} {t:?}: A");
+            let scaled: Vec<f32> = p.bt.iter().map(|x| x * ratio).collect();
+            assert!(max_diff(&scaled, &g.bt) < 1e-6, "layer {l} {t:?}: B");
+        }
+    }
+    // A model file is no adapter (where the test command provides one); an adapter of another
+    // shape is refused naming a tensor.
+    if let Some(model) = std::env::var_os("DYN_SMOLLM2_GGUF") {
+        let e = LoraAdapter::load(std::path::Path::new(&model), &c).unwrap_err();
+        assert!(e.to_string().contains("not a LoRA adapter"), "{e}");
+    }
+    let mut small = c.clone();
+    small.hidden /= 2;
+    let e = LoraAdapter::load(&dir("tiny-lora").join("qv.gguf"), &small).unwrap_err();
+    assert!(e.to_string().contains("an adapter for another model?"), "{e}");
+}

@@ -98,7 +98,7 @@ impl LoraStore {
     async fn read(&self, r: &LoraRef) -> Result<Arc<LoraAdapter>, OpError> {
         let started = Instant::now();
         let (path, base) = (PathBuf::from(&r.path), self.base.clone());
-        let loaded = tokio::task::spawn_blocking(move || LoraAdapter::load_peft(&path, &base))
+        let loaded = tokio::task::spawn_blocking(move || LoraAdapter::load(&path, &base))
             .await
             .map_err(|e| OpError::internal(format!("adapter loading task failed: {e}")))?
             .map_err(|e| {

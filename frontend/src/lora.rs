@@ -1,7 +1,7 @@
 //! The LoRA adapters the OpenAI ingress serves beside its models, with vLLM's API:
 //!
-//! - each model's `loras` in the graph (name → PEFT directory), checked against the model's
-//!   shapes when the ingress starts;
+//! - each model's `loras` in the graph (name → PEFT directory or GGUF LoRA file), checked
+//!   against the model's shapes when the ingress starts;
 //! - `POST /v1/load_lora_adapter {lora_name, lora_path}` and `POST /v1/unload_lora_adapter
 //!   {lora_name}` at run time. They make the server read files and change what every tenant
 //!   is served, so, like `/admin`, they answer loopback clients only, with the `admin_key`
@@ -76,18 +76,19 @@ async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
     .map_err(|e| format!("reading the model's shape failed: {e}"))?
 }
 
-/// The adapter `name` in directory `dir`, checked against the model's shapes (on the blocking
-/// pool: it reads every file): its absolute path, and the version of its files.
+/// The adapter `name` at `dir` (a PEFT directory or a GGUF LoRA file), checked against the
+/// model's shapes (on the blocking pool: it reads every file): its absolute path, and the
+/// version of its files.
 async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, String> {
     let (shape, dir, name) = (shape.clone(), PathBuf::from(dir), name.to_owned());
     tokio::task::spawn_blocking(move || {
-        LoraAdapter::load_peft(&dir, &shape).map_err(|e| e.to_string())?;
+        LoraAdapter::load(&dir, &shape).map_err(|e| e.to_string())?;
         // Workers read the same path, whatever their working directory.
         let path = std::fs::canonicalize(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let mut h = std::collections::hash_map::DefaultHasher::new();
         std::hash::Hash::hash(&path, &mut h);
-        for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            let m = std::fs::metadata(path.join(f)).map_err(|e| format!("{f}: {e}"))?;
+        for f in LoraAdapter::files(&path) {
+            let m = std::fs::metadata(&f).map_err(|e| format!("{}: {e}", f.display()))?;
             std::hash::Hash::hash(&(m.len(), m.modified().ok()), &mut h);
         }
         Ok(LoraRef {

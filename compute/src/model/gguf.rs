@@ -483,6 +483,24 @@ impl Gguf {
         })
     }
 
+    /// The names of its tensors.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// Tensor `name`'s dims (ggml's order: `dims[0]` innermost) and its values as f32,
+    /// whatever its type (a LoRA file's small tensors: F32, F16, BF16 or Q8_0).
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| self.err(format!("tensor {name} is missing")))?;
+        let cols = t.dims.first().copied().unwrap_or(1);
+        let rows = t.dims.iter().skip(1).product::<usize>();
+        let m = self.matrix(name, rows, cols, DType::F32, false)?;
+        Ok((t.dims.clone(), m.to_f32()))
+    }
+
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
         Ok(self.matrix(name, 1, len, DType::F32, false)?.to_f32())
     }
@@ -552,12 +570,18 @@ impl Gguf {
     }
 }
 
+/// The row order that undoes llama.cpp's q/k permutation for `heads` heads of `d` rows (see
+/// [`rotary_halves`]): row `n` of the original is row `order[n]` of the file.
+pub fn rotary_order(heads: usize, d: usize) -> Vec<usize> {
+    (0..heads)
+        .flat_map(|h| (0..2).flat_map(move |i| (0..d / 2).map(move |j| h * d + 2 * j + i)))
+        .collect()
+}
+
 /// Undo llama.cpp's q/k row permutation: within each head of `d` rows, GGUF row `2j + i`
 /// is row `i · d/2 + j` of the original.
 fn rotary_halves(m: Host, heads: usize, d: usize) -> Host {
-    let order: Vec<Option<usize>> = (0..heads)
-        .flat_map(|h| (0..2).flat_map(move |i| (0..d / 2).map(move |j| Some(h * d + 2 * j + i))))
-        .collect();
+    let order: Vec<Option<usize>> = rotary_order(heads, d).into_iter().map(Some).collect();
     m.select_rows(&order, m.len() / order.len().max(1))
 }
 

@@ -1,6 +1,8 @@
 //! LoRA adapters: low-rank additions `y += scale · B · (A · x)` to a layer's projections,
 //! read from PEFT's files (`adapter_config.json` + `adapter_model.safetensors`, what
-//! `save_pretrained` writes and what vLLM's `--lora-modules` and `load_lora_adapter` take).
+//! `save_pretrained` writes and what vLLM's `--lora-modules` and `load_lora_adapter` take) or
+//! from a GGUF LoRA file (what llama.cpp's `convert_lora_to_gguf.py` writes and `llama-server
+//! --lora` takes): [`LoraAdapter::load`] tells them apart.
 //!
 //! The base weights are never touched: a backend adds each sequence's own adapter to the
 //! products of the base (quantized or not), so sequences with different adapters, and none,
@@ -15,6 +17,15 @@
 //! are tensors for anything but the seven projections of the decoder layers. Each tensor's
 //! shape is checked against the base model's, so an adapter of another model is refused
 //! before it is used, naming the first tensor that does not fit.
+//!
+//! GGUF: `general.type` `adapter`, `adapter.type` `lora`, `adapter.lora.alpha` (the scale is
+//! `alpha / rank`, or 1 when alpha is 0, as llama.cpp applies it; PEFT's rslora and patterns do
+//! not survive its converter), tensors `blk.N.<attn_q|attn_k|attn_v|attn_output|ffn_gate|
+//! ffn_up|ffn_down>.weight.lora_a` (`[rank, in]` row-major) and `.lora_b` (`[out, rank]`), in
+//! F32, F16, BF16 or Q8_0. For llama-family files the converter permuted the rows of q's and
+//! k's `lora_b` as it permutes the base's q and k (its rope pairs neighbours, this engine pairs
+//! halves, as transformers does); they are put back, whatever format the base is in. Activated
+//! LoRA (`adapter.alora.*`) and tensors for anything but the seven projections are refused.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -204,17 +215,7 @@ impl LoraAdapter {
             return Err(bad(format!("r must be 1 to {MAX_RANK}, got {}", cfg.r)));
         }
         let path = dir.join("adapter_model.safetensors");
-        // Bounded before reading: every projection of every layer at the largest rank (in
-        // f32), and a header.
-        let most: u64 = Target::ALL
-            .iter()
-            .map(|t| {
-                let (i, o) = t.dims(c);
-                (MAX_RANK * (i + o) * 4) as u64
-            })
-            .sum::<u64>()
-            .saturating_mul(c.layers as u64)
-            .saturating_add(1 << 24);
+        let most = most_bytes(c);
         let len = std::fs::metadata(&path)
             .map_err(|e| ModelError::io(&path, e))?
             .len();
@@ -305,9 +306,7 @@ impl LoraAdapter {
                 path.display()
             )));
         }
-        let mut layers: Vec<[Option<LoraPair>; 7]> =
-            (0..c.layers).map(|_| Default::default()).collect();
-        let mut max_rank = 0;
+        let mut pairs = Vec::with_capacity(parts.len());
         for ((layer, target), Halves { a, b, module }) in parts {
             let (Some(a), Some(b)) = (a, b) else {
                 return Err(ModelError::Weights(format!(
@@ -315,15 +314,8 @@ impl LoraAdapter {
                     path.display()
                 )));
             };
-            let (inp, out) = target.dims(c);
+            let (inp, _) = target.dims(c);
             let rank = a.len() / inp;
-            if b.len() != out * rank {
-                return Err(ModelError::Weights(format!(
-                    "{}: {module}: lora_A has rank {rank}, lora_B {}",
-                    path.display(),
-                    b.len() / out
-                )));
-            }
             let alpha = pattern(&cfg.alpha_pattern, &module).unwrap_or(cfg.lora_alpha);
             let r = pattern(&cfg.rank_pattern, &module).unwrap_or(cfg.r);
             if r != rank {
@@ -337,32 +329,250 @@ impl LoraAdapter {
             } else {
                 alpha / rank as f64
             } as f32;
-            let mut bt = vec![0.0; rank * out];
-            for o in 0..out {
-                for j in 0..rank {
-                    bt[j * out + o] = b[o * rank + j] * scale;
-                }
-            }
-            let mut at = vec![0.0; inp * rank];
-            for j in 0..rank {
-                for k in 0..inp {
-                    at[k * rank + j] = a[j * inp + k];
-                }
-            }
-            max_rank = max_rank.max(rank);
-            layers[layer][target as usize] = Some(LoraPair {
-                rank,
-                inp,
-                out,
-                at,
-                bt,
+            pairs.push(Pieces {
+                layer,
+                target,
+                a,
+                b,
+                scale,
+                what: format!("{}: {module}", path.display()),
             });
         }
-        Ok(LoraAdapter {
-            layers,
-            rank: max_rank,
-        })
+        assemble(c, pairs)
     }
+
+    /// Read an adapter for a model shaped by `c`: a GGUF LoRA file (by its `.gguf` extension),
+    /// else a PEFT directory.
+    pub fn load(path: &Path, c: &ModelConfig) -> Result<Self, ModelError> {
+        if super::gguf::is_gguf(path) {
+            Self::load_gguf(path, c)
+        } else {
+            Self::load_peft(path, c)
+        }
+    }
+
+    /// The files an adapter at `path` is read from (to version them): the GGUF file, or the
+    /// PEFT directory's two.
+    pub fn files(path: &Path) -> Vec<std::path::PathBuf> {
+        if super::gguf::is_gguf(path) {
+            vec![path.to_owned()]
+        } else {
+            ["adapter_config.json", "adapter_model.safetensors"]
+                .iter()
+                .map(|f| path.join(f))
+                .collect()
+        }
+    }
+
+    /// Read a GGUF LoRA file (llama.cpp's) for a model shaped by `c`.
+    pub fn load_gguf(path: &Path, c: &ModelConfig) -> Result<Self, ModelError> {
+        // Mapped, not read: the header says what the file is before its size is weighed.
+        let g = super::gguf::Gguf::open(path)?;
+        let bad = |m: String| ModelError::Weights(format!("{}: {m}", path.display()));
+        let text = |k: &str| g.get(k).and_then(super::gguf::Value::as_str);
+        match (text("general.type"), text("adapter.type")) {
+            (Some("adapter") | None, Some("lora")) => {}
+            (t, a) => {
+                return Err(bad(format!(
+                    "not a LoRA adapter (general.type {t:?}, adapter.type {a:?}); a model file is no adapter"
+                )));
+            }
+        }
+        let len = std::fs::metadata(path)
+            .map_err(|e| ModelError::io(path, e))?
+            .len();
+        if len > most_bytes(c) {
+            return Err(bad(format!(
+                "{len} bytes, more than an adapter of this model can hold ({})",
+                most_bytes(c)
+            )));
+        }
+        if g.meta.keys().any(|k| k.starts_with("adapter.alora")) {
+            return Err(bad(
+                "activated LoRA (adapter.alora.*) adapters are not supported".into(),
+            ));
+        }
+        let alpha = g
+            .get("adapter.lora.alpha")
+            .and_then(super::gguf::Value::as_f64)
+            .unwrap_or(0.0);
+        // llama.cpp's converter permutes llama-family q and k rows (not qwen2's).
+        let permuted = text("general.architecture") != Some("qwen2");
+        let mut halves: HashMap<(usize, Target), Halves> = HashMap::new();
+        let names: Vec<String> = g.tensor_names().map(str::to_owned).collect();
+        for name in &names {
+            let (layer, target, is_a) = gguf_name(name).ok_or_else(|| {
+                bad(format!(
+                    "tensor {name} is not a LoRA a or b of a decoder layer's projection (attn_q/k/v/output, ffn_gate/up/down)"
+                ))
+            })?;
+            if layer >= c.layers {
+                return Err(bad(format!(
+                    "tensor {name} is for layer {layer}; the base model has {}",
+                    c.layers
+                )));
+            }
+            let (dims, data) = g.tensor_f32(name)?;
+            let (inp, out) = target.dims(c);
+            // ggml's order: `[in, rank]` for a, `[rank, out]` for b.
+            let rank = match (is_a, dims.as_slice()) {
+                (true, [i, r]) if *i == inp => *r,
+                (false, [r, o]) if *o == out => *r,
+                (_, d) => {
+                    return Err(bad(format!(
+                        "tensor {name} has dims {d:?}; the base model's {} takes {inp} and gives {out}: an adapter for another model?",
+                        target.module()
+                    )));
+                }
+            };
+            if rank == 0 || rank > MAX_RANK {
+                return Err(bad(format!(
+                    "tensor {name} has rank {rank}; 1 to {MAX_RANK} is accepted"
+                )));
+            }
+            let e = halves.entry((layer, target)).or_insert(Halves {
+                a: None,
+                b: None,
+                module: format!("blk.{layer}.{}", gguf_module(target)),
+            });
+            let half = if is_a { &mut e.a } else { &mut e.b };
+            if half.replace(data).is_some() {
+                return Err(bad(format!("{name} appears twice")));
+            }
+        }
+        if halves.is_empty() {
+            return Err(bad("no LoRA tensors".into()));
+        }
+        let mut pairs = Vec::with_capacity(halves.len());
+        for ((layer, target), Halves { a, b, module }) in halves {
+            let (Some(a), Some(mut b)) = (a, b) else {
+                return Err(bad(format!("{module} has only one of lora_a and lora_b")));
+            };
+            let (inp, out) = target.dims(c);
+            let rank = a.len() / inp;
+            if permuted && matches!(target, Target::Q | Target::K) && b.len() == out * rank {
+                let heads = if target == Target::Q {
+                    c.heads
+                } else {
+                    c.kv_heads
+                };
+                let order = super::gguf::rotary_order(heads, c.head_dim);
+                b = order
+                    .iter()
+                    .flat_map(|&row| b[row * rank..(row + 1) * rank].iter().copied())
+                    .collect();
+            }
+            let scale = if alpha == 0.0 {
+                1.0
+            } else {
+                (alpha / rank as f64) as f32
+            };
+            pairs.push(Pieces {
+                layer,
+                target,
+                a,
+                b,
+                scale,
+                what: format!("{}: {module}", path.display()),
+            });
+        }
+        assemble(c, pairs)
+    }
+}
+
+/// One projection's two matrices as read (`a` `[rank, in]`, `b` `[out, rank]`, row-major,
+/// PEFT's layout) and its scale.
+struct Pieces {
+    layer: usize,
+    target: Target,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    scale: f32,
+    /// The file and module, for errors.
+    what: String,
+}
+
+/// The adapter: each projection's `Aᵀ` and scaled `Bᵀ`, after checking the two agree.
+fn assemble(c: &ModelConfig, pairs: Vec<Pieces>) -> Result<LoraAdapter, ModelError> {
+    let mut layers: Vec<[Option<LoraPair>; 7]> =
+        (0..c.layers).map(|_| Default::default()).collect();
+    let mut max_rank = 0;
+    for p in pairs {
+        let (inp, out) = p.target.dims(c);
+        let rank = p.a.len() / inp;
+        if rank == 0 || p.a.len() != inp * rank || p.b.len() != out * rank {
+            return Err(ModelError::Weights(format!(
+                "{}: lora A has rank {rank}, lora B {}",
+                p.what,
+                p.b.len() / out.max(1)
+            )));
+        }
+        let mut bt = vec![0.0; rank * out];
+        for o in 0..out {
+            for j in 0..rank {
+                bt[j * out + o] = p.b[o * rank + j] * p.scale;
+            }
+        }
+        let mut at = vec![0.0; inp * rank];
+        for j in 0..rank {
+            for k in 0..inp {
+                at[k * rank + j] = p.a[j * inp + k];
+            }
+        }
+        max_rank = max_rank.max(rank);
+        layers[p.layer][p.target as usize] = Some(LoraPair {
+            rank,
+            inp,
+            out,
+            at,
+            bt,
+        });
+    }
+    Ok(LoraAdapter {
+        layers,
+        rank: max_rank,
+    })
+}
+
+/// The most bytes an adapter of a model shaped by `c` can take: every projection of every
+/// layer at the largest rank (in f32), and a header. Files are bounded by it before they are
+/// read.
+fn most_bytes(c: &ModelConfig) -> u64 {
+    Target::ALL
+        .iter()
+        .map(|t| {
+            let (i, o) = t.dims(c);
+            (MAX_RANK * (i + o) * 4) as u64
+        })
+        .sum::<u64>()
+        .saturating_mul(c.layers as u64)
+        .saturating_add(1 << 24)
+}
+
+/// GGUF's name for a projection (llama.cpp's tensor names).
+fn gguf_module(t: Target) -> &'static str {
+    match t {
+        Target::Q => "attn_q",
+        Target::K => "attn_k",
+        Target::V => "attn_v",
+        Target::O => "attn_output",
+        Target::Gate => "ffn_gate",
+        Target::Up => "ffn_up",
+        Target::Down => "ffn_down",
+    }
+}
+
+/// `blk.3.attn_q.weight.lora_a` → (3, Q, a); `None` for anything else.
+fn gguf_name(name: &str) -> Option<(usize, Target, bool)> {
+    let (base, ab) = name.rsplit_once(".weight.lora_")?;
+    let is_a = match ab {
+        "a" => true,
+        "b" => false,
+        _ => return None,
+    };
+    let (layer, module) = base.strip_prefix("blk.")?.split_once('.')?;
+    let target = Target::ALL.into_iter().find(|t| gguf_module(*t) == module)?;
+    Some((layer.parse().ok()?, target, is_a))
 }
 
 /// `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` → (3, Q, A, the module's
