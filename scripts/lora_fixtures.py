@@ -108,5 +108,74 @@ def main():
         f.write("\n")
 
 
+SMOL_OUT = os.path.join(ROOT, "models/smollm2-lora")
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+SMOL_STEPS = 16
+
+
+def smollm2(hf):
+    """A rank-2 adapter on q and v of SmolLM2-135M-Instruct (the HF directory scripts/test
+    makes from the Q4_1 GGUF: its weights are the GGUF's, dequantized), stored in f16, and
+    transformers + peft's greedy continuations with it in f32: models/smollm2-lora/."""
+    from transformers import AutoTokenizer
+
+    def load():
+        config = AutoConfig.from_pretrained(hf)
+        config._attn_implementation = "eager"
+        m = AutoModelForCausalLM.from_pretrained(hf, config=config, dtype=torch.float32)
+        m.eval()
+        return m
+
+    tok = AutoTokenizer.from_pretrained(hf)
+    prompts = [tok(p)["input_ids"] for p in SMOL_PROMPTS]
+    model = get_peft_model(load(), LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(200)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_A" in pname or "lora_B" in pname:
+                # f16 values, so the stored f16 file is exactly what the reference ran.
+                p.copy_((torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5).half().float())
+    d = os.path.join(SMOL_OUT, "qv")
+    model.save_pretrained(d)
+    os.remove(os.path.join(d, "README.md"))
+    import safetensors.torch
+
+    f = os.path.join(d, "adapter_model.safetensors")
+    tensors = {k: v.half() for k, v in safetensors.torch.load_file(f).items()}
+    safetensors.torch.save_file(tensors, f, metadata={"format": "pt"})
+    with open(os.path.join(d, "adapter_config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["base_model_name_or_path"] = "SmolLM2-135M-Instruct"
+    with open(os.path.join(d, "adapter_config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    loaded = PeftModel.from_pretrained(load(), d)
+    loaded.eval()
+    base = load()
+    global STEPS
+    STEPS = SMOL_STEPS
+    cases = []
+    for p in prompts:
+        with_adapter, _ = greedy(loaded, p)
+        without, _ = greedy(base, p)
+        cases.append({"prompt": p, "greedy": with_adapter, "base": without})
+        print(f"smollm2 qv: {'changes' if with_adapter != without else 'keeps'} the continuation of {len(p)} tokens")
+    ref = {
+        "transformers": __import__("transformers").__version__,
+        "peft": __import__("peft").__version__,
+        "torch": torch.__version__,
+        "cases": cases,
+    }
+    with open(os.path.join(SMOL_OUT, "reference.json"), "w") as fh:
+        json.dump(ref, fh, separators=(",", ":"))
+        fh.write("\n")
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "smollm2":
+        sys.exit(smollm2(sys.argv[2]))
     sys.exit(main())

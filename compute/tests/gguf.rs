@@ -206,27 +206,6 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<V
     (out, logits)
 }
 
-/// The greedy choice at each step of `prompt` followed by `given` (teacher forcing).
-fn forced(b: &mut dyn Backend, prompt: &[u32], given: &[u32]) -> Vec<u32> {
-    let all: Vec<u32> = prompt.iter().chain(given).copied().collect();
-    let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
-    let mut done = 0;
-    (prompt.len()..prompt.len() + given.len())
-        .map(|end| {
-            let step = SeqStep {
-                tokens: &all[done..end],
-                start: done,
-                blocks: &blocks,
-                logits: true,
-                all_logits: false,
-                lora: None,
-            };
-            done = end;
-            argmax(&b.forward(&[step]).unwrap().remove(0))
-        })
-        .collect()
-}
-
 fn cpu(w: ModelWeights) -> CpuBackend {
     let kv = KvShape {
         num_blocks: 64,
@@ -389,7 +368,7 @@ fn smollm2_quantized_path_agrees_with_llama_cpp() {
             .take_while(|(a, b)| a == b)
             .count();
         // Teacher-forced: fed llama.cpp's tokens, does dyn choose llama.cpp's next one?
-        let choices = forced(&mut cpu(qw.clone()), &case.prompt, &case.greedy);
+        let choices = common::forced(&mut cpu(qw.clone()), &case.prompt, &case.greedy, None);
         same += choices
             .iter()
             .zip(&case.greedy)

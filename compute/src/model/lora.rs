@@ -571,7 +571,9 @@ fn gguf_name(name: &str) -> Option<(usize, Target, bool)> {
         _ => return None,
     };
     let (layer, module) = base.strip_prefix("blk.")?.split_once('.')?;
-    let target = Target::ALL.into_iter().find(|t| gguf_module(*t) == module)?;
+    let target = Target::ALL
+        .into_iter()
+        .find(|t| gguf_module(*t) == module)?;
     Some((layer.parse().ok()?, target, is_a))
 }
 

@@ -150,3 +150,30 @@ pub fn generate(
         }
     }
 }
+
+/// The greedy choice at each step of `prompt` followed by `given` (teacher forcing), with
+/// `lora`.
+pub fn forced(
+    b: &mut dyn dyn_compute::backend::Backend,
+    prompt: &[u32],
+    given: &[u32],
+    lora: Option<&dyn_compute::model::lora::LoraAdapter>,
+) -> Vec<u32> {
+    let all: Vec<u32> = prompt.iter().chain(given).copied().collect();
+    let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+    let mut done = 0;
+    (prompt.len()..prompt.len() + given.len())
+        .map(|end| {
+            let step = dyn_compute::backend::SeqStep {
+                tokens: &all[done..end],
+                start: done,
+                blocks: &blocks,
+                logits: true,
+                all_logits: false,
+                lora,
+            };
+            done = end;
+            dyn_compute::sample::argmax(&b.forward(&[step]).unwrap().remove(0))
+        })
+        .collect()
+}
