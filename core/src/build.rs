@@ -35,7 +35,7 @@ pub struct ModelSpec {
     /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_parser: Option<ReasoningParserName>,
-    /// LoRA adapters served beside the model, by name: PEFT directories (relative to the
+    /// LoRA adapters served beside the model, by name: PEFT directories or GGUF LoRA files (relative to the
     /// graph file). A request whose `model` is one of these names runs with that adapter.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub loras: std::collections::BTreeMap<String, String>,

@@ -138,6 +138,18 @@ async fn adapters_answer_as_peft_does_and_load_and_unload_at_run_time() {
     );
     all_at_once_match(&url, &r, &["mlp", "qv", "tiny", "all"]).await;
 
+    // A GGUF LoRA file (llama.cpp's converter's, from qv's directory) serves as qv does.
+    let gguf = root()
+        .join("models/tiny-lora/qv.gguf")
+        .display()
+        .to_string();
+    let (status, text) = post_text(&load, &load_body("qv-gguf", &gguf)).await;
+    assert_eq!(status, 200, "{text}");
+    for (p, prompt) in r.prompts.iter().enumerate() {
+        let got = greedy(&url, "qv-gguf", prompt).await.unwrap();
+        assert_eq!(got, r.greedy["qv"][p], "qv.gguf prompt {p}");
+    }
+
     // Loading it again, a missing directory, a bad name, a bad body: 400s that say why.
     let (status, v) = post_json(&load, &load_body("mlp", &adapter_path("mlp"))).await;
     assert_eq!(status, 400, "{v}");
