@@ -85,6 +85,43 @@ pub struct ExternalConfig {
     /// Tokens per KV block announced for a server that does not say its own (llama.cpp): what
     /// an approximate router hashes prompts with; by default the router's own choice.
     pub block_size: Option<u32>,
+    /// vLLM: the servers serve the graph's LoRA adapters, which dyn loads into each at run
+    /// time through vLLM's own `/v1/load_lora_adapter` (with `launch`, dyn adds
+    /// `--enable-lora` and these limits, and allows run-time loading in its environment).
+    pub lora: Option<LoraServing>,
+}
+
+/// vLLM's LoRA settings (see [`ExternalConfig::lora`]).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraServing {
+    /// `--max-lora-rank`: the largest rank it takes (vLLM accepts 1, 8, 16, 32, 64, 128, 256,
+    /// 320, 512).
+    pub max_rank: u32,
+    /// `--max-loras`: adapters in one batch.
+    pub max_loras: u32,
+    /// Adapters dyn keeps loaded per server, the least recently used unloaded past it.
+    pub keep: usize,
+}
+
+impl Default for LoraServing {
+    fn default() -> Self {
+        Self {
+            max_rank: 16,
+            max_loras: 4,
+            keep: 32,
+        }
+    }
+}
+
+impl LoraServing {
+    /// What dyn adds to a launched vLLM's command line.
+    pub fn launch_args(&self) -> String {
+        format!(
+            "--enable-lora --max-lora-rank {} --max-loras {}",
+            self.max_rank, self.max_loras
+        )
+    }
 }
 
 impl Default for ExternalConfig {
@@ -104,6 +141,7 @@ impl Default for ExternalConfig {
             kv_events: false,
             kv_publishers: Vec::new(),
             block_size: None,
+            lora: None,
         }
     }
 }
@@ -135,6 +173,23 @@ impl ExternalConfig {
         self.validate_servers(prefix, &mut out);
         self.validate_launch(prefix, &mut out);
         self.validate_numbers(prefix, &mut out);
+        if let Some(l) = &self.lora {
+            if kind != ExternalKind::Vllm {
+                out.push(Invalid::field(
+                    format!("{prefix}lora"),
+                    format!(
+                        "only vLLM servers load adapters at run time ({} does not: its adapters are fixed when it starts)",
+                        kind.name()
+                    ),
+                ));
+            }
+            if l.max_rank == 0 || l.max_loras == 0 || l.keep == 0 {
+                out.push(Invalid::field(
+                    format!("{prefix}lora"),
+                    "max_rank, max_loras and keep must be at least 1",
+                ));
+            }
+        }
         if kind != ExternalKind::Vllm {
             self.validate_no_kv_events(kind, prefix, &mut out);
         } else {

@@ -88,6 +88,10 @@ pub enum VllmEvent {
         block_size: u32,
         #[serde(default)]
         medium: Option<String>,
+        /// The adapter the blocks were computed under: dyn's name for it there
+        /// (`crate::lora::served_name`), or none.
+        #[serde(default)]
+        lora_name: Option<String>,
     },
     BlockRemoved {
         block_hashes: Vec<VllmHash>,
@@ -144,10 +148,16 @@ impl Mirror {
                     token_ids,
                     block_size,
                     medium,
+                    lora_name,
                 } => {
                     let Some(medium) = tier(&medium) else {
                         continue;
                     };
+                    // An adapter's blocks hash apart, as dyn's requests of it do.
+                    let salt = lora_name
+                        .as_deref()
+                        .and_then(crate::lora::key_of)
+                        .map(|k| dyn_router::kv::salt_of(None, Some(&k)).unwrap_or_default());
                     if block_size > 0 {
                         self.block_size = block_size;
                     }
@@ -177,6 +187,10 @@ impl Mirror {
                             }
                             (None, Some(tokens)) if block_size > 0 => {
                                 let local = local_hash(tokens);
+                                let local = match chain {
+                                    None => dyn_router::kv::salted_local(salt, local),
+                                    Some(_) => local,
+                                };
                                 let h = BlockHash {
                                     block_hash: chain_hash(chain, local),
                                     tokens_hash: local,
@@ -537,6 +551,35 @@ mod tests {
     fn batch(events: serde_json::Value) -> Vec<u8> {
         let v = serde_json::json!([1795412261.75, events, 0]);
         rmp_serde::to_vec(&v).expect("msgpack")
+    }
+
+    #[test]
+    fn an_adapters_blocks_hash_as_dyns_requests_of_it_do() {
+        let tokens: Vec<u32> = (100..132).collect();
+        let lora = dyn_llm::types::LoraRef {
+            name: "qv".into(),
+            path: "/a".into(),
+            id: 0x1f,
+        };
+        let b = batch(serde_json::json!([
+            {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": null,
+             "token_ids": &tokens, "block_size": 16, "lora_id": 1, "medium": "GPU",
+             "lora_name": crate::lora::served_name(&lora)},
+        ]));
+        let mut m = Mirror::default();
+        let out = m.apply(decode_batch(&b).expect("batch").events);
+        let salt = dyn_router::kv::salt_of(None, Some(&lora.key()));
+        let want = dyn_router::kv::block_hashes_salted(&tokens, 16, salt);
+        assert_eq!(
+            out,
+            vec![(
+                Medium::Gpu,
+                KvEventData::Stored {
+                    parent_hash: None,
+                    blocks: want
+                }
+            )]
+        );
     }
 
     #[test]

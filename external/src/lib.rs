@@ -25,6 +25,7 @@
 
 pub mod config;
 mod kv_events;
+mod lora;
 mod protocol;
 mod scrape;
 mod server;
@@ -59,6 +60,8 @@ pub struct ExternalEngine {
     tokenizer: Arc<Tokenizer>,
     /// How long the server may send nothing (`stall_timeout_s`).
     stall: Duration,
+    /// vLLM with `lora`: the adapters loaded into its servers.
+    loras: Option<lora::Loaded>,
     _tasks: Vec<AbortOnDropHandle<()>>,
 }
 
@@ -106,6 +109,18 @@ impl ExternalEngine {
             }
             follower = Some((f, sub));
         }
+        let mut config = config.clone();
+        if let (Some(l), true) = (&config.lora, config.launch.is_some()) {
+            let lora_args = l.launch_args();
+            extra_args = Some(match extra_args.take() {
+                Some(kv) => Box::new(move || format!("{} {lora_args}", kv())),
+                None => Box::new(move || lora_args.clone()),
+            });
+            config
+                .env
+                .insert("VLLM_ALLOW_RUNTIME_LORA_UPDATING".into(), "True".into());
+        }
+        let loras = config.lora.as_ref().map(|l| lora::Loaded::new(l.keep));
         let server = Server::start(
             ServerSpec {
                 kind,
@@ -151,6 +166,7 @@ impl ExternalEngine {
                 .map_err(|e| BuildError::new(format!("HTTP client: {e}")))?,
             tokenizer: model.tokenizer.clone(),
             stall: Duration::from_secs_f64(config.stall_timeout_s),
+            loras,
             _tasks: tasks,
         }))
     }
@@ -167,21 +183,35 @@ impl ExternalEngine {
                 yield Err(OpError::instance_lost("the engine server is down"));
                 return;
             };
-            if let Some(l) = &req.sampling.lora {
-                yield Err(OpError::invalid(format!(
-                    "model `{}` is a LoRA adapter; adapters run on dyn's native engine only so far",
-                    l.name
-                ))
-                .with_param("model"));
-                return;
-            }
+            // The `model` the server is asked for: its own, or the adapter's name there.
+            let model = match (&req.sampling.lora, &this.loras) {
+                (None, _) => ep.model.clone(),
+                (Some(l), Some(loaded)) if !l.path.ends_with(".gguf") => {
+                    match loaded.ensure(&this.client, &ep, l, this.stall).await {
+                        Ok(name) => name,
+                        Err(e) => {
+                            yield Err(e);
+                            return;
+                        }
+                    }
+                }
+                (Some(l), _) => {
+                    let why = match this.kind {
+                        ExternalKind::Vllm if this.loras.is_some() => "vLLM reads PEFT directories, not GGUF LoRA files",
+                        ExternalKind::Vllm => "this worker's vLLM servers serve no adapters (set `vllm.lora`)",
+                        _ => "adapters run on native and vLLM workers",
+                    };
+                    yield Err(OpError::invalid(format!("model `{}` is a LoRA adapter: {why}", l.name)).with_param("model"));
+                    return;
+                }
+            };
             if req.stop.max_tokens == 0 {
                 // Migrated after its last token, before the server said it was done.
                 yield Ok(Generated::Start(req.output.clone()));
                 yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length), logprobs: None });
                 return;
             }
-            for await item in this.run_phases(ep, req) {
+            for await item in this.run_phases(ep, model, req) {
                 yield item;
             }
         }
@@ -193,6 +223,7 @@ impl ExternalEngine {
     fn run_phases(
         self: Arc<Self>,
         ep: Endpoint,
+        model: String,
         req: PreprocessedRequest,
     ) -> impl Stream<Item = Result<Generated, OpError>> {
         async_stream::stream! {
@@ -209,7 +240,7 @@ impl ExternalEngine {
                 if upto <= done {
                     continue;
                 }
-                let resp = match self.send(&ep, &req, &produced, upto - done, ignore_eos).await {
+                let resp = match self.send(&ep, &model, &req, &produced, upto - done, ignore_eos).await {
                     Ok(resp) => resp,
                     Err(e) => {
                         yield Err(e);
@@ -269,6 +300,7 @@ impl ExternalEngine {
     async fn send(
         &self,
         ep: &Endpoint,
+        model: &str,
         req: &PreprocessedRequest,
         produced: &[u32],
         max_tokens: u32,
@@ -288,7 +320,7 @@ impl ExternalEngine {
             }
         };
         let ask = Ask {
-            model: &ep.model,
+            model,
             prompt,
             max_tokens,
             min_tokens: req.stop.min_tokens,
@@ -322,6 +354,17 @@ impl ExternalEngine {
                 .ok()
                 .and_then(Result::ok)
                 .unwrap_or_default();
+            // The server lost an adapter dyn loaded (restarted behind the same URL): load it
+            // again when the request is resent.
+            if let (reqwest::StatusCode::NOT_FOUND, Some(l), Some(loaded)) =
+                (status, &req.sampling.lora, &self.loras)
+            {
+                loaded.forget(ep, l);
+                return Err(OpError::instance_lost(format!(
+                    "the engine server at {} no longer holds adapter `{}`",
+                    ep.base, l.name
+                )));
+            }
             return Err(refused(&self.server, status, &body));
         }
         Ok(resp)

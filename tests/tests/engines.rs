@@ -736,7 +736,8 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
     let g = Graph::start(
         "graphs/vllm.yaml",
         "http",
-        &["--set", &set_model],
+        // The servers serve adapters dyn loads into them (vLLM's --enable-lora).
+        &["--set", &set_model, "--set", "decode.vllm.lora={}"],
         &[("DYN_VLLM_PYTHON", python.as_str())],
     );
     // Two vLLM servers compile their models at once on two cores: minutes.
@@ -864,12 +865,69 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
         "hits per server: {gained:?}"
     );
 
+    // A LoRA adapter loaded through dyn is loaded into vLLM by dyn and answers as vLLM
+    // answers with it directly.
+    lora_through_dyn_is_vllms_own(&g, direct, &ids).await;
+
     // A client hang-up frees the request in vLLM.
     hang_up_after_a_few_tokens(&url).await;
     until_idle(&servers, "vllm:num_requests_running").await;
 
     // One server SIGKILLed mid-stream: every stream completes identically on the other.
     kill_one_mid_stream(&g, &servers, "vllm:num_requests_running", 160).await;
+}
+
+/// models/smollm2-lora/qv (peft's, made by scripts/make-lora-fixtures) loaded through dyn's
+/// `/v1/load_lora_adapter`: dyn's greedy answer with it equals the answer vLLM gives to the same
+/// token ids with the same adapter loaded directly, and differs from the base's.
+async fn lora_through_dyn_is_vllms_own(g: &Graph, direct: &str, ids: &Value) {
+    let path = dyn_tests::root()
+        .join("models/smollm2-lora/qv")
+        .display()
+        .to_string();
+    let load = |url: String, name: &'static str| {
+        let body = json!({"lora_name": name, "lora_path": path});
+        async move {
+            let r = reqwest::Client::new()
+                .post(&url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }
+    };
+    let (status, text) = load(g.url("/v1/load_lora_adapter"), "qv").await;
+    assert_eq!(status, 200, "{text}");
+    let ask = |model: &str, prompt: Value| {
+        json!({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true})
+    };
+    let v = post(
+        &g.url("/v1/completions"),
+        &ask("qv", json!("The capital of France is")),
+    )
+    .await;
+    let through_dyn = v["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert_eq!(v["model"], "qv", "{v}");
+    let (status, text) = load(format!("{direct}/v1/load_lora_adapter"), "direct-qv").await;
+    assert_eq!(status, 200, "{text}");
+    let own = post(
+        &format!("{direct}/v1/completions"),
+        &ask("direct-qv", ids.clone()),
+    )
+    .await;
+    assert_eq!(
+        through_dyn,
+        own["choices"][0]["text"].as_str().unwrap(),
+        "{own}"
+    );
+    let base = post(
+        &format!("{direct}/v1/completions"),
+        &ask("smollm2", ids.clone()),
+    )
+    .await;
+    assert_ne!(through_dyn, base["choices"][0]["text"].as_str().unwrap());
 }
 
 async fn hit_tokens(servers: &[(u64, String, u32)]) -> Vec<f64> {
