@@ -15,8 +15,9 @@
 //! ([`LoraRef`]) to whichever worker serves it, which reads it on first use
 //! (`dyn_engine::lora`). Ingresses of one graph tell each other what they load and unload on
 //! the event plane (`dyn.{namespace}.lora_adapters`, for their model), so every frontend
-//! serves the same adapters; one started later knows the graph's adapters and those loaded
-//! after it started (announcements are not kept: a restarted ingress misses earlier ones).
+//! serves the same adapters. An ingress that starts says hello there, and the others announce
+//! what they serve, so one started (or restarted) later serves the adapters loaded before it
+//! too.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -63,6 +64,9 @@ struct Announce {
     /// `None`: unloaded.
     load: Option<LoraRef>,
     name: String,
+    /// An ingress that just started: the others announce what they serve.
+    #[serde(default)]
+    hello: bool,
 }
 
 /// The model's shape, read once (a GGUF file's whole header is parsed for it).
@@ -144,6 +148,17 @@ impl Adapters {
             while let Some(ev) = announced.next().await {
                 let Some(this) = weak.upgrade() else { return };
                 match serde_json::from_slice::<Announce>(&ev.payload) {
+                    Ok(a) if a.origin != this.origin && a.parent == this.base && a.hello => {
+                        let held: Vec<(String, LoraRef)> = this
+                            .list
+                            .read()
+                            .iter()
+                            .map(|(n, l)| (n.clone(), l.clone()))
+                            .collect();
+                        for (name, lora) in held {
+                            this.announce(&name, Some(lora)).await;
+                        }
+                    }
                     Ok(a) if a.origin != this.origin && a.parent == this.base => this.apply(a),
                     Ok(_) => {}
                     Err(e) => {
@@ -152,6 +167,16 @@ impl Adapters {
                 }
             }
         });
+        // Subscribed first: the answers to this are heard.
+        adapters
+            .send(Announce {
+                origin: adapters.origin,
+                parent: adapters.base.clone(),
+                load: None,
+                name: String::new(),
+                hello: true,
+            })
+            .await;
         Ok(adapters)
     }
 
@@ -170,15 +195,20 @@ impl Adapters {
     }
 
     async fn announce(&self, name: &str, load: Option<LoraRef>) {
-        let a = Announce {
+        self.send(Announce {
             origin: self.origin,
             parent: self.base.clone(),
             load,
             name: name.to_owned(),
-        };
+            hello: false,
+        })
+        .await;
+    }
+
+    async fn send(&self, a: Announce) {
         let payload = serde_json::to_vec(&a).unwrap_or_default();
         if let Err(e) = self.events.publish(&self.subject, payload.into()).await {
-            tracing::warn!(node = %self.node, lora = %name, error = %e, "Other ingresses were not told of a LoRA adapter change");
+            tracing::warn!(node = %self.node, lora = %a.name, error = %e, "Other ingresses were not told of a LoRA adapter change");
         }
     }
 
@@ -460,4 +490,47 @@ pub fn routes(catalog: Arc<Catalog>) -> axum::Router {
         .route("/v1/load_lora_adapter", axum::routing::post(load))
         .route("/v1/unload_lora_adapter", axum::routing::post(unload))
         .with_state(catalog)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dyn_core::planes::Planes;
+
+    fn spec() -> dyn_core::ModelSpec {
+        dyn_core::ModelSpec {
+            name: "tiny".into(),
+            path: "models/tiny".into(),
+            tool_parser: None,
+            reasoning_parser: None,
+            loras: Default::default(),
+        }
+    }
+
+    async fn ingress(planes: &Planes, node: &str) -> Arc<Adapters> {
+        let cx = BuildCx::for_tests(node, planes.clone());
+        let base = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        Adapters::start(&cx, &spec(), base).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_ingress_started_later_serves_the_adapters_loaded_before_it() {
+        let planes = Planes::embedded();
+        let a = ingress(&planes, "a").await;
+        let lora = LoraRef {
+            name: "qv".into(),
+            path: "/adapters/qv".into(),
+            id: 7,
+        };
+        a.list.write().insert("qv".into(), lora.clone());
+        a.announce("qv", Some(lora.clone())).await;
+        // Started after the load: it asks, and `a` tells it.
+        let b = ingress(&planes, "b").await;
+        dyn_tests::until("b serves qv", || b.find("qv").is_some()).await;
+        assert_eq!(b.find("qv"), Some(Some(lora)));
+        // Unloads reach it as before.
+        a.list.write().remove("qv");
+        a.announce("qv", None).await;
+        dyn_tests::until("b no longer serves qv", || b.find("qv").is_none()).await;
+    }
 }
