@@ -272,7 +272,20 @@ async fn unloading_under_load_finishes_streams_and_cycles_leak_nothing() {
 
     // A hundred cycles, each loading an adapter under a new name (each a new adapter for the
     // worker), running it, and unloading it.
+    let rss = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", g.pid())).unwrap();
+        let kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap();
+        kb * 1024
+    };
+    let mut warm = 0;
     for cycle in 0..100 {
+        if cycle == 10 {
+            warm = rss();
+        }
         let (name, dir) = (format!("c{cycle}"), ["qv", "all", "mlp"][cycle % 3]);
         let (status, text) = post_text(&load, &load_body(&name, &adapter_path(dir))).await;
         assert_eq!(status, 200, "cycle {cycle}: {text}");
@@ -282,6 +295,14 @@ async fn unloading_under_load_finishes_streams_and_cycles_leak_nothing() {
         let (status, text) = post_text(&unload, &json!({"lora_name": name})).await;
         assert_eq!(status, 200, "cycle {cycle}: {text}");
     }
+    // The process holds no more after ninety cycles than after ten (within allocator noise).
+    let after = rss();
+    eprintln!(
+        "RSS after 10 cycles {} MiB, after 100 {} MiB",
+        warm >> 20,
+        after >> 20
+    );
+    assert!(after < warm + (16 << 20), "{warm} → {after} bytes");
     let m = g.get("/metrics");
     // Each was read once, and no more than two were ever kept.
     assert!(loads() >= before + 100, "{m}");
