@@ -122,6 +122,78 @@ mod gpu {
         }
     }
 
+    #[derive(serde::Deserialize)]
+    struct LoraReference {
+        prompts: Vec<Vec<u32>>,
+        /// By adapter (`base`: none), one per prompt.
+        outputs: std::collections::HashMap<String, Vec<LoraOutput>>,
+    }
+
+    #[derive(serde::Deserialize)]
+    struct LoraOutput {
+        greedy: Vec<u32>,
+        logits: Vec<f32>,
+    }
+
+    /// LoRA adapters on the GPU (models/tiny-lora, from peft): each gives transformers +
+    /// peft's prefill logits and greedy tokens alone, and three adapters and the base in one
+    /// batch each get their own.
+    #[test]
+    fn lora_adapters_match_peft_alone_and_in_one_batch() {
+        use super::common::{Seq, generate};
+        use dyn_compute::model::lora::LoraAdapter;
+        let Some(mut b) = gpu("tiny", DType::F32) else {
+            return;
+        };
+        let text = std::fs::read_to_string(dir("tiny-lora").join("reference.json")).unwrap();
+        let r: LoraReference = serde_json::from_str(&text).unwrap();
+        let c = dyn_compute::model::ModelConfig::load(&dir("tiny")).unwrap();
+        let names = ["base", "qv", "all", "mlp"];
+        let loaded: Vec<Option<LoraAdapter>> = names
+            .iter()
+            .map(|n| {
+                (*n != "base").then(|| LoraAdapter::load(&dir("tiny-lora").join(n), &c).unwrap())
+            })
+            .collect();
+        for (name, lora) in names.iter().zip(&loaded) {
+            for (pi, prompt) in r.prompts.iter().enumerate() {
+                let want = &r.outputs[*name][pi];
+                let mut s = [Seq {
+                    lora: lora.as_ref(),
+                    ..Seq::new(prompt, 0, 4, 64)
+                }];
+                generate(b.as_mut(), &mut s, want.greedy.len(), usize::MAX);
+                let d = max_diff(&s[0].logits[0], &want.logits);
+                assert!(d < 1e-3, "{name} prompt {pi}: logits differ by {d}");
+                assert_eq!(
+                    &s[0].tokens[prompt.len()..],
+                    &want.greedy[..],
+                    "{name} {pi}"
+                );
+            }
+        }
+        // All four at once, prefills chunked beside decodes.
+        let mut seqs: Vec<Seq<'_>> = names
+            .iter()
+            .zip(&loaded)
+            .enumerate()
+            .map(|(i, (_, lora))| Seq {
+                lora: lora.as_ref(),
+                ..Seq::new(&r.prompts[i % r.prompts.len()], i as u32 * 16, 4, 64)
+            })
+            .collect();
+        generate(b.as_mut(), &mut seqs, 12, 3);
+        for (i, (name, s)) in names.iter().zip(&seqs).enumerate() {
+            let p = i % r.prompts.len();
+            let want = &r.outputs[*name][p].greedy;
+            assert_eq!(
+                &s.tokens[r.prompts[p].len()..],
+                &want[..],
+                "{name} in a mixed batch"
+            );
+        }
+    }
+
     #[test]
     fn kernels_compile_with_nvrtc_for_every_dtype() {
         for dtype in [DType::F32, DType::Bf16, DType::F16] {

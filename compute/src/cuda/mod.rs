@@ -8,6 +8,13 @@
 //! block tables, SiLU·mul, row gather, and the KV block copy that stages blocks for export and
 //! import. Activations and the KV cache are kept in the weights' type (f32, bf16 or f16); all
 //! arithmetic inside kernels is f32. The residual additions ride on cuBLAS's `beta = 1`.
+//!
+//! LoRA adapters: each adapter's `Aᵀ` and scaled `Bᵀ` are uploaded once, in the weights' type
+//! (the most recent [`MAX_DEVICE_LORAS`] kept); after each fused projection, each sequence
+//! with an adapter gets two cuBLAS products on its own rows — its tokens are contiguous in the
+//! batch — `T = X·Aᵀ`, then `Y[:, offset..] += T·Bᵀ` into its projection's columns of the fused
+//! output (q/k/v, gate/up; o and down into the residual), before rope and the activation, as
+//! the CPU backend adds them.
 
 #![allow(unsafe_code)]
 
@@ -21,6 +28,7 @@ use cudarc::driver::{
 use half::{bf16, f16};
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
+use crate::model::lora::{LoraAdapter, Target};
 use crate::model::weights::le_vec;
 use crate::model::{DType, Host, Matrix, ModelConfig, ModelWeights};
 
@@ -28,6 +36,9 @@ const KERNELS: &str = include_str!("kernels.cu");
 
 /// Scores scratch for attention is kept under this; longer batches attend in token chunks.
 const SCORES_BYTES: usize = 512 << 20;
+
+/// Adapters kept on the device; the least recently used beyond it are dropped.
+const MAX_DEVICE_LORAS: usize = 32;
 
 fn dev<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> ComputeError {
     move |e| ComputeError::Device(format!("{what}: {e}"))
@@ -206,8 +217,34 @@ struct DevLayer<T> {
     down: DevMatrix<T>,
 }
 
+/// One projection's adapter on the device: `Aᵀ` `[in, rank]` and `Bᵀ` `[rank, out]` (scale
+/// folded in), row-major.
+struct DevPair<T> {
+    rank: usize,
+    at: CudaSlice<T>,
+    bt: CudaSlice<T>,
+}
+
+/// An adapter on the device, per layer and projection.
+struct DevLora<T> {
+    layers: Vec<[Option<DevPair<T>>; 7]>,
+    /// The step it was last used in.
+    used: u64,
+}
+
+/// Rows `row0..row0 + n` of the step run with adapter `id`.
+#[derive(Clone, Copy)]
+struct LoraRows {
+    row0: usize,
+    n: usize,
+    id: u64,
+}
+
 struct Engine<T> {
     cfg: ModelConfig,
+    /// Adapters on the device, by [`LoraAdapter::id`].
+    loras: std::collections::HashMap<u64, DevLora<T>>,
+    steps: u64,
     kv: KvShape,
     ordinal: usize,
     stream: Arc<CudaStream>,
@@ -296,6 +333,9 @@ struct Step<T> {
     /// Tokens per attention launch: their scores fit `scores`, kept under [`SCORES_BYTES`].
     chunk: usize,
     scores: CudaSlice<f32>,
+    /// The sequences run with an adapter, and the scratch of their `X·Aᵀ` (rows × rank).
+    lora: Vec<LoraRows>,
+    lora_scratch: CudaSlice<T>,
 }
 
 /// The attention kernels' scalar arguments, the same for every layer of a step.
@@ -391,6 +431,8 @@ where
             );
         }
         Ok(Engine {
+            loras: std::collections::HashMap::new(),
+            steps: 0,
             embed: up(&w.embed)?,
             norm: up_f32(&w.norm)?,
             lm_head: matrix(&w.lm_head)?,
@@ -441,6 +483,144 @@ where
         Ok(())
     }
 
+    /// For each sequence in `rows` whose adapter changes `targets` of layer `li`:
+    /// `y[its rows, offset..offset + out] += (x[its rows] · Aᵀ) · Bᵀ`, where `x` has `x_cols`
+    /// columns and `y` rows of `y_width` (a fused projection's output, or the residual).
+    #[allow(clippy::too_many_arguments)]
+    fn add_lora(
+        &self,
+        li: usize,
+        targets: &[(Target, usize)],
+        rows: &[LoraRows],
+        x: &CudaSlice<T>,
+        x_cols: usize,
+        y: &mut CudaSlice<T>,
+        y_width: usize,
+        scratch: &mut CudaSlice<T>,
+    ) -> Result<(), ComputeError> {
+        for r in rows.iter().filter(|r| r.n > 0) {
+            let Some(lora) = self.loras.get(&r.id) else {
+                continue;
+            };
+            for &(target, offset) in targets {
+                let Some(p) = &lora.layers[li][target as usize] else {
+                    continue;
+                };
+                let (inp, out) = target.dims(&self.cfg);
+                debug_assert_eq!(inp, x_cols);
+                // T (n × rank, row-major) = X (n × in) · Aᵀ (in × rank); column-major:
+                // Tᵀ = (Aᵀ)ᵀ · Xᵀ with both operands as stored.
+                let first = GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_N,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: int(p.rank)?,
+                    n: int(r.n)?,
+                    k: int(inp)?,
+                    alpha: T::one(),
+                    lda: int(p.rank)?,
+                    ldb: int(inp)?,
+                    beta: T::zero(),
+                    ldc: int(p.rank)?,
+                };
+                let xs = x.slice(r.row0 * x_cols..(r.row0 + r.n) * x_cols);
+                let mut t = scratch.slice_mut(0..r.n * p.rank);
+                // SAFETY: `xs` holds n × in, `at` in × rank, `t` n × rank elements.
+                unsafe { self.blas.gemm(first, &p.at, &xs, &mut t) }
+                    .map_err(dev("cuBLAS gemm (LoRA A)"))?;
+                // Y[:, offset..offset + out] (+)= T · Bᵀ; column-major with ldc = y_width.
+                let second = GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_N,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: int(out)?,
+                    n: int(r.n)?,
+                    k: int(p.rank)?,
+                    alpha: T::one(),
+                    lda: int(out)?,
+                    ldb: int(p.rank)?,
+                    beta: T::one(),
+                    ldc: int(y_width)?,
+                };
+                let start = r.row0 * y_width + offset;
+                let end = (r.row0 + r.n - 1) * y_width + offset + out;
+                let ts = scratch.slice(0..r.n * p.rank);
+                let mut ys = y.slice_mut(start..end);
+                // SAFETY: `bt` holds rank × out, `ts` n × rank; `ys` spans the n rows' `out`
+                // columns at `offset` with stride `y_width`.
+                unsafe { self.blas.gemm(second, &p.bt, &ts, &mut ys) }
+                    .map_err(dev("cuBLAS gemm (LoRA B)"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch's adapters on the device (uploaded once, the least recently used dropped past
+    /// [`MAX_DEVICE_LORAS`]), and the rows each runs on.
+    fn lora_rows(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<LoraRows>, ComputeError> {
+        self.steps += 1;
+        let mut rows = Vec::new();
+        let mut row0 = 0;
+        for s in batch {
+            if let Some(a) = s.lora {
+                self.upload_lora(a)?;
+                rows.push(LoraRows {
+                    row0,
+                    n: s.tokens.len(),
+                    id: a.id,
+                });
+            }
+            row0 += s.tokens.len();
+        }
+        while self.loras.len() > MAX_DEVICE_LORAS {
+            let oldest = self
+                .loras
+                .iter()
+                .filter(|(_, l)| l.used < self.steps)
+                .min_by_key(|(_, l)| l.used)
+                .map(|(id, _)| *id);
+            match oldest {
+                Some(id) => {
+                    self.loras.remove(&id);
+                }
+                None => break,
+            }
+        }
+        Ok(rows)
+    }
+
+    fn upload_lora(&mut self, a: &LoraAdapter) -> Result<(), ComputeError> {
+        if let Some(l) = self.loras.get_mut(&a.id) {
+            l.used = self.steps;
+            return Ok(());
+        }
+        let up = |v: &[f32]| {
+            self.stream
+                .clone_htod(&T::from_host(&Host::F32(v.to_vec())))
+                .map_err(dev("uploading a LoRA adapter"))
+        };
+        let mut layers = Vec::with_capacity(self.cfg.layers);
+        for li in 0..self.cfg.layers {
+            let mut per: [Option<DevPair<T>>; 7] = Default::default();
+            for t in Target::ALL {
+                if let Some(p) = a.pair(li, t) {
+                    per[t as usize] = Some(DevPair {
+                        rank: p.rank,
+                        at: up(&p.at)?,
+                        bt: up(&p.bt)?,
+                    });
+                }
+            }
+            layers.push(per);
+        }
+        self.loras.insert(
+            a.id,
+            DevLora {
+                layers,
+                used: self.steps,
+            },
+        );
+        Ok(())
+    }
+
     fn rmsnorm(
         &self,
         x: &CudaSlice<T>,
@@ -469,7 +649,15 @@ where
         if layout.ids.is_empty() {
             return Ok(Vec::new());
         }
+        let lora = self.lora_rows(batch)?;
+        let rank = batch
+            .iter()
+            .filter_map(|s| s.lora.map(|a| a.rank * s.tokens.len()))
+            .max()
+            .unwrap_or(1);
         let mut s = self.upload(&layout)?;
+        s.lora = lora;
+        s.lora_scratch = self.alloc(rank)?;
         self.embed(&s)?;
         let a = self.attn_args(layout.max_ctx)?;
         for li in 0..self.cfg.layers {
@@ -525,6 +713,8 @@ where
             act,
             chunk,
             scores,
+            lora: Vec::new(),
+            lora_scratch: self.alloc(1)?,
         })
     }
 
@@ -560,11 +750,41 @@ where
 
     fn attention(&self, li: usize, s: &mut Step<T>, a: &AttnArgs) -> Result<(), ComputeError> {
         let layer = &self.layers[li];
+        let c = &self.cfg;
+        let (h, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         self.rmsnorm(&s.x, &layer.attn_norm, &mut s.normed, s.t)?;
         self.linear(&layer.qkv, &s.normed, s.t, &mut s.qkv, false)?;
+        if !s.lora.is_empty() {
+            let qkv = [(Target::Q, 0), (Target::K, qd), (Target::V, qd + kvd)];
+            let width = qd + 2 * kvd;
+            self.add_lora(
+                li,
+                &qkv,
+                &s.lora,
+                &s.normed,
+                h,
+                &mut s.qkv,
+                width,
+                &mut s.lora_scratch,
+            )?;
+        }
         self.rope_store(li, s, a)?;
         self.paged_attention(li, s, a)?;
-        self.linear(&layer.o, &s.attn, s.t, &mut s.x, true)
+        self.linear(&layer.o, &s.attn, s.t, &mut s.x, true)?;
+        if !s.lora.is_empty() {
+            let o = [(Target::O, 0)];
+            self.add_lora(
+                li,
+                &o,
+                &s.lora,
+                &s.attn,
+                qd,
+                &mut s.x,
+                h,
+                &mut s.lora_scratch,
+            )?;
+        }
+        Ok(())
     }
 
     /// Rope on the tokens' q and k, then their k and v into layer `li`'s cache: the cache
@@ -627,8 +847,23 @@ where
 
     fn mlp(&self, li: usize, s: &mut Step<T>) -> Result<(), ComputeError> {
         let layer = &self.layers[li];
+        let (h, inter) = (self.cfg.hidden, self.cfg.intermediate);
         self.rmsnorm(&s.x, &layer.mlp_norm, &mut s.normed, s.t)?;
         self.linear(&layer.gate_up, &s.normed, s.t, &mut s.gu, false)?;
+        if !s.lora.is_empty() {
+            // Before the activation, as the CPU backend adds them.
+            let gu = [(Target::Gate, 0), (Target::Up, inter)];
+            self.add_lora(
+                li,
+                &gu,
+                &s.lora,
+                &s.normed,
+                h,
+                &mut s.gu,
+                2 * inter,
+                &mut s.lora_scratch,
+            )?;
+        }
         {
             let inter = int(self.cfg.intermediate)?;
             let mut l = self.stream.launch_builder(&self.f.silu_mul);
@@ -641,7 +876,21 @@ where
             // SAFETY: gu holds t × 2·inter, act t × inter; the kernel skips i ≥ inter.
             unsafe { l.launch(cfg) }.map_err(dev("silu_mul"))?;
         }
-        self.linear(&layer.down, &s.act, s.t, &mut s.x, true)
+        self.linear(&layer.down, &s.act, s.t, &mut s.x, true)?;
+        if !s.lora.is_empty() {
+            let down = [(Target::Down, 0)];
+            self.add_lora(
+                li,
+                &down,
+                &s.lora,
+                &s.act,
+                inter,
+                &mut s.x,
+                h,
+                &mut s.lora_scratch,
+            )?;
+        }
+        Ok(())
     }
 
     /// Next-token logits of the tokens in `rows`: only their hidden states are normed and
@@ -779,13 +1028,12 @@ where
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError> {
         check_batch(batch, self.kv, &self.cfg)?;
-        if batch.iter().any(|s| s.lora.is_some()) {
-            return Err(ComputeError::Invalid(
-                "LoRA adapters run on the CPU backend only so far".into(),
-            ));
-        }
         self.bind()?;
         self.step(batch)
+    }
+
+    fn lora(&self) -> bool {
+        true
     }
 
     fn block_bytes(&self) -> usize {

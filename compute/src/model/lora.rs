@@ -108,7 +108,12 @@ pub struct LoraAdapter {
     layers: Vec<[Option<LoraPair>; 7]>,
     /// The largest rank of any projection.
     pub rank: usize,
+    /// Unique in the process, one per read: what a device backend keys its copy by.
+    pub id: u64,
 }
+
+/// Next [`LoraAdapter::id`].
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A projection's `lora_A` and `lora_B` as they are read, and the module's path.
 struct Halves {
@@ -531,6 +536,7 @@ fn assemble(c: &ModelConfig, pairs: Vec<Pieces>) -> Result<LoraAdapter, ModelErr
     Ok(LoraAdapter {
         layers,
         rank: max_rank,
+        id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     })
 }
 
