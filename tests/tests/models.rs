@@ -16,6 +16,15 @@ fn env_path(var: &str) -> Option<String> {
     std::path::Path::new(&p).exists().then_some(p)
 }
 
+async fn metrics(g: &Graph) -> String {
+    reqwest::get(g.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
 }
@@ -121,12 +130,7 @@ async fn two_base_models_answer_each_with_its_own_tokenizer() {
     assert!(msg.contains("serves `smollm2`, `tiny`"), "{msg}");
 
     // Each model's requests are counted under its name.
-    let metrics = reqwest::get(g.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&g).await;
     for m in ["smollm2", "tiny"] {
         let label = format!("model=\"{m}\"");
         assert!(
@@ -167,12 +171,7 @@ async fn long_prompts_go_to_the_long_pool() {
         let n = v["usage"]["prompt_tokens"].as_u64().unwrap();
         assert_eq!(n > 512, i % 2 == 1, "request {i}: {n} prompt tokens");
     }
-    let metrics = reqwest::get(g.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&g).await;
     let sent = |pool: &str| {
         metric(
             &metrics,
@@ -237,12 +236,7 @@ async fn the_planner_scales_each_pool_on_its_own_targets() {
         for (status, v) in round(r).await {
             assert_eq!(status, 200, "{v}");
         }
-        let metrics = reqwest::get(g.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = metrics(&g).await;
         // (0 until the planner's first decision.)
         let short = replicas(&metrics, "short");
         assert!(
