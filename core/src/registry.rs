@@ -64,8 +64,9 @@ pub trait OperatorConfig: DeserializeOwned + Send + Sync + 'static {
         InstanceMeta::default()
     }
 
-    /// Nodes this node sends work to outside the request path (a remote prefill pool): the
-    /// compiler checks they exist and counts them as reached.
+    /// Nodes this node's config names: ones it sends work to outside the request path (a
+    /// remote prefill pool), or, for a router, the pools it chooses among. The compiler
+    /// checks they exist (and that a router's are nodes it feeds) and counts them as reached.
     fn calls(&self) -> Vec<String> {
         Vec::new()
     }

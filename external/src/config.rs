@@ -91,6 +91,9 @@ pub struct ExternalConfig {
     pub lora: Option<LoraServing>,
 }
 
+/// The `--max-lora-rank` values vLLM accepts.
+const VLLM_LORA_RANKS: [u32; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+
 /// vLLM's LoRA settings (see [`ExternalConfig::lora`]).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -183,10 +186,16 @@ impl ExternalConfig {
                     ),
                 ));
             }
-            if l.max_rank == 0 || l.max_loras == 0 || l.keep == 0 {
+            if l.max_loras == 0 || l.keep == 0 {
                 out.push(Invalid::field(
                     format!("{prefix}lora"),
-                    "max_rank, max_loras and keep must be at least 1",
+                    "max_loras and keep must be at least 1",
+                ));
+            }
+            if !VLLM_LORA_RANKS.contains(&l.max_rank) {
+                out.push(Invalid::field(
+                    format!("{prefix}lora.max_rank"),
+                    format!("vLLM takes one of {VLLM_LORA_RANKS:?}"),
                 ));
             }
         }

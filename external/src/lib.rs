@@ -49,6 +49,13 @@ pub use config::{ExternalConfig, ExternalKind};
 use protocol::{Ask, Chunk, Prompt};
 use server::{Endpoint, Server, ServerSpec};
 
+/// Whether an adapter's path is a GGUF LoRA file (by its extension, as dyn reads it).
+fn is_gguf(path: &str) -> bool {
+    std::path::Path::new(path)
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
 /// One streamed event's output tokens, finish reason and (when asked) log-probabilities.
 type Tokens = (Vec<u32>, Option<FinishReason>, Vec<TokenLogprob>);
 
@@ -184,11 +191,16 @@ impl ExternalEngine {
                 return;
             };
             // The `model` the server is asked for: its own, or the adapter's name there.
+            let mut in_use = None;
             let model = match (&req.sampling.lora, &this.loras) {
                 (None, _) => ep.model.clone(),
-                (Some(l), Some(loaded)) if !l.path.ends_with(".gguf") => {
+                (Some(l), Some(loaded)) if !is_gguf(&l.path) => {
                     match loaded.ensure(&this.client, &ep, l, this.stall).await {
-                        Ok(name) => name,
+                        Ok((name, held)) => {
+                            // Held for the request's life: not unloaded under it.
+                            in_use = Some(held);
+                            name
+                        }
                         Err(e) => {
                             yield Err(e);
                             return;
@@ -214,6 +226,7 @@ impl ExternalEngine {
             for await item in this.run_phases(ep, model, req) {
                 yield item;
             }
+            drop(in_use);
         }
         .boxed()
     }

@@ -6,8 +6,9 @@
 //! ingress took from its files), so files changed in place are loaded again rather than
 //! served from vLLM's old copy. Per server (its URL and start: a restarted server has lost
 //! what it held) one load at a time per adapter, however many requests wait for it; at most
-//! `keep` adapters stay loaded, the least recently used unloaded past that (vLLM's own
-//! `--max-loras` / `--max-cpu-loras` bound what it keeps in memory; this bounds its list).
+//! `keep` adapters stay loaded, the least recently used that no running request holds unloaded
+//! past that (vLLM's own `--max-loras` / `--max-cpu-loras` bound what it keeps in memory; this
+//! bounds its list).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -54,14 +55,15 @@ impl Loaded {
         }
     }
 
-    /// Load `lora` into the server at `ep` unless it is there already; its name there.
+    /// Load `lora` into the server at `ep` unless it is there already; its name there, and a
+    /// hold on it: while a request keeps that, the adapter is not unloaded.
     pub(crate) async fn ensure(
         &self,
         client: &reqwest::Client,
         ep: &Endpoint,
         lora: &LoraRef,
         timeout: Duration,
-    ) -> Result<String, OpError> {
+    ) -> Result<(String, Arc<OnceCell<()>>), OpError> {
         let name = served_name(lora);
         let server: ServerKey = (ep.base.clone(), ep.generation);
         let (cell, evicted) = {
@@ -71,10 +73,15 @@ impl Loaded {
                 None => Arc::default(),
             };
             held.push_back((server.clone(), name.clone(), cell.clone()));
+            // The least recently used past `keep`, of those no request holds (the list's own
+            // reference is the only one).
             let mut evicted = Vec::new();
-            while held.len() > self.keep {
-                if let Some(e) = held.pop_front() {
-                    evicted.push(e);
+            let mut i = 0;
+            while held.len() > self.keep && i + 1 < held.len() {
+                if Arc::strong_count(&held[i].2) == 1 {
+                    evicted.extend(held.remove(i));
+                } else {
+                    i += 1;
                 }
             }
             (cell, evicted)
@@ -99,7 +106,7 @@ impl Loaded {
         }
         cell.get_or_try_init(|| load(client, ep, &name, lora, timeout))
             .await?;
-        Ok(name)
+        Ok((name, cell))
     }
 
     /// The server at `ep` no longer has `lora` (it said so): load it again next time.

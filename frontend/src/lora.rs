@@ -64,9 +64,13 @@ struct Announce {
     /// `None`: unloaded.
     load: Option<LoraRef>,
     name: String,
-    /// An ingress that just started: the others announce what they serve.
+    /// An ingress that just started: the others tell it what they serve.
     #[serde(default)]
     hello: bool,
+    /// Meant for this ingress only (an answer to its hello); others ignore it, so an answer
+    /// crossing a later change elsewhere cannot undo that change there.
+    #[serde(default)]
+    to: Option<u64>,
 }
 
 /// The model's shape, read once (a GGUF file's whole header is parsed for it).
@@ -148,7 +152,9 @@ impl Adapters {
             while let Some(ev) = announced.next().await {
                 let Some(this) = weak.upgrade() else { return };
                 match serde_json::from_slice::<Announce>(&ev.payload) {
-                    Ok(a) if a.origin != this.origin && a.parent == this.base && a.hello => {
+                    Ok(a) if a.origin == this.origin || a.parent != this.base => {}
+                    Ok(a) if a.to.is_some_and(|to| to != this.origin) => {}
+                    Ok(a) if a.hello => {
                         let held: Vec<(String, LoraRef)> = this
                             .list
                             .read()
@@ -156,11 +162,18 @@ impl Adapters {
                             .map(|(n, l)| (n.clone(), l.clone()))
                             .collect();
                         for (name, lora) in held {
-                            this.announce(&name, Some(lora)).await;
+                            this.send(Announce {
+                                origin: this.origin,
+                                parent: this.base.clone(),
+                                load: Some(lora),
+                                name,
+                                hello: false,
+                                to: Some(a.origin),
+                            })
+                            .await;
                         }
                     }
-                    Ok(a) if a.origin != this.origin && a.parent == this.base => this.apply(a),
-                    Ok(_) => {}
+                    Ok(a) => this.apply(a),
                     Err(e) => {
                         tracing::warn!(node = %this.node, error = %e, "Unreadable LoRA announcement")
                     }
@@ -201,6 +214,7 @@ impl Adapters {
             load,
             name: name.to_owned(),
             hello: false,
+            to: None,
         })
         .await;
     }
@@ -423,6 +437,11 @@ pub async fn load(
     }
     if holder.is_some() && !b.load_inplace {
         return Err(taken());
+    }
+    // Replaced in place: for the model that holds it, unless the body names another.
+    let mut b = b;
+    if let (Some(h), None) = (holder, &b.base_model_name) {
+        b.base_model_name = Some(h.base.clone());
     }
     let (adapters, lora) = load_target(&catalog, &b).await?;
     if let Some(h) = holder

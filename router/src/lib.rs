@@ -361,6 +361,10 @@ impl OperatorConfig for RouteConfig {
         out
     }
 
+    fn calls(&self) -> Vec<String> {
+        self.pools.iter().map(|p| p.node.clone()).collect()
+    }
+
     async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
         let route = match cx.consumers.as_slice() {
             [] => {
@@ -957,9 +961,13 @@ fn pick_pool(
     ctx: &Ctx,
 ) -> Arc<Inner> {
     let rules: Vec<&pools::PoolRule> = pools.iter().map(|(r, _)| r).collect();
-    let (i, why) = pools::choose(&rules, req.token_ids.len(), &req.sampling.targets, |i| {
-        pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora)
-    });
+    let (i, why) = pools::choose(
+        &rules,
+        req.token_ids.len(),
+        &req.sampling.targets,
+        |i| !pools[i].1.live().is_empty(),
+        |i| pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora),
+    );
     let (rule, inner) = &pools[i];
     metrics::ROUTER
         .pool_requests

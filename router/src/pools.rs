@@ -8,8 +8,9 @@
 //! (`ttft_ms`, `itl_ms` against its `nvext.router.ttft_target` / `itl_target`); then the first
 //! in the config's order whose predicted time to first token (its best worker's, from the
 //! step times its workers report: the `kv` policy's `time` cost) meets the goal (the
-//! request's TTFT target, else the pool's), else the one predicted fastest. A filter that
-//! would leave no pool is skipped, so every request is served somewhere. Pools the list does
+//! request's TTFT target, else the pool's), else the one predicted fastest. Pools with no live
+//! worker are left out first. A filter that would leave no pool is skipped, so every request is
+//! served somewhere. Pools the list does
 //! not name take any request, after the named ones.
 //!
 //! ```yaml
@@ -105,20 +106,23 @@ pub enum Why {
 }
 
 /// Choose among `rules` (in the config's order) for a prompt of `prompt_tokens` asking for
-/// `asked`; `predicted(i)`: pool `i`'s predicted TTFT in milliseconds, where known.
+/// `asked`; `live(i)`: whether pool `i` has a live worker; `predicted(i)`: its predicted TTFT
+/// in milliseconds, where known.
 pub fn choose(
     rules: &[&PoolRule],
     prompt_tokens: usize,
     asked: &SlaTargets,
+    live: impl Fn(usize) -> bool,
     predicted: impl Fn(usize) -> Option<f64>,
 ) -> (usize, Why) {
     let all: Vec<usize> = (0..rules.len()).collect();
-    let narrow = |from: Vec<usize>, keep: &dyn Fn(&PoolRule) -> bool| -> Vec<usize> {
-        let kept: Vec<usize> = from.iter().copied().filter(|&i| keep(rules[i])).collect();
+    let narrow = |from: Vec<usize>, keep: &dyn Fn(usize) -> bool| -> Vec<usize> {
+        let kept: Vec<usize> = from.iter().copied().filter(|&i| keep(i)).collect();
         if kept.is_empty() { from } else { kept }
     };
-    let left = narrow(all, &|r| r.takes(prompt_tokens));
-    let left = narrow(left, &|r| r.meets(asked));
+    let left = narrow(all, &live);
+    let left = narrow(left, &|i| rules[i].takes(prompt_tokens));
+    let left = narrow(left, &|i| rules[i].meets(asked));
     if let [only] = left.as_slice() {
         return (*only, Why::Only);
     }
@@ -162,11 +166,14 @@ mod tests {
         let rules = [&short, &long];
         let none = SlaTargets::default();
         let no_times = |_| None;
-        assert_eq!(choose(&rules, 10, &none, no_times), (0, Why::Only));
-        assert_eq!(choose(&rules, 4000, &none, no_times), (1, Why::Only));
+        let up = |_| true;
+        assert_eq!(choose(&rules, 10, &none, up, no_times), (0, Why::Only));
+        assert_eq!(choose(&rules, 4000, &none, up, no_times), (1, Why::Only));
+        // A pool with no live worker takes nothing while another can.
+        assert_eq!(choose(&rules, 10, &none, |i| i == 1, no_times), (1, Why::Only));
         // A range no pool holds leaves both; without predictions, the first.
         let gap = [&rule(0, Some(10), None), &rule(20, None, None)];
-        assert_eq!(choose(&gap, 15, &none, no_times), (0, Why::First));
+        assert_eq!(choose(&gap, 15, &none, up, no_times), (0, Why::First));
 
         // Two pools for any prompt: the targets decide, then the predictions.
         let fast = rule(0, None, Some(100.0));
@@ -176,17 +183,17 @@ mod tests {
             ttft_ms: Some(150.0),
             itl_ms: None,
         };
-        assert_eq!(choose(&rules, 10, &tight, no_times), (1, Why::Only));
+        assert_eq!(choose(&rules, 10, &tight, up, no_times), (1, Why::Only));
         // Asking for less than any pool promises keeps both; the first meeting the goal wins.
         let times = |i: usize| Some([300.0, 50.0][i]);
         let impossible = SlaTargets {
             ttft_ms: Some(10.0),
             itl_ms: None,
         };
-        assert_eq!(choose(&rules, 10, &impossible, times), (1, Why::Fastest));
-        assert_eq!(choose(&rules, 10, &none, times), (0, Why::MeetsGoal));
+        assert_eq!(choose(&rules, 10, &impossible, up, times), (1, Why::Fastest));
+        assert_eq!(choose(&rules, 10, &none, up, times), (0, Why::MeetsGoal));
         let slow = |i: usize| Some([9000.0, 700.0][i]);
-        assert_eq!(choose(&rules, 10, &none, slow), (1, Why::Fastest));
+        assert_eq!(choose(&rules, 10, &none, up, slow), (1, Why::Fastest));
     }
 
     #[test]

@@ -259,6 +259,8 @@ struct Compiler<'a> {
     callers: Vec<Vec<usize>>,
     /// Per node: the model it serves, once the paths are traced.
     model: Vec<Option<String>>,
+    /// Routers whose pools were checked, and whether they passed.
+    pools_checked: HashMap<usize, bool>,
     chains: Vec<ChainPath>,
     on_chain: Vec<bool>,
     /// Per node: its replica count, from `replicas` or else from its config (see
@@ -303,6 +305,7 @@ impl<'a> Compiler<'a> {
             called: vec![false; n],
             callers: vec![Vec::new(); n],
             model: vec![None; n],
+            pools_checked: HashMap::new(),
             chains: Vec::new(),
             on_chain: vec![false; n],
             replicas: spec.nodes.iter().map(|n| n.replicas).collect(),
@@ -432,6 +435,21 @@ impl<'a> Compiler<'a> {
             let chooses = self.parsed[i]
                 .as_ref()
                 .is_some_and(|(k, _)| (k.is_ingress() && several) || k.role == Role::Router);
+            if let Some((k, c)) = &self.parsed[i]
+                && k.role == Role::Router
+                && cs.len() == 1
+                && let Some(named) = c.calls().first()
+            {
+                let msg = format!(
+                    "pools names '{named}', but router '{}' feeds one node; pools are the worker nodes a router feeds",
+                    self.spec.nodes[i].id
+                );
+                self.diags.push(Diagnostic::error(
+                    self.spec.nodes[i].pos,
+                    Some(&self.spec.nodes[i].id),
+                    msg,
+                ));
+            }
             if cs.len() > 1 && !chooses {
                 let names: Vec<String> = cs
                     .iter()
@@ -514,7 +532,9 @@ impl<'a> Compiler<'a> {
                 break; // a cycle, reported already
             }
             if next.len() > 1 {
-                if !self.check_pools(cur, &next) {
+                // Only a router chooses among several (the fan-out pass reported any other).
+                let router = matches!(&self.parsed[cur], Some((k, _)) if k.role == Role::Router);
+                if !router || !self.check_pools(cur, &next) {
                     break;
                 }
                 pools.insert(path.len(), next.clone());
@@ -537,7 +557,49 @@ impl<'a> Compiler<'a> {
     /// Router `router`'s pools: workers (a router chooses a worker) that all feed the same
     /// node, so the path goes on the same way whichever the router picks.
     fn check_pools(&mut self, router: usize, pools: &[usize]) -> bool {
+        if let Some(ok) = self.pools_checked.get(&router) {
+            return *ok;
+        }
+        let ok = self.check_pools_once(router, pools);
+        self.pools_checked.insert(router, ok);
+        ok
+    }
+
+    fn check_pools_once(&mut self, router: usize, pools: &[usize]) -> bool {
         let mut ok = true;
+        // The pools its config names are pools it feeds.
+        let named = self.parsed[router]
+            .as_ref()
+            .map(|(_, c)| c.calls())
+            .unwrap_or_default();
+        for name in named {
+            if !pools.iter().any(|&p| self.spec.nodes[p].id == name) {
+                let fed: Vec<String> = pools
+                    .iter()
+                    .map(|&p| format!("'{}'", self.spec.nodes[p].id))
+                    .collect();
+                let msg = format!(
+                    "pools names '{name}', which router '{}' does not feed (it feeds {})",
+                    self.spec.nodes[router].id,
+                    fed.join(", ")
+                );
+                self.error(self.spec.nodes[router].pos, router, msg);
+                ok = false;
+            }
+        }
+        // A resend goes through the router again, to any pool: one limit for all.
+        let limits: Vec<u32> = pools
+            .iter()
+            .map(|&p| self.spec.nodes[p].migration_limit)
+            .collect();
+        if limits.iter().any(|l| *l != limits[0]) {
+            let msg = format!(
+                "pools of router '{}' have different migration_limit values; a resent request may go to any pool, so give them one",
+                self.spec.nodes[router].id
+            );
+            self.error(self.spec.nodes[pools[0]].pos, pools[0], msg);
+            ok = false;
+        }
         let feeds = |c: &Self, p: usize| -> Vec<usize> {
             let mut v: Vec<usize> = c.consumers[p].iter().map(|&(n, _)| n).collect();
             v.sort_unstable();
@@ -693,11 +755,19 @@ impl<'a> Compiler<'a> {
         }
         // Off every path: the callers' model (a prefill pool serves its caller's model).
         for i in 0..spec.nodes.len() {
-            if self.model[i].is_none() {
-                self.model[i] = self.callers[i]
-                    .iter()
-                    .find_map(|&c| self.model[c].clone())
-                    .or_else(|| only.clone());
+            let callers: Vec<String> = self.callers[i]
+                .iter()
+                .filter_map(|&c| self.model[c].clone())
+                .collect();
+            match (&self.model[i], callers.first()) {
+                (None, _) => {
+                    self.model[i] = callers.first().cloned().or_else(|| only.clone());
+                }
+                (Some(m), Some(c)) if m != c && !self.on_chain[i] => {
+                    let msg = format!("serves `{m}` but is called by a node of `{c}`");
+                    self.error(spec.nodes[i].model.as_ref().and_then(|m| m.1), i, msg);
+                }
+                _ => {}
             }
         }
     }

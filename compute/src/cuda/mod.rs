@@ -37,8 +37,10 @@ const KERNELS: &str = include_str!("kernels.cu");
 /// Scores scratch for attention is kept under this; longer batches attend in token chunks.
 const SCORES_BYTES: usize = 512 << 20;
 
-/// Adapters kept on the device; the least recently used beyond it are dropped.
+/// Adapters kept on the device, and their bytes at most; the least recently used beyond
+/// either are dropped (an adapter of the current step never is).
 const MAX_DEVICE_LORAS: usize = 32;
+const MAX_DEVICE_LORA_BYTES: usize = 1 << 30;
 
 fn dev<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> ComputeError {
     move |e| ComputeError::Device(format!("{what}: {e}"))
@@ -230,6 +232,7 @@ struct DevLora<T> {
     layers: Vec<[Option<DevPair<T>>; 7]>,
     /// The step it was last used in.
     used: u64,
+    bytes: usize,
 }
 
 /// Rows `row0..row0 + n` of the step run with adapter `id`.
@@ -570,7 +573,10 @@ where
             }
             row0 += s.tokens.len();
         }
-        while self.loras.len() > MAX_DEVICE_LORAS {
+        let bytes = |l: &std::collections::HashMap<u64, DevLora<T>>| -> usize {
+            l.values().map(|d| d.bytes).sum()
+        };
+        while self.loras.len() > MAX_DEVICE_LORAS || bytes(&self.loras) > MAX_DEVICE_LORA_BYTES {
             let oldest = self
                 .loras
                 .iter()
@@ -616,6 +622,7 @@ where
             DevLora {
                 layers,
                 used: self.steps,
+                bytes: a.bytes() / 4 * std::mem::size_of::<T>(),
             },
         );
         Ok(())

@@ -401,6 +401,9 @@ impl LoraAdapter {
             .get("adapter.lora.alpha")
             .and_then(super::gguf::Value::as_f64)
             .unwrap_or(0.0);
+        if !alpha.is_finite() {
+            return Err(bad(format!("adapter.lora.alpha is {alpha}")));
+        }
         // llama.cpp's converter permutes llama-family q and k rows (not qwen2's).
         let permuted = text("general.architecture") != Some("qwen2");
         let mut halves: HashMap<(usize, Target), Halves> = HashMap::new();

@@ -344,12 +344,19 @@ fn retried(e: &OpError, attempt: u32, answered: bool) -> bool {
     }
 }
 
+/// One request path of an ingress: its model, its stages, and its worker node (where the
+/// path has one that is not a choice among pools).
+pub(super) struct PathStages {
+    pub(super) model: Option<String>,
+    pub(super) stages: Vec<Stage>,
+    pub(super) worker: Option<String>,
+}
+
 /// Walks one ingress's request paths: a request goes down the path of its model (the only one
 /// when there is one), the output stream of each stage is the input stream of the next, and
 /// the last stage's outputs go back to the ingress.
 pub(super) struct ChainRunner {
-    /// Each path's model and stages.
-    pub(super) paths: Vec<(Option<String>, Vec<Stage>)>,
+    pub(super) paths: Vec<PathStages>,
     pub(super) root: Ctx,
     /// One token per request whose response stream is open: the ingress drains on it.
     pub(super) in_flight: TaskTracker,
@@ -373,14 +380,21 @@ impl DynChain for ChainRunner {
     fn call(&self, ctx: Ctx, request: AnyPayload) -> Output<AnyPayload> {
         let token = self.in_flight.token();
         let stages = match self.paths.as_slice() {
-            [(_, only)] => only,
+            [only] => &only.stages,
             paths => {
                 let model = request.model_name();
-                let Some((_, stages)) = paths.iter().find(|(m, _)| m.as_deref() == model) else {
-                    let msg = format!("no path of this graph serves model {model:?}");
+                let Some(path) = paths.iter().find(|p| p.model.as_deref() == model) else {
+                    let msg = match model {
+                        Some(m) => format!("no path of this graph serves model `{m}`"),
+                        None => "this graph serves several models, and the request names none".into(),
+                    };
                     return stream::iter([Err(OpError::invalid(msg))]).boxed();
                 };
-                stages
+                // Each model's worker is a pool of its own to the planner.
+                if let Some(w) = &path.worker {
+                    ctx.set_pool(w);
+                }
+                &path.stages
             }
         };
         let mut out = run_path(stages, &ctx, stream::iter([request]).boxed());

@@ -326,7 +326,19 @@ impl Startup<'_> {
                     let stage = Stage::for_node(hop, node, &mut stages);
                     stages.push(stage);
                 }
-                paths.push((chain.model.clone(), stages));
+                let worker = chain
+                    .path
+                    .iter()
+                    .enumerate()
+                    .find(|(at, i)| {
+                        graph.nodes[**i].kind.role == Role::Worker && !chain.pools.contains_key(at)
+                    })
+                    .map(|(_, i)| graph.nodes[*i].id.clone());
+                paths.push(PathStages {
+                    model: chain.model.clone(),
+                    stages,
+                    worker,
+                });
             }
             let replica = match &self.opts.placement {
                 Placement::All => 0,

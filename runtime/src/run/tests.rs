@@ -106,13 +106,14 @@ async fn a_replica_is_in_discovery_exactly_while_it_is_ready() {
 async fn error_in_the_middle_of_a_path_reaches_the_ingress_last() {
     let planes = Planes::embedded();
     let runner = ChainRunner {
-        paths: vec![(
-            None,
-            vec![
+        paths: vec![PathStages {
+            model: None,
+            stages: vec![
                 Stage::Node(Hop::One(serve(&planes, "a", Step { fail: true }).await)),
                 Stage::Node(Hop::One(serve(&planes, "b", Step { fail: false }).await)),
             ],
-        )],
+            worker: None,
+        }],
         root: Ctx::new(),
         in_flight: TaskTracker::new(),
     };
@@ -130,12 +131,13 @@ async fn error_in_the_middle_of_a_path_reaches_the_ingress_last() {
 async fn runtime_root_kill_reaches_request_contexts() {
     let planes = Planes::embedded();
     let runner = ChainRunner {
-        paths: vec![(
-            None,
-            vec![Stage::Node(Hop::One(
+        paths: vec![PathStages {
+            model: None,
+            stages: vec![Stage::Node(Hop::One(
                 serve(&planes, "a", Step { fail: false }).await,
             ))],
-        )],
+            worker: None,
+        }],
         root: Ctx::new(),
         in_flight: TaskTracker::new(),
     };
@@ -247,14 +249,15 @@ async fn workers<O: Operator<In = Req, Out = N>>(ops: Vec<O>) -> Arc<EdgeClient>
 /// A path of one migrating segment over `edge`'s workers, resending up to `limit` times.
 fn migrating(edge: Arc<EdgeClient>, limit: u32) -> ChainRunner {
     ChainRunner {
-        paths: vec![(
-            None,
-            vec![Stage::Migrating(Arc::new(Migrating {
+        paths: vec![PathStages {
+            model: None,
+            stages: vec![Stage::Migrating(Arc::new(Migrating {
                 steps: vec![Hop::One(edge)],
                 resume: Resume::of::<Req>(),
                 limit,
             }))],
-        )],
+            worker: None,
+        }],
         root: Ctx::new(),
         in_flight: TaskTracker::new(),
     }
