@@ -188,6 +188,7 @@ impl Adapters {
                 load: None,
                 name: String::new(),
                 hello: true,
+                to: None,
             })
             .await;
         Ok(adapters)

@@ -170,7 +170,10 @@ mod tests {
         assert_eq!(choose(&rules, 10, &none, up, no_times), (0, Why::Only));
         assert_eq!(choose(&rules, 4000, &none, up, no_times), (1, Why::Only));
         // A pool with no live worker takes nothing while another can.
-        assert_eq!(choose(&rules, 10, &none, |i| i == 1, no_times), (1, Why::Only));
+        assert_eq!(
+            choose(&rules, 10, &none, |i| i == 1, no_times),
+            (1, Why::Only)
+        );
         // A range no pool holds leaves both; without predictions, the first.
         let gap = [&rule(0, Some(10), None), &rule(20, None, None)];
         assert_eq!(choose(&gap, 15, &none, up, no_times), (0, Why::First));
@@ -190,7 +193,10 @@ mod tests {
             ttft_ms: Some(10.0),
             itl_ms: None,
         };
-        assert_eq!(choose(&rules, 10, &impossible, up, times), (1, Why::Fastest));
+        assert_eq!(
+            choose(&rules, 10, &impossible, up, times),
+            (1, Why::Fastest)
+        );
         assert_eq!(choose(&rules, 10, &none, up, times), (0, Why::MeetsGoal));
         let slow = |i: usize| Some([9000.0, 700.0][i]);
         assert_eq!(choose(&rules, 10, &none, up, slow), (1, Why::Fastest));

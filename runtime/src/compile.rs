@@ -259,8 +259,8 @@ struct Compiler<'a> {
     callers: Vec<Vec<usize>>,
     /// Per node: the model it serves, once the paths are traced.
     model: Vec<Option<String>>,
-    /// Routers whose pools were checked, and whether they passed.
-    pools_checked: HashMap<usize, bool>,
+    /// Routers whose pools were checked.
+    pools_checked: std::collections::HashSet<usize>,
     chains: Vec<ChainPath>,
     on_chain: Vec<bool>,
     /// Per node: its replica count, from `replicas` or else from its config (see
@@ -305,7 +305,7 @@ impl<'a> Compiler<'a> {
             called: vec![false; n],
             callers: vec![Vec::new(); n],
             model: vec![None; n],
-            pools_checked: HashMap::new(),
+            pools_checked: Default::default(),
             chains: Vec::new(),
             on_chain: vec![false; n],
             replicas: spec.nodes.iter().map(|n| n.replicas).collect(),
@@ -534,9 +534,12 @@ impl<'a> Compiler<'a> {
             if next.len() > 1 {
                 // Only a router chooses among several (the fan-out pass reported any other).
                 let router = matches!(&self.parsed[cur], Some((k, _)) if k.role == Role::Router);
-                if !router || !self.check_pools(cur, &next) {
+                if !router {
                     break;
                 }
+                // Reported if wrong; the path goes on through the first pool either way, so
+                // its end is still checked.
+                self.check_pools(cur, &next);
                 pools.insert(path.len(), next.clone());
                 for &n in &next {
                     self.on_chain[n] = true;
@@ -556,17 +559,11 @@ impl<'a> Compiler<'a> {
 
     /// Router `router`'s pools: workers (a router chooses a worker) that all feed the same
     /// node, so the path goes on the same way whichever the router picks.
-    fn check_pools(&mut self, router: usize, pools: &[usize]) -> bool {
-        if let Some(ok) = self.pools_checked.get(&router) {
-            return *ok;
+    fn check_pools(&mut self, router: usize, pools: &[usize]) {
+        // Once per router, however many paths pass it.
+        if !self.pools_checked.insert(router) {
+            return;
         }
-        let ok = self.check_pools_once(router, pools);
-        self.pools_checked.insert(router, ok);
-        ok
-    }
-
-    fn check_pools_once(&mut self, router: usize, pools: &[usize]) -> bool {
-        let mut ok = true;
         // The pools its config names are pools it feeds.
         let named = self.parsed[router]
             .as_ref()
@@ -584,7 +581,6 @@ impl<'a> Compiler<'a> {
                     fed.join(", ")
                 );
                 self.error(self.spec.nodes[router].pos, router, msg);
-                ok = false;
             }
         }
         // A resend goes through the router again, to any pool: one limit for all.
@@ -598,7 +594,6 @@ impl<'a> Compiler<'a> {
                 self.spec.nodes[router].id
             );
             self.error(self.spec.nodes[pools[0]].pos, pools[0], msg);
-            ok = false;
         }
         let feeds = |c: &Self, p: usize| -> Vec<usize> {
             let mut v: Vec<usize> = c.consumers[p].iter().map(|&(n, _)| n).collect();
@@ -615,7 +610,6 @@ impl<'a> Compiler<'a> {
                     self.spec.nodes[router].id, self.spec.nodes[p].id, k.name, k.role
                 );
                 self.error(self.spec.nodes[p].pos, p, msg);
-                ok = false;
             }
             if feeds(self, p) != first {
                 let names = |v: Vec<usize>| -> String {
@@ -638,10 +632,8 @@ impl<'a> Compiler<'a> {
                     names(feeds(self, p))
                 );
                 self.error(self.spec.nodes[p].pos, p, msg);
-                ok = false;
             }
         }
-        ok
     }
 
     /// The model of every path and node: the one a node on the path names (`model:`), else

@@ -386,7 +386,9 @@ impl DynChain for ChainRunner {
                 let Some(path) = paths.iter().find(|p| p.model.as_deref() == model) else {
                     let msg = match model {
                         Some(m) => format!("no path of this graph serves model `{m}`"),
-                        None => "this graph serves several models, and the request names none".into(),
+                        None => {
+                            "this graph serves several models, and the request names none".into()
+                        }
                     };
                     return stream::iter([Err(OpError::invalid(msg))]).boxed();
                 };
