@@ -61,6 +61,10 @@ enum InspectCommand {
         /// The session the request would belong to: its binding, and whether it decides
         #[arg(long)]
         session: Option<String>,
+        /// Where the graph serves several models: the one whose tokenizer and template read
+        /// the prompt (default: the first); name its router with --node
+        #[arg(long)]
+        model: Option<String>,
     },
     /// The KV index: stored blocks per worker, tree size, memory, top shared prefixes
     Kv {
@@ -129,10 +133,14 @@ async fn run(args: InspectArgs) -> anyhow::Result<()> {
         prompt,
         messages,
         session,
+        model,
     } = &args.command
     {
         // Without --node every node on the path explains its part (router, remote prefill).
         let mut body = json!({"node": args.node, "session": session});
+        if let Some(m) = model {
+            body["model"] = json!(m);
+        }
         if let Some(p) = prompt {
             body["prompt"] = json!(p);
         }

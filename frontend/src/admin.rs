@@ -5,9 +5,10 @@
 //! - `GET /admin/nodes`: the inspectable nodes of this process;
 //! - `POST /admin/nodes/{node}/{query}` with JSON args: a node's answer per replica
 //!   (see [`dyn_core::Inspect`]; route nodes answer `workers`, `route`, `kv`);
-//! - `POST /admin/route` with `{"node"?, "prompt" | "messages"}`: the prompt goes through the
-//!   same chat template and tokenizer as a real request, then the router explains where it
-//!   would send it, without sending it;
+//! - `POST /admin/route` with `{"node"?, "model"?, "prompt" | "messages"}`: the prompt goes
+//!   through the same chat template and tokenizer as a real request of that model (default:
+//!   the first the ingress serves), then the router explains where it would send it, without
+//!   sending it;
 //! - `GET /admin/events[?node=NODE]`: the workers' KV events as server-sent events;
 //! - `GET /admin/planner`: the SLA planner's latest decision (404 while none was published).
 
@@ -42,9 +43,9 @@ pub struct Admin {
     pub inspect: Arc<Inspectables>,
     pub events: Arc<dyn EventBus>,
     pub namespace: String,
-    pub model: String,
-    /// Tokenizes prompts for `/admin/route` exactly as `preprocess` would.
-    pub preprocess: Arc<Preprocess>,
+    /// Each model the ingress serves, with what tokenizes prompts for `/admin/route` exactly
+    /// as its `preprocess` would.
+    pub models: Vec<(String, Arc<Preprocess>)>,
     /// The SLA planner's latest decision, wherever it runs.
     pub planner: Arc<PlannerView>,
 }
@@ -143,6 +144,8 @@ struct RouteBody {
     #[serde(default)]
     node: Option<String>,
     #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
     prompt: Option<String>,
     #[serde(default)]
     messages: Option<Vec<ChatMessage>>,
@@ -164,15 +167,31 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
             ));
         }
     };
+    let found = match &b.model {
+        None => a.models.first(),
+        Some(m) => a.models.iter().find(|(name, _)| name == m),
+    };
+    let Some((model, preprocess)) = found else {
+        let served: Vec<&str> = a.models.iter().map(|(n, _)| n.as_str()).collect();
+        return Err(ApiError::invalid(
+            "invalid_value",
+            format!(
+                "model {:?} is not served here ({})",
+                b.model.unwrap_or_default(),
+                served.join(", ")
+            ),
+        )
+        .with_param("model"));
+    };
     let req = LlmRequest {
         endpoint,
-        model: a.model.clone(),
+        model: model.clone(),
         prompt,
         sampling: Default::default(),
         limits: Default::default(),
         tools: Vec::new(),
     };
-    let pre = a.preprocess.preprocess(req).await.map_err(ApiError::from)?;
+    let pre = preprocess.preprocess(req).await.map_err(ApiError::from)?;
     let mut args = RouteArgs {
         tokens: pre.token_ids,
         cached_tokens: 0,

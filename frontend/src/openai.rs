@@ -70,7 +70,7 @@ impl IngressConfig for HttpConfig {
         }
         let mut served = Vec::with_capacity(cx.models.len());
         let mut catalog = Vec::with_capacity(cx.models.len());
-        let mut admin = None;
+        let mut tokenizers = Vec::with_capacity(cx.models.len());
         for model in &cx.models {
             let dir = ModelDir::shared_spec(cx, model).await?;
             let adapters = Adapters::start(cx, model, dir.path.clone()).await?;
@@ -79,17 +79,7 @@ impl IngressConfig for HttpConfig {
             let (tool_format, reasoning) = formats(model, template.as_deref(), &preprocess)
                 .map_err(|e| BuildError::new(format!("{}: {e}", model.name)))?;
             tracing::info!(node = %cx.node, model = %model.name, tools = ?tool_format, reasoning = ?reasoning, "Chat answers parsed");
-            // `/admin` (`dyn inspect`) tokenizes with the first model.
-            if admin.is_none() {
-                admin = Some(Admin {
-                    inspect: cx.service::<dyn_core::Inspectables>().await?,
-                    events: cx.planes.events.clone(),
-                    namespace: cx.namespace.clone(),
-                    model: model.name.clone(),
-                    preprocess: Arc::new(preprocess),
-                    planner: cx.service::<PlannerView>().await?,
-                });
-            }
+            tokenizers.push((model.name.clone(), Arc::new(preprocess)));
             served.push(Served {
                 name: model.name.as_str().into(),
                 tool_format,
@@ -97,8 +87,12 @@ impl IngressConfig for HttpConfig {
             });
             catalog.push(adapters);
         }
-        let Some(admin) = admin else {
-            return Err(BuildError::new("no model to serve"));
+        let admin = Admin {
+            inspect: cx.service::<dyn_core::Inspectables>().await?,
+            events: cx.planes.events.clone(),
+            namespace: cx.namespace.clone(),
+            models: tokenizers,
+            planner: cx.service::<PlannerView>().await?,
         };
         Ok(Http {
             listener: self.server.bind(&cx.node).await?,

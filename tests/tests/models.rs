@@ -123,6 +123,20 @@ async fn two_base_models_answer_each_with_its_own_tokenizer() {
         );
     }
 
+    // `dyn inspect route` reads a prompt with the model it names, for that model's router.
+    for (model, node) in [("smollm2", "route_smol"), ("tiny", "route_tiny")] {
+        let v = dyn_tests::inspect_json(
+            &url,
+            &[
+                "route", "--prompt", prompt, "--model", model, "--node", node,
+            ],
+        );
+        assert_eq!(v["node"], node, "{v}");
+        let tokens = v["replicas"][0]["prompt_tokens"].as_u64();
+        let i = usize::from(model == "tiny");
+        assert_eq!(tokens, Some(prompts[i].len() as u64), "{model}: {v}");
+    }
+
     // Neither: a 404 naming both.
     let (status, v) = completion(&url, &json!({"model": "other", "prompt": "x"})).await;
     assert_eq!(status, 404, "{v}");
