@@ -324,3 +324,27 @@ pub async fn until(what: &str, mut ok: impl FnMut() -> bool) {
     }
     panic!("never {what}");
 }
+
+/// Run a script of tests/py with `python` and `args`; it must succeed; its stdout's lines, as
+/// JSON.
+pub fn python_lines(
+    python: &std::ffi::OsStr,
+    script: &str,
+    args: &[&str],
+) -> Vec<serde_json::Value> {
+    let out = Command::new(python)
+        .arg(root().join(script))
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}

@@ -143,6 +143,21 @@ async fn two_base_models_answer_each_with_its_own_tokenizer() {
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("serves `smollm2`, `tiny`"), "{msg}");
 
+    // The official client sees both, answered under each one's name.
+    if let Some(python) = std::env::var_os("DYN_TEST_PYTHON") {
+        let lines = dyn_tests::python_lines(&python, "tests/py/models.py", &[&g.url("/v1")]);
+        assert_eq!(lines[0], json!(["smollm2", "tiny"]));
+        for (i, model) in ["smollm2", "tiny"].iter().enumerate() {
+            let done = &lines[1 + 2 * i];
+            assert_eq!(done["model"], *model, "{done}");
+            assert!(done["prompt_tokens"].as_u64().unwrap() > 0, "{done}");
+            assert_eq!(lines[2 + 2 * i], json!({"models": [model], "text": true}));
+        }
+        assert_eq!(lines[5], json!({"error": "NotFoundError", "status": 404}));
+    } else {
+        dyn_tests::skip("DYN_TEST_PYTHON is not set (scripts/test sets it up)");
+    }
+
     // Each model's requests are counted under its name.
     let metrics = metrics(&g).await;
     for m in ["smollm2", "tiny"] {

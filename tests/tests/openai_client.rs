@@ -4,9 +4,8 @@
 //! `DYN_TEST_PYTHON` at its interpreter. Without it this test says so and skips.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use std::process::Command;
 
-use dyn_tests::{Graph, root};
+use dyn_tests::{Graph, python_lines, root};
 use serde_json::{Value, json};
 
 #[test]
@@ -78,25 +77,6 @@ fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2
     );
     assert_eq!(checks.last(), Some(&json!({"ok": true})), "{checks:?}");
     assert_eq!(checks.len(), 13, "{checks:?}");
-}
-
-/// Run a script of tests/py with `args`; it must succeed; its stdout's lines, as JSON.
-fn python_lines(python: &std::ffi::OsStr, script: &str, args: &[&str]) -> Vec<Value> {
-    let out = Command::new(python)
-        .arg(root().join(script))
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "python failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 /// LoRA adapters as the official client sees them (tests/py/lora.py on graphs/lora.yaml):
