@@ -4,7 +4,6 @@
 //! `DYN_TEST_PYTHON` at its interpreter. Without it this test says so and skips.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-
 use dyn_tests::{Graph, python_lines, root};
 use serde_json::{Value, json};
 
