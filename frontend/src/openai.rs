@@ -79,11 +79,13 @@ impl IngressConfig for HttpConfig {
             let (tool_format, reasoning) = formats(model, template.as_deref(), &preprocess)
                 .map_err(|e| BuildError::new(format!("{}: {e}", model.name)))?;
             tracing::info!(node = %cx.node, model = %model.name, tools = ?tool_format, reasoning = ?reasoning, "Chat answers parsed");
-            tokenizers.push((model.name.clone(), Arc::new(preprocess)));
+            let preprocess = Arc::new(preprocess);
+            tokenizers.push((model.name.clone(), preprocess.clone()));
             served.push(Served {
                 name: model.name.as_str().into(),
                 tool_format,
                 reasoning,
+                preprocess,
             });
             catalog.push(adapters);
         }
@@ -155,6 +157,8 @@ struct Served {
     name: Arc<str>,
     tool_format: ToolFormat,
     reasoning: Option<ReasoningFormat>,
+    /// Its tokenizer and template (`/tokenize`, `/detokenize`).
+    preprocess: Arc<Preprocess>,
 }
 
 type AppChain = Chain<LlmRequest, LlmDelta>;
@@ -194,6 +198,8 @@ impl Ingress for Http {
             .route("/v1/chat/completions", post(chat))
             .route("/v1/completions", post(completions))
             .route("/v1/models", get(models))
+            .route("/tokenize", post(tokenize))
+            .route("/detokenize", post(detokenize))
             .with_state(state);
         // Operators' routes: behind `admin_key` (not the tenants' API keys), loopback only.
         let open = axum::Router::new()
@@ -862,8 +868,15 @@ struct Options {
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
     let b: ChatBody = super::parse_json(body)?;
-    let mut messages = Vec::with_capacity(b.messages.len());
-    for (i, m) in b.messages.into_iter().enumerate() {
+    let messages = chat_messages(b.messages)?;
+    request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
+}
+
+/// A chat body's messages as the template takes them: text content (text parts joined),
+/// assistant tool calls, tool results.
+fn chat_messages(raw: Vec<MessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut messages = Vec::with_capacity(raw.len());
+    for (i, m) in raw.into_iter().enumerate() {
         if m.role == "function" {
             return Err(ApiError::invalid(
                 "unsupported_parameter",
@@ -904,7 +917,132 @@ fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiErro
             name: m.name,
         });
     }
-    request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
+    Ok(messages)
+}
+
+/// vLLM's `/tokenize` body: a completion's `prompt` or a chat's `messages`.
+#[derive(Debug, Deserialize)]
+struct TokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<MessageIn>>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: bool,
+    #[serde(default)]
+    return_token_strs: Option<bool>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    chat_template: Option<Value>,
+}
+
+/// vLLM's `/detokenize` body.
+#[derive(Debug, Deserialize)]
+struct DetokenizeBody {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u64>,
+}
+
+impl App {
+    /// The model a `/tokenize`-style body names (an adapter reads as its base), or the first.
+    fn tokenizer_of(&self, model: Option<&str>) -> Result<&Served, ApiError> {
+        match model {
+            None => Ok(&self.served[0]),
+            Some(m) => Ok(&self.served[self.catalog.resolve(m)?.0]),
+        }
+    }
+}
+
+/// `POST /tokenize` (vLLM's): the prompt's tokens as the model reads it, the chat template
+/// applied to messages.
+async fn tokenize(State(app): State<App>, body: Result<Bytes, BytesRejection>) -> Response {
+    match tokenize_answer(&app, body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn tokenize_answer(
+    app: &App,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
+    let body = body.map_err(super::body_error)?;
+    let b: TokenizeBody = super::parse_json(&body)?;
+    let served = app.tokenizer_of(b.model.as_deref())?;
+    if b.chat_template.is_some() {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "chat_template is not supported: the model's own template is applied",
+        )
+        .with_param("chat_template"));
+    }
+    if b.continue_final_message {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "continue_final_message is not supported",
+        )
+        .with_param("continue_final_message"));
+    }
+    let prompt = match (b.prompt, b.messages) {
+        (Some(p), None) => Prompt::Text(p),
+        (None, Some(m)) => Prompt::Messages(chat_messages(m)?),
+        _ => {
+            return Err(ApiError::invalid(
+                "invalid_request",
+                "give either `prompt` (a string) or `messages`",
+            ));
+        }
+    };
+    let p = &served.preprocess;
+    let tools = b.tools.unwrap_or_default();
+    let ids = p
+        .tokenize(
+            &prompt,
+            &tools,
+            b.add_special_tokens,
+            b.add_generation_prompt.unwrap_or(true),
+        )
+        .await
+        .map_err(ApiError::from)?;
+    let strs = b
+        .return_token_strs
+        .unwrap_or(false)
+        .then(|| p.token_strs(&ids));
+    Ok(json!({
+        "count": ids.len(),
+        "max_model_len": p.context_length(),
+        "tokens": ids,
+        "token_strs": strs,
+    }))
+}
+
+/// `POST /detokenize` (vLLM's): the tokens' text, special tokens kept.
+async fn detokenize(State(app): State<App>, body: Result<Bytes, BytesRejection>) -> Response {
+    let answer = (|| {
+        let body = body.map_err(super::body_error)?;
+        let b: DetokenizeBody = super::parse_json(&body)?;
+        let served = app.tokenizer_of(b.model.as_deref())?;
+        let ids: Vec<u32> = b
+            .tokens
+            .iter()
+            .map(|&t| u32::try_from(t))
+            .collect::<Result<_, _>>()
+            .map_err(|_| invalid("tokens", "token ids are below 2^32"))?;
+        let text = served.preprocess.detokenize(&ids).map_err(ApiError::from)?;
+        Ok::<_, ApiError>(json!({"prompt": text}))
+    })();
+    match answer {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {

@@ -297,6 +297,70 @@ impl Preprocess {
             })
     }
 
+    /// Text tokenized as a request's prompt would be, on the blocking pool when it is long.
+    async fn encode(&self, text: String, add_special: bool) -> Result<Vec<u32>, OpError> {
+        let ids = if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES {
+            self.encoder.encode(&text, add_special)
+        } else {
+            let enc = self.encoder.clone();
+            tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
+                .await
+                .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
+        };
+        ids.map_err(|e| OpError::internal(format!("tokenizer: {e}")))
+    }
+
+    /// vLLM's `/tokenize`: a text prompt's tokens (special tokens such as BOS added unless
+    /// `add_special` says not), or chat messages' through the chat template (with the
+    /// generation prompt unless told not; special tokens not added on top unless asked).
+    pub async fn tokenize(
+        &self,
+        prompt: &Prompt,
+        tools: &[serde_json::Value],
+        add_special: Option<bool>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, OpError> {
+        match prompt {
+            Prompt::Text(t) => self.encode(t.clone(), add_special.unwrap_or(true)).await,
+            Prompt::Messages(m) if m.is_empty() => {
+                Err(invalid("messages", "messages must not be empty"))
+            }
+            Prompt::Messages(m) => {
+                let text = self.render_with(m, tools, add_generation_prompt)?;
+                self.encode(text, add_special.unwrap_or(false)).await
+            }
+            Prompt::Tokens(t) => Ok(t.clone()),
+        }
+    }
+
+    /// The tokens' text, special tokens kept (vLLM's `/detokenize`); ids outside the
+    /// vocabulary are the client's error.
+    pub fn detokenize(&self, ids: &[u32]) -> Result<String, OpError> {
+        let vocab = self.model.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id >= vocab) {
+            return Err(invalid(
+                "tokens",
+                format!("token id {id} is outside the vocabulary (0..{vocab})"),
+            ));
+        }
+        self.model
+            .tokenizer
+            .decode(ids, false)
+            .map_err(|e| OpError::internal(format!("tokenizer: {e}")))
+    }
+
+    /// Each token's string in the vocabulary (vLLM's `token_strs`).
+    pub fn token_strs(&self, ids: &[u32]) -> Vec<String> {
+        ids.iter()
+            .map(|&id| self.model.tokenizer.id_to_token(id).unwrap_or_default())
+            .collect()
+    }
+
+    /// The longest prompt plus answer, in tokens.
+    pub fn context_length(&self) -> u32 {
+        self.model.context_length
+    }
+
     /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
     pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
@@ -310,17 +374,7 @@ impl Preprocess {
             Prompt::Tokens(_) => (None, false),
         };
         let token_ids = match (text, req.prompt) {
-            (Some(text), _) => {
-                let ids = if self.encoder.is_fast() && text.len() <= INLINE_ENCODE_BYTES {
-                    self.encoder.encode(&text, add_special)
-                } else {
-                    let enc = self.encoder.clone();
-                    tokio::task::spawn_blocking(move || enc.encode(&text, add_special))
-                        .await
-                        .map_err(|e| OpError::internal(format!("tokenizer task failed: {e}")))?
-                };
-                ids.map_err(|e| OpError::internal(format!("tokenizer: {e}")))?
-            }
+            (Some(text), _) => self.encode(text, add_special).await?,
             (None, Prompt::Tokens(t)) => t,
             (None, _) => Vec::new(),
         };

@@ -865,6 +865,25 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
         "hits per server: {gained:?}"
     );
 
+    // dyn's /tokenize reads prompts and chats as vLLM's own does.
+    for body in [
+        json!({"model": "smollm2", "prompt": "The capital of France is"}),
+        json!({"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+        json!({"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false}),
+    ] {
+        let ours = post(&g.url("/tokenize"), &body).await;
+        let theirs = post(&format!("{direct}/tokenize"), &body).await;
+        assert_eq!(ours["tokens"], theirs["tokens"], "{body}");
+        assert_eq!(ours["count"], theirs["count"], "{body}");
+        let text = post(&g.url("/detokenize"), &json!({"tokens": ours["tokens"]})).await;
+        let own = post(
+            &format!("{direct}/detokenize"),
+            &json!({"tokens": ours["tokens"]}),
+        )
+        .await;
+        assert_eq!(text["prompt"], own["prompt"], "{body}");
+    }
+
     // A LoRA adapter loaded through dyn is loaded into vLLM by dyn and answers as vLLM
     // answers with it directly.
     lora_through_dyn_is_vllms_own(&g, direct, &ids).await;
