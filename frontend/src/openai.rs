@@ -1,8 +1,8 @@
 //! `http`: the OpenAI-compatible ingress.
 //!
 //! `POST /v1/chat/completions` and `POST /v1/completions` (streaming as server-sent events
-//! ending in `data: [DONE]`, or one JSON answer), `GET /v1/models`, `GET /health`,
-//! `GET /live` and `GET /metrics` (Prometheus). Requests are parsed here into an
+//! ending in `data: [DONE]`, or one JSON answer), `GET /v1/models`, vLLM's `POST /tokenize`
+//! and `POST /detokenize`, `GET /health`, `GET /live` and `GET /metrics` (Prometheus). Requests are parsed here into an
 //! [`LlmRequest`]; range checks on sampling parameters happen in `preprocess`, which knows the
 //! model. A streaming response is committed only once the first delta (or an error) is back,
 //! so a request the graph rejects still gets its 4xx status. A client that disconnects drops
@@ -55,7 +55,7 @@ pub struct HttpConfig {
 
 impl IngressConfig for HttpConfig {
     const KIND: &'static str = "http";
-    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/models, /metrics";
+    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /metrics";
     type Ingress = Http;
 
     fn validate(&self) -> Vec<Invalid> {
