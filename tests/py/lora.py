@@ -9,8 +9,9 @@ client raises for an adapter that is not served.
 import json
 import sys
 
-import openai
 from openai import OpenAI
+
+from served import not_served, streamed_chat
 
 client = OpenAI(base_url=sys.argv[1], api_key="unused")
 prompt = json.loads(sys.argv[2])
@@ -24,20 +25,5 @@ for model in ("tiny", "qv", "all"):
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     print(json.dumps({"model": r.model, "ids": r.choices[0].model_extra["token_ids"]}))
-stream = client.chat.completions.create(
-    model="qv",
-    messages=[{"role": "user", "content": "Tell me a short story."}],
-    max_tokens=8,
-    stream=True,
-)
-models, text = set(), []
-for chunk in stream:
-    models.add(chunk.model)
-    if chunk.choices and chunk.choices[0].delta.content:
-        text.append(chunk.choices[0].delta.content)
-print(json.dumps({"models": sorted(models), "text": bool("".join(text))}))
-try:
-    client.completions.create(model="mlp", prompt="hi", max_tokens=1)
-    print(json.dumps({"error": None}))
-except openai.NotFoundError as e:
-    print(json.dumps({"error": "NotFoundError", "status": e.status_code}))
+streamed_chat(client, "qv", "Tell me a short story.", 8)
+not_served(client, "mlp")

@@ -9,8 +9,9 @@ model that is not served.
 import json
 import sys
 
-import openai
 from openai import OpenAI
+
+from served import not_served, streamed_chat
 
 client = OpenAI(base_url=sys.argv[1], api_key="unused")
 print(json.dumps([m.id for m in client.models.list().data]))
@@ -19,20 +20,5 @@ for model in ("smollm2", "tiny"):
         model=model, prompt="The quick brown fox", max_tokens=4, temperature=0
     )
     print(json.dumps({"model": r.model, "prompt_tokens": r.usage.prompt_tokens}))
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Hi!"}],
-        max_tokens=4,
-        stream=True,
-    )
-    models, text = set(), []
-    for chunk in stream:
-        models.add(chunk.model)
-        if chunk.choices and chunk.choices[0].delta.content:
-            text.append(chunk.choices[0].delta.content)
-    print(json.dumps({"models": sorted(models), "text": bool("".join(text))}))
-try:
-    client.completions.create(model="other", prompt="hi", max_tokens=1)
-    print(json.dumps({"error": None}))
-except openai.NotFoundError as e:
-    print(json.dumps({"error": "NotFoundError", "status": e.status_code}))
+    streamed_chat(client, model, "Hi!", 4)
+not_served(client, "other")
