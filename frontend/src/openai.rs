@@ -1005,7 +1005,7 @@ async fn tokenize_answer(
     let tools = b.tools.unwrap_or_default();
     let ids = p
         .tokenize(
-            &prompt,
+            prompt,
             &tools,
             b.add_special_tokens,
             b.add_generation_prompt.unwrap_or(true),
@@ -1026,23 +1026,24 @@ async fn tokenize_answer(
 
 /// `POST /detokenize` (vLLM's): the tokens' text, special tokens kept.
 async fn detokenize(State(app): State<App>, body: Result<Bytes, BytesRejection>) -> Response {
-    let answer = (|| {
-        let body = body.map_err(super::body_error)?;
-        let b: DetokenizeBody = super::parse_json(&body)?;
-        let served = app.tokenizer_of(b.model.as_deref())?;
-        let ids: Vec<u32> = b
-            .tokens
-            .iter()
-            .map(|&t| u32::try_from(t))
-            .collect::<Result<_, _>>()
-            .map_err(|_| invalid("tokens", "token ids are below 2^32"))?;
-        let text = served.preprocess.detokenize(&ids).map_err(ApiError::from)?;
-        Ok::<_, ApiError>(json!({"prompt": text}))
-    })();
-    match answer {
+    match detokenize_answer(&app, body) {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+fn detokenize_answer(app: &App, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let body = body.map_err(super::body_error)?;
+    let b: DetokenizeBody = super::parse_json(&body)?;
+    let served = app.tokenizer_of(b.model.as_deref())?;
+    let ids: Vec<u32> = b
+        .tokens
+        .iter()
+        .map(|&t| u32::try_from(t))
+        .collect::<Result<_, _>>()
+        .map_err(|_| invalid("tokens", "token ids are below 2^32"))?;
+    let text = served.preprocess.detokenize(&ids).map_err(ApiError::from)?;
+    Ok(json!({"prompt": text}))
 }
 
 fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {

@@ -233,14 +233,6 @@ impl Preprocess {
         with.strip_prefix(&without).map(str::to_owned)
     }
 
-    fn render(
-        &self,
-        messages: &[super::types::ChatMessage],
-        tools: &[serde_json::Value],
-    ) -> Result<String, OpError> {
-        self.render_with(messages, tools, true)
-    }
-
     fn render_with(
         &self,
         messages: &[super::types::ChatMessage],
@@ -313,23 +305,24 @@ impl Preprocess {
     /// vLLM's `/tokenize`: a text prompt's tokens (special tokens such as BOS added unless
     /// `add_special` says not), or chat messages' through the chat template (with the
     /// generation prompt unless told not; special tokens not added on top unless asked).
+    /// A request's prompt is read the same way, with the defaults.
     pub async fn tokenize(
         &self,
-        prompt: &Prompt,
+        prompt: Prompt,
         tools: &[serde_json::Value],
         add_special: Option<bool>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, OpError> {
         match prompt {
-            Prompt::Text(t) => self.encode(t.clone(), add_special.unwrap_or(true)).await,
+            Prompt::Text(t) => self.encode(t, add_special.unwrap_or(true)).await,
             Prompt::Messages(m) if m.is_empty() => {
                 Err(invalid("messages", "messages must not be empty"))
             }
             Prompt::Messages(m) => {
-                let text = self.render_with(m, tools, add_generation_prompt)?;
+                let text = self.render_with(&m, tools, add_generation_prompt)?;
                 self.encode(text, add_special.unwrap_or(false)).await
             }
-            Prompt::Tokens(t) => Ok(t.clone()),
+            Prompt::Tokens(t) => Ok(t),
         }
     }
 
@@ -368,16 +361,7 @@ impl Preprocess {
             self.check_grammar(c, req.limits.ignore_eos).await?;
         }
         self.defaults.apply(&mut req.sampling);
-        let (text, add_special) = match &req.prompt {
-            Prompt::Messages(m) => (Some(self.render(m, &req.tools)?), false),
-            Prompt::Text(t) => (Some(t.clone()), true),
-            Prompt::Tokens(_) => (None, false),
-        };
-        let token_ids = match (text, req.prompt) {
-            (Some(text), _) => self.encode(text, add_special).await?,
-            (None, Prompt::Tokens(t)) => t,
-            (None, _) => Vec::new(),
-        };
+        let token_ids = self.tokenize(req.prompt, &req.tools, None, true).await?;
         let ctx_len = self.model.context_length;
         let prompt = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
         let param = if matches!(req.endpoint, super::types::Endpoint::Chat) {
@@ -525,7 +509,7 @@ mod tests {
     async fn chat_template_renders_headers_and_generation_prompt() {
         let p = pre();
         let text = p
-            .render(&[ChatMessage::text("user", " hi ")], &[])
+            .render_with(&[ChatMessage::text("user", " hi ")], &[], true)
             .expect("render");
         assert_eq!(
             text,

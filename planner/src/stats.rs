@@ -154,8 +154,9 @@ impl FrontendStats {
         let w = &mut g.w;
         Window::sample(&mut w.ttft_ms, &mut w.ttft_seen, ms);
         if let Some(p) = pool {
-            let p = w.pools.entry(p.to_owned()).or_default();
-            Window::sample(&mut p.ttft_ms, &mut p.ttft_seen, ms);
+            with_pool(&mut w.pools, p, |p| {
+                Window::sample(&mut p.ttft_ms, &mut p.ttft_seen, ms);
+            });
         }
     }
 
@@ -188,16 +189,30 @@ impl FrontendStats {
             Window::sample(&mut w.itl_ms, &mut w.itl_seen, ms);
         }
         if let Some(p) = pool {
-            let p = w.pools.entry(p.to_owned()).or_default();
-            p.finished += u64::from(ok);
-            if let Some((input, output)) = tokens {
-                p.input_tokens += u64::from(input);
-                p.output_tokens += u64::from(output);
-            }
-            if let Some(ms) = itl_ms {
-                Window::sample(&mut p.itl_ms, &mut p.itl_seen, ms);
-            }
+            with_pool(&mut w.pools, p, |p| {
+                p.finished += u64::from(ok);
+                if let Some((input, output)) = tokens {
+                    p.input_tokens += u64::from(input);
+                    p.output_tokens += u64::from(output);
+                }
+                if let Some(ms) = itl_ms {
+                    Window::sample(&mut p.itl_ms, &mut p.itl_seen, ms);
+                }
+            });
         }
+    }
+}
+
+/// `f` on pool `name`'s share of the window, made on its first request (the name copied then
+/// only).
+fn with_pool(
+    pools: &mut BTreeMap<String, PoolWindow>,
+    name: &str,
+    f: impl FnOnce(&mut PoolWindow),
+) {
+    match pools.get_mut(name) {
+        Some(p) => f(p),
+        None => f(pools.entry(name.to_owned()).or_default()),
     }
 }
 

@@ -325,6 +325,11 @@ pub async fn until(what: &str, mut ok: impl FnMut() -> bool) {
     panic!("never {what}");
 }
 
+/// `GET url`'s body as JSON.
+pub async fn get_json(url: &str) -> serde_json::Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
 /// Run a script of tests/py with `python` and `args`; it must succeed; its stdout's lines, as
 /// JSON.
 pub fn python_lines(

@@ -96,12 +96,7 @@ async fn adapters_answer_as_peft_does_and_load_and_unload_at_run_time() {
     let r = reference();
 
     // The graph's adapters are listed after the model, with their parent.
-    let models: Value = reqwest::get(format!("{url}/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = dyn_tests::get_json(&format!("{url}/v1/models")).await;
     let ids: Vec<(&str, &Value)> = models["data"]
         .as_array()
         .unwrap()
@@ -307,12 +302,7 @@ async fn unloading_under_load_finishes_streams_and_cycles_leak_nothing() {
     // Each was read once, and no more than two were ever kept.
     assert!(loads() >= before + 100, "{m}");
     assert!(metric(&m, &["dyn_worker_loras_resident"]) <= 2, "{m}");
-    let listed: Value = reqwest::get(format!("{url}/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed = dyn_tests::get_json(&format!("{url}/v1/models")).await;
     assert_eq!(listed["data"].as_array().unwrap().len(), 3, "{listed}");
     // The graph's adapters still answer after all that.
     all_at_once_match(&url, &r, &["qv", "tiny"]).await;

@@ -17,12 +17,8 @@ fn env_path(var: &str) -> Option<String> {
 }
 
 async fn metrics(g: &Graph) -> String {
-    reqwest::get(g.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    let r = reqwest::get(g.url("/metrics")).await.unwrap();
+    r.text().await.unwrap()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -48,12 +44,7 @@ async fn two_base_models_answer_each_with_its_own_tokenizer() {
     let g = Graph::up_with_ingress(file.to_str().unwrap(), "http", &[]);
     let url = g.url("");
 
-    let listed: Value = reqwest::get(g.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed = dyn_tests::get_json(&g.url("/v1/models")).await;
     let names: Vec<&str> = listed["data"]
         .as_array()
         .unwrap()
