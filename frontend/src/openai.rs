@@ -941,6 +941,12 @@ struct TokenizeBody {
     tools: Option<Vec<Value>>,
     #[serde(default)]
     chat_template: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    mm_processor_kwargs: Option<Value>,
+    #[serde(default)]
+    media_io_kwargs: Option<Value>,
 }
 
 /// vLLM's `/detokenize` body.
@@ -983,6 +989,20 @@ async fn tokenize_answer(
             "chat_template is not supported: the model's own template is applied",
         )
         .with_param("chat_template"));
+    }
+    // vLLM's other options: asked for, they are refused rather than ignored.
+    for (name, v) in [
+        ("chat_template_kwargs", &b.chat_template_kwargs),
+        ("mm_processor_kwargs", &b.mm_processor_kwargs),
+        ("media_io_kwargs", &b.media_io_kwargs),
+    ] {
+        if v.as_ref().is_some_and(|v| !empty(v)) {
+            return Err(ApiError::invalid(
+                "unsupported_parameter",
+                format!("{name} is not supported"),
+            )
+            .with_param(name));
+        }
     }
     if b.continue_final_message {
         return Err(ApiError::invalid(
