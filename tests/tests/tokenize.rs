@@ -101,4 +101,11 @@ async fn tokenize_and_detokenize_read_prompts_as_requests_do() {
         (400, &json!("chat_template")),
         "{e}"
     );
+    let body = json!({"messages": messages, "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, e) = post_json(&tok, &body).await;
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("chat_template_kwargs")),
+        "{e}"
+    );
 }
