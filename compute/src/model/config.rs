@@ -72,9 +72,13 @@ pub struct HfConfig {
     pub vocab_size: usize,
     #[serde(default = "d_eps")]
     pub rms_norm_eps: f32,
-    #[serde(default = "d_theta")]
-    pub rope_theta: f32,
+    /// Absent in configs transformers 5 writes: they keep it in `rope_parameters`.
+    #[serde(default)]
+    pub rope_theta: Option<f32>,
     pub rope_scaling: Option<serde_json::Value>,
+    /// transformers 5's form of the two above: `{rope_theta, rope_type, …scaling fields}`.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     pub attention_bias: Option<bool>,
@@ -88,9 +92,6 @@ pub struct HfConfig {
 
 fn d_eps() -> f32 {
     1e-6
-}
-fn d_theta() -> f32 {
-    10000.0
 }
 fn d_max_pos() -> usize {
     2048
@@ -169,12 +170,19 @@ impl ModelConfig {
         if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0) {
             return Err("rms_norm_eps must be a positive number".into());
         }
-        if !(c.rope_theta.is_finite() && c.rope_theta > 0.0) {
+        // transformers 5 writes rope_theta and the scaling into `rope_parameters`.
+        let params = c.rope_parameters.as_ref().filter(|p| p.is_object());
+        let rope_theta = c
+            .rope_theta
+            .or_else(|| Some(params?.get("rope_theta")?.as_f64()? as f32))
+            .unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
             return Err("rope_theta must be a positive number".into());
         }
-        let rope_scaling = match &c.rope_scaling {
-            None | Some(serde_json::Value::Null) => None,
-            Some(v) => parse_scaling(v)?,
+        let rope_scaling = match (&c.rope_scaling, params) {
+            (None | Some(serde_json::Value::Null), None) => None,
+            (None | Some(serde_json::Value::Null), Some(p)) => parse_scaling(p)?,
+            (Some(v), _) => parse_scaling(v)?,
         };
         let sliding_window = match arch {
             // Qwen2 checkpoints carry a window but switch it off unless told.
@@ -191,7 +199,7 @@ impl ModelConfig {
             head_dim,
             vocab: c.vocab_size,
             rms_eps: c.rms_norm_eps,
-            rope_theta: c.rope_theta,
+            rope_theta,
             rope_scaling,
             tie_embeddings: c.tie_word_embeddings,
             qkv_bias: c.attention_bias.unwrap_or(arch == Arch::Qwen2),
@@ -367,5 +375,24 @@ mod tests {
         let (s, p) = (c.inv_freq(), plain.inv_freq());
         assert_eq!(s[0], p[0]);
         assert!((s[7] - p[7] / 8.0).abs() < 1e-12);
+    }
+
+    /// transformers 5 writes `rope_parameters` instead of `rope_theta` and `rope_scaling`
+    /// (SmolLM2's HF directory made by it has theta 100000 only there).
+    #[test]
+    fn transformers_5_rope_parameters_are_read() {
+        let c = hf(serde_json::json!({"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+            .unwrap();
+        assert_eq!((c.rope_theta, c.rope_scaling.is_none()), (100000.0, true));
+        let c = hf(
+            serde_json::json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}}),
+        )
+        .unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert!(c.rope_scaling.is_some());
+        // Without either, Llama's default.
+        assert_eq!(hf(serde_json::json!({})).unwrap().rope_theta, 10000.0);
     }
 }
