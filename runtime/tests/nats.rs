@@ -155,6 +155,55 @@ async fn jetstream_work_queue_hands_each_job_to_its_partition_once() {
     assert!(sender.push("bad.name", "a", Bytes::new()).await.is_err());
 }
 
+#[tokio::test]
+async fn jetstream_store_keeps_the_last_value_per_key_within_its_bounds() {
+    use dyn_runtime::planes::{Bucket, KeyValue};
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let bucket = Bucket {
+        name: format!("b{}", uuid::Uuid::new_v4().simple()),
+        max_entries: 2,
+        max_age: Duration::from_secs(60),
+    };
+    // Written through one connection, read through another (another frontend).
+    let a = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .store();
+    let b = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .store();
+    a.put(&bucket, "k1", Bytes::from_static(b"one"))
+        .await
+        .unwrap();
+    a.put(&bucket, "k1", Bytes::from_static(b"two"))
+        .await
+        .unwrap();
+    assert_eq!(
+        b.get(&bucket, "k1").await.unwrap().as_deref(),
+        Some(&b"two"[..])
+    );
+    assert_eq!(b.get(&bucket, "nothing").await.unwrap(), None);
+    // Past max_entries the oldest goes.
+    a.put(&bucket, "k2", Bytes::from_static(b"2"))
+        .await
+        .unwrap();
+    a.put(&bucket, "k3", Bytes::from_static(b"3"))
+        .await
+        .unwrap();
+    assert_eq!(b.get(&bucket, "k1").await.unwrap(), None);
+    assert_eq!(
+        b.get(&bucket, "k3").await.unwrap().as_deref(),
+        Some(&b"3"[..])
+    );
+    assert!(b.delete(&bucket, "k3").await.unwrap());
+    assert!(!b.delete(&bucket, "k3").await.unwrap());
+    assert_eq!(a.get(&bucket, "k3").await.unwrap(), None);
+    assert!(a.put(&bucket, "bad.key", Bytes::new()).await.is_err());
+}
+
 async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
     tokio::time::timeout(Duration::from_secs(5), s.next())
         .await

@@ -4,7 +4,8 @@
 //! - events ([`EventBus`]): fire-and-forget messages such as KV-cache events and load metrics;
 //! - requests ([`RequestPlane`]): one request's input stream to an instance and its output
 //!   stream back;
-//! - work queues ([`WorkQueue`]): jobs one worker takes, on the event plane's server (JetStream).
+//! - work queues ([`WorkQueue`]): jobs one worker takes, on the event plane's server (JetStream);
+//! - stores ([`KeyValue`]): bounded records any process reads back, on the same server.
 //!
 //! The embedded implementations here run everything inside one process with no set-up. The
 //! etcd, NATS and TCP implementations (in `dyn-runtime`) implement the same traits, so
@@ -14,6 +15,7 @@ pub mod discovery;
 pub mod events;
 pub mod queue;
 pub mod request;
+pub mod store;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -26,6 +28,7 @@ pub use discovery::{
 pub use events::{EmbeddedEventBus, Event, EventBus};
 pub use queue::{EmbeddedWorkQueue, WorkQueue};
 pub use request::{EmbeddedRequestPlane, EndpointTypes, InstanceHealth, RequestPlane, TcpOptions};
+pub use store::{Bucket, EmbeddedStore, KeyValue};
 
 /// The endpoint every node instance serves its requests on (`{ns}/{node}/generate/{id}`).
 pub const ENDPOINT: &str = "generate";
@@ -49,6 +52,7 @@ pub struct Planes {
     pub events: Arc<dyn EventBus>,
     pub requests: Arc<dyn RequestPlane>,
     pub queue: Arc<dyn WorkQueue>,
+    pub store: Arc<dyn KeyValue>,
     /// How this process is reached from others (`None` when the graph runs in one process):
     /// services that open their own listeners (the KV transfer agent) bind where the request
     /// plane does.
@@ -65,6 +69,7 @@ impl Planes {
             events: Arc::new(EmbeddedEventBus::default()),
             requests: Arc::new(EmbeddedRequestPlane::default()),
             queue: Arc::new(EmbeddedWorkQueue::default()),
+            store: Arc::new(EmbeddedStore::default()),
             tcp: None,
             watches: Arc::default(),
         }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 pub use auth::{EtcdCredentials, NatsCredentials};
 pub use dyn_core::planes::*;
 pub use etcd::EtcdDiscovery;
-pub use nats::{NatsEventBus, NatsWorkQueue};
+pub use nats::{NatsEventBus, NatsStore, NatsWorkQueue};
 pub use tcp::TcpRequestPlane;
 
 use crate::compile::PlaneAddr;
@@ -57,6 +57,7 @@ pub async fn connect(
     if let PlaneAddr::Nats(endpoints) = events {
         let bus = NatsEventBus::connect_with(endpoints, &NatsCredentials::from_env()?).await?;
         planes.queue = Arc::new(bus.work_queue());
+        planes.store = Arc::new(bus.store());
         planes.events = Arc::new(bus);
         distributed = true;
     }

@@ -258,3 +258,111 @@ impl super::WorkQueue for NatsWorkQueue {
         .boxed())
     }
 }
+
+impl NatsEventBus {
+    /// Key-value buckets on the same connection, in JetStream.
+    pub fn store(&self) -> NatsStore {
+        NatsStore {
+            js: async_nats::jetstream::new(self.client.clone()),
+            ready: parking_lot::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+}
+
+/// [`KeyValue`](super::KeyValue) on NATS JetStream, built as NATS's own key-value buckets are
+/// (which nats-server 2.9 cannot create through async-nats): one stream per bucket
+/// (`DYN_KV_{bucket}`, subjects `dyn.kv.{bucket}.{key}`, on the server's disk), keeping one
+/// message per subject, at most `max_entries` messages (the oldest discarded) for at most
+/// `max_age`. A get reads the subject's last message; a delete purges the subject.
+pub struct NatsStore {
+    js: async_nats::jetstream::Context,
+    /// Streams known to exist.
+    ready: parking_lot::Mutex<std::collections::HashSet<String>>,
+}
+
+fn serr(message: String) -> PlaneError {
+    PlaneError::Backend {
+        plane: "store",
+        message,
+    }
+}
+
+impl NatsStore {
+    fn subject(bucket: &super::Bucket, key: &str) -> String {
+        format!("dyn.kv.{}.{key}", bucket.name)
+    }
+
+    async fn stream(
+        &self,
+        bucket: &super::Bucket,
+    ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
+        use async_nats::jetstream::stream;
+        let name = format!("DYN_KV_{}", bucket.name);
+        if !self.ready.lock().contains(&name) {
+            self.js
+                .get_or_create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![format!("dyn.kv.{}.*", bucket.name)],
+                    storage: stream::StorageType::File,
+                    max_messages_per_subject: 1,
+                    max_messages: i64::try_from(bucket.max_entries).unwrap_or(i64::MAX),
+                    max_age: bucket.max_age,
+                    discard: stream::DiscardPolicy::Old,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| serr(format!("cannot create stream {name}: {e}")))?;
+            self.ready.lock().insert(name.clone());
+        }
+        self.js
+            .get_stream_no_info(&name)
+            .await
+            .map_err(|e| serr(format!("stream {name}: {e}")))
+    }
+}
+
+#[async_trait]
+impl super::KeyValue for NatsStore {
+    async fn put(&self, bucket: &super::Bucket, key: &str, value: Bytes) -> Result<(), PlaneError> {
+        dyn_core::planes::store::check(bucket, key)?;
+        self.stream(bucket).await?;
+        let subject = Self::subject(bucket, key);
+        // Stored once the server acknowledges it: a reader elsewhere then finds it.
+        self.js
+            .publish(subject.clone(), value)
+            .await
+            .map_err(|e| serr(format!("put {subject}: {e}")))?
+            .await
+            .map_err(|e| serr(format!("put {subject}: {e}")))?;
+        Ok(())
+    }
+
+    async fn get(&self, bucket: &super::Bucket, key: &str) -> Result<Option<Bytes>, PlaneError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        dyn_core::planes::store::check(bucket, key)?;
+        let subject = Self::subject(bucket, key);
+        match self
+            .stream(bucket)
+            .await?
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(m) => Ok(Some(m.payload)),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(serr(format!("get {subject}: {e}"))),
+        }
+    }
+
+    async fn delete(&self, bucket: &super::Bucket, key: &str) -> Result<bool, PlaneError> {
+        dyn_core::planes::store::check(bucket, key)?;
+        let subject = Self::subject(bucket, key);
+        let purged = self
+            .stream(bucket)
+            .await?
+            .purge()
+            .filter(subject.clone())
+            .await
+            .map_err(|e| serr(format!("delete {subject}: {e}")))?;
+        Ok(purged.purged > 0)
+    }
+}
