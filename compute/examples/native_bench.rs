@@ -63,6 +63,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
             blocks: bl,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         })
         .collect();
@@ -85,6 +86,7 @@ fn decode(b: &mut dyn Backend, batch: usize, steps: usize, bar: &ProgressBar) ->
                 blocks: bl,
                 logits: true,
                 all_logits: false,
+                hidden: false,
                 lora: None,
             })
             .collect();
@@ -116,6 +118,7 @@ fn prefill(b: &mut dyn Backend, rounds: usize) -> f64 {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         };
         let t = Instant::now();

@@ -22,6 +22,9 @@ pub struct SeqStep<'a> {
     /// With `logits`: after every new token, in order, not only the last (a prompt's
     /// log-probabilities).
     pub all_logits: bool,
+    /// With `logits`: the rows are the final hidden states (after the model's last norm,
+    /// `hidden` floats each) instead of logits — what embeddings are pooled from.
+    pub hidden: bool,
     /// The sequence's LoRA adapter, added to the base's projections for its tokens only (see
     /// [`Backend::lora`]). Its KV is the adapter's: a sequence's blocks must never be shared
     /// with one of another adapter.
@@ -46,7 +49,8 @@ pub struct KvShape {
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
 
-    /// Run one step; logits (`vocab` floats) for each sequence that asked, in batch order.
+    /// Run one step; logits (`vocab` floats) for each sequence that asked, in batch order
+    /// (final hidden states, `hidden` floats, for those that asked for [`SeqStep::hidden`]).
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ComputeError>;
 
     /// Bytes of one KV block ([`Backend::export_block`]'s length).

@@ -86,6 +86,7 @@ mod gpu {
                     blocks: bl,
                     logits: true,
                     all_logits: false,
+                    hidden: false,
                     lora: None,
                 })
                 .collect();
@@ -265,6 +266,7 @@ mod gpu {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         };
         let first = argmax(&g.forward(&[step]).unwrap()[0]);
@@ -281,6 +283,7 @@ mod gpu {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         };
         assert_eq!(argmax(&c.forward(&[step]).unwrap()[0]), case.greedy[1]);

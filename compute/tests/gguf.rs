@@ -194,6 +194,7 @@ fn greedy(b: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<V
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         };
         let l = b.forward(&[step]).unwrap().remove(0);
@@ -329,6 +330,7 @@ fn perplexity(b: &mut dyn Backend, tokens: &[u32]) -> f64 {
             blocks: &blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         };
         let l = b.forward(&[step]).unwrap().remove(0);

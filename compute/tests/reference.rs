@@ -223,6 +223,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[0],
         logits: true,
         all_logits: false,
+        hidden: false,
         lora: None,
     };
     assert!(b.forward(&[too_few_blocks]).is_err());
@@ -232,6 +233,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[0],
         logits: true,
         all_logits: false,
+        hidden: false,
         lora: None,
     };
     assert!(b.forward(&[bad_token]).is_err());
@@ -241,6 +243,7 @@ fn bad_batches_are_errors_not_panics() {
         blocks: &[9999],
         logits: true,
         all_logits: false,
+        hidden: false,
         lora: None,
     };
     assert!(b.forward(&[bad_block]).is_err());

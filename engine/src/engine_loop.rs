@@ -39,6 +39,9 @@ pub(super) struct Outbox {
     finish: Option<dyn_llm::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
     offer: Option<OfferTo>,
+    /// An embeddings request: no token goes out, its vector does, with its finish.
+    embeds: bool,
+    embedding: Option<Vec<f32>>,
 }
 
 impl Outbox {
@@ -61,6 +64,8 @@ impl Outbox {
             prompt,
             finish: None,
             offer,
+            embeds: spec.embed.is_some(),
+            embedding: None,
         }
     }
 
@@ -104,6 +109,7 @@ impl Outbox {
             ids: std::mem::take(&mut self.pending),
             finish: self.finish,
             logprobs: self.take_logprobs(),
+            embedding: self.embedding.take(),
         };
         match self.tx.try_send(Ok(item)) {
             Ok(()) => {
@@ -111,10 +117,14 @@ impl Outbox {
                 true
             }
             Err(mpsc::error::TrySendError::Full(Ok(Generated::Tokens {
-                ids, logprobs, ..
+                ids,
+                logprobs,
+                embedding,
+                ..
             }))) => {
                 // The consumer lags: keep the tokens and send them together later.
                 self.pending = ids;
+                self.embedding = embedding;
                 if let Some(l) = logprobs {
                     self.logprobs = l.tokens;
                     if let Some(first) = l.prompt_first {
@@ -246,8 +256,15 @@ impl EngineLoop {
             }
             for (id, token, finish) in out.tokens {
                 if let Some(o) = self.outboxes.get_mut(&id) {
-                    o.pending.push(token);
+                    if !o.embeds {
+                        o.pending.push(token);
+                    }
                     o.finish = finish;
+                }
+            }
+            for (id, v) in self.exec.take_embeddings() {
+                if let Some(o) = self.outboxes.get_mut(&id) {
+                    o.embedding = Some(v);
                 }
             }
             for (id, lp) in self.exec.take_logprobs() {
@@ -403,6 +420,7 @@ impl EngineLoop {
         for id in ids {
             self.sched.remove(*id);
             self.imports.remove(id);
+            self.exec.forget(*id);
             if let Some(o) = self.outboxes.remove(id) {
                 let err = Err(OpError::internal(format!("the engine failed: {e}")));
                 if let Err(mpsc::error::TrySendError::Full(err)) = o.tx.try_send(err) {
@@ -425,6 +443,7 @@ impl EngineLoop {
         for id in gone {
             self.outboxes.remove(&id);
             self.imports.remove(&id);
+            self.exec.forget(id);
             if self.sched.remove(id) {
                 tracing::debug!(
                     worker_id = format_args!("{:x}", self.worker_id),
@@ -448,6 +467,7 @@ impl EngineLoop {
         }
         for (id, cancelled) in done {
             self.outboxes.remove(&id);
+            self.exec.forget(id);
             if cancelled {
                 self.sched.remove(id);
             }

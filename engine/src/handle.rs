@@ -540,6 +540,14 @@ impl EngineHandle {
             )
             .with_param("logprobs"));
         }
+        // A simulated engine has no hidden states to embed with (the same want as above: a
+        // model's real outputs).
+        if s.embed.is_some() && !self.settings.logprobs {
+            return Err(OpError::invalid(
+                "embeddings are not available from this worker's engine (a simulated one)",
+            )
+            .with_param("model"));
+        }
         let guide = match &s.constraint {
             None => None,
             Some(c) => {
@@ -583,6 +591,7 @@ impl EngineHandle {
             precedence: s.precedence(),
             salt: dyn_router::kv::request_salt(s),
             lora,
+            embed: s.embed,
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max_queued = self.settings.scheduler.max_queued_requests as usize;

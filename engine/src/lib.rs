@@ -83,6 +83,16 @@ pub trait Executor: Send + 'static {
     fn take_logprobs(&mut self) -> Vec<(SeqId, Logprob)> {
         Vec::new()
     }
+    /// The embeddings the last [`Executor::execute`] finished: one for each embeddings
+    /// sequence whose prompt it completed (the token it returned for that one is not output).
+    fn take_embeddings(&mut self) -> Vec<(SeqId, Vec<f32>)> {
+        Vec::new()
+    }
+    /// `id` is gone (finished, cancelled or failed): drop what the executor keeps for it
+    /// between steps.
+    fn forget(&mut self, id: SeqId) {
+        let _ = id;
+    }
 }
 
 /// What an executor reports for a sequence that asked for log-probabilities.

@@ -183,6 +183,8 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
         mask_seconds: g.mask_seconds.with_label_values(&[cx.node.as_str()]),
         wait_seconds: g.wait_seconds.with_label_values(&[cx.node.as_str()]),
         logprobs: Vec::new(),
+        pooled: Default::default(),
+        embeddings: Vec::new(),
         // A quarter of the cores by default: on a GPU machine they are idle during the
         // forward pass; on a small CPU one the backend's own threads need them.
         sampler_threads: match config.sampler_threads {
@@ -292,6 +294,10 @@ struct NativeExec {
     logprobs: Vec<(crate::scheduler::SeqId, Logprob)>,
     /// Threads that compute grammar masks beside the forward pass and draw tokens after it.
     sampler_threads: usize,
+    /// Mean-pooled embeddings part way: the sum of the hidden states so far and their count.
+    pooled: std::collections::HashMap<crate::scheduler::SeqId, (Vec<f32>, usize)>,
+    /// The embeddings the last step finished.
+    embeddings: Vec<(crate::scheduler::SeqId, Vec<f32>)>,
 }
 
 /// One sampled sequence's part of a step: its work, its logits, its grammar mask.
@@ -422,13 +428,21 @@ impl NativeExec {
 
 impl Executor for NativeExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
+        use dyn_llm::types::Pooling;
         // What a failed step left is not this step's.
         self.logprobs.clear();
+        self.embeddings.clear();
         // A sequence whose prompt's log-probabilities are wanted gets the logits after every
         // prompt token it computes this step (chunk by chunk), not only the last.
         let prompt_rows = |w: &Work<'_>| {
-            w.spec.prompt_logprobs.is_some() && w.generated == 0 && !w.import && w.len > 0
+            w.spec.prompt_logprobs.is_some()
+                && w.spec.embed.is_none()
+                && w.generated == 0
+                && !w.import
+                && w.len > 0
         };
+        // A mean-pooled embedding wants every prompt position's hidden state, chunk by chunk.
+        let mean_rows = |w: &Work<'_>| w.spec.embed == Some(Pooling::Mean) && w.len > 0;
         let computed: Vec<&Work<'_>> = work.iter().filter(|w| w.len > 0).collect();
         let batch: Vec<SeqStep<'_>> = computed
             .iter()
@@ -436,18 +450,60 @@ impl Executor for NativeExec {
                 tokens: &w.tokens[w.start..w.start + w.len],
                 start: w.start,
                 blocks: w.blocks,
-                logits: w.sample || prompt_rows(w),
-                all_logits: prompt_rows(w),
+                logits: w.sample || prompt_rows(w) || mean_rows(w),
+                all_logits: prompt_rows(w) || mean_rows(w),
+                hidden: w.spec.embed.is_some(),
                 lora: w.spec.lora.as_deref(),
             })
             .collect();
         // Logits come in batch order: a row for each sampling entry (which all have new
-        // tokens), after the rows of its prompt positions where those were asked for.
-        let sampled: Vec<&Work<'_>> = work.iter().filter(|w| w.sample).collect();
+        // tokens), after the rows of its prompt positions where those were asked for. An
+        // embeddings sequence gets hidden states instead, and samples nothing.
+        let sampled: Vec<&Work<'_>> = work
+            .iter()
+            .filter(|w| w.sample && w.spec.embed.is_none())
+            .collect();
         let (rows, masks) = self.forward_masked(&batch, &sampled)?;
         let mut rows = rows.into_iter();
+        let too_few = || EngineError::Internal("the backend returned too few rows".into());
         let mut logits = Vec::with_capacity(sampled.len());
         for w in &computed {
+            if let Some(pooling) = w.spec.embed {
+                let last = match pooling {
+                    Pooling::Last => match w.sample {
+                        true => Some(rows.next().ok_or_else(too_few)?),
+                        false => None,
+                    },
+                    Pooling::Mean => {
+                        let (sum, n) = self.pooled.entry(w.id).or_default();
+                        if w.start == 0 {
+                            // The first chunk, or a recompute from the start.
+                            sum.clear();
+                            *n = 0;
+                        }
+                        for _ in 0..w.len {
+                            let r = rows.next().ok_or_else(too_few)?;
+                            if sum.is_empty() {
+                                sum.resize(r.len(), 0.0);
+                            }
+                            sum.iter_mut().zip(&r).for_each(|(s, x)| *s += x);
+                            *n += 1;
+                        }
+                        match w.sample {
+                            true => self.pooled.remove(&w.id).map(|(mut sum, n)| {
+                                let n = n.max(1) as f32;
+                                sum.iter_mut().for_each(|s| *s /= n);
+                                sum
+                            }),
+                            false => None,
+                        }
+                    }
+                };
+                if let Some(v) = last {
+                    self.embeddings.push((w.id, dyn_llm::types::normalized(v)));
+                }
+                continue;
+            }
             if prompt_rows(w) {
                 let prompt = w.spec.prompt_len();
                 let top = w.spec.prompt_logprobs.unwrap_or(0);
@@ -471,9 +527,7 @@ impl Executor for NativeExec {
                 ));
             }
             if w.sample {
-                logits.push(rows.next().ok_or_else(|| {
-                    EngineError::Internal("the backend returned too few logits".into())
-                })?);
+                logits.push(rows.next().ok_or_else(too_few)?);
             }
         }
         let guided = masks.iter().any(Option::is_some);
@@ -516,8 +570,16 @@ impl Executor for NativeExec {
             .flatten()
             .collect()
         };
-        let mut out = Vec::with_capacity(done.len());
-        for (w, (t, lp)) in sampled.iter().zip(done) {
+        // One token per sampling work, in order; an embeddings sequence's is a placeholder
+        // that goes nowhere (its answer is its vector).
+        let mut done = done.into_iter();
+        let mut out = Vec::with_capacity(sampled.len());
+        for w in work.iter().filter(|w| w.sample) {
+            if w.spec.embed.is_some() {
+                out.push(0);
+                continue;
+            }
+            let (t, lp) = done.next().ok_or_else(too_few)?;
             if let Some(lp) = lp {
                 self.logprobs.push((w.id, lp));
             }
@@ -528,6 +590,14 @@ impl Executor for NativeExec {
 
     fn take_logprobs(&mut self) -> Vec<(crate::scheduler::SeqId, Logprob)> {
         std::mem::take(&mut self.logprobs)
+    }
+
+    fn take_embeddings(&mut self) -> Vec<(crate::scheduler::SeqId, Vec<f32>)> {
+        std::mem::take(&mut self.embeddings)
+    }
+
+    fn forget(&mut self, id: crate::scheduler::SeqId) {
+        self.pooled.remove(&id);
     }
 
     fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {
@@ -588,6 +658,102 @@ mod tests {
                 e.contains("no CUDA driver") || e.contains("without the `cuda` feature"),
                 "{e}"
             );
+        }
+    }
+
+    /// An embeddings request through the engine (on whichever device `auto` finds): its one
+    /// item, with the vector and no tokens.
+    async fn embed(
+        engine: &crate::EngineHandle,
+        prompt: &[u32],
+        pooling: dyn_llm::types::Pooling,
+    ) -> Vec<f32> {
+        use dyn_llm::types::Generated;
+        use futures::StreamExt;
+        let mut req = dyn_llm::testing::preprocessed(prompt.to_vec(), 1);
+        req.sampling.embed = Some(pooling);
+        let rx = engine.submit(&req, None, None).expect("submitted");
+        let items: Vec<_> = crate::handle::request_items(rx).collect().await;
+        let mut found = None;
+        for item in items {
+            if let Generated::Tokens { ids, embedding, .. } = item.expect("no error") {
+                assert!(ids.is_empty(), "an embedding outputs no tokens: {ids:?}");
+                found = found.or(embedding);
+            }
+        }
+        found.expect("an embedding came back")
+    }
+
+    fn close(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// Embeddings are the same however the prompt is computed: in one step or in chunks,
+    /// from the prefix cache (last token) or not (mean), alone or sharing batches with
+    /// generation, which itself is unchanged by them; and they are unit vectors of the model's
+    /// width.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn embeddings_agree_across_chunks_cache_hits_and_shared_batches() {
+        use dyn_llm::types::{Generated, Pooling};
+        use futures::StreamExt;
+        let planes = dyn_core::planes::Planes::embedded();
+        let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
+        let whole = start(&NativeConfig::default(), &cx).await.expect("starts");
+        let chunked = start(
+            &NativeConfig {
+                max_num_batched_tokens: 16,
+                ..NativeConfig::default()
+            },
+            &cx,
+        )
+        .await
+        .expect("starts");
+        let prompt: Vec<u32> = (0..45u32).map(|t| 1 + t * 7 % 200).collect();
+        for pooling in [Pooling::Last, Pooling::Mean] {
+            let a = embed(&whole, &prompt, pooling).await;
+            let norm: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+            // Again: its blocks are cached now (a last-token embedding computes only the
+            // last token; a mean one computes all again).
+            let again = embed(&whole, &prompt, pooling).await;
+            assert!(close(&a, &again) < 1e-5, "{pooling:?} from the cache");
+            let chunks = embed(&chunked, &prompt, pooling).await;
+            assert!(close(&a, &chunks) < 1e-5, "{pooling:?} in chunks");
+        }
+        let last = embed(&whole, &prompt, Pooling::Last).await;
+        let mean = embed(&whole, &prompt, Pooling::Mean).await;
+        assert!(close(&last, &mean) > 1e-3, "last and mean pool differently");
+
+        // Generation beside embeddings: the same tokens as alone.
+        let generate = |engine: &crate::EngineHandle| {
+            let mut req = dyn_llm::testing::preprocessed(vec![5, 9, 13, 2], 24);
+            req.sampling.temperature = Some(0.0);
+            req.stop.ignore_eos = true;
+            let rx = engine.submit(&req, None, None).expect("submitted");
+            crate::handle::request_items(rx)
+                .filter_map(|i| async move {
+                    match i.expect("no error") {
+                        Generated::Tokens { ids, .. } => Some(ids),
+                        _ => None,
+                    }
+                })
+                .concat()
+        };
+        let alone = generate(&whole).await;
+        let prompts: Vec<Vec<u32>> = (0..6u32)
+            .map(|i| (0..30 + i).map(|t| 2 + (t * 11 + i) % 190).collect())
+            .collect();
+        let (beside, vectors) = tokio::join!(
+            generate(&whole),
+            futures::future::join_all(prompts.iter().map(|p| embed(&whole, p, Pooling::Last)))
+        );
+        assert_eq!(alone, beside);
+        for (p, v) in prompts.iter().zip(&vectors) {
+            assert!(close(v, &embed(&chunked, p, Pooling::Last).await) < 1e-5);
         }
     }
 

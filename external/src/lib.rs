@@ -190,6 +190,16 @@ impl ExternalEngine {
                 yield Err(OpError::instance_lost("the engine server is down"));
                 return;
             };
+            if req.sampling.embed.is_some() {
+                match this.embed(&ep, &req).await {
+                    Ok(v) => {
+                        yield Ok(Generated::Start(req.output.clone()));
+                        yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Stop), logprobs: None, embedding: Some(v) });
+                    }
+                    Err(e) => yield Err(e),
+                }
+                return;
+            }
             // The `model` the server is asked for: its own, or the adapter's name there.
             let mut in_use = None;
             let model = match (&req.sampling.lora, &this.loras) {
@@ -220,7 +230,7 @@ impl ExternalEngine {
             if req.stop.max_tokens == 0 {
                 // Migrated after its last token, before the server said it was done.
                 yield Ok(Generated::Start(req.output.clone()));
-                yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length), logprobs: None });
+                yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length), logprobs: None, embedding: None });
                 return;
             }
             for await item in this.run_phases(ep, model, req) {
@@ -229,6 +239,52 @@ impl ExternalEngine {
             drop(in_use);
         }
         .boxed()
+    }
+
+    /// An embeddings request on the server's own `/v1/embeddings` (vLLM's pooling runner,
+    /// llama-server with `--embeddings`): the prompt's tokens in (its text for an OpenAI
+    /// server), the server's vector out, normalised as dyn's are. The server pools as it was
+    /// started to.
+    async fn embed(&self, ep: &Endpoint, req: &PreprocessedRequest) -> Result<Vec<f32>, OpError> {
+        if let Some(l) = &req.sampling.lora {
+            return Err(OpError::invalid(format!(
+                "model `{}` is a LoRA adapter: external workers embed with their base model only",
+                l.name
+            ))
+            .with_param("model"));
+        }
+        let input = match self.kind {
+            ExternalKind::Openai => serde_json::json!(
+                self.tokenizer
+                    .decode(&req.token_ids, false)
+                    .map_err(|e| OpError::internal(format!("cannot decode the prompt: {e}")))?
+            ),
+            _ => serde_json::json!(req.token_ids),
+        };
+        let url = format!("{}/v1/embeddings", ep.base);
+        let body =
+            serde_json::json!({"model": ep.model, "input": input, "encoding_format": "float"});
+        let lost = |e: String| {
+            self.server.suspect();
+            OpError::instance_lost(format!("the engine server at {}: {e}", ep.base))
+        };
+        let resp = tokio::time::timeout(self.stall, self.client.post(&url).json(&body).send())
+            .await
+            .map_err(|_| lost(format!("no embedding in {:?}", self.stall)))?
+            .map_err(|e| lost(e.to_string()))?;
+        let status = resp.status();
+        let text = tokio::time::timeout(self.stall, resp.text())
+            .await
+            .map_err(|_| lost(format!("no embedding in {:?}", self.stall)))?
+            .map_err(|e| lost(e.to_string()))?;
+        if !status.is_success() {
+            return Err(refused(&self.server, status, &text));
+        }
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| OpError::internal(format!("{url}: an answer that is not JSON: {e}")))?;
+        let vector: Vec<f32> = serde_json::from_value(v["data"][0]["embedding"].clone())
+            .map_err(|e| OpError::internal(format!("{url}: no embedding in its answer: {e}")))?;
+        Ok(dyn_llm::types::normalized(vector))
     }
 
     /// `req` on the server at `ep`, phase by phase (see [`Self::phases`]): [`Generated::Start`]
@@ -283,7 +339,7 @@ impl ExternalEngine {
                     let report = reported(f, last_phase, produced.len(), max);
                     if !ids.is_empty() || report.is_some() {
                         let logprobs = (!lps.is_empty()).then(|| Box::new(Logprobs { tokens: lps, ..Logprobs::default() }));
-                        yield Ok(Generated::Tokens { ids, finish: report, logprobs });
+                        yield Ok(Generated::Tokens { ids, finish: report, logprobs, embedding: None });
                     }
                     if report.is_some() {
                         return;

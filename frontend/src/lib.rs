@@ -11,11 +11,15 @@
 //! meant for operators goes to the log.
 
 pub mod admin;
+mod answer;
+mod anthropic;
+mod embeddings;
 pub mod harmony;
 pub mod lora;
 pub mod metrics;
 pub mod openai;
 pub mod reasoning;
+mod responses;
 pub mod text;
 pub mod tools;
 
@@ -92,6 +96,39 @@ pub struct ServerConfig {
     /// `DYN_ADMIN_KEY`.
     #[serde(default)]
     pub admin_key: Option<String>,
+    /// The Responses API's store (`store`, `previous_response_id`, `GET /v1/responses/{id}`):
+    /// how many responses are kept and for how long. `http` only.
+    #[serde(default)]
+    pub responses_store: StoreBounds,
+}
+
+/// A store's bounds: past `max_responses` the oldest goes; none is kept past `max_age_s`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreBounds {
+    #[serde(default = "default_max_responses")]
+    pub max_responses: u64,
+    #[serde(default = "default_store_max_age_s")]
+    pub max_age_s: f64,
+}
+
+impl Default for StoreBounds {
+    fn default() -> Self {
+        Self {
+            max_responses: default_max_responses(),
+            max_age_s: default_store_max_age_s(),
+        }
+    }
+}
+
+fn default_max_responses() -> u64 {
+    10_000
+}
+
+/// A day: long enough to continue a conversation, short enough that a store of turns does
+/// not become an archive nobody asked for.
+fn default_store_max_age_s() -> f64 {
+    86_400.0
 }
 
 fn default_max_connections() -> usize {
@@ -141,6 +178,19 @@ impl ServerConfig {
             out.push(Invalid::field(
                 "tenant_header",
                 format!("`{h}` is not a header name"),
+            ));
+        }
+        if self.responses_store.max_responses == 0 {
+            out.push(Invalid::field(
+                "responses_store.max_responses",
+                "must be at least 1",
+            ));
+        }
+        let age = self.responses_store.max_age_s;
+        if !(1.0..=365.0 * 86_400.0).contains(&age) {
+            out.push(Invalid::field(
+                "responses_store.max_age_s",
+                format!("must be from 1 second to a year, got {age}"),
             ));
         }
         if let Some(t) = self.request_timeout_s
@@ -648,13 +698,17 @@ pub async fn require_api_key(
         }
         return next.run(req).await;
     }
-    ApiError::new(
+    let e = ApiError::new(
         StatusCode::UNAUTHORIZED,
         "invalid_request_error",
         "invalid_api_key",
         "missing or invalid API key",
-    )
-    .into_response()
+    );
+    // Anthropic's clients read their own error shape.
+    if req.uri().path().starts_with("/v1/messages") {
+        return anthropic::error_response(e);
+    }
+    e.into_response()
 }
 
 pub async fn health() -> Json<serde_json::Value> {
@@ -758,13 +812,17 @@ async fn require_ops_key(State(keys): State<Arc<OpsKeys>>, req: Request, next: N
     .into_response()
 }
 
-/// The token of an `Authorization: Bearer` header.
+/// The token of an `Authorization: Bearer` header, else of an `x-api-key` header (what
+/// Anthropic's clients send).
 fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
+    let bearer = || {
+        headers
+            .get(header::AUTHORIZATION)?
+            .to_str()
+            .ok()?
+            .strip_prefix("Bearer ")
+    };
+    bearer().or_else(|| headers.get("x-api-key")?.to_str().ok())
 }
 
 /// Whether `host` (a `Host` header or an address: name or IP, maybe a port) names this

@@ -55,7 +55,7 @@ pub struct HttpConfig {
 
 impl IngressConfig for HttpConfig {
     const KIND: &'static str = "http";
-    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /metrics";
+    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic), /v1/embeddings, /v1/models, /tokenize, /detokenize, /metrics";
     type Ingress = Http;
 
     fn validate(&self) -> Vec<Invalid> {
@@ -103,6 +103,23 @@ impl IngressConfig for HttpConfig {
             admin,
             stats: cx.service::<FrontendStats>().await?,
             catalog: Arc::new(Catalog(catalog)),
+            responses: super::responses::Store {
+                kv: cx.planes.store.clone(),
+                bucket: dyn_core::planes::Bucket {
+                    // Graphs sharing a NATS server keep apart by namespace.
+                    name: format!(
+                        "responses_{}",
+                        cx.namespace.replace(
+                            |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                            "_"
+                        )
+                    ),
+                    max_entries: self.server.responses_store.max_responses,
+                    max_age: std::time::Duration::from_secs_f64(
+                        self.server.responses_store.max_age_s,
+                    ),
+                },
+            },
         })
     }
 }
@@ -149,6 +166,7 @@ pub struct Http {
     admin: Admin,
     stats: Arc<FrontendStats>,
     catalog: Arc<Catalog>,
+    responses: super::responses::Store,
 }
 
 /// One base model the ingress serves: how its answers are parsed (configured, or detected
@@ -164,7 +182,7 @@ struct Served {
 type AppChain = Chain<LlmRequest, LlmDelta>;
 
 #[derive(Clone)]
-struct App {
+pub(crate) struct App {
     chain: AppChain,
     /// The models served, in the catalog's order.
     served: Arc<[Served]>,
@@ -172,9 +190,11 @@ struct App {
     /// The planner's view of this frontend's traffic.
     stats: Arc<FrontendStats>,
     /// The shared server settings (the request deadline's default).
-    server: Arc<ServerConfig>,
+    pub(crate) server: Arc<ServerConfig>,
     /// The models and their LoRA adapters: which `model` names run what.
     catalog: Arc<Catalog>,
+    /// Where the Responses API keeps what it stores.
+    pub(crate) responses: super::responses::Store,
 }
 
 impl Ingress for Http {
@@ -193,6 +213,7 @@ impl Ingress for Http {
             stats: self.stats,
             server: Arc::new(self.config.clone()),
             catalog: self.catalog.clone(),
+            responses: self.responses,
         };
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat))
@@ -200,6 +221,17 @@ impl Ingress for Http {
             .route("/v1/models", get(models))
             .route("/tokenize", post(tokenize))
             .route("/detokenize", post(detokenize))
+            .route("/v1/responses", post(super::responses::create))
+            .route(
+                "/v1/responses/{id}",
+                get(super::responses::get).delete(super::responses::delete),
+            )
+            .route("/v1/embeddings", post(super::embeddings::create))
+            .route("/v1/messages", post(super::anthropic::messages))
+            .route(
+                "/v1/messages/count_tokens",
+                post(super::anthropic::count_tokens),
+            )
             .with_state(state);
         // Operators' routes: behind `admin_key` (not the tenants' API keys), loopback only.
         let open = axum::Router::new()
@@ -211,7 +243,7 @@ impl Ingress for Http {
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -627,6 +659,7 @@ fn request(
                 cache_salt,
                 lora,
                 targets: targets(c.nvext)?,
+                embed: None,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
@@ -845,11 +878,11 @@ fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, ApiError> {
     })
 }
 
-struct Options {
-    stream: bool,
+pub(crate) struct Options {
+    pub(crate) stream: bool,
     include_usage: bool,
     /// Tool calls are parsed out of the answer, in this format.
-    tools: Option<ToolFormat>,
+    pub(crate) tools: Option<ToolFormat>,
     /// The answer carries its tokens' log-probabilities.
     logprobs: bool,
     /// Completions' `echo`: the answer starts with the prompt — its text when the client sent
@@ -858,12 +891,96 @@ struct Options {
     /// Choices (OpenAI's `n`).
     n: usize,
     /// Chat: reasoning is split out of the answer, in this format.
-    reasoning: Option<ReasoningFormat>,
+    pub(crate) reasoning: Option<ReasoningFormat>,
     /// vLLM's `return_token_ids`: choices carry `token_ids`, and the prompt's come back as
     /// `prompt_token_ids` (completions: per choice; chat: beside the choices).
     token_ids: bool,
     /// The model the client named (an adapter's name where it named one): the answer's.
-    named: Arc<str>,
+    pub(crate) named: Arc<str>,
+}
+
+/// A chat completions body given as JSON — what the other dialects translate theirs into —
+/// read as `/v1/chat/completions` reads its own.
+pub(crate) fn chat_from_json(app: &App, body: Value) -> Result<(LlmRequest, Options), ApiError> {
+    let b: ChatBody = serde_json::from_value(body)
+        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))?;
+    let messages = chat_messages(b.messages)?;
+    request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
+}
+
+/// How many tokens the prompt of a chat body given as JSON (its `model`, `messages` and
+/// `tools`) is, the template applied with its generation prompt.
+pub(crate) async fn count_prompt(app: &App, body: Value) -> Result<usize, ApiError> {
+    #[derive(Deserialize)]
+    struct Counted {
+        model: String,
+        messages: Vec<MessageIn>,
+        #[serde(default)]
+        tools: Option<Vec<Value>>,
+    }
+    let b: Counted = serde_json::from_value(body)
+        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))?;
+    let served = app.tokenizer_of(Some(&b.model))?;
+    let prompt = Prompt::Messages(chat_messages(b.messages)?);
+    let tools = b.tools.unwrap_or_default();
+    let ids = served
+        .preprocess
+        .tokenize(prompt, &tools, None, true)
+        .await
+        .map_err(ApiError::from)?;
+    Ok(ids.len())
+}
+
+/// One input of an embeddings request, for `model` (an adapter's name runs its adapter): the
+/// model's pooling, nothing sampled.
+pub(crate) fn embedding_request(
+    app: &App,
+    model: &str,
+    prompt: Prompt,
+    user: Option<&str>,
+) -> Result<(LlmRequest, Options), ApiError> {
+    let (at, lora) = app.catalog.resolve(model)?;
+    let served = &app.served[at];
+    let pooling = served.preprocess.pooling().map_err(|why| {
+        invalid(
+            "model",
+            format!("model `{model}` has no embeddings here: {why}"),
+        )
+    })?;
+    Ok((
+        LlmRequest {
+            endpoint: Endpoint::Completion,
+            model: served.name.to_string(),
+            prompt,
+            sampling: Sampling {
+                embed: Some(pooling),
+                lora,
+                session: user
+                    .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX)
+                    .map(str::to_owned),
+                ..Sampling::default()
+            },
+            limits: Limits::default(),
+            tools: Vec::new(),
+        },
+        Options {
+            named: model.into(),
+            stream: false,
+            include_usage: false,
+            tools: None,
+            logprobs: false,
+            echo: None,
+            n: 1,
+            token_ids: false,
+            reasoning: None,
+        },
+    ))
+}
+
+/// The width of `model`'s embeddings, where its config says.
+pub(crate) fn embedding_width(app: &App, model: &str) -> Result<Option<u32>, ApiError> {
+    let (at, _) = app.catalog.resolve(model)?;
+    Ok(app.served[at].preprocess.hidden_size())
 }
 
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
@@ -1117,7 +1234,7 @@ async fn completions(
 
 /// Counts one request in the frontend metrics from start to end; dropped without `finish`
 /// (the client went away) it counts as cancelled.
-struct Track {
+pub(crate) struct Track {
     model: Arc<str>,
     /// The request's context until its first token: it names the pool serving the request,
     /// if a router chose among pools (let go then, so the request's end hooks are not held).
@@ -1136,8 +1253,9 @@ struct Track {
 }
 
 impl Track {
-    /// Counted under `model`: the base model the request runs on.
-    fn new(app: &App, model: Arc<str>, endpoint: Endpoint, stream: bool) -> Self {
+    /// Counted under `model` (the base model the request runs on) and `endpoint` (the route's
+    /// name: `chat_completions`, `messages`, …).
+    fn new(app: &App, model: Arc<str>, endpoint: &'static str, stream: bool) -> Self {
         FRONTEND.inflight.with_label_values(&[&*model]).inc();
         app.stats.arrived();
         Self {
@@ -1148,10 +1266,7 @@ impl Track {
             later_tokens: 0,
             usage: None,
             model,
-            endpoint: match endpoint {
-                Endpoint::Chat => "chat_completions",
-                Endpoint::Completion => "completions",
-            },
+            endpoint,
             stream,
             start: Instant::now(),
             last_token: None,
@@ -1159,12 +1274,26 @@ impl Track {
         }
     }
 
-    fn delta(&mut self, d: &LlmDelta) {
+    pub(crate) fn delta(&mut self, d: &LlmDelta) {
+        let m = [&*self.model];
+        if let Some(u) = d.usage {
+            // Several choices: the prompt once, their answers together.
+            let before = self.usage.map_or(0, |(_, c)| c);
+            self.usage = Some((u.prompt_tokens, before + u.completion_tokens));
+            FRONTEND
+                .input_tokens
+                .with_label_values(&m)
+                .inc_by(u64::from(u.prompt_tokens));
+            FRONTEND
+                .output_tokens
+                .with_label_values(&m)
+                .inc_by(u64::from(u.completion_tokens));
+        }
+        // A delta without tokens (an embedding's, the end of a stop string) times nothing.
         if d.tokens == 0 {
             return;
         }
         let now = Instant::now();
-        let m = [&*self.model];
         match self.last_token {
             None => {
                 FRONTEND
@@ -1185,22 +1314,9 @@ impl Track {
             }
         }
         self.last_token = Some(now);
-        if let Some(u) = d.usage {
-            // Several choices: the prompt once, their answers together.
-            let before = self.usage.map_or(0, |(_, c)| c);
-            self.usage = Some((u.prompt_tokens, before + u.completion_tokens));
-            FRONTEND
-                .input_tokens
-                .with_label_values(&m)
-                .inc_by(u64::from(u.prompt_tokens));
-            FRONTEND
-                .output_tokens
-                .with_label_values(&m)
-                .inc_by(u64::from(u.completion_tokens));
-        }
     }
 
-    fn finish(&mut self, status: &'static str) {
+    pub(crate) fn finish(&mut self, status: &'static str) {
         self.status.get_or_insert(status);
     }
 }
@@ -1249,83 +1365,31 @@ async fn serve(
         Endpoint::Chat => chat_request(&app, &body),
         Endpoint::Completion => completion_request(&app, &body),
     };
-    // The headers' tenant (the key's, or the tenant header) and priority (a gateway's word,
-    // over the body's `priority`).
-    let parsed = parsed.and_then(|(mut req, opts)| {
-        let t = app.server.traffic(&headers, key.as_ref())?;
-        req.sampling.tenant = t.tenant;
-        if let Some(p) = t.priority {
-            req.sampling.priority = p;
-        }
-        if t.session.is_some() {
-            req.sampling.session = t.session;
-        }
-        // Behind API keys, a request without a salt of its own caches under its tenant's:
-        // tenants share no prefix (nor learn of each other's prompts from its timing) unless
-        // they send the same `cache_salt`.
-        if key.is_some()
-            && req.sampling.cache_salt.is_none()
-            && let Some(tenant) = &req.sampling.tenant
-        {
-            req.sampling.cache_salt = Some(dyn_llm::types::tenant_cache_salt(tenant));
-        }
-        Ok((req, opts))
-    });
-    let (req, opts) = match parsed {
-        Ok(r) => r,
-        Err(e) => {
-            // A request refused before its model was known counts under the first model.
-            let mut t = Track::new(&app, app.served[0].name.clone(), endpoint, false);
-            t.finish("error");
-            return e.into_response();
-        }
+    let label = match endpoint {
+        Endpoint::Chat => "chat_completions",
+        Endpoint::Completion => "completions",
     };
-    let mut track = Track::new(&app, req.model.as_str().into(), endpoint, opts.stream);
-    let ctx = match app.server.request_ctx(&app.chain, &headers) {
-        Ok(c) => c,
-        Err(e) => {
-            track.finish("error");
-            return e.into_response();
-        }
+    let (started, opts) = match start(&app, label, key.as_ref(), &headers, parsed).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
     };
-    track.ctx = Some(ctx.clone());
-    let deadline = ctx.deadline();
+    let Started {
+        first,
+        out,
+        guards,
+        mut track,
+        id,
+    } = started;
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completion => "cmpl-",
     };
     let shape = Shape {
-        id: format!("{prefix}{}", ctx.id()),
+        id: format!("{prefix}{id}"),
         endpoint,
         model: opts.named.clone(),
         created: unix_now(),
     };
-    // Wait for the first delta so an early failure still gets a proper status code.
-    let chosen = choices(&app, ctx, req, opts.n);
-    let chosen = match deadline {
-        // A moment's grace: what stops the request at its deadline below (the admission
-        // queue's 503, say) tells the client why; this is the backstop.
-        Some(d) => tokio::time::timeout_at((d + DEADLINE_GRACE).into(), chosen)
-            .await
-            .unwrap_or_else(|_| Err(OpError::deadline_exceeded().into())),
-        None => chosen.await,
-    };
-    let late = deadline.is_some_and(|d| Instant::now() >= d);
-    let (first, out, guards) = match chosen {
-        // Failed, or came back empty, as its deadline passed: the deadline's doing (a refusal
-        // for want of room keeps its 503).
-        Ok((None, ..)) if late => {
-            track.finish("error");
-            return ApiError::from(OpError::deadline_exceeded()).into_response();
-        }
-        Ok(c) => c,
-        Err(e) => {
-            track.finish("error");
-            return super::at_deadline(e, late).into_response();
-        }
-    };
-    let out = until_deadline(out, deadline, first.as_ref(), opts.n);
-
     if !opts.stream {
         let mut acc: Vec<Collected> = (0..opts.n).map(|_| Collected::default()).collect();
         let mut next = first;
@@ -1389,11 +1453,131 @@ async fn serve(
         .into_response()
 }
 
+/// A request the graph has taken: its first delta (none when it was dropped), the rest of
+/// every choice's deltas (ending in a deadline error if its deadline passes), the guards that
+/// kill its choices when dropped, its tracking, and its id.
+pub(crate) struct Started {
+    pub first: Option<(usize, Result<LlmDelta, OpError>)>,
+    pub out: Tagged,
+    pub guards: Vec<dyn_core::ctx::KillOnDrop>,
+    pub track: Track,
+    pub id: dyn_core::RequestId,
+}
+
+/// Send a parsed request (`parsed`, counted under the endpoint `label`) down the graph with the
+/// headers' tenant, priority and session, and wait for its first delta, so that an early
+/// failure still gets its own status code. Every endpoint that generates starts here.
+pub(crate) async fn start(
+    app: &App,
+    label: &'static str,
+    key: Option<&KeyTenant>,
+    headers: &HeaderMap,
+    parsed: Result<(LlmRequest, Options), ApiError>,
+) -> Result<(Started, Options), ApiError> {
+    start_part(app, label, key, headers, parsed, 0).await
+}
+
+/// [`start`] for part `part` of a request that runs several (the inputs of one embeddings
+/// request): parts after the first run under the request's id with `-{part}` added.
+pub(crate) async fn start_part(
+    app: &App,
+    label: &'static str,
+    key: Option<&KeyTenant>,
+    headers: &HeaderMap,
+    parsed: Result<(LlmRequest, Options), ApiError>,
+    part: usize,
+) -> Result<(Started, Options), ApiError> {
+    // The headers' tenant (the key's, or the tenant header) and priority (a gateway's word,
+    // over the body's `priority`).
+    let parsed = parsed.and_then(|(mut req, opts)| {
+        let t = app.server.traffic(headers, key)?;
+        req.sampling.tenant = t.tenant;
+        if let Some(p) = t.priority {
+            req.sampling.priority = p;
+        }
+        if t.session.is_some() {
+            req.sampling.session = t.session;
+        }
+        // Behind API keys, a request without a salt of its own caches under its tenant's:
+        // tenants share no prefix (nor learn of each other's prompts from its timing) unless
+        // they send the same `cache_salt`.
+        if key.is_some()
+            && req.sampling.cache_salt.is_none()
+            && let Some(tenant) = &req.sampling.tenant
+        {
+            req.sampling.cache_salt = Some(dyn_llm::types::tenant_cache_salt(tenant));
+        }
+        Ok((req, opts))
+    });
+    let (req, opts) = match parsed {
+        Ok(r) => r,
+        Err(e) => {
+            // A request refused before its model was known counts under the first model.
+            let mut t = Track::new(app, app.served[0].name.clone(), label, false);
+            t.finish("error");
+            return Err(e);
+        }
+    };
+    let mut track = Track::new(app, req.model.as_str().into(), label, opts.stream);
+    let mut ctx = match app.server.request_ctx(&app.chain, headers) {
+        Ok(c) => c,
+        Err(e) => {
+            track.finish("error");
+            return Err(e);
+        }
+    };
+    if part > 0 {
+        let mut c = app.chain.ctx(Some(format!("{}-{part}", ctx.id()).into()));
+        if let Some(d) = ctx.deadline() {
+            c = c.with_deadline(d);
+        }
+        ctx = c;
+    }
+    track.ctx = Some(ctx.clone());
+    let deadline = ctx.deadline();
+    let id = ctx.id().clone();
+    let chosen = choices(app, ctx, req, opts.n);
+    let chosen = match deadline {
+        // A moment's grace: what stops the request at its deadline below (the admission
+        // queue's 503, say) tells the client why; this is the backstop.
+        Some(d) => tokio::time::timeout_at((d + DEADLINE_GRACE).into(), chosen)
+            .await
+            .unwrap_or_else(|_| Err(OpError::deadline_exceeded().into())),
+        None => chosen.await,
+    };
+    let late = deadline.is_some_and(|d| Instant::now() >= d);
+    let (first, out, guards) = match chosen {
+        // Failed, or came back empty, as its deadline passed: the deadline's doing (a refusal
+        // for want of room keeps its 503).
+        Ok((None, ..)) if late => {
+            track.finish("error");
+            return Err(ApiError::from(OpError::deadline_exceeded()));
+        }
+        Ok(c) => c,
+        Err(e) => {
+            track.finish("error");
+            return Err(super::at_deadline(e, late));
+        }
+    };
+    let out = until_deadline(out, deadline, first.as_ref(), opts.n);
+    Ok((
+        Started {
+            first,
+            out,
+            guards,
+            track,
+            id,
+        },
+        opts,
+    ))
+}
+
 /// How long past a request's deadline the frontend waits for the graph to stop it.
 const DEADLINE_GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The deltas of a request's choices, each tagged with its index.
-type Tagged = futures::stream::BoxStream<'static, (usize, Result<LlmDelta, dyn_core::OpError>)>;
+pub(crate) type Tagged =
+    futures::stream::BoxStream<'static, (usize, Result<LlmDelta, dyn_core::OpError>)>;
 
 /// `out` (the choices after `first`) ending in a [`OpError::deadline_exceeded`] error when the
 /// deadline passes before every choice finished. The request's context carries the same

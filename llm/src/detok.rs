@@ -234,6 +234,8 @@ impl Detokenizer {
 pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 /// What to send after feeding text to a [`StopMatcher`].
@@ -250,6 +252,7 @@ impl StopMatcher {
         Self {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             pending: String::new(),
+            matched: None,
         }
     }
 
@@ -261,12 +264,13 @@ impl StopMatcher {
         }
         self.pending.push_str(text);
         if armed
-            && let Some(at) = self
+            && let Some((at, stop)) = self
                 .stops
                 .iter()
-                .filter_map(|s| self.pending.find(s.as_str()))
-                .min()
+                .filter_map(|s| Some((self.pending.find(s.as_str())?, s)))
+                .min_by_key(|(at, _)| *at)
         {
+            self.matched = Some(stop.clone());
             let mut out = std::mem::take(&mut self.pending);
             out.truncate(at);
             return Matched::Stop(out);
@@ -274,6 +278,12 @@ impl StopMatcher {
         let hold = self.held_suffix();
         let keep = self.pending.split_off(self.pending.len() - hold);
         Matched::Continue(std::mem::replace(&mut self.pending, keep))
+    }
+
+    /// The stop string that ended the text (Anthropic's `stop_sequence`, vLLM's
+    /// `stop_reason`), once [`Matched::Stop`] was returned.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Text held back at the end, when the output ends for another reason.

@@ -43,6 +43,12 @@ pub struct ModelDir {
     pub vocab_size: u32,
     /// Sampling defaults for requests that leave a parameter out (as vLLM applies them).
     pub defaults: GenerationDefaults,
+    /// How its embeddings are pooled (sentence-transformers' `1_Pooling`, a GGUF's
+    /// `pooling_type`; the last token's where neither says, as vLLM embeds with decoder
+    /// models), or why they cannot be (a pooling the engine does not compute).
+    pub pooling: Result<crate::types::Pooling, String>,
+    /// The width of its hidden states (an embedding's dimensions), where the config says.
+    pub hidden_size: Option<u32>,
     /// The vocabulary compiled for structured output, built on first use (tens of ms).
     grammars: std::sync::OnceLock<Result<Arc<Grammars>, String>>,
 }
@@ -258,6 +264,11 @@ impl ModelDir {
             .unwrap_or_else(|| u32::try_from(tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX));
         let chat_template = chat_template(path, &tok_config)?;
         Ok(ModelDir {
+            pooling: st_pooling(path)?,
+            hidden_size: config
+                .get("hidden_size")
+                .and_then(Value::as_u64)
+                .and_then(|n| u32::try_from(n).ok()),
             name: name.to_owned(),
             path: path.to_owned(),
             token_bytes: TokenBytes::new(&tokenizer).map(Arc::new),
@@ -289,7 +300,21 @@ impl ModelDir {
         if eos_token_ids.is_empty() {
             return Err(err("metadata tokenizer.ggml.eos_token_id is missing".into()));
         }
+        // llama.cpp's pooling types: 0 none, 1 mean, 2 cls, 3 last, 4 rank.
+        let arch = g.architecture().unwrap_or_default();
+        let pooling = match g
+            .get(&format!("{arch}.pooling_type"))
+            .and_then(Meta::as_u64)
+        {
+            None | Some(0 | 3) => Ok(crate::types::Pooling::Last),
+            Some(1) => Ok(crate::types::Pooling::Mean),
+            Some(t) => Err(format!(
+                "its GGUF asks for pooling type {t} (cls or rank), which dyn does not compute"
+            )),
+        };
         Ok(ModelDir {
+            pooling,
+            hidden_size: u32::try_from(config.hidden).ok(),
             name: name.to_owned(),
             path: path.to_owned(),
             chat_template: g
@@ -311,6 +336,39 @@ impl ModelDir {
             grammars: Default::default(),
         })
     }
+}
+
+/// How sentence-transformers pools `dir`'s embeddings (`modules.json` names its pooling
+/// module's directory, whose `config.json` sets one `pooling_mode_*`): last token or mean.
+/// A directory without them pools the last token's.
+fn st_pooling(dir: &Path) -> Result<Result<crate::types::Pooling, String>, BuildError> {
+    use crate::types::Pooling;
+    let Some(modules) = read_json(&dir.join("modules.json"), false)? else {
+        return Ok(Ok(Pooling::Last));
+    };
+    let Some(at) = modules.as_array().into_iter().flatten().find_map(|m| {
+        m["type"]
+            .as_str()
+            .filter(|t| t.ends_with(".Pooling"))
+            .and(m["path"].as_str())
+    }) else {
+        return Ok(Ok(Pooling::Last));
+    };
+    let path = dir.join(at).join("config.json");
+    let Some(config) = read_json(&path, false)? else {
+        return Ok(Err(format!("{} is missing", path.display())));
+    };
+    let on = |k: &str| config[k].as_bool() == Some(true);
+    Ok(if on("pooling_mode_lasttoken") {
+        Ok(Pooling::Last)
+    } else if on("pooling_mode_mean_tokens") {
+        Ok(Pooling::Mean)
+    } else {
+        Err(format!(
+            "{}: a pooling other than last token or mean, which dyn does not compute",
+            path.display()
+        ))
+    })
 }
 
 /// The chat template where transformers looks for it: `chat_template.jinja`, then

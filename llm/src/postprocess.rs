@@ -133,10 +133,15 @@ impl Operator for Postprocess {
                 completion_tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
             };
             while let Some(item) = input.next().await {
-                let Generated::Tokens { ids, finish, logprobs } = item else {
+                let Generated::Tokens { ids, finish, logprobs, embedding } = item else {
                     Err(OpError::internal("engine sent a second request spec"))?;
                     continue;
                 };
+                if let Some(embedding) = embedding {
+                    // An embeddings request: its vector is its answer.
+                    yield LlmDelta { finish: Some(finish.unwrap_or(FinishReason::Stop)), usage: Some(usage(0)), embedding: Some(embedding), ..LlmDelta::default() };
+                    return;
+                }
                 // With return_token_ids: the prompt's ids once, then each delta's own.
                 let ids_out = spec.prompt_token_ids.is_some();
                 let prompt_ids = if ids_out && !prompt_sent {
@@ -177,7 +182,7 @@ impl Operator for Postprocess {
                 if stopped {
                     tracing::debug!(request_id = %ctx.id(), "Stop string matched");
                     token_lps.truncate(used as usize);
-                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids[..used as usize].to_vec()), prompt_token_ids: prompt_ids };
+                    yield LlmDelta { text, tokens: used, finish: Some(FinishReason::Stop), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids[..used as usize].to_vec()), prompt_token_ids: prompt_ids, stop_string: stops.matched().map(str::to_owned), embedding: None };
                     return;
                 }
                 if let Some(finish) = finish {
@@ -188,10 +193,10 @@ impl Operator for Postprocess {
                         Matched::Stop(t) => { text.push_str(&t); FinishReason::Stop }
                     };
                     text.push_str(&stops.finish());
-                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids };
+                    yield LlmDelta { text, tokens: used, finish: Some(finish), usage: Some(usage(detok.tokens() + stop_token)), logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids, stop_string: stops.matched().map(str::to_owned), embedding: None };
                     return;
                 }
-                yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids };
+                yield LlmDelta { text, tokens: used, finish: None, usage: None, logprobs: token_lps, prompt_logprobs: prompt_lps, token_ids: ids_out.then(|| ids.clone()), prompt_token_ids: prompt_ids, stop_string: None, embedding: None };
             }
             if !ctx.is_killed() {
                 Err(OpError::internal("engine stream ended without a finish reason"))?;
@@ -222,6 +227,7 @@ mod tests {
         for (i, id) in ids.into_iter().enumerate() {
             let finish = (i + 1 == n).then_some(FinishReason::Length);
             items.push(Generated::Tokens {
+                embedding: None,
                 ids: vec![id],
                 finish,
                 logprobs: None,
@@ -279,6 +285,7 @@ mod tests {
             .call(
                 Ctx::new(),
                 stream::iter([Generated::Tokens {
+                    embedding: None,
                     ids: vec![1],
                     finish: None,
                     logprobs: None,

@@ -354,6 +354,16 @@ impl Preprocess {
         self.model.context_length
     }
 
+    /// How the model's embeddings are pooled, or why it has none ([`ModelDir::pooling`]).
+    pub fn pooling(&self) -> Result<super::types::Pooling, &str> {
+        self.model.pooling.as_ref().copied().map_err(String::as_str)
+    }
+
+    /// The width of an embedding of this model, where its config says.
+    pub fn hidden_size(&self) -> Option<u32> {
+        self.model.hidden_size
+    }
+
     /// Check, render and tokenize one request (also used by the admin endpoint's dry runs).
     pub async fn preprocess(&self, mut req: LlmRequest) -> Result<PreprocessedRequest, OpError> {
         self.check(&req)?;
@@ -377,6 +387,9 @@ impl Preprocess {
         }
         let room = ctx_len - prompt;
         let max_tokens = match req.limits.max_tokens {
+            // An embedding takes the prompt's one pass: the token it stands in for is never
+            // output (and its room is there: the prompt is shorter than the context).
+            _ if req.sampling.embed.is_some() => 1,
             Some(m) if m > room => {
                 return Err(invalid("max_tokens", format!(
                     "This model's maximum context length is {ctx_len} tokens; you asked for {} tokens ({prompt} in the prompt, {m} to generate)",

@@ -58,6 +58,30 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+/// How an embedding is made of a prompt's final hidden states (after the model's last norm):
+/// the last token's (what decoder models embed with), or the mean of every token's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    Last,
+    Mean,
+}
+
+/// `v` scaled to unit length, as vLLM and sentence-transformers normalise embeddings (summed
+/// in f64); a zero vector stays zero.
+pub fn normalized(mut v: Vec<f32>) -> Vec<f32> {
+    let norm = v
+        .iter()
+        .map(|x| f64::from(*x) * f64::from(*x))
+        .sum::<f64>()
+        .sqrt();
+    if norm > 0.0 {
+        v.iter_mut()
+            .for_each(|x| *x = (f64::from(*x) / norm) as f32);
+    }
+    v
+}
+
 /// Sampling parameters as the client sent them; `None` means the model's default.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Sampling {
@@ -91,6 +115,10 @@ pub struct Sampling {
     /// The output must match this grammar (structured output); the engine enforces it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub constraint: Option<Constraint>,
+    /// An embeddings request: the engine computes the prompt and answers with its final
+    /// hidden states pooled this way (normalised), sampling nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embed: Option<Pooling>,
     /// Scheduling priority, lower first (vLLM's `priority`; 0 by default): the router's
     /// admission queue orders waiting requests by it. It travels with the sampling parameters,
     /// which go unchanged from the client to the engine.
@@ -405,6 +433,9 @@ pub enum Generated {
         finish: Option<FinishReason>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         logprobs: Option<Box<Logprobs>>,
+        /// An embeddings request's answer, with its finish (and no tokens).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        embedding: Option<Vec<f32>>,
     },
 }
 
@@ -472,6 +503,12 @@ pub struct LlmDelta {
     pub token_ids: Option<Vec<u32>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// On the last delta, when a stop string ended the answer: which one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_string: Option<String>,
+    /// An embeddings request's answer (normalised), on its only delta.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<Vec<f32>>,
 }
 
 macro_rules! json_payload {

@@ -246,6 +246,9 @@ pub enum Reason {
     /// The request wants log-probabilities: its first token's (and its prompt's) are
     /// computed where it is prefilled, so it stays with the decode worker.
     Logprobs,
+    /// An embeddings request: its answer is its prefill's hidden states, computed where it
+    /// is answered.
+    Embedding,
 }
 
 impl Choice {
@@ -260,6 +263,7 @@ impl Choice {
                     Reason::NoPrefillWorker => "no_prefill_worker",
                     Reason::PrefillFailed => "prefill_failed",
                     Reason::Logprobs => "logprobs",
+                    Reason::Embedding => "embedding",
                 },
             ),
         }
@@ -491,6 +495,8 @@ impl Operator for RemotePrefill {
                     let s = &req.sampling;
                     let choice = if s.logprobs.is_some() || s.prompt_logprobs.is_some() {
                         Choice::Local(Reason::Logprobs)
+                    } else if s.embed.is_some() {
+                        Choice::Local(Reason::Embedding)
                     } else {
                         inner
                             .choose(req.token_ids.len(), req.cached_tokens as usize)

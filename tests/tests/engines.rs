@@ -611,6 +611,66 @@ async fn an_openai_server_gets_text_and_answers_as_it_does_directly() {
     );
 }
 
+/// Embeddings through a llama.cpp worker started with `--embeddings`: dyn's answer is the
+/// server's own vector for the same token ids, and points the way the native engine's does on
+/// the same GGUF (their quantized kernels differ).
+#[tokio::test(flavor = "multi_thread")]
+async fn llamacpp_embeddings_are_its_servers_own() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (Some(server), Some(model)) = (env_path("DYN_LLAMA_SERVER"), env_path("DYN_SMOLLM2_GGUF"))
+    else {
+        dyn_tests::skip("DYN_LLAMA_SERVER or DYN_SMOLLM2_GGUF is not set");
+        return;
+    };
+    let path = one_replica_graph(
+        "llamacpp-embed",
+        &model,
+        &format!(
+            "{{launch: '{server} -m {model} --host {{host}} --port {{port}} --metrics -c 2048 -t 1 --embeddings --pooling last'}}"
+        ),
+    );
+    let g = Graph::start(&path, "http", &[], &[]);
+    let servers = servers(&g, 1, Duration::from_secs(60));
+    let text = "The capital of France is Paris.";
+    let (status, v) = dyn_tests::post_json(
+        &g.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": text}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let got: Vec<f64> = serde_json::from_value(v["data"][0]["embedding"].clone()).unwrap();
+    let (_, tok) = dyn_tests::post_json(&g.url("/tokenize"), &json!({"prompt": text})).await;
+    let own = post(
+        &format!("{}/v1/embeddings", servers[0].1),
+        &json!({"model": "smollm2", "input": tok["tokens"]}),
+    )
+    .await;
+    let own: Vec<f64> = serde_json::from_value(own["data"][0]["embedding"].clone()).unwrap();
+    let norm = own.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let diff = got
+        .iter()
+        .zip(&own)
+        .map(|(a, b)| (a - b / norm).abs())
+        .fold(0.0, f64::max);
+    assert!(diff < 1e-6, "{diff}");
+    drop(g);
+    // The native engine on the same GGUF.
+    let native = Graph::up_with_ingress(
+        "graphs/chat.yaml",
+        "http",
+        &["--set", &format!("model.path={model}")],
+    );
+    let (_, n) = dyn_tests::post_json(
+        &native.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": text}),
+    )
+    .await;
+    let n: Vec<f64> = serde_json::from_value(n["data"][0]["embedding"].clone()).unwrap();
+    let cos: f64 = got.iter().zip(&n).map(|(a, b)| a * b).sum();
+    println!("llama.cpp vs native on the Q4_1 GGUF: cosine {cos:.5}");
+    assert!(cos > 0.99, "{cos}");
+}
+
 /// Requests get 503 `no_worker_available` at once, several times over `for_s` seconds.
 async fn refused_while_down(g: &Graph, for_s: u64) {
     let start = Instant::now();

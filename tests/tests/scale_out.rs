@@ -1237,3 +1237,53 @@ async fn two_frontends_share_session_bindings_and_tenant_shares() {
     let shares = counters(&url_a);
     assert_eq!(shares.len(), 3, "{shares:?}");
 }
+
+/// The Responses API's store on the cluster's NATS: a response stored through one frontend is
+/// read, continued and deleted through another, as a load balancer in front of several
+/// frontends sends a conversation's turns wherever it likes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_goes_on_through_another_frontend() {
+    let Some(c) = Cluster::up(AGG, 2, &["--set", "decode.mocker.speedup=20"]) else {
+        return;
+    };
+    let b = second_frontend(&c, &[]);
+    let (url_a, url_b) = (format!("http://{}", c.g.addr), format!("http://{}", b.addr));
+    c.wait_for(
+        |_| live_workers(&url_b) == 2,
+        "the second frontend sees the workers",
+    );
+    let (status, first) = dyn_tests::post_json(
+        &format!("{url_a}/v1/responses"),
+        &json!({"model": "tiny", "input": "Hello there", "max_output_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap();
+    // Read back through B as A stored it.
+    let got = dyn_tests::get_json(&format!("{url_b}/v1/responses/{id}")).await;
+    assert_eq!(got, first);
+    // Continued through B: the earlier turn is in the prompt.
+    let (status, next) = dyn_tests::post_json(
+        &format!("{url_b}/v1/responses"),
+        &json!({"model": "tiny", "input": "And then?", "previous_response_id": id, "max_output_tokens": 3}),
+    )
+    .await;
+    assert_eq!(status, 200, "{next}");
+    let tokens = |v: &Value, k: &str| v["usage"][k].as_u64().unwrap();
+    assert!(
+        tokens(&next, "input_tokens")
+            > tokens(&first, "input_tokens") + tokens(&first, "output_tokens"),
+        "{first}\n{next}"
+    );
+    // Deleted through B, gone for A.
+    let deleted = reqwest::Client::new()
+        .delete(format!("{url_b}/v1/responses/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    let gone = reqwest::get(format!("{url_a}/v1/responses/{id}"))
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404);
+}

@@ -223,14 +223,14 @@ impl CpuBackend {
             lora.add(li, Target::Down, &b.act, i, &mut b.x, h, 0);
         }
         // Logits only for the last new token of the sequences that asked (every new token of
-        // those that asked for all).
-        let rows: Vec<usize> = batch
+        // those that asked for all); hidden states instead for those that asked for them.
+        let rows: Vec<(usize, bool)> = batch
             .iter()
             .zip(&offsets)
             .filter(|(s, _)| s.logits)
             .flat_map(|(s, o)| {
                 let first = if s.all_logits { 0 } else { s.tokens.len() - 1 };
-                o + first..o + s.tokens.len()
+                (o + first..o + s.tokens.len()).map(|r| (r, s.hidden))
             })
             .collect();
         if rows.is_empty() {
@@ -238,21 +238,33 @@ impl CpuBackend {
         }
         let last: Vec<f32> = rows
             .iter()
-            .flat_map(|r| b.x[r * h..(r + 1) * h].iter().copied())
+            .flat_map(|(r, _)| b.x[r * h..(r + 1) * h].iter().copied())
             .collect();
         let mut normed = vec![0.0; last.len()];
         rmsnorm(&last, &self.norm, c.rms_eps, &mut normed);
-        b.logits.resize(rows.len() * c.vocab, 0.0);
-        self.lm_head.forward(
-            &normed,
-            rows.len(),
-            &mut b.logits,
-            Write::Set,
-            &mut b.linear,
-        );
-        Ok(b.logits
-            .chunks_exact(c.vocab)
-            .map(<[f32]>::to_vec)
+        if rows.iter().all(|(_, hidden)| *hidden) {
+            return Ok(normed.chunks_exact(h).map(<[f32]>::to_vec).collect());
+        }
+        // The vocabulary projection for the logits rows only (a hidden row would cost a
+        // vocabulary of floats for nothing).
+        let mut projected = Vec::with_capacity(normed.len());
+        for (row, (_, hidden)) in normed.chunks_exact(h).zip(&rows) {
+            if !hidden {
+                projected.extend_from_slice(row);
+            }
+        }
+        let n = projected.len() / h;
+        b.logits.resize(n * c.vocab, 0.0);
+        self.lm_head
+            .forward(&projected, n, &mut b.logits, Write::Set, &mut b.linear);
+        let mut logits = b.logits.chunks_exact(c.vocab);
+        Ok(normed
+            .chunks_exact(h)
+            .zip(&rows)
+            .map(|(row, (_, hidden))| match hidden {
+                true => row.to_vec(),
+                false => logits.next().map(<[f32]>::to_vec).unwrap_or_default(),
+            })
             .collect())
     }
 

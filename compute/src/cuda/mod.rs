@@ -275,6 +275,8 @@ struct Layout {
     /// The tokens whose logits are returned: the last of each sequence that asks (all of its
     /// new tokens where it asks for all).
     rows: Vec<i32>,
+    /// Per row: its final hidden state is returned instead ([`SeqStep::hidden`]).
+    hidden: Vec<bool>,
     /// The longest context in the batch (at least 1), which sizes the attention scratch.
     max_ctx: usize,
 }
@@ -283,6 +285,7 @@ impl Layout {
     fn of(batch: &[SeqStep<'_>], bs: usize) -> Result<Self, ComputeError> {
         let (mut ids, mut pos, mut blk, mut seq) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut tables, mut table_off, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut hidden = Vec::new();
         let mut max_ctx = 1;
         for (si, s) in batch.iter().enumerate() {
             table_off.push(int(tables.len())?);
@@ -301,6 +304,7 @@ impl Layout {
                 let first = if s.all_logits { s.tokens.len() } else { 1 };
                 for back in (1..=first).rev() {
                     rows.push(int(ids.len() - back)?);
+                    hidden.push(s.hidden);
                 }
             }
         }
@@ -312,6 +316,7 @@ impl Layout {
             tables,
             table_off,
             rows,
+            hidden,
             max_ctx,
         })
     }
@@ -673,7 +678,35 @@ where
         if layout.rows.is_empty() {
             return Ok(Vec::new());
         }
-        self.logits(&s.x, &layout.rows)
+        if !layout.hidden.contains(&true) {
+            return self.logits(&s.x, &layout.rows);
+        }
+        // Hidden states for the rows that asked, logits for the others, in row order.
+        let pick = |want: bool| -> Vec<i32> {
+            layout
+                .rows
+                .iter()
+                .zip(&layout.hidden)
+                .filter(|(_, h)| **h == want)
+                .map(|(r, _)| *r)
+                .collect()
+        };
+        let (logit_rows, hidden_rows) = (pick(false), pick(true));
+        let mut logits = match logit_rows.is_empty() {
+            true => Vec::new(),
+            false => self.logits(&s.x, &logit_rows)?,
+        }
+        .into_iter();
+        let mut states = self.hidden_states(&s.x, &hidden_rows)?.into_iter();
+        layout
+            .hidden
+            .iter()
+            .map(|h| match h {
+                true => states.next(),
+                false => logits.next(),
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ComputeError::Device("fewer rows came back than were asked".into()))
     }
 
     /// The batch's layout on the device, and the step's activations and attention scratch.
@@ -900,11 +933,9 @@ where
         Ok(())
     }
 
-    /// Next-token logits of the tokens in `rows`: only their hidden states are normed and
-    /// projected to the vocabulary, then read back as f32, one row per token.
-    fn logits(&self, x: &CudaSlice<T>, rows: &[i32]) -> Result<Vec<Vec<f32>>, ComputeError> {
-        let c = &self.cfg;
-        let h = c.hidden;
+    /// The final-norm hidden states of the tokens in `rows`, on the device (`rows` × `hidden`).
+    fn normed_rows(&self, x: &CudaSlice<T>, rows: &[i32]) -> Result<CudaSlice<T>, ComputeError> {
+        let h = self.cfg.hidden;
         let r = rows.len();
         let d_rows = self
             .stream
@@ -920,25 +951,54 @@ where
         }
         let mut last_n = self.alloc(r * h)?;
         self.rmsnorm(&last, &self.norm, &mut last_n, r)?;
-        let mut logits = self.alloc(r * c.vocab)?;
-        self.linear(&self.lm_head, &last_n, r, &mut logits, false)?;
-        let n = r * c.vocab;
+        Ok(last_n)
+    }
+
+    /// `n` elements of `v` read back as f32, in rows of `width`.
+    fn host_rows(
+        &self,
+        v: &CudaSlice<T>,
+        n: usize,
+        width: usize,
+    ) -> Result<Vec<Vec<f32>>, ComputeError> {
         let mut out = self
             .stream
             .alloc_zeros::<f32>(n)
-            .map_err(dev("allocating logits"))?;
+            .map_err(dev("allocating the output"))?;
         {
             let ni = int(n)?;
             let mut l = self.stream.launch_builder(&self.f.to_f32);
-            l.arg(&logits).arg(&mut out).arg(&ni);
+            l.arg(v).arg(&mut out).arg(&ni);
             // SAFETY: both hold n elements.
             unsafe { l.launch(grid(n.div_ceil(256), 256, 0)) }.map_err(dev("to_f32"))?;
         }
         let host = self
             .stream
             .clone_dtoh(&out)
-            .map_err(dev("reading logits"))?;
-        Ok(host.chunks_exact(c.vocab).map(<[f32]>::to_vec).collect())
+            .map_err(dev("reading the output"))?;
+        Ok(host.chunks_exact(width).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Next-token logits of the tokens in `rows`: only their hidden states are normed and
+    /// projected to the vocabulary, then read back as f32, one row per token.
+    fn logits(&self, x: &CudaSlice<T>, rows: &[i32]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        let c = &self.cfg;
+        let r = rows.len();
+        let last_n = self.normed_rows(x, rows)?;
+        let mut logits = self.alloc(r * c.vocab)?;
+        self.linear(&self.lm_head, &last_n, r, &mut logits, false)?;
+        self.host_rows(&logits, r * c.vocab, c.vocab)
+    }
+
+    /// The final hidden states (after the model's last norm) of the tokens in `rows`, read
+    /// back as f32: what embeddings are pooled from.
+    fn hidden_states(&self, x: &CudaSlice<T>, rows: &[i32]) -> Result<Vec<Vec<f32>>, ComputeError> {
+        let h = self.cfg.hidden;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let last_n = self.normed_rows(x, rows)?;
+        self.host_rows(&last_n, rows.len() * h, h)
     }
 
     /// Make the context current on this thread: the backend is built on one thread and

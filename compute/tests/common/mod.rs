@@ -60,6 +60,7 @@ pub fn all_logits_step<'a>(
             blocks,
             logits: true,
             all_logits: true,
+            hidden: false,
             lora: None,
         },
         SeqStep {
@@ -68,6 +69,7 @@ pub fn all_logits_step<'a>(
             blocks: other_blocks,
             logits: true,
             all_logits: false,
+            hidden: false,
             lora: None,
         },
     ]
@@ -134,6 +136,7 @@ pub fn generate(
                     blocks: &s.blocks,
                     logits: s.computed + n == s.tokens.len(),
                     all_logits: false,
+                    hidden: false,
                     lora: s.lora,
                 }
             })
@@ -170,6 +173,7 @@ pub fn forced(
                 blocks: &blocks,
                 logits: true,
                 all_logits: false,
+                hidden: false,
                 lora,
             };
             done = end;

@@ -232,6 +232,7 @@ fn onboarded_blocks_are_byte_identical_to_the_offloaded_ones() {
             blocks: &[0, 1],
             logits: false,
             all_logits: false,
+            hidden: false,
             lora: None,
         }])
         .expect("forward");

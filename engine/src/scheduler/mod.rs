@@ -69,6 +69,9 @@ pub struct SeqSpec {
     pub salt: Option<u64>,
     /// The LoRA adapter its tokens run with (the native engine's; `salt` includes its name).
     pub lora: Option<std::sync::Arc<dyn_compute::model::lora::LoraAdapter>>,
+    /// An embeddings request: its prompt's final hidden states pooled this way are its
+    /// answer; the one token it "samples" is not output.
+    pub embed: Option<dyn_llm::types::Pooling>,
 }
 
 impl SeqSpec {
@@ -76,6 +79,12 @@ impl SeqSpec {
     /// the end of `prompt`) counts as output.
     pub fn prompt_len(&self) -> usize {
         self.prompt.len().saturating_sub(self.offset as usize)
+    }
+
+    /// Every prompt position's output is wanted (the prompt's log-probabilities, a mean
+    /// pooled embedding): none may come from the prefix cache.
+    pub fn every_position(&self) -> bool {
+        self.prompt_logprobs.is_some() || self.embed == Some(dyn_llm::types::Pooling::Mean)
     }
 }
 
@@ -573,8 +582,8 @@ impl Scheduler {
         let budget = budget.min(chunk_limit(&seq));
         let block_size = self.limits.block_size;
         // Reuse cached full blocks, but always compute at least the last token — and none
-        // when the prompt's log-probabilities are wanted: they need every position's logits.
-        let full = if seq.spec.prompt_logprobs.is_some() && seq.generated == 0 {
+        // when every position's output is wanted (the prompt's log-probabilities, a mean).
+        let full = if seq.spec.every_position() && seq.generated == 0 {
             0
         } else {
             (seq.tokens.len() - 1) / block_size

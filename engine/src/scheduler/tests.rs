@@ -28,6 +28,7 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         precedence: Precedence::default(),
         salt: None,
         lora: None,
+        embed: None,
     }
 }
 

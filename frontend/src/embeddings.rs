@@ -1,0 +1,238 @@
+//! OpenAI's `POST /v1/embeddings` on the `http` ingress.
+//!
+//! Each input (a string, or token ids; one or a list) runs down the graph as a request of its
+//! own whose sampling asks for an embedding ([`Sampling::embed`], with the model's pooling):
+//! the engine computes the prompt in its batches beside everything else and answers with the
+//! final hidden states pooled and normalised, sampling nothing. The inputs run at once, so the
+//! engine's scheduler batches them; the answer lists them in order, as floats or as base64
+//! (little-endian f32, OpenAI's `encoding_format: base64`). External workers ask their
+//! server's own `/v1/embeddings` (vLLM's pooling runner, llama-server with `--embeddings`).
+//! Where there are no embeddings (a simulated engine, a pooling dyn does not compute) the
+//! request is refused with a 400 naming why.
+//!
+//! [`Sampling::embed`]: dyn_llm::types::Sampling::embed
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use dyn_llm::types::Prompt;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::openai::{self, App};
+use super::{ApiError, KeyTenant};
+
+/// The most inputs one request may carry (OpenAI's limit).
+const MAX_INPUTS: usize = 2048;
+
+/// Inputs of one request running at once (an engine's batch holds 64 sequences by default).
+const IN_FLIGHT: usize = 64;
+
+#[derive(Debug, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+)]
+enum InputIn {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+struct EmbeddingsBody {
+    model: String,
+    input: InputIn,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    dimensions: Option<u32>,
+    #[serde(default)]
+    user: Option<String>,
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid("invalid_value", message).with_param(param)
+}
+
+/// The inputs as prompts; empty ones are refused (OpenAI refuses them too).
+fn prompts(input: InputIn) -> Result<Vec<Prompt>, ApiError> {
+    let prompts: Vec<Prompt> = match input {
+        InputIn::Text(t) => vec![Prompt::Text(t)],
+        InputIn::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
+        InputIn::Tokens(t) => vec![Prompt::Tokens(t)],
+        InputIn::TokenLists(v) => v.into_iter().map(Prompt::Tokens).collect(),
+    };
+    if prompts.is_empty() {
+        return Err(invalid("input", "input must not be empty"));
+    }
+    if prompts.len() > MAX_INPUTS {
+        return Err(invalid(
+            "input",
+            format!(
+                "at most {MAX_INPUTS} inputs per request, got {}",
+                prompts.len()
+            ),
+        ));
+    }
+    if let Some(i) = prompts.iter().position(|p| match p {
+        Prompt::Text(t) => t.is_empty(),
+        Prompt::Tokens(t) => t.is_empty(),
+        _ => false,
+    }) {
+        return Err(invalid(
+            &format!("input[{i}]"),
+            "an input must not be empty",
+        ));
+    }
+    Ok(prompts)
+}
+
+/// `POST /v1/embeddings`.
+pub(crate) async fn create(
+    State(app): State<App>,
+    key: Option<Extension<KeyTenant>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match answer(&app, key.map(|k| k.0), &headers, body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn answer(
+    app: &App,
+    key: Option<KeyTenant>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
+    let body = body.map_err(super::body_error)?;
+    let b: EmbeddingsBody = super::parse_json(&body)?;
+    let base64 = match b.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(invalid(
+                "encoding_format",
+                format!("encoding_format must be float or base64, got {other:?}"),
+            ));
+        }
+    };
+    // Only a model that was trained to (Matryoshka) may be cut short: these are not.
+    if let Some(d) = b.dimensions
+        && openai::embedding_width(app, &b.model)? != Some(d)
+    {
+        return Err(invalid(
+            "dimensions",
+            format!(
+                "model `{}` embeds in its own width only; leave dimensions out",
+                b.model
+            ),
+        ));
+    }
+    let prompts = prompts(b.input)?;
+    // The inputs at once, up to a batch's worth in flight (the engine batches them; all of a
+    // large request at once would fill its queue).
+    let runs = prompts.into_iter().enumerate().map(|(i, prompt)| {
+        let parsed = openai::embedding_request(app, &b.model, prompt, b.user.as_deref());
+        let key = key.as_ref();
+        async move {
+            let (started, _) =
+                openai::start_part(app, "embeddings", key, headers, parsed, i).await?;
+            embedding(started).await
+        }
+    });
+    let done: Vec<_> = futures::stream::iter(runs)
+        .buffered(IN_FLIGHT)
+        .collect()
+        .await;
+    let mut data = Vec::with_capacity(done.len());
+    let mut prompt_tokens = 0u64;
+    for (i, d) in done.into_iter().enumerate() {
+        // The first input to fail decides the answer (the others were computed for nothing,
+        // as OpenAI's are).
+        let (v, tokens) = d?;
+        prompt_tokens += u64::from(tokens);
+        let embedding = if base64 {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+        } else {
+            json!(v)
+        };
+        data.push(json!({"object": "embedding", "index": i, "embedding": embedding}));
+    }
+    Ok(json!({
+        "object": "list",
+        "data": data,
+        "model": b.model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }))
+}
+
+/// A started embeddings run's vector and its prompt's tokens.
+async fn embedding(started: openai::Started) -> Result<(Vec<f32>, u32), ApiError> {
+    let openai::Started {
+        first,
+        mut out,
+        guards,
+        mut track,
+        ..
+    } = started;
+    let mut next = first;
+    while let Some((_, item)) = next.take() {
+        let d = match item {
+            Ok(d) => d,
+            Err(e) => {
+                track.finish("error");
+                return Err(ApiError::from(e));
+            }
+        };
+        track.delta(&d);
+        if let Some(v) = d.embedding {
+            guards
+                .into_iter()
+                .for_each(dyn_core::ctx::KillOnDrop::disarm);
+            track.finish("success");
+            return Ok((v, d.usage.map_or(0, |u| u.prompt_tokens)));
+        }
+        if d.finish.is_some() {
+            break;
+        }
+        next = out.next().await;
+    }
+    track.finish("error");
+    Err(ApiError::from(dyn_core::OpError::internal(
+        "the engine answered an embeddings request without its vector",
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inputs_of_every_shape_become_prompts_and_empty_ones_are_refused() {
+        let read = |v: Value| prompts(serde_json::from_value(v).unwrap());
+        assert_eq!(read(json!("a")).unwrap(), vec![Prompt::Text("a".into())]);
+        assert_eq!(read(json!(["a", "b"])).unwrap().len(), 2);
+        assert_eq!(
+            read(json!([1, 2])).unwrap(),
+            vec![Prompt::Tokens(vec![1, 2])]
+        );
+        assert_eq!(read(json!([[1], [2, 3]])).unwrap().len(), 2);
+        assert_eq!(read(json!([])).unwrap_err().param.as_deref(), Some("input"));
+        assert_eq!(
+            read(json!(["a", ""])).unwrap_err().param.as_deref(),
+            Some("input[1]")
+        );
+        let many: Vec<String> = (0..=MAX_INPUTS).map(|i| i.to_string()).collect();
+        assert!(read(json!(many)).is_err());
+    }
+}
