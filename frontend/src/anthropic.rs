@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 use super::answer::{self, Ending, Event, Whole};
 use super::openai::{self, App};
 use super::tools::ToolCall;
-use super::{ApiError, KeyTenant};
+use super::{ApiError, KeyTenant, invalid};
 
 /// Anthropic's error types by status.
 fn error_type(status: StatusCode) -> &'static str {
@@ -107,10 +107,6 @@ struct MessagesBody {
 /// Fields Anthropic defines that change an answer and are not built here.
 const REFUSED: &[&str] = &["container", "mcp_servers", "context_management"];
 
-fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", message).with_param(param)
-}
-
 /// The text of `system` or of a tool result's content: a string, or text blocks joined.
 fn text_of(content: ContentIn, param: &str) -> Result<String, ApiError> {
     match content {
@@ -136,8 +132,19 @@ fn text_of(content: ContentIn, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// The chat completions messages a Messages body's `system` and `messages` mean.
+/// The chat completions messages a Messages body's `system` and `messages` mean. A last
+/// assistant message (Anthropic's prefill: the answer goes on from it) is refused: the
+/// template would close that turn and start a new one.
 fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<Value, ApiError> {
+    if let Some(last) = messages.len().checked_sub(1)
+        && messages[last].role == "assistant"
+    {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "a final assistant message (prefilling the answer) is not supported; end with a user message",
+        )
+        .with_param(format!("messages[{last}]")));
+    }
     let mut out = Vec::with_capacity(messages.len() + 1);
     if let Some(s) = system {
         out.push(json!({"role": "system", "content": text_of(s, "system")?}));
@@ -445,6 +452,12 @@ fn sse(
                     if open.take().is_some() {
                         yield event("content_block_stop", &json!({"type": "content_block_stop", "index": index - 1}));
                     }
+                    if index == 0 {
+                        // Nothing was said: one empty text block, as the unary answer has.
+                        yield event("content_block_start", &json!({"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}));
+                        yield event("content_block_stop", &json!({"type": "content_block_stop", "index": 0}));
+                    }
                     let (reason, sequence) = stop_reason(&end);
                     yield event("message_delta", &json!({"type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -562,6 +575,12 @@ mod tests {
             false,
         );
         assert_eq!(e.param.as_deref(), Some("mcp_servers"));
+        let e = refused(
+            json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "The answer is"}]}),
+            false,
+        );
+        assert_eq!(e.param.as_deref(), Some("messages[1]"));
         let e = refused(
             json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]}),
             false,

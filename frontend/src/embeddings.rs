@@ -3,8 +3,8 @@
 //! Each input (a string, or token ids; one or a list) runs down the graph as a request of its
 //! own whose sampling asks for an embedding ([`Sampling::embed`], with the model's pooling):
 //! the engine computes the prompt in its batches beside everything else and answers with the
-//! final hidden states pooled and normalised, sampling nothing. The inputs run at once, so the
-//! engine's scheduler batches them; the answer lists them in order, as floats or as base64
+//! final hidden states pooled and normalised, sampling nothing. Up to 64 inputs run at once,
+//! so the engine's scheduler batches them; the answer lists them in order, as floats or as base64
 //! (little-endian f32, OpenAI's `encoding_format: base64`). External workers ask their
 //! server's own `/v1/embeddings` (vLLM's pooling runner, llama-server with `--embeddings`).
 //! Where there are no embeddings (a simulated engine, a pooling dyn does not compute) the
@@ -20,12 +20,11 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use dyn_llm::types::Prompt;
-use futures::StreamExt;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
 
 use super::openai::{self, App};
-use super::{ApiError, KeyTenant};
+use super::{ApiError, KeyTenant, invalid};
 
 /// The most inputs one request may carry (OpenAI's limit).
 const MAX_INPUTS: usize = 2048;
@@ -57,10 +56,6 @@ struct EmbeddingsBody {
     user: Option<String>,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", message).with_param(param)
-}
-
 /// The inputs as prompts; empty ones are refused (OpenAI refuses them too).
 fn prompts(input: InputIn) -> Result<Vec<Prompt>, ApiError> {
     let prompts: Vec<Prompt> = match input {
@@ -86,10 +81,7 @@ fn prompts(input: InputIn) -> Result<Vec<Prompt>, ApiError> {
         Prompt::Tokens(t) => t.is_empty(),
         _ => false,
     }) {
-        return Err(invalid(
-            &format!("input[{i}]"),
-            "an input must not be empty",
-        ));
+        return Err(invalid(format!("input[{i}]"), "an input must not be empty"));
     }
     Ok(prompts)
 }
@@ -102,9 +94,40 @@ pub(crate) async fn create(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     match answer(&app, key.map(|k| k.0), &headers, body).await {
-        Ok(v) => Json(v).into_response(),
+        Ok(r) => r,
         Err(e) => e.into_response(),
     }
+}
+
+/// `POST /v1/embeddings`'s answer: the list and its usage, serialised straight from the
+/// vectors (a `serde_json::Value` per float would cost tens of bytes each).
+#[derive(Serialize)]
+struct Answer<'a> {
+    object: &'static str,
+    data: Vec<Datum<'a>>,
+    model: &'a str,
+    usage: Counted,
+}
+
+#[derive(Serialize)]
+struct Datum<'a> {
+    object: &'static str,
+    index: usize,
+    embedding: Vector<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Vector<'a> {
+    Floats(&'a [f32]),
+    /// Little-endian f32, base64 (OpenAI's `encoding_format: base64`).
+    Base64(String),
+}
+
+#[derive(Serialize)]
+struct Counted {
+    prompt_tokens: u64,
+    total_tokens: u64,
 }
 
 async fn answer(
@@ -112,7 +135,7 @@ async fn answer(
     key: Option<KeyTenant>,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Value, ApiError> {
+) -> Result<Response, ApiError> {
     let body = body.map_err(super::body_error)?;
     let b: EmbeddingsBody = super::parse_json(&body)?;
     let base64 = match b.encoding_format.as_deref() {
@@ -126,54 +149,72 @@ async fn answer(
         }
     };
     // Only a model that was trained to (Matryoshka) may be cut short: these are not.
-    if let Some(d) = b.dimensions
-        && openai::embedding_width(app, &b.model)? != Some(d)
-    {
-        return Err(invalid(
+    let own_width = || {
+        invalid(
             "dimensions",
             format!(
                 "model `{}` embeds in its own width only; leave dimensions out",
                 b.model
             ),
-        ));
+        )
+    };
+    if let Some(d) = b.dimensions
+        && openai::embedding_width(app, &b.model)?.is_some_and(|w| w != d)
+    {
+        return Err(own_width());
     }
     let prompts = prompts(b.input)?;
-    // The inputs at once, up to a batch's worth in flight (the engine batches them; all of a
-    // large request at once would fill its queue).
+    // What the model cannot do is one error, before anything runs.
+    openai::embedding_request(app, &b.model, Prompt::Tokens(Vec::new()), None)?;
+    // One context for the request (its deadline counts from now), a part per input; up to a
+    // batch's worth in flight (the engine batches them; all of a large request at once would
+    // fill its queue). The first failure ends the request, and the inputs still running with it.
+    let parent = openai::request_ctx(app, headers)?;
+    let key = key.as_ref();
     let runs = prompts.into_iter().enumerate().map(|(i, prompt)| {
         let parsed = openai::embedding_request(app, &b.model, prompt, b.user.as_deref());
-        let key = key.as_ref();
+        let parent = &parent;
         async move {
-            let (started, _) =
-                openai::start_part(app, "embeddings", key, headers, parsed, i).await?;
-            embedding(started).await
+            let started =
+                openai::start_part(app, "embeddings", key, headers, parsed, Some((parent, i)));
+            embedding(started.await?.0).await
         }
     });
-    let done: Vec<_> = futures::stream::iter(runs)
+    let done: Vec<(Vec<f32>, u32)> = futures::stream::iter(runs)
         .buffered(IN_FLIGHT)
-        .collect()
-        .await;
-    let mut data = Vec::with_capacity(done.len());
-    let mut prompt_tokens = 0u64;
-    for (i, d) in done.into_iter().enumerate() {
-        // The first input to fail decides the answer (the others were computed for nothing,
-        // as OpenAI's are).
-        let (v, tokens) = d?;
-        prompt_tokens += u64::from(tokens);
-        let embedding = if base64 {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-        } else {
-            json!(v)
-        };
-        data.push(json!({"object": "embedding", "index": i, "embedding": embedding}));
+        .try_collect()
+        .await?;
+    if let Some(d) = b.dimensions
+        && done.first().is_some_and(|(v, _)| v.len() != d as usize)
+    {
+        return Err(own_width());
     }
-    Ok(json!({
-        "object": "list",
-        "data": data,
-        "model": b.model,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    }))
+    let data = done
+        .iter()
+        .enumerate()
+        .map(|(index, (v, _))| Datum {
+            object: "embedding",
+            index,
+            embedding: match base64 {
+                true => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    Vector::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+                }
+                false => Vector::Floats(v),
+            },
+        })
+        .collect();
+    let tokens = done.iter().map(|(_, t)| u64::from(*t)).sum();
+    Ok(Json(Answer {
+        object: "list",
+        data,
+        model: &b.model,
+        usage: Counted {
+            prompt_tokens: tokens,
+            total_tokens: tokens,
+        },
+    })
+    .into_response())
 }
 
 /// A started embeddings run's vector and its prompt's tokens.
@@ -216,6 +257,7 @@ async fn embedding(started: openai::Started) -> Result<(Vec<f32>, u32), ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
 
     #[test]
     fn inputs_of_every_shape_become_prompts_and_empty_ones_are_refused() {

@@ -636,6 +636,11 @@ pub fn body_error(rejection: axum::extract::rejection::BytesRejection) -> ApiErr
     }
 }
 
+/// A 400 for a field whose value is wrong (`invalid_value`), naming the field.
+pub(crate) fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
+    ApiError::invalid("invalid_value", message).with_param(param)
+}
+
 /// Parse a JSON body with serde's message (line, column, field) as the client's error.
 pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body)

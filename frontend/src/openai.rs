@@ -42,7 +42,7 @@ use super::admin::Admin;
 use super::lora::{Adapters, Catalog};
 use super::reasoning::{ReasoningFormat, ReasoningParser};
 use super::tools::{Piece, ToolCall, ToolFormat, ToolParser, ToolRequest};
-use super::{ApiError, KeyTenant, ServerConfig};
+use super::{ApiError, KeyTenant, ServerConfig, invalid};
 use crate::metrics::FRONTEND;
 
 /// Only the shared server settings ([`ServerConfig`]: listen address, body limit, keys, traffic
@@ -451,7 +451,7 @@ struct MessageIn {
 fn template_calls(v: Value, i: usize) -> Result<Value, ApiError> {
     let Value::Array(calls) = v else {
         return Err(invalid(
-            &format!("messages[{i}].tool_calls"),
+            format!("messages[{i}].tool_calls"),
             "tool_calls must be a list",
         ));
     };
@@ -460,14 +460,14 @@ fn template_calls(v: Value, i: usize) -> Result<Value, ApiError> {
         let f = &mut call["function"];
         if !f["name"].is_string() {
             return Err(invalid(
-                &format!("messages[{i}].tool_calls[{j}].function.name"),
+                format!("messages[{i}].tool_calls[{j}].function.name"),
                 "a tool call needs its function's name",
             ));
         }
         if let Some(s) = f["arguments"].as_str() {
             f["arguments"] = serde_json::from_str(s).map_err(|e| {
                 invalid(
-                    &format!("messages[{i}].tool_calls[{j}].function.arguments"),
+                    format!("messages[{i}].tool_calls[{j}].function.arguments"),
                     format!("arguments must be a JSON text: {e}"),
                 )
             })?;
@@ -504,16 +504,12 @@ struct CompletionBody {
     common: Common,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", message).with_param(param)
-}
-
 /// `nvext.router`'s targets, each a positive number of milliseconds.
 fn targets(ext: Option<NvExt>) -> Result<SlaTargets, ApiError> {
     let hints = ext.and_then(|e| e.router).unwrap_or_default();
     let ms = |name: &str, v: Option<f64>| match v {
         Some(x) if !(x.is_finite() && x > 0.0) => Err(invalid(
-            &format!("nvext.router.{name}"),
+            format!("nvext.router.{name}"),
             format!("{name} must be a positive number of milliseconds, got {x}"),
         )),
         _ => Ok(v),
@@ -983,6 +979,11 @@ pub(crate) fn embedding_width(app: &App, model: &str) -> Result<Option<u32>, Api
     Ok(app.served[at].preprocess.hidden_size())
 }
 
+/// The context of a request that runs in parts ([`start_part`]).
+pub(crate) fn request_ctx(app: &App, headers: &HeaderMap) -> Result<Ctx, ApiError> {
+    app.server.request_ctx(&app.chain, headers)
+}
+
 fn chat_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
     let b: ChatBody = super::parse_json(body)?;
     let messages = chat_messages(b.messages)?;
@@ -1015,7 +1016,7 @@ fn chat_messages(raw: Vec<MessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
                         ("text", Some(t)) => text.push_str(&t),
                         (kind, _) => {
                             return Err(invalid(
-                                &format!("messages[{i}].content"),
+                                format!("messages[{i}].content"),
                                 format!(
                                     "content parts of type `{kind}` are not supported; only `text`"
                                 ),
@@ -1474,18 +1475,20 @@ pub(crate) async fn start(
     headers: &HeaderMap,
     parsed: Result<(LlmRequest, Options), ApiError>,
 ) -> Result<(Started, Options), ApiError> {
-    start_part(app, label, key, headers, parsed, 0).await
+    start_part(app, label, key, headers, parsed, None).await
 }
 
-/// [`start`] for part `part` of a request that runs several (the inputs of one embeddings
-/// request): parts after the first run under the request's id with `-{part}` added.
+/// [`start`] for one part of a request that runs several (the inputs of one embeddings
+/// request): `part` is the request's context (made by [`ServerConfig::request_ctx`] once, so
+/// its deadline counts from the request's start) and the part's index; parts after the first
+/// run under the request's id with `-{index}` added.
 pub(crate) async fn start_part(
     app: &App,
     label: &'static str,
     key: Option<&KeyTenant>,
     headers: &HeaderMap,
     parsed: Result<(LlmRequest, Options), ApiError>,
-    part: usize,
+    part: Option<(&Ctx, usize)>,
 ) -> Result<(Started, Options), ApiError> {
     // The headers' tenant (the key's, or the tenant header) and priority (a gateway's word,
     // over the body's `priority`).
@@ -1519,20 +1522,24 @@ pub(crate) async fn start_part(
         }
     };
     let mut track = Track::new(app, req.model.as_str().into(), label, opts.stream);
-    let mut ctx = match app.server.request_ctx(&app.chain, headers) {
+    let ctx = match part {
+        Some((parent, 0)) => Ok(parent.clone()),
+        Some((parent, i)) => {
+            let c = app.chain.ctx(Some(format!("{}-{i}", parent.id()).into()));
+            Ok(match parent.deadline() {
+                Some(d) => c.with_deadline(d),
+                None => c,
+            })
+        }
+        None => app.server.request_ctx(&app.chain, headers),
+    };
+    let ctx = match ctx {
         Ok(c) => c,
         Err(e) => {
             track.finish("error");
             return Err(e);
         }
     };
-    if part > 0 {
-        let mut c = app.chain.ctx(Some(format!("{}-{part}", ctx.id()).into()));
-        if let Some(d) = ctx.deadline() {
-            c = c.with_deadline(d);
-        }
-        ctx = c;
-    }
     track.ctx = Some(ctx.clone());
     let deadline = ctx.deadline();
     let id = ctx.id().clone();

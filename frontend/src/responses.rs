@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use super::answer::{self, Ending, Event};
 use super::openai::{self, App};
 use super::tools::ToolCall;
-use super::{ApiError, KeyTenant};
+use super::{ApiError, KeyTenant, invalid};
 
 /// Where stored responses live.
 #[derive(Clone)]
@@ -41,15 +41,25 @@ pub(crate) struct Store {
     pub bucket: Bucket,
 }
 
-/// What is stored per response: the response object, the conversation that led to it
-/// with its answer (chat messages, without `instructions`, which are not carried over), and
-/// the tenant it belongs to.
+/// What is stored per response: the response object, its turn of the conversation (its
+/// input and its answer as chat messages, without `instructions`, which are not carried
+/// over), the response it continued (the turns before, each stored once), and the tenant it
+/// belongs to.
 #[derive(Serialize, Deserialize)]
 struct Stored {
     response: Value,
     messages: Vec<Value>,
+    #[serde(default)]
+    previous: Option<String>,
     tenant: Option<String>,
 }
+
+/// Turns one conversation may have (each read back from the store to continue it).
+const MAX_TURNS: usize = 1024;
+
+/// The largest turn stored (its input and answer as JSON): a NATS server takes messages of up
+/// to 1 MiB by default.
+const MAX_TURN_BYTES: usize = 768 << 10;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged, expecting = "a string or a list of input items")]
@@ -107,10 +117,6 @@ const REFUSED: &[(&str, AsksNothing)] = &[
     ("max_tool_calls", Value::is_null),
 ];
 
-fn invalid(param: impl Into<String>, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", message).with_param(param)
-}
-
 /// The text of a message's content: a string, or its text parts joined.
 fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
     match content {
@@ -144,8 +150,10 @@ fn content_text(content: &Value, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// Input items as chat messages, appended to `out` (a conversation so far).
+/// Input items as chat messages, appended to `out` (a conversation so far, whose earlier turns
+/// stay as they are).
 fn input_messages(input: InputIn, out: &mut Vec<Value>) -> Result<(), ApiError> {
+    let floor = out.len();
     let items = match input {
         InputIn::Text(t) => {
             out.push(json!({"role": "user", "content": t}));
@@ -183,8 +191,9 @@ fn input_messages(input: InputIn, out: &mut Vec<Value>) -> Result<(), ApiError> 
                 let call = json!({"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": arguments}});
                 // Calls join the assistant turn they follow, as chat writes them.
+                let at = out.len();
                 match out.last_mut() {
-                    Some(last) if last["role"] == "assistant" => {
+                    Some(last) if last["role"] == "assistant" && at > floor => {
                         match last["tool_calls"].as_array_mut() {
                             Some(calls) => calls.push(call),
                             None => last["tool_calls"] = json!([call]),
@@ -300,6 +309,8 @@ struct Translated {
     chat: Value,
     messages: Vec<Value>,
     meta: Meta,
+    /// Where this turn's messages start in `messages` (after the earlier turns').
+    new_from: usize,
 }
 
 fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiError> {
@@ -314,6 +325,7 @@ fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiErr
             .with_param(*name));
         }
     }
+    let new_from = earlier.len();
     let mut messages = earlier;
     input_messages(b.input, &mut messages)?;
     let mut prompt = Vec::with_capacity(messages.len() + 1);
@@ -367,6 +379,7 @@ fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiErr
         chat,
         messages,
         meta,
+        new_from,
     })
 }
 
@@ -651,6 +664,34 @@ impl Store {
         Ok(stored)
     }
 
+    /// The conversation up to and including response `id`: its turns' messages, oldest first.
+    async fn conversation(&self, id: &str, tenant: Option<&str>) -> Result<Vec<Value>, ApiError> {
+        let mut turns = Vec::new();
+        let mut at = Some(id.to_owned());
+        while let Some(id) = at.take() {
+            if turns.len() == MAX_TURNS {
+                return Err(invalid(
+                    "previous_response_id",
+                    format!("a conversation may have at most {MAX_TURNS} stored turns"),
+                ));
+            }
+            let first = turns.is_empty();
+            let stored = self.load(&id, tenant).await.map_err(|e| match first {
+                true => e,
+                // The response asked for is there, an earlier one of its conversation is not.
+                false => ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    "not_found",
+                    format!("Response with id '{id}', earlier in this conversation, is no longer stored."),
+                ),
+            })?;
+            at = stored.previous;
+            turns.push(stored.messages);
+        }
+        Ok(turns.into_iter().rev().flatten().collect())
+    }
+
     async fn save(&self, id: &str, stored: &Stored) -> Result<(), ApiError> {
         let bytes = serde_json::to_vec(stored)
             .map_err(|e| ApiError::from(dyn_core::OpError::internal(e.to_string())))?;
@@ -693,16 +734,26 @@ pub(crate) async fn create(
         let b: ResponsesBody = super::parse_json(&body)?;
         let tenant = tenant_of(&app, &headers, key.as_ref())?;
         let earlier = match b.previous_response_id.as_deref() {
-            Some(id) => {
-                app.responses
-                    .load(id, tenant.as_deref())
-                    .await
-                    .map_err(|e| e.with_param("previous_response_id"))?
-                    .messages
-            }
+            Some(id) => app
+                .responses
+                .conversation(id, tenant.as_deref())
+                .await
+                .map_err(|e| e.with_param("previous_response_id"))?,
             None => Vec::new(),
         };
         let t = translate(b, earlier)?;
+        // A turn too large to store is refused before it runs, not after.
+        if t.meta.store
+            && serde_json::to_vec(&t.messages[t.new_from..]).map_or(0, |b| b.len()) > MAX_TURN_BYTES
+        {
+            return Err(invalid(
+                "input",
+                format!(
+                    "this input is too large to store (over {} KiB): send store: false",
+                    MAX_TURN_BYTES >> 10
+                ),
+            ));
+        }
         Ok::<_, ApiError>((t, tenant))
     };
     let (t, tenant) = match prepared.await {
@@ -711,9 +762,12 @@ pub(crate) async fn create(
     };
     let Translated {
         chat,
-        messages,
+        mut messages,
         mut meta,
+        new_from,
     } = t;
+    // Stored with the answer: this turn's messages only (the earlier turns are stored).
+    let messages = messages.split_off(new_from);
     let parsed = openai::chat_from_json(&app, chat);
     let (started, opts) =
         match openai::start(&app, "responses", key.as_ref(), &headers, parsed).await {
@@ -726,6 +780,9 @@ pub(crate) async fn create(
     let saved = Saved {
         store: app.responses.clone(),
         messages,
+        previous: meta.echo["previous_response_id"]
+            .as_str()
+            .map(str::to_owned),
         tenant,
     };
     if !opts.stream {
@@ -761,7 +818,9 @@ pub(crate) async fn create(
 /// Where an answer is stored once it is whole.
 struct Saved {
     store: Store,
+    /// This turn's input, as chat messages.
     messages: Vec<Value>,
+    previous: Option<String>,
     tenant: Option<String>,
 }
 
@@ -776,6 +835,7 @@ impl Saved {
         let stored = Stored {
             response: response.clone(),
             messages,
+            previous: self.previous,
             tenant: self.tenant,
         };
         self.store.save(&meta.id, &stored).await

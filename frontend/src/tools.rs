@@ -16,7 +16,7 @@
 use dyn_llm::types::{CallForm, Calls, Constraint};
 use serde_json::{Value, json};
 
-use super::ApiError;
+use super::{ApiError, invalid};
 
 /// How a model writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,10 +86,6 @@ pub struct ToolRequest {
     pub parallel: bool,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", message).with_param(param)
-}
-
 /// A tool's name and parameters schema.
 fn function(tool: &Value) -> (&str, Value) {
     let f = &tool["function"];
@@ -116,21 +112,21 @@ impl ToolRequest {
         for (i, t) in tools.iter().enumerate() {
             if t["type"] != "function" {
                 return Err(invalid(
-                    &format!("tools[{i}].type"),
+                    format!("tools[{i}].type"),
                     "only tools of type `function` are supported",
                 ));
             }
             let name = t["function"]["name"].as_str().unwrap_or("");
             if name.is_empty() {
                 return Err(invalid(
-                    &format!("tools[{i}].function.name"),
+                    format!("tools[{i}].function.name"),
                     "a function needs a name",
                 ));
             }
             let p = &t["function"]["parameters"];
             if !(p.is_null() || p.is_object()) {
                 return Err(invalid(
-                    &format!("tools[{i}].function.parameters"),
+                    format!("tools[{i}].function.parameters"),
                     "parameters must be a JSON Schema object",
                 ));
             }

@@ -11,6 +11,7 @@ import sys
 import anthropic
 import httpx
 import jsonschema
+from served import WEATHER
 
 BASE = sys.argv[1]
 MODEL = sys.argv[2]
@@ -61,15 +62,6 @@ assert stop not in m.content[0].text and first.content[0].text.startswith(m.cont
 report("stop_sequence", stop=stop, text=m.content[0].text)
 
 # A tool, forced: a tool_use block whose input is valid for its schema.
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city", "input_schema": WEATHER}]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 m = client.messages.create(model=MODEL, max_tokens=100, messages=WEATHER_ASK, tools=TOOLS,

@@ -12,6 +12,7 @@ import sys
 import jsonschema
 from openai import NotFoundError, BadRequestError, OpenAI
 from pydantic import BaseModel
+from served import WEATHER
 
 client = OpenAI(base_url=sys.argv[1], api_key="unused")
 MODEL = sys.argv[2]
@@ -63,15 +64,6 @@ assert deltas == done.output_text == first.output_text, (deltas, done.output_tex
 report("stream_helper", text=done.output_text)
 
 # A function tool, its call forced: a function_call item with arguments valid for its schema.
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city",
           "parameters": WEATHER, "strict": True}]
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]

@@ -1,8 +1,20 @@
-"""Checks the model-serving scripts (lora.py, models.py) share: a streamed chat answer's models
-and whether it had text, and what the client raises for a model that is not served."""
+"""What the client scripts share: a streamed chat answer's models and whether it had text, what
+the client raises for a model that is not served (lora.py, models.py), and the weather tool's
+arguments schema (structured.py, responses.py, anthropic_messages.py)."""
 import json
 
 import openai
+
+# A tool's arguments, bounded so that a small model's forced call ends.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 
 
 def streamed_chat(client, model, content, max_tokens):

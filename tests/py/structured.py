@@ -11,6 +11,7 @@ import sys
 import jsonschema
 from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
+from served import WEATHER
 
 client = OpenAI(base_url=sys.argv[1], api_key="unused")
 MODEL = sys.argv[2]
@@ -20,15 +21,6 @@ def report(name, **seen):
     print(json.dumps({"check": name, **seen}), flush=True)
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",

@@ -172,10 +172,15 @@ impl ModelConfig {
         }
         // transformers 5 writes rope_theta and the scaling into `rope_parameters`.
         let params = c.rope_parameters.as_ref().filter(|p| p.is_object());
-        let rope_theta = c
-            .rope_theta
-            .or_else(|| Some(params?.get("rope_theta")?.as_f64()? as f32))
-            .unwrap_or(10000.0);
+        let rope_theta = match (c.rope_theta, params) {
+            (Some(t), _) => t,
+            (None, Some(p)) => p
+                .get("rope_theta")
+                .and_then(serde_json::Value::as_f64)
+                .map(|t| t as f32)
+                .ok_or("rope_parameters has no rope_theta (rope parameters per layer type are not supported)")?,
+            (None, None) => 10000.0,
+        };
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
             return Err("rope_theta must be a positive number".into());
         }
@@ -392,7 +397,10 @@ mod tests {
         .unwrap();
         assert_eq!(c.rope_theta, 500000.0);
         assert!(c.rope_scaling.is_some());
-        // Without either, Llama's default.
+        // Without either, Llama's default; parameters without a theta are not guessed at.
         assert_eq!(hf(serde_json::json!({})).unwrap().rope_theta, 10000.0);
+        let per_layer =
+            serde_json::json!({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}});
+        assert!(hf(per_layer).unwrap_err().contains("rope_theta"));
     }
 }

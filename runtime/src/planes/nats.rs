@@ -164,27 +164,37 @@ impl NatsWorkQueue {
         queue: &str,
     ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
         use async_nats::jetstream::stream;
-        let name = Self::stream_name(queue);
-        if !self.ready.lock().contains(&name) {
-            self.js
-                .get_or_create_stream(stream::Config {
-                    name: name.clone(),
-                    subjects: vec![format!("dyn.queue.{queue}.*")],
-                    retention: stream::RetentionPolicy::WorkQueue,
-                    storage: stream::StorageType::Memory,
-                    max_age: JOB_MAX_AGE,
-                    max_messages: 100_000,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| qerr(format!("cannot create stream {name}: {e}")))?;
-            self.ready.lock().insert(name.clone());
-        }
-        self.js
-            .get_stream_no_info(&name)
-            .await
-            .map_err(|e| qerr(format!("stream {name}: {e}")))
+        let config = stream::Config {
+            name: Self::stream_name(queue),
+            subjects: vec![format!("dyn.queue.{queue}.*")],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::Memory,
+            max_age: JOB_MAX_AGE,
+            max_messages: 100_000,
+            ..Default::default()
+        };
+        ensure_stream(&self.js, &self.ready, config, qerr).await
     }
+}
+
+/// The stream `config` names, created the first time this process asks for it (`ready`
+/// holds the names known to exist; one that exists already keeps its own config).
+async fn ensure_stream(
+    js: &async_nats::jetstream::Context,
+    ready: &parking_lot::Mutex<std::collections::HashSet<String>>,
+    config: async_nats::jetstream::stream::Config,
+    err: fn(String) -> PlaneError,
+) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
+    let name = config.name.clone();
+    if !ready.lock().contains(&name) {
+        js.get_or_create_stream(config)
+            .await
+            .map_err(|e| err(format!("cannot create stream {name}: {e}")))?;
+        ready.lock().insert(name.clone());
+    }
+    js.get_stream_no_info(&name)
+        .await
+        .map_err(|e| err(format!("stream {name}: {e}")))
 }
 
 #[async_trait]
@@ -297,27 +307,17 @@ impl NatsStore {
         bucket: &super::Bucket,
     ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
         use async_nats::jetstream::stream;
-        let name = format!("DYN_KV_{}", bucket.name);
-        if !self.ready.lock().contains(&name) {
-            self.js
-                .get_or_create_stream(stream::Config {
-                    name: name.clone(),
-                    subjects: vec![format!("dyn.kv.{}.*", bucket.name)],
-                    storage: stream::StorageType::File,
-                    max_messages_per_subject: 1,
-                    max_messages: i64::try_from(bucket.max_entries).unwrap_or(i64::MAX),
-                    max_age: bucket.max_age,
-                    discard: stream::DiscardPolicy::Old,
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| serr(format!("cannot create stream {name}: {e}")))?;
-            self.ready.lock().insert(name.clone());
-        }
-        self.js
-            .get_stream_no_info(&name)
-            .await
-            .map_err(|e| serr(format!("stream {name}: {e}")))
+        let config = stream::Config {
+            name: format!("DYN_KV_{}", bucket.name),
+            subjects: vec![format!("dyn.kv.{}.*", bucket.name)],
+            storage: stream::StorageType::File,
+            max_messages_per_subject: 1,
+            max_messages: i64::try_from(bucket.max_entries).unwrap_or(i64::MAX),
+            max_age: bucket.max_age,
+            discard: stream::DiscardPolicy::Old,
+            ..Default::default()
+        };
+        ensure_stream(&self.js, &self.ready, config, serr).await
     }
 }
 
