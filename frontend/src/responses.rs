@@ -879,6 +879,18 @@ fn sse(
     }
 }
 
+/// The stored response `id` as the request's tenant sees it.
+async fn stored(
+    app: &App,
+    key: Option<Extension<KeyTenant>>,
+    headers: &HeaderMap,
+    id: &str,
+) -> Result<Stored, ApiError> {
+    let key = key.map(|k| k.0);
+    let tenant = tenant_of(app, headers, key.as_ref())?;
+    app.responses.load(id, tenant.as_deref()).await
+}
+
 /// `GET /v1/responses/{id}`: a stored response.
 pub(crate) async fn get(
     State(app): State<App>,
@@ -886,29 +898,21 @@ pub(crate) async fn get(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    let key = key.map(|k| k.0);
-    let found = async {
-        let tenant = tenant_of(&app, &headers, key.as_ref())?;
-        app.responses.load(&id, tenant.as_deref()).await
-    };
-    match found.await {
+    match stored(&app, key, &headers, &id).await {
         Ok(s) => Json(s.response).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-/// `DELETE /v1/responses/{id}`.
+/// `DELETE /v1/responses/{id}`: only its own tenant's (another's is not found).
 pub(crate) async fn delete(
     State(app): State<App>,
     key: Option<Extension<KeyTenant>>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    let key = key.map(|k| k.0);
     let deleted = async {
-        let tenant = tenant_of(&app, &headers, key.as_ref())?;
-        // Only its own tenant may delete it (another's is not found).
-        app.responses.load(&id, tenant.as_deref()).await?;
+        stored(&app, key, &headers, &id).await?;
         app.responses
             .kv
             .delete(&app.responses.bucket, &id)

@@ -330,6 +330,25 @@ pub async fn get_json(url: &str) -> serde_json::Value {
     reqwest::get(url).await.unwrap().json().await.unwrap()
 }
 
+/// The test venv's Python (`DYN_TEST_PYTHON`) and `graphs/chat.yaml` up on SmolLM2
+/// (`DYN_SMOLLM2_GGUF`) with its `http` ingress, for the official clients' checks; `None`, said
+/// visibly, without them.
+pub fn smollm2_for_python() -> Option<(std::ffi::OsString, Graph)> {
+    let (Some(python), Some(gguf)) = (
+        std::env::var_os("DYN_TEST_PYTHON"),
+        std::env::var("DYN_SMOLLM2_GGUF").ok(),
+    ) else {
+        skip("DYN_TEST_PYTHON or DYN_SMOLLM2_GGUF is not set (scripts/test sets both)");
+        return None;
+    };
+    let g = Graph::up_with_ingress(
+        "graphs/chat.yaml",
+        "http",
+        &["--set", &format!("model.path={gguf}")],
+    );
+    Some((python, g))
+}
+
 /// Run a script of tests/py with `python` and `args`; it must succeed; its stdout's lines, as
 /// JSON.
 pub fn python_lines(

@@ -10,18 +10,9 @@ use serde_json::{Value, json};
 
 #[test]
 fn official_clients_speak_responses_and_anthropic_messages_to_smollm2() {
-    let (Some(python), Some(gguf)) = (
-        std::env::var_os("DYN_TEST_PYTHON"),
-        std::env::var("DYN_SMOLLM2_GGUF").ok(),
-    ) else {
-        dyn_tests::skip("DYN_TEST_PYTHON or DYN_SMOLLM2_GGUF is not set (scripts/test sets both)");
+    let Some((python, g)) = dyn_tests::smollm2_for_python() else {
         return;
     };
-    let g = Graph::up_with_ingress(
-        "graphs/chat.yaml",
-        "http",
-        &["--set", &format!("model.path={gguf}")],
-    );
     let checks = python_lines(
         &python,
         "tests/py/responses.py",

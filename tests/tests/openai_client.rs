@@ -57,18 +57,9 @@ fn openai_python_client_streams_a_chat_completion() {
 /// (tests/py/structured.py).
 #[test]
 fn openai_python_client_gets_valid_tool_calls_and_structured_output_from_smollm2() {
-    let (Some(python), Some(gguf)) = (
-        std::env::var_os("DYN_TEST_PYTHON"),
-        std::env::var("DYN_SMOLLM2_GGUF").ok(),
-    ) else {
-        dyn_tests::skip("DYN_TEST_PYTHON or DYN_SMOLLM2_GGUF is not set (scripts/test sets both)");
+    let Some((python, g)) = dyn_tests::smollm2_for_python() else {
         return;
     };
-    let g = Graph::up_with_ingress(
-        "graphs/chat.yaml",
-        "http",
-        &["--set", &format!("model.path={gguf}")],
-    );
     let checks = python_lines(
         &python,
         "tests/py/structured.py",
