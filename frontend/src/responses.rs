@@ -484,12 +484,21 @@ impl<'a> Output<'a> {
             .push(Bytes::from(format!("event: {kind}\ndata: {data}\n\n")));
     }
 
+    /// The id of the item of `kind` at the next output index.
+    fn open_id(&self, kind: Open) -> String {
+        let prefix = match kind {
+            Open::Reasoning => "rs",
+            Open::Message => "msg",
+        };
+        self.meta.item_id(prefix, self.items.len())
+    }
+
     fn item(&self, kind: Open, text: &str, status: &str) -> Value {
-        let index = self.items.len();
+        let id = self.open_id(kind);
         match kind {
-            Open::Reasoning => json!({"type": "reasoning", "id": self.meta.item_id("rs", index),
+            Open::Reasoning => json!({"type": "reasoning", "id": id,
                 "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": status}),
-            Open::Message => json!({"type": "message", "id": self.meta.item_id("msg", index),
+            Open::Message => json!({"type": "message", "id": id,
                 "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}),
         }
@@ -527,8 +536,9 @@ impl<'a> Output<'a> {
         if !self.streaming {
             return;
         }
+        // Per token: only the id, not the item it names.
         let index = self.items.len();
-        let id = self.item(kind, "", "")["id"].take();
+        let id = self.open_id(kind);
         match kind {
             Open::Reasoning => self.emit("response.reasoning_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta})),
             Open::Message => self.emit("response.output_text.delta", json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta, "logprobs": []})),
