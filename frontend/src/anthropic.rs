@@ -95,17 +95,20 @@ struct MessagesBody {
     tool_choice: Option<Value>,
     #[serde(default)]
     metadata: Option<Value>,
-    /// Extended thinking: a model that reasons answers with `thinking` blocks either way.
-    #[serde(default)]
-    #[allow(dead_code)]
-    thinking: Option<Value>,
     /// Anything else a client sends that changes the answer is refused by name.
     #[serde(flatten)]
     other: serde_json::Map<String, Value>,
 }
 
-/// Fields Anthropic defines that change an answer and are not built here.
-const REFUSED: &[&str] = &["container", "mcp_servers", "context_management"];
+/// Fields Anthropic defines that change an answer and are not built here, each with the values
+/// that ask for nothing. Extended thinking with a budget is one: a model reasons (and answers
+/// `thinking` blocks) as its template has it, not by a budget.
+const REFUSED: &[(&str, openai::AsksNothing)] = &[
+    ("container", Value::is_null),
+    ("mcp_servers", openai::empty),
+    ("context_management", Value::is_null),
+    ("thinking", |v| v.is_null() || v["type"] == "disabled"),
+];
 
 /// The text of `system` or of a tool result's content: a string, or text blocks joined.
 fn text_of(content: ContentIn, param: &str) -> Result<String, ApiError> {
@@ -270,15 +273,7 @@ fn chat_tool_choice(choice: &Value) -> Result<(Value, Option<bool>), ApiError> {
 
 /// The chat completions body a Messages body means.
 fn chat_body(b: MessagesBody, count_only: bool) -> Result<Value, ApiError> {
-    for name in REFUSED {
-        if b.other.get(*name).is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid(
-                "unsupported_parameter",
-                format!("`{name}` is not supported by this server"),
-            )
-            .with_param(*name));
-        }
-    }
+    openai::refuse_fields(REFUSED, |name| b.other.get(name))?;
     if b.max_tokens.is_none() && !count_only {
         return Err(invalid("max_tokens", "max_tokens is required"));
     }
@@ -575,6 +570,12 @@ mod tests {
             false,
         );
         assert_eq!(e.param.as_deref(), Some("mcp_servers"));
+        let e = refused(
+            json!({"model": "m", "max_tokens": 1, "messages": [],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+            false,
+        );
+        assert_eq!(e.param.as_deref(), Some("thinking"));
         let e = refused(
             json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x"},
                 {"role": "assistant", "content": "The answer is"}]}),

@@ -22,6 +22,7 @@ use base64::Engine as _;
 use dyn_llm::types::Prompt;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use super::openai::{self, App};
 use super::{ApiError, KeyTenant, invalid};
@@ -54,6 +55,9 @@ struct EmbeddingsBody {
     dimensions: Option<u32>,
     #[serde(default)]
     user: Option<String>,
+    /// OpenAI's body has no other field: any other that asks for something is refused.
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
 }
 
 /// The inputs as prompts; empty ones are refused (OpenAI refuses them too).
@@ -138,6 +142,13 @@ async fn answer(
 ) -> Result<Response, ApiError> {
     let body = body.map_err(super::body_error)?;
     let b: EmbeddingsBody = super::parse_json(&body)?;
+    if let Some((name, _)) = b.other.iter().find(|(_, v)| !v.is_null()) {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            format!("`{name}` is not supported by this server"),
+        )
+        .with_param(name.clone()));
+    }
     let base64 = match b.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -257,7 +268,7 @@ async fn embedding(started: openai::Started) -> Result<(Vec<f32>, u32), ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::{Value, json};
+    use serde_json::json;
 
     #[test]
     fn inputs_of_every_shape_become_prompts_and_empty_ones_are_refused() {

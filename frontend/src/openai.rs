@@ -356,7 +356,7 @@ struct Common {
 const MAX_CHOICES: u32 = 16;
 
 /// True for the values of a field that ask for nothing.
-type AsksNothing = fn(&Value) -> bool;
+pub(crate) type AsksNothing = fn(&Value) -> bool;
 
 /// The request fields [`refuse_unsupported`] looks at, each with the values that ask for
 /// nothing (what clients send by default), so those still pass.
@@ -393,7 +393,7 @@ const UNSUPPORTED: &[(&str, AsksNothing)] = &[
 ];
 
 /// Null, or an empty list or object.
-fn empty(v: &Value) -> bool {
+pub(crate) fn empty(v: &Value) -> bool {
     match v {
         Value::Null => true,
         Value::Array(a) => a.is_empty(),
@@ -404,8 +404,17 @@ fn empty(v: &Value) -> bool {
 
 /// A field from [`UNSUPPORTED`] that asks for something is a 400 naming it.
 fn refuse_unsupported(fields: &BTreeMap<String, Value>) -> Result<(), ApiError> {
-    for (name, asks_nothing) in UNSUPPORTED {
-        if let Some(v) = fields.get(*name)
+    refuse_fields(UNSUPPORTED, |name| fields.get(name))
+}
+
+/// A field of `list` that `get` finds asking for something is a 400 naming it (every
+/// endpoint's fields that change an answer and are not built: refused, never dropped).
+pub(crate) fn refuse_fields<'a>(
+    list: &[(&str, AsksNothing)],
+    get: impl Fn(&str) -> Option<&'a Value>,
+) -> Result<(), ApiError> {
+    for (name, asks_nothing) in list {
+        if let Some(v) = get(name)
             && !asks_nothing(v)
         {
             return Err(ApiError::invalid(

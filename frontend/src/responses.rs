@@ -103,13 +103,12 @@ struct ResponsesBody {
     other: serde_json::Map<String, Value>,
 }
 
-/// True for the values of a field that ask for nothing.
-type AsksNothing = fn(&Value) -> bool;
-
 /// Fields of the Responses API that change an answer and are not built here, each with the
 /// values that ask for nothing.
-const REFUSED: &[(&str, AsksNothing)] = &[
+const REFUSED: &[(&str, openai::AsksNothing)] = &[
     ("background", |v| v.is_null() || *v == false),
+    // Extra output (encrypted reasoning, log-probabilities, sources): none of it is made here.
+    ("include", openai::empty),
     ("conversation", Value::is_null),
     ("prompt", Value::is_null),
     ("top_logprobs", |v| v.is_null() || v.as_u64() == Some(0)),
@@ -314,15 +313,15 @@ struct Translated {
 }
 
 fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiError> {
-    for (name, asks_nothing) in REFUSED {
-        if let Some(v) = b.other.get(*name)
-            && !asks_nothing(v)
-        {
+    openai::refuse_fields(REFUSED, |name| b.other.get(name))?;
+    // A model reasons as its template has it: how much is not the client's to say here.
+    for part in ["effort", "summary"] {
+        if b.reasoning.as_ref().is_some_and(|r| !r[part].is_null()) {
             return Err(ApiError::invalid(
                 "unsupported_parameter",
-                format!("`{name}` is not supported by this server"),
+                format!("`reasoning.{part}` is not supported by this server yet"),
             )
-            .with_param(*name));
+            .with_param(format!("reasoning.{part}")));
         }
     }
     let new_from = earlier.len();

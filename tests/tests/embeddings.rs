@@ -169,6 +169,10 @@ async fn an_engine_without_hidden_states_refuses_embeddings() {
             json!({"model": "tiny", "input": "a", "encoding_format": "hex"}),
             "encoding_format",
         ),
+        (
+            json!({"model": "tiny", "input": "a", "truncate_prompt_tokens": 4}),
+            "truncate_prompt_tokens",
+        ),
     ] {
         let (status, v) = post_json(&g.url("/v1/embeddings"), &body).await;
         assert_eq!(
