@@ -123,6 +123,56 @@ mod gpu {
         }
     }
 
+    /// Final hidden states (what embeddings pool) on the GPU equal the CPU backend's: every
+    /// row of a prompt taken in two chunks, beside a sequence that asks for logits in the
+    /// same steps.
+    #[test]
+    fn hidden_state_rows_match_the_cpu_backend_across_chunks() {
+        let Some(mut g) = gpu("tiny", DType::F32) else {
+            return;
+        };
+        let mut c = cpu("tiny");
+        let r = reference("tiny");
+        let tokens = r.prompts[0].answered();
+        let blocks: Vec<u32> = (0..tokens.len().div_ceil(4) as u32).collect();
+        let other = &r.prompts[1 % r.prompts.len()].prompt;
+        let other_blocks: Vec<u32> = (100..100 + other.len().div_ceil(4) as u32).collect();
+        let cut = tokens.len() / 2;
+        for (start, end) in [(0, cut), (cut, tokens.len())] {
+            let step = |b: &mut dyn Backend, with_other: bool| {
+                let mut batch = vec![SeqStep {
+                    tokens: &tokens[start..end],
+                    start,
+                    blocks: &blocks,
+                    logits: true,
+                    all_logits: true,
+                    hidden: true,
+                    lora: None,
+                }];
+                if with_other {
+                    batch.push(SeqStep {
+                        tokens: other,
+                        start: 0,
+                        blocks: &other_blocks,
+                        logits: true,
+                        all_logits: false,
+                        hidden: false,
+                        lora: None,
+                    });
+                }
+                b.forward(&batch).unwrap()
+            };
+            // The other sequence's prompt runs once, in the first chunk's step.
+            let (want, got) = (step(c.as_mut(), start == 0), step(g.as_mut(), start == 0));
+            assert_eq!(got.len(), want.len(), "rows of chunk {start}..{end}");
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(g.len(), w.len(), "row {i}'s width");
+                let d = max_diff(g, w);
+                assert!(d < 1e-3, "chunk {start}..{end} row {i}: differs by {d}");
+            }
+        }
+    }
+
     #[derive(serde::Deserialize)]
     struct LoraReference {
         prompts: Vec<Vec<u32>>,

@@ -169,7 +169,7 @@ pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHand
             cx.instance_id.get(),
         )));
     } else {
-        tracing::info!(node = %cx.node, "LoRA adapters run on the CPU backend only so far: requests for one are refused here");
+        tracing::info!(node = %cx.node, "this backend runs no LoRA adapters: requests for one are refused here");
     }
     let import = ImportCheck {
         format,

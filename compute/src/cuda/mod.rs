@@ -515,7 +515,13 @@ where
                     continue;
                 };
                 let (inp, out) = target.dims(&self.cfg);
-                debug_assert_eq!(inp, x_cols);
+                // The products below index the device buffers by these shapes: a mismatch would
+                // read and write outside them, not panic, so it is refused here.
+                if inp != x_cols || p.at.len() != inp * p.rank || p.bt.len() != p.rank * out {
+                    return Err(ComputeError::Invalid(format!(
+                        "LoRA adapter for layer {li} {target:?} does not fit the model's {inp} x {out}"
+                    )));
+                }
                 // T (n × rank, row-major) = X (n × in) · Aᵀ (in × rank); column-major:
                 // Tᵀ = (Aᵀ)ᵀ · Xᵀ with both operands as stored.
                 let first = GemmConfig {
