@@ -235,12 +235,13 @@ struct DevLora<T> {
     bytes: usize,
 }
 
-/// Rows `row0..row0 + n` of the step run with adapter `id`.
+/// Rows `row0..row0 + n` of the step run with adapter `id` (whose largest rank is `rank`).
 #[derive(Clone, Copy)]
 struct LoraRows {
     row0: usize,
     n: usize,
     id: u64,
+    rank: usize,
 }
 
 struct Engine<T> {
@@ -341,7 +342,7 @@ struct Step<T> {
     /// Tokens per attention launch: their scores fit `scores`, kept under [`SCORES_BYTES`].
     chunk: usize,
     scores: CudaSlice<f32>,
-    /// The sequences run with an adapter, and the scratch of their `X·Aᵀ` (rows × rank).
+    /// The runs of rows with an adapter, and the scratch of the largest run's `X·Aᵀ`.
     lora: Vec<LoraRows>,
     lora_scratch: CudaSlice<T>,
 }
@@ -571,16 +572,22 @@ where
     /// [`MAX_DEVICE_LORAS`]), and the rows each runs on.
     fn lora_rows(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<LoraRows>, ComputeError> {
         self.steps += 1;
-        let mut rows = Vec::new();
+        let mut rows: Vec<LoraRows> = Vec::new();
         let mut row0 = 0;
         for s in batch {
             if let Some(a) = s.lora {
                 self.upload_lora(a)?;
-                rows.push(LoraRows {
-                    row0,
-                    n: s.tokens.len(),
-                    id: a.id,
-                });
+                // Sequences of one adapter side by side (the engine's scheduler puts them so)
+                // are one run: two products for all their rows.
+                match rows.last_mut() {
+                    Some(r) if r.id == a.id && r.row0 + r.n == row0 => r.n += s.tokens.len(),
+                    _ => rows.push(LoraRows {
+                        row0,
+                        n: s.tokens.len(),
+                        id: a.id,
+                        rank: a.rank,
+                    }),
+                }
             }
             row0 += s.tokens.len();
         }
@@ -668,11 +675,8 @@ where
             return Ok(Vec::new());
         }
         let lora = self.lora_rows(batch)?;
-        let rank = batch
-            .iter()
-            .filter_map(|s| s.lora.map(|a| a.rank * s.tokens.len()))
-            .max()
-            .unwrap_or(1);
+        // The largest run's `X·Aᵀ`.
+        let rank = lora.iter().map(|r| r.rank * r.n).max().unwrap_or(1);
         let mut s = self.upload(&layout)?;
         s.lora = lora;
         s.lora_scratch = self.alloc(rank)?;

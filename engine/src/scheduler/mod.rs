@@ -426,6 +426,15 @@ impl Scheduler {
         self.schedule_running(&mut budget, &mut scheduled, &mut out);
         self.return_loaded();
         self.admit_waiting(&mut budget, &mut scheduled);
+        // The sequences of one LoRA adapter side by side (stably, so the order is unchanged
+        // where none has one): a backend then multiplies each adapter's rows as one run
+        // instead of one product per sequence (the CUDA backend's cuBLAS calls).
+        if scheduled
+            .iter()
+            .any(|&(i, _)| self.running[i].spec.lora.is_some())
+        {
+            scheduled.sort_by_key(|&(i, _)| self.running[i].spec.lora.as_ref().map(|a| a.id));
+        }
 
         // Run: the executor computes the KV and samples where a sequence's KV is complete.
         let evicted = self.pool.take_evicted();

@@ -423,3 +423,58 @@ fn within_a_priority_a_request_that_yields_gives_way_to_one_that_does_not() {
     assert_eq!(order, [2, 3]);
     drain(&mut s);
 }
+
+#[test]
+fn sequences_of_one_adapter_run_side_by_side_and_keep_their_own_tokens() {
+    use dyn_compute::model::lora::LoraAdapter;
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let c = dyn_compute::model::ModelConfig::load(&models.join("tiny")).unwrap();
+    let load = |n: &str| {
+        std::sync::Arc::new(LoraAdapter::load(&models.join("tiny-lora").join(n), &c).unwrap())
+    };
+    let (qv, all) = (load("qv"), load("all"));
+    let with = |prompt: Vec<u32>, lora: &Option<std::sync::Arc<LoraAdapter>>| SeqSpec {
+        lora: lora.clone(),
+        ..spec(prompt, 6)
+    };
+    let loras = [
+        Some(qv.clone()),
+        None,
+        Some(all.clone()),
+        Some(qv.clone()),
+        None,
+    ];
+    let mut s = Scheduler::new(limits(8, 64), 64);
+    for (i, l) in loras.iter().enumerate() {
+        s.add(i as SeqId + 1, with(vec![i as u32 + 1, 7, 8], l));
+    }
+    let v = vocab();
+    let mut got = std::collections::BTreeMap::<SeqId, Vec<u32>>::new();
+    while !s.is_idle() {
+        let out = s
+            .step(|work, _| {
+                let ids: Vec<Option<u64>> = work
+                    .iter()
+                    .map(|w| w.spec.lora.as_ref().map(|a| a.id))
+                    .collect();
+                let mut sorted = ids.clone();
+                sorted.sort();
+                assert_eq!(ids, sorted, "adapters side by side, the base first");
+                Ok(work
+                    .iter()
+                    .filter(|w| w.sample)
+                    .map(|w| token_at(w.spec, &v, w.spec.offset + w.generated))
+                    .collect())
+            })
+            .unwrap();
+        for (id, t, _) in out.tokens {
+            got.entry(id).or_default().push(t);
+        }
+    }
+    // Each got its own tokens, whatever place the order gave it.
+    for (i, l) in loras.iter().enumerate() {
+        let alone = with(vec![i as u32 + 1, 7, 8], l);
+        let want: Vec<u32> = (0..6).map(|k| token_at(&alone, &v, k)).collect();
+        assert_eq!(got[&(i as SeqId + 1)], want, "sequence {}", i + 1);
+    }
+}
