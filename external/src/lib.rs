@@ -56,6 +56,35 @@ fn is_gguf(path: &str) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
+/// What dyn adds to a launched llama-server's command line for the graph's GGUF adapters:
+/// `--lora FILE` each (absolute, as the ingress names them, so that the server's list matches),
+/// not applied unless a request asks. PEFT directories are left out (llama-server reads GGUF
+/// only; requests of them are refused by name).
+async fn llamacpp_lora_args(cx: &BuildCx) -> String {
+    let Some(model) = &cx.model else {
+        return String::new();
+    };
+    let mut args = Vec::new();
+    for path in model.loras.values().filter(|p| is_gguf(p)) {
+        let path = cx.resolve(path);
+        // A missing file is the ingress's error to report (it checks every adapter).
+        let path = tokio::fs::canonicalize(&path).await.unwrap_or(path);
+        args.push(format!(
+            "--lora {}",
+            shell_quoted(&path.display().to_string())
+        ));
+    }
+    if args.is_empty() {
+        return String::new();
+    }
+    format!("--lora-init-without-apply {}", args.join(" "))
+}
+
+/// `s` as one word for `sh`.
+fn shell_quoted(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
 /// One streamed event's output tokens, finish reason and (when asked) log-probabilities.
 type Tokens = (Vec<u32>, Option<FinishReason>, Vec<TokenLogprob>);
 
@@ -69,6 +98,8 @@ pub struct ExternalEngine {
     stall: Duration,
     /// vLLM with `lora`: the adapters loaded into its servers.
     loras: Option<lora::Loaded>,
+    /// llama.cpp: the adapters its servers were started with.
+    listed: Option<lora::Listed>,
     _tasks: Vec<AbortOnDropHandle<()>>,
 }
 
@@ -127,7 +158,17 @@ impl ExternalEngine {
                 .env
                 .insert("VLLM_ALLOW_RUNTIME_LORA_UPDATING".into(), "True".into());
         }
+        if let (ExternalKind::Llamacpp, Some(_)) = (kind, &config.launch) {
+            let args = llamacpp_lora_args(cx).await;
+            if !args.is_empty() {
+                extra_args = Some(match extra_args.take() {
+                    Some(other) => Box::new(move || format!("{} {args}", other())),
+                    None => Box::new(move || args.clone()),
+                });
+            }
+        }
         let loras = config.lora.as_ref().map(|l| lora::Loaded::new(l.keep));
+        let listed = (kind == ExternalKind::Llamacpp).then(lora::Listed::default);
         let server = Server::start(
             ServerSpec {
                 kind,
@@ -174,6 +215,7 @@ impl ExternalEngine {
             tokenizer: model.tokenizer.clone(),
             stall: Duration::from_secs_f64(config.stall_timeout_s),
             loras,
+            listed,
             _tasks: tasks,
         }))
     }
@@ -200,10 +242,31 @@ impl ExternalEngine {
                 }
                 return;
             }
-            // The `model` the server is asked for: its own, or the adapter's name there.
+            // The `model` the server is asked for: its own, or the adapter's name there; for
+            // llama.cpp the adapters the request applies.
             let mut in_use = None;
+            let mut applied = None;
+            if let Some(listed) = &this.listed {
+                let lora = req.sampling.lora.as_ref();
+                if let Some(l) = lora.filter(|l| !is_gguf(&l.path)) {
+                    yield Err(OpError::invalid(format!(
+                        "model `{}` is a LoRA adapter: llama.cpp reads GGUF LoRA files (its \
+                         convert_lora_to_gguf.py writes them), not PEFT directories",
+                        l.name
+                    )).with_param("model"));
+                    return;
+                }
+                match listed.field(&this.client, &ep, lora, this.stall).await {
+                    Ok(f) => applied = f,
+                    Err(e) => {
+                        yield Err(e);
+                        return;
+                    }
+                }
+            }
             let model = match (&req.sampling.lora, &this.loras) {
                 (None, _) => ep.model.clone(),
+                (Some(_), _) if this.listed.is_some() => ep.model.clone(),
                 (Some(l), Some(loaded)) if !is_gguf(&l.path) => {
                     match loaded.ensure(&this.client, &ep, l, this.stall).await {
                         Ok((name, held)) => {
@@ -221,7 +284,7 @@ impl ExternalEngine {
                     let why = match this.kind {
                         ExternalKind::Vllm if this.loras.is_some() => "vLLM reads PEFT directories, not GGUF LoRA files",
                         ExternalKind::Vllm => "this worker's vLLM servers serve no adapters (set `vllm.lora`)",
-                        _ => "adapters run on native and vLLM workers",
+                        _ => "adapters run on native, vLLM and llama.cpp workers",
                     };
                     yield Err(OpError::invalid(format!("model `{}` is a LoRA adapter: {why}", l.name)).with_param("model"));
                     return;
@@ -233,7 +296,7 @@ impl ExternalEngine {
                 yield Ok(Generated::Tokens { ids: Vec::new(), finish: Some(FinishReason::Length), logprobs: None, embedding: None });
                 return;
             }
-            for await item in this.run_phases(ep, model, req) {
+            for await item in this.run_phases(ep, model, applied, req) {
                 yield item;
             }
             drop(in_use);
@@ -252,6 +315,19 @@ impl ExternalEngine {
                 l.name
             ))
             .with_param("model"));
+        }
+        // llama-server's embeddings take no per-request adapters: they would get the global
+        // scales, the adapters applied (see `lora::Listed::field`).
+        if let Some(listed) = &self.listed
+            && listed
+                .field(&self.client, ep, None, self.stall)
+                .await?
+                .is_some()
+        {
+            return Err(OpError::invalid(
+                "this worker's llama.cpp server has LoRA adapters, which it would apply to every \
+                 embedding: embeddings need a worker without adapters",
+            ));
         }
         let input = match self.kind {
             ExternalKind::Openai => serde_json::json!(
@@ -293,6 +369,7 @@ impl ExternalEngine {
         self: Arc<Self>,
         ep: Endpoint,
         model: String,
+        lora: Option<serde_json::Value>,
         req: PreprocessedRequest,
     ) -> impl Stream<Item = Result<Generated, OpError>> {
         async_stream::stream! {
@@ -309,7 +386,7 @@ impl ExternalEngine {
                 if upto <= done {
                     continue;
                 }
-                let resp = match self.send(&ep, &model, &req, &produced, upto - done, ignore_eos).await {
+                let resp = match self.send(&ep, (&model, lora.as_ref()), &req, &produced, upto - done, ignore_eos).await {
                     Ok(resp) => resp,
                     Err(e) => {
                         yield Err(e);
@@ -369,7 +446,7 @@ impl ExternalEngine {
     async fn send(
         &self,
         ep: &Endpoint,
-        model: &str,
+        (model, lora): (&str, Option<&serde_json::Value>),
         req: &PreprocessedRequest,
         produced: &[u32],
         max_tokens: u32,
@@ -390,6 +467,7 @@ impl ExternalEngine {
         };
         let ask = Ask {
             model,
+            lora,
             prompt,
             max_tokens,
             min_tokens: req.stop.min_tokens,

@@ -1,4 +1,6 @@
-//! LoRA adapters on vLLM servers: dyn loads an adapter into a replica's server through vLLM's
+//! LoRA adapters on external servers.
+//!
+//! vLLM: dyn loads an adapter into a replica's server through vLLM's
 //! own `POST /v1/load_lora_adapter` the first time a request of it lands there, then names it
 //! in the request's `model`, so vLLM batches it with whatever else it runs (`--enable-lora`).
 //!
@@ -9,15 +11,21 @@
 //! `keep` adapters stay loaded, the least recently used that no running request holds unloaded
 //! past that (vLLM's own `--max-loras` / `--max-cpu-loras` bound what it keeps in memory; this
 //! bounds its list).
+//!
+//! llama.cpp: llama-server reads its adapters only when it starts (`--lora FILE`, GGUF LoRA
+//! files; dyn adds the graph's to the servers it launches) and lists them at
+//! `GET /lora-adapters`; a request applies them by id and scale in its `lora` field. dyn reads
+//! each server's list once per start and matches adapters by file ([`Listed`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dyn_core::OpError;
 use dyn_llm::types::LoraRef;
 use parking_lot::Mutex;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
 use super::server::Endpoint;
@@ -155,4 +163,113 @@ async fn load(
     } else {
         OpError::invalid(msg).with_param("model")
     })
+}
+
+/// A llama.cpp server's adapters: id and file (made absolute where it exists).
+type List = Arc<Vec<(u64, PathBuf)>>;
+
+/// A server's start, and its list once read.
+type Start = (u64, Arc<OnceCell<List>>);
+
+/// The adapters of one replica's llama.cpp servers, as each lists them (see the module's
+/// documentation).
+#[derive(Default)]
+pub(crate) struct Listed {
+    /// By server; only the latest start of each is kept.
+    lists: Mutex<HashMap<String, Start>>,
+}
+
+impl Listed {
+    /// The `lora` field of a request to the server at `ep`: `lora` at scale 1, or for the model
+    /// itself every adapter at scale 0 — a request that names none gets the server's global
+    /// scales, which `--lora` sets to 1 (this llama-server keeps 1 even with
+    /// `--lora-init-without-apply`). `None` for the model on a server without adapters.
+    pub(crate) async fn field(
+        &self,
+        client: &reqwest::Client,
+        ep: &Endpoint,
+        lora: Option<&LoraRef>,
+        timeout: Duration,
+    ) -> Result<Option<Value>, OpError> {
+        let cell = {
+            let mut lists = self.lists.lock();
+            let entry = lists
+                .entry(ep.base.clone())
+                .or_insert_with(|| (ep.generation, Arc::default()));
+            if entry.0 != ep.generation {
+                // Restarted: what it lists now may differ.
+                *entry = (ep.generation, Arc::default());
+            }
+            entry.1.clone()
+        };
+        let list = cell
+            .get_or_try_init(|| read_list(client, ep, timeout))
+            .await?;
+        Ok(match lora {
+            None if list.is_empty() => None,
+            None => Some(Value::Array(
+                list.iter()
+                    .map(|(id, _)| json!({"id": id, "scale": 0.0}))
+                    .collect(),
+            )),
+            Some(l) => match list
+                .iter()
+                .find(|(_, p)| p.as_path() == std::path::Path::new(&l.path))
+            {
+                Some((id, _)) => Some(json!([{"id": id, "scale": 1.0}])),
+                None => {
+                    return Err(OpError::invalid(format!(
+                        "model `{}` is a LoRA adapter this worker's llama.cpp server was not started \
+                         with: llama-server reads adapters only when it starts (`--lora`); declare \
+                         it in the graph's model.loras (dyn adds those to the servers it launches)",
+                        l.name
+                    ))
+                    .with_param("model"));
+                }
+            },
+        })
+    }
+}
+
+/// llama-server's `GET /lora-adapters`: `[{"id", "path", "scale", …}]`. A server without the
+/// route (404) has no adapters.
+async fn read_list(
+    client: &reqwest::Client,
+    ep: &Endpoint,
+    timeout: Duration,
+) -> Result<List, OpError> {
+    let url = format!("{}/lora-adapters", ep.base);
+    let lost = |e: String| {
+        OpError::instance_lost(format!(
+            "the engine server at {} did not list its LoRA adapters: {e}",
+            ep.base
+        ))
+    };
+    let resp = client
+        .get(&url)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| lost(e.to_string()))?;
+    if resp.status() == reqwest::StatusCode::NOT_FOUND {
+        return Ok(Arc::default());
+    }
+    if !resp.status().is_success() {
+        return Err(lost(resp.status().to_string()));
+    }
+    let listed: Vec<Value> = resp.json().await.map_err(|e| lost(e.to_string()))?;
+    let mut list = Vec::with_capacity(listed.len());
+    for a in listed {
+        let (Some(id), Some(path)) = (a["id"].as_u64(), a["path"].as_str()) else {
+            return Err(lost(format!("an entry without an id and a path: {a}")));
+        };
+        // As the ingress names adapters (absolute, links resolved); a server started from
+        // another directory with a relative path matches only where it resolves the same here.
+        let path = tokio::fs::canonicalize(path)
+            .await
+            .unwrap_or_else(|_| PathBuf::from(path));
+        list.push((id, path));
+    }
+    tracing::info!(server = %ep.base, adapters = list.len(), "Read the engine server's LoRA adapters");
+    Ok(Arc::new(list))
 }

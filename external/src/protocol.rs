@@ -24,6 +24,8 @@ pub struct Call {
 /// What one call asks for; a request may take two (llama.cpp's `min_tokens`).
 pub struct Ask<'a> {
     pub model: &'a str,
+    /// llama.cpp: the adapters applied, by id and scale (its `lora` field).
+    pub lora: Option<&'a Value>,
     /// Token ids (vLLM, llama.cpp) or text (OpenAI) to continue.
     pub prompt: Prompt<'a>,
     pub max_tokens: u32,
@@ -147,6 +149,9 @@ pub fn request(
         }
         ExternalKind::Llamacpp => {
             put("n_predict", json!(ask.max_tokens));
+            if let Some(l) = ask.lora {
+                put("lora", l.clone());
+            }
             put("return_tokens", json!(true));
             if let Some(n) = s.logprobs {
                 // With 0 it would send none at all: one, left out again when read.
@@ -412,6 +417,7 @@ mod tests {
     fn ask(prompt: Prompt<'_>) -> Ask<'_> {
         Ask {
             model: "m",
+            lora: None,
             prompt,
             max_tokens: 8,
             min_tokens: 2,
@@ -584,6 +590,14 @@ mod tests {
             json!({"prompt": [1, 2, 3], "n_predict": 8, "stream": true, "return_tokens": true, "cache_prompt": true,
                    "ignore_eos": false, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 5})
         );
+        // An adapter applied goes in its `lora` field, as the worker found it in the list.
+        let applied = json!([{"id": 1, "scale": 1.0}]);
+        let with = Ask {
+            lora: Some(&applied),
+            ..ask(Prompt::Tokens(&r.token_ids))
+        };
+        let c = request(ExternalKind::Llamacpp, &r, &with).expect("a call");
+        assert_eq!(c.body["lora"], applied);
         assert_eq!(
             parse(
                 ExternalKind::Llamacpp,

@@ -2,7 +2,8 @@
 //! and out, greedy answers equal to the engine's own for the same ids, a client hang-up
 //! freeing the request in the engine (its own running-requests metric), a server killed
 //! mid-stream with every stream completing identically on the other, vLLM's KV events in the
-//! router's index, and bad configurations failing clearly (503, never a hang).
+//! router's index, LoRA adapters as each server applies them (vLLM's loaded at run time,
+//! llama.cpp's given at start), and bad configurations failing clearly (503, never a hang).
 //!
 //! Needs the engines `scripts/engines` sets up (`scripts/test` does, and sets
 //! `DYN_LLAMA_SERVER`, `DYN_VLLM_PYTHON` and `DYN_SMOLLM2_HF`); skipped visibly without them.
@@ -488,6 +489,101 @@ async fn llamacpp_serves_token_ids_as_its_own_server_answers_them() {
         workers.iter().all(|w| w["requests_running"].is_number()),
         "{w}"
     );
+}
+
+/// A GGUF LoRA file in the graph (models/smollm2-lora/qv.gguf: peft's adapter, converted by
+/// llama.cpp's own convert_lora_to_gguf.py in scripts/make-lora-fixtures) on a llama.cpp
+/// worker: dyn starts the server with it, and dyn's greedy answers with the adapter and
+/// without it equal the server's own for the same token ids with the adapter applied and
+/// not. Adapters the server was not started with are refused by name.
+#[tokio::test(flavor = "multi_thread")]
+async fn llamacpp_applies_the_graph_s_gguf_adapters_as_its_server_does() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let models = dyn_tests::root().join("models/smollm2-lora");
+    let set = format!("model.loras.qv={}", models.join("qv.gguf").display());
+    let Some((g, _)) = llamacpp_graph(&["--set", &set, "--set", "decode.replicas=1"]) else {
+        return;
+    };
+    let servers = servers(&g, 1, Duration::from_secs(60));
+    let direct = &servers[0].1;
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(models.join("reference.json")).unwrap())
+            .unwrap();
+    let case = &reference["cases"][0];
+    let ask = |model: &str| {
+        json!({"model": model, "prompt": case["prompt"], "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true, "return_token_ids": true})
+    };
+    let ours = |model: &'static str| {
+        let (url, body) = (g.url(""), ask(model));
+        async move {
+            let (status, v) = completion(&url, &body).await;
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["token_ids"].clone()
+        }
+    };
+    let own = |scale: f64| {
+        let body = json!({"prompt": case["prompt"], "n_predict": 16, "temperature": 0,
+                          "ignore_eos": true, "return_tokens": true,
+                          "lora": [{"id": 0, "scale": scale}]});
+        let url = format!("{direct}/completion");
+        async move { post(&url, &body).await["tokens"].clone() }
+    };
+    let (with, without) = (ours("qv").await, ours("smollm2").await);
+    assert_eq!(
+        with,
+        own(1.0).await,
+        "the adapter, as the server applies it"
+    );
+    assert_eq!(without, own(0.0).await, "the model alone");
+    assert_ne!(with, without, "the adapter changes the answer");
+    let peft = case["greedy"].as_array().unwrap();
+    let same = with
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(peft)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!(
+        "llama.cpp, Q4_1 + qv.gguf: {same} of {} greedy tokens as transformers + peft (f32) before the first divergence",
+        peft.len()
+    );
+
+    // Adapters the server lacks, loaded through dyn at run time: a PEFT directory, and a GGUF
+    // file it was not started with.
+    let late = dyn_tests::scratch_dir("llamacpp-lora").join("late.gguf");
+    std::fs::copy(models.join("qv.gguf"), &late).unwrap();
+    for (name, path, says) in [
+        ("peft", models.join("qv"), "GGUF LoRA files"),
+        ("late", late, "not started"),
+    ] {
+        let body = json!({"lora_name": name, "lora_path": path.display().to_string()});
+        let r = reqwest::Client::new()
+            .post(g.url("/v1/load_lora_adapter"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        let (status, v) = completion(&g.url(""), &ask(name)).await;
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some("model")),
+            "{v}"
+        );
+        assert!(message.contains(says) && message.contains(name), "{v}");
+    }
+    // Embeddings would get the adapters applied (llama-server takes none per request there).
+    let (status, v) = dyn_tests::post_json(
+        &g.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": "Hello"}),
+    )
+    .await;
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(status, 400, "{v}");
+    assert!(message.contains("without adapters"), "{v}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
