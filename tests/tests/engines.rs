@@ -3,7 +3,8 @@
 //! freeing the request in the engine (its own running-requests metric), a server killed
 //! mid-stream with every stream completing identically on the other, vLLM's KV events in the
 //! router's index, LoRA adapters as each server applies them (vLLM's loaded at run time,
-//! llama.cpp's given at start), and bad configurations failing clearly (503, never a hang).
+//! llama.cpp's given at start), embeddings as each server computes them, and bad
+//! configurations failing clearly (503, never a hang).
 //!
 //! Needs the engines `scripts/engines` sets up (`scripts/test` does, and sets
 //! `DYN_LLAMA_SERVER`, `DYN_VLLM_PYTHON` and `DYN_SMOLLM2_HF`); skipped visibly without them.
@@ -765,6 +766,80 @@ async fn llamacpp_embeddings_are_its_servers_own() {
     let cos: f64 = got.iter().zip(&n).map(|(a, b)| a * b).sum();
     println!("llama.cpp vs native on the Q4_1 GGUF: cosine {cos:.5}");
     assert!(cos > 0.99, "{cos}");
+}
+
+/// Embeddings through a vLLM worker whose server runs vLLM's pooling runner (`--runner pooling
+/// --convert embed`, last-token pooling for this decoder model): dyn's answer is the server's
+/// own vector for the same token ids, and the native engine's on the same f32 weights.
+#[tokio::test(flavor = "multi_thread")]
+async fn vllm_embeddings_are_its_servers_own_and_the_native_engine_s() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (Some(python), Some(hf)) = (env_path("DYN_VLLM_PYTHON"), env_path("DYN_SMOLLM2_HF")) else {
+        dyn_tests::skip("DYN_VLLM_PYTHON or DYN_SMOLLM2_HF is not set");
+        return;
+    };
+    let path = graph_with_engine(
+        "vllm-embed",
+        &hf,
+        "vllm",
+        &format!(
+            "{{launch: '{python} -m vllm.entrypoints.openai.api_server --model {{model}} \
+             --served-model-name {{model_name}} --host {{host}} --port {{port}} --dtype float32 \
+             --max-model-len 2048 --runner pooling --convert embed', env: {{VLLM_CPU_KVCACHE_SPACE: \"1\"}}}}"
+        ),
+    );
+    let g = Graph::start(&path, "http", &[], &[]);
+    let servers = servers(&g, 1, Duration::from_secs(600));
+    let texts = [
+        "The capital of France is Paris.",
+        "Embeddings point the way.",
+    ];
+    let (status, v) = dyn_tests::post_json(
+        &g.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": texts}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let vector = |v: &Value, i: usize| -> Vec<f64> {
+        serde_json::from_value(v["data"][i]["embedding"].clone()).unwrap()
+    };
+    let largest = |a: &[f64], b: &[f64]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+    let mut got = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let ours = vector(&v, i);
+        let (_, tok) = dyn_tests::post_json(&g.url("/tokenize"), &json!({"prompt": text})).await;
+        let own = post(
+            &format!("{}/v1/embeddings", servers[0].1),
+            &json!({"model": "smollm2", "input": tok["tokens"]}),
+        )
+        .await;
+        let d = largest(&ours, &vector(&own, 0));
+        assert!(d < 1e-6, "input {i}: {d}");
+        got.push(ours);
+    }
+    drop(g);
+    // The native engine on the same HF directory (f32).
+    let native = Graph::up_with_ingress(
+        "graphs/chat.yaml",
+        "http",
+        &["--set", &format!("model.path={hf}")],
+    );
+    let (_, n) = dyn_tests::post_json(
+        &native.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": texts}),
+    )
+    .await;
+    for (i, ours) in got.iter().enumerate() {
+        let d = largest(ours, &vector(&n, i));
+        println!("vLLM vs native on the f32 weights, input {i}: largest difference {d:.2e}");
+        assert!(d < 1e-4, "input {i}: {d}");
+    }
 }
 
 /// Requests get 503 `no_worker_available` at once, several times over `for_s` seconds.
