@@ -19,6 +19,7 @@ pub struct Frontend {
     pub duration: HistogramVec,
     pub input_tokens: IntCounterVec,
     pub output_tokens: IntCounterVec,
+    pub lora_requests: IntCounterVec,
 }
 
 pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
@@ -56,5 +57,12 @@ pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
         "dyn_frontend_output_tokens_total",
         "Generated tokens",
         &["model"],
+    ),
+    // Which adapters are asked for, beside the base model's own series (its requests count
+    // there too). One series per adapter name ever served: names are the operator's.
+    lora_requests: counter_vec(
+        "dyn_frontend_lora_requests_total",
+        "Requests by the LoRA adapter they name",
+        &["model", "lora"],
     ),
 });

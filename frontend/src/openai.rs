@@ -1531,6 +1531,12 @@ pub(crate) async fn start_part(
         }
     };
     let mut track = Track::new(app, req.model.as_str().into(), label, opts.stream);
+    if let Some(l) = &req.sampling.lora {
+        FRONTEND
+            .lora_requests
+            .with_label_values(&[req.model.as_str(), &l.name])
+            .inc();
+    }
     let ctx = match part {
         Some((parent, 0)) => Ok(parent.clone()),
         Some((parent, i)) => {

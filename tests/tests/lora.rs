@@ -117,6 +117,16 @@ async fn adapters_answer_as_peft_does_and_load_and_unload_at_run_time() {
     // must keep each adapter's KV its own.
     all_at_once_match(&url, &r, &["tiny", "qv", "all"]).await;
     all_at_once_match(&url, &r, &["all", "tiny", "qv"]).await;
+    // Counted by adapter, under their model.
+    let m = g.get("/metrics");
+    for lora in ["qv", "all"] {
+        let label = format!("lora=\"{lora}\"");
+        let n = metric(
+            &m,
+            &["dyn_frontend_lora_requests_total", &label, "model=\"tiny\""],
+        );
+        assert_eq!(n, 2 * r.prompts.len() as u64, "{lora}");
+    }
 
     // Not served yet: a 404 naming what is.
     let e = greedy(&url, "mlp", &r.prompts[0]).await.unwrap_err();
