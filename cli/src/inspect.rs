@@ -61,8 +61,10 @@ enum InspectCommand {
         /// The session the request would belong to: its binding, and whether it decides
         #[arg(long)]
         session: Option<String>,
-        /// Where the graph serves several models: the one whose tokenizer and template read
-        /// the prompt (default: the first); name its router with --node
+        /// The model whose tokenizer and template read the prompt (default: the first the
+        /// graph serves; name its router with --node where it serves several), or a LoRA
+        /// adapter: its model's, with the prompt's blocks hashed under the adapter and its
+        /// read priced on the workers without it
         #[arg(long)]
         model: Option<String>,
     },
@@ -559,6 +561,19 @@ fn print_route(r: &RouteAnswer) {
             c.ttft_ms(),
             c.cost,
             c.excluded.as_deref().unwrap_or("-"),
+        );
+    }
+    // A LoRA adapter's request (`--model ADAPTER`): where it would be read first.
+    let missing: Vec<String> = r
+        .candidates
+        .iter()
+        .filter(|c| c.lora_ms > 0.0)
+        .map(|c| format!("{:x} ({:.0} ms)", c.worker, c.lora_ms))
+        .collect();
+    if !missing.is_empty() {
+        println!(
+            "adapter not held by: {} — its read is in their prefill ms",
+            missing.join(", ")
         );
     }
 }

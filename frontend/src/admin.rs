@@ -48,6 +48,8 @@ pub struct Admin {
     pub models: Vec<(String, Arc<Preprocess>)>,
     /// The SLA planner's latest decision, wherever it runs.
     pub planner: Arc<PlannerView>,
+    /// What a `model` names (a model or one of its adapters), in `models`' order.
+    pub catalog: Arc<super::lora::Catalog>,
 }
 
 pub fn router(admin: Admin) -> axum::Router {
@@ -167,21 +169,16 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
             ));
         }
     };
-    let found = match &b.model {
-        None => a.models.first(),
-        Some(m) => a.models.iter().find(|(name, _)| name == m),
+    // A model, or an adapter: its model's tokenizer, and its blocks hashed under it (a 404
+    // naming what is served otherwise, as for a request).
+    let (i, lora) = match &b.model {
+        None => (0, None),
+        Some(m) => a.catalog.resolve(m)?,
     };
-    let Some((model, preprocess)) = found else {
-        let served: Vec<&str> = a.models.iter().map(|(n, _)| n.as_str()).collect();
-        return Err(ApiError::invalid(
-            "invalid_value",
-            format!(
-                "model {:?} is not served here ({})",
-                b.model.unwrap_or_default(),
-                served.join(", ")
-            ),
-        )
-        .with_param("model"));
+    let Some((model, preprocess)) = a.models.get(i) else {
+        return Err(ApiError::from(dyn_core::OpError::internal(
+            "the ingress serves no model",
+        )));
     };
     let req = LlmRequest {
         endpoint,
@@ -196,6 +193,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         tokens: pre.token_ids,
         cached_tokens: 0,
         session: b.session,
+        lora: lora.as_ref().map(dyn_llm::types::LoraRef::key),
     };
     let route = RouterQuery::Route(args.clone());
     if let Some(node) = b.node {

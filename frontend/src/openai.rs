@@ -89,12 +89,14 @@ impl IngressConfig for HttpConfig {
             });
             catalog.push(adapters);
         }
+        let catalog = Arc::new(Catalog(catalog));
         let admin = Admin {
             inspect: cx.service::<dyn_core::Inspectables>().await?,
             events: cx.planes.events.clone(),
             namespace: cx.namespace.clone(),
             models: tokenizers,
             planner: cx.service::<PlannerView>().await?,
+            catalog: catalog.clone(),
         };
         Ok(Http {
             listener: self.server.bind(&cx.node).await?,
@@ -102,7 +104,7 @@ impl IngressConfig for HttpConfig {
             served: served.into(),
             admin,
             stats: cx.service::<FrontendStats>().await?,
-            catalog: Arc::new(Catalog(catalog)),
+            catalog,
             responses: super::responses::Store {
                 kv: cx.planes.store.clone(),
                 bucket: dyn_core::planes::Bucket {

@@ -82,6 +82,10 @@ pub struct RouteArgs {
     /// The request's session (`session_affinity`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// The request's LoRA adapter ([`dyn_llm::types::LoraRef::key`]): its blocks are hashed
+    /// under it, and workers that hold it are preferred, as for a real request of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<String>,
 }
 
 /// `route`: where a prompt would go, and each candidate's terms (`kv`).
@@ -297,8 +301,12 @@ impl Inner {
         &self,
         tokens: &[u32],
         session: Option<&str>,
+        lora: Option<&str>,
     ) -> Result<RouteAnswer, String> {
-        let mut d = self.decide(tokens).map_err(|e| e.message)?;
+        let salt = crate::kv::salt_of(None, lora);
+        let mut d = self
+            .decide_without(tokens, salt, lora, &|_| false)
+            .map_err(|e| e.message)?;
         let now = std::time::Instant::now();
         let session = match (session, &self.sessions) {
             (Some(s), Some(sessions)) => {
@@ -401,7 +409,9 @@ impl Inspect for Inner {
     fn inspect(&self, query: &str, a: &Value) -> Result<Value, String> {
         match Query::parse(query, a)? {
             Query::Workers => to_value(self.workers_answer()),
-            Query::Route(a) => to_value(self.route_answer(&a.tokens, a.session.as_deref())?),
+            Query::Route(a) => {
+                to_value(self.route_answer(&a.tokens, a.session.as_deref(), a.lora.as_deref())?)
+            }
             Query::Kv(a) => to_value(self.kv_answer(&a)?),
             Query::Queue => match &self.admission {
                 Some(a) => to_value(a.answer()),
@@ -423,6 +433,7 @@ mod tests {
                 tokens: vec![1, 2, 3],
                 cached_tokens: 2,
                 session: Some("conv".into()),
+                lora: Some("qv\0abc".into()),
             }),
             Query::Queue,
             Query::Kv(KvArgs {

@@ -629,8 +629,12 @@ impl Route {
     }
 
     /// What `dyn inspect route` shows: where `tokens` would go.
-    pub fn route_answer(&self, tokens: &[u32]) -> Result<inspect::RouteAnswer, String> {
-        self.inner.route_answer(tokens, None)
+    pub fn route_answer(
+        &self,
+        tokens: &[u32],
+        lora: Option<&str>,
+    ) -> Result<inspect::RouteAnswer, String> {
+        self.inner.route_answer(tokens, None, lora)
     }
 
     /// What `dyn inspect kv` shows of this router's index.
@@ -707,6 +711,7 @@ impl Inner {
     }
 
     /// Decide where `tokens` (unsalted) would go, without recording anything.
+    #[cfg(test)]
     fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
         self.decide_without(tokens, None, None, &|_| false)
     }

@@ -577,7 +577,11 @@ impl Inspect for Inner {
                 let choice = decide(&self.config, uncached, workers, 0);
                 let (decision, reason) = choice.labels();
                 let prefill_worker = match choice {
-                    Choice::Remote => Some(self.pool.route_answer(&a.tokens)?.worker_id),
+                    Choice::Remote => Some(
+                        self.pool
+                            .route_answer(&a.tokens, a.lora.as_deref())?
+                            .worker_id,
+                    ),
                     Choice::Local(_) => None,
                 };
                 to_value(json!(PrefillRouteAnswer {

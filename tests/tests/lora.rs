@@ -343,6 +343,33 @@ async fn the_router_keeps_an_adapter_s_requests_where_it_is_held() {
         1,
         "the adapter was read on more than one worker:\n{m}"
     );
+    // `dyn inspect route --model ADAPTER` prices the adapter's read on the worker without it
+    // and picks the one with it; the model itself costs no read anywhere.
+    let lora_ms = |model: &str| -> (String, Vec<(String, f64)>) {
+        let r = dyn_tests::inspect_json(&url, &["route", "--model", model, "--prompt", "Hi"]);
+        let r = &r["replicas"][0];
+        let c = r["candidates"].as_array().unwrap();
+        let ms = c
+            .iter()
+            .map(|c| {
+                (
+                    c["worker_id"].as_str().unwrap().to_owned(),
+                    c["lora_ms"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        (r["worker_id"].as_str().unwrap().to_owned(), ms)
+    };
+    let (chosen, ms) = lora_ms("qv");
+    let held: Vec<&str> = ms
+        .iter()
+        .filter(|(_, m)| *m == 0.0)
+        .map(|(w, _)| w.as_str())
+        .collect();
+    assert_eq!(held, [chosen.as_str()], "{ms:?}");
+    assert_eq!(ms.len(), 2, "{ms:?}");
+    let (_, ms) = lora_ms("tiny");
+    assert!(ms.iter().all(|(_, m)| *m == 0.0), "{ms:?}");
 }
 
 /// Loading and unloading are the operators': behind `admin_key` where one is set (a tenant's
