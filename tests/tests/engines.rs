@@ -752,16 +752,7 @@ async fn llamacpp_embeddings_are_its_servers_own() {
     assert!(diff < 1e-6, "{diff}");
     drop(g);
     // The native engine on the same GGUF.
-    let native = Graph::up_with_ingress(
-        "graphs/chat.yaml",
-        "http",
-        &["--set", &format!("model.path={model}")],
-    );
-    let (_, n) = dyn_tests::post_json(
-        &native.url("/v1/embeddings"),
-        &json!({"model": "smollm2", "input": text}),
-    )
-    .await;
+    let n = native_embeddings(&model, json!(text)).await;
     let n: Vec<f64> = serde_json::from_value(n["data"][0]["embedding"].clone()).unwrap();
     let cos: f64 = got.iter().zip(&n).map(|(a, b)| a * b).sum();
     println!("llama.cpp vs native on the Q4_1 GGUF: cosine {cos:.5}");
@@ -825,21 +816,28 @@ async fn vllm_embeddings_are_its_servers_own_and_the_native_engine_s() {
     }
     drop(g);
     // The native engine on the same HF directory (f32).
-    let native = Graph::up_with_ingress(
-        "graphs/chat.yaml",
-        "http",
-        &["--set", &format!("model.path={hf}")],
-    );
-    let (_, n) = dyn_tests::post_json(
-        &native.url("/v1/embeddings"),
-        &json!({"model": "smollm2", "input": texts}),
-    )
-    .await;
+    let n = native_embeddings(&hf, json!(texts)).await;
     for (i, ours) in got.iter().enumerate() {
         let d = largest(ours, &vector(&n, i));
         println!("vLLM vs native on the f32 weights, input {i}: largest difference {d:.2e}");
         assert!(d < 1e-4, "input {i}: {d}");
     }
+}
+
+/// The native engine's embeddings of `input` with the model at `path` (graphs/chat.yaml).
+async fn native_embeddings(path: &str, input: Value) -> Value {
+    let native = Graph::up_with_ingress(
+        "graphs/chat.yaml",
+        "http",
+        &["--set", &format!("model.path={path}")],
+    );
+    let (status, v) = dyn_tests::post_json(
+        &native.url("/v1/embeddings"),
+        &json!({"model": "smollm2", "input": input}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    v
 }
 
 /// Requests get 503 `no_worker_available` at once, several times over `for_s` seconds.
