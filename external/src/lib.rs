@@ -58,8 +58,10 @@ fn is_gguf(path: &str) -> bool {
 
 /// What dyn adds to a launched llama-server's command line for the graph's GGUF adapters:
 /// `--lora FILE` each (absolute, as the ingress names them, so that the server's list matches),
-/// not applied unless a request asks. PEFT directories are left out (llama-server reads GGUF
-/// only; requests of them are refused by name).
+/// not applied unless a request asks, and `--cache-ram 0`: its prompt cache across slots keys
+/// KV by tokens alone, so a prompt computed under one adapter would be restored for a request
+/// under another (a slot's own KV is cleared when its adapters change). PEFT directories are
+/// left out (llama-server reads GGUF only; requests of them are refused by name).
 async fn llamacpp_lora_args(cx: &BuildCx) -> String {
     let Some(model) = &cx.model else {
         return String::new();
@@ -77,7 +79,7 @@ async fn llamacpp_lora_args(cx: &BuildCx) -> String {
     if args.is_empty() {
         return String::new();
     }
-    format!("--lora-init-without-apply {}", args.join(" "))
+    format!("--cache-ram 0 --lora-init-without-apply {}", args.join(" "))
 }
 
 /// `s` as one word for `sh`.
@@ -256,7 +258,7 @@ impl ExternalEngine {
                     )).with_param("model"));
                     return;
                 }
-                match listed.field(&this.client, &ep, lora, this.stall).await {
+                match listed.field(&this.client, (&this.server, &ep), lora, this.stall).await {
                     Ok(f) => applied = f,
                     Err(e) => {
                         yield Err(e);
@@ -320,7 +322,7 @@ impl ExternalEngine {
         // scales, the adapters applied (see `lora::Listed::field`).
         if let Some(listed) = &self.listed
             && listed
-                .field(&self.client, ep, None, self.stall)
+                .field(&self.client, (&self.server, ep), None, self.stall)
                 .await?
                 .is_some()
         {

@@ -17,7 +17,7 @@
 //! `GET /lora-adapters`; a request applies them by id and scale in its `lora` field. dyn reads
 //! each server's list once per start and matches adapters by file ([`Listed`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-use super::server::Endpoint;
+use super::server::{Endpoint, Server};
 
 /// Which server: its URL and its start.
 type ServerKey = (String, u64);
@@ -168,15 +168,15 @@ async fn load(
 /// A llama.cpp server's adapters: id and file (made absolute where it exists).
 type List = Arc<Vec<(u64, PathBuf)>>;
 
-/// A server's start, and its list once read.
-type Start = (u64, Arc<OnceCell<List>>);
+/// A server (URL and start), and its list once read.
+type Start = (ServerKey, Arc<OnceCell<List>>);
 
-/// The adapters of one replica's llama.cpp servers, as each lists them (see the module's
+/// The adapters of one replica's llama.cpp server, as it lists them (see the module's
 /// documentation).
 #[derive(Default)]
 pub(crate) struct Listed {
-    /// By server; only the latest start of each is kept.
-    lists: Mutex<HashMap<String, Start>>,
+    /// The server's latest start seen (a restarted one may list others).
+    list: Mutex<Option<Start>>,
 }
 
 impl Listed {
@@ -187,23 +187,24 @@ impl Listed {
     pub(crate) async fn field(
         &self,
         client: &reqwest::Client,
-        ep: &Endpoint,
+        (server, ep): (&Server, &Endpoint),
         lora: Option<&LoraRef>,
         timeout: Duration,
     ) -> Result<Option<Value>, OpError> {
+        let key: ServerKey = (ep.base.clone(), ep.generation);
         let cell = {
-            let mut lists = self.lists.lock();
-            let entry = lists
-                .entry(ep.base.clone())
-                .or_insert_with(|| (ep.generation, Arc::default()));
-            if entry.0 != ep.generation {
-                // Restarted: what it lists now may differ.
-                *entry = (ep.generation, Arc::default());
+            let mut list = self.list.lock();
+            match &*list {
+                Some((k, cell)) if *k == key => cell.clone(),
+                _ => {
+                    let cell = Arc::<OnceCell<List>>::default();
+                    *list = Some((key, cell.clone()));
+                    cell
+                }
             }
-            entry.1.clone()
         };
         let list = cell
-            .get_or_try_init(|| read_list(client, ep, timeout))
+            .get_or_try_init(|| read_list(client, server, ep, timeout))
             .await?;
         Ok(match lora {
             None if list.is_empty() => None,
@@ -232,36 +233,52 @@ impl Listed {
 }
 
 /// llama-server's `GET /lora-adapters`: `[{"id", "path", "scale", …}]`. A server without the
-/// route (404) has no adapters.
+/// route (404) has no adapters; one that does not answer is suspect (the request migrates),
+/// and other refusals read as a request's ([`crate::refused`]).
 async fn read_list(
     client: &reqwest::Client,
+    server: &Server,
     ep: &Endpoint,
     timeout: Duration,
 ) -> Result<List, OpError> {
     let url = format!("{}/lora-adapters", ep.base);
-    let lost = |e: String| {
-        OpError::instance_lost(format!(
+    let what = |e: String| {
+        format!(
             "the engine server at {} did not list its LoRA adapters: {e}",
             ep.base
-        ))
+        )
     };
-    let resp = client
-        .get(&url)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| lost(e.to_string()))?;
-    if resp.status() == reqwest::StatusCode::NOT_FOUND {
+    let resp = match client.get(&url).timeout(timeout).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            server.suspect();
+            return Err(OpError::instance_lost(what(e.to_string())));
+        }
+    };
+    let status = resp.status();
+    if status == reqwest::StatusCode::NOT_FOUND {
         return Ok(Arc::default());
     }
-    if !resp.status().is_success() {
-        return Err(lost(resp.status().to_string()));
+    let body = match tokio::time::timeout(timeout, resp.text()).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(OpError::instance_lost(what(e.to_string()))),
+        Err(_) => {
+            return Err(OpError::instance_lost(what(format!(
+                "no answer in {timeout:?}"
+            ))));
+        }
+    };
+    if !status.is_success() {
+        return Err(crate::refused(server, status, &body));
     }
-    let listed: Vec<Value> = resp.json().await.map_err(|e| lost(e.to_string()))?;
+    let listed: Vec<Value> =
+        serde_json::from_str(&body).map_err(|e| OpError::internal(what(e.to_string())))?;
     let mut list = Vec::with_capacity(listed.len());
     for a in listed {
         let (Some(id), Some(path)) = (a["id"].as_u64(), a["path"].as_str()) else {
-            return Err(lost(format!("an entry without an id and a path: {a}")));
+            return Err(OpError::internal(what(format!(
+                "an entry without an id and a path: {a}"
+            ))));
         };
         // As the ingress names adapters (absolute, links resolved); a server started from
         // another directory with a relative path matches only where it resolves the same here.

@@ -551,6 +551,37 @@ async fn llamacpp_applies_the_graph_s_gguf_adapters_as_its_server_does() {
         peft.len()
     );
 
+    // llama-server's prompt cache across slots keys KV by tokens alone: without the
+    // `--cache-ram 0` dyn adds, a prompt computed under the adapter and pushed out of its slot
+    // was restored for the model's own request of it (seen by hand: a different answer).
+    let long: Vec<u32> = (0..3)
+        .flat_map(|_| {
+            [
+                504, 3575, 282, 4649, 314, 253, 1345, 28, 354, 4108, 282, 7042, 30, 198,
+            ]
+        })
+        .collect();
+    let greedy = |model: &'static str, prompt: Vec<u32>| {
+        let url = g.url("");
+        async move {
+            let body = json!({"model": model, "prompt": prompt, "max_tokens": 12,
+                              "temperature": 0, "return_token_ids": true});
+            let (status, v) = completion(&url, &body).await;
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["token_ids"].clone()
+        }
+    };
+    let before = greedy("smollm2", long.clone()).await;
+    greedy("qv", long.clone()).await;
+    for i in 0..6u32 {
+        greedy("smollm2", (0..30).map(|k| 700 + i * 13 + k).collect()).await;
+    }
+    assert_eq!(
+        greedy("smollm2", long).await,
+        before,
+        "the adapter's KV was reused"
+    );
+
     // Adapters the server lacks, loaded through dyn at run time: a PEFT directory, and a GGUF
     // file it was not started with.
     let late = dyn_tests::scratch_dir("llamacpp-lora").join("late.gguf");

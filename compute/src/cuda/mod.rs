@@ -515,14 +515,9 @@ where
                 let Some(p) = &lora.layers[li][target as usize] else {
                     continue;
                 };
+                // (Shapes checked when the adapter was uploaded.)
                 let (inp, out) = target.dims(&self.cfg);
-                // The products below index the device buffers by these shapes: a mismatch would
-                // read and write outside them, not panic, so it is refused here.
-                if inp != x_cols || p.at.len() != inp * p.rank || p.bt.len() != p.rank * out {
-                    return Err(ComputeError::Invalid(format!(
-                        "LoRA adapter for layer {li} {target:?} does not fit the model's {inp} x {out}"
-                    )));
-                }
+                debug_assert_eq!(inp, x_cols);
                 // T (n × rank, row-major) = X (n × in) · Aᵀ (in × rank); column-major:
                 // Tᵀ = (Aᵀ)ᵀ · Xᵀ with both operands as stored.
                 let first = GemmConfig {
@@ -626,6 +621,15 @@ where
             let mut per: [Option<DevPair<T>>; 7] = Default::default();
             for t in Target::ALL {
                 if let Some(p) = a.pair(li, t) {
+                    // The products index the device buffers by the model's shapes: a mismatch
+                    // would read and write outside them, not panic, so it is refused here,
+                    // before the adapter is kept.
+                    let (inp, out) = t.dims(&self.cfg);
+                    if p.at.len() != inp * p.rank || p.bt.len() != p.rank * out {
+                        return Err(ComputeError::Invalid(format!(
+                            "LoRA adapter for layer {li} {t:?} does not fit the model's {inp} x {out}"
+                        )));
+                    }
                     per[t as usize] = Some(DevPair {
                         rank: p.rank,
                         at: up(&p.at)?,

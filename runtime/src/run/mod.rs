@@ -253,6 +253,42 @@ async fn connect_planes(graph: &CompiledGraph, opts: &RunOptions) -> Result<Plan
     .await
 }
 
+/// `here` with every node after the nodes it calls (those that take it as an input): a node
+/// that watches the replicas it calls (a router its workers) then finds those of this process
+/// registered when it starts, instead of learning of them from discovery's events an instant
+/// later — a request that came in between would find no worker.
+fn callees_first<'g>(graph: &CompiledGraph, here: &[&'g CompiledNode]) -> Vec<&'g CompiledNode> {
+    let index = |n: &CompiledNode| graph.nodes.iter().position(|m| m.id == n.id);
+    let at: Vec<Option<usize>> = here.iter().map(|n| index(n)).collect();
+    let mut done = vec![false; here.len()];
+    let mut order = Vec::with_capacity(here.len());
+    while order.len() < here.len() {
+        let before = order.len();
+        for (i, n) in here.iter().enumerate() {
+            // Ready once every node here that takes it as an input is placed.
+            let ready = !done[i]
+                && here.iter().enumerate().all(|(j, m)| {
+                    done[j] || j == i || at[i].is_none_or(|a| !m.inputs.contains(&a))
+                });
+            if ready {
+                done[i] = true;
+                order.push(*n);
+            }
+        }
+        if order.len() == before {
+            // A cycle (the compiler refuses those): the rest in the graph's order.
+            order.extend(
+                here.iter()
+                    .zip(&done)
+                    .filter(|(_, d)| !**d)
+                    .map(|(n, _)| *n),
+            );
+            break;
+        }
+    }
+    order
+}
+
 /// What start-up shares between its phases.
 struct Startup<'g> {
     graph: &'g CompiledGraph,
@@ -268,7 +304,7 @@ impl Startup<'_> {
     /// request plane and keep it registered in discovery while it is ready (see
     /// [`Readiness`]).
     async fn serve_operators(&self, here: &[&CompiledNode]) -> Result<(), RuntimeError> {
-        for n in here {
+        for n in callees_first(self.graph, here) {
             if !matches!(n.kind.ports, Ports::Operator { .. }) {
                 continue;
             }
