@@ -82,6 +82,14 @@ async fn llamacpp_lora_args(cx: &BuildCx) -> String {
     format!("--cache-ram 0 --lora-init-without-apply {}", args.join(" "))
 }
 
+/// A launched server's extra arguments (made anew at each start) with `args` after them.
+fn append_args(extra: &mut Option<Box<dyn Fn() -> String + Send + Sync>>, args: String) {
+    *extra = Some(match extra.take() {
+        Some(before) => Box::new(move || format!("{} {args}", before())),
+        None => Box::new(move || args.clone()),
+    });
+}
+
 /// `s` as one word for `sh`.
 fn shell_quoted(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
@@ -151,11 +159,7 @@ impl ExternalEngine {
         }
         let mut config = config.clone();
         if let (Some(l), true) = (&config.lora, config.launch.is_some()) {
-            let lora_args = l.launch_args();
-            extra_args = Some(match extra_args.take() {
-                Some(kv) => Box::new(move || format!("{} {lora_args}", kv())),
-                None => Box::new(move || lora_args.clone()),
-            });
+            append_args(&mut extra_args, l.launch_args());
             config
                 .env
                 .insert("VLLM_ALLOW_RUNTIME_LORA_UPDATING".into(), "True".into());
@@ -163,10 +167,7 @@ impl ExternalEngine {
         if let (ExternalKind::Llamacpp, Some(_)) = (kind, &config.launch) {
             let args = llamacpp_lora_args(cx).await;
             if !args.is_empty() {
-                extra_args = Some(match extra_args.take() {
-                    Some(other) => Box::new(move || format!("{} {args}", other())),
-                    None => Box::new(move || args.clone()),
-                });
+                append_args(&mut extra_args, args);
             }
         }
         let loras = config.lora.as_ref().map(|l| lora::Loaded::new(l.keep));
