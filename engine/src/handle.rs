@@ -354,12 +354,13 @@ impl EngineHandle {
     /// Queue a request; its tokens arrive on the returned channel. `kv`: the prompt's KV
     /// imported from a prefill worker (decode role), or none (aggregated); `lora`: its
     /// adapter ([`EngineHandle::adapter`]).
-    pub fn submit(
+    pub async fn submit(
         &self,
         req: &PreprocessedRequest,
         kv: Option<ImportedKv>,
         lora: Option<Lora>,
     ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
+        let compiled = self.compiled(req).await?;
         match kv {
             Some(kv) => self.enqueue(
                 req,
@@ -368,10 +369,34 @@ impl EngineHandle {
                 },
                 Some(kv.blocks),
                 None,
-                lora,
+                (lora, compiled),
             ),
-            None => self.enqueue(req, SeqRole::Full, None, None, lora),
+            None => self.enqueue(req, SeqRole::Full, None, None, (lora, compiled)),
         }
+    }
+
+    /// The request's structured output compiled, before it is queued: on a compile thread
+    /// (or from the cache, when this process's preprocess compiled it), never in a step.
+    async fn compiled(
+        &self,
+        req: &PreprocessedRequest,
+    ) -> Result<Option<std::sync::Arc<dyn_llm::grammar::Compiled>>, OpError> {
+        let Some(c) = &req.sampling.constraint else {
+            return Ok(None);
+        };
+        let model = self.settings.model.clone().ok_or_else(|| {
+            OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
+                .with_param("response_format")
+        })?;
+        // Compiled when the worker started (see `EngineHandle::start`), so this is a lookup.
+        let grammars = model
+            .grammars()
+            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
+        grammars
+            .compile(c)
+            .await
+            .map(Some)
+            .map_err(dyn_llm::preprocess::grammar_error)
     }
 
     /// Receive the KV a prefill worker computed for `req`: the modelled transfer time (if
@@ -446,27 +471,28 @@ impl EngineHandle {
     /// Queue a prefill-only request: its first token arrives on the first channel, the offer
     /// of its prompt's KV blocks on the second. The offer is for `req.target` only (the decode
     /// worker the router chose) when it names one.
-    pub fn submit_prefill(
+    pub async fn submit_prefill(
         &self,
         req: &PreprocessedRequest,
         lora: Option<Lora>,
     ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
+        let compiled = self.compiled(req).await?;
         let (reply, orx) = oneshot::channel();
         let to = OfferTo {
             reply,
             puller: req.target.map(|t| t.0),
         };
         Ok((
-            self.enqueue(req, SeqRole::Prefill, None, Some(to), lora)?,
+            self.enqueue(req, SeqRole::Prefill, None, Some(to), (lora, compiled))?,
             orx,
         ))
     }
 
-    /// The grammar state of a structured output whose output so far is `generated` and that
-    /// may write `max_tokens` more.
+    /// The grammar state of a structured output (`compiled`) whose output so far is
+    /// `generated` and that may write `max_tokens` more.
     fn guide(
         &self,
-        c: &dyn_llm::types::Constraint,
+        compiled: &dyn_llm::grammar::Compiled,
         generated: &[u32],
         max_tokens: u32,
     ) -> Result<crate::scheduler::Guided, OpError> {
@@ -474,12 +500,11 @@ impl EngineHandle {
             OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
                 .with_param("response_format")
         })?;
-        // Compiled when the worker started (see `EngineHandle::start`), so this is a lookup.
         let grammars = model
             .grammars()
             .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
         Ok(std::sync::Arc::new(parking_lot::Mutex::new(
-            grammars.guide(c.clone(), generated.to_vec(), max_tokens),
+            grammars.guide(compiled, generated.to_vec(), max_tokens),
         )))
     }
 
@@ -489,7 +514,10 @@ impl EngineHandle {
         role: SeqRole,
         kv: Option<Vec<Bytes>>,
         offer: Option<OfferTo>,
-        lora: Option<Lora>,
+        (lora, compiled): (
+            Option<Lora>,
+            Option<std::sync::Arc<dyn_llm::grammar::Compiled>>,
+        ),
     ) -> Result<mpsc::Receiver<EngineItem>, OpError> {
         if req.token_ids.is_empty() {
             return Err(OpError::invalid("the prompt has no tokens"));
@@ -548,7 +576,7 @@ impl EngineHandle {
             )
             .with_param("model"));
         }
-        let guide = match &s.constraint {
+        let guide = match &compiled {
             None => None,
             Some(c) => {
                 // The grammar replays what was generated: a migrated request's tokens after
@@ -651,6 +679,7 @@ mod tests {
                 None,
                 None,
             )
+            .await
             .expect("submitted");
         let items: Vec<EngineItem> = request_items(rx).collect().await;
         // Three steps of tokens (prefill, two decodes), then the loss, and nothing after.
@@ -680,6 +709,7 @@ mod tests {
                 None,
                 None,
             )
+            .await
             .expect_err("refused");
         assert_eq!(e.kind, dyn_core::ErrorKind::InstanceLost, "{e:?}");
     }
@@ -697,11 +727,11 @@ mod tests {
             .await
             .expect("starts");
         let req = dyn_llm::testing::preprocessed((0..40).collect(), 50);
-        let _running = m.submit(&req, None, None).expect("runs");
+        let _running = m.submit(&req, None, None).await.expect("runs");
         let mut refused = None;
         let mut held = Vec::new();
         for _ in 0..3 {
-            match m.submit(&req, None, None) {
+            match m.submit(&req, None, None).await {
                 Ok(rx) => held.push(rx),
                 Err(e) => {
                     refused = Some(e);
@@ -718,7 +748,7 @@ mod tests {
     }
 
     async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
-        let mut rx = m.submit(req, None, None).expect("submitted");
+        let mut rx = m.submit(req, None, None).await.expect("submitted");
         let mut out = Vec::new();
         while let Some(Ok(Generated::Tokens { ids, finish, .. })) = rx.recv().await {
             out.extend(ids);

@@ -672,7 +672,7 @@ mod tests {
         use futures::StreamExt;
         let mut req = dyn_llm::testing::preprocessed(prompt.to_vec(), 1);
         req.sampling.embed = Some(pooling);
-        let rx = engine.submit(&req, None, None).expect("submitted");
+        let rx = engine.submit(&req, None, None).await.expect("submitted");
         let items: Vec<_> = crate::handle::request_items(rx).collect().await;
         let mut found = None;
         for item in items {
@@ -729,11 +729,11 @@ mod tests {
         assert!(close(&last, &mean) > 1e-3, "last and mean pool differently");
 
         // Generation beside embeddings: the same tokens as alone.
-        let generate = |engine: &crate::EngineHandle| {
+        async fn generate(engine: &crate::EngineHandle) -> Vec<u32> {
             let mut req = dyn_llm::testing::preprocessed(vec![5, 9, 13, 2], 24);
             req.sampling.temperature = Some(0.0);
             req.stop.ignore_eos = true;
-            let rx = engine.submit(&req, None, None).expect("submitted");
+            let rx = engine.submit(&req, None, None).await.expect("submitted");
             crate::handle::request_items(rx)
                 .filter_map(|i| async move {
                     match i.expect("no error") {
@@ -742,7 +742,8 @@ mod tests {
                     }
                 })
                 .concat()
-        };
+                .await
+        }
         let alone = generate(&whole).await;
         let prompts: Vec<Vec<u32>> = (0..6u32)
             .map(|i| (0..30 + i).map(|t| 2 + (t * 11 + i) % 190).collect())
@@ -802,8 +803,11 @@ mod tests {
                 req.sampling.temperature = Some(0.8);
                 req.sampling.constraint = c.clone();
                 req.stop.ignore_eos = c.is_none();
-                let rx = engine.submit(&req, None, None).expect("submitted");
-                crate::handle::request_items(rx).collect::<Vec<_>>()
+                let engine = &engine;
+                async move {
+                    let rx = engine.submit(&req, None, None).await.expect("submitted");
+                    crate::handle::request_items(rx).collect::<Vec<_>>().await
+                }
             })
             .collect();
         for (c, items) in constraints

@@ -225,7 +225,7 @@ impl Operator for Decode {
                 },
                 None => None,
             };
-            let rx = match engine.submit(&req, kv, lora) {
+            let rx = match engine.submit(&req, kv, lora).await {
                 Ok(rx) => rx,
                 Err(e) => {
                     yield Err(e);

@@ -300,7 +300,7 @@ async fn prefill(
     worker_id: u64,
 ) -> Result<Prefilled, OpError> {
     let lora = engine.adapter(req).await?;
-    let (mut tokens, offer) = engine.submit_prefill(req, lora)?;
+    let (mut tokens, offer) = engine.submit_prefill(req, lora).await?;
     let work = async {
         let mut first = None;
         while let Some(g) = tokens.recv().await {

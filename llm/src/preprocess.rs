@@ -267,9 +267,10 @@ impl Preprocess {
         })
     }
 
-    /// A structured output's grammar compiles (on the blocking pool: milliseconds, and the
-    /// model's vocabulary the first time), so a schema the library rejects is a 400 naming
-    /// the problem rather than an output that ends early.
+    /// A structured output's grammar is within bounds and compiles (on a compile thread; the
+    /// model's vocabulary the first time, on the blocking pool), so a schema the library
+    /// rejects is a 400 naming the problem rather than an output that ends early. The
+    /// compiled grammar is kept: a worker in this process starts the request's guide from it.
     async fn check_grammar(&self, c: Constraint, ignore_eos: bool) -> Result<(), OpError> {
         if ignore_eos {
             return Err(invalid(
@@ -278,15 +279,11 @@ impl Preprocess {
             ));
         }
         let model = self.model.clone();
-        tokio::task::spawn_blocking(move || model.grammars().and_then(|g| g.check(&c)))
+        let grammars = tokio::task::spawn_blocking(move || model.grammars())
             .await
             .map_err(|e| OpError::internal(format!("grammar task failed: {e}")))?
-            .map_err(|e| {
-                invalid(
-                    "response_format",
-                    format!("the output grammar is invalid: {e}"),
-                )
-            })
+            .map_err(|e| invalid("response_format", e))?;
+        grammars.compile(&c).await.map(drop).map_err(grammar_error)
     }
 
     /// Text tokenized as a request's prompt would be, on the blocking pool when it is long.
@@ -432,6 +429,18 @@ impl Preprocess {
             cached_tokens: 0,
             prefilled: None,
         })
+    }
+}
+
+/// A constraint that did not compile: the request's fault (400), or the compiler's turns all
+/// taken (503, try again).
+pub fn grammar_error(e: crate::grammar::CompileError) -> OpError {
+    match e {
+        crate::grammar::CompileError::Invalid(e) => invalid(
+            "response_format",
+            format!("the output grammar is invalid: {e}"),
+        ),
+        crate::grammar::CompileError::Busy(e) => OpError::overloaded(e),
     }
 }
 

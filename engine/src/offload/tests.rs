@@ -21,7 +21,7 @@ fn greedy(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
 }
 
 async fn run(m: &EngineHandle, req: &PreprocessedRequest) -> Vec<u32> {
-    let mut rx = m.submit(req, None, None).expect("submitted");
+    let mut rx = m.submit(req, None, None).await.expect("submitted");
     let mut out = Vec::new();
     while let Some(item) = rx.recv().await {
         let Generated::Tokens { ids, finish, .. } = item.expect("no engine error") else {
@@ -287,7 +287,7 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
         let m = m.clone();
         tasks.spawn(async move {
             let mut rx = loop {
-                match m.submit(&req, None, None) {
+                match m.submit(&req, None, None).await {
                     Ok(rx) => break rx,
                     Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
                 }

@@ -4,10 +4,13 @@
 //! llguidance is the grammar engine llama.cpp, vLLM and SGLang use; its parser walks a trie of
 //! the model's vocabulary ([`toktrie`]) built here once per model from the tokenizer.
 //!
-//! [`Grammars`] holds the compiled vocabulary; preprocess uses it to refuse a constraint the
-//! library rejects (400 naming the problem) and engines to start a [`Guide`] per request. A
-//! guide compiles its grammar on first use, which the native engine does on a helper thread
-//! while the forward pass runs, and then hands out one mask per sampled token.
+//! [`Grammars`] holds the compiled vocabulary. A constraint is measured against the bounds of
+//! [`bounds`] and compiled by [`Grammars::compile`] on a compile thread of its own, once per
+//! content ([`compile`]): preprocess does so to refuse a constraint the library rejects (400
+//! naming the problem), and engines before a request is queued, so no step waits on a compile.
+//! Each request's [`Guide`] starts from a copy of the compiled parser and hands out one mask
+//! per sampled token (the native engine computes them on helper threads while the forward
+//! pass runs).
 //!
 //! JSON is generated compactly with Python's separators (`", "`, `": "`) and no free
 //! whitespace: with flexible whitespace a small model can spend its whole budget on newlines
@@ -32,6 +35,11 @@ use tokenizers::{DecoderWrapper, Tokenizer};
 
 use super::types::{Calls, Constraint};
 
+pub mod bounds;
+mod compile;
+
+pub use compile::{CompileError, Compiled};
+
 /// A model's vocabulary compiled for llguidance: shared by every request on the model.
 pub struct Grammars {
     factory: ParserFactory,
@@ -39,6 +47,7 @@ pub struct Grammars {
     /// What a guide prefers when its budget runs out, and every token's bytes (to follow
     /// whether a JSON answer is inside a string).
     steer: Steer,
+    compiler: compile::Compiler,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -70,14 +79,24 @@ impl Grammars {
             factory,
             eos: eos.to_vec(),
             steer: Steer::new(words),
+            compiler: compile::Compiler::default(),
         })
     }
 
-    /// Compile `c`: `Err` names what the grammar library rejects.
+    /// Compile `c` on the calling thread, without the cache (tests; a caller with a thread of
+    /// its own): `Err` names the bound exceeded or what the grammar library rejects.
     pub fn check(&self, c: &Constraint) -> Result<(), String> {
-        self.parser(c).map(drop)
+        self.compile_here(c).map(drop)
     }
 
+    /// [`Grammars::compile`] on the calling thread, without the cache (tests; a caller on a
+    /// thread with a stack of its own).
+    pub fn compile_here(&self, c: &Constraint) -> Result<Compiled, String> {
+        bounds::check(c)?;
+        Ok(Compiled::new(self.parser(c)?, c))
+    }
+
+    /// The parser of `c`; recurses as deep as `c` nests (see [`bounds`]).
     fn parser(&self, c: &Constraint) -> Result<Matcher, String> {
         let parser = self
             .factory
@@ -86,11 +105,11 @@ impl Grammars {
         Ok(Matcher::new(Ok(parser)))
     }
 
-    /// A guide for one request whose output so far is `generated` (non-empty when a migrated
-    /// request resumes) and that may write `max_tokens` more.
-    pub fn guide(self: &Arc<Self>, c: Constraint, generated: Vec<u32>, max_tokens: u32) -> Guide {
-        let mut json =
-            matches!(c, Constraint::JsonSchema(_) | Constraint::JsonObject).then(JsonText::default);
+    /// A guide for one request of the constraint `c` ([`Grammars::compile`]) whose output so
+    /// far is `generated` (non-empty when a migrated request resumes) and that may write
+    /// `max_tokens` more.
+    pub fn guide(self: &Arc<Self>, c: &Compiled, generated: Vec<u32>, max_tokens: u32) -> Guide {
+        let mut json = c.json.then(JsonText::default);
         if let Some(j) = &mut json {
             generated.iter().for_each(|&t| j.feed(self.word(t)));
         }
@@ -98,7 +117,7 @@ impl Grammars {
             json,
             state: State::Pending {
                 grammars: self.clone(),
-                constraint: c,
+                matcher: Box::new(c.start()),
                 replay: generated,
             },
             left: max_tokens,
@@ -324,9 +343,13 @@ fn top_level(c: &Constraint) -> TopLevelGrammar {
             TopLevelGrammar::from_json_schema(json_schema(c).unwrap_or_default())
         }
         Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
-        Constraint::Choice(options) => {
-            TopLevelGrammar::from_lark(format!("start: {}", choice_expr(options)))
-        }
+        // One terminal (a lexeme), not a rule of alternatives: a rule keeps an Earley item per
+        // alternative, and llguidance ends a row at 2,000 items (a choice of more ended after
+        // its first token).
+        Constraint::Choice(options) => TopLevelGrammar::from_lark(format!(
+            "start: CHOICE\nCHOICE: {}",
+            choice_expr(options)
+        )),
         Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         Constraint::Calls(c) => TopLevelGrammar::from_lark(calls_lark(c)),
     }
@@ -378,10 +401,11 @@ fn byte_fallback(tok: &str) -> Option<u8> {
 }
 
 enum State {
-    /// Not compiled yet (compiling takes milliseconds; it happens off the engine's step).
+    /// Compiled, the output so far not yet replayed (a migrated request's tokens: replayed on
+    /// the first mask, on the engine's mask threads rather than where the request is queued).
     Pending {
         grammars: Arc<Grammars>,
-        constraint: Constraint,
+        matcher: Box<Matcher>,
         replay: Vec<u32>,
     },
     Ready {
@@ -391,6 +415,8 @@ enum State {
     /// The grammar failed (it was checked when the request came in, so a library limit hit
     /// mid-output): only eos is allowed, so the output ends.
     Broken(Arc<Grammars>),
+    /// Only while a pending guide is replayed.
+    Replaying,
 }
 
 /// One request's grammar state: [`Guide::mask`] before each sampled token, [`Guide::commit`]
@@ -412,6 +438,7 @@ impl std::fmt::Debug for Guide {
             State::Pending { .. } => "pending",
             State::Ready { .. } => "ready",
             State::Broken(_) => "broken",
+            State::Replaying => "replaying",
         };
         f.debug_struct("Guide").field("state", &s).finish()
     }
@@ -421,23 +448,19 @@ impl Guide {
     /// The tokens allowed next, for a vocabulary of `vocab` ids; eos only once the grammar is
     /// complete (or broken).
     pub fn mask(&mut self, vocab: usize) -> SimpleVob {
-        if let State::Pending {
-            grammars,
-            constraint,
-            replay,
-        } = &self.state
-        {
-            let grammars = grammars.clone();
-            self.state = match grammars.parser(constraint).and_then(|mut m| {
-                m.consume_tokens(replay).map_err(|e| e.to_string())?;
-                Ok(m)
-            }) {
-                Ok(m) => State::Ready {
-                    grammars,
-                    matcher: Box::new(m),
-                },
+        if matches!(self.state, State::Pending { .. }) {
+            let State::Pending {
+                grammars,
+                mut matcher,
+                replay,
+            } = std::mem::replace(&mut self.state, State::Replaying)
+            else {
+                unreachable!("matched above")
+            };
+            self.state = match matcher.consume_tokens(&replay) {
+                Ok(()) => State::Ready { grammars, matcher },
                 Err(e) => {
-                    tracing::warn!(error = %e, "The request's grammar failed to compile; ending its output");
+                    tracing::warn!(error = %e, "The request's output so far does not fit its grammar; ending its output");
                     State::Broken(grammars)
                 }
             };
@@ -460,7 +483,7 @@ impl Guide {
                 }
             },
             State::Broken(g) => g.clone(),
-            State::Pending { .. } => unreachable!("compiled above"),
+            State::Pending { .. } | State::Replaying => unreachable!("replayed above"),
         };
         let eos = broken.eos_only(vocab);
         self.state = State::Broken(broken);
@@ -529,7 +552,8 @@ mod tests {
         score: impl Fn(usize) -> f32,
     ) -> (String, bool) {
         let vocab = t.get_vocab_size(true);
-        let mut guide = g.guide(c, Vec::new(), max_tokens);
+        let compiled = g.compile_here(&c).expect("compiles");
+        let mut guide = g.guide(&compiled, Vec::new(), max_tokens);
         let mut out = Vec::new();
         for _ in 0..max_tokens {
             let mask = guide.mask(vocab);
@@ -626,14 +650,49 @@ mod tests {
     fn a_migrated_request_continues_the_grammar_where_it_was() {
         let (g, t) = tiny();
         let done = t.encode("ye", false).expect("encodes").get_ids().to_vec();
-        let mut guide = g.guide(
-            Constraint::Choice(vec!["yes".into(), "no".into()]),
-            done,
-            16,
-        );
+        let c = g
+            .compile_here(&Constraint::Choice(vec!["yes".into(), "no".into()]))
+            .expect("compiles");
+        let mut guide = g.guide(&c, done, 16);
         let mask = guide.mask(t.get_vocab_size(true));
         let s_id = t.token_to_id("s").expect("s");
         let n_id = t.token_to_id("n").expect("n");
         assert!(mask.is_allowed(s_id) && !mask.is_allowed(n_id));
+    }
+
+    #[test]
+    fn a_choice_of_thousands_of_strings_is_answered_whole() {
+        let (g, t) = tiny();
+        let options: Vec<String> = (0..bounds::MAX_CHOICES)
+            .map(|i| format!("option {i:05}"))
+            .collect();
+        let s = run(&g, &t, Constraint::Choice(options.clone()));
+        assert!(options.contains(&s), "{s:?}");
+    }
+
+    #[tokio::test]
+    async fn deep_grammars_are_refused_and_the_deepest_allowed_compile_on_the_compile_threads() {
+        let (g, _) = tiny();
+        // Past the bounds: a 400's message naming the limit, before anything recurses.
+        for (c, limit) in [
+            (Constraint::JsonSchema(bounds::ref_chain(300)), "64 levels"),
+            (Constraint::Lark(bounds::rule_chain(1200)), "128 levels"),
+        ] {
+            match g.compile(&c).await {
+                Err(CompileError::Invalid(e)) => assert!(e.contains(limit), "{e}"),
+                Err(e) => panic!("{e:?}"),
+                Ok(_) => panic!("compiled"),
+            }
+        }
+        // Just within them: compiled (the compile thread's stack holds the recursion), and
+        // the second time taken from the cache.
+        for c in [
+            Constraint::JsonSchema(bounds::ref_chain(bounds::MAX_SCHEMA_DEPTH - 1)),
+            Constraint::Lark(bounds::rule_chain(bounds::MAX_RULE_DEPTH - 2)),
+        ] {
+            let first = g.compile(&c).await.expect("compiles");
+            let again = g.compile(&c).await.expect("cached");
+            assert!(Arc::ptr_eq(&first, &again));
+        }
     }
 }
