@@ -297,10 +297,38 @@ fn chat_body(b: MessagesBody, count_only: bool) -> Result<Value, ApiError> {
             chat["parallel_tool_calls"] = json!(p);
         }
     }
-    if let Some(user) = b.metadata.as_ref().and_then(|m| m["user_id"].as_str()) {
+    if let Some(user) = metadata_user(b.metadata.as_ref())? {
         chat["user"] = json!(user);
     }
     Ok(chat)
+}
+
+/// The longest `metadata.user_id` taken (Anthropic's bound).
+const MAX_USER_ID: usize = 256;
+
+/// Anthropic's `metadata`: `{user_id}` (a string of at most 256 characters, or null) and
+/// nothing else, as Anthropic checks it.
+fn metadata_user(metadata: Option<&Value>) -> Result<Option<&str>, ApiError> {
+    let m = match metadata {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(invalid("metadata", "metadata must be an object")),
+    };
+    if m.keys().any(|k| k != "user_id") {
+        return Err(invalid(
+            "metadata",
+            "metadata may hold user_id only; other fields are not permitted",
+        ));
+    }
+    match m.get("user_id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(u)) if u.chars().count() <= MAX_USER_ID => Ok(Some(u)),
+        Some(Value::String(_)) => Err(invalid(
+            "metadata.user_id",
+            format!("user_id may be at most {MAX_USER_ID} characters"),
+        )),
+        Some(_) => Err(invalid("metadata.user_id", "user_id must be a string")),
+    }
 }
 
 fn parse(body: Result<Bytes, BytesRejection>, count_only: bool) -> Result<Value, ApiError> {

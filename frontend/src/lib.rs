@@ -13,6 +13,7 @@
 pub mod admin;
 mod answer;
 mod anthropic;
+mod conn;
 mod embeddings;
 pub mod harmony;
 pub mod lora;
@@ -63,7 +64,8 @@ pub struct ServerConfig {
     pub api_keys_file: Option<std::path::PathBuf>,
     /// A header that names the request's tenant (say `x-tenant-id`), as a gateway in front
     /// sets it; where present it wins over a bare API key's tenant, not over a key that names
-    /// its own. `http` only.
+    /// its own. It may not name a tenant that another API key has (a 403): a bare key is a
+    /// gateway's, not a way into every tenant's stored responses and limits. `http` only.
     #[serde(default)]
     pub tenant_header: Option<String>,
     /// Names for priorities that the `x-priority` header may give instead of a number
@@ -83,6 +85,11 @@ pub struct ServerConfig {
     /// connection too); a slower one is disconnected (slowloris).
     #[serde(default = "default_header_read_timeout_s")]
     pub header_read_timeout_s: f64,
+    /// Seconds a connection's writes may make no progress (the client stopped reading and
+    /// the socket stays full); past it the connection is closed, its place freed and its
+    /// request cancelled. A client that keeps reading, however slowly, is never cut off.
+    #[serde(default = "default_write_timeout_s")]
+    pub write_timeout_s: f64,
     /// When set, `/metrics` asks for `Authorization: Bearer <this>` (also from
     /// `DYN_METRICS_KEY`).
     #[serde(default)]
@@ -97,17 +104,26 @@ pub struct ServerConfig {
     #[serde(default)]
     pub admin_key: Option<String>,
     /// The Responses API's store (`store`, `previous_response_id`, `GET /v1/responses/{id}`):
-    /// how many responses are kept and for how long. `http` only.
+    /// how many responses are kept, in how many bytes, how much of it one tenant may hold,
+    /// and for how long. `http` only.
     #[serde(default)]
     pub responses_store: StoreBounds,
 }
 
-/// A store's bounds: past `max_responses` the oldest goes; none is kept past `max_age_s`.
+/// A store's bounds: past `max_responses` or `max_bytes` a response goes, the oldest of the
+/// tenant holding the most; a tenant past `max_tenant_share` of either loses its own oldest;
+/// none is kept past `max_age_s`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreBounds {
     #[serde(default = "default_max_responses")]
     pub max_responses: u64,
+    /// Bytes of stored records (each at most [`MAX_STORED_RESPONSE_BYTES`]).
+    #[serde(default = "default_store_max_bytes")]
+    pub max_bytes: u64,
+    /// The part of `max_responses` and of `max_bytes` one tenant may hold, in (0, 1].
+    #[serde(default = "default_max_tenant_share")]
+    pub max_tenant_share: f64,
     #[serde(default = "default_store_max_age_s")]
     pub max_age_s: f64,
 }
@@ -116,13 +132,46 @@ impl Default for StoreBounds {
     fn default() -> Self {
         Self {
             max_responses: default_max_responses(),
+            max_bytes: default_store_max_bytes(),
+            max_tenant_share: default_max_tenant_share(),
             max_age_s: default_store_max_age_s(),
         }
     }
 }
 
+impl StoreBounds {
+    /// The store bucket these bounds make, named `name`.
+    pub fn bucket(&self, name: String) -> dyn_core::planes::Bucket {
+        let share = |max: u64| ((max as f64 * self.max_tenant_share) as u64).max(1);
+        dyn_core::planes::Bucket {
+            name,
+            max_entries: self.max_responses,
+            max_bytes: self.max_bytes,
+            max_owner_entries: share(self.max_responses),
+            max_owner_bytes: share(self.max_bytes),
+            max_age: Duration::from_secs_f64(self.max_age_s),
+        }
+    }
+}
+
+/// The largest stored response (its record: the response object and its turn of the
+/// conversation, as JSON): a NATS server takes messages of up to 1 MiB by default.
+pub const MAX_STORED_RESPONSE_BYTES: u64 = 960 << 10;
+
 fn default_max_responses() -> u64 {
     10_000
+}
+
+/// 256 MiB: thousands of ordinary conversations' turns, and a bound a frontend's memory (or
+/// a NATS server's disk) can afford whatever the records hold.
+fn default_store_max_bytes() -> u64 {
+    256 << 20
+}
+
+/// All of it: a full store already takes from the tenant holding the most, so one tenant
+/// cannot push the others out; a smaller share caps each tenant below the whole.
+fn default_max_tenant_share() -> f64 {
+    1.0
 }
 
 /// A day: long enough to continue a conversation, short enough that a store of turns does
@@ -140,6 +189,12 @@ fn default_max_connections() -> usize {
 /// pooled connection closed fails the request it sent on it.
 fn default_header_read_timeout_s() -> f64 {
     75.0
+}
+
+/// Long enough for a client paused by a garbage collection or a congested link, short enough
+/// that clients which stopped reading do not pile up against `max_connections`.
+fn default_write_timeout_s() -> f64 {
+    30.0
 }
 
 fn default_listen() -> String {
@@ -186,6 +241,22 @@ impl ServerConfig {
                 "must be at least 1",
             ));
         }
+        if self.responses_store.max_bytes < 1 << 20 {
+            out.push(Invalid::field(
+                "responses_store.max_bytes",
+                format!(
+                    "must be at least 1 MiB (1048576): one stored response may take up to {} KiB",
+                    MAX_STORED_RESPONSE_BYTES >> 10
+                ),
+            ));
+        }
+        let share = self.responses_store.max_tenant_share;
+        if !(share > 0.0 && share <= 1.0) {
+            out.push(Invalid::field(
+                "responses_store.max_tenant_share",
+                format!("must be more than 0 and at most 1, got {share}"),
+            ));
+        }
         let age = self.responses_store.max_age_s;
         if !(1.0..=365.0 * 86_400.0).contains(&age) {
             out.push(Invalid::field(
@@ -206,6 +277,12 @@ impl ServerConfig {
         {
             out.push(Invalid::field(
                 "header_read_timeout_s",
+                "must be between 0.01 and 3600 seconds",
+            ));
+        }
+        if !(self.write_timeout_s.is_finite() && (0.01..=3600.0).contains(&self.write_timeout_s)) {
+            out.push(Invalid::field(
+                "write_timeout_s",
                 "must be between 0.01 and 3600 seconds",
             ));
         }
@@ -401,7 +478,7 @@ impl ServerConfig {
     /// decides (a header cannot move its holder to another tenant's share and limits), else
     /// the tenant header where configured and present (a gateway's word), else the key's;
     /// `x-priority` and `x-session-id` where present. A malformed one is a 400 naming the
-    /// header.
+    /// header; a tenant header naming another key's tenant is a 403.
     pub fn traffic(
         &self,
         headers: &HeaderMap,
@@ -416,6 +493,20 @@ impl ServerConfig {
         };
         let tenant = match header.and_then(|h| Some((h, headers.get(h)?))) {
             Some((h, v)) => match v.to_str().ok().filter(|t| tenant_name_ok(t)) {
+                // Another key's tenant is that key's holder's alone: naming it would read its
+                // stored responses and spend its limits.
+                Some(t) if key.is_some_and(|k| k.0 != t) && self.key_owns(t) => {
+                    return Err(ApiError::new(
+                        StatusCode::FORBIDDEN,
+                        "invalid_request_error",
+                        "permission_denied",
+                        format!(
+                            "{h} names tenant `{t}`, which belongs to another API key; \
+                             use that tenant's key, or a tenant no key has"
+                        ),
+                    )
+                    .with_param(h));
+                }
                 Some(t) => Some(t.to_string()),
                 None => return Err(bad(h, format!("{h}: {TENANT_NAME_RULE}"))),
             },
@@ -466,6 +557,22 @@ impl ServerConfig {
             priority,
             session,
         })
+    }
+}
+
+impl ServerConfig {
+    /// Whether an API key has `tenant` as its own: one naming it, or the bare key whose
+    /// place makes it (`key-N`).
+    fn key_owns(&self, tenant: &str) -> bool {
+        let bare = tenant
+            .strip_prefix("key-")
+            .and_then(|n| n.parse::<usize>().ok())
+            .and_then(|n| self.api_keys.get(n.checked_sub(1)?))
+            .is_some_and(|k| matches!(k, ApiKey::Bare(_)));
+        bare || self
+            .api_keys
+            .iter()
+            .any(|k| matches!(k, ApiKey::Named(n) if n.tenant == tenant))
     }
 }
 
@@ -651,10 +758,92 @@ pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiErr
 /// usable as ours.
 pub fn request_id(headers: &HeaderMap) -> Option<dyn_core::RequestId> {
     headers
-        .get("x-request-id")
+        .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .filter(|v| request_id_ok(v))
         .map(dyn_core::RequestId::from)
+}
+
+const REQUEST_ID: &str = "x-request-id";
+
+/// The longest client request id taken.
+pub const REQUEST_ID_MAX: usize = 128;
+
+/// Whether a client's request id is taken as it is: 1 to [`REQUEST_ID_MAX`] letters, digits,
+/// `-`, `_`, `.` or `:` (UUIDs, ULIDs, trace ids). Anything else — quotes, `=`, spaces,
+/// control characters — could forge fields or lines in the logs that carry the id, so it is
+/// replaced by a new one.
+pub fn request_id_ok(id: &str) -> bool {
+    (1..=REQUEST_ID_MAX).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// Middleware: drop an `x-request-id` that [`request_id_ok`] refuses, so the id layer makes
+/// a new one (the response then carries that, and the logs never show the client's).
+async fn replace_unsafe_request_id(mut req: Request, next: Next) -> Response {
+    let unsafe_id = req
+        .headers()
+        .get_all(REQUEST_ID)
+        .iter()
+        .any(|v| !v.to_str().is_ok_and(request_id_ok));
+    // Several ids are one too many as well: which one is meant is not the server's guess.
+    if unsafe_id || req.headers().get_all(REQUEST_ID).iter().count() > 1 {
+        req.headers_mut().remove(REQUEST_ID);
+    }
+    next.run(req).await
+}
+
+/// OpenAI's bounds on `metadata` (Responses, chat completions): at most 16 pairs, keys of at
+/// most 64 characters, values strings of at most 512. A stored response keeps it, so
+/// without them one request could store megabytes.
+pub(crate) fn check_metadata(metadata: Option<&serde_json::Value>) -> Result<(), ApiError> {
+    const PAIRS: usize = 16;
+    const KEY: usize = 64;
+    const VALUE: usize = 512;
+    let bad = |param: String, why: String| invalid(param, why);
+    let m = match metadata {
+        None | Some(serde_json::Value::Null) => return Ok(()),
+        Some(serde_json::Value::Object(m)) => m,
+        Some(_) => {
+            return Err(bad(
+                "metadata".into(),
+                "metadata must be an object of strings".into(),
+            ));
+        }
+    };
+    if m.len() > PAIRS {
+        return Err(bad(
+            "metadata".into(),
+            format!("metadata may have at most {PAIRS} pairs, got {}", m.len()),
+        ));
+    }
+    for (k, v) in m {
+        // The key is not repeated back: it may be the long one.
+        if k.chars().count() > KEY {
+            return Err(bad(
+                "metadata".into(),
+                format!("metadata keys may be at most {KEY} characters"),
+            ));
+        }
+        match v {
+            serde_json::Value::String(v) if v.chars().count() <= VALUE => {}
+            serde_json::Value::String(_) => {
+                return Err(bad(
+                    format!("metadata.{k}"),
+                    format!("metadata values may be at most {VALUE} characters"),
+                ));
+            }
+            _ => {
+                return Err(bad(
+                    format!("metadata.{k}"),
+                    "metadata values must be strings".into(),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The id of a request that comes without `x-request-id`: dyn's usual form (32 hex digits).
@@ -738,12 +927,13 @@ pub struct HttpApp {
     router: axum::Router,
     max_connections: usize,
     header_read_timeout: Duration,
+    write_timeout: Duration,
 }
 
 /// The whole app of an HTTP ingress: its `api` routes behind the API-key check, its `open`
 /// routes (metrics and the like, each behind its own key when set) and the probes without
-/// it, a JSON 404 and the body limit. Every request has an `x-request-id` (the client's, or
-/// a UUID), echoed on the response. A server on loopback answers only requests addressed to
+/// it, a JSON 404 and the body limit. Every request has an `x-request-id` (the client's when
+/// [`request_id_ok`], else a new one), echoed on the response. A server on loopback answers only requests addressed to
 /// a loopback name (`Host`), so a web page cannot reach it through DNS rebinding.
 pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> HttpApp {
     let keys = std::sync::Arc::new(config.api_keys.clone());
@@ -780,9 +970,12 @@ pub fn app(config: &ServerConfig, api: axum::Router, open: axum::Router) -> Http
     HttpApp {
         router: router
             .layer(PropagateRequestIdLayer::x_request_id())
-            .layer(SetRequestIdLayer::x_request_id(NewRequestId)),
+            .layer(SetRequestIdLayer::x_request_id(NewRequestId))
+            // Outermost: an unsafe id is gone before the id layer looks for one.
+            .layer(axum::middleware::from_fn(replace_unsafe_request_id)),
         max_connections: config.max_connections,
         header_read_timeout: Duration::from_secs_f64(config.header_read_timeout_s),
+        write_timeout: Duration::from_secs_f64(config.write_timeout_s),
     }
 }
 
@@ -930,12 +1123,19 @@ pub async fn serve<Req: Payload, Resp: Payload>(
                     .insert(axum::extract::ConnectInfo(peer));
                 tower::ServiceExt::oneshot(router.clone(), req)
             });
-        let conn =
-            graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service));
+        // hyper times out reading headers but not writing: a client that stops reading
+        // would hold its place and its request for ever (`conn`).
+        let io = conn::WriteDeadline::new(tcp, app.write_timeout, peer);
+        let conn = graceful.watch(http.serve_connection(hyper_util::rt::TokioIo::new(io), service));
+        let open = metrics::FRONTEND.connections.clone();
+        open.inc();
         tokio::spawn(async move {
+            // Ending here drops the connection's response body, and with it the request's
+            // stream: cancellation reaches the engine.
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "HTTP connection ended with an error");
             }
+            open.dec();
             drop(slot);
         });
     }
@@ -1034,5 +1234,130 @@ mod tests {
         // A field it does not know is an error, not a limit quietly dropped.
         let extra = json!([{"key": "k", "tenant": "acme", "requests_per_minute": 60}]);
         assert!(serde_json::from_value::<Vec<ApiKey>>(extra).is_err());
+    }
+
+    #[test]
+    fn a_tenant_header_cannot_name_another_keys_tenant() {
+        let config: ServerConfig = serde_json::from_value(json!({
+            "api_keys": [{"key": "ka", "tenant": "tenant-a"}, "kc", "kd"],
+            "tenant_header": "x-tenant-id",
+        }))
+        .unwrap();
+        let tenant = |key: &KeyTenant, header: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-tenant-id", header.parse().unwrap());
+            config.traffic(&h, Some(key)).map(|t| t.tenant)
+        };
+        let (ka, kc) = (
+            KeyTenant("tenant-a".into(), true),
+            KeyTenant("key-2".into(), false),
+        );
+        // A bare key naming a named key's tenant, or another bare key's: refused.
+        for other in ["tenant-a", "key-3"] {
+            let e = tenant(&kc, other).unwrap_err();
+            assert_eq!(
+                (e.status, e.code.as_ref(), e.param.as_deref()),
+                (
+                    StatusCode::FORBIDDEN,
+                    "permission_denied",
+                    Some("x-tenant-id")
+                ),
+                "{other}"
+            );
+        }
+        // Its own, or a tenant no key has (a gateway's): taken.
+        assert_eq!(tenant(&kc, "key-2").unwrap().as_deref(), Some("key-2"));
+        assert_eq!(tenant(&kc, "gw-1").unwrap().as_deref(), Some("gw-1"));
+        // `key-N` past the list, or the place of a named key, is no bare key's tenant.
+        assert_eq!(tenant(&kc, "key-9").unwrap().as_deref(), Some("key-9"));
+        assert_eq!(tenant(&kc, "key-1").unwrap().as_deref(), Some("key-1"));
+        // A named key's own tenant decides, whatever the header says.
+        assert_eq!(
+            tenant(&ka, "tenant-a").unwrap().as_deref(),
+            Some("tenant-a")
+        );
+        assert_eq!(tenant(&ka, "key-2").unwrap().as_deref(), Some("tenant-a"));
+        // Without keys, the header is the gateway's word.
+        let open: ServerConfig =
+            serde_json::from_value(json!({"tenant_header": "x-tenant-id"})).unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-tenant-id", "tenant-a".parse().unwrap());
+        assert_eq!(
+            open.traffic(&h, None).unwrap().tenant.as_deref(),
+            Some("tenant-a")
+        );
+    }
+
+    #[test]
+    fn only_safe_request_ids_are_taken() {
+        for ok in [
+            "req-1",
+            "0f8fad5b-d9cb-469f-a165-70867728950e",
+            "trace:span.1_a",
+        ] {
+            assert!(request_id_ok(ok), "{ok}");
+        }
+        let long = "a".repeat(REQUEST_ID_MAX + 1);
+        for bad in ["", "a\"b", "x=1", "a b", "a\tb", "é", long.as_str()] {
+            assert!(!request_id_ok(bad), "{bad:?}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID, "id\" level=error".parse().unwrap());
+        assert!(request_id(&h).is_none());
+    }
+
+    #[test]
+    fn metadata_is_bounded_as_openai_bounds_it() {
+        let param = |m: serde_json::Value| check_metadata(Some(&m)).err().and_then(|e| e.param);
+        assert_eq!(param(json!({"a": "b"})), None);
+        assert_eq!(param(json!(null)), None);
+        let pairs: serde_json::Map<String, serde_json::Value> =
+            (0..16).map(|i| (format!("k{i}"), json!("v"))).collect();
+        assert_eq!(param(json!(pairs)), None);
+        let mut many = pairs.clone();
+        many.insert("k16".into(), json!("v"));
+        assert_eq!(param(json!(many)).as_deref(), Some("metadata"));
+        assert_eq!(
+            param(json!({"k".repeat(65): "v"})).as_deref(),
+            Some("metadata")
+        );
+        assert_eq!(param(json!({"k".repeat(64): "v".repeat(512)})), None);
+        assert_eq!(
+            param(json!({"k": "v".repeat(513)})).as_deref(),
+            Some("metadata.k")
+        );
+        assert_eq!(param(json!({"k": 1})).as_deref(), Some("metadata.k"));
+        assert_eq!(
+            param(json!({"k": {"nested": "x"}})).as_deref(),
+            Some("metadata.k")
+        );
+        assert_eq!(param(json!(["a"])).as_deref(), Some("metadata"));
+    }
+
+    #[test]
+    fn store_bounds_give_each_tenant_its_share() {
+        let b: StoreBounds = serde_json::from_value(json!({
+            "max_responses": 100, "max_bytes": 1 << 20, "max_tenant_share": 0.25
+        }))
+        .unwrap();
+        let bucket = b.bucket("r".into());
+        assert_eq!((bucket.max_entries, bucket.max_owner_entries), (100, 25));
+        assert_eq!(
+            (bucket.max_bytes, bucket.max_owner_bytes),
+            (1 << 20, 1 << 18)
+        );
+        let d = StoreBounds::default();
+        assert_eq!((d.max_bytes, d.max_tenant_share), (256 << 20, 1.0));
+        let bad: ServerConfig = serde_json::from_value(json!({
+            "responses_store": {"max_bytes": 1000, "max_tenant_share": 0}
+        }))
+        .unwrap();
+        let fields: Vec<Option<String>> = bad.validate().into_iter().map(|i| i.field).collect();
+        for f in [
+            "responses_store.max_bytes",
+            "responses_store.max_tenant_share",
+        ] {
+            assert!(fields.contains(&Some(f.to_owned())), "{fields:?}");
+        }
     }
 }

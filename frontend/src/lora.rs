@@ -9,7 +9,9 @@
 //!   send one without a preflight). Where the ingress serves several models, `base_model_name`
 //!   says which one an adapter is for; without it, the first whose shapes it fits;
 //! - `GET /v1/models` lists each model, then its adapters, each with its `parent` and `root`
-//!   (its path), as vLLM does; a request whose `model` is an adapter's name runs with it.
+//!   as vLLM does, but `root` is the model's or adapter's name where vLLM shows the path it
+//!   was loaded from: every tenant may list models, and the server's files are not theirs to
+//!   see. A request whose `model` is an adapter's name runs with it.
 //!
 //! The ingress resolves the name: the request carries the adapter's name, path and loading
 //! ([`LoraRef`]) to whichever worker serves it, which reads it on first use
@@ -30,6 +32,7 @@ use axum::extract::{ConnectInfo, Extension, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use dyn_compute::model::ModelConfig;
+use dyn_compute::model::files::shown;
 use dyn_compute::model::lora::LoraAdapter;
 use dyn_core::planes::EventBus;
 use dyn_core::{BuildCx, BuildError};
@@ -85,20 +88,19 @@ async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
 }
 
 /// The adapter `name` at `dir` (a PEFT directory or a GGUF LoRA file), checked against the
-/// model's shapes (on the blocking pool: it reads every file): its absolute path, and the
-/// version of its files.
+/// model's shapes (on the blocking pool: it reads every file, each bounded and a regular file
+/// only, see `dyn_compute::model::files`): its absolute path, and the version of its files.
 async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, String> {
     let (shape, dir, name) = (shape.clone(), PathBuf::from(dir), name.to_owned());
     tokio::task::spawn_blocking(move || {
-        LoraAdapter::load(&dir, &shape).map_err(|e| e.to_string())?;
+        let adapter = LoraAdapter::load(&dir, &shape).map_err(|e| e.to_string())?;
         // Workers read the same path, whatever their working directory.
-        let path = std::fs::canonicalize(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = std::fs::canonicalize(&dir).map_err(|e| format!("{}: {e}", shown(&dir)))?;
         let mut h = std::collections::hash_map::DefaultHasher::new();
         std::hash::Hash::hash(&path, &mut h);
-        for f in LoraAdapter::files(&path) {
-            let m = std::fs::metadata(&f).map_err(|e| format!("{}: {e}", f.display()))?;
-            std::hash::Hash::hash(&(m.len(), m.modified().ok()), &mut h);
-        }
+        // The version is what the files read said of themselves (fstat), not another look
+        // at the paths.
+        std::hash::Hash::hash(adapter.stamps(), &mut h);
         Ok(LoraRef {
             name,
             path: path.display().to_string(),
@@ -198,7 +200,7 @@ impl Adapters {
         let mut list = self.list.write();
         match a.load {
             Some(lora) => {
-                tracing::info!(node = %self.node, lora = %lora.name, path = %lora.path, "LoRA adapter loaded by another ingress");
+                tracing::info!(node = %self.node, lora = %lora.name, path = ?lora.path, "LoRA adapter loaded by another ingress");
                 list.insert(a.name, lora);
             }
             None => {
@@ -248,16 +250,17 @@ impl Adapters {
             .collect()
     }
 
-    /// `/v1/models`' entries: the model, then its adapters.
+    /// `/v1/models`' entries: the model, then its adapters (no paths: see the module's
+    /// notes).
     pub fn models(&self, created: u64) -> Vec<Value> {
         let mut out = vec![json!({
             "id": self.base, "object": "model", "created": created, "owned_by": "dyn",
-            "root": self.base_path.display().to_string(), "parent": null,
+            "root": self.base, "parent": null,
         })];
         out.extend(self.list.read().values().map(|l| {
             json!({
                 "id": l.name, "object": "model", "created": created, "owned_by": "dyn",
-                "root": l.path, "parent": self.base,
+                "root": l.name, "parent": self.base,
             })
         }));
         out
@@ -366,13 +369,20 @@ fn server_error(e: String) -> ApiError {
     )
 }
 
+/// What a caller is told of a `lora_path` that is not loaded, whatever the reason: the same
+/// words for a missing path, a file where a directory should be, an unreadable, oversized or
+/// malformed file, or an adapter of another model, so that the answers do not map the
+/// server's disk. The reason goes to the server's log.
+pub const NOT_AN_ADAPTER: &str = "lora_path is not a LoRA adapter this server can read: a PEFT \
+     directory (adapter_config.json, adapter_model.safetensors) or a GGUF LoRA file, of the \
+     model's shapes (the server's log says why)";
+
 /// The model `b` is for and the adapter checked against it: the one it names, the only one,
 /// or the first whose shapes the files fit.
 async fn load_target(
     catalog: &Catalog,
     b: &LoadBody,
 ) -> Result<(Arc<Adapters>, LoraRef), ApiError> {
-    let bad_path = |e: String| ApiError::invalid("invalid_value", e).with_param("lora_path");
     let candidates: Vec<&Arc<Adapters>> = match &b.base_model_name {
         Some(m) => match catalog.0.iter().find(|a| &a.base == m) {
             Some(a) => vec![a],
@@ -390,7 +400,6 @@ async fn load_target(
         },
         None => catalog.0.iter().collect(),
     };
-    let mut refusals = Vec::new();
     for a in candidates {
         let shape = a
             .shape
@@ -399,18 +408,15 @@ async fn load_target(
             .map_err(server_error)?;
         match check(shape, &b.lora_name, &b.lora_path).await {
             Ok(lora) => return Ok((a.clone(), lora)),
-            Err(e) => refusals.push((a.base.clone(), e)),
+            // Escaped: the path and the OS's words come from the caller's request, and a
+            // newline in them must not forge a log line.
+            Err(e) => tracing::warn!(
+                node = %a.node, lora = ?b.lora_name, path = ?b.lora_path, model = %a.base,
+                error = %e.escape_debug(), "Not loading a LoRA adapter"
+            ),
         }
     }
-    match refusals.as_slice() {
-        [(_, e)] => Err(bad_path(e.clone())),
-        many => Err(bad_path(
-            many.iter()
-                .map(|(m, e)| format!("not for `{m}`: {e}"))
-                .collect::<Vec<_>>()
-                .join("; "),
-        )),
-    }
+    Err(ApiError::invalid("invalid_value", NOT_AN_ADAPTER).with_param("lora_path"))
 }
 
 /// `POST /v1/load_lora_adapter`.
@@ -465,7 +471,7 @@ pub async fn load(
         }
         list.insert(name.clone(), lora.clone());
     }
-    tracing::info!(node = %adapters.node, lora = %name, path = %lora.path, model = %adapters.base, "LoRA adapter loaded");
+    tracing::info!(node = %adapters.node, lora = %name, path = ?lora.path, model = %adapters.base, "LoRA adapter loaded");
     adapters.announce(&name, Some(lora)).await;
     Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
 }
@@ -552,5 +558,24 @@ mod tests {
         a.list.write().remove("qv");
         a.announce("qv", None).await;
         dyn_tests::until("b no longer serves qv", || b.find("qv").is_none()).await;
+    }
+
+    #[tokio::test]
+    async fn the_model_list_names_models_and_adapters_and_shows_no_path() {
+        let a = ingress(&Planes::embedded(), "a").await;
+        let lora = LoraRef {
+            name: "qv".into(),
+            path: "/srv/secret/adapters/qv".into(),
+            id: 7,
+        };
+        a.list.write().insert("qv".into(), lora);
+        let models = a.models(1);
+        let roots: Vec<(&str, &str)> = models
+            .iter()
+            .map(|m| (m["id"].as_str().unwrap(), m["root"].as_str().unwrap()))
+            .collect();
+        assert_eq!(roots, [("tiny", "tiny"), ("qv", "qv")]);
+        let text = serde_json::to_string(&models).unwrap();
+        assert!(!text.contains('/'), "{text}");
     }
 }

@@ -9,7 +9,7 @@
 use std::sync::LazyLock;
 
 use dyn_llm::metrics::{counter_vec, gauge, histogram};
-use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
+use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 pub struct Frontend {
     pub requests: IntCounterVec,
@@ -20,9 +20,12 @@ pub struct Frontend {
     pub input_tokens: IntCounterVec,
     pub output_tokens: IntCounterVec,
     pub lora_requests: IntCounterVec,
+    pub connections: IntGauge,
+    pub write_timeouts: IntCounter,
 }
 
-pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
+pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| {
+    Frontend {
     requests: counter_vec(
         "dyn_frontend_requests_total",
         "Requests by model, endpoint, request type (stream|unary) and status (success|error|cancelled)",
@@ -65,4 +68,19 @@ pub static FRONTEND: LazyLock<Frontend> = LazyLock::new(|| Frontend {
         "Requests by the LoRA adapter they name",
         &["model", "lora"],
     ),
+    // Against `max_connections`: a server whose open connections sit at the limit refuses
+    // new ones, and this shows it before clients report it.
+    connections: gauge(
+        "dyn_frontend_open_connections",
+        "HTTP connections open now (every HTTP ingress of the process)",
+        &[],
+    )
+    .with_label_values::<&str>(&[]),
+    write_timeouts: counter_vec(
+        "dyn_frontend_write_timeouts_total",
+        "HTTP connections closed because no write went through for write_timeout_s (the client stopped reading)",
+        &[],
+    )
+    .with_label_values::<&str>(&[]),
+}
 });

@@ -107,20 +107,14 @@ impl IngressConfig for HttpConfig {
             catalog,
             responses: super::responses::Store {
                 kv: cx.planes.store.clone(),
-                bucket: dyn_core::planes::Bucket {
-                    // Graphs sharing a NATS server keep apart by namespace.
-                    name: format!(
-                        "responses_{}",
-                        cx.namespace.replace(
-                            |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'),
-                            "_"
-                        )
-                    ),
-                    max_entries: self.server.responses_store.max_responses,
-                    max_age: std::time::Duration::from_secs_f64(
-                        self.server.responses_store.max_age_s,
-                    ),
-                },
+                // Graphs sharing a NATS server keep apart by namespace.
+                bucket: self.server.responses_store.bucket(format!(
+                    "responses_{}",
+                    cx.namespace.replace(
+                        |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                        "_"
+                    )
+                )),
             },
         })
     }
@@ -541,6 +535,7 @@ fn request(
     let (at, lora) = app.catalog.resolve(&c.model)?;
     let model = &app.served[at];
     refuse_unsupported(&c.unsupported)?;
+    super::check_metadata(c.unsupported.get("metadata"))?;
     let mut constraint = constraint(&c)?;
     // A harmony model answers in channels: the structured answer goes in its `final` channel,
     // after the reasoning the model may write first (a raw Lark grammar stays as written).

@@ -11,8 +11,11 @@
 //! With `store` (the default, as OpenAI's) the response and its conversation so far are kept
 //! in the graph's key-value store ([`KeyValue`]): in memory in a one-process graph, in NATS
 //! JetStream across processes, so `previous_response_id` continues a conversation through any
-//! frontend. The store is bounded (`responses_store` in the ingress's config: entries and
-//! age); a stored response is visible only to the tenant that made it.
+//! frontend. The store is bounded (`responses_store` in the ingress's config: entries, bytes,
+//! each tenant's share, age), and so is what one response may put in it: `metadata` as
+//! OpenAI bounds it, `user`, and the whole record (a request too large to store is refused
+//! before it runs; an answer that makes it too large is answered with `store: false`). A
+//! stored response is visible only to the tenant that made it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -32,7 +35,7 @@ use serde_json::{Value, json};
 use super::answer::{self, Ending, Event};
 use super::openai::{self, App};
 use super::tools::ToolCall;
-use super::{ApiError, KeyTenant, invalid};
+use super::{ApiError, KeyTenant, MAX_STORED_RESPONSE_BYTES, invalid};
 
 /// Where stored responses live.
 #[derive(Clone)]
@@ -57,9 +60,14 @@ struct Stored {
 /// Turns one conversation may have (each read back from the store to continue it).
 const MAX_TURNS: usize = 1024;
 
-/// The largest turn stored (its input and answer as JSON): a NATS server takes messages of up
-/// to 1 MiB by default.
+/// The most a request may put in its stored record before its answer (its turn's input and
+/// what the response repeats of the request: instructions, tools, metadata…, as JSON), so
+/// that the answer still fits under [`MAX_STORED_RESPONSE_BYTES`].
 const MAX_TURN_BYTES: usize = 768 << 10;
+
+/// The longest `user` taken: it is stored and repeated with the response, and it is the
+/// request's session (whose ids are bounded alike, [`super::SESSION_MAX`]).
+const MAX_USER: usize = super::SESSION_MAX;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged, expecting = "a string or a list of input items")]
@@ -314,6 +322,16 @@ struct Translated {
 
 fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiError> {
     openai::refuse_fields(REFUSED, |name| b.other.get(name))?;
+    super::check_metadata(b.metadata.as_ref())?;
+    if b.user
+        .as_ref()
+        .is_some_and(|u| u.chars().count() > MAX_USER)
+    {
+        return Err(invalid(
+            "user",
+            format!("user may be at most {MAX_USER} characters"),
+        ));
+    }
     // A model reasons as its template has it: how much is not the client's to say here.
     for part in ["effort", "summary"] {
         if b.reasoning.as_ref().is_some_and(|r| !r[part].is_null()) {
@@ -364,7 +382,8 @@ fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiErr
             "tool_choice": b.tool_choice.unwrap_or(json!("auto")),
             "parallel_tool_calls": b.parallel_tool_calls.unwrap_or(true),
             "text": b.text.unwrap_or(json!({"format": {"type": "text"}})),
-            "reasoning": b.reasoning,
+            // What a reasoning object may ask for is refused above: nothing else of it is kept.
+            "reasoning": b.reasoning.as_ref().map(|_| json!({"effort": null, "summary": null})),
             "max_output_tokens": b.max_output_tokens,
             "temperature": b.temperature,
             "top_p": b.top_p,
@@ -701,13 +720,27 @@ impl Store {
         Ok(turns.into_iter().rev().flatten().collect())
     }
 
-    async fn save(&self, id: &str, stored: &Stored) -> Result<(), ApiError> {
+    /// Store `stored` as response `id`, in its tenant's share; false when the record is
+    /// larger than one may be (then nothing is stored).
+    async fn save(&self, id: &str, stored: &Stored) -> Result<bool, ApiError> {
         let bytes = serde_json::to_vec(stored)
             .map_err(|e| ApiError::from(dyn_core::OpError::internal(e.to_string())))?;
+        if bytes.len() as u64 > MAX_STORED_RESPONSE_BYTES {
+            tracing::warn!(
+                id,
+                bytes = bytes.len(),
+                max = MAX_STORED_RESPONSE_BYTES,
+                "Response too large to store; answered with store: false"
+            );
+            return Ok(false);
+        }
+        // Tenant names are never empty: "" is the requests that have none.
+        let owner = stored.tenant.as_deref().unwrap_or_default();
         self.kv
-            .put(&self.bucket, id, bytes.into())
+            .put_for(&self.bucket, owner, id, bytes.into())
             .await
-            .map_err(|e| store_error(&e))
+            .map_err(|e| store_error(&e))?;
+        Ok(true)
     }
 }
 
@@ -719,6 +752,15 @@ fn store_error(e: &dyn_core::planes::PlaneError) -> ApiError {
         "store_unavailable",
         "the response store is unavailable",
     )
+}
+
+/// What a request puts in its stored record before its answer: its turn's input and what the
+/// response repeats of the request, as JSON.
+fn turn_bytes(t: &Translated) -> usize {
+    let len = |v: &Value| serde_json::to_vec(v).map_or(usize::MAX, |b| b.len());
+    t.messages[t.new_from..]
+        .iter()
+        .fold(len(&t.meta.echo), |n, m| n.saturating_add(len(m)))
 }
 
 /// The tenant a request's key names (its stored responses are its own).
@@ -752,13 +794,13 @@ pub(crate) async fn create(
         };
         let t = translate(b, earlier)?;
         // A turn too large to store is refused before it runs, not after.
-        if t.meta.store
-            && serde_json::to_vec(&t.messages[t.new_from..]).map_or(0, |b| b.len()) > MAX_TURN_BYTES
-        {
+        if t.meta.store && turn_bytes(&t) > MAX_TURN_BYTES {
             return Err(invalid(
                 "input",
                 format!(
-                    "this input is too large to store (over {} KiB): send store: false",
+                    "this request is too large to store (its input, instructions, tools and \
+                     the rest of what is stored with the response are over {} KiB): send \
+                     store: false",
                     MAX_TURN_BYTES >> 10
                 ),
             ));
@@ -801,8 +843,8 @@ pub(crate) async fn create(
             match e {
                 Event::End(end) => {
                     out.end();
-                    let response = meta.object(status(&end), &out.items, Some(&end));
-                    if let Err(e) = saved.save(&meta, &out, &response).await {
+                    let mut response = meta.object(status(&end), &out.items, Some(&end));
+                    if let Err(e) = saved.save(&meta, &out, &mut response).await {
                         return e.into_response();
                     }
                     return Json(response).into_response();
@@ -834,8 +876,14 @@ struct Saved {
 }
 
 impl Saved {
-    /// Store the response (when asked to) with its conversation and this answer.
-    async fn save(self, meta: &Meta, out: &Output<'_>, response: &Value) -> Result<(), ApiError> {
+    /// Store the response (when asked to) with its conversation and this answer; one whose
+    /// answer made it too large to store says `store: false`.
+    async fn save(
+        self,
+        meta: &Meta,
+        out: &Output<'_>,
+        response: &mut Value,
+    ) -> Result<(), ApiError> {
         if !meta.store {
             return Ok(());
         }
@@ -847,7 +895,10 @@ impl Saved {
             previous: self.previous,
             tenant: self.tenant,
         };
-        self.store.save(&meta.id, &stored).await
+        if !self.store.save(&meta.id, &stored).await? {
+            response["store"] = json!(false);
+        }
+        Ok(())
     }
 }
 
@@ -868,9 +919,9 @@ fn sse(
                 Event::End(end) => {
                     out.end();
                     let status = status(&end);
-                    let response = meta.object(status, &out.items, Some(&end));
+                    let mut response = meta.object(status, &out.items, Some(&end));
                     if let Some(s) = saved.take()
-                        && let Err(e) = s.save(&meta, &out, &response).await
+                        && let Err(e) = s.save(&meta, &out, &mut response).await
                     {
                         failed(&mut out, &e);
                     } else {
@@ -1023,6 +1074,45 @@ mod tests {
             )
             .is_ok()
         );
+    }
+
+    #[test]
+    fn what_a_response_stores_of_its_request_is_bounded() {
+        let refused = |v: Value| translate(body(v), Vec::new()).err().and_then(|e| e.param);
+        let big: serde_json::Map<String, Value> =
+            (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        assert_eq!(
+            refused(json!({"model": "m", "input": "x", "metadata": big})).as_deref(),
+            Some("metadata")
+        );
+        assert_eq!(
+            refused(json!({"model": "m", "input": "x", "metadata": {"k": "v".repeat(513)}}))
+                .as_deref(),
+            Some("metadata.k")
+        );
+        assert_eq!(
+            refused(json!({"model": "m", "input": "x", "user": "u".repeat(MAX_USER + 1)}))
+                .as_deref(),
+            Some("user")
+        );
+        // A reasoning object's other fields are not kept.
+        let t = translate(
+            body(json!({"model": "m", "input": "x", "reasoning": {"junk": "y".repeat(1000)}})),
+            Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(
+            t.meta.echo["reasoning"],
+            json!({"effort": null, "summary": null})
+        );
+        // What is stored before the answer counts the instructions too (not in the turn).
+        let small = translate(body(json!({"model": "m", "input": "x"})), Vec::new()).unwrap();
+        let long = translate(
+            body(json!({"model": "m", "input": "x", "instructions": "i".repeat(10_000)})),
+            Vec::new(),
+        )
+        .unwrap();
+        assert!(turn_bytes(&long) > turn_bytes(&small) + 9_000);
     }
 
     #[test]
