@@ -103,7 +103,7 @@ impl LoraStore {
             .map_err(|e| OpError::internal(format!("adapter loading task failed: {e}")))?
             .map_err(|e| {
                 // The details (paths, the OS's words) are the operator's, not the client's.
-                tracing::warn!(node = %self.node, lora = %r.name, path = %r.path, error = %e, "Cannot read a LoRA adapter");
+                tracing::warn!(node = %self.node, lora = %r.name, path = ?r.path, error = %e, "Cannot read a LoRA adapter");
                 OpError::invalid(format!(
                     "LoRA adapter `{}` cannot be read on this worker (its log says why)",
                     r.name

@@ -312,6 +312,36 @@ impl Gguf {
         })
     }
 
+    /// Read and parse `file`, opened from `path` and checked by
+    /// [`super::files::open_regular`] (a regular file, `len` bytes within its bound): a copy
+    /// of the descriptor that was checked. For files a caller names at run time (LoRA
+    /// adapters): unlike a mapping, a copy cannot fault the process when the file is truncated
+    /// on disk afterwards.
+    pub fn read_checked(
+        path: &Path,
+        mut file: std::fs::File,
+        len: u64,
+    ) -> Result<Gguf, ModelError> {
+        use std::io::Read as _;
+        let shown = super::files::shown(path);
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| ModelError::Weights(format!("{shown}: empty, not a GGUF file")))?;
+        let mut map = memmap2::MmapMut::map_anon(len).map_err(|e| ModelError::io(path, e))?;
+        file.read_exact(&mut map)
+            .map_err(|e| ModelError::io(path, e))?;
+        let map = map.make_read_only().map_err(|e| ModelError::io(path, e))?;
+        let (meta, tensors) =
+            parse(&map).map_err(|e| ModelError::Weights(format!("{shown}: {e}")))?;
+        Ok(Gguf {
+            path: path.to_owned(),
+            map,
+            meta,
+            tensors,
+        })
+    }
+
     /// Metadata alone, no tensors: a vocabulary or template to try without writing a file.
     pub fn from_meta(meta: BTreeMap<String, Value>) -> Result<Gguf, ModelError> {
         let map = memmap2::MmapMut::map_anon(1)
@@ -326,7 +356,7 @@ impl Gguf {
     }
 
     fn err(&self, what: impl std::fmt::Display) -> ModelError {
-        ModelError::Weights(format!("{}: {what}", self.path.display()))
+        ModelError::Weights(format!("{}: {what}", super::files::shown(&self.path)))
     }
 
     /// The metadata value `key`.

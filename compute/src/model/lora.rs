@@ -26,6 +26,10 @@
 //! k's `lora_b` as it permutes the base's q and k (its rope pairs neighbours, this engine pairs
 //! halves, as transformers does); they are put back, whatever format the base is in. Activated
 //! LoRA (`adapter.alora.*`) and tensors for anything but the seven projections are refused.
+//!
+//! Every file is opened through [`super::files`]: a regular file only (not a FIFO, device or
+//! directory), the config at most 1 MiB and the weights at most what an adapter of the largest
+//! accepted rank could take for this model, read from the descriptor that was checked.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -33,6 +37,7 @@ use std::path::Path;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
+use super::files::{CONFIG_MAX, open_regular, read_regular, shown};
 use super::weights::le_vec;
 use super::{ModelConfig, ModelError};
 
@@ -110,6 +115,16 @@ pub struct LoraAdapter {
     pub rank: usize,
     /// Unique in the process, one per read: what a device backend keys its copy by.
     pub id: u64,
+    /// Each file's size and modification time as the descriptor it was read from said:
+    /// what the ingress versions an adapter by, without looking at the paths again.
+    stamps: Vec<Stamp>,
+}
+
+/// A file's size and modification time.
+pub type Stamp = (u64, Option<std::time::SystemTime>);
+
+fn stamp(m: &std::fs::Metadata) -> Stamp {
+    (m.len(), m.modified().ok())
 }
 
 /// Next [`LoraAdapter::id`].
@@ -171,6 +186,11 @@ impl LoraAdapter {
         self.layers.iter().any(|l| l[t as usize].is_some())
     }
 
+    /// The size and modification time of each file it was read from, as read.
+    pub fn stamps(&self) -> &[Stamp] {
+        &self.stamps
+    }
+
     /// Bytes its weights take.
     pub fn bytes(&self) -> usize {
         self.layers
@@ -184,10 +204,10 @@ impl LoraAdapter {
     /// Read a PEFT adapter directory for a model shaped by `c`.
     pub fn load_peft(dir: &Path, c: &ModelConfig) -> Result<Self, ModelError> {
         let cfg_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-        let cfg: PeftConfig = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", cfg_path.display())))?;
-        let bad = |m: String| ModelError::Config(format!("{}: {m}", cfg_path.display()));
+        let (text, cfg_meta) = read_regular(&cfg_path, CONFIG_MAX)?;
+        let cfg: PeftConfig = serde_json::from_slice(&text)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", shown(&cfg_path))))?;
+        let bad = |m: String| ModelError::Config(format!("{}: {m}", shown(&cfg_path)));
         if let Some(t) = cfg.peft_type.as_deref().filter(|t| *t != "LORA") {
             return Err(bad(format!("peft_type {t} is not LORA")));
         }
@@ -220,37 +240,29 @@ impl LoraAdapter {
             return Err(bad(format!("r must be 1 to {MAX_RANK}, got {}", cfg.r)));
         }
         let path = dir.join("adapter_model.safetensors");
-        let most = most_bytes(c);
-        let len = std::fs::metadata(&path)
-            .map_err(|e| ModelError::io(&path, e))?
-            .len();
-        if len > most {
-            return Err(ModelError::Weights(format!(
-                "{}: {len} bytes, more than an adapter of this model can hold ({most})",
-                path.display()
-            )));
-        }
-        let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        // Bounded by what an adapter of this model could hold, read from the descriptor
+        // that was checked.
+        let (bytes, weights_meta) = read_regular(&path, most_bytes(c))?;
         let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", shown(&path))))?;
         let mut parts: HashMap<(usize, Target), Halves> = HashMap::new();
         for name in st.names() {
             let (layer, target, is_a, module) = parse_name(name).ok_or_else(|| {
                 ModelError::Weights(format!(
                     "{}: tensor {name} is not a LoRA A or B of a decoder layer's projection (q/k/v/o, gate/up/down)",
-                    path.display()
+                    shown(&path)
                 ))
             })?;
             if layer >= c.layers {
                 return Err(ModelError::Weights(format!(
                     "{}: tensor {name} is for layer {layer}; the base model has {}",
-                    path.display(),
+                    shown(&path),
                     c.layers
                 )));
             }
             let t = st
                 .tensor(name)
-                .map_err(|e| ModelError::Weights(format!("{}: {name}: {e}", path.display())))?;
+                .map_err(|e| ModelError::Weights(format!("{}: {name}: {e}", shown(&path))))?;
             let (inp, out) = target.dims(c);
             let rank = match (is_a, t.shape()) {
                 (true, [r, i]) if *i == inp => *r,
@@ -262,7 +274,7 @@ impl LoraAdapter {
                         .replace("{out}", &out.to_string());
                     return Err(ModelError::Weights(format!(
                         "{}: tensor {name} has shape {shape:?}; the base model's {} needs {want}: an adapter for another model?",
-                        path.display(),
+                        shown(&path),
                         target.module()
                     )));
                 }
@@ -270,7 +282,7 @@ impl LoraAdapter {
             if rank == 0 || rank > MAX_RANK {
                 return Err(ModelError::Weights(format!(
                     "{}: tensor {name} has rank {rank}; 1 to {MAX_RANK} is accepted",
-                    path.display()
+                    shown(&path)
                 )));
             }
             let data: Vec<f32> = match t.dtype() {
@@ -286,7 +298,7 @@ impl LoraAdapter {
                 other => {
                     return Err(ModelError::Weights(format!(
                         "{}: tensor {name} is {other:?}; supported: F32, F16, BF16",
-                        path.display()
+                        shown(&path)
                     )));
                 }
             };
@@ -299,7 +311,7 @@ impl LoraAdapter {
             if half.replace(data).is_some() {
                 return Err(ModelError::Weights(format!(
                     "{}: {} has two lora_{}",
-                    path.display(),
+                    shown(&path),
                     e.module,
                     if is_a { "A" } else { "B" }
                 )));
@@ -308,7 +320,7 @@ impl LoraAdapter {
         if parts.is_empty() {
             return Err(ModelError::Weights(format!(
                 "{}: no LoRA tensors",
-                path.display()
+                shown(&path)
             )));
         }
         let mut pairs = Vec::with_capacity(parts.len());
@@ -316,7 +328,7 @@ impl LoraAdapter {
             let (Some(a), Some(b)) = (a, b) else {
                 return Err(ModelError::Weights(format!(
                     "{}: {module} has only one of lora_A and lora_B",
-                    path.display()
+                    shown(&path)
                 )));
             };
             let (inp, _) = target.dims(c);
@@ -326,7 +338,7 @@ impl LoraAdapter {
             if r != rank {
                 return Err(ModelError::Weights(format!(
                     "{}: {module} has rank {rank}, the config says {r}",
-                    path.display()
+                    shown(&path)
                 )));
             }
             let scale = if cfg.use_rslora {
@@ -340,10 +352,12 @@ impl LoraAdapter {
                 a,
                 b,
                 scale,
-                what: format!("{}: {module}", path.display()),
+                what: format!("{}: {module}", shown(&path)),
             });
         }
-        assemble(c, pairs)
+        let mut adapter = assemble(c, pairs)?;
+        adapter.stamps = vec![stamp(&cfg_meta), stamp(&weights_meta)];
+        Ok(adapter)
     }
 
     /// Read an adapter for a model shaped by `c`: a GGUF LoRA file (by its `.gguf` extension),
@@ -371,9 +385,18 @@ impl LoraAdapter {
 
     /// Read a GGUF LoRA file (llama.cpp's) for a model shaped by `c`.
     pub fn load_gguf(path: &Path, c: &ModelConfig) -> Result<Self, ModelError> {
-        // Mapped, not read: the header says what the file is before its size is weighed.
-        let g = super::gguf::Gguf::open(path)?;
-        let bad = |m: String| ModelError::Weights(format!("{}: {m}", path.display()));
+        let bad = |m: String| ModelError::Weights(format!("{}: {m}", shown(path)));
+        // Weighed before it is read (a model file is far larger than its adapters), then read
+        // whole from the descriptor that was weighed.
+        let most = most_bytes(c);
+        let (file, meta) = open_regular(path, u64::MAX)?;
+        if meta.len() > most {
+            return Err(bad(format!(
+                "{} bytes: not a LoRA adapter of this model (at most {most} bytes)",
+                meta.len()
+            )));
+        }
+        let g = super::gguf::Gguf::read_checked(path, file, meta.len())?;
         let text = |k: &str| g.get(k).and_then(super::gguf::Value::as_str);
         match (text("general.type"), text("adapter.type")) {
             (Some("adapter") | None, Some("lora")) => {}
@@ -382,15 +405,6 @@ impl LoraAdapter {
                     "not a LoRA adapter (general.type {t:?}, adapter.type {a:?}); a model file is no adapter"
                 )));
             }
-        }
-        let len = std::fs::metadata(path)
-            .map_err(|e| ModelError::io(path, e))?
-            .len();
-        if len > most_bytes(c) {
-            return Err(bad(format!(
-                "{len} bytes, more than an adapter of this model can hold ({})",
-                most_bytes(c)
-            )));
         }
         if g.meta.keys().any(|k| k.starts_with("adapter.alora")) {
             return Err(bad(
@@ -481,10 +495,12 @@ impl LoraAdapter {
                 a,
                 b,
                 scale,
-                what: format!("{}: {module}", path.display()),
+                what: format!("{}: {module}", shown(path)),
             });
         }
-        assemble(c, pairs)
+        let mut adapter = assemble(c, pairs)?;
+        adapter.stamps = vec![stamp(&meta)];
+        Ok(adapter)
     }
 }
 
@@ -539,6 +555,7 @@ fn assemble(c: &ModelConfig, pairs: Vec<Pieces>) -> Result<LoraAdapter, ModelErr
     Ok(LoraAdapter {
         layers,
         rank: max_rank,
+        stamps: Vec::new(),
         id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     })
 }

@@ -1,9 +1,11 @@
 //! Loading a Llama-family checkpoint: its shape ([`config`]) and its weights
 //! ([`weights`]), gathered into [`ModelWeights`] in the layout every backend uses: q, k and v
 //! projections fused into one matrix, gate and up fused into another, so a layer is four
-//! matrix products. [`lora`] reads LoRA adapters, which backends add to those products.
+//! matrix products. [`lora`] reads LoRA adapters, which backends add to those products,
+//! through [`files`], which bounds what a named file can make the process read.
 
 pub mod config;
+pub mod files;
 pub mod gguf;
 pub mod lora;
 pub mod weights;
@@ -29,7 +31,8 @@ pub enum ModelError {
 impl ModelError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
         ModelError::Io {
-            path: path.display().to_string(),
+            // Escaped: a name with a newline must not forge a line where this is logged.
+            path: files::shown(path),
             source,
         }
     }
