@@ -207,31 +207,12 @@ impl<'a> SchemaWalk<'a> {
     }
 }
 
-/// The deepest parenthesis in `text`, outside character classes and after escapes.
+/// `Err` when `text` nests parentheses deeper than [`MAX_RULE_DEPTH`].
 fn nesting(text: &str, what: &str) -> Result<(), String> {
-    let mut depth = 0usize;
-    let mut escaped = false;
-    let mut class = false;
-    for c in text.chars() {
-        if escaped {
-            escaped = false;
-            continue;
-        }
-        match c {
-            '\\' => escaped = true,
-            '[' if !class => class = true,
-            ']' if class => class = false,
-            '(' if !class => {
-                depth += 1;
-                if depth > MAX_RULE_DEPTH {
-                    return Err(format!(
-                        "the {what} nests parentheses deeper than {MAX_RULE_DEPTH} levels"
-                    ));
-                }
-            }
-            ')' if !class => depth = depth.saturating_sub(1),
-            _ => {}
-        }
+    if nesting_depth(text) > MAX_RULE_DEPTH {
+        return Err(format!(
+            "the {what} nests parentheses deeper than {MAX_RULE_DEPTH} levels"
+        ));
     }
     Ok(())
 }
@@ -384,7 +365,7 @@ fn skip_quoted(s: &str, q: char) -> &str {
     &s[quoted_len(s, q)..]
 }
 
-/// The deepest parenthesis of a regex literal.
+/// The deepest parenthesis in a regex, outside character classes and after escapes.
 fn nesting_depth(rx: &str) -> usize {
     let (mut depth, mut deepest, mut escaped, mut class) = (0usize, 0usize, false, false);
     for c in rx.chars() {

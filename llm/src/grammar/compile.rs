@@ -25,7 +25,7 @@ const CONCURRENT: usize = 2;
 const WAIT: Duration = Duration::from_secs(10);
 const DEADLINE: Duration = Duration::from_secs(10);
 /// Compiled grammars kept, by content.
-const CACHED: usize = 64;
+const CACHED: std::num::NonZeroUsize = std::num::NonZeroUsize::new(64).unwrap();
 
 /// Why a constraint did not compile.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,9 +75,7 @@ impl Default for Compiler {
     fn default() -> Self {
         Self {
             turns: Arc::new(tokio::sync::Semaphore::new(CONCURRENT)),
-            cache: Mutex::new(lru::LruCache::new(
-                std::num::NonZeroUsize::new(CACHED).expect("non-zero"),
-            )),
+            cache: Mutex::new(lru::LruCache::new(CACHED)),
         }
     }
 }

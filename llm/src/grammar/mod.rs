@@ -346,10 +346,9 @@ fn top_level(c: &Constraint) -> TopLevelGrammar {
         // One terminal (a lexeme), not a rule of alternatives: a rule keeps an Earley item per
         // alternative, and llguidance ends a row at 2,000 items (a choice of more ended after
         // its first token).
-        Constraint::Choice(options) => TopLevelGrammar::from_lark(format!(
-            "start: CHOICE\nCHOICE: {}",
-            choice_expr(options)
-        )),
+        Constraint::Choice(options) => {
+            TopLevelGrammar::from_lark(format!("start: CHOICE\nCHOICE: {}", choice_expr(options)))
+        }
         Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         Constraint::Calls(c) => TopLevelGrammar::from_lark(calls_lark(c)),
     }
