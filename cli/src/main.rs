@@ -423,6 +423,7 @@ fn run_state(graph: &CompiledGraph, mode: &str, processes: Vec<procs::ProcState>
         control: graph.control.to_string(),
         events: graph.events.to_string(),
         started_unix: procs::now_unix(),
+        start_ticks: procs::start_ticks(std::process::id()),
         processes,
     }
 }
@@ -497,10 +498,15 @@ fn up_supervised(
         .iter()
         .map(|n| (n.id.clone(), n.process.clone()))
         .collect();
+    let token = run_token(&args)?;
     let args_for: procs::ArgsFor = {
         let graph = graph.clone();
         Box::new(move |process, replica| {
-            child_command(&args, &graph, log, &format!("{process}:{replica}"))
+            let mut c = child_command(&args, &graph, log, &format!("{process}:{replica}"));
+            if let Some(t) = &token {
+                c.env.push((dyn_trust::TOKEN_ENV.to_owned(), t.clone()));
+            }
+            c
         })
     };
     tracing::info!(graph = %graph.name, processes = groups.len(), control = %graph.control, events = %graph.events, "Starting the graph's processes");
@@ -518,6 +524,23 @@ fn up_supervised(
         };
         sup.run(grace, shutdown_signal()).await
     })
+}
+
+/// A token of this run's own for its processes, when the whole graph runs on this machine
+/// and no cluster identity is given: without one, every local user could reach the request
+/// plane's loopback ports, send work and read prompts' KV. It travels in the processes'
+/// environment, which only this user can read. A run with `--only` (other machines, or
+/// processes added later, must share a secret) is left to the operator's identity, and
+/// `--insecure-planes` says the operator wants none.
+fn run_token(args: &UpArgs) -> anyhow::Result<Option<String>> {
+    if args.insecure_planes || args.only.is_some() || dyn_trust::Trust::from_env()?.is_secure() {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "{:032x}{:032x}",
+        rand::random::<u128>(),
+        rand::random::<u128>()
+    )))
 }
 
 /// The process-group replicas to supervise: every replica of each process that holds a

@@ -13,11 +13,14 @@
 //!   same agent skip the socket. With a cluster identity the connection is TLS and a stranger
 //!   is refused before it can name an offer.
 //!
-//! An offer is a capability: its id is 128 random bits, it can be pulled once, and only by a
-//! pull naming the worker it was made for (the decode worker the router chose) when the offer
-//! names one. A pull that names another is refused and leaves the offer in place, so a guess
-//! or a mistaken worker cannot take it or make it vanish (the name is the puller's claim: the
-//! id itself travels only on the cluster's planes).
+//! An offer is a capability: its id is 128 random bits, it can be pulled once, and, when the
+//! router bound it to the decode worker it chose, only with that worker's [`PullKey`]. The
+//! router draws the key per request and sends it to the decode worker alone (in the request,
+//! over the request plane); the prefill worker and its offer hold only the key's SHA-256
+//! ([`PullLock`]), which is what travels in the prefill job on the event plane. So a cluster
+//! member that reads the job or the descriptor there cannot take the offer. A pull without the
+//! key is refused and leaves the offer in place, so a guess or a mistaken worker cannot take
+//! it or make it vanish.
 //!
 //! A CUDA agent (device↔host staging, peer copies) comes with the native engine's CUDA backend.
 
@@ -62,26 +65,73 @@ impl TransferId {
     }
 }
 
-impl std::fmt::Display for TransferId {
+/// The secret that pulls an offer bound to it: 128 random bits, written as 32 hex digits.
+/// Only the puller the router chose is sent it; its [`Debug`] does not show it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct PullKey(u128);
+
+impl PullKey {
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// What an offer keeps of this key.
+    pub fn lock(&self) -> PullLock {
+        let d = ring::digest::digest(&ring::digest::SHA256, &self.0.to_le_bytes());
+        let mut first = [0u8; 16];
+        first.copy_from_slice(&d.as_ref()[..16]);
+        PullLock(u128::from_le_bytes(first))
+    }
+}
+
+impl std::fmt::Debug for PullKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:032x}", self.0)
+        f.write_str("PullKey(..)")
     }
 }
 
-impl Serialize for TransferId {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+/// An offer's binding to one puller: the first 128 bits of its [`PullKey`]'s SHA-256, which
+/// may be read by anyone without opening the offer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullLock(u128);
+
+impl PullLock {
+    /// Whether `key` opens it. Digests are compared, so the time a comparison takes says
+    /// nothing about the key.
+    fn opens(&self, key: Option<PullKey>) -> bool {
+        key.is_some_and(|k| k.lock() == *self)
     }
 }
 
-impl<'de> Deserialize<'de> for TransferId {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        u128::from_str_radix(&s, 16)
-            .map(Self)
-            .map_err(|_| serde::de::Error::custom("a transfer id is 32 hex digits"))
-    }
+/// 128-bit values on the wire as 32 hex digits.
+macro_rules! hex128 {
+    ($t:ty, $what:literal) => {
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{:032x}", self.0)
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+                u128::from_str_radix(&s, 16)
+                    .map(Self)
+                    .map_err(|_| serde::de::Error::custom(concat!($what, " is 32 hex digits")))
+            }
+        }
+    };
 }
+
+hex128!(TransferId, "a transfer id");
+hex128!(PullKey, "a pull key");
+hex128!(PullLock, "a pull lock");
 
 /// How the offered blocks are laid out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,8 +230,8 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         self.offer_held(block_ids, blocks, format, ttl, None, None)
     }
 
-    /// [`offer`](Self::offer), with `hold` dropped when the offer ends, for worker `to` only
-    /// when it is named.
+    /// [`offer`](Self::offer), with `hold` dropped when the offer ends, for the holder of the
+    /// key `to` locks only, when there is a lock.
     fn offer_held(
         &self,
         block_ids: Vec<u32>,
@@ -189,14 +239,15 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
-        to: Option<u64>,
+        to: Option<PullLock>,
     ) -> Result<TransferDescriptor, TransferError>;
 
-    /// Fetch the blocks `desc` names, in order, as worker `puller`; the offer is released.
+    /// Fetch the blocks `desc` names, in order, with `key` (for an offer bound to a puller);
+    /// the offer is released.
     async fn pull(
         &self,
         desc: &TransferDescriptor,
-        puller: Option<u64>,
+        key: Option<PullKey>,
     ) -> Result<Vec<Bytes>, TransferError>;
 
     /// End an offer of this agent's that nobody will pull (its request was cancelled, or
@@ -209,8 +260,8 @@ struct Offer {
     blocks: Vec<Bytes>,
     block_bytes: u32,
     expires: Instant,
-    /// The only worker that may pull it, when named.
-    to: Option<u64>,
+    /// The only puller that may take it, when bound to one.
+    to: Option<PullLock>,
     _hold: Option<Hold>,
 }
 
@@ -218,7 +269,7 @@ struct Offer {
 struct Terms {
     ttl: Duration,
     hold: Option<Hold>,
-    to: Option<u64>,
+    to: Option<PullLock>,
 }
 
 /// Offers pinned by one agent.
@@ -287,11 +338,11 @@ impl Offers {
         })
     }
 
-    /// The offer, for `puller`: one made for another worker stays where it is.
-    fn take(&self, id: TransferId, puller: Option<u64>) -> Result<Offer, TransferError> {
+    /// The offer, for the holder of `key`: one bound to another key stays where it is.
+    fn take(&self, id: TransferId, key: Option<PullKey>) -> Result<Offer, TransferError> {
         let mut map = self.map.lock();
         match map.get(&id) {
-            Some(o) if o.to.is_some() && o.to != puller => Err(TransferError::Unknown(id)),
+            Some(o) if o.to.is_some_and(|lock| !lock.opens(key)) => Err(TransferError::Unknown(id)),
             Some(o) if o.expires > Instant::now() => {
                 Ok(map.remove(&id).ok_or(TransferError::Unknown(id))?)
             }
@@ -335,7 +386,7 @@ impl KvTransferAgent for InProcessAgent {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
-        to: Option<u64>,
+        to: Option<PullLock>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.offers.offer(
             &self.name,
@@ -349,12 +400,12 @@ impl KvTransferAgent for InProcessAgent {
     async fn pull(
         &self,
         desc: &TransferDescriptor,
-        puller: Option<u64>,
+        key: Option<PullKey>,
     ) -> Result<Vec<Bytes>, TransferError> {
         if desc.agent != self.name {
             return Err(TransferError::Unreachable(desc.agent.clone()));
         }
-        Ok(self.offers.take(desc.transfer_id, puller)?.blocks)
+        Ok(self.offers.take(desc.transfer_id, key)?.blocks)
     }
 
     fn discard(&self, desc: &TransferDescriptor) -> bool {
@@ -363,11 +414,11 @@ impl KvTransferAgent for InProcessAgent {
     }
 }
 
-/// A TCP pull: which offer, for which worker.
+/// A TCP pull: which offer, with which key (the connection is TLS with a cluster identity).
 #[derive(Serialize, Deserialize)]
 struct PullRequest {
     id: TransferId,
-    puller: Option<u64>,
+    key: Option<PullKey>,
 }
 
 /// A pull whose bytes stop coming for this long fails (the prefill host went dark).
@@ -497,7 +548,7 @@ async fn serve_pull(stream: PlaneStream, offers: Arc<Offers>) {
     let mut w = BufWriter::with_capacity(256 << 10, w);
     let result = async {
         let (pull, _): (PullRequest, _) = read_control(&mut r).await?;
-        match offers.take(pull.id, pull.puller) {
+        match offers.take(pull.id, pull.key) {
             Ok(offer) => {
                 let header = PullHeader {
                     error: None,
@@ -534,7 +585,7 @@ impl KvTransferAgent for TcpAgent {
         format: BlockFormat,
         ttl: Duration,
         hold: Option<Hold>,
-        to: Option<u64>,
+        to: Option<PullLock>,
     ) -> Result<TransferDescriptor, TransferError> {
         self.local
             .offer_held(block_ids, blocks, format, ttl, hold, to)
@@ -547,10 +598,10 @@ impl KvTransferAgent for TcpAgent {
     async fn pull(
         &self,
         desc: &TransferDescriptor,
-        puller: Option<u64>,
+        key: Option<PullKey>,
     ) -> Result<Vec<Bytes>, TransferError> {
         if desc.agent == self.local.name {
-            return self.local.pull(desc, puller).await;
+            return self.local.pull(desc, key).await;
         }
         let addr = desc
             .agent
@@ -587,7 +638,7 @@ impl KvTransferAgent for TcpAgent {
             })?;
         let pull = PullRequest {
             id: desc.transfer_id,
-            puller,
+            key,
         };
         write_control(&mut s, &pull).await.map_err(io)?;
         let (header, read_ahead): (PullHeader, _) =
@@ -871,6 +922,10 @@ mod tests {
             .await
             .unwrap();
         let sent = blocks(2, 64, 7);
+        let key = PullKey::random();
+        // The offer holds the lock only; the lock (which the prefill job carries on the event
+        // plane) does not open it.
+        let lock = key.lock();
         let desc = prefill
             .offer_held(
                 vec![1, 2],
@@ -878,18 +933,19 @@ mod tests {
                 format(64),
                 Duration::from_secs(10),
                 None,
-                Some(0xdec0de),
+                Some(lock),
             )
             .unwrap();
         // Strangers: no identity, another token.
         for trust in [Trust::plain(), token("not-the-cluster-token")] {
             let stranger = TcpAgent::bind("127.0.0.1:0", None, trust).await.unwrap();
-            let e = stranger.pull(&desc, Some(0xdec0de)).await.unwrap_err();
+            let e = stranger.pull(&desc, Some(key)).await.unwrap_err();
             assert!(matches!(e, TransferError::Io { .. }), "{e}");
         }
-        // A member that is not the intended worker, or does not say which it is.
-        for puller in [None, Some(0xbad)] {
-            let e = decode.pull(&desc, puller).await.unwrap_err();
+        // A member without the key: none, another, or the lock read off the job as a key.
+        let read_off = PullKey(lock.0);
+        for other in [None, Some(PullKey::random()), Some(read_off)] {
+            let e = decode.pull(&desc, other).await.unwrap_err();
             assert!(e.to_string().contains("unknown"), "{e}");
         }
         // Guessed ids find nothing.
@@ -898,11 +954,15 @@ mod tests {
                 transfer_id: TransferId::random(),
                 ..desc.clone()
             };
-            assert!(decode.pull(&guess, Some(0xdec0de)).await.is_err());
+            assert!(decode.pull(&guess, Some(key)).await.is_err());
         }
         // The intended worker still gets every byte, once.
-        assert_eq!(decode.pull(&desc, Some(0xdec0de)).await.unwrap(), sent);
-        assert!(decode.pull(&desc, Some(0xdec0de)).await.is_err());
+        assert_eq!(decode.pull(&desc, Some(key)).await.unwrap(), sent);
+        assert!(decode.pull(&desc, Some(key)).await.is_err());
+        // Keys travel as 32 hex digits, and are not shown in logs.
+        let json = serde_json::to_value(key).unwrap();
+        assert_eq!(serde_json::from_value::<PullKey>(json).unwrap(), key);
+        assert_eq!(format!("{key:?}"), "PullKey(..)");
         assert_eq!(desc.transfer_id.to_string().len(), 32);
         let json = serde_json::to_value(&desc).unwrap();
         assert_eq!(

@@ -17,11 +17,11 @@ pub type EngineItem = Result<Generated, OpError>;
 /// Where a prefill-only request's blocks went: the offer to pull them, or why there is none.
 pub type OfferResult = Result<TransferDescriptor, EngineError>;
 
-/// Prefill role: where the offer of a prompt's blocks goes, and the one worker that may pull
-/// them (the decode worker the router chose), when known.
+/// Prefill role: where the offer of a prompt's blocks goes, and the lock of the one key that
+/// may pull them (sent to the decode worker the router chose), when the router bound it.
 pub struct OfferTo {
     pub reply: oneshot::Sender<OfferResult>,
-    pub puller: Option<u64>,
+    pub lock: Option<dyn_compute::transfer::PullLock>,
 }
 
 pub(super) enum Command {

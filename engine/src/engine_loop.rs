@@ -336,8 +336,8 @@ impl EngineLoop {
     /// Offer a finished prefill's blocks to the transfer agent; they stay pinned until the
     /// offer ends.
     fn offer(&mut self, id: SeqId, blocks: Vec<BlockId>, tokens: &[u32]) {
-        let (reply, puller) = match self.outboxes.get_mut(&id).and_then(|o| o.offer.take()) {
-            Some(OfferTo { reply, puller }) if !reply.is_closed() => (reply, puller),
+        let (reply, lock) = match self.outboxes.get_mut(&id).and_then(|o| o.offer.take()) {
+            Some(OfferTo { reply, lock }) if !reply.is_closed() => (reply, lock),
             _ => {
                 // Nobody waits for this offer any more.
                 self.release(&blocks);
@@ -362,7 +362,7 @@ impl EngineLoop {
             self.format.clone(),
             self.pin_ttl,
             Some(Box::new(hold)),
-            puller,
+            lock,
         ) {
             Ok(desc) => {
                 self.pinned

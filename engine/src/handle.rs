@@ -384,15 +384,7 @@ impl EngineHandle {
         let Some(c) = &req.sampling.constraint else {
             return Ok(None);
         };
-        let model = self.settings.model.clone().ok_or_else(|| {
-            OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
-                .with_param("response_format")
-        })?;
-        // Compiled when the worker started (see `EngineHandle::start`), so this is a lookup.
-        let grammars = model
-            .grammars()
-            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
-        grammars
+        self.grammars()?
             .compile(c)
             .await
             .map(Some)
@@ -431,7 +423,7 @@ impl EngineHandle {
                 )));
             }
             tokio::time::sleep((self.import.delay)(req.token_ids.len())).await;
-            let blocks = self.agent.pull(&p.transfer, Some(self.worker_id)).await?;
+            let blocks = self.agent.pull(&p.transfer, p.key).await?;
             if blocks.len() != req.token_ids.len().div_ceil(bs) {
                 return Err(EngineError::Mismatch(format!(
                     "{} blocks pulled for a {}-token prompt",
@@ -469,19 +461,17 @@ impl EngineHandle {
     }
 
     /// Queue a prefill-only request: its first token arrives on the first channel, the offer
-    /// of its prompt's KV blocks on the second. The offer is for `req.target` only (the decode
-    /// worker the router chose) when it names one.
+    /// of its prompt's KV blocks on the second. The offer opens only to the key `lock` locks
+    /// (sent by the router to the decode worker it chose) when there is a lock.
     pub async fn submit_prefill(
         &self,
         req: &PreprocessedRequest,
         lora: Option<Lora>,
+        lock: Option<dyn_compute::transfer::PullLock>,
     ) -> Result<(mpsc::Receiver<EngineItem>, oneshot::Receiver<OfferResult>), OpError> {
         let compiled = self.compiled(req).await?;
         let (reply, orx) = oneshot::channel();
-        let to = OfferTo {
-            reply,
-            puller: req.target.map(|t| t.0),
-        };
+        let to = OfferTo { reply, lock };
         Ok((
             self.enqueue(req, SeqRole::Prefill, None, Some(to), (lora, compiled))?,
             orx,
@@ -496,16 +486,22 @@ impl EngineHandle {
         generated: &[u32],
         max_tokens: u32,
     ) -> Result<crate::scheduler::Guided, OpError> {
+        Ok(std::sync::Arc::new(parking_lot::Mutex::new(
+            self.grammars()?
+                .guide(compiled, generated.to_vec(), max_tokens),
+        )))
+    }
+
+    /// The model's vocabulary compiled for grammars: built when the worker started (see
+    /// `EngineHandle::start`), so this is a lookup.
+    fn grammars(&self) -> Result<std::sync::Arc<dyn_llm::grammar::Grammars>, OpError> {
         let model = self.settings.model.as_ref().ok_or_else(|| {
             OpError::invalid("this worker cannot enforce a structured output: it has no tokenizer")
                 .with_param("response_format")
         })?;
-        let grammars = model
+        model
             .grammars()
-            .map_err(|e| OpError::invalid(e).with_param("response_format"))?;
-        Ok(std::sync::Arc::new(parking_lot::Mutex::new(
-            grammars.guide(compiled, generated.to_vec(), max_tokens),
-        )))
+            .map_err(|e| OpError::invalid(e).with_param("response_format"))
     }
 
     fn enqueue(

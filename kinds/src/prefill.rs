@@ -112,7 +112,7 @@ impl OperatorConfig for PrefillConfig {
                 let state = state.clone();
                 let agent = releaser.clone();
                 tokio::spawn(async move {
-                    let result = prefill(&engine, &ctx, &job.request, worker_id).await;
+                    let result = prefill(&engine, &ctx, &job.request, worker_id, job.lock).await;
                     let offer = result.as_ref().ok().map(|p| &p.transfer);
                     if !state.finished(&key, &ctx, offer, agent.as_ref()) {
                         tracing::debug!(job = job.id, "Prefill job cancelled");
@@ -298,9 +298,10 @@ async fn prefill(
     ctx: &Ctx,
     req: &PreprocessedRequest,
     worker_id: u64,
+    lock: Option<dyn_compute::transfer::PullLock>,
 ) -> Result<Prefilled, OpError> {
     let lora = engine.adapter(req).await?;
-    let (mut tokens, offer) = engine.submit_prefill(req, lora).await?;
+    let (mut tokens, offer) = engine.submit_prefill(req, lora, lock).await?;
     let work = async {
         let mut first = None;
         while let Some(g) = tokens.recv().await {
@@ -322,6 +323,8 @@ async fn prefill(
             prompt_tokens: u32::try_from(req.token_ids.len()).unwrap_or(u32::MAX),
             first_token: first,
             transfer,
+            // The router adds it, for the decode worker only.
+            key: None,
         })
     };
     tokio::select! {
@@ -341,7 +344,8 @@ impl Operator for Prefill {
             .then(move |req| {
                 let engine = engine.clone();
                 let ctx = ctx.clone();
-                async move { prefill(&engine, &ctx, &req, worker_id).await }
+                // Called in this process: the offer stays in this process's agent too.
+                async move { prefill(&engine, &ctx, &req, worker_id, None).await }
             })
             .boxed()
     }
@@ -362,6 +366,7 @@ mod tests {
             reply: REPLY.into(),
             request: dyn_llm::testing::preprocessed((prompt..prompt + 40).collect(), 1),
             timeout_ms: 30_000,
+            lock: None,
         };
         let body = serde_json::to_vec(&job).expect("json");
         planes

@@ -386,6 +386,9 @@ pub struct PreprocessedRequest {
     pub prefilled: Option<Prefilled>,
 }
 
+/// An offer's pull key and its lock (see [`Prefilled::key`]).
+pub use dyn_compute::transfer::{PullKey, PullLock};
+
 /// The result of a remote prefill: the first output token and the prompt's KV blocks,
 /// pinned on the prefill worker until the decode worker pulls them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -396,6 +399,10 @@ pub struct Prefilled {
     pub prompt_tokens: u32,
     pub first_token: u32,
     pub transfer: dyn_compute::transfer::TransferDescriptor,
+    /// The key that pulls the offer, added by the router for the decode worker it chose (the
+    /// prefill worker knows only its lock); only over the request plane, never the event plane.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<PullKey>,
 }
 
 /// Why a response ended.

@@ -183,6 +183,11 @@ pub struct PrefillJob {
     /// Milliseconds the worker may spend on the job from when it takes it; the sender waits
     /// no longer than this in all, and cancels the job when it stops waiting.
     pub timeout_ms: u64,
+    /// The lock of the key that pulls the offer: the job travels on the event plane, where
+    /// other members may read it, so it carries the lock and the key goes to the decode worker
+    /// alone (in `Prefilled::key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock: Option<dyn_llm::types::PullLock>,
 }
 
 /// The sender no longer waits for job `id` (of reply subject `reply`).
@@ -249,6 +254,9 @@ pub enum Reason {
     /// An embeddings request: its answer is its prefill's hidden states, computed where it
     /// is answered.
     Embedding,
+    /// The event plane (the queue's and the replies' carrier) is unreachable: waiting for it
+    /// would cost more than prefilling here.
+    PlaneDown,
 }
 
 impl Choice {
@@ -264,6 +272,7 @@ impl Choice {
                     Reason::PrefillFailed => "prefill_failed",
                     Reason::Logprobs => "logprobs",
                     Reason::Embedding => "embedding",
+                    Reason::PlaneDown => "plane_down",
                 },
             ),
         }
@@ -359,6 +368,10 @@ impl Inner {
         if quick != Choice::Remote {
             return quick;
         }
+        // Not even asked while the event plane is down: the question would wait for it.
+        if !self.planes.events.connected() {
+            return Choice::Local(Reason::PlaneDown);
+        }
         // Jobs not taken yet, plus those the prefill engines run or hold in their schedulers
         // (a prefill engine batches prompts, so running ones are a backlog too).
         match self.planes.queue.depth(&self.queue).await {
@@ -405,11 +418,13 @@ impl Inner {
         // `target` stays: the decode worker the router chose is the only one that may pull
         // the offer.
         request.prefilled = None;
+        let key = dyn_llm::types::PullKey::random();
         let job = PrefillJob {
             id,
             reply: self.reply.clone(),
             request,
             timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            lock: Some(key.lock()),
         };
         let body = serde_json::to_vec(&job).map_err(|e| e.to_string())?;
         self.planes
@@ -425,11 +440,17 @@ impl Inner {
             worker,
             id,
         };
+        // The worker left, or the plane its answer would come on dropped (an answer sent
+        // meanwhile is lost): either way no answer is coming, and the request prefills here
+        // now rather than after the whole timeout.
         let gone = async {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 if !self.pool.live().contains(&worker) {
-                    return;
+                    return format!("prefill worker {worker:x} left");
+                }
+                if !self.planes.events.connected() {
+                    return "the event plane disconnected".to_owned();
                 }
             }
         };
@@ -445,12 +466,12 @@ impl Inner {
                 // whatever the worker pinned for it.
                 Ok(Ok(p)) => believe(worker, self.pool.instance(worker).as_ref(), &p).map(|()| {
                     cancel.inner = None;
-                    p
+                    Prefilled { key: Some(key), ..p }
                 }),
                 Err(_) => Err("the reply channel closed".to_owned()),
             },
             _ = tokio::time::sleep(timeout) => Err(format!("no answer within {timeout:?}")),
-            _ = gone => Err(format!("prefill worker {worker:x} left")),
+            why = gone => Err(why),
             _ = ctx.killed() => Err("request cancelled".to_owned()),
         };
         pctx.first_output();

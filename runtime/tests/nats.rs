@@ -9,6 +9,10 @@ use dyn_runtime::planes::{EventBus, NatsEventBus};
 use dyn_tests::servers::{Server, test_server};
 use futures::StreamExt;
 
+/// How long an event or a reconnection may take. These bounds only end a test that would
+/// otherwise hang: nats-server beside a test build on a loaded 2-core machine is slow.
+const WITHIN: Duration = Duration::from_secs(30);
+
 fn endpoint(url: &str) -> Vec<String> {
     vec![url.trim_start_matches("nats://").to_owned()]
 }
@@ -23,21 +27,26 @@ async fn events_cross_connections_by_subject() {
     let b = NatsEventBus::connect(&endpoint(&url)).await.unwrap();
     assert!(a.connected() && b.connected());
     let mut sub = b.subscribe(&format!("dyn.{ns}.*.kv_events")).await.unwrap();
-    // Make sure the server has the subscription before publishing (NATS core is at most once).
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    a.publish(&format!("dyn.{ns}.decode.load"), Bytes::from_static(b"x"))
-        .await
-        .unwrap();
-    a.publish(
-        &format!("dyn.{ns}.decode.kv_events"),
-        Bytes::from_static(b"1"),
-    )
+    // NATS core is at most once, and `b`'s subscription reaches the server in its own time
+    // (on a loaded machine, later than any fixed pause): publish until it hears.
+    let ev = tokio::time::timeout(WITHIN, async {
+        loop {
+            a.publish(&format!("dyn.{ns}.decode.load"), Bytes::from_static(b"x"))
+                .await
+                .unwrap();
+            a.publish(
+                &format!("dyn.{ns}.decode.kv_events"),
+                Bytes::from_static(b"1"),
+            )
+            .await
+            .unwrap();
+            if let Ok(ev) = tokio::time::timeout(Duration::from_millis(200), sub.next()).await {
+                return ev.expect("the subscription is open");
+            }
+        }
+    })
     .await
-    .unwrap();
-    let ev = tokio::time::timeout(Duration::from_secs(5), sub.next())
-        .await
-        .unwrap()
-        .unwrap();
+    .expect("an event from the other connection");
     assert_eq!(ev.subject, format!("dyn.{ns}.decode.kv_events"));
     assert_eq!(ev.payload, Bytes::from_static(b"1"));
     assert!(a.publish("bad subject", Bytes::new()).await.is_err());
@@ -71,21 +80,18 @@ async fn subscriptions_come_back_after_a_server_restart() {
         .unwrap();
     let mut sub = b.subscribe("load.>").await.unwrap();
     server.kill();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + WITHIN;
     while a.connected() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(!a.connected(), "the outage is noticed");
     // Publishing during the outage drops the message instead of blocking the publisher.
-    tokio::time::timeout(
-        Duration::from_secs(1),
-        a.publish("load.w1", Bytes::from_static(b"lost")),
-    )
-    .await
-    .expect("publish does not block")
-    .unwrap();
+    tokio::time::timeout(WITHIN, a.publish("load.w1", Bytes::from_static(b"lost")))
+        .await
+        .expect("publish does not block")
+        .unwrap();
     assert!(server.start(), "nats-server starts again");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while !(a.connected() && b.connected()) && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -102,7 +108,7 @@ async fn subscriptions_come_back_after_a_server_restart() {
             }
         }
     };
-    let ev = tokio::time::timeout(Duration::from_secs(10), got)
+    let ev = tokio::time::timeout(WITHIN, got)
         .await
         .expect("events flow again");
     assert_eq!(ev.payload, Bytes::from_static(b"back"));
@@ -137,7 +143,8 @@ async fn jetstream_work_queue_hands_each_job_to_its_partition_once() {
     assert_eq!(next(&mut a).await, Bytes::from_static(b"3"));
     // Acknowledged on take: only b's job is left.
     let mut depth = 0;
-    for _ in 0..50 {
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    while tokio::time::Instant::now() < deadline {
         depth = sender.depth(&queue).await.unwrap();
         if depth == 1 {
             break;
@@ -155,17 +162,83 @@ async fn jetstream_work_queue_hands_each_job_to_its_partition_once() {
     assert!(sender.push("bad.name", "a", Bytes::new()).await.is_err());
 }
 
+/// A server restart loses the work queue's stream (memory storage) and its consumers: pushes,
+/// depths and the taker make them again and go on; while the server is down, push and depth
+/// fail rather than wait for it. (Before, one restart ended remote prefill for good: the
+/// stream was never made again and the taker's consumer errors were only logged.)
+#[tokio::test]
+async fn jetstream_work_queue_comes_back_after_a_server_restart() {
+    use dyn_runtime::planes::WorkQueue;
+    if test_server("DYN_TEST_NATS").is_none() {
+        return;
+    }
+    let Some(mut server) = Server::nats() else {
+        dyn_tests::skip("no nats-server binary on PATH");
+        return;
+    };
+    let queue = "prefill";
+    let sender_bus = NatsEventBus::connect(&endpoint(&server.url()))
+        .await
+        .unwrap();
+    let sender = sender_bus.work_queue();
+    let worker = NatsEventBus::connect(&endpoint(&server.url()))
+        .await
+        .unwrap()
+        .work_queue();
+    let mut taken = worker.take(queue, "w1").await.unwrap();
+    sender
+        .push(queue, "w1", Bytes::from_static(b"before"))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut taken).await, Bytes::from_static(b"before"));
+
+    server.kill();
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    while sender_bus.connected() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!sender_bus.connected(), "the outage is noticed");
+    // Down: refused, not waited out.
+    assert!(sender.depth(queue).await.is_err());
+    assert!(
+        sender
+            .push(queue, "w1", Bytes::from_static(b"x"))
+            .await
+            .is_err()
+    );
+
+    assert!(server.start(), "nats-server starts again");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !sender_bus.connected() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(sender_bus.connected(), "reconnects");
+    // The stream is made again by the push; the taker's consumer by the taker.
+    sender
+        .push(queue, "w1", Bytes::from_static(b"after"))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut taken).await, Bytes::from_static(b"after"));
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    let mut depth = sender.depth(queue).await;
+    while depth.as_ref().map_or(true, |d| *d != 0) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        depth = sender.depth(queue).await;
+    }
+    assert_eq!(depth.unwrap(), 0);
+}
+
 #[tokio::test]
 async fn jetstream_store_keeps_the_last_value_per_key_within_its_bounds() {
     use dyn_runtime::planes::{Bucket, KeyValue};
     let Some(url) = test_server("DYN_TEST_NATS") else {
         return;
     };
-    let bucket = Bucket {
-        name: format!("b{}", uuid::Uuid::new_v4().simple()),
-        max_entries: 2,
-        max_age: Duration::from_secs(60),
-    };
+    let bucket = Bucket::new(
+        format!("b{}", uuid::Uuid::new_v4().simple()),
+        2,
+        Duration::from_secs(60),
+    );
     // Written through one connection, read through another (another frontend).
     let a = NatsEventBus::connect(&endpoint(&url))
         .await
@@ -204,11 +277,47 @@ async fn jetstream_store_keeps_the_last_value_per_key_within_its_bounds() {
     assert!(a.put(&bucket, "bad.key", Bytes::new()).await.is_err());
 }
 
-async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
-    tokio::time::timeout(Duration::from_secs(5), s.next())
+#[tokio::test]
+async fn jetstream_store_keeps_its_byte_bound() {
+    use dyn_runtime::planes::{Bucket, KeyValue};
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let bucket = Bucket {
+        max_bytes: 4096,
+        ..Bucket::new(
+            format!("b{}", uuid::Uuid::new_v4().simple()),
+            100,
+            Duration::from_secs(60),
+        )
+    };
+    let s = NatsEventBus::connect(&endpoint(&url))
         .await
         .unwrap()
-        .unwrap()
+        .store();
+    let value = Bytes::from(vec![b'x'; 1000]);
+    for i in 0..10 {
+        s.put(&bucket, &format!("k{i}"), value.clone())
+            .await
+            .unwrap();
+    }
+    // The server discards the oldest past the bound (its own count of a message is a little
+    // more than its value); the newest stays.
+    assert_eq!(s.get(&bucket, "k0").await.unwrap(), None);
+    assert_eq!(s.get(&bucket, "k9").await.unwrap(), Some(value));
+    // A value larger than the bucket is refused, not stored past it.
+    assert!(
+        s.put(&bucket, "huge", Bytes::from(vec![b'x'; 5000]))
+            .await
+            .is_err()
+    );
+}
+
+async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
+    tokio::time::timeout(WITHIN, s.next())
+        .await
+        .expect("a job in time")
+        .expect("the queue is open")
 }
 
 /// A NATS server with a user: the credentials get through, their absence is a clear error.
@@ -243,7 +352,7 @@ async fn a_nats_server_with_a_user_takes_credentials_and_says_what_is_missing() 
     let mut sub = a.subscribe("t.auth").await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     a.publish("t.auth", Bytes::from_static(b"x")).await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut sub))
+    let got = tokio::time::timeout(WITHIN, futures::StreamExt::next(&mut sub))
         .await
         .unwrap()
         .unwrap();
@@ -276,7 +385,7 @@ async fn a_nats_server_over_tls_takes_the_ca_and_a_client_certificate() {
     let mut sub = a.subscribe("t.tls").await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     a.publish("t.tls", Bytes::from_static(b"y")).await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut sub))
+    let got = tokio::time::timeout(WITHIN, futures::StreamExt::next(&mut sub))
         .await
         .unwrap()
         .unwrap();

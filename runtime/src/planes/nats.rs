@@ -124,6 +124,7 @@ impl NatsEventBus {
     pub fn work_queue(&self) -> NatsWorkQueue {
         NatsWorkQueue {
             js: async_nats::jetstream::new(self.client.clone()),
+            client: self.client.clone(),
             ready: parking_lot::Mutex::new(std::collections::HashSet::new()),
         }
     }
@@ -134,8 +135,14 @@ impl NatsEventBus {
 /// consumer per partition filtered on its subject. A job is acknowledged as it is taken, which
 /// removes it from the stream, so the stream's message count is the queue's depth. Only
 /// features nats-server 2.9 has are used (no `filter_subjects`, no key-value buckets).
+///
+/// A server restart loses a stream in memory and its consumers: a push or a depth that finds
+/// its stream gone makes it again, and a taker whose consumer fails makes both again and goes
+/// on (before, one restart ended remote prefill for good). While the server is unreachable
+/// push and depth fail at once rather than wait for it.
 pub struct NatsWorkQueue {
     js: async_nats::jetstream::Context,
+    client: async_nats::Client,
     /// Streams known to exist.
     ready: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
@@ -157,6 +164,21 @@ impl NatsWorkQueue {
 
     fn subject(queue: &str, partition: &str) -> String {
         format!("dyn.queue.{queue}.{partition}")
+    }
+
+    /// Fails at once while the server is unreachable: a caller deciding whether to queue work
+    /// must not wait for it.
+    fn connected(&self) -> Result<(), PlaneError> {
+        if self.client.connection_state() == async_nats::connection::State::Connected {
+            Ok(())
+        } else {
+            Err(qerr("the NATS server is unreachable".into()))
+        }
+    }
+
+    /// Forget that `queue`'s stream exists (a server restart lost it): the next use makes it.
+    fn lost(&self, queue: &str) {
+        self.ready.lock().remove(&Self::stream_name(queue));
     }
 
     async fn stream(
@@ -201,26 +223,41 @@ async fn ensure_stream(
 impl super::WorkQueue for NatsWorkQueue {
     async fn push(&self, queue: &str, partition: &str, job: Bytes) -> Result<(), PlaneError> {
         dyn_core::planes::queue::check(queue, Some(partition))?;
-        self.stream(queue).await?;
+        self.connected()?;
         let subject = Self::subject(queue, partition);
-        // Wait for the server's acknowledgement: a job is only pushed once it is stored.
-        self.js
-            .publish(subject.clone(), job)
-            .await
-            .map_err(|e| qerr(format!("push to {subject}: {e}")))?
-            .await
-            .map_err(|e| qerr(format!("push to {subject}: {e}")))?;
-        Ok(())
+        // Twice at most: the second time after making a stream a restart lost (a publish
+        // that no stream takes is answered "no responders").
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            self.stream(queue).await?;
+            // Wait for the server's acknowledgement: a job is only pushed once it is stored.
+            let stored = match self.js.publish(subject.clone(), job.clone()).await {
+                Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match stored {
+                Ok(()) => return Ok(()),
+                Err(e) if tries == 2 => return Err(qerr(format!("push to {subject}: {e}"))),
+                Err(e) => {
+                    tracing::info!(error = %e, queue, "Work queue push failed; making its stream again");
+                    self.lost(queue);
+                }
+            }
+        }
     }
 
     async fn depth(&self, queue: &str) -> Result<u64, PlaneError> {
         dyn_core::planes::queue::check(queue, None)?;
-        let info = self
-            .stream(queue)
-            .await?
-            .get_info()
-            .await
-            .map_err(|e| qerr(format!("depth of {queue}: {e}")))?;
+        self.connected()?;
+        let info = match self.stream(queue).await?.get_info().await {
+            Ok(info) => info,
+            Err(e) => {
+                // Gone with a restart: made again (empty) on the next use.
+                self.lost(queue);
+                return Err(qerr(format!("depth of {queue}: {e}")));
+            }
+        };
         Ok(info.state.messages)
     }
 
@@ -229,8 +266,71 @@ impl super::WorkQueue for NatsWorkQueue {
         queue: &str,
         partition: &str,
     ) -> Result<BoxStream<'static, Bytes>, PlaneError> {
-        use async_nats::jetstream::consumer::{AckPolicy, pull};
         dyn_core::planes::queue::check(queue, Some(partition))?;
+        // The first consumer is made here, so that a bad start is an error to the caller;
+        // later ones (after a restart lost it) inside the stream.
+        let first = self.consumer(queue, partition).await?;
+        let this = NatsWorkQueue {
+            js: self.js.clone(),
+            client: self.client.clone(),
+            ready: parking_lot::Mutex::new(self.ready.lock().clone()),
+        };
+        let (queue, partition) = (queue.to_owned(), partition.to_owned());
+        Ok(async_stream::stream! {
+            let mut messages = Some(first);
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                let Some(current) = messages.as_mut() else {
+                    // The stream or its consumer is gone (a server restart): made again once
+                    // the server answers, backing off meanwhile.
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    this.lost(&queue);
+                    match this.consumer(&queue, &partition).await {
+                        Ok(m) => {
+                            tracing::info!(queue, partition, "Work queue consumer made again");
+                            messages = Some(m);
+                        }
+                        Err(e) => tracing::debug!(error = %e, "Work queue consumer not made yet"),
+                    }
+                    continue;
+                };
+                match current.next().await {
+                    Some(Ok(m)) => {
+                        backoff = Duration::from_millis(100);
+                        // Taken: acknowledged now, so the job leaves the stream and the depth.
+                        if let Err(e) = m.ack().await {
+                            tracing::warn!(error = %e, "Cannot acknowledge a queued job; it may be delivered again");
+                        }
+                        yield m.payload.clone();
+                    }
+                    Some(Err(e)) => {
+                        use async_nats::jetstream::consumer::pull::MessagesErrorKind as K;
+                        // Missed heartbeats while disconnected are the reconnect's to mend; a
+                        // consumer or stream that is gone is this loop's.
+                        if matches!(e.kind(), K::MissingHeartbeat) && !matches!(this.connected(), Ok(())) {
+                            tracing::debug!(error = %e, "Work queue consumer waiting for the server");
+                        } else {
+                            tracing::warn!(error = %e, queue, partition, "Work queue consumer failed; making it again");
+                            messages = None;
+                        }
+                    }
+                    None => messages = None,
+                }
+            }
+        }
+        .boxed())
+    }
+}
+
+impl NatsWorkQueue {
+    /// The durable pull consumer of one partition, its stream made first where needed.
+    async fn consumer(
+        &self,
+        queue: &str,
+        partition: &str,
+    ) -> Result<async_nats::jetstream::consumer::pull::Stream, PlaneError> {
+        use async_nats::jetstream::consumer::{AckPolicy, pull};
         let s = self.stream(queue).await?;
         let durable = format!("take_{partition}");
         let consumer = s
@@ -247,25 +347,16 @@ impl super::WorkQueue for NatsWorkQueue {
             )
             .await
             .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
-        let mut messages = consumer
+        // Heartbeats every second (async-nats's default is 15 s): a consumer a server restart
+        // lost is noticed, and made again, within seconds rather than after remote prefills
+        // have timed out.
+        consumer
+            .stream()
+            .expires(Duration::from_secs(5))
+            .heartbeat(Duration::from_secs(1))
             .messages()
             .await
-            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))?;
-        Ok(async_stream::stream! {
-            while let Some(m) = messages.next().await {
-                match m {
-                    Ok(m) => {
-                        // Taken: acknowledged now, so the job leaves the stream and the depth.
-                        if let Err(e) = m.ack().await {
-                            tracing::warn!(error = %e, "Cannot acknowledge a queued job; it may be delivered again");
-                        }
-                        yield m.payload.clone();
-                    }
-                    Err(e) => tracing::debug!(error = %e, "Work queue consumer"),
-                }
-            }
-        }
-        .boxed())
+            .map_err(|e| qerr(format!("cannot consume {queue}/{partition}: {e}")))
     }
 }
 
@@ -282,8 +373,10 @@ impl NatsEventBus {
 /// [`KeyValue`](super::KeyValue) on NATS JetStream, built as NATS's own key-value buckets are
 /// (which nats-server 2.9 cannot create through async-nats): one stream per bucket
 /// (`DYN_KV_{bucket}`, subjects `dyn.kv.{bucket}.{key}`, on the server's disk), keeping one
-/// message per subject, at most `max_entries` messages (the oldest discarded) for at most
-/// `max_age`. A get reads the subject's last message; a delete purges the subject.
+/// message per subject, at most `max_entries` messages and `max_bytes` (the oldest discarded)
+/// for at most `max_age`. A stream has no per-owner bounds: `put_for` stores as `put` does,
+/// and a full bucket discards its oldest whoever they belong to. A get reads the subject's
+/// last message; a delete purges the subject.
 pub struct NatsStore {
     js: async_nats::jetstream::Context,
     /// Streams known to exist.
@@ -313,6 +406,8 @@ impl NatsStore {
             storage: stream::StorageType::File,
             max_messages_per_subject: 1,
             max_messages: i64::try_from(bucket.max_entries).unwrap_or(i64::MAX),
+            // -1: no bound of the server's own beyond the entries (a bucket without one).
+            max_bytes: i64::try_from(bucket.max_bytes).unwrap_or(-1),
             max_age: bucket.max_age,
             discard: stream::DiscardPolicy::Old,
             ..Default::default()
@@ -325,6 +420,7 @@ impl NatsStore {
 impl super::KeyValue for NatsStore {
     async fn put(&self, bucket: &super::Bucket, key: &str, value: Bytes) -> Result<(), PlaneError> {
         dyn_core::planes::store::check(bucket, key)?;
+        dyn_core::planes::store::check_size(bucket, key, &value)?;
         self.stream(bucket).await?;
         let subject = Self::subject(bucket, key);
         // Stored once the server acknowledges it: a reader elsewhere then finds it.
