@@ -99,14 +99,25 @@ r3 = client.responses.create(
 assert r3.output_text == r2.output_text, (r3.output_text, r2.output_text)
 report("stateless_tool_turn", same=True)
 
-# A streamed call: its arguments as function_call_arguments events.
+# A streamed call: its arguments as function_call_arguments events. Greedy, so the answer is
+# the same on every run; "required" still lets the model make more than one call, so the
+# deltas are joined per output item, and each call's must be its done event's arguments and
+# valid for the schema.
 events = list(client.responses.create(
-    model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", max_output_tokens=100, stream=True,
+    model=MODEL, input=ASK, tools=TOOLS, tool_choice="required", max_output_tokens=100,
+    temperature=0, stream=True,
 ))
-args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-jsonschema.validate(json.loads(args), WEATHER)
-assert any(e.type == "response.function_call_arguments.done" for e in events)
-report("function_call_streamed", arguments=args)
+streamed, finished = {}, {}
+for e in events:
+    if e.type == "response.function_call_arguments.delta":
+        streamed[(e.output_index, e.item_id)] = streamed.get((e.output_index, e.item_id), "") + e.delta
+    elif e.type == "response.function_call_arguments.done":
+        finished[(e.output_index, e.item_id)] = e.arguments
+assert streamed and streamed.keys() == finished.keys(), (streamed, finished)
+for item, args in sorted(streamed.items()):
+    assert args == finished[item], (item, args, finished[item])
+    jsonschema.validate(json.loads(args), WEATHER)
+report("function_call_streamed", calls=len(streamed), arguments=[a for _, a in sorted(streamed.items())])
 
 # Structured output: text.format json_schema, and the SDK's pydantic parse.
 CITY = {

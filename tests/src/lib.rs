@@ -90,6 +90,9 @@ pub fn inspect_json(url: &str, args: &[&str]) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("dyn {all:?} printed no JSON: {e}"))
 }
 
+/// How long `dyn graph up` may take to listen.
+const START_WITHIN: Duration = Duration::from_secs(180);
+
 /// A running `dyn graph up`, killed on drop.
 pub struct Graph {
     child: Option<Child>,
@@ -137,12 +140,28 @@ impl Graph {
                 sink.lock().unwrap().push(line);
             }
         });
-        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+        // A bound that only ends a hang: a graph that loads a real model in a debug build on
+        // a loaded 2-core machine has taken most of a minute. A graph that exits ends the wait
+        // at once (its stderr closes).
+        let addr = match rx.recv_timeout(START_WITHIN) {
             Ok(addr) => addr,
-            Err(_) => panic!(
-                "graph did not start; logs:\n{}",
-                logs.lock().unwrap().join("\n")
-            ),
+            Err(e) => {
+                let why = match e {
+                    mpsc::RecvTimeoutError::Timeout => {
+                        format!("was not listening after {START_WITHIN:?}")
+                    }
+                    mpsc::RecvTimeoutError::Disconnected => match child.try_wait() {
+                        Ok(Some(status)) => format!("exited ({status})"),
+                        _ => "closed its log".to_owned(),
+                    },
+                };
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "dyn graph up {graph} {why}; logs:\n{}",
+                    logs.lock().unwrap().join("\n")
+                )
+            }
         };
         Graph {
             child: Some(child),
@@ -313,16 +332,17 @@ pub async fn post_json(url: &str, body: &serde_json::Value) -> (u16, serde_json:
 }
 
 /// Poll `ok` every 10 ms until it holds, for state that background tasks update (watches,
-/// event followers, engine threads); panic after 10 s naming `what`. Nothing is timed: the
-/// limit only ends a test that would otherwise hang.
+/// event followers, engine threads); panic after 60 s naming `what`. Nothing is timed: the
+/// limit only ends a test that would otherwise hang, sized for a loaded 2-core machine.
 pub async fn until(what: &str, mut ok: impl FnMut() -> bool) {
-    for _ in 0..1000 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
         if ok() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("never {what}");
+    panic!("never {what} (waited 60 s)");
 }
 
 /// `GET url`'s body as JSON.
@@ -371,4 +391,17 @@ pub fn python_lines(
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
+}
+
+/// Resident memory of process `pid` in bytes (`VmRSS`); a process that is gone is a failure
+/// that says so.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("process {pid} is gone: {e}"));
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no VmRSS for process {pid}"));
+    kb * 1024
 }

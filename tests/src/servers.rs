@@ -3,8 +3,12 @@
 //! use the shared ones `scripts/test` starts (`DYN_TEST_ETCD`, `DYN_TEST_NATS`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to open its port. etcd has taken more than 5 s on a loaded
+/// 2-core machine (the test build running beside it); this bound only ends a hang.
+const START_WITHIN: Duration = Duration::from_secs(60);
 
 /// A free loopback port (racy in principle, fine on a test machine).
 pub fn free_port() -> u16 {
@@ -26,7 +30,8 @@ pub fn test_server(var: &str) -> Option<String> {
     v
 }
 
-/// One server process that can be killed and started again on the same port and data.
+/// One server process that can be killed and started again on the same port and data; what it
+/// prints goes to `server.log` in its directory.
 pub struct Server {
     child: Option<Child>,
     command: Box<dyn Fn() -> Command + Send>,
@@ -144,7 +149,9 @@ impl Server {
         Self::etcd_with_auth_ttl(user, password, 300)
     }
 
-    /// [`Server::etcd_with_auth`] whose login tokens expire after `ttl_s` seconds.
+    /// [`Server::etcd_with_auth`] whose login tokens expire after `ttl_s` seconds. `None`
+    /// only when etcd is not installed: a server that runs but cannot be set up is a failure
+    /// that says which step failed.
     pub fn etcd_with_auth_ttl(user: &str, password: &str, ttl_s: u32) -> Option<Server> {
         let server = Self::etcd_with(&["--auth-token-ttl", &ttl_s.to_string()])?;
         let url = server.url();
@@ -153,25 +160,40 @@ impl Server {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .ok()?;
+                .map_err(|e| format!("a runtime: {e}"))?;
             rt.block_on(async {
-                let mut c = etcd_client::Client::connect([url], None).await.ok()?;
+                let step = |what: &'static str| move |e: etcd_client::Error| format!("{what}: {e}");
+                let mut c = etcd_client::Client::connect([url], None)
+                    .await
+                    .map_err(step("connecting"))?;
                 c.user_add(user.as_str(), password.as_str(), None)
                     .await
-                    .ok()?;
+                    .map_err(step("adding the user"))?;
                 if user != "root" {
-                    c.user_add("root", password.as_str(), None).await.ok()?;
+                    c.user_add("root", password.as_str(), None)
+                        .await
+                        .map_err(step("adding root"))?;
                 }
                 c.role_add("root").await.ok();
-                c.user_grant_role(user.as_str(), "root").await.ok()?;
+                c.user_grant_role(user.as_str(), "root")
+                    .await
+                    .map_err(step("granting the root role"))?;
                 c.user_grant_role("root", "root").await.ok();
-                c.auth_enable().await.ok()
+                c.auth_enable()
+                    .await
+                    .map_err(step("enabling authentication"))
             })
         })
         .join()
-        .ok()
-        .flatten();
-        enabled.map(|_| server)
+        .unwrap_or_else(|_| Err("the set-up thread panicked".to_owned()));
+        if let Err(e) = enabled {
+            panic!(
+                "etcd at {} runs, but setting up authentication failed ({e}); its log:\n{}",
+                server.url(),
+                server.log()
+            );
+        }
+        Some(server)
     }
 
     fn start_new(
@@ -200,21 +222,63 @@ impl Server {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Start it (again) and wait until it accepts connections; false if it cannot start.
+    /// Start it (again) and wait until it accepts connections. False only when its binary is
+    /// not installed (the caller skips); one that exits, or does not open its port within
+    /// [`START_WITHIN`], is a panic that shows its log — a slow start is not a missing binary.
     pub fn start(&mut self) -> bool {
-        let child = (self.command)()
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let Ok(child) = child else { return false };
-        self.child = Some(child);
-        for _ in 0..200 {
+        let mut command = (self.command)();
+        let program = command.get_program().to_string_lossy().into_owned();
+        // Appended to across restarts, so a failed restart shows what the first run said too.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
+        let spawned = command.stdout(log.try_clone().unwrap()).stderr(log).spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return false,
+            Err(e) => panic!("cannot start {program}: {e}"),
+        };
+        let started = Instant::now();
+        loop {
             if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                self.child = Some(child);
                 return true;
+            }
+            let failed = match child.try_wait() {
+                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Ok(None) if started.elapsed() > START_WITHIN => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    Some(format!("was still starting after {START_WITHIN:?}"))
+                }
+                Ok(None) => None,
+                Err(e) => Some(format!("could not be waited for: {e}")),
+            };
+            if let Some(failed) = failed {
+                panic!(
+                    "{program} {failed} before accepting connections on 127.0.0.1:{}; its log:\n{}",
+                    self.port,
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(25));
         }
-        false
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("server.log")
+    }
+
+    /// The end of what the server printed (all its runs), for failure messages.
+    pub fn log(&self) -> String {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let start = text.len().saturating_sub(8000);
+        let start = (start..text.len())
+            .find(|i| text.is_char_boundary(*i))
+            .unwrap_or(0);
+        text[start..].to_owned()
     }
 
     /// SIGKILL it, as a crash would.

@@ -194,12 +194,34 @@ async fn client_disconnect_kills_the_request() {
     );
 }
 
-/// Start a request in the background; resolves to the whole response body.
-fn send_in_background(g: &Graph, body: Value) -> tokio::task::JoinHandle<String> {
-    let url = g.url("/v1/text");
+/// Start a streamed request and wait for its first word, so it is in flight for certain (a
+/// fixed pause is not, on a loaded machine); the rest is read in the background, which
+/// resolves to the text of every event.
+async fn stream_in_flight(g: &Graph, text: &str) -> tokio::task::JoinHandle<Vec<String>> {
+    let resp = client()
+        .post(g.url("/v1/text"))
+        .json(&json!({"text": text, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\n\n") {
+        let chunk = body.next().await.expect("a first word").unwrap();
+        got.extend_from_slice(&chunk);
+    }
     tokio::spawn(async move {
-        let resp = client().post(url).json(&body).send().await.unwrap();
-        resp.text().await.unwrap_or_default()
+        // Cut off or not, what came is what counts.
+        while let Some(Ok(chunk)) = body.next().await {
+            got.extend_from_slice(&chunk);
+        }
+        String::from_utf8_lossy(&got)
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .map(|v| v["text"].as_str().unwrap_or_default().to_owned())
+            .collect()
     })
 }
 
@@ -217,13 +239,12 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
         "graphs/echo.yaml",
         &["--set", "echo.delay_ms=100", "--grace-period", "20"],
     );
-    // A request that takes about a second, started before the signal.
-    let slow = send_in_background(&g, json!({"text": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"}));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A request that takes about a second, under way before the signal.
+    let slow = stream_in_flight(&g, "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10").await;
     let code = terminate_and_wait(g).await;
-    let body: Value = serde_json::from_str(&slow.await.unwrap()).unwrap();
     assert_eq!(
-        body["text"], "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10",
+        slow.await.unwrap().concat(),
+        "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10",
         "in-flight request finished"
     );
     assert_eq!(code, Some(0));
@@ -235,23 +256,16 @@ async fn sigterm_after_grace_period_kills_and_still_exits_zero() {
         "graphs/echo.yaml",
         &["--set", "echo.delay_ms=500", "--grace-period", "0.5"],
     );
-    let slow = send_in_background(
-        &g,
-        json!({"text": "a b c d e f g h i j k l m n o p", "stream": true}),
-    );
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let slow = stream_in_flight(&g, "a b c d e f g h i j k l m n o p").await;
     let logs = g.log_sink();
     assert_eq!(terminate_and_wait(g).await, Some(0));
     // The request was cut off at the end of the grace period, not waited for: 16 words at
     // 500 ms each would take 8 s.
-    let text = slow.await.unwrap();
+    let words = slow.await.unwrap();
     let logs = logs.lock().unwrap().join("\n");
     assert!(
         logs.contains("Grace period over; aborting requests still in flight"),
         "{logs}"
     );
-    assert!(
-        text.matches("data:").count() < 16,
-        "the request ran to its end: {text}"
-    );
+    assert!(words.len() < 16, "the request ran to its end: {words:?}");
 }

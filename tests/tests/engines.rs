@@ -939,7 +939,7 @@ async fn bad_engine_configurations_fail_clearly_and_never_hang() {
     let line = wait_log(
         &g,
         "Engine server not answering its health check",
-        Duration::from_secs(5),
+        Duration::from_secs(30),
     );
     assert!(line.contains(&format!("127.0.0.1:{port}")), "{line}");
     drop(g);
@@ -1101,8 +1101,8 @@ async fn vllm_workers_serve_token_ids_follow_kv_events_cancel_and_migrate() {
             break w["worker_id"].clone();
         }
         assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "no vLLM KV blocks in the index: {kv}"
+            start.elapsed() < Duration::from_secs(60),
+            "no vLLM KV blocks in the index after 60 s: {kv}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };

@@ -72,18 +72,7 @@ fn chat(extra: Value) -> Value {
 
 /// The process still runs, and its resident memory (MiB).
 fn alive_rss_mib(g: &Graph) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", g.pid())).unwrap_or_else(|e| {
-        panic!(
-            "the dyn process is gone ({e}); logs:\n{}",
-            g.logs().join("\n")
-        )
-    });
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kb / 1024
+    dyn_tests::rss_bytes(g.pid()) >> 20
 }
 
 async fn answers_normally(g: &Graph) {

@@ -2,7 +2,9 @@
 //! routing decisions for a prompt, the KV index and the KV event stream, all as `--json`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is a failure report
 
-use std::process::{Output, Stdio};
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use dyn_tests::{Graph, dyn_cmd, inspect_json, run, scratch_dir};
 use serde_json::{Value, json};
@@ -13,10 +15,10 @@ fn inspect(g: &Graph, args: &[&str]) -> Value {
     inspect_json(&g.url(""), args)
 }
 
-async fn chat(g: &Graph) {
+async fn chat(g: &Graph, content: &str) {
     let r = reqwest::Client::new()
         .post(g.url("/v1/chat/completions"))
-        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": CONTENT}], "max_tokens": 4}))
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}))
         .send()
         .await
         .unwrap();
@@ -31,38 +33,41 @@ async fn workers_route_kv_and_events() {
         "http",
         &["--set", "decode.mocker.speedup=100"],
     );
-    // Follow the event stream while a request is served.
-    let events = dyn_cmd()
-        .args([
-            "inspect",
-            "--url",
-            &g.url(""),
-            "--json",
-            "events",
-            "--wait",
-            "3",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    chat(&g).await;
+    chat(&g, CONTENT).await;
 
     // The index learns the prompt's blocks from the worker's events.
     let mut kv = Value::Null;
-    for _ in 0..100 {
+    // A bound that only ends a hang (each look runs the binary: slow on a loaded machine).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
         kv = inspect(&g, &["kv"]);
         if kv["replicas"][0]["stored_blocks"].as_u64() > Some(0) {
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let kv = &kv["replicas"][0];
     let holder = kv["workers"][0]["worker_id"].as_str().unwrap().to_owned();
     assert!(kv["bytes_per_block"].as_f64().unwrap() > 0.0);
     assert_eq!(kv["block_size"], 16);
 
-    let w = inspect(&g, &["workers"]);
+    // A worker's load (its block counts among it) is published as it works, and reaches the
+    // router only once the router follows it, which on a loaded machine may be after the
+    // first request: ask again (the same prompt goes to the same worker) until the holder's
+    // load is there (a bound that only ends a hang).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let w = loop {
+        let w = inspect(&g, &["workers"]);
+        let reported = w["replicas"][0]["workers"].as_array().is_some_and(|ws| {
+            ws.iter()
+                .any(|w| w["worker_id"] == holder.as_str() && !w["kv_total_blocks"].is_null())
+        });
+        if reported || Instant::now() > deadline {
+            break w;
+        }
+        chat(&g, CONTENT).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let workers = w["replicas"][0]["workers"].as_array().unwrap();
     assert_eq!(workers.len(), 4);
     assert!(
@@ -74,7 +79,7 @@ async fn workers_route_kv_and_events() {
         .iter()
         .find(|w| w["worker_id"] == holder.as_str())
         .unwrap();
-    assert_eq!(served["kv_total_blocks"], 2048);
+    assert_eq!(served["kv_total_blocks"], 2048, "{w}");
     assert!(served["indexed_blocks"].as_u64().unwrap() >= 1);
 
     // The same conversation would go back to that worker, its blocks all matched.
@@ -112,18 +117,51 @@ async fn workers_route_kv_and_events() {
     assert!(q["decisions"].as_u64().unwrap() > 0, "{w}");
     assert!(q["prompt_blocks"].as_u64().unwrap() > 0, "{w}");
 
-    let out: Output = events.wait_with_output().unwrap();
-    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert!(
-        lines
-            .iter()
-            .any(|l| l["event"]["event"]["data"]["stored"].is_object()
-                && l["subject"] == "dyn.dyn.decode.kv_events"),
-        "{lines:?}"
-    );
+    // Follow the event stream while requests are served. The follower subscribes in its own
+    // time (a fixed pause is not enough on a loaded machine), so prompts never seen before —
+    // new blocks, each stored — go on until it has printed one, within a bound that only
+    // ends a hang.
+    let mut events = dyn_cmd()
+        .args([
+            "inspect",
+            "--url",
+            &g.url(""),
+            "--json",
+            "events",
+            "--follow",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = events.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let stored = |l: &Value| {
+        l["event"]["event"]["data"]["stored"].is_object()
+            && l["subject"] == "dyn.dyn.decode.kv_events"
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut lines: Vec<Value> = Vec::new();
+    for i in 0.. {
+        chat(&g, &format!("{i} {CONTENT}")).await;
+        lines.extend(rx.try_iter().map(|l| serde_json::from_str(&l).unwrap()));
+        if lines.iter().any(stored) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower printed no stored blocks in 60 s: {lines:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = events.kill();
+    let _ = events.wait();
 }
 
 #[test]
