@@ -141,6 +141,22 @@ async fn deep_grammars_are_refused_at_every_entry_point_and_the_server_stays_up(
             "64 levels",
         ),
         (
+            "a Lark chain of hyphenated names",
+            "/v1/chat/completions",
+            chat(
+                json!({"guided_grammar": rule_chain(1200).replace(": r", ": r-").replace("\nr", "\nr-")}),
+            ),
+            "128 levels",
+        ),
+        (
+            "a chain behind an $id that moves the references' base",
+            "/v1/chat/completions",
+            chat(json!({"guided_json": {"$defs": {"d0": {"type": "string"}},
+                "properties": {"p": {"$id": "http://x/s", "$defs": deep["$defs"], "$ref": "#/$defs/d0"}},
+                "$ref": "#/$defs/d0"}})),
+            "$id",
+        ),
+        (
             "a choice of 50,000 strings",
             "/v1/chat/completions",
             chat(

@@ -24,38 +24,36 @@ pub const CONFIG_MAX: u64 = 1 << 20;
 /// `path` opened for reading: a regular file of at most `most` bytes, with what `fstat` said
 /// of the opened descriptor.
 pub fn open_regular(path: &Path, most: u64) -> Result<(File, Metadata), ModelError> {
-    // O_NONBLOCK: opening a FIFO with no writer would otherwise wait for one for ever. It
-    // changes nothing for a regular file, the only kind read past the check below.
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(OFlag::O_NONBLOCK.bits())
-        .open(path)
-        .map_err(|e| ModelError::io(path, e))?;
-    // The descriptor's own type and size, not the path's: a path swapped after this is not
-    // what is read.
-    let meta = file.metadata().map_err(|e| ModelError::io(path, e))?;
-    let ft = meta.file_type();
-    if !ft.is_file() {
-        let kind = if ft.is_dir() {
-            "a directory"
-        } else if ft.is_fifo() {
-            "a FIFO"
-        } else if ft.is_char_device() {
-            "a character device"
-        } else if ft.is_block_device() {
-            "a block device"
-        } else if ft.is_socket() {
-            "a socket"
-        } else {
-            "of an unknown kind"
-        };
-        return Err(ModelError::io(
+    let not_regular = |kind: &str| {
+        ModelError::io(
             path,
             io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("{kind}, not a regular file"),
             ),
-        ));
+        )
+    };
+    // What the path says already is refused before it is opened: opening some devices does
+    // something (a terminal, a tape). The descriptor is checked again below, since the path
+    // may change in between.
+    if let Ok(m) = std::fs::metadata(path)
+        && let Some(kind) = not_a_file(&m)
+    {
+        return Err(not_regular(kind));
+    }
+    // O_NONBLOCK: opening a FIFO with no writer would otherwise wait for one for ever; it
+    // changes nothing for a regular file, the only kind read past the check below.
+    // O_NOCTTY: a terminal opened here never becomes the process's controlling one.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags((OFlag::O_NONBLOCK | OFlag::O_NOCTTY).bits())
+        .open(path)
+        .map_err(|e| ModelError::io(path, e))?;
+    // The descriptor's own type and size, not the path's: a path swapped after this is not
+    // what is read.
+    let meta = file.metadata().map_err(|e| ModelError::io(path, e))?;
+    if let Some(kind) = not_a_file(&meta) {
+        return Err(not_regular(kind));
     }
     if meta.len() > most {
         return Err(ModelError::io(
@@ -70,6 +68,26 @@ pub fn open_regular(path: &Path, most: u64) -> Result<(File, Metadata), ModelErr
         ));
     }
     Ok((file, meta))
+}
+
+/// What `meta` is, when it is not a regular file.
+fn not_a_file(meta: &Metadata) -> Option<&'static str> {
+    let ft = meta.file_type();
+    Some(if ft.is_file() {
+        return None;
+    } else if ft.is_dir() {
+        "a directory"
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_socket() {
+        "a socket"
+    } else {
+        "of an unknown kind"
+    })
 }
 
 /// The bytes of the regular file at `path`, at most `most` of them (see [`open_regular`]),

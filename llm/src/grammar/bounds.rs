@@ -27,6 +27,12 @@ pub const MAX_RULE_DEPTH: usize = 128;
 pub const MAX_CONSTRAINT_BYTES: usize = 512 << 10;
 /// Strings in a choice.
 pub const MAX_CHOICES: usize = 4096;
+/// `$ref`s in a schema. A backstop under the depth measure: however references resolve, a
+/// chain of them is no longer than this (a few MiB of the compiler's stack at most).
+pub const MAX_REFS: usize = 1000;
+/// Steps the measures below may take (schemas and rules visited): they are linear in the
+/// constraint for most shapes, and this ends the others.
+const MAX_STEPS: usize = 200_000;
 
 /// `Err` names the bound `c` exceeds.
 pub fn check(c: &Constraint) -> Result<(), String> {
@@ -96,15 +102,20 @@ const MAP: &[&str] = &["properties", "patternProperties", "dependentSchemas"];
 const LIST: &[&str] = &["anyOf", "oneOf", "allOf", "prefixItems"];
 
 /// The deepest chain of schemas in `root`, following `$ref`s into `root` (by JSON pointer or
-/// `$anchor`); a `$ref` elsewhere is refused (nothing could resolve it here either).
+/// `$anchor`). What would make llguidance resolve a reference elsewhere than this walk does is
+/// refused: a `$ref` outside the document or percent-encoded, an `$id` below the root (it moves
+/// the base references resolve against), an anchor named twice.
 fn schema_depth(root: &Value) -> Result<(), String> {
     let mut walk = SchemaWalk {
         root,
         anchors: HashMap::new(),
+        refs: 0,
         done: HashMap::new(),
         walking: Vec::new(),
+        steps: 0,
+        cut: false,
     };
-    walk.collect_anchors(root, 0);
+    walk.survey(root, 0)?;
     walk.depth(root, 1).map(drop)
 }
 
@@ -117,25 +128,58 @@ struct SchemaWalk<'a> {
     done: HashMap<String, usize>,
     /// The `$ref`s being followed now: a reference back to one of them costs nothing.
     walking: Vec<String>,
+    /// `$ref`s in the document.
+    refs: usize,
+    steps: usize,
+    /// A reference back to a schema being walked was cut short below the current one.
+    cut: bool,
 }
 
 impl<'a> SchemaWalk<'a> {
-    /// Anchors anywhere in the document (the walk stops at the JSON parser's own nesting
-    /// bound, far below any stack's).
-    fn collect_anchors(&mut self, v: &'a Value, level: usize) {
+    /// Anchors anywhere in the document, `$ref`s counted, and what this walk cannot resolve
+    /// as llguidance does refused (the walk stops at the JSON parser's own nesting bound, 128,
+    /// far below any stack's).
+    fn survey(&mut self, v: &'a Value, level: usize) -> Result<(), String> {
         if level > 256 {
-            return;
+            return Ok(());
         }
         match v {
             Value::Object(o) => {
-                if let Some(Value::String(a)) = o.get("$anchor") {
-                    self.anchors.insert(a.as_str(), v);
+                if let Some(Value::String(a)) = o.get("$anchor")
+                    && self.anchors.insert(a.as_str(), v).is_some()
+                {
+                    return Err(format!("the $anchor {a:?} is named twice"));
                 }
-                o.values().for_each(|c| self.collect_anchors(c, level + 1));
+                if level > 0 && (o.contains_key("$id") || o.get("id").is_some_and(Value::is_string))
+                {
+                    return Err(
+                        "an $id below the schema's root (references resolve against the root only)"
+                            .into(),
+                    );
+                }
+                if let Some(r) = o.get("$ref") {
+                    self.refs += 1;
+                    if self.refs > MAX_REFS {
+                        return Err(format!("the schema has more than {MAX_REFS} $refs"));
+                    }
+                    if r.as_str().is_some_and(|r| r.contains('%')) {
+                        return Err(format!(
+                            "the $ref {r}: percent-encoded references are not supported"
+                        ));
+                    }
+                }
+                for c in o.values() {
+                    self.survey(c, level + 1)?;
+                }
             }
-            Value::Array(a) => a.iter().for_each(|c| self.collect_anchors(c, level + 1)),
+            Value::Array(a) => {
+                for c in a {
+                    self.survey(c, level + 1)?;
+                }
+            }
             _ => {}
         }
+        Ok(())
     }
 
     /// The levels `s` (at `level`) reaches, itself included; `Err` past the bound. Recursion
@@ -143,6 +187,10 @@ impl<'a> SchemaWalk<'a> {
     fn depth(&mut self, s: &'a Value, level: usize) -> Result<usize, String> {
         if level > MAX_SCHEMA_DEPTH {
             return Err(too_deep_schema());
+        }
+        self.steps += 1;
+        if self.steps > MAX_STEPS {
+            return Err("the schema's references are too many to measure".into());
         }
         let Value::Object(o) = s else {
             return Ok(level);
@@ -172,6 +220,7 @@ impl<'a> SchemaWalk<'a> {
     fn reference(&mut self, r: &Value, level: usize) -> Result<usize, String> {
         let path = r.as_str().ok_or("$ref must be a string")?;
         if self.walking.iter().any(|w| w == path) {
+            self.cut = true;
             return Ok(level);
         }
         if let Some(below) = self.done.get(path) {
@@ -184,11 +233,17 @@ impl<'a> SchemaWalk<'a> {
         }
         let target = self.resolve(path)?;
         self.walking.push(path.to_string());
+        let outer = std::mem::take(&mut self.cut);
         let reached = self.depth(target, level + 1);
         self.walking.pop();
         let reached = reached?;
-        // Measured from this reference: what it adds below `level`.
-        self.done.insert(path.to_string(), reached - level);
+        // Measured from this reference: what it adds below `level`, kept unless a reference
+        // back to a schema being walked was cut short inside it (entered from elsewhere, the
+        // same schema may reach deeper).
+        if !self.cut {
+            self.done.insert(path.to_string(), reached - level);
+        }
+        self.cut |= outer;
         Ok(reached)
     }
 
@@ -223,34 +278,50 @@ fn too_deep_rules() -> String {
 
 /// A Lark grammar's deepest chain of rules, parentheses and regexes included; `%json`
 /// schemas inside it are measured as schemas.
+///
+/// llguidance compiles a rule the first time it is referenced and returns at once for one
+/// compiled or being compiled, starting from `start`: its recursion is the stack of one
+/// depth-first walk from `start` in the order references are written, each rule entered once.
+/// That walk is done here (then one from each rule `start` does not reach, which llguidance
+/// does not compile: a bound that can only be higher), each reference one level below its rule
+/// and its parentheses, so it takes time linear in the grammar.
 fn lark_depth(g: &str) -> Result<(), String> {
-    let rules = lark_rules(g)?;
+    let (order, rules) = lark_rules(g)?;
     let mut walk = RuleWalk {
         rules: &rules,
-        done: HashMap::new(),
-        walking: Vec::new(),
+        entered: std::collections::HashSet::new(),
     };
-    // Every rule, not only `start`'s: a grammar's unreachable rules are compiled too.
-    let names: Vec<&str> = rules.keys().copied().collect();
-    for name in names {
-        walk.depth(name, 1)?;
+    let roots = std::iter::once("start").chain(order.iter().copied());
+    for name in roots {
+        if rules.contains_key(name) && !walk.entered.contains(name) {
+            walk.depth(name, 1)?;
+        }
     }
     Ok(())
 }
 
-/// A rule's body as what the walk needs: the names it refers to, and its own deepest
-/// parenthesis (or regex, or `%json` schema).
+/// A rule's body as what the walk needs: the names it refers to (in order, each with the
+/// parentheses around it), and its own deepest parenthesis (or regex, or `%json` schema).
 #[derive(Default)]
 struct Body<'a> {
-    refs: Vec<&'a str>,
+    refs: Vec<(&'a str, usize)>,
     own: usize,
 }
 
-/// The rules (and terminals) of `g`, by name. A line that starts at its first column with a
-/// name (after `?` or `!`, before an optional `.priority`) and a colon starts a definition;
-/// the lines after it (alternatives, continuations) belong to it.
-fn lark_rules(g: &str) -> Result<HashMap<&str, Body<'_>>, String> {
+/// Whether `c` continues a Lark name (llguidance's rules `[_?]?[a-z][_a-z0-9-]*` and terminals
+/// `_?[A-Z][_A-Z0-9-]*`).
+fn name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_' || c == '-'
+}
+
+/// The rules (and terminals) of `g`, in the order they are defined and by name. A line that
+/// starts (after blanks) with a name (after `?`, `!` or both, before optional `{params}` and
+/// `.priority`) and a colon starts a definition; the lines after it (alternatives,
+/// continuations) belong to it.
+#[allow(clippy::type_complexity)]
+fn lark_rules(g: &str) -> Result<(Vec<&str>, HashMap<&str, Body<'_>>), String> {
     let mut rules: HashMap<&str, Body<'_>> = HashMap::new();
+    let mut order = Vec::new();
     let mut current: Option<&str> = None;
     let mut parens = 0usize;
     let mut rest = g;
@@ -259,6 +330,9 @@ fn lark_rules(g: &str) -> Result<HashMap<&str, Body<'_>>, String> {
         let c = rest.chars().next().unwrap_or(' ');
         if line_start && let Some((name, after)) = definition(rest) {
             current = Some(name);
+            if !rules.contains_key(name) {
+                order.push(name);
+            }
             rules.entry(name).or_default();
             parens = 0;
             rest = after;
@@ -295,7 +369,7 @@ fn lark_rules(g: &str) -> Result<HashMap<&str, Body<'_>>, String> {
                     _ => rest = &rest["%json".len()..],
                 }
             }
-            '(' | '[' => {
+            '(' | '[' | '{' => {
                 parens += 1;
                 if parens > MAX_RULE_DEPTH {
                     return Err(too_deep_rules());
@@ -305,33 +379,39 @@ fn lark_rules(g: &str) -> Result<HashMap<&str, Body<'_>>, String> {
                 }
                 rest = &rest[step..];
             }
-            ')' | ']' => {
+            ')' | ']' | '}' => {
                 parens = parens.saturating_sub(1);
                 rest = &rest[step..];
             }
             c if c.is_ascii_alphabetic() || c == '_' => {
-                let end = rest
-                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                    .unwrap_or(rest.len());
+                let end = rest.find(|c: char| !name_char(c)).unwrap_or(rest.len());
                 if let Some(b) = current.and_then(|n| rules.get_mut(n)) {
-                    b.refs.push(&rest[..end]);
+                    b.refs.push((&rest[..end], parens));
                 }
                 rest = &rest[end..];
             }
             _ => rest = &rest[step..],
         }
     }
-    Ok(rules)
+    Ok((order, rules))
 }
 
-/// `name:` (or `?name:`, `!name.2:`) at the start of `s`: the name, and what follows the colon.
+/// `name:` (or `?name:`, `!?name:`, `name{params}:`, `!name.2:`, after blanks) at the start of
+/// `s`: the name, and what follows the colon.
 fn definition(s: &str) -> Option<(&str, &str)> {
+    let s = s.trim_start_matches([' ', '\t']);
     let s = s.strip_prefix(['?', '!']).unwrap_or(s);
-    let end = s.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
-    let (name, after) = s.split_at(end);
-    if name.is_empty() || !name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
+    let s = s.strip_prefix(['?', '!']).unwrap_or(s);
+    if !s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') {
         return None;
     }
+    let end = s.find(|c: char| !name_char(c))?;
+    let (name, after) = s.split_at(end);
+    // Template parameters: `name{a, b}:`.
+    let after = match after.strip_prefix('{') {
+        Some(p) => &p[p.find('}')? + 1..],
+        None => after,
+    };
     let after = match after.strip_prefix('.') {
         Some(p) => p.trim_start_matches(|c: char| c.is_ascii_digit() || c == '-'),
         None => after,
@@ -390,51 +470,28 @@ fn nesting_depth(rx: &str) -> usize {
 
 struct RuleWalk<'r, 'a> {
     rules: &'r HashMap<&'a str, Body<'a>>,
-    done: HashMap<&'a str, usize>,
-    walking: Vec<&'a str>,
+    /// Rules compiled or being compiled: a reference to one returns at once.
+    entered: std::collections::HashSet<&'a str>,
 }
 
 impl<'a> RuleWalk<'_, 'a> {
-    /// The levels rule `name` reaches below `level`; recursion bounded by [`MAX_RULE_DEPTH`].
-    fn depth(&mut self, name: &'a str, level: usize) -> Result<usize, String> {
-        if level > MAX_RULE_DEPTH {
+    /// Enter rule `name` at `level`; `Err` past [`MAX_RULE_DEPTH`], which bounds this
+    /// recursion too. Each rule is entered once, so the walk is linear in the grammar.
+    fn depth(&mut self, name: &'a str, level: usize) -> Result<(), String> {
+        let Some(body) = self.rules.get(name) else {
+            // A keyword, or a name llguidance will call undefined.
+            return Ok(());
+        };
+        if level + body.own > MAX_RULE_DEPTH {
             return Err(too_deep_rules());
         }
-        let Some(body) = self.rules.get(name) else {
-            // A keyword, a terminal written inline, or a name llguidance will call undefined.
-            return Ok(level);
-        };
-        if self.walking.contains(&name) {
-            return Ok(level);
-        }
-        if let Some(below) = self.done.get(name) {
-            return if level + below > MAX_RULE_DEPTH {
-                Err(too_deep_rules())
-            } else {
-                Ok(level + below)
-            };
-        }
-        self.walking.push(name);
-        let mut deepest = level + body.own;
-        let mut failed = None;
-        for &r in &body.refs {
-            match self.depth(r, level + 1) {
-                Ok(d) => deepest = deepest.max(d),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
+        self.entered.insert(name);
+        for &(r, parens) in &body.refs {
+            if self.rules.contains_key(r) && !self.entered.contains(r) {
+                self.depth(r, level + 1 + parens)?;
             }
         }
-        self.walking.pop();
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        if deepest > MAX_RULE_DEPTH {
-            return Err(too_deep_rules());
-        }
-        self.done.insert(name, deepest - level);
-        Ok(deepest)
+        Ok(())
     }
 }
 
@@ -530,6 +587,55 @@ mod tests {
         let g = format!("start: %json {}", ref_chain(100));
         let e = check(&Constraint::Lark(g)).expect_err("deep %json");
         assert!(e.contains("schema"), "{e}");
+    }
+
+    #[test]
+    fn what_would_resolve_or_lex_otherwise_in_llguidance_is_refused_or_measured() {
+        // An `$id` below the root moves the base `#/…` resolves against in llguidance.
+        let mut inner = ref_chain(100);
+        inner["$id"] = json!("http://x/s");
+        let moved = json!({"$defs": {"d0": {"type": "string"}},
+            "properties": {"p": inner}, "$ref": "#/$defs/d0"});
+        let e = check(&Constraint::JsonSchema(moved)).expect_err("nested $id");
+        assert!(e.contains("$id"), "{e}");
+        // Percent-encoded pointers, anchors named twice, and too many references.
+        let pct = json!({"$defs": {"c": {"type": "string"}}, "$ref": "#/$defs/%63"});
+        assert!(check(&Constraint::JsonSchema(pct)).is_err());
+        let twice = json!({"$defs": {"a": {"$anchor": "x"}, "b": {"$anchor": "x"}}, "$ref": "#x"});
+        assert!(check(&Constraint::JsonSchema(twice)).is_err());
+        let mut many = Map::new();
+        for i in 0..=MAX_REFS {
+            many.insert(format!("p{i}"), json!({"$ref": "#/$defs/s"}));
+        }
+        let wide = json!({"$defs": {"s": {"type": "string"}}, "properties": many});
+        let e = check(&Constraint::JsonSchema(wide)).expect_err("too many refs");
+        assert!(e.contains("$refs"), "{e}");
+        // Names with hyphens, indented and doubly-prefixed definitions are rules.
+        let mut g = String::from("start: r-0\n");
+        for i in 0..1000 {
+            g.push_str(&format!("r-{i}: r-{}\n", i + 1));
+        }
+        g.push_str("r-1000: \"x\"\n");
+        assert!(check(&Constraint::Lark(g)).is_err(), "a hyphenated chain");
+        let mut g = String::from("start: a0\n");
+        for i in 0..200 {
+            g.push_str(&format!("  !?a{i}: a{}\n", i + 1));
+        }
+        assert!(
+            check(&Constraint::Lark(g)).is_err(),
+            "indented, prefixed chain"
+        );
+        // A reference inside parentheses is as deep as they are.
+        let mut g = String::from("start: a0\n");
+        for i in 0..20 {
+            g.push_str(&format!(
+                "a{i}: {}a{}{}\n",
+                "(".repeat(10),
+                i + 1,
+                ")".repeat(10)
+            ));
+        }
+        assert!(check(&Constraint::Lark(g)).is_err(), "parentheses add up");
     }
 
     #[test]

@@ -68,7 +68,9 @@ impl Compiled {
 /// The compile threads' turns and the cache; one per model vocabulary ([`Grammars`]).
 pub(super) struct Compiler {
     turns: Arc<tokio::sync::Semaphore>,
-    cache: Mutex<lru::LruCache<u128, Arc<Compiled>>>,
+    /// What each constraint compiled to, failures too: a constraint that failed, or took past
+    /// the deadline, is answered from here when it comes again rather than taking a turn.
+    cache: Mutex<lru::LruCache<u128, Result<Arc<Compiled>, String>>>,
 }
 
 impl Default for Compiler {
@@ -101,7 +103,7 @@ impl Grammars {
     pub async fn compile(self: &Arc<Self>, c: &Constraint) -> Result<Arc<Compiled>, CompileError> {
         let key = key(c);
         if let Some(hit) = self.compiler.cache.lock().get(&key) {
-            return Ok(hit.clone());
+            return hit.clone().map_err(CompileError::Invalid);
         }
         super::bounds::check(c).map_err(CompileError::Invalid)?;
         let turn = tokio::time::timeout(WAIT, self.compiler.turns.clone().acquire_owned())
@@ -121,12 +123,20 @@ impl Grammars {
             .name("dyn-grammar".into())
             .stack_size(STACK_BYTES)
             .spawn(move || {
-                // The turn is held until the compile ends, even if its request gave up.
+                // The turn is held until the compile ends, even if its request gave up, and
+                // the result is kept then: the same constraint again is answered at once.
                 let _turn = turn;
-                let _ = tx.send(grammars.parser(&constraint));
+                let compiled = grammars
+                    .parser(&constraint)
+                    .map(|m| Arc::new(Compiled::new(m, &constraint)));
+                COMPILE_SECONDS
+                    .with_label_values::<&str>(&[])
+                    .observe(started.elapsed().as_secs_f64());
+                grammars.compiler.cache.lock().put(key, compiled.clone());
+                let _ = tx.send(compiled);
             })
             .map_err(|e| CompileError::Busy(format!("no thread to compile the grammar on: {e}")))?;
-        let matcher = tokio::time::timeout(DEADLINE, rx)
+        tokio::time::timeout(DEADLINE, rx)
             .await
             .map_err(|_| {
                 CompileError::Invalid(format!(
@@ -135,12 +145,6 @@ impl Grammars {
                 ))
             })?
             .map_err(|_| CompileError::Invalid("the grammar compiler failed".into()))?
-            .map_err(CompileError::Invalid)?;
-        COMPILE_SECONDS
-            .with_label_values::<&str>(&[])
-            .observe(started.elapsed().as_secs_f64());
-        let compiled = Arc::new(Compiled::new(matcher, c));
-        self.compiler.cache.lock().put(key, compiled.clone());
-        Ok(compiled)
+            .map_err(CompileError::Invalid)
     }
 }

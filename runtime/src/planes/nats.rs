@@ -226,13 +226,24 @@ impl super::WorkQueue for NatsWorkQueue {
         self.connected()?;
         let subject = Self::subject(queue, partition);
         // Twice at most: the second time after making a stream a restart lost (a publish
-        // that no stream takes is answered "no responders").
+        // that no stream takes is answered "no responders"). One message id for both, so a
+        // first try that was stored but whose acknowledgement was lost is not stored twice
+        // (JetStream drops a duplicate id within its window).
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            "Nats-Msg-Id",
+            uuid::Uuid::new_v4().simple().to_string().as_str(),
+        );
         let mut tries = 0;
         loop {
             tries += 1;
             self.stream(queue).await?;
             // Wait for the server's acknowledgement: a job is only pushed once it is stored.
-            let stored = match self.js.publish(subject.clone(), job.clone()).await {
+            let published = self
+                .js
+                .publish_with_headers(subject.clone(), headers.clone(), job.clone())
+                .await;
+            let stored = match published {
                 Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
