@@ -172,6 +172,11 @@ impl Service for ModelCache {
 }
 
 impl ModelDir {
+    /// The vocabulary compiled for grammars when it already is (never blocks).
+    pub fn grammars_built(&self) -> Option<Result<Arc<Grammars>, String>> {
+        self.grammars.get().cloned()
+    }
+
     /// The vocabulary compiled for grammars (compiled once; a blocking call the first time).
     pub fn grammars(&self) -> Result<Arc<Grammars>, String> {
         self.grammars

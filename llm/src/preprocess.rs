@@ -278,11 +278,17 @@ impl Preprocess {
                 "ignore_eos cannot be combined with a structured output: the grammar ends it with eos",
             ));
         }
-        let model = self.model.clone();
-        let grammars = tokio::task::spawn_blocking(move || model.grammars())
-            .await
-            .map_err(|e| OpError::internal(format!("grammar task failed: {e}")))?
-            .map_err(|e| invalid("response_format", e))?;
+        // The blocking pool only the first time, while the vocabulary is compiled.
+        let grammars = match self.model.grammars_built() {
+            Some(g) => g,
+            None => {
+                let model = self.model.clone();
+                tokio::task::spawn_blocking(move || model.grammars())
+                    .await
+                    .map_err(|e| OpError::internal(format!("grammar task failed: {e}")))?
+            }
+        }
+        .map_err(|e| invalid("response_format", e))?;
         grammars.compile(&c).await.map(drop).map_err(grammar_error)
     }
 
