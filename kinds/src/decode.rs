@@ -143,18 +143,20 @@ impl OperatorConfig for DecodeConfig {
     }
 
     fn metadata(&self) -> InstanceMeta {
-        let (engine, block_size, kv_total_blocks) = match self.engine {
+        let (engine, block_size, kv_total_blocks, max_num_seqs) = match self.engine {
             EngineKind::Mocker => {
                 let c = self.mocker();
-                ("mocker", Some(c.block_size), Some(c.num_blocks))
+                ("mocker", Some(c.block_size), Some(c.num_blocks), Some(c.max_num_seqs))
             }
             EngineKind::Native => {
                 let c = self.native();
-                ("native", Some(c.block_size), Some(c.num_blocks))
+                ("native", Some(c.block_size), Some(c.num_blocks), Some(c.max_num_seqs))
             }
-            // vLLM announces its own block size in its load metrics.
+            // vLLM announces its own block size in its load metrics; an external server's
+            // batch size is its own flags' (a router gives it `admission.per_worker`, or its
+            // default room).
             EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => match self.external() {
-                Some((kind, c)) => (kind.name(), c.block_size, None),
+                Some((kind, c)) => (kind.name(), c.block_size, None, None),
                 None => return InstanceMeta::default(),
             },
         };
@@ -162,6 +164,7 @@ impl OperatorConfig for DecodeConfig {
             engine: Some(engine.into()),
             block_size,
             kv_total_blocks: kv_total_blocks.map(|n| n as u64),
+            max_num_seqs,
             ..InstanceMeta::default()
         }
     }

@@ -11,8 +11,12 @@
 //! hangs up simply leaves: its place is skipped. A request's own deadline
 //! (`x-request-timeout`) bounds its wait when it is sooner than `max_wait_s`.
 //!
-//! Room: `per_worker` requests in flight from this router per live worker (what `dyn bench`
-//! measures a worker sustains at the latency wanted). [`Queue`] is the ordering alone; time is
+//! **On by default**: a server that accepts whatever arrives collapses at a few times its
+//! capacity (every request queues at the workers and none meets its latency), so a `route`
+//! node admits unless told `admission: false`. Room: `per_worker` requests in flight from this
+//! router per live worker (what `dyn bench` measures a worker sustains at the latency wanted),
+//! by default each worker's own batch size as it advertises it in discovery (`max_num_seqs`;
+//! [`UNADVERTISED_PLACES`] for a worker that does not, such as an external server). [`Queue`] is the ordering alone; time is
 //! tokio's clock, so the tests run on a paused, scripted one.
 //!
 //! **Tenants** (the API key's, or the ingress's tenant header) share the room by weight:
@@ -69,8 +73,10 @@ pub const QUEUE_TIMEOUT: &str = "queue_timeout";
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdmissionConfig {
-    /// Requests in flight per live worker before new ones wait.
-    pub per_worker: u32,
+    /// Requests in flight per live worker before new ones wait; by default the batch size
+    /// each worker advertises.
+    #[serde(default)]
+    pub per_worker: Option<u32>,
     /// Requests that may wait at once.
     #[serde(default = "queue")]
     pub queue: usize,
@@ -100,6 +106,76 @@ pub struct AdmissionConfig {
 
 fn yes() -> bool {
     true
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            per_worker: None,
+            queue: queue(),
+            max_wait_s: max_wait_s(),
+            tenants: BTreeMap::new(),
+            tenant_default: TenantConfig::default(),
+            reserve: 0,
+            preempt: true,
+        }
+    }
+}
+
+/// The places of a worker that advertises no batch size (an external server) when
+/// `per_worker` is not set: vLLM's default `max_num_seqs`, so such a worker's own queue
+/// still decides, as it did before admission was on by default.
+pub const UNADVERTISED_PLACES: u32 = 256;
+
+impl AdmissionConfig {
+    /// The places of a worker that advertises `max_num_seqs` (`per_worker` where set).
+    pub fn places(&self, max_num_seqs: Option<u32>) -> u32 {
+        self.per_worker
+            .or(max_num_seqs)
+            .unwrap_or(UNADVERTISED_PLACES)
+            .max(1)
+    }
+
+    /// `admission` in a graph: `false` (or `null`) for none, `true` for the defaults, or the
+    /// settings; absent, the defaults.
+    pub fn deserialize_option<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Self>, D::Error> {
+        // A visitor rather than an untagged enum: a mistake inside the settings keeps its own
+        // error (an unknown field, with its position), and a switch read from YAML as text
+        // (`--set route.admission=false`) is still a switch.
+        struct Switch;
+        impl<'de> serde::de::Visitor<'de> for Switch {
+            type Value = Option<AdmissionConfig>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("`false`, `true` or the admission settings")
+            }
+            fn visit_bool<E: serde::de::Error>(self, on: bool) -> Result<Self::Value, E> {
+                Ok(on.then(AdmissionConfig::default))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "true" => self.visit_bool(true),
+                    "false" => self.visit_bool(false),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                d.deserialize_any(self)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<Self::Value, A::Error> {
+                AdmissionConfig::deserialize(serde::de::value::MapAccessDeserializer::new(m))
+                    .map(Some)
+            }
+        }
+        d.deserialize_any(Switch)
+    }
 }
 
 /// One tenant's share and limits.
@@ -522,8 +598,8 @@ pub struct Admission {
     /// The route node, for the metrics.
     node: String,
     state: Mutex<State>,
-    /// Live workers now (the router's view).
-    workers: Box<dyn Fn() -> usize + Send + Sync>,
+    /// The places of each live worker now (the router's view).
+    workers: Box<dyn Fn() -> Vec<u32> + Send + Sync>,
 }
 
 struct State {
@@ -646,7 +722,8 @@ const GAP_WEIGHT: f64 = 0.1;
 /// arriving meanwhile go ahead of it, so a place is worth more than one gap.
 const WAIT_MARGIN: f64 = 4.0;
 
-/// Places: live workers × `per_worker`, and those one tenant may hold (less the reserve).
+/// Places: the live workers' places summed, and those one tenant may hold (less the
+/// reserve on each worker).
 #[derive(Debug, Clone, Copy)]
 struct Room {
     places: usize,
@@ -712,7 +789,7 @@ impl Admission {
     pub fn new(
         config: AdmissionConfig,
         node: &str,
-        workers: impl Fn() -> usize + Send + Sync + 'static,
+        workers: impl Fn() -> Vec<u32> + Send + Sync + 'static,
     ) -> Arc<Self> {
         Arc::new(Self {
             origin: rand::random(),
@@ -735,10 +812,11 @@ impl Admission {
     /// The places now (asks the router for its live workers once).
     fn room(&self) -> Room {
         let workers = (self.workers)();
-        let per = self.config.per_worker.saturating_sub(self.config.reserve);
+        let sum = |f: &dyn Fn(u32) -> u32| workers.iter().map(|&p| f(p) as usize).sum();
         Room {
-            places: workers * self.config.per_worker as usize,
-            tenant_places: workers * per as usize,
+            places: sum(&|p| p),
+            // (A worker with fewer places than the reserve still lets a tenant have one.)
+            tenant_places: sum(&|p| p.saturating_sub(self.config.reserve).max(1)),
         }
     }
 
@@ -1192,7 +1270,7 @@ mod tests {
 
     fn config(per_worker: u32, queue: usize, max_wait_s: f64) -> AdmissionConfig {
         AdmissionConfig {
-            per_worker,
+            per_worker: Some(per_worker),
             queue,
             max_wait_s,
             tenants: BTreeMap::new(),
@@ -1204,7 +1282,8 @@ mod tests {
 
     /// Admission over one worker.
     fn admitting(config: AdmissionConfig) -> Arc<Admission> {
-        Admission::new(config, "route", || 1)
+        let places = config.places(None);
+        Admission::new(config, "route", move || vec![places])
     }
 
     fn admission(per_worker: u32, queue: usize, max_wait_s: f64) -> Arc<Admission> {

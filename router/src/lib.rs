@@ -134,8 +134,11 @@ pub struct RouteConfig {
     #[serde(default, alias = "kv_cache_block_size")]
     pub block_size: Option<u32>,
     /// Requests beyond the workers' room wait here, by priority and deadline, or are refused
-    /// ([`admission`]); without it every request is sent on at once.
-    #[serde(default)]
+    /// ([`admission`]); on by default, `false` sends every request on at once.
+    #[serde(
+        default = "admission_default",
+        deserialize_with = "admission::AdmissionConfig::deserialize_option"
+    )]
     pub admission: Option<admission::AdmissionConfig>,
     /// A conversation's requests stay on one worker ([`sessions`]); off without it.
     #[serde(default)]
@@ -153,6 +156,10 @@ pub struct RouteConfig {
     /// above.
     #[serde(default)]
     pub pools: Vec<pools::PoolRule>,
+}
+
+fn admission_default() -> Option<admission::AdmissionConfig> {
+    Some(admission::AdmissionConfig::default())
 }
 
 fn lora_load_ms() -> f64 {
@@ -196,7 +203,7 @@ impl Default for RouteConfig {
             kv_events: true,
             approx_ttl_s: ttl(),
             block_size: None,
-            admission: None,
+            admission: admission_default(),
             session_affinity: None,
             lora_load_ms: lora_load_ms(),
             lora_slots: eight_usize(),
@@ -310,7 +317,7 @@ impl OperatorConfig for RouteConfig {
         if let Some(a) = &self.admission {
             check(
                 "admission.per_worker",
-                a.per_worker > 0,
+                a.per_worker != Some(0),
                 "must be at least 1",
             );
             check(
@@ -320,7 +327,7 @@ impl OperatorConfig for RouteConfig {
             );
             check(
                 "admission.reserve",
-                a.reserve < a.per_worker,
+                a.per_worker.is_none_or(|n| n == 0 || a.reserve < n),
                 "must be below per_worker",
             );
             let tenants = a
@@ -449,7 +456,7 @@ impl RouteConfig {
             admission: self.admission.clone().map(|a| {
                 let me = me.clone();
                 admission::Admission::new(a, &cx.node, move || {
-                    me.upgrade().map_or(0, |inner| inner.live().len())
+                    me.upgrade().map_or_else(Vec::new, |inner| inner.live_places())
                 })
             }),
             target: target.to_owned(),
@@ -687,6 +694,32 @@ impl Inner {
             .collect()
     }
 
+    /// Each live worker's places (with admission; in one pass, for every admission step).
+    fn live_places(&self) -> Vec<u32> {
+        let Some(a) = &self.config.admission else {
+            return Vec::new();
+        };
+        self.workers
+            .read()
+            .iter()
+            .filter(|i| !self.planes.is_down(i.instance_id))
+            .map(|i| a.places(i.metadata.max_num_seqs))
+            .collect()
+    }
+
+    /// With admission, the requests `worker` takes from this router before others wait:
+    /// `per_worker`, or the batch size it advertises.
+    fn places(&self, worker: u64) -> Option<u32> {
+        let a = self.config.admission.as_ref()?;
+        let advertised = self
+            .workers
+            .read()
+            .iter()
+            .find(|i| i.instance_id.get() == worker)
+            .and_then(|i| i.metadata.max_num_seqs);
+        Some(a.places(advertised))
+    }
+
     /// Remember that `worker` got a request of adapter `key` (and so holds it, while it is
     /// among the last `lora_slots` adapters sent there).
     fn hold_lora(&self, worker: u64, key: &str) {
@@ -796,7 +829,7 @@ impl Inner {
             .session_affinity
             .as_ref()
             .and_then(|a| a.max_active)
-            .or(self.config.admission.as_ref().map(|a| a.per_worker));
+            .or_else(|| self.places(w));
         let room = bound.is_none_or(|b| self.before(w, precedence) < b);
         let healthy = self.health.usable(w, now);
         (room && healthy && self.live().contains(&w)).then_some(w)
@@ -819,11 +852,12 @@ impl Inner {
         // open are left out, and with admission, workers where it would not start at once
         // (as many requests as places come before it or level with it).
         let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
-        let places = self.config.admission.as_ref().map(|a| a.per_worker);
         let left_out = |w: u64| {
             Some(w) == failed_here
                 || !self.health.usable(w, now)
-                || places.is_some_and(|n| self.before(w, precedence) >= n)
+                || self
+                    .places(w)
+                    .is_some_and(|n| self.before(w, precedence) >= n)
         };
         let mut d = self.decide_without(tokens, salt, lora, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {

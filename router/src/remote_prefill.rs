@@ -109,6 +109,9 @@ impl OperatorConfig for RemotePrefillConfig {
             policy: Policy::Kv,
             cost: crate::cost::CostModel::Blocks,
             overlap_weight: Some(self.overlap_weight),
+            // Prefill is best effort beside the decode worker's own: a busy pool means a
+            // local prefill, never a wait or a refusal here.
+            admission: None,
             ..RouteConfig::default()
         }
         .start(cx, &self.pool)

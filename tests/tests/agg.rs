@@ -581,8 +581,11 @@ async fn a_client_that_hangs_up_frees_its_blocks_in_the_engine() {
 
 #[tokio::test]
 async fn a_busy_worker_sheds_load_with_503() {
-    // One worker that runs one sequence at a time and lets one more wait.
+    // One worker that runs one sequence at a time and lets one more wait, without the router's
+    // admission (on by default), so that requests reach the worker's own queue.
     let g = one_slow_worker(&[
+        "--set",
+        "route.admission=false",
         "--set",
         "decode.mocker.max_num_seqs=1",
         "--set",
@@ -705,6 +708,57 @@ async fn a_panicking_engine_is_replaced_and_its_request_migrates() {
     let text = metrics_text(&g).await;
     let errors = dyn_tests::metric_sum(&text, "dyn_frontend_requests_total", &["status=\"error\""]);
     assert_eq!(errors, 0.0, "{text}");
+}
+
+#[tokio::test]
+async fn the_default_graph_admits_what_each_worker_advertises_and_refuses_the_rest() {
+    // The default graph (no admission settings) with one slow worker of two sequences: a flood
+    // of 24 requests does not pile into the worker's queue. The router keeps two in flight
+    // (the batch size the worker advertises), lets a bounded number wait, refuses the rest with
+    // 503 and Retry-After, and serves a normal request afterwards.
+    let g = one_slow_worker(&["--set", "decode.mocker.max_num_seqs=2"]);
+    let body = chat("hi", json!({"max_tokens": 40, "ignore_eos": true}));
+    let flood: Vec<_> = (0..24)
+        .map(|_| {
+            tokio::spawn(
+                client()
+                    .post(g.url("/v1/chat/completions"))
+                    .json(&body)
+                    .send(),
+            )
+        })
+        .collect();
+    // While they are in flight, the worker runs its two and queues none.
+    let running = wait_for_metric(&g, "dyn_worker_requests_running", |v| v == 2.0).await;
+    assert_eq!(running, 2.0);
+    assert_eq!(metric(&g, "dyn_worker_requests_waiting").await, 0.0);
+    let (mut ok, mut refused) = (0, 0);
+    for r in flood {
+        let r = r.await.unwrap().unwrap();
+        match r.status().as_u16() {
+            200 => ok += 1,
+            503 => {
+                assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
+                let err: Value = r.json().await.unwrap();
+                let code = err["error"]["code"].as_str().unwrap_or_default().to_owned();
+                assert!(["queue_full", "queue_timeout"].contains(&code.as_str()), "{err}");
+                refused += 1;
+            }
+            s => panic!("status {s}: {}", r.text().await.unwrap()),
+        }
+    }
+    assert!(ok >= 2, "{ok} served, {refused} refused");
+    assert!(refused >= 1, "{ok} served, {refused} refused");
+    let counted = metric(&g, "dyn_router_admission_refused_total").await;
+    assert_eq!(counted, refused as f64);
+    assert_eq!(metric(&g, "dyn_worker_requests_waiting").await, 0.0);
+    let (status, answer) = post(
+        &g,
+        "/v1/chat/completions",
+        chat("hi", json!({"max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
 }
 
 #[tokio::test]

@@ -90,6 +90,9 @@ pub struct InstanceMeta {
     pub block_size: Option<u32>,
     /// KV cache blocks the worker holds.
     pub kv_total_blocks: Option<u64>,
+    /// Sequences the worker runs at once (its batch size): the room a router's admission
+    /// gives it unless told otherwise.
+    pub max_num_seqs: Option<u32>,
     pub extra: JsonMap,
 }
 
@@ -116,6 +119,7 @@ impl From<JsonMap> for InstanceMeta {
             engine: take(&mut extra, "engine"),
             block_size: take(&mut extra, "block_size"),
             kv_total_blocks: take(&mut extra, "kv_total_blocks"),
+            max_num_seqs: take(&mut extra, "max_num_seqs"),
             extra,
         }
     }
@@ -135,6 +139,7 @@ impl From<InstanceMeta> for JsonMap {
         put("engine", m.engine.map(Into::into));
         put("block_size", m.block_size.map(Into::into));
         put("kv_total_blocks", m.kv_total_blocks.map(Into::into));
+        put("max_num_seqs", m.max_num_seqs.map(Into::into));
         out
     }
 }
