@@ -29,7 +29,7 @@ pub struct AffinityConfig {
     #[serde(default = "ttl_s")]
     pub ttl_s: f64,
     /// Requests in flight from this router on the bound worker beyond which a session moves
-    /// (default: the admission's `per_worker` where set, else no bound).
+    /// (default: the worker's admission places; no bound without admission).
     #[serde(default)]
     pub max_active: Option<u32>,
 }
