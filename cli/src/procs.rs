@@ -157,6 +157,11 @@ fn ours_and_dyn(pid: u32, ticks: Option<u64>) -> bool {
     let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) else {
         return false;
     };
+    is_dyn(&exe) && ticks.is_none_or(|t| start_ticks(pid) == Some(t))
+}
+
+/// Whether `exe` is a dyn binary: named `dyn`, or as this one is.
+fn is_dyn(exe: &Path) -> bool {
     let name = |p: &Path| {
         p.file_name().map(|n| {
             let n = n.to_string_lossy();
@@ -165,8 +170,22 @@ fn ours_and_dyn(pid: u32, ticks: Option<u64>) -> bool {
         })
     };
     let own = std::env::current_exe().ok().and_then(|e| name(&e));
-    let is_dyn = name(&exe).is_some_and(|n| n == "dyn" || Some(&n) == own.as_ref());
-    is_dyn && ticks.is_none_or(|t| start_ticks(pid) == Some(t))
+    name(exe).is_some_and(|n| n == "dyn" || Some(&n) == own.as_ref())
+}
+
+/// Whether `pid` is verifiably a process of this user that is not the run that wrote a state
+/// file: another program, or a later process under a reused pid (its start time differs).
+/// `false` where that cannot be told (`/proc` unreadable).
+fn ours_and_other(pid: u32, ticks: Option<u64>) -> bool {
+    let Ok(meta) = std::fs::metadata(format!("/proc/{pid}")) else {
+        return false;
+    };
+    if std::os::unix::fs::MetadataExt::uid(&meta) != nix::unistd::getuid().as_raw() {
+        return false;
+    }
+    let reused = ticks.is_some_and(|t| start_ticks(pid).is_some_and(|now| now != t));
+    let other_exe = std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| !is_dyn(&e));
+    reused || other_exe
 }
 
 /// The bytes of a small regular file, at most [`STATE_MAX`]: opened without blocking (a FIFO
@@ -624,9 +643,15 @@ pub fn running(namespace: &str, graph: &str) -> anyhow::Result<Vec<State>> {
         };
         match serde_json::from_slice::<State>(&bytes) {
             Ok(s) if is_running(&s) => out.push(s),
-            Ok(s) => {
+            // A pid that is gone, or that another program took over, is no run of ours any
+            // more; one we could not look into (another user's, or /proc hidden) may still be
+            // one, so its file stays (and it is not listed, or signalled).
+            Ok(s) if !alive(s.pid) || ours_and_other(s.pid, s.start_ticks) => {
                 tracing::debug!(path = ?entry.path(), pid = s.pid, "A state file of no running dyn; removed");
                 let _ = std::fs::remove_file(entry.path());
+            }
+            Ok(s) => {
+                tracing::debug!(path = ?entry.path(), pid = s.pid, "A state file whose process cannot be checked; kept");
             }
             Err(_) => {
                 let _ = std::fs::remove_file(entry.path());

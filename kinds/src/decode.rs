@@ -146,11 +146,21 @@ impl OperatorConfig for DecodeConfig {
         let (engine, block_size, kv_total_blocks, max_num_seqs) = match self.engine {
             EngineKind::Mocker => {
                 let c = self.mocker();
-                ("mocker", Some(c.block_size), Some(c.num_blocks), Some(c.max_num_seqs))
+                (
+                    "mocker",
+                    Some(c.block_size),
+                    Some(c.num_blocks),
+                    Some(c.max_num_seqs),
+                )
             }
             EngineKind::Native => {
                 let c = self.native();
-                ("native", Some(c.block_size), Some(c.num_blocks), Some(c.max_num_seqs))
+                (
+                    "native",
+                    Some(c.block_size),
+                    Some(c.num_blocks),
+                    Some(c.max_num_seqs),
+                )
             }
             // vLLM announces its own block size in its load metrics; an external server's
             // batch size is its own flags' (a router gives it `admission.per_worker`, or its

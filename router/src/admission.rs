@@ -166,10 +166,16 @@ impl AdmissionConfig {
             fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
                 Ok(None)
             }
-            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<Self::Value, D::Error> {
                 d.deserialize_any(self)
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<Self::Value, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                m: A,
+            ) -> Result<Self::Value, A::Error> {
                 AdmissionConfig::deserialize(serde::de::value::MapAccessDeserializer::new(m))
                     .map(Some)
             }

@@ -456,7 +456,8 @@ impl RouteConfig {
             admission: self.admission.clone().map(|a| {
                 let me = me.clone();
                 admission::Admission::new(a, &cx.node, move || {
-                    me.upgrade().map_or_else(Vec::new, |inner| inner.live_places())
+                    me.upgrade()
+                        .map_or_else(Vec::new, |inner| inner.live_places())
                 })
             }),
             target: target.to_owned(),

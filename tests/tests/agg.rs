@@ -741,7 +741,10 @@ async fn the_default_graph_admits_what_each_worker_advertises_and_refuses_the_re
                 assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
                 let err: Value = r.json().await.unwrap();
                 let code = err["error"]["code"].as_str().unwrap_or_default().to_owned();
-                assert!(["queue_full", "queue_timeout"].contains(&code.as_str()), "{err}");
+                assert!(
+                    ["queue_full", "queue_timeout"].contains(&code.as_str()),
+                    "{err}"
+                );
                 refused += 1;
             }
             s => panic!("status {s}: {}", r.text().await.unwrap()),

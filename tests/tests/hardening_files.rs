@@ -333,6 +333,10 @@ fn a_state_file_naming_a_process_that_is_not_dyn_is_not_signalled() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("no `dyn graph up` running"), "{text}");
+    // The pid is verifiably another program's: the file is no run's and goes.
+    let file = run.join(format!("dyn.agg.{pid}.json"));
+    assert!(!file.exists(), "the stale state file stays");
+    std::fs::write(&file, state.to_string()).unwrap();
     let out = dyn_run(&["graph", "down", "graphs/agg.yaml", "--timeout", "1"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
