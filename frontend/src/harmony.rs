@@ -27,11 +27,12 @@ const ENDS: [&str; 4] = ["<|end|>", "<|call|>", "<|return|>", START];
 /// structural tags for gpt-oss do: the model reasons before it answers or calls.
 const ANALYSIS: &str = "analysis: <|channel|> \"analysis\" <|message|> THINKING <|end|> <|start|> \"assistant\"\nTHINKING: /(.|\\n)*/";
 
-/// A grammar for an answer in the `final` channel that matches `answer` (a Lark expression,
-/// [`dyn_llm::grammar::lark_expr`]): `response_format` for a harmony model.
-pub fn answer_grammar(answer: &str) -> String {
+/// A grammar for an answer in the `final` channel that matches `answer` (a Lark expression
+/// and the definitions it refers to, [`dyn_llm::grammar::lark_expr`]): `response_format` for
+/// a harmony model.
+pub fn answer_grammar((answer, defs): &(String, String)) -> String {
     format!(
-        "start: analysis? <|channel|> \"final\" <|message|> answer\nanswer: {answer}\n{ANALYSIS}"
+        "start: analysis? <|channel|> \"final\" <|message|> answer\nanswer: {answer}\n{ANALYSIS}\n{defs}"
     )
 }
 

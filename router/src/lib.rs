@@ -964,7 +964,10 @@ impl Operator for Route {
                     Some(p) => pick_pool(p, &req, salt, lora.as_deref(), &ctx),
                 };
                 async move {
-                    if let Some(a) = &inner.admission {
+                    // With no live worker there is nothing to wait for a place on: the request
+                    // is refused at once below (503 `no_worker_available`), as without
+                    // admission, rather than after `max_wait_s` as if the node were busy.
+                    if let Some(a) = inner.admission.as_ref().filter(|_| !inner.live().is_empty()) {
                         let ask = admission::Ask {
                             priority: req.sampling.priority,
                             tenant: req.sampling.tenant.as_deref().unwrap_or_default(),

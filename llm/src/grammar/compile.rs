@@ -5,7 +5,8 @@
 //! thread of its own whose stack is many times what the bounds allow, at most
 //! [`CONCURRENT`] at a time and under a deadline, and the result is kept by content: the
 //! frontend's check and the worker's guide (in one process), or the same schema sent again,
-//! compile once. Each request's guide starts from a deep copy of the compiled parser.
+//! compile once — also when they come at the same time: later ones wait for the compile under
+//! way rather than start another (the same bomb sent many times takes one turn, not all). Each request's guide starts from a deep copy of the compiled parser.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,7 +71,49 @@ pub(super) struct Compiler {
     turns: Arc<tokio::sync::Semaphore>,
     /// What each constraint compiled to, failures too: a constraint that failed, or took past
     /// the deadline, is answered from here when it comes again rather than taking a turn.
-    cache: Mutex<lru::LruCache<u128, Result<Arc<Compiled>, String>>>,
+    cache: Mutex<lru::LruCache<u128, Outcome>>,
+    /// The compiles under way, by key: a request for one of them waits for its outcome.
+    /// Locked before `cache` where both are.
+    inflight: Mutex<std::collections::HashMap<u128, Waiting>>,
+}
+
+type Outcome = Result<Arc<Compiled>, String>;
+/// The outcome of a compile under way, once it ends (closed without one if it never started).
+type Waiting = tokio::sync::watch::Receiver<Option<Outcome>>;
+
+/// A compile this request leads: whatever happens to it, its key leaves `inflight` and its
+/// waiters learn the outcome (or, without one, that there will be none).
+struct Lead {
+    grammars: Arc<Grammars>,
+    key: u128,
+    tx: tokio::sync::watch::Sender<Option<Outcome>>,
+}
+
+impl Lead {
+    /// The outcome, announced; kept in the cache if `keep` (what compiled, or failed to: a
+    /// constraint refused by its measure is refused as fast the next time, and would only
+    /// push compiled ones out).
+    fn finish(self, outcome: Outcome, keep: bool) {
+        let mut inflight = self.grammars.compiler.inflight.lock();
+        if keep {
+            self.grammars
+                .compiler
+                .cache
+                .lock()
+                .put(self.key, outcome.clone());
+        }
+        inflight.remove(&self.key);
+        self.tx.send_replace(Some(outcome));
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        // (After `finish` the key is gone already; a lead that never compiled leaves here.)
+        if self.tx.borrow().is_none() {
+            self.grammars.compiler.inflight.lock().remove(&self.key);
+        }
+    }
 }
 
 impl Default for Compiler {
@@ -78,6 +121,7 @@ impl Default for Compiler {
         Self {
             turns: Arc::new(tokio::sync::Semaphore::new(CONCURRENT)),
             cache: Mutex::new(lru::LruCache::new(CACHED)),
+            inflight: Mutex::default(),
         }
     }
 }
@@ -102,10 +146,38 @@ impl Grammars {
     /// `c` compiled: from the cache, or measured and compiled on a compile thread.
     pub async fn compile(self: &Arc<Self>, c: &Constraint) -> Result<Arc<Compiled>, CompileError> {
         let key = key(c);
-        if let Some(hit) = self.compiler.cache.lock().get(&key) {
-            return hit.clone().map_err(CompileError::Invalid);
+        let lead = {
+            let mut inflight = self.compiler.inflight.lock();
+            if let Some(hit) = self.compiler.cache.lock().get(&key) {
+                return hit.clone().map_err(CompileError::Invalid);
+            }
+            match inflight.get(&key) {
+                Some(waiting) => Err(waiting.clone()),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(None);
+                    inflight.insert(key, rx);
+                    Ok(Lead {
+                        grammars: self.clone(),
+                        key,
+                        tx,
+                    })
+                }
+            }
+        };
+        match lead {
+            Ok(lead) => outcome(self.lead(c, lead).await?, DEADLINE).await,
+            // (Its lead may still be waiting for a turn.)
+            Err(rx) => outcome(rx, WAIT + DEADLINE).await,
         }
-        super::bounds::check(c).map_err(CompileError::Invalid)?;
+    }
+
+    /// Measures `c`, waits for a turn and starts its compile; the outcome comes on the
+    /// returned receiver.
+    async fn lead(self: &Arc<Self>, c: &Constraint, lead: Lead) -> Result<Waiting, CompileError> {
+        if let Err(e) = super::bounds::check(c) {
+            lead.finish(Err(e.clone()), false);
+            return Err(CompileError::Invalid(e));
+        }
         let turn = tokio::time::timeout(WAIT, self.compiler.turns.clone().acquire_owned())
             .await
             .map_err(|_| {
@@ -115,7 +187,7 @@ impl Grammars {
                 ))
             })?
             .map_err(|_| CompileError::Busy("the grammar compiler has stopped".into()))?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let rx = lead.tx.subscribe();
         let grammars = self.clone();
         let constraint = c.clone();
         let started = std::time::Instant::now();
@@ -132,19 +204,28 @@ impl Grammars {
                 COMPILE_SECONDS
                     .with_label_values::<&str>(&[])
                     .observe(started.elapsed().as_secs_f64());
-                grammars.compiler.cache.lock().put(key, compiled.clone());
-                let _ = tx.send(compiled);
+                lead.finish(compiled, true);
             })
             .map_err(|e| CompileError::Busy(format!("no thread to compile the grammar on: {e}")))?;
-        tokio::time::timeout(DEADLINE, rx)
-            .await
-            .map_err(|_| {
-                CompileError::Invalid(format!(
-                    "the output grammar did not compile within {} s",
-                    DEADLINE.as_secs()
-                ))
-            })?
-            .map_err(|_| CompileError::Invalid("the grammar compiler failed".into()))?
-            .map_err(CompileError::Invalid)
+        Ok(rx)
     }
+}
+
+/// The outcome a compile under way announces, within `bound`.
+async fn outcome(mut rx: Waiting, bound: Duration) -> Result<Arc<Compiled>, CompileError> {
+    let announced = tokio::time::timeout(bound, rx.wait_for(Option::is_some))
+        .await
+        .map_err(|_| {
+            CompileError::Invalid(format!(
+                "the output grammar did not compile within {} s",
+                bound.as_secs()
+            ))
+        })?
+        .map_err(|_| {
+            CompileError::Busy("the same grammar's compile, under way, could not start".into())
+        })?
+        .clone();
+    announced
+        .unwrap_or_else(|| Err("the grammar compiler failed".into()))
+        .map_err(CompileError::Invalid)
 }

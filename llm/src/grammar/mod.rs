@@ -294,15 +294,22 @@ fn choice_expr(options: &[String]) -> String {
     alts.join(" | ")
 }
 
-/// A constraint as one Lark expression, for a grammar that embeds it (harmony's final
-/// channel); `None` for a Lark grammar, which is a whole grammar of its own.
-pub fn lark_expr(c: &Constraint) -> Option<String> {
+/// A constraint as a Lark expression for a grammar that embeds it (harmony's final channel),
+/// with the definitions it refers to (lines to append to that grammar); `None` for a Lark
+/// grammar, which is a whole grammar of its own.
+pub fn lark_expr(c: &Constraint) -> Option<(String, String)> {
+    let alone = |e: String| Some((e, String::new()));
     match c {
         Constraint::JsonObject | Constraint::JsonSchema(_) => {
-            json_schema(c).map(|s| format!("%json {s}"))
+            json_schema(c).and_then(|s| alone(format!("%json {s}")))
         }
-        Constraint::Regex(rx) => Some(format!("/{}/", rx.replace('/', "\\/"))),
-        Constraint::Choice(options) => Some(format!("({})", choice_expr(options))),
+        Constraint::Regex(rx) => alone(format!("/{}/", rx.replace('/', "\\/"))),
+        // A terminal, as at the top level: a rule's alternation stops at llguidance's 2,000
+        // items a row.
+        Constraint::Choice(options) => Some((
+            "DYN_CHOICE".into(),
+            format!("DYN_CHOICE: {}", choice_expr(options)),
+        )),
         Constraint::Lark(_) | Constraint::Calls(_) => None,
     }
 }
@@ -667,6 +674,29 @@ mod tests {
             .collect();
         let s = run(&g, &t, Constraint::Choice(options.clone()));
         assert!(options.contains(&s), "{s:?}");
+        // Embedded in another grammar (harmony's final channel), the same.
+        let (expr, defs) = lark_expr(&Constraint::Choice(options.clone())).expect("an expression");
+        let s = run(
+            &g,
+            &t,
+            Constraint::Lark(format!("start: answer\nanswer: {expr}\n{defs}")),
+        );
+        assert!(options.contains(&s), "{s:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_same_grammar_sent_at_once_compiles_once() {
+        let (g, _) = tiny();
+        let c = Constraint::Choice((0..4000).map(|i| format!("once {i:05}")).collect());
+        let all = futures::future::join_all((0..6).map(|_| g.compile(&c))).await;
+        let first = all[0].as_ref().expect("compiles");
+        for other in &all[1..] {
+            let other = other.as_ref().expect("compiles");
+            assert!(
+                Arc::ptr_eq(first, other),
+                "a second compile of the same grammar"
+            );
+        }
     }
 
     #[tokio::test]
