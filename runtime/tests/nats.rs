@@ -313,6 +313,40 @@ async fn jetstream_store_keeps_its_byte_bound() {
     );
 }
 
+#[tokio::test]
+async fn a_store_stream_an_earlier_version_made_takes_this_ones_bounds() {
+    use async_nats::jetstream::stream;
+    use dyn_runtime::planes::{Bucket, KeyValue};
+    let Some(url) = test_server("DYN_TEST_NATS") else {
+        return;
+    };
+    let name = format!("b{}", uuid::Uuid::new_v4().simple());
+    // As a version without byte bounds made it: the same stream, unbounded.
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    js.create_stream(stream::Config {
+        name: format!("DYN_KV_{name}"),
+        subjects: vec![format!("dyn.kv.{name}.*")],
+        storage: stream::StorageType::File,
+        max_messages_per_subject: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let bucket = Bucket {
+        max_bytes: 4096,
+        ..Bucket::new(name.clone(), 100, Duration::from_secs(60))
+    };
+    let s = NatsEventBus::connect(&endpoint(&url))
+        .await
+        .unwrap()
+        .store();
+    s.put(&bucket, "k", Bytes::from_static(b"v")).await.unwrap();
+    let mut made = js.get_stream(format!("DYN_KV_{name}")).await.unwrap();
+    let config = made.info().await.unwrap().config.clone();
+    assert_eq!((config.max_bytes, config.max_messages), (4096, 100));
+    js.delete_stream(format!("DYN_KV_{name}")).await.unwrap();
+}
+
 async fn next(s: &mut futures::stream::BoxStream<'static, Bytes>) -> Bytes {
     tokio::time::timeout(WITHIN, s.next())
         .await

@@ -199,8 +199,10 @@ impl NatsWorkQueue {
     }
 }
 
-/// The stream `config` names, created the first time this process asks for it (`ready`
-/// holds the names known to exist; one that exists already keeps its own config).
+/// The stream `config` names, made or brought to `config` the first time this process asks
+/// for it (`ready` holds the names known to exist): a stream an earlier version made keeps no
+/// setting this one bounds (the store's bytes, say). A setting NATS will not change on a live
+/// stream (its storage) is left as it is, with a warning.
 async fn ensure_stream(
     js: &async_nats::jetstream::Context,
     ready: &parking_lot::Mutex<std::collections::HashSet<String>>,
@@ -208,15 +210,26 @@ async fn ensure_stream(
     err: fn(String) -> PlaneError,
 ) -> Result<async_nats::jetstream::stream::Stream<()>, PlaneError> {
     let name = config.name.clone();
-    if !ready.lock().contains(&name) {
-        js.get_or_create_stream(config)
+    if ready.lock().contains(&name) {
+        return js
+            .get_stream_no_info(&name)
             .await
-            .map_err(|e| err(format!("cannot create stream {name}: {e}")))?;
-        ready.lock().insert(name.clone());
+            .map_err(|e| err(format!("stream {name}: {e}")));
     }
-    js.get_stream_no_info(&name)
-        .await
-        .map_err(|e| err(format!("stream {name}: {e}")))
+    let made = js.create_or_update_stream(config).await;
+    let stream = js.get_stream_no_info(&name).await;
+    let stream = match (made, stream) {
+        (Ok(_), Ok(stream)) => stream,
+        // It exists, with a setting that cannot change.
+        (Err(e), Ok(stream)) => {
+            tracing::warn!(stream = %name, error = %e, "A NATS stream keeps its own settings");
+            stream
+        }
+        (Err(e), Err(_)) => return Err(err(format!("cannot create stream {name}: {e}"))),
+        (Ok(_), Err(e)) => return Err(err(format!("stream {name}: {e}"))),
+    };
+    ready.lock().insert(name);
+    Ok(stream)
 }
 
 #[async_trait]
