@@ -762,6 +762,9 @@ async fn the_default_graph_admits_what_each_worker_advertises_and_refuses_the_re
     )
     .await;
     assert_eq!(status, 200, "{answer}");
+    // (The tiny graph runs in well under this; the flood must not have grown it.)
+    let rss = dyn_tests::rss_bytes(g.pid());
+    assert!(rss < 512 << 20, "VmRSS {} MiB", rss >> 20);
 }
 
 #[tokio::test]
