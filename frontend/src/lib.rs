@@ -103,6 +103,11 @@ pub struct ServerConfig {
     /// `DYN_ADMIN_KEY`.
     #[serde(default)]
     pub admin_key: Option<String>,
+    /// The most alternatives a request may ask with each token's log-probability
+    /// (completions' `logprobs`, chat's `top_logprobs`): vLLM's `max_logprobs` default,
+    /// which evaluation harnesses expect. `http` only.
+    #[serde(default = "default_max_logprobs")]
+    pub max_logprobs: u32,
     /// The Responses API's store (`store`, `previous_response_id`, `GET /v1/responses/{id}`):
     /// how many responses are kept, in how many bytes, how much of it one tenant may hold,
     /// and for how long. `http` only.
@@ -197,6 +202,14 @@ fn default_write_timeout_s() -> f64 {
     30.0
 }
 
+fn default_max_logprobs() -> u32 {
+    20
+}
+
+/// The most a graph may set `max_logprobs` to: each alternative is a sort over the
+/// vocabulary's head and a line of the answer, per token.
+const MAX_LOGPROBS_BOUND: u32 = 1024;
+
 fn default_listen() -> String {
     "127.0.0.1:8000".to_owned()
 }
@@ -284,6 +297,12 @@ impl ServerConfig {
             out.push(Invalid::field(
                 "write_timeout_s",
                 "must be between 0.01 and 3600 seconds",
+            ));
+        }
+        if self.max_logprobs > MAX_LOGPROBS_BOUND {
+            out.push(Invalid::field(
+                "max_logprobs",
+                format!("must be at most {MAX_LOGPROBS_BOUND}"),
             ));
         }
         if !(1..=1 << 20).contains(&self.max_connections) {
@@ -748,10 +767,17 @@ pub(crate) fn invalid(param: impl Into<String>, message: impl Into<String>) -> A
     ApiError::invalid("invalid_value", message).with_param(param)
 }
 
-/// Parse a JSON body with serde's message (line, column, field) as the client's error.
+/// Parse a JSON body with serde's message (line, column, field) as the client's error: code
+/// `invalid_json` where the body is not JSON, `invalid_value` where it is JSON of the wrong
+/// shape (a field missing, of another type, a value out of its set).
 pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        let code = match e.classify() {
+            serde_json::error::Category::Data => "invalid_value",
+            _ => "invalid_json",
+        };
+        ApiError::invalid(code, format!("invalid request body: {e}"))
+    })
 }
 
 /// The request's `x-request-id` (the client's, or one [`app`]'s layer generated), if it is

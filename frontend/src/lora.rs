@@ -353,6 +353,34 @@ impl Catalog {
         .with_param("model"))
     }
 
+    /// [`Catalog::resolve`] for a request that may leave `model` out: then the one model
+    /// served (without its adapters), or a 400 naming the choice where there are several.
+    pub fn resolve_or_only(
+        &self,
+        model: Option<&str>,
+    ) -> Result<(usize, Option<LoraRef>), ApiError> {
+        match (model, self.0.as_slice()) {
+            (Some(m), _) => self.resolve(m),
+            (None, [_]) => Ok((0, None)),
+            (None, _) => {
+                let names: Vec<String> = self
+                    .0
+                    .iter()
+                    .flat_map(|a| a.names())
+                    .map(|m| format!("`{m}`"))
+                    .collect();
+                Err(ApiError::invalid(
+                    "missing_required_parameter",
+                    format!(
+                        "`model` is required: this server serves {}",
+                        names.join(", ")
+                    ),
+                )
+                .with_param("model"))
+            }
+        }
+    }
+
     /// `GET /v1/models`: each model, then its adapters.
     pub fn models_body(&self, created: u64) -> Json<Value> {
         let data: Vec<Value> = self.0.iter().flat_map(|a| a.models(created)).collect();

@@ -290,7 +290,9 @@ struct RouterHints {
 /// Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send many.
 #[derive(Debug, Deserialize)]
 struct Common {
-    model: String,
+    /// Optional where the server serves one model (vLLM and llama.cpp answer with it too).
+    #[serde(default)]
+    model: Option<String>,
     #[serde(default)]
     nvext: Option<NvExt>,
     #[serde(default)]
@@ -492,12 +494,14 @@ struct ChatBody {
 #[derive(Debug, Deserialize)]
 #[serde(
     untagged,
-    expecting = "a string, a list of one string, or a list of token ids"
+    expecting = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 )]
 enum PromptIn {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
+    /// OpenAI's "array of token arrays" (lm-evaluation-harness sends its batches so).
+    TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Deserialize)]
@@ -532,7 +536,7 @@ fn request(
     prompt: Prompt,
     c: Common,
 ) -> Result<(LlmRequest, Options), ApiError> {
-    let (at, lora) = app.catalog.resolve(&c.model)?;
+    let (at, lora) = app.catalog.resolve_or_only(c.model.as_deref())?;
     let model = &app.served[at];
     refuse_unsupported(&c.unsupported)?;
     super::check_metadata(c.unsupported.get("metadata"))?;
@@ -579,7 +583,7 @@ fn request(
             format!("n must be from 1 to {MAX_CHOICES}, got {n}"),
         ));
     }
-    let logprobs = logprobs(endpoint, &c)?;
+    let logprobs = logprobs(endpoint, &c, app.server.max_logprobs)?;
     let constrained = constraint.is_some();
     let stop = match c.stop {
         None => Vec::new(),
@@ -678,7 +682,10 @@ fn request(
             tools: tools.as_ref().map(|t| t.tools.clone()).unwrap_or_default(),
         },
         Options {
-            named: c.model.as_str().into(),
+            named: c
+                .model
+                .as_deref()
+                .map_or_else(|| model.name.clone(), Arc::from),
             stream: c.stream,
             include_usage,
             // Harmony's channels always need parsing, calls or not.
@@ -697,9 +704,11 @@ fn request(
 }
 
 /// How many alternatives a request wants with each token's log-probability (`None`: no
-/// log-probabilities): chat's `logprobs: true` with `top_logprobs` ≤ 20, or completions'
-/// `logprobs` ≤ 5, as OpenAI bounds them.
-fn logprobs(endpoint: Endpoint, c: &Common) -> Result<Option<u32>, ApiError> {
+/// log-probabilities): chat's `logprobs: true` with `top_logprobs`, or completions'
+/// `logprobs`, each at most `max` (the ingress's `max_logprobs`, 20 as vLLM's by default;
+/// OpenAI's own bounds are 20 and 5).
+fn logprobs(endpoint: Endpoint, c: &Common, max: u32) -> Result<Option<u32>, ApiError> {
+    let max = u64::from(max);
     fn set(v: &Option<Value>) -> Option<&Value> {
         v.as_ref().filter(|v| !v.is_null())
     }
@@ -723,7 +732,7 @@ fn logprobs(endpoint: Endpoint, c: &Common) -> Result<Option<u32>, ApiError> {
                 }
             };
             let top = set(&c.top_logprobs)
-                .map(|v| count("top_logprobs", v, 20))
+                .map(|v| count("top_logprobs", v, max))
                 .transpose()?;
             match (on, top) {
                 (false, Some(n)) if n > 0 => {
@@ -743,7 +752,7 @@ fn logprobs(endpoint: Endpoint, c: &Common) -> Result<Option<u32>, ApiError> {
             // `logprobs: false` is what some clients send for "none".
             match set(&c.logprobs) {
                 None | Some(Value::Bool(false)) => Ok(None),
-                Some(v) => count("logprobs", v, 5).map(Some),
+                Some(v) => count("logprobs", v, max).map(Some),
             }
         }
     }
@@ -1202,6 +1211,13 @@ fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), A
             ));
         }
         PromptIn::Tokens(t) => Prompt::Tokens(t),
+        PromptIn::TokenLists(mut v) if v.len() == 1 => Prompt::Tokens(v.remove(0)),
+        PromptIn::TokenLists(v) => {
+            return Err(invalid(
+                "prompt",
+                format!("only one prompt per request is supported, got {}", v.len()),
+            ));
+        }
     };
     let echo = b.echo.then(|| match &prompt {
         Prompt::Text(t) => Some(t.clone()),

@@ -239,22 +239,23 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
             "invalid_json",
             None,
         ),
+        // JSON of the wrong shape: a value of another type, a field missing.
         (
             post_chat(&chat("hi", json!({"max_tokens": "ten"}))),
             400,
-            "invalid_json",
+            "invalid_value",
             None,
         ),
         (
             post_chat(&json!({"model": "tiny"})),
             400,
-            "invalid_json",
+            "invalid_value",
             None,
         ),
         (
             post_chat(&chat("hi", json!({"stop": 5}))),
             400,
-            "invalid_json",
+            "invalid_value",
             None,
         ),
         (
@@ -619,6 +620,38 @@ async fn a_busy_worker_sheds_load_with_503() {
     assert_eq!(err["error"]["code"], "worker_busy");
     drop(running);
     assert_eq!(waiting.await.unwrap().unwrap().status(), 200);
+}
+
+/// What evaluation harnesses and other clients send by default: no `model` where one is
+/// served (vLLM and llama.cpp answer with it), and a prompt as a list of token-id lists
+/// (lm-evaluation-harness's `local-completions`).
+#[tokio::test]
+async fn a_request_without_a_model_and_a_prompt_of_token_lists_are_served() {
+    let g = up(&[]);
+    let ids = json!([9, 10, 11, 12]);
+    let body = |prompt: Value| json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "seed": 7, "ignore_eos": true});
+    let (status, flat) = post(&g, "/v1/completions", body(ids.clone())).await;
+    assert_eq!(status, 200, "{flat}");
+    let (status, nested) = post(&g, "/v1/completions", body(json!([ids.clone()]))).await;
+    assert_eq!(status, 200, "{nested}");
+    assert_eq!(nested["choices"][0]["text"], flat["choices"][0]["text"]);
+    assert_eq!(nested["usage"], flat["usage"]);
+    // Several prompts in one request are refused by name, not as bad JSON.
+    let (status, v) = post(&g, "/v1/completions", body(json!([ids.clone(), ids]))).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("prompt")),
+        "{v}"
+    );
+    // No `model`: the one served answers, and says its name.
+    let (status, v) = post(
+        &g,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["model"], "tiny");
 }
 
 #[tokio::test]

@@ -92,7 +92,7 @@ async fn bad_requests_get_openai_errors_and_the_server_stays_up() {
         (
             client().post(g.url("/v1/text")).json(&json!({"text": 7})),
             400,
-            "invalid_json",
+            "invalid_value",
         ),
         (
             client()

@@ -230,11 +230,21 @@ async fn greedy_log_probabilities_equal_transformers_log_softmax() {
         "{v}"
     );
 
-    // Bounds, as OpenAI's: completions take up to 5, chat up to 20 (and only with logprobs).
+    // Completions take more than OpenAI's 5 alternatives: up to the ingress's `max_logprobs`
+    // (20 by default, as vLLM's).
+    let (status, v) = dyn_tests::post_json(
+        &g.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 2, "logprobs": 12}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let top = &v["choices"][0]["logprobs"]["top_logprobs"][0];
+    assert!(top.as_object().is_some_and(|m| m.len() >= 12), "{v}");
+    // Bounds: past `max_logprobs`, and chat's top_logprobs only with logprobs.
     for (path, body, param) in [
         (
             "/v1/completions",
-            json!({"model": "tiny", "prompt": "hi", "logprobs": 6}),
+            json!({"model": "tiny", "prompt": "hi", "logprobs": 21}),
             "logprobs",
         ),
         (
