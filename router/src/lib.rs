@@ -853,12 +853,21 @@ impl Inner {
         // open are left out, and with admission, workers where it would not start at once
         // (as many requests as places come before it or level with it).
         let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
+        // Each worker's places, read once (not once per candidate).
+        let places: Option<HashMap<u64, u32>> = self.config.admission.as_ref().map(|a| {
+            self.workers
+                .read()
+                .iter()
+                .map(|i| (i.instance_id.get(), a.places(i.metadata.max_num_seqs)))
+                .collect()
+        });
         let left_out = |w: u64| {
             Some(w) == failed_here
                 || !self.health.usable(w, now)
-                || self
-                    .places(w)
-                    .is_some_and(|n| self.before(w, precedence) >= n)
+                || places
+                    .as_ref()
+                    .and_then(|p| p.get(&w))
+                    .is_some_and(|&n| self.before(w, precedence) >= n)
         };
         let mut d = self.decide_without(tokens, salt, lora, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
