@@ -352,6 +352,9 @@ struct Common {
 /// The most choices one request may ask for (OpenAI allows 128; each is a sequence in the
 /// engine).
 const MAX_CHOICES: u32 = 16;
+/// Prompts in one completions request, and choices over all of them, at most: each is a
+/// request to the graph of its own.
+const MAX_PROMPTS: usize = 64;
 
 /// True for the values of a field that ask for nothing.
 pub(crate) type AsksNothing = fn(&Value) -> bool;
@@ -693,6 +696,7 @@ fn request(
             logprobs: logprobs.is_some(),
             echo: None,
             n: n as usize,
+            more_prompts: Vec::new(),
             token_ids: c.return_token_ids.unwrap_or(false),
             // A grammar shapes the answer from its first token, so an answer cannot start
             // inside a block the template opened (R1): all of it is the answer.
@@ -889,6 +893,24 @@ fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, ApiError> {
     })
 }
 
+impl Options {
+    /// Choices in all: `n` for each prompt.
+    fn total(&self) -> usize {
+        self.n * (1 + self.more_prompts.len())
+    }
+
+    /// The prompt choice `i` answers.
+    fn prompt_of(&self, i: usize) -> usize {
+        i / self.n.max(1)
+    }
+
+    /// What choice `i` echoes, if the request echoes.
+    fn echo_of(&self, i: usize) -> Option<Option<String>> {
+        let e = self.echo.as_ref()?;
+        e.get(self.prompt_of(i)).cloned()
+    }
+}
+
 pub(crate) struct Options {
     pub(crate) stream: bool,
     include_usage: bool,
@@ -896,11 +918,14 @@ pub(crate) struct Options {
     pub(crate) tools: Option<ToolFormat>,
     /// The answer carries its tokens' log-probabilities.
     logprobs: bool,
-    /// Completions' `echo`: the answer starts with the prompt — its text when the client sent
-    /// text, else (`None`) the text of its tokens as the engine reports them.
-    echo: Option<Option<String>>,
-    /// Choices (OpenAI's `n`).
+    /// Completions' `echo`, per prompt: the answer starts with the prompt — its text when the
+    /// client sent text, else (`None`) the text of its tokens as the engine reports them.
+    echo: Option<Vec<Option<String>>>,
+    /// Choices per prompt (OpenAI's `n`).
     n: usize,
+    /// Completions' prompts after the first (the request's own): each has its `n` choices,
+    /// numbered after the earlier prompts' (vLLM's order).
+    more_prompts: Vec<Prompt>,
     /// Chat: reasoning is split out of the answer, in this format.
     pub(crate) reasoning: Option<ReasoningFormat>,
     /// vLLM's `return_token_ids`: choices carry `token_ids`, and the prompt's come back as
@@ -982,6 +1007,7 @@ pub(crate) fn embedding_request(
             logprobs: false,
             echo: None,
             n: 1,
+            more_prompts: Vec::new(),
             token_ids: false,
             reasoning: None,
         },
@@ -1201,33 +1227,46 @@ fn detokenize_answer(app: &App, body: Result<Bytes, BytesRejection>) -> Result<V
 
 fn completion_request(app: &App, body: &[u8]) -> Result<(LlmRequest, Options), ApiError> {
     let b: CompletionBody = super::parse_json(body)?;
-    let prompt = match b.prompt {
-        PromptIn::Text(t) => Prompt::Text(t),
-        PromptIn::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
-        PromptIn::Texts(v) => {
-            return Err(invalid(
-                "prompt",
-                format!("only one prompt per request is supported, got {}", v.len()),
-            ));
-        }
-        PromptIn::Tokens(t) => Prompt::Tokens(t),
-        PromptIn::TokenLists(mut v) if v.len() == 1 => Prompt::Tokens(v.remove(0)),
-        PromptIn::TokenLists(v) => {
-            return Err(invalid(
-                "prompt",
-                format!("only one prompt per request is supported, got {}", v.len()),
-            ));
-        }
+    // Several prompts are answered as several choices, each prompt's `n` after the
+    // previous prompt's (as vLLM answers; lm-evaluation-harness sends its batches so).
+    let prompts: Vec<Prompt> = match b.prompt {
+        PromptIn::Text(t) => vec![Prompt::Text(t)],
+        PromptIn::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
+        PromptIn::Tokens(t) => vec![Prompt::Tokens(t)],
+        PromptIn::TokenLists(v) => v.into_iter().map(Prompt::Tokens).collect(),
     };
-    let echo = b.echo.then(|| match &prompt {
-        Prompt::Text(t) => Some(t.clone()),
-        _ => None,
+    if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
+        return Err(invalid(
+            "prompt",
+            format!(
+                "a request takes 1 to {MAX_PROMPTS} prompts, got {}",
+                prompts.len()
+            ),
+        ));
+    }
+    let echo: Option<Vec<Option<String>>> = b.echo.then(|| {
+        prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(t) => Some(t.clone()),
+                _ => None,
+            })
+            .collect()
     });
-    let (mut req, mut opts) = request(app, Endpoint::Completion, prompt, b.common)?;
-    if let Some(text) = &echo {
+    let mut prompts = prompts.into_iter();
+    let first = prompts.next().unwrap_or(Prompt::Text(String::new()));
+    let (mut req, mut opts) = request(app, Endpoint::Completion, first, b.common)?;
+    opts.more_prompts = prompts.collect();
+    if opts.total() > MAX_PROMPTS {
+        return Err(invalid(
+            "n",
+            format!("prompts × n is at most {MAX_PROMPTS}, got {}", opts.total()),
+        ));
+    }
+    if let Some(texts) = &echo {
         // The prompt's log-probabilities come with echo and logprobs (lm-evaluation-harness's
         // log-likelihoods); a prompt of token ids needs the engine's word for its text too.
-        if opts.logprobs || text.is_none() {
+        if opts.logprobs || texts.iter().any(Option::is_none) {
             req.sampling.prompt_logprobs = Some(req.sampling.logprobs.unwrap_or(0));
         }
         opts.echo = echo;
@@ -1414,7 +1453,12 @@ async fn serve(
         created: unix_now(),
     };
     if !opts.stream {
-        let mut acc: Vec<Collected> = (0..opts.n).map(|_| Collected::default()).collect();
+        let mut acc: Vec<Collected> = (0..opts.total())
+            .map(|i| Collected {
+                echo: opts.echo_of(i),
+                ..Collected::default()
+            })
+            .collect();
         let mut next = first;
         let mut out = out;
         while let Some((i, item)) = next.take() {
@@ -1434,29 +1478,35 @@ async fn serve(
             .into_iter()
             .for_each(dyn_core::ctx::KillOnDrop::disarm);
         track.finish("success");
+        // Each prompt's first choice carries what its other choices share: the prompt's
+        // log-probabilities and ids, and its tokens counted once in the usage.
         let mut usage = Usage::default();
-        let prompt_lps = acc
-            .first()
-            .map(|c| c.prompt_logprobs.clone())
-            .unwrap_or_default();
-        let prompt_ids = acc.first().and_then(|c| c.prompt_token_ids.clone());
+        let firsts: Vec<(Vec<TextLogprob>, Option<Vec<u32>>)> = acc
+            .iter()
+            .step_by(opts.n.max(1))
+            .map(|c| (c.prompt_logprobs.clone(), c.prompt_token_ids.clone()))
+            .collect();
+        let prompt_ids = firsts.first().and_then(|f| f.1.clone());
+        let mut prompt_tokens = vec![0u32; firsts.len()];
         let choices: Vec<Value> = acc
             .into_iter()
             .enumerate()
             .map(|(i, mut c)| {
+                let p = opts.prompt_of(i);
                 if c.prompt_logprobs.is_empty() {
-                    c.prompt_logprobs = prompt_lps.clone();
+                    c.prompt_logprobs = firsts[p].0.clone();
                 }
                 if c.prompt_token_ids.is_none() {
-                    c.prompt_token_ids = prompt_ids.clone();
+                    c.prompt_token_ids = firsts[p].1.clone();
                 }
-                usage.prompt_tokens = usage.prompt_tokens.max(c.usage.prompt_tokens);
+                prompt_tokens[p] = prompt_tokens[p].max(c.usage.prompt_tokens);
                 usage.completion_tokens += c.usage.completion_tokens;
                 let mut v = shape.choice(&opts, c);
                 v["index"] = json!(i);
                 v
             })
             .collect();
+        usage.prompt_tokens = prompt_tokens.iter().sum();
         let mut v = shape.envelope(false, Value::Array(choices));
         v["usage"] = usage_json(usage);
         if opts.token_ids && endpoint == Endpoint::Chat {
@@ -1571,7 +1621,7 @@ pub(crate) async fn start_part(
     track.ctx = Some(ctx.clone());
     let deadline = ctx.deadline();
     let id = ctx.id().clone();
-    let chosen = choices(app, ctx, req, opts.n);
+    let chosen = choices(app, ctx, req, opts.n, &opts.more_prompts);
     let chosen = match deadline {
         // A moment's grace: what stops the request at its deadline below (the admission
         // queue's 503, say) tells the client why; this is the backstop.
@@ -1594,7 +1644,7 @@ pub(crate) async fn start_part(
             return Err(super::at_deadline(e, late));
         }
     };
-    let out = until_deadline(out, deadline, first.as_ref(), opts.n);
+    let out = until_deadline(out, deadline, first.as_ref(), opts.total());
     Ok((
         Started {
             first,
@@ -1676,6 +1726,7 @@ async fn choices(
     ctx: dyn_core::Ctx,
     req: LlmRequest,
     n: usize,
+    more_prompts: &[Prompt],
 ) -> Result<
     (
         Option<(usize, Result<LlmDelta, dyn_core::OpError>)>,
@@ -1693,15 +1744,21 @@ async fn choices(
                 .finish()
         })
     });
+    // Choice `i` answers prompt `i / n` (the request's own first, then `more_prompts`).
     let child = |i: usize| {
         let mut r = req.clone();
-        r.sampling.seed = seed.map(|s| s.wrapping_add(i as u64));
-        if i > 0 {
-            // The prompt's log-probabilities (echo) come once, with the first choice.
+        let (prompt, j) = (i / n.max(1), i % n.max(1));
+        if let Some(p) = prompt.checked_sub(1).and_then(|k| more_prompts.get(k)) {
+            r.prompt = p.clone();
+        }
+        r.sampling.seed = seed.map(|s| s.wrapping_add(j as u64));
+        if j > 0 {
+            // A prompt's log-probabilities (echo) come once, with its first choice.
             r.sampling.prompt_logprobs = None;
         }
         r
     };
+    let n = n * (1 + more_prompts.len());
     let mut guards = vec![ctx.kill_on_drop()];
     let mut first_out = app.chain.call(ctx.clone(), child(0));
     let first = match first_out.next().await {
@@ -1725,6 +1782,8 @@ async fn choices(
 /// One choice of a unary answer, as its deltas arrive.
 #[derive(Default)]
 struct Collected {
+    /// What the choice echoes ([`Options::echo_of`]).
+    echo: Option<Option<String>>,
     text: String,
     finish: Option<FinishReason>,
     usage: Usage,
@@ -1772,12 +1831,12 @@ fn sse(
     let include_usage = opts.include_usage;
     // One choice without log-probabilities takes the prerendered chunks; otherwise each
     // chunk is built whole (with its index and `logprobs`).
-    let fast = opts.n == 1 && !opts.logprobs && !opts.token_ids;
-    let mut state: Vec<StreamState> = (0..opts.n)
-        .map(|_| StreamState {
+    let fast = opts.total() == 1 && !opts.logprobs && !opts.token_ids;
+    let mut state: Vec<StreamState> = (0..opts.total())
+        .map(|i| StreamState {
             reasoning: opts.reasoning.map(ReasoningParser::new),
             tools: opts.tools.map(|f| (ToolParser::new(f), 0usize)),
-            echo: opts.echo.clone(),
+            echo: opts.echo_of(i),
             offset: 0,
             done: false,
         })
@@ -1817,7 +1876,7 @@ fn sse(
             v
         };
         if shape.endpoint == Endpoint::Chat {
-            for i in 0..opts.n {
+            for i in 0..opts.total() {
                 yield Ok(if fast {
                     chunks.role()
                 } else {
@@ -1827,8 +1886,10 @@ fn sse(
         }
         let mut next = first;
         let mut usage: Option<Usage> = None;
-        // The prompt's log-probabilities, from the first choice, for every choice's echo.
-        let mut prompt_lps: Vec<TextLogprob> = Vec::new();
+        // Each prompt's tokens, counted once however many choices it has.
+        let mut prompt_tokens = vec![0u32; 1 + opts.more_prompts.len()];
+        // Each prompt's log-probabilities, from its first choice, for its other choices' echo.
+        let mut prompt_lps: Vec<Vec<TextLogprob>> = vec![Vec::new(); 1 + opts.more_prompts.len()];
         let mut failed = false;
         while let Some((i, item)) = next.take() {
             let mut d = match item {
@@ -1840,15 +1901,17 @@ fn sse(
                     break;
                 }
             };
-            if prompt_lps.is_empty() && !d.prompt_logprobs.is_empty() {
-                prompt_lps = d.prompt_logprobs.clone();
+            let p = opts.prompt_of(i);
+            if prompt_lps[p].is_empty() && !d.prompt_logprobs.is_empty() {
+                prompt_lps[p] = d.prompt_logprobs.clone();
             } else if d.prompt_logprobs.is_empty() && state[i].echo.is_some() {
-                d.prompt_logprobs = prompt_lps.clone();
+                d.prompt_logprobs = prompt_lps[p].clone();
             }
             track.delta(&d);
             if let Some(u) = d.usage {
                 let sum = usage.get_or_insert(Usage::default());
-                sum.prompt_tokens = sum.prompt_tokens.max(u.prompt_tokens);
+                prompt_tokens[p] = prompt_tokens[p].max(u.prompt_tokens);
+                sum.prompt_tokens = prompt_tokens.iter().sum();
                 sum.completion_tokens += u.completion_tokens;
             }
             let st = &mut state[i];
@@ -2242,7 +2305,7 @@ impl Shape {
             pieces.extend(p.finish());
             self.full_with_calls(&pieces, c.finish, c.usage)
         } else {
-            let text = match &opts.echo {
+            let text = match &c.echo {
                 Some(e) => echo_text(e, &c.prompt_logprobs) + &c.text,
                 None => c.text,
             };
@@ -2260,7 +2323,7 @@ impl Shape {
                 if r.is_empty() { Value::Null } else { json!(r) };
         }
         if opts.logprobs {
-            let prompt = if opts.echo.is_some() {
+            let prompt = if c.echo.is_some() {
                 &c.prompt_logprobs[..]
             } else {
                 &[]

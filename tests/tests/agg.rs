@@ -623,8 +623,8 @@ async fn a_busy_worker_sheds_load_with_503() {
 }
 
 /// What evaluation harnesses and other clients send by default: no `model` where one is
-/// served (vLLM and llama.cpp answer with it), and a prompt as a list of token-id lists
-/// (lm-evaluation-harness's `local-completions`).
+/// served (vLLM and llama.cpp answer with it), and prompts as lists of token-id lists
+/// (lm-evaluation-harness's `local-completions`), several answered as several choices.
 #[tokio::test]
 async fn a_request_without_a_model_and_a_prompt_of_token_lists_are_served() {
     let g = up(&[]);
@@ -636,8 +636,40 @@ async fn a_request_without_a_model_and_a_prompt_of_token_lists_are_served() {
     assert_eq!(status, 200, "{nested}");
     assert_eq!(nested["choices"][0]["text"], flat["choices"][0]["text"]);
     assert_eq!(nested["usage"], flat["usage"]);
-    // Several prompts in one request are refused by name, not as bad JSON.
-    let (status, v) = post(&g, "/v1/completions", body(json!([ids.clone(), ids]))).await;
+    // Several prompts: a choice each, in order, each as its prompt alone gets; the usage
+    // counts every prompt once.
+    let other = json!([20, 21, 22]);
+    let (_, alone) = post(&g, "/v1/completions", body(other.clone())).await;
+    let (status, both) = post(&g, "/v1/completions", body(json!([ids.clone(), other]))).await;
+    assert_eq!(status, 200, "{both}");
+    let texts: Vec<&Value> = (0..2).map(|i| &both["choices"][i]["text"]).collect();
+    assert_eq!(
+        texts,
+        [&flat["choices"][0]["text"], &alone["choices"][0]["text"]],
+        "{both}"
+    );
+    assert_eq!(both["choices"][1]["index"], 1);
+    assert_eq!(both["usage"]["prompt_tokens"], 7, "{both}");
+    assert_eq!(both["usage"]["completion_tokens"], 8, "{both}");
+    // With n = 2 each: prompt 0's two choices, then prompt 1's; streamed alike.
+    let mut two = body(json!(["a b c", "d e"]));
+    two["n"] = json!(2);
+    let (status, v) = post(&g, "/v1/completions", two.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"].as_array().map(Vec::len), Some(4), "{v}");
+    two["stream"] = json!(true);
+    let events = sse(&g, "/v1/completions", two).await;
+    let mut seen: Vec<u64> = events[..events.len() - 1]
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["index"].as_u64())
+        .collect();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen, [0, 1, 2, 3]);
+    // More prompts than a request takes: a 400 naming `prompt`.
+    let many: Vec<Value> = (0..65).map(|_| ids.clone()).collect();
+    let (status, v) = post(&g, "/v1/completions", body(json!(many))).await;
     assert_eq!(
         (status, &v["error"]["param"]),
         (400, &json!("prompt")),

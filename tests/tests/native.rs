@@ -184,6 +184,30 @@ async fn greedy_log_probabilities_equal_transformers_log_softmax() {
             close(&got[case.prompt.len() + i], want[i], &format!("echo {i}"));
         }
     }
+    // lm-evaluation-harness's batched log-likelihoods: every case's prompt in one request,
+    // as lists of token ids, echoed with log-probabilities: each choice as its prompt alone.
+    let prompts: Vec<Vec<u32>> = reference().iter().map(|c| c.prompt.clone()).collect();
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut body = greedy_body(p, 1);
+        body["logprobs"] = json!(1);
+        body["echo"] = json!(true);
+        alone.push(complete(&url, body).await["choices"][0]["logprobs"]["token_logprobs"].clone());
+    }
+    let mut body = greedy_body(&[], 1);
+    body["prompt"] = json!(prompts);
+    body["logprobs"] = json!(1);
+    body["echo"] = json!(true);
+    let v = complete(&url, body).await;
+    for (i, want) in alone.iter().enumerate() {
+        let got = &v["choices"][i]["logprobs"]["token_logprobs"];
+        let (got, want) = (got.as_array().unwrap(), want.as_array().unwrap());
+        assert_eq!(got.len(), want.len(), "prompt {i}: {v}");
+        for (g, w) in got.iter().zip(want).skip(1) {
+            let (g, w) = (g.as_f64().unwrap(), w.as_f64().unwrap());
+            assert!((g - w).abs() < 1e-3, "prompt {i}: {g} against {w}");
+        }
+    }
     // vLLM's return_token_ids: the answer's ids (the greedy reference) and the prompt's,
     // unary and streamed, completions and chat.
     let case = &reference()[0];
