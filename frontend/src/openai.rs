@@ -55,7 +55,7 @@ pub struct HttpConfig {
 
 impl IngressConfig for HttpConfig {
     const KIND: &'static str = "http";
-    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic), /v1/embeddings, /v1/models, /tokenize, /detokenize, /metrics";
+    const SUMMARY: &'static str = "OpenAI-compatible HTTP ingress: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic), /v1/embeddings, /v1/models, /tokenize, /detokenize, /tokenizer_info, /metrics";
     type Ingress = Http;
 
     fn validate(&self) -> Vec<Invalid> {
@@ -217,6 +217,7 @@ impl Ingress for Http {
             .route("/v1/models", get(models))
             .route("/tokenize", post(tokenize))
             .route("/detokenize", post(detokenize))
+            .route("/tokenizer_info", get(tokenizer_info))
             .route("/v1/responses", post(super::responses::create))
             .route(
                 "/v1/responses/{id}",
@@ -1124,6 +1125,42 @@ impl App {
             Some(m) => Ok(&self.served[self.catalog.resolve(m)?.0]),
         }
     }
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizerInfoQuery {
+    model: Option<String>,
+}
+
+/// `GET /tokenizer_info` (vLLM's): what a client needs to tokenize as the server does through
+/// `/tokenize` and `/detokenize` — the special tokens' text and the chat template
+/// (lm-evaluation-harness's remote tokenizer reads it, where it would otherwise need the
+/// model's files from a hub). `?model=` picks a model where several are served.
+async fn tokenizer_info(
+    State(app): State<App>,
+    query: Result<
+        axum::extract::Query<TokenizerInfoQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Response {
+    let model = query.ok().and_then(|q| q.0.model);
+    let served = match app.tokenizer_of(model.as_deref()) {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let dir = served.preprocess.model();
+    Json(json!({
+        "model": &*served.name,
+        // A Hugging Face `tokenizer.json` (or a GGUF vocabulary read as one).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": dir.bos_token,
+        "eos_token": dir.eos_token,
+        "pad_token": null,
+        "chat_template": dir.chat_template,
+        "model_max_length": dir.context_length,
+        "vocab_size": dir.vocab_size,
+    }))
+    .into_response()
 }
 
 /// `POST /tokenize` (vLLM's): the prompt's tokens as the model reads it, the chat template

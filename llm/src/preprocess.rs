@@ -352,6 +352,11 @@ impl Preprocess {
             .collect()
     }
 
+    /// The model directory it reads with (its tokens and template, `/tokenizer_info`).
+    pub fn model(&self) -> &ModelDir {
+        &self.model
+    }
+
     /// The longest prompt plus answer, in tokens.
     pub fn context_length(&self) -> u32 {
         self.model.context_length

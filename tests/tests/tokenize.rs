@@ -109,3 +109,40 @@ async fn tokenize_and_detokenize_read_prompts_as_requests_do() {
         "{e}"
     );
 }
+
+/// vLLM's `GET /tokenizer_info`, as lm-evaluation-harness's remote tokenizer reads it: the
+/// special tokens' text (each one token through `/tokenize` without special tokens added) and
+/// the chat template the server applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn tokenizer_info_gives_what_a_remote_tokenizer_needs() {
+    let g = Graph::up_with_ingress("graphs/agg.yaml", "http", &[]);
+    let info: Value = reqwest::get(g.url("/tokenizer_info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(info.get("eos_token").is_some(), "{info}");
+    let eos = info["eos_token"]
+        .as_str()
+        .expect("the tiny model has an eos token");
+    let (status, v) = post_json(
+        &g.url("/tokenize"),
+        &json!({"prompt": eos, "add_special_tokens": false}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tokens"].as_array().map(Vec::len), Some(1), "{v}");
+    assert!(
+        info["chat_template"]
+            .as_str()
+            .is_some_and(|t| t.contains("messages")),
+        "{info}"
+    );
+    assert_eq!(info["model"], "tiny");
+    // An unknown model is a 404, as on the other endpoints.
+    let r = reqwest::get(g.url("/tokenizer_info?model=nope"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
