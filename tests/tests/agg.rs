@@ -381,7 +381,7 @@ async fn bad_inputs_get_specific_openai_errors_and_the_server_stays_up() {
         (
             client()
                 .post(g.url("/v1/completions"))
-                .json(&json!({"model": "tiny", "prompt": ["a", "b"]})),
+                .json(&json!({"model": "tiny", "prompt": []})),
             400,
             "invalid_value",
             Some("prompt"),
