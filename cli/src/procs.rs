@@ -643,9 +643,10 @@ pub fn running(namespace: &str, graph: &str) -> anyhow::Result<Vec<State>> {
         };
         match serde_json::from_slice::<State>(&bytes) {
             Ok(s) if is_running(&s) => out.push(s),
-            // A pid that is gone, or that another program took over, is no run of ours any
-            // more; one we could not look into (another user's, or /proc hidden) may still be
-            // one, so its file stays (and it is not listed, or signalled).
+            // A pid that is gone (or another user's: our runs are ours), or that another
+            // program took over, is no run of ours any more; one of ours we could not look
+            // into (its /proc entries unreadable) may still be one, so its file stays (and it
+            // is not listed, or signalled).
             Ok(s) if !alive(s.pid) || ours_and_other(s.pid, s.start_ticks) => {
                 tracing::debug!(path = ?entry.path(), pid = s.pid, "A state file of no running dyn; removed");
                 let _ = std::fs::remove_file(entry.path());

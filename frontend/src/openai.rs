@@ -1143,7 +1143,10 @@ async fn tokenizer_info(
         axum::extract::rejection::QueryRejection,
     >,
 ) -> Response {
-    let model = query.ok().and_then(|q| q.0.model);
+    let model = match query {
+        Ok(q) => q.0.model,
+        Err(e) => return invalid("model", format!("invalid query: {e}")).into_response(),
+    };
     let served = match app.tokenizer_of(model.as_deref()) {
         Ok(s) => s,
         Err(e) => return e.into_response(),

@@ -452,6 +452,7 @@ pub fn grammar_error(e: crate::grammar::CompileError) -> OpError {
             format!("the output grammar is invalid: {e}"),
         ),
         crate::grammar::CompileError::Busy(e) => OpError::overloaded(e),
+        e @ crate::grammar::CompileError::Abandoned => OpError::overloaded(e.to_string()),
     }
 }
 

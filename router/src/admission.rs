@@ -157,6 +157,8 @@ impl AdmissionConfig {
                 match v {
                     "true" => self.visit_bool(true),
                     "false" => self.visit_bool(false),
+                    // marked-yaml reads `null`, `~` and an empty value as text.
+                    "null" | "~" | "" => Ok(None),
                     _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
                 }
             }

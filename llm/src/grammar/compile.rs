@@ -35,12 +35,16 @@ pub enum CompileError {
     Invalid(String),
     /// Others' grammars take every turn: 503, try again.
     Busy(String),
+    /// The compile this request waited on ended without an outcome (its lead was cancelled,
+    /// or the compile panicked); never returned by [`Grammars::compile`] as such.
+    Abandoned,
 }
 
 impl std::fmt::Display for CompileError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Invalid(e) | Self::Busy(e) => f.write_str(e),
+            Self::Abandoned => f.write_str("the grammar's compile was abandoned"),
         }
     }
 }
@@ -68,7 +72,7 @@ impl Compiled {
 
 /// The compile threads' turns and the cache; one per model vocabulary ([`Grammars`]).
 pub(super) struct Compiler {
-    turns: Arc<tokio::sync::Semaphore>,
+    pub(super) turns: Arc<tokio::sync::Semaphore>,
     /// What each constraint compiled to, failures too: a constraint that failed, or took past
     /// the deadline, is answered from here when it comes again rather than taking a turn.
     cache: Mutex<lru::LruCache<u128, Outcome>>,
@@ -146,6 +150,24 @@ impl Grammars {
     /// `c` compiled: from the cache, or measured and compiled on a compile thread.
     pub async fn compile(self: &Arc<Self>, c: &Constraint) -> Result<Arc<Compiled>, CompileError> {
         let key = key(c);
+        // A waiter whose lead went away without an outcome (its request was cancelled while
+        // it waited for a turn) tries again, and may lead this time; a few times at most.
+        for _ in 0..3 {
+            match self.compile_once(c, key).await {
+                Err(CompileError::Abandoned) => continue,
+                done => return done,
+            }
+        }
+        Err(CompileError::Busy(
+            "the same grammar's compile was abandoned again and again".into(),
+        ))
+    }
+
+    async fn compile_once(
+        self: &Arc<Self>,
+        c: &Constraint,
+        key: u128,
+    ) -> Result<Arc<Compiled>, CompileError> {
         let lead = {
             let mut inflight = self.compiler.inflight.lock();
             if let Some(hit) = self.compiler.cache.lock().get(&key) {
@@ -165,7 +187,15 @@ impl Grammars {
             }
         };
         match lead {
-            Ok(lead) => outcome(self.lead(c, lead).await?, DEADLINE).await,
+            // A compile that ends without an outcome panicked: the constraint's fault.
+            Ok(lead) => outcome(self.lead(c, lead).await?, DEADLINE)
+                .await
+                .map_err(|e| match e {
+                    CompileError::Abandoned => {
+                        CompileError::Invalid("the grammar compiler failed".into())
+                    }
+                    e => e,
+                }),
             // (Its lead may still be waiting for a turn.)
             Err(rx) => outcome(rx, WAIT + DEADLINE).await,
         }
@@ -221,11 +251,9 @@ async fn outcome(mut rx: Waiting, bound: Duration) -> Result<Arc<Compiled>, Comp
                 bound.as_secs()
             ))
         })?
-        .map_err(|_| {
-            CompileError::Busy("the same grammar's compile, under way, could not start".into())
-        })?
+        .map_err(|_| CompileError::Abandoned)?
         .clone();
     announced
-        .unwrap_or_else(|| Err("the grammar compiler failed".into()))
+        .ok_or(CompileError::Abandoned)?
         .map_err(CompileError::Invalid)
 }

@@ -699,6 +699,38 @@ mod tests {
         }
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_whose_lead_is_cancelled_compiles_the_grammar_itself() {
+        let (g, _) = tiny();
+        // Both turns taken: the lead waits for one.
+        let held = g
+            .compiler
+            .turns
+            .clone()
+            .acquire_many_owned(2)
+            .await
+            .expect("turns");
+        let c = Constraint::Choice(vec!["left".into(), "right".into()]);
+        let lead = tokio::spawn({
+            let (g, c) = (g.clone(), c.clone());
+            async move { g.compile(&c).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let waiter = tokio::spawn({
+            let (g, c) = (g.clone(), c.clone());
+            async move { g.compile(&c).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        // The lead's request goes away; the turns come free.
+        lead.abort();
+        let _ = lead.await;
+        drop(held);
+        assert!(
+            waiter.await.expect("runs").is_ok(),
+            "the waiter compiles it"
+        );
+    }
+
     #[tokio::test]
     async fn deep_grammars_are_refused_and_the_deepest_allowed_compile_on_the_compile_threads() {
         let (g, _) = tiny();

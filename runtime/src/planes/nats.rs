@@ -199,10 +199,9 @@ impl NatsWorkQueue {
     }
 }
 
-/// The stream `config` names, made or brought to `config` the first time this process asks
-/// for it (`ready` holds the names known to exist): a stream an earlier version made keeps no
-/// setting this one bounds (the store's bytes, say). A setting NATS will not change on a live
-/// stream (its storage) is left as it is, with a warning.
+/// The stream `config` names, made the first time this process asks for it (`ready` holds
+/// the names known to exist). One that exists keeps its settings, except that a stream an
+/// earlier version made without a byte bound is given this one's.
 async fn ensure_stream(
     js: &async_nats::jetstream::Context,
     ready: &parking_lot::Mutex<std::collections::HashSet<String>>,
@@ -216,20 +215,24 @@ async fn ensure_stream(
             .await
             .map_err(|e| err(format!("stream {name}: {e}")));
     }
-    let made = js.create_or_update_stream(config).await;
-    let stream = js.get_stream_no_info(&name).await;
-    let stream = match (made, stream) {
-        (Ok(_), Ok(stream)) => stream,
-        // It exists, with a setting that cannot change.
-        (Err(e), Ok(stream)) => {
-            tracing::warn!(stream = %name, error = %e, "A NATS stream keeps its own settings");
-            stream
-        }
-        (Err(e), Err(_)) => return Err(err(format!("cannot create stream {name}: {e}"))),
-        (Ok(_), Err(e)) => return Err(err(format!("stream {name}: {e}"))),
-    };
-    ready.lock().insert(name);
-    Ok(stream)
+    let mut stream = js
+        .get_or_create_stream(config.clone())
+        .await
+        .map_err(|e| err(format!("cannot create stream {name}: {e}")))?;
+    // An existing stream keeps the settings it was made with (the processes of a graph may
+    // be given different bounds; the first one's stand), unless it has no byte bound where
+    // this version sets one: a stream an earlier version made, brought to the bound now.
+    let unbounded = stream
+        .info()
+        .await
+        .is_ok_and(|i| i.config.max_bytes <= 0 && config.max_bytes > 0);
+    if unbounded && let Err(e) = js.update_stream(&config).await {
+        tracing::warn!(stream = %name, error = %e, "A NATS stream keeps its own settings");
+    }
+    ready.lock().insert(name.clone());
+    js.get_stream_no_info(&name)
+        .await
+        .map_err(|e| err(format!("stream {name}: {e}")))
 }
 
 #[async_trait]
