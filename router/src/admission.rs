@@ -16,7 +16,8 @@
 //! node admits unless told `admission: false`. Room: `per_worker` requests in flight from this
 //! router per live worker (what `dyn bench` measures a worker sustains at the latency wanted),
 //! by default each worker's own batch size as it advertises it in discovery (`max_num_seqs`;
-//! [`UNADVERTISED_PLACES`] for a worker that does not, such as an external server). [`Queue`] is the ordering alone; time is
+//! [`UNADVERTISED_PLACES`] for a worker that does not, such as an external server).
+//! [`Queue`] is the ordering alone; time is
 //! tokio's clock, so the tests run on a paused, scripted one.
 //!
 //! **Tenants** (the API key's, or the ingress's tenant header) share the room by weight:
@@ -820,11 +821,14 @@ impl Admission {
     /// The places now (asks the router for its live workers once).
     fn room(&self) -> Room {
         let workers = (self.workers)();
-        let sum = |f: &dyn Fn(u32) -> u32| workers.iter().map(|&p| f(p) as usize).sum();
+        let reserve = self.config.reserve;
         Room {
-            places: sum(&|p| p),
+            places: workers.iter().map(|&p| p as usize).sum(),
             // (A worker with fewer places than the reserve still lets a tenant have one.)
-            tenant_places: sum(&|p| p.saturating_sub(self.config.reserve).max(1)),
+            tenant_places: workers
+                .iter()
+                .map(|&p| p.saturating_sub(reserve).max(1) as usize)
+                .sum(),
         }
     }
 

@@ -695,30 +695,38 @@ impl Inner {
             .collect()
     }
 
-    /// Each live worker's places (with admission; in one pass, for every admission step).
-    fn live_places(&self) -> Vec<u32> {
+    /// Whether any worker is live (without collecting them, on every request).
+    fn any_live(&self) -> bool {
+        self.workers
+            .read()
+            .iter()
+            .any(|i| !self.planes.is_down(i.instance_id))
+    }
+
+    /// With admission, the requests each worker takes from this router before others wait
+    /// (`per_worker`, or the batch size it advertises), for the live ones or all: one pass.
+    fn places_of(&self, live_only: bool) -> Vec<(u64, u32)> {
         let Some(a) = &self.config.admission else {
             return Vec::new();
         };
         self.workers
             .read()
             .iter()
-            .filter(|i| !self.planes.is_down(i.instance_id))
-            .map(|i| a.places(i.metadata.max_num_seqs))
+            .filter(|i| !live_only || !self.planes.is_down(i.instance_id))
+            .map(|i| (i.instance_id.get(), a.places(i.metadata.max_num_seqs)))
             .collect()
     }
 
-    /// With admission, the requests `worker` takes from this router before others wait:
-    /// `per_worker`, or the batch size it advertises.
+    /// Each live worker's places, for every admission step.
+    fn live_places(&self) -> Vec<u32> {
+        self.places_of(true).into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// `worker`'s places, with admission.
     fn places(&self, worker: u64) -> Option<u32> {
-        let a = self.config.admission.as_ref()?;
-        let advertised = self
-            .workers
-            .read()
-            .iter()
-            .find(|i| i.instance_id.get() == worker)
-            .and_then(|i| i.metadata.max_num_seqs);
-        Some(a.places(advertised))
+        self.places_of(false)
+            .into_iter()
+            .find_map(|(w, p)| (w == worker).then_some(p))
     }
 
     /// Remember that `worker` got a request of adapter `key` (and so holds it, while it is
@@ -854,19 +862,12 @@ impl Inner {
         // (as many requests as places come before it or level with it).
         let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
         // Each worker's places, read once (not once per candidate).
-        let places: Option<HashMap<u64, u32>> = self.config.admission.as_ref().map(|a| {
-            self.workers
-                .read()
-                .iter()
-                .map(|i| (i.instance_id.get(), a.places(i.metadata.max_num_seqs)))
-                .collect()
-        });
+        let places: HashMap<u64, u32> = self.places_of(false).into_iter().collect();
         let left_out = |w: u64| {
             Some(w) == failed_here
                 || !self.health.usable(w, now)
                 || places
-                    .as_ref()
-                    .and_then(|p| p.get(&w))
+                    .get(&w)
                     .is_some_and(|&n| self.before(w, precedence) >= n)
         };
         let mut d = self.decide_without(tokens, salt, lora, &left_out)?;
@@ -976,7 +977,7 @@ impl Operator for Route {
                     // With no live worker there is nothing to wait for a place on: the request
                     // is refused at once below (503 `no_worker_available`), as without
                     // admission, rather than after `max_wait_s` as if the node were busy.
-                    if let Some(a) = inner.admission.as_ref().filter(|_| !inner.live().is_empty()) {
+                    if let Some(a) = inner.admission.as_ref().filter(|_| inner.any_live()) {
                         let ask = admission::Ask {
                             priority: req.sampling.priority,
                             tenant: req.sampling.tenant.as_deref().unwrap_or_default(),

@@ -6,7 +6,8 @@
 //! [`CONCURRENT`] at a time and under a deadline, and the result is kept by content: the
 //! frontend's check and the worker's guide (in one process), or the same schema sent again,
 //! compile once — also when they come at the same time: later ones wait for the compile under
-//! way rather than start another (the same bomb sent many times takes one turn, not all). Each request's guide starts from a deep copy of the compiled parser.
+//! way rather than start another (the same bomb sent many times takes one turn, not all).
+//! Each request's guide starts from a deep copy of the compiled parser.
 
 use std::sync::Arc;
 use std::time::Duration;
