@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use dyn_compute::transfer::TransferDescriptor;
 use dyn_core::OpError;
-use dyn_llm::types::Generated;
+use dyn_protocol::types::Generated;
 use tokio::sync::{mpsc, oneshot};
 
 use super::EngineError;

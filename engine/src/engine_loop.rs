@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
 use dyn_core::OpError;
-use dyn_llm::types::{Generated, Logprobs, TokenLogprob};
-use dyn_router::kv::{LoadMetrics, Medium, dump_events};
+use dyn_protocol::kv::{LoadMetrics, Medium, dump_events};
+use dyn_protocol::types::{Generated, Logprobs, TokenLogprob};
 use tokio::sync::mpsc;
 
 use super::command::{Command, EngineItem, OfferTo};
@@ -36,7 +36,7 @@ pub(super) struct Outbox {
     /// others as the executor computes them (chunk by chunk; a recompute writes the same
     /// values again), sent once, with the first tokens.
     prompt: Option<(u32, Vec<Option<TokenLogprob>>)>,
-    finish: Option<dyn_llm::types::FinishReason>,
+    finish: Option<dyn_protocol::types::FinishReason>,
     /// Prefill role: where the offer of the prompt's blocks goes.
     offer: Option<OfferTo>,
     /// An embeddings request: no token goes out, its vector does, with its finish.
@@ -274,7 +274,7 @@ impl EngineLoop {
             }
             for id in std::mem::take(&mut out.ended) {
                 if let Some(o) = self.outboxes.get_mut(&id) {
-                    o.finish = Some(dyn_llm::types::FinishReason::Length);
+                    o.finish = Some(dyn_protocol::types::FinishReason::Length);
                 }
             }
             for (id, blocks, tokens) in std::mem::take(&mut out.pinned) {

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use dyn_router::kv::{KvCacheEvent, KvEventData, Medium, RouterEvent};
+use dyn_protocol::kv::{KvCacheEvent, KvEventData, Medium, RouterEvent};
 
 /// A worker's KV event stream onto the event plane's bounded queue.
 pub struct KvPublisher {

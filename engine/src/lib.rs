@@ -99,11 +99,11 @@ pub trait Executor: Send + 'static {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Logprob {
     /// The token sampled this step.
-    Sampled(dyn_llm::types::TokenLogprob),
+    Sampled(dyn_protocol::types::TokenLogprob),
     /// Prompt tokens from position `at` on (position 0 has none).
     Prompt {
         at: usize,
-        items: Vec<dyn_llm::types::TokenLogprob>,
+        items: Vec<dyn_protocol::types::TokenLogprob>,
     },
 }
 

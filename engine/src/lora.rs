@@ -19,7 +19,7 @@ use std::time::Instant;
 use dyn_compute::model::ModelConfig;
 use dyn_compute::model::lora::LoraAdapter;
 use dyn_core::OpError;
-use dyn_llm::types::LoraRef;
+use dyn_protocol::types::LoraRef;
 use lru::LruCache;
 use parking_lot::Mutex;
 

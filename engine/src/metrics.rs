@@ -1,12 +1,35 @@
 //! The workers' and their offload tiers' Prometheus series (the process's default registry,
-//! rendered by [`dyn_llm::metrics::render`]).
+//! rendered by [`dyn_protocol::metrics::render`]).
 
 use std::sync::LazyLock;
 
 use std::sync::Arc;
 
-use dyn_llm::metrics::{STEP_PARTS, Series, counter_vec, gauge, histogram_with, set_counter};
+use dyn_protocol::metrics::{
+    STEP_PARTS, Series, counter_vec, gauge, histogram, histogram_with, set_counter,
+};
 use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
+
+/// KV transfers a decode worker pulled from prefill workers: how each went and how long it
+/// took.
+pub struct Transfers {
+    /// `outcome`: pulled, failed (the prompt is then prefilled locally).
+    pub count: IntCounterVec,
+    pub seconds: HistogramVec,
+}
+
+pub static TRANSFERS: LazyLock<Transfers> = LazyLock::new(|| Transfers {
+    count: counter_vec(
+        "dyn_worker_kv_transfers_total",
+        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed)",
+        &["node", "worker_id", "outcome"],
+    ),
+    seconds: histogram(
+        "dyn_worker_kv_transfer_seconds",
+        "Time to receive a prompt's KV from a prefill worker (modelled transfer included)",
+        &["node"],
+    ),
+});
 
 /// Structured outputs on the native engine, per node: the CPU time of a step's grammar masks
 /// (computed beside the forward pass) and how long the step then waited for them — the cost

@@ -349,10 +349,10 @@ fn mask_groups(guided: &[bool], threads: usize) -> Vec<std::ops::Range<usize>> {
 
 /// `token`'s log-probability under `logits` and the `top` most likely tokens', best first
 /// (ties by id); floored at -9999, as vLLM reports an impossible token.
-fn token_logprob(logits: &[f32], token: u32, top: u32) -> dyn_llm::types::TokenLogprob {
+fn token_logprob(logits: &[f32], token: u32, top: u32) -> dyn_protocol::types::TokenLogprob {
     let lse = dyn_compute::sample::logsumexp(logits);
     let lp = |x: f32| (x - lse).max(-9999.0);
-    dyn_llm::types::TokenLogprob {
+    dyn_protocol::types::TokenLogprob {
         token,
         logprob: lp(logits
             .get(token as usize)
@@ -428,7 +428,7 @@ impl NativeExec {
 
 impl Executor for NativeExec {
     fn execute(&mut self, work: &[Work<'_>]) -> Result<Vec<u32>, EngineError> {
-        use dyn_llm::types::Pooling;
+        use dyn_protocol::types::Pooling;
         // What a failed step left is not this step's.
         self.logprobs.clear();
         self.embeddings.clear();
@@ -500,7 +500,8 @@ impl Executor for NativeExec {
                     }
                 };
                 if let Some(v) = last {
-                    self.embeddings.push((w.id, dyn_llm::types::normalized(v)));
+                    self.embeddings
+                        .push((w.id, dyn_protocol::types::normalized(v)));
                 }
                 continue;
             }
@@ -666,11 +667,11 @@ mod tests {
     async fn embed(
         engine: &crate::EngineHandle,
         prompt: &[u32],
-        pooling: dyn_llm::types::Pooling,
+        pooling: dyn_protocol::types::Pooling,
     ) -> Vec<f32> {
-        use dyn_llm::types::Generated;
+        use dyn_protocol::types::Generated;
         use futures::StreamExt;
-        let mut req = dyn_llm::testing::preprocessed(prompt.to_vec(), 1);
+        let mut req = dyn_protocol::testing::preprocessed(prompt.to_vec(), 1);
         req.sampling.embed = Some(pooling);
         let rx = engine.submit(&req, None, None).await.expect("submitted");
         let items: Vec<_> = crate::handle::request_items(rx).collect().await;
@@ -698,10 +699,10 @@ mod tests {
     /// width.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn embeddings_agree_across_chunks_cache_hits_and_shared_batches() {
-        use dyn_llm::types::{Generated, Pooling};
+        use dyn_protocol::types::{Generated, Pooling};
         use futures::StreamExt;
         let planes = dyn_core::planes::Planes::embedded();
-        let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
+        let cx = dyn_protocol::testing::cx("decode", 7, &[], &planes);
         let whole = start(&NativeConfig::default(), &cx).await.expect("starts");
         let chunked = start(
             &NativeConfig {
@@ -730,7 +731,7 @@ mod tests {
 
         // Generation beside embeddings: the same tokens as alone.
         async fn generate(engine: &crate::EngineHandle) -> Vec<u32> {
-            let mut req = dyn_llm::testing::preprocessed(vec![5, 9, 13, 2], 24);
+            let mut req = dyn_protocol::testing::preprocessed(vec![5, 9, 13, 2], 24);
             req.sampling.temperature = Some(0.0);
             req.stop.ignore_eos = true;
             let rx = engine.submit(&req, None, None).await.expect("submitted");
@@ -762,10 +763,10 @@ mod tests {
     /// guided and free sequences share batches, and every guided answer is valid.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn guided_and_free_sequences_share_a_batch_and_guided_answers_are_valid() {
-        use dyn_llm::types::{Constraint, Generated};
+        use dyn_protocol::types::{Constraint, Generated};
         use futures::StreamExt;
         let planes = dyn_core::planes::Planes::embedded();
-        let cx = dyn_llm::testing::cx("decode", 7, &[], &planes);
+        let cx = dyn_protocol::testing::cx("decode", 7, &[], &planes);
         // Three grammar threads: masks and draws spread over helpers, as on a GPU machine.
         let config = NativeConfig {
             sampler_threads: 3,
@@ -798,7 +799,7 @@ mod tests {
             .enumerate()
             .map(|(i, c)| {
                 let prompt: Vec<u32> = (0..20 + 7 * i as u32).map(|t| 1 + t * 3 % 200).collect();
-                let mut req = dyn_llm::testing::preprocessed(prompt, 48);
+                let mut req = dyn_protocol::testing::preprocessed(prompt, 48);
                 req.stop.eos_token_ids = dir.eos_token_ids.clone();
                 req.sampling.temperature = Some(0.8);
                 req.sampling.constraint = c.clone();

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use dyn_router::kv::{BlockHash, KvEventData, push_stored};
+use dyn_protocol::kv::{BlockHash, KvEventData, push_stored};
 
 pub type BlockId = u32;
 
@@ -179,7 +179,7 @@ impl Pool {
     }
 
     /// Every hashed block: `(sequence hash, parent, local hash)`, for a full dump
-    /// ([`dyn_router::kv::dump_events`]).
+    /// ([`dyn_protocol::kv::dump_events`]).
     pub fn held(&self) -> impl Iterator<Item = (u64, Option<u64>, u64)> + '_ {
         self.blocks
             .iter()
@@ -202,7 +202,7 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dyn_router::kv::{Medium, dump_events};
+    use dyn_protocol::kv::{Medium, dump_events};
 
     fn h(n: u64) -> BlockHash {
         BlockHash {

@@ -27,7 +27,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dyn_core::BuildCx;
 use dyn_core::planes::EventBus;
-use dyn_router::kv::{
+use dyn_protocol::kv::{
     BlockHash, KvCacheEvent, KvEventData, Medium, ResyncRequest, RouterEvent, chain_hash,
     kv_events_subject, kv_resync_subject, local_hash,
 };
@@ -157,7 +157,7 @@ impl Mirror {
                     let salt = lora_name
                         .as_deref()
                         .and_then(crate::lora::key_of)
-                        .map(|k| dyn_router::kv::salt_of(None, Some(&k)).unwrap_or_default());
+                        .map(|k| dyn_protocol::kv::salt_of(None, Some(&k)).unwrap_or_default());
                     if block_size > 0 {
                         self.block_size = block_size;
                     }
@@ -188,7 +188,7 @@ impl Mirror {
                             (None, Some(tokens)) if block_size > 0 => {
                                 let local = local_hash(tokens);
                                 let local = match chain {
-                                    None => dyn_router::kv::salted_local(salt, local),
+                                    None => dyn_protocol::kv::salted_local(salt, local),
                                     Some(_) => local,
                                 };
                                 let h = BlockHash {
@@ -263,7 +263,7 @@ impl Mirror {
                 .filter(move |m| mask & m.bit() != 0)
                 .map(move |m| (m, h.block_hash, parent, h.tokens_hash))
         });
-        dyn_router::kv::dump_events(held)
+        dyn_protocol::kv::dump_events(held)
     }
 }
 
@@ -545,7 +545,7 @@ async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dyn_router::kv::block_hashes;
+    use dyn_protocol::kv::block_hashes;
 
     /// A batch as vLLM's msgspec encoder writes it (maps tagged by `type`, batch as array).
     fn batch(events: serde_json::Value) -> Vec<u8> {
@@ -556,7 +556,7 @@ mod tests {
     #[test]
     fn an_adapters_blocks_hash_as_dyns_requests_of_it_do() {
         let tokens: Vec<u32> = (100..132).collect();
-        let lora = dyn_llm::types::LoraRef {
+        let lora = dyn_protocol::types::LoraRef {
             name: "qv".into(),
             path: "/a".into(),
             id: 0x1f,
@@ -568,8 +568,8 @@ mod tests {
         ]));
         let mut m = Mirror::default();
         let out = m.apply(decode_batch(&b).expect("batch").events);
-        let salt = dyn_router::kv::salt_of(None, Some(&lora.key()));
-        let want = dyn_router::kv::block_hashes_salted(&tokens, 16, salt);
+        let salt = dyn_protocol::kv::salt_of(None, Some(&lora.key()));
+        let want = dyn_protocol::kv::block_hashes_salted(&tokens, 16, salt);
         assert_eq!(
             out,
             vec![(

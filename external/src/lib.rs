@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_llm::model::ModelDir;
-use dyn_llm::types::{
+use dyn_protocol::types::{
     FinishReason, Generated, Logprobs, PreprocessedRequest, StopConditions, TokenLogprob,
 };
 use eventsource_stream::{Event, Eventsource};
@@ -363,7 +363,7 @@ impl ExternalEngine {
             .map_err(|e| OpError::internal(format!("{url}: an answer that is not JSON: {e}")))?;
         let vector: Vec<f32> = serde_json::from_value(v["data"][0]["embedding"].clone())
             .map_err(|e| OpError::internal(format!("{url}: no embedding in its answer: {e}")))?;
-        Ok(dyn_llm::types::normalized(vector))
+        Ok(dyn_protocol::types::normalized(vector))
     }
 
     /// `req` on the server at `ep`, phase by phase (see [`Self::phases`]): [`Generated::Start`]

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dyn_core::OpError;
-use dyn_llm::types::LoraRef;
+use dyn_protocol::types::LoraRef;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;

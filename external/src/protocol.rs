@@ -10,7 +10,7 @@
 //! `return_tokens_as_token_ids`, llama.cpp's `n_probs`), from the model's distribution before
 //! sampling, as dyn's native engine reports them.
 
-use dyn_llm::types::{Constraint, FinishReason, PreprocessedRequest, TokenLogprob};
+use dyn_protocol::types::{Constraint, FinishReason, PreprocessedRequest, TokenLogprob};
 use serde_json::{Map, Value, json};
 
 use super::config::ExternalKind;
@@ -408,7 +408,7 @@ mod tests {
     use super::*;
 
     fn req() -> PreprocessedRequest {
-        let mut r = dyn_llm::testing::preprocessed(vec![1, 2, 3], 8);
+        let mut r = dyn_protocol::testing::preprocessed(vec![1, 2, 3], 8);
         r.stop.eos_token_ids = vec![2, 0];
         r.sampling.temperature = Some(0.0);
         r

@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use dyn_core::BuildCx;
-use dyn_router::kv::{LoadMetrics, load_metrics_subject};
+use dyn_protocol::kv::{LoadMetrics, load_metrics_subject};
 use openmetrics_parser::PrometheusValue;
 use openmetrics_parser::prometheus::parse_prometheus;
 use tokio::sync::watch;

@@ -26,10 +26,10 @@ use axum::routing::{get, post};
 use dyn_core::Inspectables;
 use dyn_core::planes::EventBus;
 use dyn_llm::preprocess::Preprocess;
-use dyn_llm::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
 use dyn_planner::state::PlannerView;
+use dyn_protocol::kv::RouterEvent;
+use dyn_protocol::types::{ChatMessage, Endpoint, LlmRequest, Prompt};
 use dyn_router::inspect::{Query as RouterQuery, Replicas, RouteAnswer, RouteArgs};
-use dyn_router::kv::RouterEvent;
 use dyn_router::remote_prefill::PrefillRouteAnswer;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -193,7 +193,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         tokens: pre.token_ids,
         cached_tokens: 0,
         session: b.session,
-        lora: lora.as_ref().map(dyn_llm::types::LoraRef::key),
+        lora: lora.as_ref().map(dyn_protocol::types::LoraRef::key),
     };
     let route = RouterQuery::Route(args.clone());
     if let Some(node) = b.node {

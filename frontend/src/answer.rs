@@ -6,7 +6,7 @@
 
 use futures::{Stream, StreamExt};
 
-use dyn_llm::types::{FinishReason, Usage};
+use dyn_protocol::types::{FinishReason, Usage};
 
 use super::ApiError;
 use super::openai::{Options, Started};

@@ -19,7 +19,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use dyn_llm::types::FinishReason;
+use dyn_protocol::types::FinishReason;
 use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -625,7 +625,7 @@ mod tests {
     fn answers_read_as_anthropic_messages() {
         let end = |finish, stop: Option<&str>| Ending {
             finish,
-            usage: dyn_llm::types::Usage {
+            usage: dyn_protocol::types::Usage {
                 prompt_tokens: 5,
                 completion_tokens: 3,
             },

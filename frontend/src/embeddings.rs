@@ -10,7 +10,7 @@
 //! Where there are no embeddings (a simulated engine, a pooling dyn does not compute) the
 //! request is refused with a 400 naming why.
 //!
-//! [`Sampling::embed`]: dyn_llm::types::Sampling::embed
+//! [`Sampling::embed`]: dyn_protocol::types::Sampling::embed
 
 use axum::Json;
 use axum::body::Bytes;
@@ -19,7 +19,7 @@ use axum::extract::{Extension, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
-use dyn_llm::types::Prompt;
+use dyn_protocol::types::Prompt;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

@@ -36,7 +36,7 @@ use dyn_compute::model::files::shown;
 use dyn_compute::model::lora::LoraAdapter;
 use dyn_core::planes::EventBus;
 use dyn_core::{BuildCx, BuildError};
-use dyn_llm::types::LoraRef;
+use dyn_protocol::types::LoraRef;
 use futures::StreamExt;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};

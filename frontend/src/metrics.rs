@@ -1,5 +1,5 @@
 //! The frontend's Prometheus series. The `http` ingress serves the whole default registry at
-//! `GET /metrics` ([`dyn_llm::metrics::render`]): the router's, workers' and planner's series
+//! `GET /metrics` ([`dyn_protocol::metrics::render`]): the router's, workers' and planner's series
 //! live in their crates.
 //!
 //! Everything registers in the process's default registry, so one scrape of a process shows
@@ -8,7 +8,7 @@
 
 use std::sync::LazyLock;
 
-use dyn_llm::metrics::{counter_vec, gauge, histogram};
+use dyn_protocol::metrics::{counter_vec, gauge, histogram};
 use prometheus::{HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 pub struct Frontend {

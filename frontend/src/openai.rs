@@ -26,12 +26,12 @@ use dyn_core::{
 };
 use dyn_llm::model::ModelDir;
 use dyn_llm::preprocess::Preprocess;
-use dyn_llm::types::{
+use dyn_planner::state::PlannerView;
+use dyn_planner::stats::FrontendStats;
+use dyn_protocol::types::{
     ChatMessage, Constraint, Endpoint, FinishReason, Limits, LlmDelta, LlmRequest, Prompt,
     Sampling, SlaTargets, TextLogprob, Usage,
 };
-use dyn_planner::state::PlannerView;
-use dyn_planner::stats::FrontendStats;
 use futures::future::BoxFuture;
 use futures::{FutureExt, Stream, StreamExt};
 use serde::Deserialize;
@@ -249,7 +249,7 @@ pub(crate) fn unix_now() -> u64 {
 async fn metrics() -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        dyn_llm::metrics::render(),
+        dyn_protocol::metrics::render(),
     )
         .into_response()
 }
@@ -635,7 +635,7 @@ fn request(
     };
     let cache_salt = match c.cache_salt {
         None | Some(Value::Null) => None,
-        Some(Value::String(salt)) => match dyn_llm::types::cache_salt_problem(&salt) {
+        Some(Value::String(salt)) => match dyn_protocol::types::cache_salt_problem(&salt) {
             Some(problem) => return Err(invalid("cache_salt", problem)),
             None => Some(salt),
         },
@@ -1620,7 +1620,7 @@ pub(crate) async fn start_part(
             && req.sampling.cache_salt.is_none()
             && let Some(tenant) = &req.sampling.tenant
         {
-            req.sampling.cache_salt = Some(dyn_llm::types::tenant_cache_salt(tenant));
+            req.sampling.cache_salt = Some(dyn_protocol::types::tenant_cache_salt(tenant));
         }
         Ok((req, opts))
     });

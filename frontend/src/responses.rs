@@ -27,7 +27,7 @@ use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use dyn_core::planes::{Bucket, KeyValue};
-use dyn_llm::types::{FinishReason, Usage};
+use dyn_protocol::types::{FinishReason, Usage};
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};

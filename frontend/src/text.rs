@@ -18,7 +18,7 @@ use axum::routing::post;
 use dyn_core::{
     BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ShutdownSignal,
 };
-use dyn_llm::text::Text;
+use dyn_protocol::text::Text;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::Deserialize;

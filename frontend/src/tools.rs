@@ -13,7 +13,7 @@
 //! `tool_choice` become a Lark grammar in the model's format whose arguments are the tool's
 //! JSON Schema: the engine then cannot produce anything but a valid call.
 
-use dyn_llm::types::{CallForm, Calls, Constraint};
+use dyn_protocol::types::{CallForm, Calls, Constraint};
 use serde_json::{Value, json};
 
 use super::{ApiError, invalid};

@@ -36,7 +36,7 @@ use dyn_external::{ExternalConfig, ExternalEngine, ExternalKind};
 use futures::StreamExt;
 use serde::Deserialize;
 
-use dyn_llm::types::{Generated, PreprocessedRequest};
+use dyn_protocol::types::{Generated, PreprocessedRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

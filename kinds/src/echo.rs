@@ -15,7 +15,7 @@ use dyn_core::{BuildCx, BuildError, Ctx, Input, Invalid, Operator, OperatorConfi
 use futures::StreamExt;
 use serde::Deserialize;
 
-use dyn_llm::text::Text;
+use dyn_protocol::text::Text;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -30,7 +30,7 @@ use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
 };
 use dyn_engine::EngineHandle;
-use dyn_llm::types::{Generated, Prefilled, PreprocessedRequest};
+use dyn_protocol::types::{Generated, Prefilled, PreprocessedRequest};
 use dyn_router::remote_prefill::{
     PrefillCancel, PrefillJob, PrefillReply, cancel_subject, queue_name,
 };
@@ -364,7 +364,7 @@ mod tests {
         let job = PrefillJob {
             id,
             reply: REPLY.into(),
-            request: dyn_llm::testing::preprocessed((prompt..prompt + 40).collect(), 1),
+            request: dyn_protocol::testing::preprocessed((prompt..prompt + 40).collect(), 1),
             timeout_ms: 30_000,
             lock: None,
         };
@@ -401,7 +401,7 @@ mod tests {
             "mocker": {"speedup": 0.01, "num_blocks": 64}
         }))
         .expect("config");
-        let cx = dyn_llm::testing::cx("prefill", 7, &[], &planes);
+        let cx = dyn_protocol::testing::cx("prefill", 7, &[], &planes);
         let p = config.build(&cx).await.expect("builds");
         let agent = cx
             .service::<TransferAgent>()

@@ -11,7 +11,7 @@ use dyn_runtime::RunOptions;
 
 /// The `/metrics` lines (series, not comments) naming the `decode` node.
 fn decode_series() -> Vec<String> {
-    dyn_llm::metrics::render()
+    dyn_protocol::metrics::render()
         .lines()
         .filter(|l| !l.starts_with('#') && l.contains("node=\"decode\""))
         .map(str::to_owned)

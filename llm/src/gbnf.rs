@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use crate::types::Calls;
+use dyn_protocol::types::Calls;
 
 /// Keywords that describe a value without constraining it.
 const ANNOTATIONS: &[&str] = &[
@@ -445,7 +445,7 @@ fn keywords(t: &str) -> &'static [&'static str] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::CallForm;
+    use dyn_protocol::types::CallForm;
     use serde_json::json;
 
     fn one(schema: Value) -> Result<String, String> {

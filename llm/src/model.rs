@@ -46,7 +46,7 @@ pub struct ModelDir {
     /// How its embeddings are pooled (sentence-transformers' `1_Pooling`, a GGUF's
     /// `pooling_type`; the last token's where neither says, as vLLM embeds with decoder
     /// models), or why they cannot be (a pooling the engine does not compute).
-    pub pooling: Result<crate::types::Pooling, String>,
+    pub pooling: Result<dyn_protocol::types::Pooling, String>,
     /// The width of its hidden states (an embedding's dimensions), where the config says.
     pub hidden_size: Option<u32>,
     /// The vocabulary compiled for structured output, built on first use (tens of ms).
@@ -102,7 +102,7 @@ impl GenerationDefaults {
 
     /// The request's sampling parameters, with the model's where the client sent none
     /// (`max_tokens` is applied by preprocess, within the room the context leaves).
-    pub fn apply(&self, s: &mut super::types::Sampling) {
+    pub fn apply(&self, s: &mut dyn_protocol::types::Sampling) {
         s.temperature = s.temperature.or(self.temperature);
         s.top_p = s.top_p.or(self.top_p);
         s.top_k = s.top_k.or(self.top_k);
@@ -311,8 +311,8 @@ impl ModelDir {
             .get(&format!("{arch}.pooling_type"))
             .and_then(Meta::as_u64)
         {
-            None | Some(0 | 3) => Ok(crate::types::Pooling::Last),
-            Some(1) => Ok(crate::types::Pooling::Mean),
+            None | Some(0 | 3) => Ok(dyn_protocol::types::Pooling::Last),
+            Some(1) => Ok(dyn_protocol::types::Pooling::Mean),
             Some(t) => Err(format!(
                 "its GGUF asks for pooling type {t} (cls or rank), which dyn does not compute"
             )),
@@ -346,8 +346,8 @@ impl ModelDir {
 /// How sentence-transformers pools `dir`'s embeddings (`modules.json` names its pooling
 /// module's directory, whose `config.json` sets one `pooling_mode_*`): last token or mean.
 /// A directory without them pools the last token's.
-fn st_pooling(dir: &Path) -> Result<Result<crate::types::Pooling, String>, BuildError> {
-    use crate::types::Pooling;
+fn st_pooling(dir: &Path) -> Result<Result<dyn_protocol::types::Pooling, String>, BuildError> {
+    use dyn_protocol::types::Pooling;
     let Some(modules) = read_json(&dir.join("modules.json"), false)? else {
         return Ok(Ok(Pooling::Last));
     };
@@ -477,7 +477,7 @@ pub(crate) mod tests {
         // min_p 0 is no default; a repetition penalty is one.
         assert_eq!((d.min_p, d.repetition_penalty), (None, Some(1.05)));
         // A request's own parameters win; missing ones take the model's.
-        let mut s = crate::types::Sampling {
+        let mut s = dyn_protocol::types::Sampling {
             temperature: Some(0.0),
             ..Default::default()
         };

@@ -19,7 +19,7 @@ use tokenizers::Tokenizer;
 
 use super::detok::{Detokenizer, Matched, StopMatcher, TokenBytes};
 use super::model::ModelDir;
-use super::types::{FinishReason, Generated, LlmDelta, TextLogprob, TokenLogprob, Usage};
+use dyn_protocol::types::{FinishReason, Generated, LlmDelta, TextLogprob, TokenLogprob, Usage};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -71,7 +71,7 @@ fn token_text(tokenizer: &Tokenizer, bytes: Option<&TokenBytes>, id: u32) -> (St
 fn texts(
     tokenizer: &Tokenizer,
     bytes: Option<&TokenBytes>,
-    l: super::types::Logprobs,
+    l: dyn_protocol::types::Logprobs,
 ) -> (Vec<TextLogprob>, Vec<TextLogprob>) {
     let one = |t: &TokenLogprob| {
         let (token, b) = token_text(tokenizer, bytes, t.token);
@@ -209,7 +209,7 @@ impl Operator for Postprocess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::OutputSpec;
+    use dyn_protocol::types::OutputSpec;
     use futures::stream;
 
     async fn run(stop: &[&str], min_tokens: u32, text: &str) -> Vec<LlmDelta> {

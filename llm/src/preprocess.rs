@@ -24,7 +24,7 @@ use serde::Deserialize;
 
 use super::encoder::Encoder;
 use super::model::{GenerationDefaults, ModelDir};
-use super::types::{
+use dyn_protocol::types::{
     Constraint, LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions,
 };
 
@@ -227,7 +227,7 @@ impl Preprocess {
     /// What the chat template adds to the prompt for the answer (after the last message),
     /// e.g. `<|im_start|>assistant\n`; `None` without a template.
     pub fn generation_prompt(&self) -> Option<String> {
-        let m = [super::types::ChatMessage::text("user", "x")];
+        let m = [dyn_protocol::types::ChatMessage::text("user", "x")];
         let with = self.render_with(&m, &[], true).ok()?;
         let without = self.render_with(&m, &[], false).ok()?;
         with.strip_prefix(&without).map(str::to_owned)
@@ -235,7 +235,7 @@ impl Preprocess {
 
     fn render_with(
         &self,
-        messages: &[super::types::ChatMessage],
+        messages: &[dyn_protocol::types::ChatMessage],
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, OpError> {
@@ -363,7 +363,7 @@ impl Preprocess {
     }
 
     /// How the model's embeddings are pooled, or why it has none ([`ModelDir::pooling`]).
-    pub fn pooling(&self) -> Result<super::types::Pooling, &str> {
+    pub fn pooling(&self) -> Result<dyn_protocol::types::Pooling, &str> {
         self.model.pooling.as_ref().copied().map_err(String::as_str)
     }
 
@@ -382,7 +382,7 @@ impl Preprocess {
         let token_ids = self.tokenize(req.prompt, &req.tools, None, true).await?;
         let ctx_len = self.model.context_length;
         let prompt = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
-        let param = if matches!(req.endpoint, super::types::Endpoint::Chat) {
+        let param = if matches!(req.endpoint, dyn_protocol::types::Endpoint::Chat) {
             "messages"
         } else {
             "prompt"
@@ -483,7 +483,7 @@ impl Operator for Preprocess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::{ChatMessage, Endpoint, Limits, Sampling};
+    use dyn_protocol::types::{ChatMessage, Endpoint, Limits, Sampling};
 
     fn pre() -> Preprocess {
         Preprocess::new(Arc::new(crate::model::tests::tiny())).expect("builds")

@@ -1,9 +1,9 @@
 //! The planner's Prometheus series (the process's default registry, rendered by
-//! [`dyn_llm::metrics::render`]).
+//! [`dyn_protocol::metrics::render`]).
 
 use std::sync::LazyLock;
 
-use dyn_llm::metrics::{float_gauge, gauge};
+use dyn_protocol::metrics::{float_gauge, gauge};
 use prometheus::IntGaugeVec;
 
 /// The SLA planner's latest decision, as the frontend saw it ([`crate::state`]).

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dyn_core::planes::EventBus;
-use dyn_router::kv::{LoadMetrics, load_metrics_subject};
+use dyn_protocol::kv::{LoadMetrics, load_metrics_subject};
 use futures::StreamExt;
 use parking_lot::Mutex;
 

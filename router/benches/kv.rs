@@ -12,9 +12,11 @@ use std::sync::Arc;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use dyn_core::planes::{LiveInstances, Planes};
+use dyn_protocol::kv::{
+    BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash,
+};
 use dyn_router::cost::{CostModel, Pricing};
 use dyn_router::indexer::Indexer;
-use dyn_router::kv::{BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash};
 use dyn_router::kv_aware::KvAware;
 use dyn_router::policy::{Reported, RoutingPolicy, View};
 use dyn_router::sequences::ActiveSequences;

@@ -57,7 +57,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use dyn_core::{Ctx, OpError};
-use dyn_llm::types::Precedence;
+use dyn_protocol::types::Precedence;
 
 use super::metrics::ADMISSION;
 use super::sequences::ByPrecedence;

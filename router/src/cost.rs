@@ -27,7 +27,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use super::sequences::{Load, Reported};
-use crate::kv::LoadMetrics;
+use dyn_protocol::kv::LoadMetrics;
 
 /// How a worker is priced.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

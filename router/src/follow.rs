@@ -14,7 +14,7 @@ use futures::StreamExt;
 use super::Inner;
 use super::indexer::Applied;
 use super::policy::Reported;
-use crate::kv::{
+use dyn_protocol::kv::{
     KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject, kv_resync_subject,
     load_metrics_subject,
 };

@@ -2,7 +2,7 @@
 //! by the router how many leading blocks of a prompt each worker already has.
 //!
 //! It is a radix tree over blocks in which each node is one prefix, addressed by the
-//! router's own sequence hash of that prefix (the chain of local hashes, see [`crate::kv`]).
+//! router's own sequence hash of that prefix (the chain of local hashes, see [`kv`]).
 //! Addressing nodes by prefix hash instead of walking child maps means a lookup computes the
 //! prompt's sequence hashes once and then probes one flat table per block: the probes do not
 //! depend on each other, so the CPU overlaps their cache misses, which is what keeps a
@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::kv::{KvCacheEvent, KvEventData, Medium, chain_hash};
+use dyn_protocol::kv::{KvCacheEvent, KvEventData, Medium, chain_hash};
 
 /// The most workers one indexer tracks (the width of the membership bit set).
 pub const MAX_WORKERS: usize = 128;
@@ -237,7 +237,7 @@ impl Indexer {
         worker_id: u64,
         medium: Medium,
         parent_hash: Option<u64>,
-        blocks: &[crate::kv::BlockHash],
+        blocks: &[dyn_protocol::kv::BlockHash],
     ) -> Applied {
         let Some(w) = self.workers.get_mut(&worker_id) else {
             return Applied::Full;
@@ -557,7 +557,7 @@ fn set_off(off: &mut IdMap<[u128; 2]>, seq: u64, bit: u128, mask: u8) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{BlockHash, block_hashes};
+    use dyn_protocol::kv::{BlockHash, block_hashes};
     use proptest::prelude::*;
     use std::collections::HashMap;
 

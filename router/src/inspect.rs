@@ -82,7 +82,7 @@ pub struct RouteArgs {
     /// The request's session (`session_affinity`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
-    /// The request's LoRA adapter ([`dyn_llm::types::LoraRef::key`]): its blocks are hashed
+    /// The request's LoRA adapter ([`dyn_protocol::types::LoraRef::key`]): its blocks are hashed
     /// under it, and workers that hold it are preferred, as for a real request of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<String>,
@@ -303,14 +303,14 @@ impl Inner {
         session: Option<&str>,
         lora: Option<&str>,
     ) -> Result<RouteAnswer, String> {
-        let salt = crate::kv::salt_of(None, lora);
+        let salt = dyn_protocol::kv::salt_of(None, lora);
         let mut d = self
             .decide_without(tokens, salt, lora, &|_| false)
             .map_err(|e| e.message)?;
         let now = std::time::Instant::now();
         let session = match (session, &self.sessions) {
             (Some(s), Some(sessions)) => {
-                let kept = self.affinity(s, dyn_llm::types::Precedence::default(), now);
+                let kept = self.affinity(s, dyn_protocol::types::Precedence::default(), now);
                 if let Some(w) = kept {
                     d.worker = w;
                 }

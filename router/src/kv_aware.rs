@@ -18,7 +18,7 @@ use rand::rngs::StdRng;
 use super::cost::{self, Pricing, WorkerView};
 use super::indexer::Indexer;
 use super::policy::{Decision, RoutingPolicy, View};
-use crate::kv::{BlockHash, KvEventData, block_hashes_salted};
+use dyn_protocol::kv::{BlockHash, KvEventData, block_hashes_salted};
 
 /// Block size until the workers announce theirs (vLLM's default).
 const DEFAULT_BLOCK_SIZE: u32 = 16;

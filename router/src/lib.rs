@@ -1,8 +1,9 @@
-//! dyn-router: the `route` kind and everything it routes by — KV block hashing and the KV
-//! event and load wire formats ([`kv`]), the radix index of workers' caches ([`indexer`]), the
-//! cost model and policies — plus the `remote_prefill` kind ([`remote_prefill`]) and the
-//! router's and disaggregated serving's metrics ([`metrics`]). Like `dynamo-kv-router`, it is
-//! usable without the frontend: it must not depend on the frontend, the planner or any engine.
+//! dyn-router: the `route` kind and everything it routes by — the radix index of workers'
+//! caches ([`indexer`]), fed by the KV events and load metrics whose wire formats live in
+//! `kv`, the cost model and policies — plus the `remote_prefill` kind
+//! ([`remote_prefill`]) and the router's metrics ([`metrics`]). Like `dynamo-kv-router`, it is
+//! usable and benchmarkable on its own: it depends on core and the protocol only, never on
+//! the tokenizers, the kernels, the runtime's planes, the frontend, the planner or an engine.
 //!
 //! `route`: picks the worker that will serve each request, and records it in the request
 //! (`target`) so the runtime sends it there.
@@ -32,7 +33,6 @@ pub mod follow;
 pub mod health;
 pub mod indexer;
 pub mod inspect;
-pub mod kv;
 pub mod kv_aware;
 pub mod metrics;
 pub mod policy;
@@ -54,7 +54,7 @@ use dyn_core::{
     BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
     OperatorConfig, Output,
 };
-use dyn_llm::types::{Precedence, PreprocessedRequest};
+use dyn_protocol::types::{Precedence, PreprocessedRequest};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -760,7 +760,7 @@ impl Inner {
 
     /// Decide among the live workers `left_out` does not name (among all of them when it
     /// names every one: leaving workers out never empties the pool).
-    /// `lora`: the key of the request's adapter ([`dyn_llm::types::LoraRef::key`]).
+    /// `lora`: the key of the request's adapter ([`dyn_protocol::types::LoraRef::key`]).
     fn decide_without(
         &self,
         tokens: &[u32],
@@ -967,8 +967,8 @@ impl Operator for Route {
             .then(move |mut req| {
                 let (ctx, pools) = (ctx.clone(), pools.clone());
                 let s = &req.sampling;
-                let lora = s.lora.as_ref().map(dyn_llm::types::LoraRef::key);
-                let salt = kv::request_salt(s);
+                let lora = s.lora.as_ref().map(dyn_protocol::types::LoraRef::key);
+                let salt = dyn_protocol::kv::request_salt(s);
                 let inner = match &pools {
                     None => first.clone(),
                     Some(p) => pick_pool(p, &req, salt, lora.as_deref(), &ctx),
@@ -1033,19 +1033,19 @@ fn pick_pool(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvEventData, RouterEvent, block_hashes};
     use dyn_core::planes::{Planes, Transport};
+    use dyn_protocol::kv::{KvEventData, RouterEvent, block_hashes};
     use futures::stream;
     use std::time::Duration;
 
     fn cx(planes: &Planes) -> BuildCx {
-        dyn_llm::testing::cx("route", 1, &["decode"], planes)
+        dyn_protocol::testing::cx("route", 1, &["decode"], planes)
     }
 
     async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
         let mut out = r.call(
             Ctx::new(),
-            stream::iter([dyn_llm::testing::preprocessed(vec![1], 1)]).boxed(),
+            stream::iter([dyn_protocol::testing::preprocessed(vec![1], 1)]).boxed(),
         );
         out.next().await.expect("one item")
     }
@@ -1184,11 +1184,11 @@ mod tests {
         planes: &Planes,
         worker: u64,
         event_id: u64,
-        blocks: Vec<crate::kv::BlockHash>,
+        blocks: Vec<dyn_protocol::kv::BlockHash>,
     ) {
         let ev = RouterEvent {
             worker_id: worker,
-            event: crate::kv::KvCacheEvent {
+            event: dyn_protocol::kv::KvCacheEvent {
                 event_id,
                 dp_rank: 0,
                 medium: Default::default(),
@@ -1209,7 +1209,7 @@ mod tests {
     async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
         let mut out = r.call(
             ctx,
-            stream::iter([dyn_llm::testing::preprocessed(tokens, 1)]).boxed(),
+            stream::iter([dyn_protocol::testing::preprocessed(tokens, 1)]).boxed(),
         );
         out.next()
             .await
@@ -1255,7 +1255,7 @@ mod tests {
     /// unsalted prompt's, not another salt's (and an unsalted prompt not the salted ones).
     #[tokio::test]
     async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
-        use crate::kv::{block_hashes_salted, salt_hash};
+        use dyn_protocol::kv::{block_hashes_salted, salt_hash};
         let planes = Planes::embedded();
         let r = kv_router(&planes, &[10, 11]).await;
         let prompt: Vec<u32> = (0..64).collect();
@@ -1286,7 +1286,7 @@ mod tests {
         assert_eq!(matched(None), vec![(10, 4), (11, 0)]);
         assert_eq!(matched(Some(salt_hash("b"))), vec![(10, 0), (11, 0)]);
         // Through the operator: the request's `cache_salt` decides.
-        let mut req = dyn_llm::testing::preprocessed(prompt.clone(), 1);
+        let mut req = dyn_protocol::testing::preprocessed(prompt.clone(), 1);
         req.sampling.cache_salt = Some("a".into());
         let mut out = r.call(Ctx::new(), stream::iter([req]).boxed());
         let routed = out.next().await.expect("item").expect("routed");

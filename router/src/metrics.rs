@@ -1,9 +1,9 @@
 //! The router's and disaggregated serving's Prometheus series (the process's default
-//! registry, rendered by [`dyn_llm::metrics::render`]).
+//! registry, rendered by [`dyn_protocol::metrics::render`]).
 
 use std::sync::LazyLock;
 
-use dyn_llm::metrics::{counter_vec, gauge, histogram};
+use dyn_protocol::metrics::{counter_vec, gauge, histogram};
 use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 
 /// Routing quality of the `kv` policy, per route node: how much of the cache that was there
@@ -111,14 +111,12 @@ pub static ADMISSION: LazyLock<Admission> = LazyLock::new(|| Admission {
     ),
 });
 
-/// Disaggregated serving: where prompts were prefilled, and how KV transfers went.
+/// Disaggregated serving: where prompts were prefilled (the decode workers count how their
+/// KV transfers went, in `dyn_engine::metrics::TRANSFERS`).
 pub struct Disagg {
     /// `decision`: remote|local; `reason`: remote, below_threshold, queue_full,
     /// no_prefill_worker, prefill_failed.
     pub decisions: IntCounterVec,
-    /// `outcome`: pulled, failed (the prompt is then prefilled locally).
-    pub transfers: IntCounterVec,
-    pub transfer_seconds: HistogramVec,
 }
 
 pub static DISAGG: LazyLock<Disagg> = LazyLock::new(|| Disagg {
@@ -126,15 +124,5 @@ pub static DISAGG: LazyLock<Disagg> = LazyLock::new(|| Disagg {
         "dyn_remote_prefill_decisions_total",
         "Prefill decisions by node, decision (remote|local) and reason",
         &["node", "decision", "reason"],
-    ),
-    transfers: counter_vec(
-        "dyn_worker_kv_transfers_total",
-        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed)",
-        &["node", "worker_id", "outcome"],
-    ),
-    transfer_seconds: histogram(
-        "dyn_worker_kv_transfer_seconds",
-        "Time to receive a prompt's KV from a prefill worker (modelled transfer included)",
-        &["node"],
     ),
 });

@@ -18,7 +18,7 @@ use dyn_core::planes::LiveInstances;
 use super::cost::Candidate;
 use super::sequences::ActiveSequences;
 pub use super::sequences::Reported;
-use crate::kv::BlockHash;
+use dyn_protocol::kv::BlockHash;
 
 /// The policy a `route` node is configured with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,7 +119,7 @@ impl Decision {
 /// How a router picks a worker.
 pub trait RoutingPolicy: Send + Sync {
     /// Where `tokens` would go; `None` when no worker can take it. Records nothing. `salt`
-    /// is the request's `cache_salt` ([`crate::kv::salt_hash`]): a salted prompt shares
+    /// is the request's `cache_salt` ([`dyn_protocol::kv::salt_hash`]): a salted prompt shares
     /// cached blocks only with prompts of the same salt.
     fn decide(&self, tokens: &[u32], salt: Option<u64>, view: &View<'_>) -> Option<Decision>;
 }

@@ -26,7 +26,7 @@
 //! long: {kind: decode, inputs: [route], replicas: 2, config: {engine: mocker}}
 //! ```
 
-use dyn_llm::types::SlaTargets;
+use dyn_protocol::types::SlaTargets;
 use serde::Deserialize;
 
 /// What one pool takes, and the targets it is run for.

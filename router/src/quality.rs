@@ -165,7 +165,7 @@ mod tests {
     fn a_worker_that_left_takes_its_routed_series_with_it() {
         let q = Quality::new("route-quality-test");
         let series = || {
-            dyn_llm::metrics::render()
+            dyn_protocol::metrics::render()
                 .lines()
                 .filter(|l| {
                     l.starts_with("dyn_router_routed_requests_total")

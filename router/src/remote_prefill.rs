@@ -35,7 +35,7 @@ use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Inspect, Invalid, OpError, Operator, OperatorConfig, Output,
 };
-use dyn_llm::types::{Prefilled, PreprocessedRequest};
+use dyn_protocol::types::{Prefilled, PreprocessedRequest};
 use futures::StreamExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -190,7 +190,7 @@ pub struct PrefillJob {
     /// other members may read it, so it carries the lock and the key goes to the decode worker
     /// alone (in `Prefilled::key`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lock: Option<dyn_llm::types::PullLock>,
+    pub lock: Option<dyn_protocol::types::PullLock>,
 }
 
 /// The sender no longer waits for job `id` (of reply subject `reply`).
@@ -394,13 +394,17 @@ impl Inner {
     ) -> Result<Prefilled, String> {
         // The prefill worker's load counts this request until its prefill is over.
         let pctx = ctx.child(format!("{}-prefill", ctx.id()));
-        let lora = req.sampling.lora.as_ref().map(dyn_llm::types::LoraRef::key);
+        let lora = req
+            .sampling
+            .lora
+            .as_ref()
+            .map(dyn_protocol::types::LoraRef::key);
         let worker = self
             .pool
             .choose(
                 &pctx,
                 &req.token_ids,
-                crate::kv::request_salt(&req.sampling),
+                dyn_protocol::kv::request_salt(&req.sampling),
                 lora.as_deref(),
             )
             .map_err(|e| e.message)?;
@@ -421,7 +425,7 @@ impl Inner {
         // `target` stays: the decode worker the router chose is the only one that may pull
         // the offer.
         request.prefilled = None;
-        let key = dyn_llm::types::PullKey::random();
+        let key = dyn_protocol::types::PullKey::random();
         let job = PrefillJob {
             id,
             reply: self.reply.clone(),

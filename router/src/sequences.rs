@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::LoadMetrics;
-use dyn_llm::types::Precedence;
+use dyn_protocol::kv::LoadMetrics;
+use dyn_protocol::types::Precedence;
 
 /// A worker's last load metrics, and this router's own load on it when they arrived: what
 /// the router sent since is not in them yet (with several routers, the others' requests

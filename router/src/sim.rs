@@ -11,7 +11,7 @@ use super::cost::Pricing;
 use super::kv_aware::KvAware;
 use super::policy::{Decision, Reported, RoutingPolicy, View};
 use super::sequences::{ActiveRequest, ActiveSequences, Load};
-use crate::kv::{KvEventData, LoadMetrics, block_hashes};
+use dyn_protocol::kv::{KvEventData, LoadMetrics, block_hashes};
 
 const BS: usize = 16;
 /// Shared prefixes of 1,024 tokens and unique suffixes of 128, as in the routing grid.

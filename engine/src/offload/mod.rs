@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dyn_core::Invalid;
-use dyn_router::kv::{BlockHash, HeldBlock, KvEventData, Medium, push_stored};
+use dyn_protocol::kv::{BlockHash, HeldBlock, KvEventData, Medium, push_stored};
 use lru::LruCache;
 use parking_lot::Mutex;
 use serde::Deserialize;
@@ -228,7 +228,7 @@ impl Tiers {
                     blocks = kept.len(),
                     "Reusing the KV blocks a previous worker left on disk"
                 );
-                let stored = dyn_router::kv::dump_events(kept)
+                let stored = dyn_protocol::kv::dump_events(kept)
                     .into_iter()
                     .filter(|(_, e)| *e != KvEventData::Cleared)
                     .collect();

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use dyn_core::planes::Planes;
-use dyn_llm::types::{Generated, PreprocessedRequest};
+use dyn_protocol::types::{Generated, PreprocessedRequest};
 
 use crate::native::{DeviceChoice, NativeConfig};
 use crate::offload::{OffloadConfig, Tiers};
@@ -14,7 +14,7 @@ use crate::{EngineHandle, mocker, native};
 
 /// A greedy request with a fixed output length.
 fn greedy(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
-    let mut r = dyn_llm::testing::preprocessed(tokens, max_tokens);
+    let mut r = dyn_protocol::testing::preprocessed(tokens, max_tokens);
     r.sampling.temperature = Some(0.0);
     r.stop.ignore_eos = true;
     r
@@ -67,7 +67,11 @@ async fn native_on(
         offload,
         ..NativeConfig::default()
     };
-    native::start(&config, &dyn_llm::testing::cx("decode", id, &[], &planes)).await
+    native::start(
+        &config,
+        &dyn_protocol::testing::cx("decode", id, &[], &planes),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -271,7 +275,7 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
     };
     let m = mocker::start(
         &config,
-        &dyn_llm::testing::cx("decode", 0x0f6, &[], &planes),
+        &dyn_protocol::testing::cx("decode", 0x0f6, &[], &planes),
     )
     .await
     .expect("starts");
@@ -283,7 +287,7 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
         // 40 shared prefixes of 3 blocks, then a tail of its own.
         let mut tokens: Vec<u32> = (0..12).map(|t| (i % 40) * 100 + t).collect();
         tokens.extend((0..(i % 9)).map(|t| 50_000 + i * 10 + t));
-        let req = dyn_llm::testing::preprocessed(tokens, 4 + i % 5);
+        let req = dyn_protocol::testing::preprocessed(tokens, 4 + i % 5);
         let m = m.clone();
         tasks.spawn(async move {
             let mut rx = loop {
@@ -341,7 +345,7 @@ async fn under_pressure_blocks_are_dropped_not_waited_for_and_nothing_leaks() {
     // Steady: another round of the same prefixes changes no count of blocks held.
     for i in 0..40 {
         let tokens: Vec<u32> = (0..12).map(|t| i * 100 + t).collect();
-        run(&m, &dyn_llm::testing::preprocessed(tokens, 2)).await;
+        run(&m, &dyn_protocol::testing::preprocessed(tokens, 2)).await;
     }
     until("the pool to drain", || m.gauges.active_blocks() == 0).await;
     let after = t.counts();
@@ -368,17 +372,17 @@ async fn a_prompt_split_between_disk_and_host_memory_comes_back_whole() {
     };
     let m = mocker::start(
         &config,
-        &dyn_llm::testing::cx("decode", 0x0f9, &[], &planes),
+        &dyn_protocol::testing::cx("decode", 0x0f9, &[], &planes),
     )
     .await
     .expect("starts");
     let t = m.tiers().expect("tiers").clone();
     let p = |i: u32| (0..1090).map(|x| i * 10_000 + x).collect::<Vec<u32>>();
     for i in 0..4 {
-        run(&m, &dyn_llm::testing::preprocessed(p(i), 2)).await;
+        run(&m, &dyn_protocol::testing::preprocessed(p(i), 2)).await;
     }
     until("the spill", || stat(&t, |s| &s.offloaded_disk) >= 17).await;
-    let hashes: Vec<u64> = dyn_router::kv::block_hashes(&p(0), 16)
+    let hashes: Vec<u64> = dyn_protocol::kv::block_hashes(&p(0), 16)
         .iter()
         .map(|b| b.block_hash)
         .collect();
@@ -395,6 +399,6 @@ async fn a_prompt_split_between_disk_and_host_memory_comes_back_whole() {
             .collect()
     };
     assert_eq!(layout, format!("{}{}", "D".repeat(17), "H".repeat(51)));
-    run(&m, &dyn_llm::testing::preprocessed(p(0), 2)).await;
+    run(&m, &dyn_protocol::testing::preprocessed(p(0), 2)).await;
     assert_eq!(t.counts().hits, [51, 17]);
 }

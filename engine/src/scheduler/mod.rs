@@ -23,8 +23,8 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use dyn_llm::types::{FinishReason, Precedence};
-use dyn_router::kv::{BlockHash, chain_hash, local_hash, salted_local};
+use dyn_protocol::kv::{BlockHash, chain_hash, local_hash, salted_local};
+use dyn_protocol::types::{FinishReason, Precedence};
 
 use super::EngineError;
 use super::pool::{BlockId, Evicted, Pool};
@@ -63,15 +63,15 @@ pub struct SeqSpec {
     /// arrival), and one that comes strictly before a running one takes its place when the
     /// batch is full.
     pub precedence: Precedence,
-    /// The request's `cache_salt` ([`dyn_router::kv::salt_hash`]): its prompt shares cached
+    /// The request's `cache_salt` ([`dyn_protocol::kv::salt_hash`]): its prompt shares cached
     /// blocks only with prompts of the same salt (`None`: unsalted ones), the first block's
-    /// local hash being salted ([`dyn_router::kv::salted_local`]).
+    /// local hash being salted ([`dyn_protocol::kv::salted_local`]).
     pub salt: Option<u64>,
     /// The LoRA adapter its tokens run with (the native engine's; `salt` includes its name).
     pub lora: Option<std::sync::Arc<dyn_compute::model::lora::LoraAdapter>>,
     /// An embeddings request: its prompt's final hidden states pooled this way are its
     /// answer; the one token it "samples" is not output.
-    pub embed: Option<dyn_llm::types::Pooling>,
+    pub embed: Option<dyn_protocol::types::Pooling>,
 }
 
 impl SeqSpec {
@@ -84,7 +84,7 @@ impl SeqSpec {
     /// Every prompt position's output is wanted (the prompt's log-probabilities, a mean
     /// pooled embedding): none may come from the prefix cache.
     pub fn every_position(&self) -> bool {
-        self.prompt_logprobs.is_some() || self.embed == Some(dyn_llm::types::Pooling::Mean)
+        self.prompt_logprobs.is_some() || self.embed == Some(dyn_protocol::types::Pooling::Mean)
     }
 }
 
@@ -597,7 +597,7 @@ impl Scheduler {
         } else {
             (seq.tokens.len() - 1) / block_size
         };
-        let hashes = dyn_router::kv::block_hashes_salted(
+        let hashes = dyn_protocol::kv::block_hashes_salted(
             &seq.tokens[..full * block_size],
             block_size,
             seq.spec.salt,

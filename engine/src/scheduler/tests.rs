@@ -152,7 +152,7 @@ fn a_repeated_prompt_reuses_its_cached_prefix() {
 
 #[test]
 fn a_salted_prompt_hits_only_blocks_cached_under_its_own_salt() {
-    use dyn_router::kv::{KvEventData, block_hashes, block_hashes_salted, salt_hash};
+    use dyn_protocol::kv::{KvEventData, block_hashes, block_hashes_salted, salt_hash};
     let mut s = Scheduler::new(limits(8, 64), 16);
     let prompt: Vec<u32> = (0..10).collect(); // two full blocks of 4, and 2 tokens
     let mut next = 0;
@@ -168,7 +168,7 @@ fn a_salted_prompt_hits_only_blocks_cached_under_its_own_salt() {
             },
         );
         drain(&mut s);
-        let stored: Vec<(Option<u64>, Vec<dyn_router::kv::BlockHash>)> = s
+        let stored: Vec<(Option<u64>, Vec<dyn_protocol::kv::BlockHash>)> = s
             .pool
             .take_events()
             .into_iter()

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
-use crate::types::Constraint;
+use dyn_protocol::types::Constraint;
 
 /// Nested schemas, `$ref`s included (the GBNF writer's bound too).
 pub const MAX_SCHEMA_DEPTH: usize = 64;

@@ -16,7 +16,7 @@ use llguidance::Matcher;
 use parking_lot::Mutex;
 
 use super::Grammars;
-use crate::types::Constraint;
+use dyn_protocol::types::Constraint;
 
 /// The stack a compile runs on: its bounds allow recursion of some hundreds of frames of a few
 /// KiB each; this is tens of times that (reserved, not committed, until used).
@@ -134,7 +134,7 @@ impl Default for Compiler {
 /// Seconds a constraint took to compile (cache misses only).
 static COMPILE_SECONDS: std::sync::LazyLock<prometheus::HistogramVec> =
     std::sync::LazyLock::new(|| {
-        crate::metrics::histogram(
+        dyn_protocol::metrics::histogram(
             "dyn_grammar_compile_seconds",
             "Seconds a structured output's grammar took to compile (not counting cache hits)",
             &[],

@@ -33,7 +33,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 use tokenizers::{DecoderWrapper, Tokenizer};
 
-use super::types::{Calls, Constraint};
+use dyn_protocol::types::{Calls, Constraint};
 
 pub mod bounds;
 mod compile;

@@ -139,13 +139,13 @@ pub struct Sampling {
     pub session: Option<String>,
     /// vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same
     /// salt (none: only with unsalted ones). Engines and routers hash the prompt's blocks
-    /// with it (`dyn_router::kv::salt_hash`). The client's, else, behind API keys, its
+    /// with it (`crate::kv::salt_hash`). The client's, else, behind API keys, its
     /// tenant's ([`tenant_cache_salt`]). Travels as `priority` does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
     /// The LoRA adapter it runs with: set by the ingress when the request's `model` names one
     /// (never read from a client's body). Its KV is the adapter's, so engines and routers
-    /// hash its blocks apart from other adapters' and the base's (`dyn_router::kv::salt_of`).
+    /// hash its blocks apart from other adapters' and the base's (`crate::kv::salt_of`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraRef>,
     /// The latency the client asks for (Dynamo's `nvext.router.ttft_target` and
@@ -387,7 +387,7 @@ pub struct PreprocessedRequest {
 }
 
 /// An offer's pull key and its lock (see [`Prefilled::key`]).
-pub use dyn_compute::transfer::{PullKey, PullLock};
+pub use crate::transfer::{PullKey, PullLock};
 
 /// The result of a remote prefill: the first output token and the prompt's KV blocks,
 /// pinned on the prefill worker until the decode worker pulls them.
@@ -398,7 +398,7 @@ pub struct Prefilled {
     /// The token ids the KV covers (the decode worker checks its prompt against this count).
     pub prompt_tokens: u32,
     pub first_token: u32,
-    pub transfer: dyn_compute::transfer::TransferDescriptor,
+    pub transfer: crate::transfer::TransferDescriptor,
     /// The key that pulls the offer, added by the router for the decode worker it chose (the
     /// prefill worker knows only its lock); only over the request plane, never the event plane.
     #[serde(default, skip_serializing_if = "Option::is_none")]
