@@ -1,7 +1,7 @@
 //! One generated answer as parsed pieces — reasoning, text, tool calls, then its end — for
 //! the endpoints whose wire forms are not chat completions' (Anthropic's Messages, OpenAI's
 //! Responses). They translate their bodies into a chat request, start it as chat does
-//! ([`start`](super::openai::start)), and render these pieces as their own events; the
+//! ([`start`](crate::pipeline::start)), and render these pieces as their own events; the
 //! reasoning and tool-call parsing is chat's, fed the same way.
 
 use futures::{Stream, StreamExt};
@@ -9,9 +9,9 @@ use futures::{Stream, StreamExt};
 use dyn_protocol::types::{FinishReason, Usage};
 
 use super::ApiError;
-use super::openai::{Options, Started};
 use super::reasoning::ReasoningParser;
 use super::tools::{Piece, ToolCall, ToolParser};
+use crate::pipeline::{Options, Started};
 
 /// A piece of one answer, in the order the client should see them.
 #[derive(Debug)]

@@ -25,9 +25,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::answer::{self, Ending, Event, Whole};
-use super::openai::{self, App};
 use super::tools::ToolCall;
 use super::{ApiError, KeyTenant, invalid};
+use crate::http::App;
+use crate::openai::request as openai;
+use crate::pipeline;
 
 /// Anthropic's error types by status.
 fn error_type(status: StatusCode) -> &'static str {
@@ -347,7 +349,7 @@ pub(crate) async fn messages(
     let parsed = parse(body, false).and_then(|chat| openai::chat_from_json(&app, chat));
     let key = key.map(|k| k.0);
     let (started, opts) =
-        match openai::start(&app, "messages", key.as_ref(), &headers, parsed).await {
+        match pipeline::start(&app, "messages", key.as_ref(), &headers, parsed).await {
             Ok(s) => s,
             Err(e) => return error_response(e),
         };

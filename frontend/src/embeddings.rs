@@ -24,8 +24,10 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::openai::{self, App};
 use super::{ApiError, KeyTenant, invalid};
+use crate::http::App;
+use crate::pipeline::{self, Options, Started};
+use dyn_protocol::types::{Endpoint, Limits, LlmRequest, Sampling};
 
 /// The most inputs one request may carry (OpenAI's limit).
 const MAX_INPUTS: usize = 2048;
@@ -170,24 +172,24 @@ async fn answer(
         )
     };
     if let Some(d) = b.dimensions
-        && openai::embedding_width(app, &b.model)?.is_some_and(|w| w != d)
+        && embedding_width(app, &b.model)?.is_some_and(|w| w != d)
     {
         return Err(own_width());
     }
     let prompts = prompts(b.input)?;
     // What the model cannot do is one error, before anything runs.
-    openai::embedding_request(app, &b.model, Prompt::Tokens(Vec::new()), None)?;
+    embedding_request(app, &b.model, Prompt::Tokens(Vec::new()), None)?;
     // One context for the request (its deadline counts from now), a part per input; up to a
     // batch's worth in flight (the engine batches them; all of a large request at once would
     // fill its queue). The first failure ends the request, and the inputs still running with it.
-    let parent = openai::request_ctx(app, headers)?;
+    let parent = pipeline::request_ctx(app, headers)?;
     let key = key.as_ref();
     let runs = prompts.into_iter().enumerate().map(|(i, prompt)| {
-        let parsed = openai::embedding_request(app, &b.model, prompt, b.user.as_deref());
+        let parsed = embedding_request(app, &b.model, prompt, b.user.as_deref());
         let parent = &parent;
         async move {
             let started =
-                openai::start_part(app, "embeddings", key, headers, parsed, Some((parent, i)));
+                pipeline::start_part(app, "embeddings", key, headers, parsed, Some((parent, i)));
             embedding(started.await?.0).await
         }
     });
@@ -229,8 +231,8 @@ async fn answer(
 }
 
 /// A started embeddings run's vector and its prompt's tokens.
-async fn embedding(started: openai::Started) -> Result<(Vec<f32>, u32), ApiError> {
-    let openai::Started {
+async fn embedding(started: Started) -> Result<(Vec<f32>, u32), ApiError> {
+    let Started {
         first,
         mut out,
         guards,
@@ -263,6 +265,59 @@ async fn embedding(started: openai::Started) -> Result<(Vec<f32>, u32), ApiError
     Err(ApiError::from(dyn_core::OpError::internal(
         "the engine answered an embeddings request without its vector",
     )))
+}
+
+/// One input of an embeddings request, for `model` (an adapter's name runs its adapter): the
+/// model's pooling, nothing sampled.
+pub(crate) fn embedding_request(
+    app: &App,
+    model: &str,
+    prompt: Prompt,
+    user: Option<&str>,
+) -> Result<(LlmRequest, Options), ApiError> {
+    let (at, lora) = app.catalog.resolve(model)?;
+    let served = &app.served[at];
+    let pooling = served.preprocess.pooling().map_err(|why| {
+        invalid(
+            "model",
+            format!("model `{model}` has no embeddings here: {why}"),
+        )
+    })?;
+    Ok((
+        LlmRequest {
+            endpoint: Endpoint::Completion,
+            model: served.name.to_string(),
+            prompt,
+            sampling: Sampling {
+                embed: Some(pooling),
+                lora,
+                session: user
+                    .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX)
+                    .map(str::to_owned),
+                ..Sampling::default()
+            },
+            limits: Limits::default(),
+            tools: Vec::new(),
+        },
+        Options {
+            named: model.into(),
+            stream: false,
+            include_usage: false,
+            tools: None,
+            logprobs: false,
+            echo: None,
+            n: 1,
+            more_prompts: Vec::new(),
+            token_ids: false,
+            reasoning: None,
+        },
+    ))
+}
+
+/// The width of `model`'s embeddings, where its config says.
+pub(crate) fn embedding_width(app: &App, model: &str) -> Result<Option<u32>, ApiError> {
+    let (at, _) = app.catalog.resolve(model)?;
+    Ok(app.served[at].preprocess.hidden_size())
 }
 
 #[cfg(test)]

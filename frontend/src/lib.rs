@@ -16,12 +16,15 @@ mod anthropic;
 mod conn;
 mod embeddings;
 pub mod harmony;
+pub mod http;
 pub mod lora;
 pub mod metrics;
 pub mod openai;
+mod pipeline;
 pub mod reasoning;
 mod responses;
 pub mod text;
+mod tokenize;
 pub mod tools;
 
 use std::borrow::Cow;

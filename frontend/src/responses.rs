@@ -33,9 +33,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::answer::{self, Ending, Event};
-use super::openai::{self, App};
 use super::tools::ToolCall;
 use super::{ApiError, KeyTenant, MAX_STORED_RESPONSE_BYTES, invalid};
+use crate::http::{App, unix_now};
+use crate::openai::request as openai;
+use crate::pipeline;
 
 /// Where stored responses live.
 #[derive(Clone)]
@@ -373,7 +375,7 @@ fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiErr
     let hex = dyn_core::RequestId::random();
     let meta = Meta {
         id: format!("resp_{hex}"),
-        created_at: super::openai::unix_now(),
+        created_at: unix_now(),
         model: b.model,
         store: b.store.unwrap_or(true),
         echo: json!({
@@ -821,7 +823,7 @@ pub(crate) async fn create(
     let messages = messages.split_off(new_from);
     let parsed = openai::chat_from_json(&app, chat);
     let (started, opts) =
-        match openai::start(&app, "responses", key.as_ref(), &headers, parsed).await {
+        match pipeline::start(&app, "responses", key.as_ref(), &headers, parsed).await {
             Ok(s) => s,
             Err(e) => return e.into_response(),
         };
