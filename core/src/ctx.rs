@@ -14,11 +14,15 @@
 //! Contexts form a tree: a child created with [`Ctx::child`] observes its parent's kill,
 //! so cancelling an HTTP request reaches every sub-request it fanned out to. The tree is built on
 //! `tokio_util`'s `CancellationToken`, which already unlinks dropped children.
+//!
+//! The ids a request is known by live here too: its own ([`RequestId`]) and the replica's that
+//! serves it ([`InstanceId`]), which payloads name as their target without knowing the planes.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 /// A request identifier, unique per request and carried into every log line as `request_id`.
@@ -306,6 +310,45 @@ impl Drop for KillOnDrop {
             tracing::debug!(request_id = %ctx.id(), "Request killed: its consumer went away");
             ctx.kill();
         }
+    }
+}
+
+/// One replica's id across the planes: its discovery key ends in it (in hex, as logs show
+/// it), the request plane serves it, and a worker's KV events and load metrics carry it as
+/// `worker_id`. On the wire it is a plain integer.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct InstanceId(pub u64);
+
+impl InstanceId {
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl From<u64> for InstanceId {
+    fn from(id: u64) -> Self {
+        Self(id)
+    }
+}
+
+impl From<InstanceId> for u64 {
+    fn from(id: InstanceId) -> Self {
+        id.0
+    }
+}
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+impl std::fmt::LowerHex for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
     }
 }
 

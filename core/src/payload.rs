@@ -23,7 +23,7 @@ pub trait Payload: Send + 'static {
     }
 
     /// The replica that must serve this value, when an upstream operator (a router) chose one.
-    fn target_instance(&self) -> Option<crate::planes::InstanceId> {
+    fn target_instance(&self) -> Option<crate::ctx::InstanceId> {
         None
     }
 
@@ -99,7 +99,7 @@ pub type AnyPayload = Box<dyn ErasedPayload>;
 /// Object-safe face of [`Payload`].
 pub trait ErasedPayload: Any + Send {
     fn type_name(&self) -> &'static str;
-    fn target_instance(&self) -> Option<crate::planes::InstanceId>;
+    fn target_instance(&self) -> Option<crate::ctx::InstanceId>;
     fn model_name(&self) -> Option<&str>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn as_any(&self) -> &dyn Any;
@@ -110,7 +110,7 @@ impl<T: Payload> ErasedPayload for T {
     fn type_name(&self) -> &'static str {
         T::NAME
     }
-    fn target_instance(&self) -> Option<crate::planes::InstanceId> {
+    fn target_instance(&self) -> Option<crate::ctx::InstanceId> {
         Payload::target_instance(self)
     }
     fn model_name(&self) -> Option<&str> {

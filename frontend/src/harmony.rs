@@ -14,7 +14,7 @@
 //! the start of a marker; a message's body streams as it comes, except a call's arguments,
 //! which go out whole, as the other formats' calls do.
 
-use super::tools::{Piece, ToolCall, held};
+use crate::pieces::{Piece, ToolCall, held};
 
 const START: &str = "<|start|>";
 const CHANNEL: &str = "<|channel|>";

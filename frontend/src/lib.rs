@@ -20,6 +20,7 @@ pub mod http;
 pub mod lora;
 pub mod metrics;
 pub mod openai;
+mod pieces;
 mod pipeline;
 pub mod reasoning;
 mod responses;

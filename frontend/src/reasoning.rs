@@ -10,7 +10,7 @@
 
 use serde::Deserialize;
 
-use super::tools::held;
+use crate::pieces::held;
 
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";

@@ -331,22 +331,8 @@ fn rehome(params: &Value, i: usize, at: &str, defs: &mut serde_json::Map<String,
     params
 }
 
-/// A call parsed from the model's text.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ToolCall {
-    pub name: String,
-    /// The arguments as JSON text (OpenAI's wire form).
-    pub arguments: String,
-}
-
-/// A piece of the answer: text for `content`, a call, or (harmony, whose messages carry
-/// both) reasoning.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Piece {
-    Text(String),
-    Call(ToolCall),
-    Reasoning(String),
-}
+use crate::pieces::held;
+pub use crate::pieces::{Piece, ToolCall};
 
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
@@ -520,15 +506,6 @@ impl ToolParser {
             }
         }
     }
-}
-
-/// How many bytes at the end of `buf` are a proper prefix of `marker` (text held back, since
-/// the marker may be arriving).
-pub(crate) fn held(buf: &str, marker: &str) -> usize {
-    (1..marker.len().min(buf.len() + 1))
-        .rev()
-        .find(|&n| buf.is_char_boundary(buf.len() - n) && marker.starts_with(&buf[buf.len() - n..]))
-        .unwrap_or(0)
 }
 
 /// The calls in one call body of `format`; `None` when it is not calls.

@@ -18,7 +18,7 @@ use dyn_core::Registry;
 /// The kinds this build of dyn knows.
 pub fn registry() -> Registry {
     Registry::new()
-        .ingress::<dyn_frontend::openai::HttpConfig>()
+        .ingress::<dyn_frontend::http::HttpConfig>()
         .ingress::<dyn_frontend::text::HttpTextConfig>()
         .operator::<echo::EchoConfig>()
         .operator::<dyn_llm::preprocess::PreprocessConfig>()

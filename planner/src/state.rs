@@ -38,6 +38,42 @@ pub struct PlannerState {
     pub nodes: Vec<NodeState>,
 }
 
+impl PlannerState {
+    /// Set the planner gauges to this published state.
+    fn export_metrics(&self) {
+        let s = self;
+        let m = &*crate::metrics::PLANNER;
+        for n in &s.nodes {
+            let node = n.decision.node.as_str();
+            m.replicas
+                .with_label_values(&[node, "desired"])
+                .set(i64::from(n.decision.desired));
+            m.replicas
+                .with_label_values(&[node, "actual"])
+                .set(i64::from(n.actual));
+        }
+        m.rate
+            .with_label_values(&["predicted"])
+            .set(s.predicted.request_rate);
+        m.rate
+            .with_label_values(&["observed"])
+            .set(s.observed.request_rate);
+        for (metric, observed, target) in [
+            ("ttft", s.observed.ttft_ms, s.ttft_ms),
+            ("itl", s.observed.itl_ms, s.itl_ms),
+        ] {
+            if let Some(v) = observed {
+                m.observed_latency
+                    .with_label_values(&[metric])
+                    .set(v / 1000.0);
+            }
+            m.target_latency
+                .with_label_values(&[metric])
+                .set(target / 1000.0);
+        }
+    }
+}
+
 /// A node's decision and what runs after it was carried out.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeState {
@@ -69,7 +105,7 @@ impl Service for PlannerView {
                 let Some(latest) = weak.upgrade() else { return };
                 match serde_json::from_slice::<PlannerState>(&ev.payload) {
                     Ok(s) => {
-                        crate::metrics::planner(&s);
+                        s.export_metrics();
                         *latest.write() = Some(s);
                     }
                     Err(e) => tracing::debug!(error = %e, "Bad planner state message"),

@@ -14,44 +14,7 @@ use tokio::sync::broadcast;
 
 use super::PlaneError;
 
-/// One replica's id across the planes: its discovery key ends in it (in hex, as logs show
-/// it), the request plane serves it, and a worker's KV events and load metrics carry it as
-/// `worker_id`. On the wire it is a plain integer.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
-)]
-#[serde(transparent)]
-pub struct InstanceId(pub u64);
-
-impl InstanceId {
-    pub const fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl From<u64> for InstanceId {
-    fn from(id: u64) -> Self {
-        Self(id)
-    }
-}
-
-impl From<InstanceId> for u64 {
-    fn from(id: InstanceId) -> Self {
-        id.0
-    }
-}
-
-impl std::fmt::Display for InstanceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:x}", self.0)
-    }
-}
-
-impl std::fmt::LowerHex for InstanceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::LowerHex::fmt(&self.0, f)
-    }
-}
+pub use crate::ctx::InstanceId;
 
 /// One live replica of a node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

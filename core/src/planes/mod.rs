@@ -20,7 +20,6 @@ pub mod store;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
-pub use crate::operator::INSTANCE_LOST;
 pub use discovery::{
     Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, InstanceId, InstanceMeta,
     LiveInstances, Transport,
