@@ -1,6 +1,7 @@
 //! dyn-llm: the text side of an LLM graph. It owns model directories ([`model`]), tokenizers
 //! ([`encoder`], [`gguf_tokenizer`]), chat templates and the `preprocess` kind
-//! ([`preprocess`]), structured-output grammars ([`grammar`], and [`gbnf`] for llama.cpp
+//! ([`preprocess`], with its cache of tokenized conversation prefixes, [`prefix`]),
+//! structured-output grammars ([`grammar`], and [`gbnf`] for llama.cpp
 //! workers), the detokenizer ([`detok`]) and the `postprocess` kind ([`postprocess`]). The
 //! payloads it reads and writes are `dyn_protocol`'s.
 //!
@@ -14,4 +15,5 @@ pub mod gguf_tokenizer;
 pub mod grammar;
 pub mod model;
 pub mod postprocess;
+pub mod prefix;
 pub mod preprocess;

@@ -24,6 +24,7 @@ use serde::Deserialize;
 
 use super::encoder::Encoder;
 use super::model::{GenerationDefaults, ModelDir};
+use super::prefix::PrefixCache;
 use dyn_protocol::types::{
     Constraint, LlmRequest, OutputSpec, PreprocessedRequest, Prompt, StopConditions,
 };
@@ -49,7 +50,19 @@ pub struct PreprocessConfig {
     /// request's own fields win.
     #[serde(default)]
     pub defaults: GenerationDefaults,
+    /// Tokens the cache of tokenized conversation prefixes may hold (0: no cache). A turn that
+    /// extends a conversation tokenizes only its new text ([`crate::prefix`]).
+    #[serde(default = "default_prefix_cache_tokens")]
+    pub prefix_cache_tokens: usize,
 }
+
+/// 8 Mi tokens: 32 MiB, the last turns of ~250 conversations of 32k tokens.
+fn default_prefix_cache_tokens() -> usize {
+    8 << 20
+}
+
+/// Conversations the prefix cache keeps at most (each turn's prefix is one entry).
+const PREFIX_CACHE_ENTRIES: usize = 4096;
 
 /// `tokenizer:` of `preprocess`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -115,7 +128,8 @@ impl OperatorConfig for PreprocessConfig {
         if self.tokenizer == TokenizerChoice::Hf {
             p.encoder = Arc::new(p.encoder.without_fast());
         }
-        tracing::info!(node = %cx.node, fast = p.encoder.is_fast(), "prompt encoder");
+        let p = p.with_prefix_cache(self.prefix_cache_tokens);
+        tracing::info!(node = %cx.node, fast = p.encoder.is_fast(), prefix_cache = p.prefixes.is_some(), "prompt encoder");
         Ok(p)
     }
 }
@@ -126,6 +140,9 @@ pub struct Preprocess {
     defaults: GenerationDefaults,
     encoder: Arc<Encoder>,
     env: Option<Arc<Environment<'static>>>,
+    /// Tokenized conversation prefixes (the `preprocess` node's; none where the tokenizer
+    /// cannot be cut after an added token, or the graph turned it off).
+    prefixes: Option<Arc<PrefixCache>>,
 }
 
 const TEMPLATE: &str = "chat";
@@ -163,7 +180,23 @@ impl Preprocess {
             defaults: model.defaults,
             model,
             env,
+            prefixes: None,
         })
+    }
+
+    /// With a cache of tokenized conversation prefixes of at most `max_tokens` tokens (none
+    /// for 0, or where the tokenizer cannot be cut after an added token).
+    pub fn with_prefix_cache(mut self, max_tokens: usize) -> Self {
+        let added = self
+            .model
+            .tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        self.prefixes =
+            PrefixCache::new(&self.encoder, added, PREFIX_CACHE_ENTRIES, max_tokens).map(Arc::new);
+        self
     }
 
     /// Everything up to tokenization; pure and fast.
@@ -316,6 +349,20 @@ impl Preprocess {
         add_special: Option<bool>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, OpError> {
+        self.tokenize_in(&[], prompt, tools, add_special, add_generation_prompt)
+            .await
+    }
+
+    /// [`Self::tokenize`], with chat prompts through the prefix cache (where there is one)
+    /// within `scope` (who asks: the tenant, the cache salt).
+    async fn tokenize_in(
+        &self,
+        scope: &[&[u8]],
+        prompt: Prompt,
+        tools: &[serde_json::Value],
+        add_special: Option<bool>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, OpError> {
         match prompt {
             Prompt::Text(t) => self.encode(t, add_special.unwrap_or(true)).await,
             Prompt::Messages(m) if m.is_empty() => {
@@ -323,10 +370,49 @@ impl Preprocess {
             }
             Prompt::Messages(m) => {
                 let text = self.render_with(&m, tools, add_generation_prompt)?;
-                self.encode(text, add_special.unwrap_or(false)).await
+                match (&self.prefixes, add_special.unwrap_or(false)) {
+                    (Some(cache), false) => {
+                        let tools = serde_json::to_vec(tools).unwrap_or_default();
+                        let flag = [u8::from(add_generation_prompt)];
+                        let scope: Vec<&[u8]> =
+                            scope.iter().copied().chain([&tools[..], &flag]).collect();
+                        self.encode_cached(cache, &scope, &m, text).await
+                    }
+                    (_, add_special) => self.encode(text, add_special).await,
+                }
             }
             Prompt::Tokens(t) => Ok(t),
         }
+    }
+
+    /// A chat prompt's tokens: the longest tokenized prefix of its conversation from the
+    /// cache and the rest encoded; then kept for the conversation's next turn.
+    async fn encode_cached(
+        &self,
+        cache: &PrefixCache,
+        scope: &[&[u8]],
+        messages: &[dyn_protocol::types::ChatMessage],
+        text: String,
+    ) -> Result<Vec<u32>, OpError> {
+        let keys = PrefixCache::keys(scope, messages);
+        let tokens = match cache.lookup(&keys, &text) {
+            Some(hit) => {
+                PREFIX_CACHE.with_label_values(&["hit"]).inc();
+                let rest = self.encode(text[hit.cut..].to_owned(), false).await?;
+                let mut tokens = Vec::with_capacity(hit.tokens.len() + rest.len());
+                tokens.extend_from_slice(&hit.tokens);
+                tokens.extend(rest);
+                tokens
+            }
+            None => {
+                PREFIX_CACHE.with_label_values(&["miss"]).inc();
+                self.encode(text.clone(), false).await?
+            }
+        };
+        if let Some(&key) = keys.last() {
+            cache.insert(key, &text, &tokens);
+        }
+        Ok(tokens)
     }
 
     /// The tokens' text, special tokens kept (vLLM's `/detokenize`); ids outside the
@@ -379,7 +465,13 @@ impl Preprocess {
             self.check_grammar(c, req.limits.ignore_eos).await?;
         }
         self.defaults.apply(&mut req.sampling);
-        let token_ids = self.tokenize(req.prompt, &req.tools, None, true).await?;
+        // A conversation's prefix is reused within its tenant and cache salt only.
+        let tenant = req.sampling.tenant.as_deref().unwrap_or_default();
+        let salt = req.sampling.cache_salt.as_deref().unwrap_or_default();
+        let scope = [tenant.as_bytes(), salt.as_bytes()];
+        let token_ids = self
+            .tokenize_in(&scope, req.prompt, &req.tools, None, true)
+            .await?;
         let ctx_len = self.model.context_length;
         let prompt = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
         let param = if matches!(req.endpoint, dyn_protocol::types::Endpoint::Chat) {
@@ -443,6 +535,17 @@ impl Preprocess {
     }
 }
 
+/// Chat prompts that found a tokenized prefix of their conversation in the cache, or not.
+static PREFIX_CACHE: std::sync::LazyLock<prometheus::IntCounterVec> = std::sync::LazyLock::new(
+    || {
+        dyn_protocol::metrics::counter_vec(
+            "dyn_frontend_prefix_cache_total",
+            "Chat prompts by whether a tokenized prefix of their conversation was cached (outcome=hit|miss)",
+            &["outcome"],
+        )
+    },
+);
+
 /// A constraint that did not compile: the request's fault (400), or the compiler's turns all
 /// taken (503, try again).
 pub fn grammar_error(e: crate::grammar::CompileError) -> OpError {
@@ -470,6 +573,7 @@ impl Operator for Preprocess {
             encoder: self.encoder.clone(),
             defaults: self.defaults,
             env: self.env.clone(),
+            prefixes: self.prefixes.clone(),
         };
         async_stream::stream! {
             while let Some(req) = input.next().await {
@@ -612,6 +716,76 @@ mod tests {
             let e = p.preprocess(req).await.expect_err(param);
             assert_eq!(e.kind, dyn_core::ErrorKind::InvalidRequest, "{param}: {e}");
             assert_eq!(e.param.as_deref(), Some(param), "{e}");
+        }
+    }
+
+    /// A conversation's turns tokenized through the prefix cache give the tokens of a full
+    /// render, turn after turn, on every chat template here (and SmolLM2's when the test run
+    /// fetched it), and later turns find their prefix.
+    #[tokio::test]
+    async fn a_cached_conversation_prefix_gives_the_tokens_of_a_full_render() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+        let mut models = vec![dir.join("tiny"), dir.join("tiny-harmony")];
+        match std::env::var_os("DYN_SMOLLM2_GGUF") {
+            Some(p) if std::path::Path::new(&p).exists() => models.push(p.into()),
+            _ => dyn_tests::skip("SmolLM2's template: DYN_SMOLLM2_GGUF is not set"),
+        }
+        let texts = [
+            "Hello there! How are you today?",
+            "  leading spaces, and a trailing newline\n",
+            "code:\n```rust\nfn main() {\n    println!(\"{}\", 1 + 2);\n}\n```",
+            "unicode: 日本語のテキスト, emoji 🙂👍🏽, combining e\u{301}",
+            "numbers 0 12 345 6789 3.14159 and tabs\tand\r\nlines",
+            "",
+        ];
+        for path in models {
+            let m = ModelDir::load("m", &path).expect("loads");
+            let full = Preprocess::new(Arc::new(m)).expect("builds");
+            let cached = Preprocess::new(full.model.clone())
+                .expect("builds")
+                .with_prefix_cache(1 << 20);
+            let cache = cached
+                .prefixes
+                .clone()
+                .expect("the tokenizer splits at added tokens");
+            let mut messages = vec![ChatMessage::text("system", "Be brief.")];
+            for turn in 0..12 {
+                messages.push(ChatMessage::text("user", texts[turn % texts.len()]));
+                let want = full
+                    .tokenize(Prompt::Messages(messages.clone()), &[], None, true)
+                    .await
+                    .expect("renders");
+                let got = cached
+                    .tokenize_in(
+                        &[b"tenant"],
+                        Prompt::Messages(messages.clone()),
+                        &[],
+                        None,
+                        true,
+                    )
+                    .await
+                    .expect("renders");
+                assert_eq!(got, want, "{}: turn {turn}", path.display());
+                messages.push(ChatMessage::text(
+                    "assistant",
+                    texts[(turn + 3) % texts.len()],
+                ));
+            }
+            let (entries, tokens) = cache.held();
+            assert!(
+                entries >= 12 && tokens > 0,
+                "{}: {entries} entries",
+                path.display()
+            );
+            // Another tenant's conversation does not start from this one's prefix.
+            let keys = PrefixCache::keys(&[b"other", b"[]", &[1]], &messages[..messages.len() - 1]);
+            let text = cached
+                .render_with(&messages[..messages.len() - 1], &[], true)
+                .unwrap();
+            assert!(cache.lookup(&keys, &text).is_none());
+            let keys =
+                PrefixCache::keys(&[b"tenant", b"[]", &[1]], &messages[..messages.len() - 1]);
+            assert!(cache.lookup(&keys, &text).is_some(), "{}", path.display());
         }
     }
 }

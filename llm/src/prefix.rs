@@ -1,0 +1,219 @@
+//! A bounded cache of tokenized conversation prefixes, so that a turn which extends a
+//! conversation tokenizes only what is new.
+//!
+//! A stateless chat API resends the whole history every turn; an agent's conversation of
+//! 40 turns and 32k tokens would be tokenized 40 times over (Dynamo issue 9466). Here, after a
+//! chat prompt is tokenized, its tokens up to the last added token (`<|eot_id|>`,
+//! `<|im_start|>`, …) are kept under the hash of its messages (and of the scope the caller
+//! names: the tenant, the cache salt, the tools). The next turn of the same conversation finds
+//! the entry under the hash of its first messages, checks that its own rendered text starts
+//! with the text the entry stands for (a hash of that text: a template that renders earlier
+//! messages differently once more follow is a miss, not a wrong prompt), and tokenizes only
+//! the text after it.
+//!
+//! Why cutting after an added token gives the tokens a full encode would: tokenizers split
+//! the text at added tokens before anything else and encode the pieces between them on their
+//! own, so the tokens before the cut do not depend on the text after it. A tokenizer for which
+//! that does not hold (a normalizer or pre-tokenizer that looks across pieces, such as a
+//! Metaspace that prefixes only the first piece) is found when the cache is made, by encoding
+//! probe texts whole and in two parts; the cache is then off for that model
+//! ([`PrefixCache::new`] returns `None`).
+//!
+//! Bounded by entries and by tokens held, least recently used first out.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use dyn_protocol::types::ChatMessage;
+use lru::LruCache;
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use crate::encoder::Encoder;
+
+/// The cache of one model and chat template.
+pub struct PrefixCache {
+    /// Added tokens' ids and their text: where a tokenization may be cut.
+    added: HashMap<u32, String>,
+    max_tokens: usize,
+    inner: Mutex<Entries>,
+}
+
+struct Entries {
+    lru: LruCache<u64, Arc<Entry>>,
+    /// Tokens held by every entry together.
+    tokens: usize,
+}
+
+/// A tokenized prefix: the text's first `cut` bytes, which hash to `text_hash`, encode to
+/// `tokens`.
+struct Entry {
+    cut: usize,
+    text_hash: u64,
+    tokens: Arc<[u32]>,
+}
+
+/// What a lookup found: the prompt's first `cut` bytes encode to `tokens`.
+pub struct Hit {
+    pub cut: usize,
+    pub tokens: Arc<[u32]>,
+}
+
+impl PrefixCache {
+    /// A cache of at most `max_entries` prefixes and `max_tokens` tokens for the tokenizer
+    /// behind `encoder` (whose added tokens are `added`), or `None` when that tokenizer cannot
+    /// be cut after an added token (see the module docs).
+    pub fn new(
+        encoder: &Encoder,
+        added: HashMap<u32, String>,
+        max_entries: usize,
+        max_tokens: usize,
+    ) -> Option<Self> {
+        let cap = NonZeroUsize::new(max_entries)?;
+        if added.is_empty() || max_tokens == 0 || !splits_at_added_tokens(encoder, &added) {
+            return None;
+        }
+        Some(Self {
+            added,
+            max_tokens,
+            inner: Mutex::new(Entries {
+                lru: LruCache::new(cap),
+                tokens: 0,
+            }),
+        })
+    }
+
+    /// The key of each prefix of `messages` (`keys[k]`: the first `k` messages) within
+    /// `scope`. One pass over the messages' bytes.
+    pub fn keys(scope: &[&[u8]], messages: &[ChatMessage]) -> Vec<u64> {
+        let mut h = Xxh3::new();
+        for part in scope {
+            feed(&mut h, part);
+        }
+        let mut keys = Vec::with_capacity(messages.len() + 1);
+        keys.push(h.digest());
+        for m in messages {
+            feed(&mut h, m.role.as_bytes());
+            feed(&mut h, m.content.as_bytes());
+            let calls = m.tool_calls.as_ref().map(|c| c.to_string());
+            for part in [
+                calls.as_deref(),
+                m.tool_call_id.as_deref(),
+                m.name.as_deref(),
+            ] {
+                match part {
+                    Some(p) => feed(&mut h, p.as_bytes()),
+                    None => h.update(&[0xff]),
+                }
+            }
+            keys.push(h.digest());
+        }
+        keys
+    }
+
+    /// The longest cached prefix of the conversation whose prefix keys are `keys` (its whole
+    /// self excluded) and whose rendered prompt is `text`.
+    pub fn lookup(&self, keys: &[u64], text: &str) -> Option<Hit> {
+        let found = {
+            let mut inner = self.inner.lock();
+            keys.iter()
+                .rev()
+                .skip(1)
+                .find_map(|k| inner.lru.get(k).cloned())
+        }?;
+        let prefix = text.as_bytes().get(..found.cut)?;
+        (xxh3_64(prefix) == found.text_hash).then(|| Hit {
+            cut: found.cut,
+            tokens: found.tokens.clone(),
+        })
+    }
+
+    /// Keep `tokens`, the encoding of `text`, up to its last added token, under `key`.
+    pub fn insert(&self, key: u64, text: &str, tokens: &[u32]) {
+        let Some((i, content)) = tokens
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(i, t)| Some((i, self.added.get(t)?)))
+        else {
+            return;
+        };
+        // No added token follows token `i`, so its text is the last occurrence of its content
+        // — when every occurrence of that content was encoded as the token (an added token
+        // with `lstrip` or `single_word` rules may leave one as text, and then the cut would
+        // not be where token `i` ends).
+        let id = tokens[i];
+        if text.matches(content.as_str()).count() != tokens.iter().filter(|&&t| t == id).count() {
+            return;
+        }
+        let Some(start) = text.rfind(content.as_str()) else {
+            return;
+        };
+        let cut = start + content.len();
+        let entry = Arc::new(Entry {
+            cut,
+            text_hash: xxh3_64(&text.as_bytes()[..cut]),
+            tokens: tokens[..=i].into(),
+        });
+        let held = entry.tokens.len();
+        if held > self.max_tokens {
+            return;
+        }
+        let mut inner = self.inner.lock();
+        if let Some((_, old)) = inner.lru.push(key, entry) {
+            inner.tokens -= old.tokens.len();
+        }
+        inner.tokens += held;
+        while inner.tokens > self.max_tokens {
+            match inner.lru.pop_lru() {
+                Some((_, old)) => inner.tokens -= old.tokens.len(),
+                None => break,
+            }
+        }
+    }
+
+    /// Entries and tokens held (for tests and logs).
+    pub fn held(&self) -> (usize, usize) {
+        let inner = self.inner.lock();
+        (inner.lru.len(), inner.tokens)
+    }
+}
+
+/// A part of a key, length first so that no two sequences of parts feed the same bytes.
+fn feed(h: &mut Xxh3, bytes: &[u8]) {
+    h.update(&(bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+/// Whether encoding a text in two parts cut right after an added token gives the tokens of
+/// encoding it whole, on probe texts around each added token (the first 16).
+fn splits_at_added_tokens(encoder: &Encoder, added: &HashMap<u32, String>) -> bool {
+    const AROUND: &[(&str, &str)] = &[
+        ("Hello there.", " How are you?"),
+        ("line one\n", "\n\nline two"),
+        ("x", "y"),
+        ("  spaced  ", "  out  "),
+        ("", "Start"),
+        ("end", ""),
+    ];
+    let mut contents: Vec<&String> = added.values().collect();
+    contents.sort();
+    contents.iter().take(16).all(|tok| {
+        AROUND.iter().all(|(before, after)| {
+            let head = format!("{before}{tok}");
+            let whole = format!("{head}{after}");
+            match (
+                encoder.encode(&whole, false),
+                encoder.encode(&head, false),
+                encoder.encode(after, false),
+            ) {
+                (Ok(w), Ok(mut h), Ok(a)) => {
+                    h.extend(a);
+                    w == h
+                }
+                _ => false,
+            }
+        })
+    })
+}
