@@ -14,108 +14,17 @@ use std::sync::Arc;
 use marked_yaml::Node;
 
 use crate::diag::{Diagnostic, Diagnostics, Pos};
-use crate::spec::{self, GraphSpec, ModelSpec, Override};
+use crate::spec::{self, GraphSpec, Override};
 use dyn_core::payload::PayloadType;
-use dyn_core::registry::{
-    AnySection, DynConfig, Kind, Ports, Registry, Role, SectionConfig, SectionNode,
-};
+use dyn_core::registry::{AnySection, DynConfig, Kind, Ports, Registry, Role, SectionNode};
 
-/// Where a plane lives, parsed from the `planes:` section.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PlaneAddr {
-    Embedded,
-    Etcd(Vec<String>),
-    Nats(Vec<String>),
-}
+mod graph;
+mod plane;
 
-impl std::fmt::Display for PlaneAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PlaneAddr::Embedded => f.write_str("embedded"),
-            PlaneAddr::Etcd(eps) => write!(f, "etcd://{}", eps.join(",")),
-            PlaneAddr::Nats(eps) => write!(f, "nats://{}", eps.join(",")),
-        }
-    }
-}
+pub use graph::{ChainPath, CompiledGraph, CompiledNode};
+pub use plane::PlaneAddr;
 
-/// A node that passed every check.
-#[derive(Clone)]
-pub struct CompiledNode {
-    pub id: String,
-    pub kind: Kind,
-    pub config: Arc<dyn DynConfig>,
-    /// Indices into [`CompiledGraph::nodes`].
-    pub inputs: Vec<usize>,
-    pub replicas: u32,
-    pub process: String,
-    /// See [`crate::spec::NodeSpec::migration_limit`].
-    pub migration_limit: u32,
-    /// The model it serves (a name in [`CompiledGraph::models`]), if the graph has any.
-    pub model: Option<String>,
-}
-
-/// A path an ingress's requests take: `path` in call order, the last one answers. An ingress
-/// has one path per model it serves (each request goes down its model's); a router may feed
-/// several worker nodes, pools of one model, choosing one per request (`pools`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChainPath {
-    pub ingress: usize,
-    /// The model of this path's requests, if the graph names models.
-    pub model: Option<String>,
-    /// The hops; where a router chooses among pools, the first pool.
-    pub path: Vec<usize>,
-    /// Hops whose node a router chooses per request: position in `path` → every pool there
-    /// (`path[position]` first).
-    pub pools: BTreeMap<usize, Vec<usize>>,
-}
-
-impl ChainPath {
-    /// Every node a request of this path may visit: the hops and the other pools.
-    pub fn nodes(&self) -> impl Iterator<Item = usize> + '_ {
-        self.path
-            .iter()
-            .enumerate()
-            .flat_map(|(at, &i)| match self.pools.get(&at) {
-                Some(all) => all.clone(),
-                None => vec![i],
-            })
-    }
-}
-
-/// A checked graph, ready to plan and run.
-#[derive(Clone)]
-pub struct CompiledGraph {
-    pub name: String,
-    pub namespace: String,
-    pub control: PlaneAddr,
-    pub events: PlaneAddr,
-    /// The models the graph serves (`model:`, or `models:`).
-    pub models: Vec<ModelSpec>,
-    pub base_dir: PathBuf,
-    pub nodes: Vec<CompiledNode>,
-    pub chains: Vec<ChainPath>,
-    /// Parsed sections (`planner:`), by name; see [`dyn_core::registry::SectionConfig`].
-    pub sections: BTreeMap<String, AnySection>,
-    /// Warnings (never errors) found while compiling.
-    pub warnings: Diagnostics,
-}
-
-impl CompiledGraph {
-    pub fn node(&self, id: &str) -> Option<&CompiledNode> {
-        self.nodes.iter().find(|n| n.id == id)
-    }
-
-    /// The model named `name`.
-    pub fn model(&self, name: &str) -> Option<&ModelSpec> {
-        self.models.iter().find(|m| m.name == name)
-    }
-
-    /// The graph's section of type `C`, if the file has one.
-    pub fn section<C: SectionConfig>(&self) -> Option<&C> {
-        self.sections.get(C::NAME)?.downcast_ref::<C>()
-    }
-}
+use plane::parse_plane;
 
 /// The type a node sends downstream.
 pub fn output_type(kind: &Kind) -> PayloadType {
@@ -141,55 +50,6 @@ pub fn load_and_compile(
     let (spec, diags) = spec::load(path, overrides)?;
     let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     compile(&spec, diags, base_dir, registry)
-}
-
-fn parse_plane(
-    addr: &(String, Option<Pos>),
-    scheme: &str,
-    which: &str,
-    diags: &mut Diagnostics,
-) -> PlaneAddr {
-    let (text, pos) = addr;
-    match PlaneAddr::parse(text, scheme) {
-        Ok(a) => a,
-        Err(message) => {
-            diags.push(Diagnostic::error(
-                *pos,
-                None,
-                format!("{which} plane {message}"),
-            ));
-            PlaneAddr::Embedded
-        }
-    }
-}
-
-impl PlaneAddr {
-    /// `embedded`, or `SCHEME://HOST:PORT[,HOST:PORT…]` with `scheme` `etcd` or `nats`.
-    pub fn parse(text: &str, scheme: &str) -> Result<PlaneAddr, String> {
-        if text == "embedded" {
-            return Ok(PlaneAddr::Embedded);
-        }
-        let endpoints: Option<Vec<String>> = text
-            .strip_prefix(&format!("{scheme}://"))
-            .map(|rest| rest.split(',').map(str::to_owned).collect());
-        match endpoints {
-            Some(eps)
-                if eps.iter().all(|e| {
-                    e.rsplit_once(':')
-                        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-                }) =>
-            {
-                Ok(if scheme == "etcd" {
-                    PlaneAddr::Etcd(eps)
-                } else {
-                    PlaneAddr::Nats(eps)
-                })
-            }
-            _ => Err(format!(
-                "`{text}`: expected `embedded` or `{scheme}://HOST:PORT[,HOST:PORT…]`"
-            )),
-        }
-    }
 }
 
 /// Position of `field` (dotted for nested keys) inside a node's config.
