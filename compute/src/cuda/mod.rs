@@ -21,18 +21,20 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
 use crate::model::lora::{LoraAdapter, Target};
-use crate::model::weights::le_vec;
 use crate::model::{DType, Host, Matrix, ModelConfig, ModelWeights};
 
-const KERNELS: &str = include_str!("kernels.cu");
+mod dtype;
+mod kernels;
+
+pub use dtype::DevFloat;
+pub use kernels::compile_kernels;
+
+use kernels::{Funcs, KERNELS, grid};
 
 /// Scores scratch for attention is kept under this; longer batches attend in token chunks.
 const SCORES_BYTES: usize = 512 << 20;
@@ -86,25 +88,6 @@ pub fn load(
     }
 }
 
-/// Compile the kernels for `dtype` to PTX with NVRTC (no GPU needed): what start-up does
-/// before loading them, exposed so the kernel source is checked wherever NVRTC is installed.
-pub fn compile_kernels(dtype: DType) -> Result<usize, ComputeError> {
-    // SAFETY: only tries to open the shared library by its usual names.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(ComputeError::Device(
-            "NVRTC (libnvrtc) cannot be loaded".into(),
-        ));
-    }
-    let define = match dtype {
-        DType::F32 => f32::DEFINE,
-        DType::Bf16 => bf16::DEFINE,
-        DType::F16 => f16::DEFINE,
-    };
-    let ptx = cudarc::nvrtc::compile_ptx(format!("{define}{KERNELS}"))
-        .map_err(dev("compiling the kernels"))?;
-    Ok(ptx.to_src().len())
-}
-
 /// Device memory bandwidth in GB/s (bytes read plus written), measured by copying 1 GiB
 /// device to device, best of three: the roofline for decode on GPU `ordinal`.
 pub fn copy_bandwidth(ordinal: usize) -> Result<f64, ComputeError> {
@@ -127,80 +110,6 @@ pub fn copy_bandwidth(ordinal: usize) -> Result<f64, ComputeError> {
         best = best.max(2.0 * (n * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     Ok(best)
-}
-
-/// A storage type on the device.
-pub trait DevFloat: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
-    const DEFINE: &'static str;
-    const DTYPE: DType;
-    fn one() -> Self;
-    fn zero() -> Self;
-    fn from_host(h: &Host) -> Vec<Self>;
-    fn to_le(x: &[Self]) -> Vec<u8>;
-    fn from_le(b: &[u8]) -> Vec<Self>;
-}
-
-impl DevFloat for f32 {
-    const DEFINE: &'static str = "#define DT_F32\n";
-    const DTYPE: DType = DType::F32;
-    fn one() -> Self {
-        1.0
-    }
-    fn zero() -> Self {
-        0.0
-    }
-    fn from_host(h: &Host) -> Vec<Self> {
-        h.to_f32()
-    }
-    fn to_le(x: &[Self]) -> Vec<u8> {
-        bytemuck::cast_slice(x).to_vec()
-    }
-    fn from_le(b: &[u8]) -> Vec<Self> {
-        le_vec(b)
-    }
-}
-
-macro_rules! half_float {
-    ($t:ty, $define:expr, $dtype:expr, $variant:ident) => {
-        impl DevFloat for $t {
-            const DEFINE: &'static str = $define;
-            const DTYPE: DType = $dtype;
-            fn one() -> Self {
-                <$t>::ONE
-            }
-            fn zero() -> Self {
-                <$t>::ZERO
-            }
-            fn from_host(h: &Host) -> Vec<Self> {
-                match h {
-                    Host::$variant(v) => v.clone(),
-                    other => other.to_f32().into_iter().map(<$t>::from_f32).collect(),
-                }
-            }
-            fn to_le(x: &[Self]) -> Vec<u8> {
-                bytemuck::cast_slice(x).to_vec()
-            }
-            fn from_le(b: &[u8]) -> Vec<Self> {
-                le_vec(b)
-            }
-        }
-    };
-}
-
-half_float!(bf16, "#define DT_BF16\n", DType::Bf16, Bf16);
-half_float!(f16, "#define DT_F16\n", DType::F16, F16);
-
-struct Funcs {
-    embedding: CudaFunction,
-    rmsnorm: CudaFunction,
-    add_bias: CudaFunction,
-    rope_store: CudaFunction,
-    paged_attention: CudaFunction,
-    silu_mul: CudaFunction,
-    gather_rows: CudaFunction,
-    kv_block_copy: CudaFunction,
-    to_f32: CudaFunction,
-    _module: Arc<CudaModule>,
 }
 
 struct DevMatrix<T> {
@@ -356,14 +265,6 @@ struct AttnArgs {
     scale: f32,
     window: i32,
     mctx: i32,
-}
-
-fn grid(n: usize, threads: u32, shared: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: shared,
-    }
 }
 
 fn int(n: usize) -> Result<i32, ComputeError> {
