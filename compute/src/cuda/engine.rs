@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PushKernelArg};
 
-use super::kernels::{Funcs, KERNELS, grid};
+use super::kernels::{Funcs, grid};
 use super::lora::DevLora;
 use super::{DevFloat, dev, int};
 use crate::backend::{Backend, ComputeError, KvShape, SeqStep, check_batch};
@@ -57,22 +57,7 @@ where
         let ctx = CudaContext::new(ordinal).map_err(dev("opening the GPU"))?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(dev("starting cuBLAS"))?;
-        let src = format!("{}{KERNELS}", T::DEFINE);
-        let ptx = cudarc::nvrtc::compile_ptx(src).map_err(dev("compiling the kernels"))?;
-        let module = ctx.load_module(ptx).map_err(dev("loading the kernels"))?;
-        let func = |name: &str| module.load_function(name).map_err(dev("loading a kernel"));
-        let f = Funcs {
-            embedding: func("embedding")?,
-            rmsnorm: func("rmsnorm")?,
-            add_bias: func("add_bias")?,
-            rope_store: func("rope_store")?,
-            paged_attention: func("paged_attention")?,
-            silu_mul: func("silu_mul")?,
-            gather_rows: func("gather_rows")?,
-            kv_block_copy: func("kv_block_copy")?,
-            to_f32: func("to_f32")?,
-            _module: module.clone(),
-        };
+        let f = Funcs::load(&ctx, T::DEFINE)?;
         let up_f32 = |v: &[f32]| stream.clone_htod(v).map_err(dev("uploading weights"));
         let up = |h: &Host| {
             stream

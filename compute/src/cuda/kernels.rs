@@ -4,14 +4,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, LaunchConfig};
 use half::{bf16, f16};
 
 use super::{DevFloat, dev};
 use crate::backend::ComputeError;
 use crate::model::DType;
 
-pub(super) const KERNELS: &str = include_str!("kernels.cu");
+const KERNELS: &str = include_str!("kernels.cu");
 
 /// Compile the kernels for `dtype` to PTX with NVRTC (no GPU needed): what start-up does
 /// before loading them, exposed so the kernel source is checked wherever NVRTC is installed.
@@ -42,7 +42,30 @@ pub(super) struct Funcs {
     pub(super) gather_rows: CudaFunction,
     pub(super) kv_block_copy: CudaFunction,
     pub(super) to_f32: CudaFunction,
-    pub(super) _module: Arc<CudaModule>,
+    _module: Arc<CudaModule>,
+}
+
+impl Funcs {
+    /// Compile the kernels with `define` (the storage type's) ahead of the source and load
+    /// them into `ctx`: what start-up does once the context and cuBLAS are up.
+    pub(super) fn load(ctx: &Arc<CudaContext>, define: &str) -> Result<Self, ComputeError> {
+        let src = format!("{define}{KERNELS}");
+        let ptx = cudarc::nvrtc::compile_ptx(src).map_err(dev("compiling the kernels"))?;
+        let module = ctx.load_module(ptx).map_err(dev("loading the kernels"))?;
+        let func = |name: &str| module.load_function(name).map_err(dev("loading a kernel"));
+        Ok(Funcs {
+            embedding: func("embedding")?,
+            rmsnorm: func("rmsnorm")?,
+            add_bias: func("add_bias")?,
+            rope_store: func("rope_store")?,
+            paged_attention: func("paged_attention")?,
+            silu_mul: func("silu_mul")?,
+            gather_rows: func("gather_rows")?,
+            kv_block_copy: func("kv_block_copy")?,
+            to_f32: func("to_f32")?,
+            _module: module.clone(),
+        })
+    }
 }
 
 pub(super) fn grid(n: usize, threads: u32, shared: u32) -> LaunchConfig {
