@@ -14,7 +14,7 @@ use crate::model::lora::{LoraAdapter, Target};
 
 /// Adapters kept on the device, and their bytes at most; the least recently used beyond
 /// either are dropped (an adapter of the current step never is).
-const MAX_DEVICE_LORAS: usize = 32;
+pub(super) const MAX_DEVICE_LORAS: usize = 32;
 const MAX_DEVICE_LORA_BYTES: usize = 1 << 30;
 
 /// One projection's adapter on the device: `Aᵀ` `[in, rank]` and `Bᵀ` `[rank, out]` (scale
