@@ -1,7 +1,9 @@
 //! Admission on tokio's paused clock: the queue's order and refusals, tenants' shares,
 //! preemption, rate limits, the reserve and the charges routers share.
 
+use super::forecast::WAIT_MARGIN;
 use super::*;
+use std::collections::BTreeMap;
 
 #[test]
 fn the_queue_orders_by_priority_then_deadline_then_arrival() {
