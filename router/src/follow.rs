@@ -28,7 +28,7 @@ pub(super) async fn follow_workers(
     namespace: String,
     kv_events: bool,
 ) -> Result<impl std::future::Future<Output = ()>, dyn_core::planes::PlaneError> {
-    let node = inner.target.clone();
+    let node = inner.workers.target.clone();
     let mut kv_sub = if kv_events {
         Some(
             events
@@ -93,10 +93,10 @@ pub(super) async fn follow_workers(
                     inner.metrics.lock().insert(m.worker_id, Reported { metrics: m, own_then });
                 }
                 _ = tick.tick() => {
-                    let live = inner.live();
+                    let live = inner.workers.live();
                     inner.metrics.lock().retain(|w, _| live.contains(w));
                     // Series of workers that left discovery (not those only marked down).
-                    let registered: Vec<u64> = inner.workers.read().iter().map(|i| i.instance_id.get()).collect();
+                    let registered = inner.workers.registered();
                     inner.quality.retain(&registered);
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();

@@ -258,7 +258,7 @@ fn to_value(v: impl Serialize) -> Result<Value, String> {
 impl Inner {
     pub fn workers_answer(&self) -> WorkersAnswer {
         let now = std::time::Instant::now();
-        let live = self.live();
+        let live = self.workers.live();
         let metrics = self.metrics.lock().clone();
         let index = self.kv.as_ref().map(|kv| kv.index.read());
         let mut ids: Vec<u64> = live.clone();
@@ -289,7 +289,7 @@ impl Inner {
             .collect();
         WorkersAnswer {
             policy: self.config.policy,
-            target: self.target.clone(),
+            target: self.workers.target.clone(),
             workers,
             decisions: None,
             queue: None,

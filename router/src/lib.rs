@@ -44,12 +44,13 @@ pub mod sequences;
 pub mod sessions;
 #[cfg(test)]
 mod sim;
+mod workers;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use dyn_core::planes::ENDPOINT;
-use dyn_core::planes::{Instance, InstanceId, LiveInstances, Planes};
+use dyn_core::planes::Instance;
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
@@ -64,6 +65,7 @@ use kv_aware::KvAware;
 pub use policy::{Decision, Policy};
 use policy::{Reported, RoutingPolicy, View};
 use sequences::ActiveSequences;
+use workers::Workers;
 
 pub use config::RouteConfig;
 
@@ -169,14 +171,16 @@ impl RouteConfig {
                         .map_or_else(Vec::new, |inner| inner.live_places())
                 })
             }),
-            target: target.to_owned(),
-            workers,
+            workers: Workers {
+                target: target.to_owned(),
+                instances: workers,
+                planes: cx.planes.clone(),
+            },
             config: self.clone(),
             active: Arc::default(),
             policy,
             kv,
             metrics: Mutex::new(HashMap::new()),
-            planes: cx.planes.clone(),
             quality: quality::Quality::new(&cx.node),
             sessions: self.session_affinity.as_ref().map(|a| {
                 let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
@@ -310,17 +314,12 @@ impl Route {
 
     /// Live workers, less those the request plane saw fail.
     pub fn live(&self) -> Vec<u64> {
-        self.inner.live()
+        self.inner.workers.live()
     }
 
     /// Worker `id`'s discovery record, while it is registered.
     pub fn instance(&self, id: u64) -> Option<Instance> {
-        self.inner
-            .workers
-            .read()
-            .iter()
-            .find(|i| i.instance_id.get() == id)
-            .cloned()
+        self.inner.workers.instance(id)
     }
 
     /// Requests on the live workers: per worker, what its load metrics last said (running +
@@ -329,6 +328,7 @@ impl Route {
     pub fn busy(&self) -> u64 {
         let metrics = self.inner.metrics.lock();
         self.inner
+            .workers
             .live()
             .into_iter()
             .map(|w| {
@@ -363,8 +363,8 @@ impl Route {
 pub(crate) struct Inner {
     /// Requests wait here for room when the graph says so.
     admission: Option<Arc<admission::Admission>>,
-    target: String,
-    workers: Arc<LiveInstances>,
+    /// The node's instances, live or not.
+    workers: Workers,
     config: RouteConfig,
     active: Arc<ActiveSequences>,
     policy: Arc<dyn RoutingPolicy>,
@@ -372,8 +372,6 @@ pub(crate) struct Inner {
     kv: Option<Arc<KvAware>>,
     /// The latest load metrics per worker.
     metrics: Mutex<HashMap<u64, Reported>>,
-    /// For the request plane's view of unreachable workers and the event plane's health.
-    planes: Planes,
     /// How well the `kv` policy uses the caches.
     quality: quality::Quality,
     /// Sessions bound to workers (`session_affinity`).
@@ -388,52 +386,19 @@ pub(crate) struct Inner {
     loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
 }
 impl Inner {
-    fn unavailable(&self) -> OpError {
-        OpError::unavailable(format!("no worker of '{}' is available", self.target))
-    }
-
-    /// Workers in discovery, less those the request plane just saw fail (their lease has
-    /// not run out yet, but a request sent there would be lost).
-    fn live(&self) -> Vec<u64> {
-        self.workers
-            .read()
-            .iter()
-            .map(|i| i.instance_id)
-            .filter(|id| !self.planes.is_down(*id))
-            .map(InstanceId::get)
-            .collect()
-    }
-
-    /// Whether any worker is live (without collecting them, on every request).
-    fn any_live(&self) -> bool {
-        self.workers
-            .read()
-            .iter()
-            .any(|i| !self.planes.is_down(i.instance_id))
-    }
-
-    /// With admission, the requests each worker takes from this router before others wait
-    /// (`per_worker`, or the batch size it advertises), for the live ones or all: one pass.
-    fn places_of(&self, live_only: bool) -> Vec<(u64, u32)> {
-        let Some(a) = &self.config.admission else {
-            return Vec::new();
-        };
-        self.workers
-            .read()
-            .iter()
-            .filter(|i| !live_only || !self.planes.is_down(i.instance_id))
-            .map(|i| (i.instance_id.get(), a.places(i.metadata.max_num_seqs)))
-            .collect()
-    }
-
     /// Each live worker's places, for every admission step.
     fn live_places(&self) -> Vec<u32> {
-        self.places_of(true).into_iter().map(|(_, p)| p).collect()
+        self.workers
+            .places_of(self.config.admission.as_ref(), true)
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
     }
 
     /// `worker`'s places, with admission.
     fn places(&self, worker: u64) -> Option<u32> {
-        self.places_of(false)
+        self.workers
+            .places_of(self.config.admission.as_ref(), false)
             .into_iter()
             .find_map(|(w, p)| (w == worker).then_some(p))
     }
@@ -442,9 +407,9 @@ impl Inner {
     /// among the last `lora_slots` adapters sent there).
     fn hold_lora(&self, worker: u64, key: &str) {
         let mut held = self.loras_held.lock();
-        if held.len() > 2 * self.workers.read().len() + 8 {
+        if held.len() > 2 * self.workers.instances.read().len() + 8 {
             // Workers gone (scaled down, restarted under new ids) are forgotten.
-            let live = self.live();
+            let live = self.workers.live();
             held.retain(|w, _| live.contains(w));
         }
         let h = held.entry(worker).or_default();
@@ -458,7 +423,7 @@ impl Inner {
     /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
     /// or while the event plane is down. The router then records its own decisions.
     fn approximate(&self) -> bool {
-        !self.config.kv_events || !self.planes.events.connected()
+        !self.config.kv_events || !self.workers.planes.events.connected()
     }
 
     /// Decide where `tokens` (unsalted) would go, without recording anything.
@@ -477,9 +442,9 @@ impl Inner {
         lora: Option<&str>,
         left_out: &(dyn Fn(u64) -> bool + Sync),
     ) -> Result<Decision, OpError> {
-        let all = self.live();
+        let all = self.workers.live();
         if all.is_empty() {
-            return Err(self.unavailable());
+            return Err(self.workers.unavailable());
         }
         let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
         let live = if kept.is_empty() { all } else { kept };
@@ -493,14 +458,14 @@ impl Inner {
         let reported = self.metrics.lock();
         let view = View {
             live: &live,
-            instances: &self.workers,
+            instances: &self.workers.instances,
             active: &self.active,
             reported: &reported,
             lora_holders: holders.as_deref(),
         };
         self.policy
             .decide(tokens, salt, &view)
-            .ok_or_else(|| self.unavailable())
+            .ok_or_else(|| self.workers.unavailable())
     }
 
     /// The predicted time to first token of `tokens` on the worker this router would choose,
@@ -550,7 +515,7 @@ impl Inner {
             .or_else(|| self.places(w));
         let room = bound.is_none_or(|b| self.before(w, precedence) < b);
         let healthy = self.health.usable(w, now);
-        (room && healthy && self.live().contains(&w)).then_some(w)
+        (room && healthy && self.workers.live().contains(&w)).then_some(w)
     }
 
     /// Decide, and count the request against its worker until it is over; the worker and
@@ -571,7 +536,11 @@ impl Inner {
         // (as many requests as places come before it or level with it).
         let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
         // Each worker's places, read once (not once per candidate).
-        let places: HashMap<u64, u32> = self.places_of(false).into_iter().collect();
+        let places: HashMap<u64, u32> = self
+            .workers
+            .places_of(self.config.admission.as_ref(), false)
+            .into_iter()
+            .collect();
         let left_out = |w: u64| {
             Some(w) == failed_here
                 || !self.health.usable(w, now)
@@ -591,7 +560,10 @@ impl Inner {
             if let Some(b) = sessions.bind(s, d.worker, now)
                 && let Ok(payload) = serde_json::to_vec(&b)
             {
-                let (events, subject) = (self.planes.events.clone(), self.sessions_subject.clone());
+                let (events, subject) = (
+                    self.workers.planes.events.clone(),
+                    self.sessions_subject.clone(),
+                );
                 tokio::spawn(async move {
                     if let Err(e) = events.publish(&subject, payload.into()).await {
                         tracing::warn!(error = %e, "Cannot share a session binding");
@@ -630,7 +602,11 @@ impl Inner {
         self.health.taken(worker, now);
         let outcome = Arc::new(AtomicU8::new(PENDING));
         let id = ctx.id().to_string();
-        let (health, avoid, node) = (self.health.clone(), self.avoid.clone(), self.target.clone());
+        let (health, avoid, node) = (
+            self.health.clone(),
+            self.avoid.clone(),
+            self.workers.target.clone(),
+        );
         let (failed_id, o) = (id.clone(), outcome.clone());
         ctx.on_failure(move |e| {
             // A refusal for want of room, or the client's doing, says nothing of its health.
@@ -686,7 +662,7 @@ impl Operator for Route {
                     // With no live worker there is nothing to wait for a place on: the request
                     // is refused at once below (503 `no_worker_available`), as without
                     // admission, rather than after `max_wait_s` as if the node were busy.
-                    if let Some(a) = inner.admission.as_ref().filter(|_| inner.any_live()) {
+                    if let Some(a) = inner.admission.as_ref().filter(|_| inner.workers.any_live()) {
                         let ask = admission::Ask {
                             priority: req.sampling.priority,
                             tenant: req.sampling.tenant.as_deref().unwrap_or_default(),
@@ -727,7 +703,7 @@ fn pick_pool(
         &rules,
         req.token_ids.len(),
         &req.sampling.targets,
-        |i| !pools[i].1.live().is_empty(),
+        |i| !pools[i].1.workers.live().is_empty(),
         |i| pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora),
     );
     let (rule, inner) = &pools[i];

@@ -31,7 +31,7 @@ async fn cycles_through_live_workers_and_is_unavailable_without_any() {
 
     register(&planes, &[10, 11]).await;
     // The watch applies registrations asynchronously.
-    until("both workers live", || r.inner.live().len() == 2).await;
+    until("both workers live", || r.inner.workers.live().len() == 2).await;
     let mut picked = Vec::new();
     for _ in 0..4 {
         picked.push(
@@ -128,7 +128,10 @@ async fn a_session_sticks_to_its_worker_until_that_one_is_over_its_bound_and_rou
 async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
     let r = config.build(&cx(planes)).await.expect("builds");
     register(planes, ids).await;
-    until("the workers live", || r.inner.live().len() == ids.len()).await;
+    until("the workers live", || {
+        r.inner.workers.live().len() == ids.len()
+    })
+    .await;
     r
 }
 
