@@ -13,7 +13,6 @@ use futures::StreamExt;
 
 use super::Inner;
 use super::indexer::Applied;
-use super::policy::Reported;
 use dyn_protocol::kv::{
     KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject, kv_resync_subject,
     load_metrics_subject,
@@ -89,12 +88,11 @@ pub(super) async fn follow_workers(
                     if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.set_block_size(m.block_size);
                     }
-                    let own_then = inner.active.load(m.worker_id);
-                    inner.metrics.lock().insert(m.worker_id, Reported { metrics: m, own_then });
+                    inner.loads.report(m);
                 }
                 _ = tick.tick() => {
                     let live = inner.workers.live();
-                    inner.metrics.lock().retain(|w, _| live.contains(w));
+                    inner.loads.retain(&live);
                     // Series of workers that left discovery (not those only marked down).
                     let registered = inner.workers.registered();
                     inner.quality.retain(&registered);

@@ -259,7 +259,7 @@ impl Inner {
     pub fn workers_answer(&self) -> WorkersAnswer {
         let now = std::time::Instant::now();
         let live = self.workers.live();
-        let metrics = self.metrics.lock().clone();
+        let metrics = self.loads.reported.lock().clone();
         let index = self.kv.as_ref().map(|kv| kv.index.read());
         let mut ids: Vec<u64> = live.clone();
         if let Some(ix) = &index {
@@ -269,7 +269,7 @@ impl Inner {
         let workers = ids
             .iter()
             .map(|&w| {
-                let load = self.active.load(w);
+                let load = self.loads.active.load(w);
                 let m = metrics.get(&w).map(|r| &r.metrics);
                 WorkerRow {
                     worker_id: hex(w),

@@ -35,6 +35,7 @@ pub mod health;
 pub mod indexer;
 pub mod inspect;
 pub mod kv_aware;
+mod loads;
 pub mod metrics;
 pub mod policy;
 pub mod pools;
@@ -62,9 +63,9 @@ use parking_lot::Mutex;
 
 use cost::CostModel;
 use kv_aware::KvAware;
+use loads::Loads;
 pub use policy::{Decision, Policy};
-use policy::{Reported, RoutingPolicy, View};
-use sequences::ActiveSequences;
+use policy::{RoutingPolicy, View};
 use workers::Workers;
 
 pub use config::RouteConfig;
@@ -177,10 +178,9 @@ impl RouteConfig {
                 planes: cx.planes.clone(),
             },
             config: self.clone(),
-            active: Arc::default(),
             policy,
             kv,
-            metrics: Mutex::new(HashMap::new()),
+            loads: Loads::default(),
             quality: quality::Quality::new(&cx.node),
             sessions: self.session_affinity.as_ref().map(|a| {
                 let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
@@ -326,18 +326,7 @@ impl Route {
     /// waiting, from every router) or what this router has sent it and not seen finish,
     /// whichever is more (metrics lag a burst by up to their publishing interval).
     pub fn busy(&self) -> u64 {
-        let metrics = self.inner.metrics.lock();
-        self.inner
-            .workers
-            .live()
-            .into_iter()
-            .map(|w| {
-                let reported = metrics.get(&w).map_or(0, |r| {
-                    u64::from(r.metrics.requests_running) + u64::from(r.metrics.requests_waiting)
-                });
-                reported.max(u64::from(self.inner.active.load(w).requests))
-            })
-            .sum()
+        self.inner.loads.busy(self.inner.workers.live())
     }
 
     /// What `dyn inspect workers` shows of this router.
@@ -366,12 +355,11 @@ pub(crate) struct Inner {
     /// The node's instances, live or not.
     workers: Workers,
     config: RouteConfig,
-    active: Arc<ActiveSequences>,
     policy: Arc<dyn RoutingPolicy>,
     /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
     kv: Option<Arc<KvAware>>,
-    /// The latest load metrics per worker.
-    metrics: Mutex<HashMap<u64, Reported>>,
+    /// Each worker's load, as this router counts it and as the worker reports it.
+    loads: Loads,
     /// How well the `kv` policy uses the caches.
     quality: quality::Quality,
     /// Sessions bound to workers (`session_affinity`).
@@ -455,11 +443,11 @@ impl Inner {
                 .filter(|w| held.get(w).is_some_and(|h| h.iter().any(|k| k == key)))
                 .collect()
         });
-        let reported = self.metrics.lock();
+        let reported = self.loads.reported.lock();
         let view = View {
             live: &live,
             instances: &self.workers.instances,
-            active: &self.active,
+            active: &self.loads.active,
             reported: &reported,
             lora_holders: holders.as_deref(),
         };
@@ -491,8 +479,8 @@ impl Inner {
     /// (`admission.preempt`), else all.
     fn before(&self, worker: u64, precedence: Precedence) -> u32 {
         match &self.admission {
-            Some(a) if a.preempts() => self.active.ahead(worker, precedence),
-            _ => self.active.load(worker).requests,
+            Some(a) if a.preempts() => self.loads.active.ahead(worker, precedence),
+            _ => self.loads.active.load(worker).requests,
         }
     }
 
@@ -583,7 +571,11 @@ impl Inner {
             kv.record_own_decision(d.worker, &d.blocks);
         }
         let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
-        let active = Arc::new(self.active.start(d.worker, prefill, hashes, precedence));
+        let active = Arc::new(
+            self.loads
+                .active
+                .start(d.worker, prefill, hashes, precedence),
+        );
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));

@@ -213,11 +213,15 @@ async fn kv_policy_follows_the_cached_prefix() {
     // they are released.
     let ctx = Ctx::new();
     assert_eq!(route_with(&r, ctx.clone(), prompt.clone()).await, 11);
-    assert_eq!(r.inner.active.load(11).decode_blocks, 4);
-    assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
+    assert_eq!(r.inner.loads.active.load(11).decode_blocks, 4);
+    assert_eq!(
+        r.inner.loads.active.load(11).prefill_tokens,
+        0,
+        "fully cached"
+    );
     drop(ctx);
     until("the load released", || {
-        r.inner.active.load(11) == sequences::Load::default()
+        r.inner.loads.active.load(11) == sequences::Load::default()
     })
     .await;
 }
@@ -309,13 +313,13 @@ async fn least_loaded_counts_active_requests_until_they_finish() {
     let second = route_with(&r, b.clone(), vec![1, 2, 3]).await;
     assert_ne!(first, second, "the busy worker is avoided");
     a.first_output();
-    assert_eq!(r.inner.active.load(first).prefill_tokens, 0);
-    assert_eq!(r.inner.active.load(first).requests, 1);
+    assert_eq!(r.inner.loads.active.load(first).prefill_tokens, 0);
+    assert_eq!(r.inner.loads.active.load(first).requests, 1);
     drop(a);
-    assert_eq!(r.inner.active.load(first).requests, 0);
+    assert_eq!(r.inner.loads.active.load(first).requests, 0);
     assert_eq!(route_with(&r, Ctx::new(), vec![1]).await, first);
     drop(b);
-    assert!(r.inner.active.snapshot().is_empty());
+    assert!(r.inner.loads.active.snapshot().is_empty());
 }
 
 #[tokio::test]
