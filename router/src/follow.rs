@@ -42,7 +42,7 @@ pub(super) async fn follow_workers(
         .await?;
     let resync_subject = kv_resync_subject(&namespace, &node);
     Ok(async move {
-        let kv = inner.kv.as_deref();
+        let kv = inner.placement.kv.as_deref();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut awaiting: HashMap<u64, Instant> = HashMap::new();
         let mut events_up = true;
@@ -95,7 +95,7 @@ pub(super) async fn follow_workers(
                     inner.loads.retain(&live);
                     // Series of workers that left discovery (not those only marked down).
                     let registered = inner.workers.registered();
-                    inner.quality.retain(&registered);
+                    inner.placement.quality.retain(&registered);
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
                     if !gone.is_empty() {

@@ -260,7 +260,7 @@ impl Inner {
         let now = std::time::Instant::now();
         let live = self.workers.live();
         let metrics = self.loads.reported.lock().clone();
-        let index = self.kv.as_ref().map(|kv| kv.index.read());
+        let index = self.placement.kv.as_ref().map(|kv| kv.index.read());
         let mut ids: Vec<u64> = live.clone();
         if let Some(ix) = &index {
             ids.extend(ix.worker_ids().filter(|w| !live.contains(w)));
@@ -293,7 +293,11 @@ impl Inner {
             workers,
             decisions: None,
             queue: None,
-            quality: self.kv.is_some().then(|| self.quality.row()),
+            quality: self
+                .placement
+                .kv
+                .is_some()
+                .then(|| self.placement.quality.row()),
         }
     }
 
@@ -336,14 +340,14 @@ impl Inner {
             prompt_tokens: tokens.len(),
             block_size: d.block_size,
             prompt_blocks: d.prompt_blocks,
-            pricing: self.kv.as_ref().map(|kv| kv.pricing.clone()),
+            pricing: self.placement.kv.as_ref().map(|kv| kv.pricing.clone()),
             reason: d.reason(),
             candidates: d.candidates,
         })
     }
 
     pub fn kv_answer(&self, args: &KvArgs) -> Result<KvAnswer, String> {
-        let Some(kv) = &self.kv else {
+        let Some(kv) = &self.placement.kv else {
             return Err(format!("policy {} keeps no KV index", self.config.policy));
         };
         let only = match &args.worker {

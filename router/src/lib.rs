@@ -37,6 +37,7 @@ pub mod inspect;
 pub mod kv_aware;
 mod loads;
 pub mod metrics;
+mod placement;
 pub mod policy;
 pub mod pools;
 pub mod quality;
@@ -62,10 +63,10 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 
 use cost::CostModel;
-use kv_aware::KvAware;
 use loads::Loads;
+use placement::Placement;
+use policy::View;
 pub use policy::{Decision, Policy};
-use policy::{RoutingPolicy, View};
 use workers::Workers;
 
 pub use config::RouteConfig;
@@ -157,12 +158,7 @@ impl RouteConfig {
         // A router that starts after its workers learns their block size from discovery, before
         // any load metrics arrive.
         let announced = workers.read().iter().find_map(|i| i.metadata.block_size);
-        let kv = (self.policy == Policy::Kv)
-            .then(|| Arc::new(KvAware::new(self.block_size.or(announced), self.pricing())));
-        let policy: Arc<dyn RoutingPolicy> = match &kv {
-            Some(kv) => kv.clone(),
-            None => self.policy.build_load_only().into(),
-        };
+        let placement = Placement::new(self, announced, &cx.node);
         let inner = Arc::new_cyclic(|me: &std::sync::Weak<Inner>| Inner {
             // Room is per live worker, as the router sees them.
             admission: self.admission.clone().map(|a| {
@@ -178,10 +174,8 @@ impl RouteConfig {
                 planes: cx.planes.clone(),
             },
             config: self.clone(),
-            policy,
-            kv,
             loads: Loads::default(),
-            quality: quality::Quality::new(&cx.node),
+            placement,
             sessions: self.session_affinity.as_ref().map(|a| {
                 let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
                 sessions::Sessions::new(ttl, rand::random())
@@ -355,13 +349,10 @@ pub(crate) struct Inner {
     /// The node's instances, live or not.
     workers: Workers,
     config: RouteConfig,
-    policy: Arc<dyn RoutingPolicy>,
-    /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
-    kv: Option<Arc<KvAware>>,
     /// Each worker's load, as this router counts it and as the worker reports it.
     loads: Loads,
-    /// How well the `kv` policy uses the caches.
-    quality: quality::Quality,
+    /// The policy (for `kv`, its index) that chooses, and how well it used the caches.
+    placement: Placement,
     /// Sessions bound to workers (`session_affinity`).
     sessions: Option<sessions::Sessions>,
     /// Each worker's circuit breaker.
@@ -451,7 +442,8 @@ impl Inner {
             reported: &reported,
             lora_holders: holders.as_deref(),
         };
-        self.policy
+        self.placement
+            .policy
             .decide(tokens, salt, &view)
             .ok_or_else(|| self.workers.unavailable())
     }
@@ -559,13 +551,13 @@ impl Inner {
                 });
             }
         }
-        self.quality.record(&d);
+        self.placement.quality.record(&d);
         if let Some(key) = lora {
             self.hold_lora(d.worker, key);
         }
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;
-        if let Some(kv) = &self.kv
+        if let Some(kv) = &self.placement.kv
             && self.approximate()
         {
             kv.record_own_decision(d.worker, &d.blocks);
@@ -701,7 +693,7 @@ fn pick_pool(
     let (rule, inner) = &pools[i];
     metrics::ROUTER
         .pool_requests
-        .with_label_values(&[inner.quality.node(), rule.node.as_str()])
+        .with_label_values(&[inner.placement.quality.node(), rule.node.as_str()])
         .inc();
     tracing::debug!(request_id = %ctx.id(), pool = %rule.node, why = ?why, prompt_tokens = req.token_ids.len(), "Pool chosen");
     inner.clone()

@@ -197,7 +197,7 @@ async fn kv_policy_follows_the_cached_prefix() {
     let r = kv_router(&planes, &[10, 11]).await;
     let prompt: Vec<u32> = (0..64).collect();
     publish_stored(&planes, 11, &prompt).await;
-    let kv = r.inner.kv.as_ref().expect("kv state");
+    let kv = r.inner.placement.kv.as_ref().expect("kv state");
     until("the stored blocks indexed", || {
         kv.index.read().worker_blocks(11) == 4
     })
@@ -238,7 +238,7 @@ async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
     // Worker 11 caches the prompt under salt "a", worker 10 unsalted.
     publish_blocks(&planes, 11, 0, block_hashes_salted(&prompt, 16, a)).await;
     publish_stored(&planes, 10, &prompt).await;
-    let kv = r.inner.kv.as_ref().expect("kv state");
+    let kv = r.inner.placement.kv.as_ref().expect("kv state");
     until("the stored blocks indexed", || {
         let ix = kv.index.read();
         ix.worker_blocks(11) == 4 && ix.worker_blocks(10) == 4
@@ -276,7 +276,7 @@ async fn a_departed_worker_leaves_the_index() {
     let planes = Planes::embedded();
     let r = kv_router(&planes, &[10, 11]).await;
     publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
-    let kv = r.inner.kv.as_ref().expect("kv state");
+    let kv = r.inner.placement.kv.as_ref().expect("kv state");
     until("the blocks indexed", || {
         kv.index.read().worker_blocks(11) == 2
     })
@@ -333,7 +333,7 @@ async fn approximate_kv_remembers_its_own_decisions_until_the_ttl() {
     let r = started(&planes, config, &[1, 2, 3]).await;
     let prompt: Vec<u32> = (100..164).collect();
     let w = route_with(&r, Ctx::new(), prompt.clone()).await;
-    let kv = r.inner.kv.as_ref().expect("kv");
+    let kv = r.inner.placement.kv.as_ref().expect("kv");
     assert_eq!(r.inner.decide(&prompt).expect("decides").worker, w);
     // Not yet expired with a long TTL; gone with a zero one.
     kv.expire(Duration::from_secs(3600));
