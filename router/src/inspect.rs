@@ -318,8 +318,8 @@ impl Inner {
                 if let Some(w) = kept {
                     d.worker = w;
                 }
-                let binding = sessions.binding(s, now);
-                let (_, per) = sessions.counts(now);
+                let binding = sessions.table.binding(s, now);
+                let (_, per) = sessions.table.counts(now);
                 Some(SessionRow {
                     session: s.to_owned(),
                     bound_worker: binding.map(|(w, _)| hex(w)),

@@ -28,6 +28,7 @@
 //! ```
 
 pub mod admission;
+mod affinity;
 mod config;
 pub mod cost;
 pub mod follow;
@@ -62,6 +63,7 @@ use dyn_protocol::types::{Precedence, PreprocessedRequest};
 use futures::StreamExt;
 use parking_lot::Mutex;
 
+use affinity::Affinity;
 use cost::CostModel;
 use loads::Loads;
 use placement::Placement;
@@ -176,11 +178,10 @@ impl RouteConfig {
             config: self.clone(),
             loads: Loads::default(),
             placement,
-            sessions: self.session_affinity.as_ref().map(|a| {
-                let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
-                sessions::Sessions::new(ttl, rand::random())
-            }),
-            sessions_subject: sessions::sessions_subject(&cx.namespace, target),
+            sessions: self
+                .session_affinity
+                .as_ref()
+                .map(|a| Affinity::new(a, &cx.namespace, target)),
             loras_held: Mutex::new(HashMap::new()),
             health: Arc::default(),
             avoid: Arc::default(),
@@ -236,33 +237,13 @@ impl RouteConfig {
             None => None,
         };
         // Other routers' session bindings.
-        let shared = match &inner.sessions {
-            Some(_) => {
-                let mut sub = cx
-                    .planes
-                    .events
-                    .subscribe(&inner.sessions_subject)
-                    .await
-                    .map_err(|e| BuildError::new(format!("cannot follow session bindings: {e}")))?;
-                let me = Arc::downgrade(&inner);
-                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                    async move {
-                        while let Some(ev) = sub.next().await {
-                            let Some(inner) = me.upgrade() else { return };
-                            match serde_json::from_slice::<sessions::Binding>(&ev.payload) {
-                                Ok(b) => {
-                                    if let Some(s) = &inner.sessions {
-                                        s.apply(b, std::time::Instant::now());
-                                    }
-                                }
-                                Err(e) => tracing::warn!(error = %e, "Bad session binding"),
-                            }
-                        }
-                    },
-                )))
-            }
-            None => None,
-        };
+        let shared =
+            match &inner.sessions {
+                Some(a) => Some(a.hear_others(&cx.planes.events).await.map_err(|e| {
+                    BuildError::new(format!("cannot follow session bindings: {e}"))
+                })?),
+                None => None,
+            };
         Ok(Route {
             inner,
             _task: task,
@@ -354,12 +335,11 @@ pub(crate) struct Inner {
     /// The policy (for `kv`, its index) that chooses, and how well it used the caches.
     placement: Placement,
     /// Sessions bound to workers (`session_affinity`).
-    sessions: Option<sessions::Sessions>,
+    sessions: Option<Affinity>,
     /// Each worker's circuit breaker.
     health: Arc<health::Health>,
     /// The worker each failed request last went to (by request id), left out of its resend.
     avoid: Arc<Mutex<HashMap<String, u64>>>,
-    sessions_subject: String,
     /// The LoRA adapters (keys) this router sent to each worker lately, most recent last, at
     /// most `lora_slots`: what it takes the worker to hold.
     loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
@@ -486,7 +466,7 @@ impl Inner {
         now: std::time::Instant,
     ) -> Option<u64> {
         let sessions = self.sessions.as_ref()?;
-        let w = sessions.get(session, now)?;
+        let w = sessions.table.get(session, now)?;
         let bound = self
             .config
             .session_affinity
@@ -537,19 +517,7 @@ impl Inner {
             {
                 d.worker = w;
             }
-            if let Some(b) = sessions.bind(s, d.worker, now)
-                && let Ok(payload) = serde_json::to_vec(&b)
-            {
-                let (events, subject) = (
-                    self.workers.planes.events.clone(),
-                    self.sessions_subject.clone(),
-                );
-                tokio::spawn(async move {
-                    if let Err(e) = events.publish(&subject, payload.into()).await {
-                        tracing::warn!(error = %e, "Cannot share a session binding");
-                    }
-                });
-            }
+            sessions.bind(s, d.worker, now, &self.workers.planes.events);
         }
         self.placement.quality.record(&d);
         if let Some(key) = lora {

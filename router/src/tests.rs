@@ -108,14 +108,14 @@ async fn a_session_sticks_to_its_worker_until_that_one_is_over_its_bound_and_rou
         .inner
         .sessions
         .as_ref()
-        .and_then(|s| s.get("shared", std::time::Instant::now()))
+        .and_then(|s| s.table.get("shared", std::time::Instant::now()))
         .expect("bound");
     until("the other router has the binding", || {
         other
             .inner
             .sessions
             .as_ref()
-            .and_then(|s| s.get("shared", std::time::Instant::now()))
+            .and_then(|s| s.table.get("shared", std::time::Instant::now()))
             == Some(bound)
     })
     .await;
