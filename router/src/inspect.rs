@@ -283,7 +283,7 @@ impl Inner {
                     kv_active_blocks: m.map(|m| m.kv_active_blocks),
                     kv_total_blocks: m.map(|m| m.kv_total_blocks),
                     prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
-                    breaker: self.health.state(w, now).as_str().into(),
+                    breaker: self.avoidance.health.state(w, now).as_str().into(),
                 }
             })
             .collect();

@@ -29,6 +29,7 @@
 
 pub mod admission;
 mod affinity;
+mod avoidance;
 mod config;
 pub mod cost;
 pub mod follow;
@@ -56,7 +57,7 @@ use dyn_core::planes::ENDPOINT;
 use dyn_core::planes::Instance;
 use dyn_core::registry::Role;
 use dyn_core::{
-    BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
+    BuildCx, BuildError, Ctx, Input, Inspect, Inspectables, Invalid, OpError, Operator,
     OperatorConfig, Output,
 };
 use dyn_protocol::types::{Precedence, PreprocessedRequest};
@@ -64,6 +65,7 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 
 use affinity::Affinity;
+use avoidance::Avoidance;
 use cost::CostModel;
 use loads::Loads;
 use placement::Placement;
@@ -183,8 +185,7 @@ impl RouteConfig {
                 .as_ref()
                 .map(|a| Affinity::new(a, &cx.namespace, target)),
             loras_held: Mutex::new(HashMap::new()),
-            health: Arc::default(),
-            avoid: Arc::default(),
+            avoidance: Avoidance::default(),
         });
         let follow = follow::follow_workers(
             inner.clone(),
@@ -336,10 +337,8 @@ pub(crate) struct Inner {
     placement: Placement,
     /// Sessions bound to workers (`session_affinity`).
     sessions: Option<Affinity>,
-    /// Each worker's circuit breaker.
-    health: Arc<health::Health>,
-    /// The worker each failed request last went to (by request id), left out of its resend.
-    avoid: Arc<Mutex<HashMap<String, u64>>>,
+    /// Workers left out of routing: open breakers, and a resent request's last worker.
+    avoidance: Avoidance,
     /// The LoRA adapters (keys) this router sent to each worker lately, most recent last, at
     /// most `lora_slots`: what it takes the worker to hold.
     loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
@@ -474,7 +473,7 @@ impl Inner {
             .and_then(|a| a.max_active)
             .or_else(|| self.places(w));
         let room = bound.is_none_or(|b| self.before(w, precedence) < b);
-        let healthy = self.health.usable(w, now);
+        let healthy = self.avoidance.health.usable(w, now);
         (room && healthy && self.workers.live().contains(&w)).then_some(w)
     }
 
@@ -494,7 +493,7 @@ impl Inner {
         // A resent request (its last worker failed) goes elsewhere; workers whose breaker is
         // open are left out, and with admission, workers where it would not start at once
         // (as many requests as places come before it or level with it).
-        let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
+        let failed_here = self.avoidance.failed_here(ctx.id().as_str());
         // Each worker's places, read once (not once per candidate).
         let places: HashMap<u64, u32> = self
             .workers
@@ -503,7 +502,7 @@ impl Inner {
             .collect();
         let left_out = |w: u64| {
             Some(w) == failed_here
-                || !self.health.usable(w, now)
+                || !self.avoidance.health.usable(w, now)
                 || places
                     .get(&w)
                     .is_some_and(|&n| self.before(w, precedence) >= n)
@@ -539,58 +538,9 @@ impl Inner {
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
-        self.watch_outcome(ctx, d.worker, now);
+        self.avoidance
+            .watch(ctx, d.worker, now, &self.workers.target);
         Ok((d.worker, cached))
-    }
-
-    /// Feeds the request's outcome on `worker` to its breaker: its first token closes it,
-    /// a failure of the worker counts toward opening it (and leaves the worker out of the
-    /// request's resend).
-    fn watch_outcome(&self, ctx: &Ctx, worker: u64, now: std::time::Instant) {
-        use std::sync::atomic::{AtomicU8, Ordering};
-        const PENDING: u8 = 0;
-        const ANSWERED: u8 = 1;
-        const FAILED: u8 = 2;
-        self.health.taken(worker, now);
-        let outcome = Arc::new(AtomicU8::new(PENDING));
-        let id = ctx.id().to_string();
-        let (health, avoid, node) = (
-            self.health.clone(),
-            self.avoid.clone(),
-            self.workers.target.clone(),
-        );
-        let (failed_id, o) = (id.clone(), outcome.clone());
-        ctx.on_failure(move |e| {
-            // A refusal for want of room, or the client's doing, says nothing of its health.
-            if !matches!(e.kind, ErrorKind::Internal | ErrorKind::InstanceLost) {
-                return;
-            }
-            o.store(FAILED, Ordering::Relaxed);
-            avoid.lock().insert(failed_id, worker);
-            if health.failed(worker, std::time::Instant::now()) {
-                metrics::ROUTER.breaker_trips.with_label_values(&[&node]).inc();
-                tracing::warn!(worker_id = format_args!("{worker:x}"), node = %node, error = %e.message, "Worker left out of routing for a while: its requests keep failing");
-            }
-        });
-        // A request resent after its client got tokens has had its first output: the hook
-        // would run at once, before this worker answered anything, which proves nothing.
-        if !ctx.output_started() {
-            let (health, o) = (self.health.clone(), outcome.clone());
-            ctx.on_first_output(move || {
-                if o.compare_exchange(PENDING, ANSWERED, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    health.ok(worker);
-                }
-            });
-        }
-        let (health, avoid) = (self.health.clone(), self.avoid.clone());
-        ctx.on_done(move || {
-            avoid.lock().remove(&id);
-            if outcome.load(Ordering::Relaxed) == PENDING {
-                health.abandoned(worker);
-            }
-        });
     }
 }
 
