@@ -27,6 +27,7 @@
 //! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
 //! ```
 
+mod adapters;
 pub mod admission;
 mod affinity;
 mod avoidance;
@@ -62,8 +63,8 @@ use dyn_core::{
 };
 use dyn_protocol::types::{Precedence, PreprocessedRequest};
 use futures::StreamExt;
-use parking_lot::Mutex;
 
+use adapters::Adapters;
 use affinity::Affinity;
 use avoidance::Avoidance;
 use cost::CostModel;
@@ -184,7 +185,7 @@ impl RouteConfig {
                 .session_affinity
                 .as_ref()
                 .map(|a| Affinity::new(a, &cx.namespace, target)),
-            loras_held: Mutex::new(HashMap::new()),
+            adapters: Adapters::new(self.lora_slots),
             avoidance: Avoidance::default(),
         });
         let follow = follow::follow_workers(
@@ -339,9 +340,8 @@ pub(crate) struct Inner {
     sessions: Option<Affinity>,
     /// Workers left out of routing: open breakers, and a resent request's last worker.
     avoidance: Avoidance,
-    /// The LoRA adapters (keys) this router sent to each worker lately, most recent last, at
-    /// most `lora_slots`: what it takes the worker to hold.
-    loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
+    /// The LoRA adapters each worker holds.
+    adapters: Adapters,
 }
 impl Inner {
     /// Each live worker's places, for every admission step.
@@ -359,23 +359,6 @@ impl Inner {
             .places_of(self.config.admission.as_ref(), false)
             .into_iter()
             .find_map(|(w, p)| (w == worker).then_some(p))
-    }
-
-    /// Remember that `worker` got a request of adapter `key` (and so holds it, while it is
-    /// among the last `lora_slots` adapters sent there).
-    fn hold_lora(&self, worker: u64, key: &str) {
-        let mut held = self.loras_held.lock();
-        if held.len() > 2 * self.workers.instances.read().len() + 8 {
-            // Workers gone (scaled down, restarted under new ids) are forgotten.
-            let live = self.workers.live();
-            held.retain(|w, _| live.contains(w));
-        }
-        let h = held.entry(worker).or_default();
-        h.retain(|k| k != key);
-        h.push_back(key.to_owned());
-        while h.len() > self.config.lora_slots.max(1) {
-            h.pop_front();
-        }
     }
 
     /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
@@ -406,13 +389,7 @@ impl Inner {
         }
         let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
         let live = if kept.is_empty() { all } else { kept };
-        let holders: Option<Vec<u64>> = lora.map(|key| {
-            let held = self.loras_held.lock();
-            live.iter()
-                .copied()
-                .filter(|w| held.get(w).is_some_and(|h| h.iter().any(|k| k == key)))
-                .collect()
-        });
+        let holders: Option<Vec<u64>> = lora.map(|key| self.adapters.holders(key, &live));
         let reported = self.loads.reported.lock();
         let view = View {
             live: &live,
@@ -520,7 +497,7 @@ impl Inner {
         }
         self.placement.quality.record(&d);
         if let Some(key) = lora {
-            self.hold_lora(d.worker, key);
+            self.adapters.hold(d.worker, key, &self.workers);
         }
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;

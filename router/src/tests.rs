@@ -454,8 +454,8 @@ async fn an_adapter_s_requests_go_where_it_is_held_until_the_load_says_otherwise
     drop(busy);
     // Both hold `a` now; the other worker forgets it after two other adapters.
     let other = if home == 10 { 11 } else { 10 };
-    r.inner.hold_lora(other, "b");
-    r.inner.hold_lora(other, "c");
+    r.inner.adapters.hold(other, "b", &r.inner.workers);
+    r.inner.adapters.hold(other, "c", &r.inner.workers);
     let d = r
         .inner
         .decide_without(&[1, 2, 3], None, Some("a"), &|_| false)
