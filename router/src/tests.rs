@@ -2,7 +2,8 @@
 //! the KV index fed by events, adapters, and the settings' checks.
 
 use super::*;
-use dyn_core::planes::{Planes, Transport};
+use dyn_core::planes::{ENDPOINT, Planes, Transport};
+use dyn_core::{BuildCx, OperatorConfig};
 use dyn_protocol::kv::{KvEventData, RouterEvent, block_hashes};
 use futures::stream;
 use std::time::Duration;
