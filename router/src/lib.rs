@@ -23,6 +23,15 @@
 //! hooks: on route, first token, and when the request is over for any reason. `dyn inspect`
 //! asks through [`inspect`].
 //!
+//! One router (per worker node it feeds) is made of parts, each a module that owns its state
+//! and what reads or changes it: `workers` (the node's instances, which are live, their
+//! places), `loads` (each worker's load as counted and as reported), `placement` (the policy,
+//! its index and quality counts), `affinity` (sessions bound to workers, shared between
+//! routers), `avoidance` (circuit breakers, and the worker a resent request failed on) and
+//! `adapters` (the LoRA adapters each worker holds), beside [`admission`]. `config` holds the
+//! settings, `start` assembles a router and its background tasks; this file routes a request
+//! through the parts.
+//!
 //! ```yaml
 //! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
 //! ```
@@ -140,12 +149,13 @@ impl Route {
     }
 }
 
+/// One router among the instances of one worker node, in parts (see the crate's doc).
 pub(crate) struct Inner {
-    /// Requests wait here for room when the graph says so.
-    admission: Option<Arc<admission::Admission>>,
+    config: RouteConfig,
     /// The node's instances, live or not.
     workers: Workers,
-    config: RouteConfig,
+    /// Requests wait here for room when the graph says so.
+    admission: Option<Arc<admission::Admission>>,
     /// Each worker's load, as this router counts it and as the worker reports it.
     loads: Loads,
     /// The policy (for `kv`, its index) that chooses, and how well it used the caches.
@@ -157,6 +167,7 @@ pub(crate) struct Inner {
     /// The LoRA adapters each worker holds.
     adapters: Adapters,
 }
+
 impl Inner {
     /// Each live worker's places, for every admission step.
     fn live_places(&self) -> Vec<u32> {

@@ -126,8 +126,8 @@ impl RouteConfig {
                 .session_affinity
                 .as_ref()
                 .map(|a| Affinity::new(a, &cx.namespace, target)),
-            adapters: Adapters::new(self.lora_slots),
             avoidance: Avoidance::default(),
+            adapters: Adapters::new(self.lora_slots),
         });
         let follow = follow::follow_workers(
             inner.clone(),
