@@ -33,10 +33,11 @@ pub struct AdmissionConfig {
     #[serde(default)]
     pub reserve: u32,
     /// A request that comes before some in flight (a better priority, or a tenant under its
-    /// share against one over it: [`Precedence`]) goes at once, beyond the room, to a worker
-    /// where one of those runs, and the engine preempts that one for it (the native engine and
-    /// the mocker do). Off: priorities and tenants only order the queue, for engines that
-    /// would queue such a request instead (external workers do not get the priority).
+    /// share against one over it: [`Precedence`](dyn_protocol::types::Precedence)) goes at
+    /// once, beyond the room, to a worker where one of those runs, and the engine preempts
+    /// that one for it (the native engine and the mocker do). Off: priorities and tenants only
+    /// order the queue, for engines that would queue such a request instead (external workers
+    /// do not get the priority).
     #[serde(default = "yes")]
     pub preempt: bool,
 }

@@ -45,8 +45,9 @@ impl Admission {
     /// Where a request of `tenant` and `priority` sent now would stand (see [`Precedence`]):
     /// it gives way if its tenant holds its share of the places or more — the places shared
     /// by weight among the tenants in flight or waiting — unless it is the one served least
-    /// of them lately ([`Queue::recent`], over weight: a light tenant's burst goes at once,
-    /// where the virtual token counter, lifted level on each arrival, would make it wait).
+    /// of them lately ([`Queue::recent`](super::Queue::recent), over weight: a light
+    /// tenant's burst goes at once, where the virtual token counter, lifted level on each
+    /// arrival, would make it wait).
     /// A tenant on its own gives way beyond the share it would have beside one more tenant
     /// of the default weight, so that a tenant arriving at a node that another fills finds
     /// requests that give way to it. Requests of no tenant never do.
