@@ -13,7 +13,6 @@ use futures::StreamExt;
 
 use super::Inner;
 use super::indexer::Applied;
-use super::policy::Reported;
 use dyn_protocol::kv::{
     KvEventData, LoadMetrics, ResyncRequest, RouterEvent, kv_events_subject, kv_resync_subject,
     load_metrics_subject,
@@ -28,7 +27,7 @@ pub(super) async fn follow_workers(
     namespace: String,
     kv_events: bool,
 ) -> Result<impl std::future::Future<Output = ()>, dyn_core::planes::PlaneError> {
-    let node = inner.target.clone();
+    let node = inner.workers.target.clone();
     let mut kv_sub = if kv_events {
         Some(
             events
@@ -43,7 +42,7 @@ pub(super) async fn follow_workers(
         .await?;
     let resync_subject = kv_resync_subject(&namespace, &node);
     Ok(async move {
-        let kv = inner.kv.as_deref();
+        let kv = inner.placement.kv.as_deref();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut awaiting: HashMap<u64, Instant> = HashMap::new();
         let mut events_up = true;
@@ -89,15 +88,14 @@ pub(super) async fn follow_workers(
                     if let Some(kv) = kv && m.block_size > 0 && inner.config.block_size.is_none() {
                         kv.set_block_size(m.block_size);
                     }
-                    let own_then = inner.active.load(m.worker_id);
-                    inner.metrics.lock().insert(m.worker_id, Reported { metrics: m, own_then });
+                    inner.loads.report(m);
                 }
                 _ = tick.tick() => {
-                    let live = inner.live();
-                    inner.metrics.lock().retain(|w, _| live.contains(w));
+                    let live = inner.workers.live();
+                    inner.loads.retain(&live);
                     // Series of workers that left discovery (not those only marked down).
-                    let registered: Vec<u64> = inner.workers.read().iter().map(|i| i.instance_id.get()).collect();
-                    inner.quality.retain(&registered);
+                    let registered = inner.workers.registered();
+                    inner.placement.quality.retain(&registered);
                     let Some(kv) = kv else { continue };
                     let gone: Vec<u64> = kv.index.read().worker_ids().filter(|w| !live.contains(w)).collect();
                     if !gone.is_empty() {

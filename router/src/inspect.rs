@@ -258,9 +258,9 @@ fn to_value(v: impl Serialize) -> Result<Value, String> {
 impl Inner {
     pub fn workers_answer(&self) -> WorkersAnswer {
         let now = std::time::Instant::now();
-        let live = self.live();
-        let metrics = self.metrics.lock().clone();
-        let index = self.kv.as_ref().map(|kv| kv.index.read());
+        let live = self.workers.live();
+        let metrics = self.loads.reported.lock().clone();
+        let index = self.placement.kv.as_ref().map(|kv| kv.index.read());
         let mut ids: Vec<u64> = live.clone();
         if let Some(ix) = &index {
             ids.extend(ix.worker_ids().filter(|w| !live.contains(w)));
@@ -269,7 +269,7 @@ impl Inner {
         let workers = ids
             .iter()
             .map(|&w| {
-                let load = self.active.load(w);
+                let load = self.loads.active.load(w);
                 let m = metrics.get(&w).map(|r| &r.metrics);
                 WorkerRow {
                     worker_id: hex(w),
@@ -283,17 +283,21 @@ impl Inner {
                     kv_active_blocks: m.map(|m| m.kv_active_blocks),
                     kv_total_blocks: m.map(|m| m.kv_total_blocks),
                     prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
-                    breaker: self.health.state(w, now).as_str().into(),
+                    breaker: self.avoidance.health.state(w, now).as_str().into(),
                 }
             })
             .collect();
         WorkersAnswer {
             policy: self.config.policy,
-            target: self.target.clone(),
+            target: self.workers.target.clone(),
             workers,
             decisions: None,
             queue: None,
-            quality: self.kv.is_some().then(|| self.quality.row()),
+            quality: self
+                .placement
+                .kv
+                .is_some()
+                .then(|| self.placement.quality.row()),
         }
     }
 
@@ -314,8 +318,8 @@ impl Inner {
                 if let Some(w) = kept {
                     d.worker = w;
                 }
-                let binding = sessions.binding(s, now);
-                let (_, per) = sessions.counts(now);
+                let binding = sessions.table.binding(s, now);
+                let (_, per) = sessions.table.counts(now);
                 Some(SessionRow {
                     session: s.to_owned(),
                     bound_worker: binding.map(|(w, _)| hex(w)),
@@ -336,14 +340,14 @@ impl Inner {
             prompt_tokens: tokens.len(),
             block_size: d.block_size,
             prompt_blocks: d.prompt_blocks,
-            pricing: self.kv.as_ref().map(|kv| kv.pricing.clone()),
+            pricing: self.placement.kv.as_ref().map(|kv| kv.pricing.clone()),
             reason: d.reason(),
             candidates: d.candidates,
         })
     }
 
     pub fn kv_answer(&self, args: &KvArgs) -> Result<KvAnswer, String> {
-        let Some(kv) = &self.kv else {
+        let Some(kv) = &self.placement.kv else {
             return Err(format!("policy {} keeps no KV index", self.config.policy));
         };
         let only = match &args.worker {

@@ -23,18 +23,33 @@
 //! hooks: on route, first token, and when the request is over for any reason. `dyn inspect`
 //! asks through [`inspect`].
 //!
+//! One router (per worker node it feeds) is made of parts, each a module that owns its state
+//! and what reads or changes it: `workers` (the node's instances, which are live, their
+//! places), `loads` (each worker's load as counted and as reported), `placement` (the policy,
+//! its index and quality counts), `affinity` (sessions bound to workers, shared between
+//! routers), `avoidance` (circuit breakers, and the worker a resent request failed on) and
+//! `adapters` (the LoRA adapters each worker holds), beside [`admission`]. `config` holds the
+//! settings, `start` assembles a router and its background tasks; this file routes a request
+//! through the parts.
+//!
 //! ```yaml
 //! route: {kind: route, inputs: [preprocess], config: {policy: kv, miss_weight: 2.0}}
 //! ```
 
+mod adapters;
 pub mod admission;
+mod affinity;
+mod avoidance;
+mod config;
 pub mod cost;
 pub mod follow;
 pub mod health;
 pub mod indexer;
 pub mod inspect;
 pub mod kv_aware;
+mod loads;
 pub mod metrics;
+mod placement;
 pub mod policy;
 pub mod pools;
 pub mod quality;
@@ -43,530 +58,28 @@ pub mod sequences;
 pub mod sessions;
 #[cfg(test)]
 mod sim;
+mod start;
+mod workers;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use dyn_core::planes::ENDPOINT;
-use dyn_core::planes::{Instance, InstanceId, LiveInstances, Planes};
-use dyn_core::registry::Role;
-use dyn_core::{
-    BuildCx, BuildError, Ctx, ErrorKind, Input, Inspect, Inspectables, Invalid, OpError, Operator,
-    OperatorConfig, Output,
-};
+use dyn_core::planes::Instance;
+use dyn_core::{Ctx, Input, OpError, Operator, Output};
 use dyn_protocol::types::{Precedence, PreprocessedRequest};
 use futures::StreamExt;
-use parking_lot::Mutex;
-use serde::Deserialize;
 
-use cost::{CostModel, Pricing};
-use kv_aware::KvAware;
+use adapters::Adapters;
+use affinity::Affinity;
+use avoidance::Avoidance;
+use cost::CostModel;
+use loads::Loads;
+use placement::Placement;
+use policy::View;
 pub use policy::{Decision, Policy};
-use policy::{Reported, RoutingPolicy, View};
-use sequences::ActiveSequences;
+use workers::Workers;
 
-fn yes() -> bool {
-    true
-}
-fn ttl() -> f64 {
-    120.0
-}
-
-/// A `route` node's settings. Dynamo's names for the same knobs are accepted as aliases
-/// (`router_temperature`, `overlap_score_weight`, `kv_overlap_score_credit`, `busy_threshold`,
-/// `router_ttl_secs`, `kv_cache_block_size`, ...), so a Dynamo router's settings carry over.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RouteConfig {
-    #[serde(default)]
-    pub policy: Policy,
-    /// `kv`: price workers by predicted time (`time`, the default) or by blocks (`blocks`,
-    /// Dynamo's cost).
-    #[serde(default)]
-    pub cost: CostModel,
-    /// `kv`, `cost: time`: how many times its own prefill time a cache miss costs.
-    #[serde(default = "two")]
-    pub miss_weight: f64,
-    /// `kv`, `cost: blocks`: weight of the blocks a worker would have to prefill against its
-    /// decode load (default 1).
-    #[serde(
-        default,
-        alias = "overlap_score_weight",
-        alias = "kv_overlap_score_weight"
-    )]
-    pub overlap_weight: Option<f64>,
-    /// `kv`: share of a cached block that counts as cached, 0..=1 (0: load only).
-    #[serde(
-        default = "one",
-        alias = "overlap_score_credit",
-        alias = "kv_overlap_score_credit"
-    )]
-    pub overlap_credit: f64,
-    /// `kv`: share of a block a worker holds only in host memory (G2) that counts as cached
-    /// — it costs an onboard, not a recompute — 0..=1 (Dynamo's default, 0.75).
-    #[serde(default = "host_credit")]
-    pub host_credit: f64,
-    /// `kv`: the same for a block only on the worker's local disk (G3), 0..=1.
-    #[serde(default = "disk_credit")]
-    pub disk_credit: f64,
-    /// `kv`: leave out workers whose requests would pass this × the mean (0: no bound)...
-    #[serde(default = "two")]
-    pub load_bound: f64,
-    /// ... and `load_slack` more than the least loaded worker's.
-    #[serde(default = "eight")]
-    pub load_slack: u32,
-    /// `kv`: leave out workers whose KV usage (0..=1) passes this, while any worker does not.
-    #[serde(default, alias = "active_decode_blocks_threshold")]
-    pub busy_threshold: Option<f64>,
-    /// `kv`: leave out workers with more prompt tokens than this waiting for prefill.
-    #[serde(default)]
-    pub active_prefill_tokens_threshold: Option<u64>,
-    /// `kv`: 0 picks the cheapest worker; above 0 samples, more evenly the higher it is.
-    #[serde(default, alias = "router_temperature")]
-    pub temperature: f64,
-    /// `kv`: the workers publish KV events; `false` makes the router track its own decisions.
-    #[serde(default = "yes", alias = "use_kv_events", alias = "router_kv_events")]
-    pub kv_events: bool,
-    /// `kv` without events: how long a routed prompt counts as cached on its worker.
-    #[serde(default = "ttl", alias = "router_ttl_secs", alias = "router_ttl")]
-    pub approx_ttl_s: f64,
-    /// `kv`: tokens per KV block; by default what the workers announce (16 until they do).
-    #[serde(default, alias = "kv_cache_block_size")]
-    pub block_size: Option<u32>,
-    /// Requests beyond the workers' room wait here, by priority and deadline, or are refused
-    /// ([`admission`]); on by default, `false` sends every request on at once.
-    #[serde(
-        default = "admission_default",
-        deserialize_with = "admission::AdmissionConfig::deserialize_option"
-    )]
-    pub admission: Option<admission::AdmissionConfig>,
-    /// A conversation's requests stay on one worker ([`sessions`]); off without it.
-    #[serde(default)]
-    pub session_affinity: Option<sessions::AffinityConfig>,
-    /// `kv`, `cost: time`: what sending a LoRA adapter's request to a worker that does not
-    /// hold the adapter costs, in milliseconds (its first read there), so an adapter's requests
-    /// stay with the workers that have it until their load outweighs a read elsewhere.
-    #[serde(default = "lora_load_ms")]
-    pub lora_load_ms: f64,
-    /// How many adapters the router remembers per worker (the workers' `max_loras`).
-    #[serde(default = "eight_usize")]
-    pub lora_slots: usize,
-    /// Where the node feeds several worker nodes (pools), what each takes ([`pools`]); the
-    /// router chooses a pool per request, then a worker in it, each pool with the settings
-    /// above.
-    #[serde(default)]
-    pub pools: Vec<pools::PoolRule>,
-}
-
-fn admission_default() -> Option<admission::AdmissionConfig> {
-    Some(admission::AdmissionConfig::default())
-}
-
-fn lora_load_ms() -> f64 {
-    200.0
-}
-fn eight_usize() -> usize {
-    8
-}
-
-fn one() -> f64 {
-    1.0
-}
-fn host_credit() -> f64 {
-    0.75
-}
-fn disk_credit() -> f64 {
-    0.25
-}
-fn two() -> f64 {
-    2.0
-}
-fn eight() -> u32 {
-    8
-}
-
-impl Default for RouteConfig {
-    fn default() -> Self {
-        Self {
-            policy: Policy::default(),
-            cost: CostModel::default(),
-            miss_weight: two(),
-            overlap_weight: None,
-            overlap_credit: one(),
-            host_credit: host_credit(),
-            disk_credit: disk_credit(),
-            load_bound: two(),
-            load_slack: eight(),
-            busy_threshold: None,
-            active_prefill_tokens_threshold: None,
-            temperature: 0.0,
-            kv_events: true,
-            approx_ttl_s: ttl(),
-            block_size: None,
-            admission: admission_default(),
-            session_affinity: None,
-            lora_load_ms: lora_load_ms(),
-            lora_slots: eight_usize(),
-            pools: Vec::new(),
-        }
-    }
-}
-
-impl RouteConfig {
-    /// The `kv` policy's runtime settings.
-    pub fn pricing(&self) -> Pricing {
-        Pricing {
-            model: self.cost,
-            overlap_weight: self.overlap_weight.unwrap_or(1.0),
-            miss_weight: self.miss_weight,
-            overlap_credit: self.overlap_credit,
-            tier_credit: [self.host_credit, self.disk_credit],
-            load_bound: self.load_bound,
-            load_slack: self.load_slack,
-            busy_kv_usage: self.busy_threshold,
-            busy_prefill_tokens: self.active_prefill_tokens_threshold,
-            temperature: self.temperature,
-            lora_load_ms: self.lora_load_ms,
-            ..Pricing::default()
-        }
-    }
-}
-
-impl OperatorConfig for RouteConfig {
-    const KIND: &'static str = "route";
-    const SUMMARY: &'static str = "Chooses the worker for each request (policy: kv, round_robin, random, least_loaded, power_of_two)";
-    const ROLE: Role = Role::Router;
-    type Op = Route;
-
-    fn validate(&self) -> Vec<Invalid> {
-        let mut out = Vec::new();
-        for (i, p) in self.pools.iter().enumerate() {
-            if self.pools[..i].iter().any(|o| o.node == p.node) {
-                out.push(Invalid::field(
-                    "pools",
-                    format!("pool '{}' is listed twice", p.node),
-                ));
-            }
-            for (field, what) in p.problems() {
-                out.push(Invalid::field(
-                    "pools",
-                    format!("pool '{}': {field} {what}", p.node),
-                ));
-            }
-        }
-        let mut check = |name: &str, ok: bool, what: &str| {
-            if !ok {
-                out.push(Invalid::field(name, what));
-            }
-        };
-        let number = |v: f64, lo: f64| v.is_finite() && v >= lo;
-        check(
-            "overlap_weight",
-            self.overlap_weight.is_none_or(|w| number(w, 0.0)),
-            "must be a number ≥ 0",
-        );
-        check(
-            "overlap_weight",
-            self.overlap_weight.is_none() || self.cost == CostModel::Blocks,
-            "weighs blocks in `cost: blocks` only; with `cost: time` use miss_weight \
-             (or overlap_credit: 0 to ignore caches)",
-        );
-        check(
-            "miss_weight",
-            number(self.miss_weight, 0.0),
-            "must be a number ≥ 0",
-        );
-        check(
-            "lora_load_ms",
-            number(self.lora_load_ms, 0.0) && self.lora_load_ms <= 1e7,
-            "must be a number of milliseconds from 0 to 1e7",
-        );
-        check("lora_slots", self.lora_slots > 0, "must be at least 1");
-        for (name, v) in [
-            ("overlap_credit", self.overlap_credit),
-            ("host_credit", self.host_credit),
-            ("disk_credit", self.disk_credit),
-        ] {
-            check(name, (0.0..=1.0).contains(&v), "must be between 0 and 1");
-        }
-        check(
-            "load_bound",
-            self.load_bound == 0.0 || number(self.load_bound, 1.0),
-            "must be 0 (no bound) or a number ≥ 1",
-        );
-        check(
-            "busy_threshold",
-            self.busy_threshold.is_none_or(|t| (0.0..=1.0).contains(&t)),
-            "must be a KV usage between 0 and 1",
-        );
-        check(
-            "temperature",
-            number(self.temperature, 0.0),
-            "must be a number ≥ 0",
-        );
-        check(
-            "approx_ttl_s",
-            self.approx_ttl_s.is_finite() && self.approx_ttl_s > 0.0,
-            "must be a positive number of seconds",
-        );
-        check(
-            "block_size",
-            self.block_size != Some(0),
-            "must be at least 1",
-        );
-        if let Some(a) = &self.admission {
-            check(
-                "admission.per_worker",
-                a.per_worker != Some(0),
-                "must be at least 1",
-            );
-            check(
-                "admission.max_wait_s",
-                a.max_wait_s.is_finite() && (0.0..=86_400.0).contains(&a.max_wait_s),
-                "must be a number of seconds from 0 to 86400",
-            );
-            check(
-                "admission.reserve",
-                a.per_worker.is_none_or(|n| n == 0 || a.reserve < n),
-                "must be below per_worker",
-            );
-            let tenants = a
-                .tenants
-                .iter()
-                .map(|(name, t)| (format!("admission.tenants.{name}"), t))
-                .chain([("admission.tenant_default".to_string(), &a.tenant_default)]);
-            for (at, t) in tenants {
-                check(
-                    &format!("{at}.weight"),
-                    t.weight.is_finite() && t.weight > 0.0,
-                    "must be a positive number",
-                );
-                check(
-                    &format!("{at}.requests_per_minute"),
-                    t.requests_per_minute != Some(0),
-                    "must be at least 1",
-                );
-                check(
-                    &format!("{at}.tokens_per_minute"),
-                    t.tokens_per_minute != Some(0),
-                    "must be at least 1",
-                );
-            }
-        }
-        if let Some(a) = &self.session_affinity {
-            check(
-                "session_affinity.ttl_s",
-                a.ttl_s.is_finite() && a.ttl_s > 0.0 && a.ttl_s <= 1e6,
-                "must be a positive number of seconds, at most 1000000",
-            );
-            check(
-                "session_affinity.max_active",
-                a.max_active != Some(0),
-                "must be at least 1",
-            );
-        }
-        out
-    }
-
-    fn calls(&self) -> Vec<String> {
-        self.pools.iter().map(|p| p.node.clone()).collect()
-    }
-
-    async fn build(&self, cx: &BuildCx) -> Result<Route, BuildError> {
-        let route = match cx.consumers.as_slice() {
-            [] => {
-                return Err(BuildError::new(
-                    "route needs a node taking its output (the workers to choose from)",
-                ));
-            }
-            [target] => {
-                if let Some(p) = self.pools.first() {
-                    return Err(BuildError::new(format!(
-                        "pools names '{}', but the route feeds one node ('{target}'); pools are the worker nodes it feeds",
-                        p.node
-                    )));
-                }
-                self.start(cx, target).await?
-            }
-            many => self.start_pools(cx, many).await?,
-        };
-        let shown: Arc<dyn Inspect> = route.inner.clone();
-        cx.service::<Inspectables>()
-            .await?
-            .register(&cx.node, &shown);
-        Ok(route)
-    }
-}
-
-impl RouteConfig {
-    /// A router over several pools (the worker nodes `targets`): one router per pool, the
-    /// first shown in `dyn inspect`.
-    async fn start_pools(&self, cx: &BuildCx, targets: &[String]) -> Result<Route, BuildError> {
-        if let Some(p) = self.pools.iter().find(|p| !targets.contains(&p.node)) {
-            return Err(BuildError::new(format!(
-                "pools names '{}', which the route does not feed (it feeds {})",
-                p.node,
-                targets.join(", ")
-            )));
-        }
-        // Named pools in the list's order, then the others.
-        let mut rules = self.pools.clone();
-        for t in targets {
-            if !rules.iter().any(|p| &p.node == t) {
-                rules.push(pools::PoolRule {
-                    node: t.clone(),
-                    ..Default::default()
-                });
-            }
-        }
-        let mut routes = Vec::with_capacity(rules.len());
-        for r in &rules {
-            routes.push(self.start(cx, &r.node).await?);
-        }
-        let shared: Pools = rules
-            .into_iter()
-            .zip(&routes)
-            .map(|(rule, r)| (rule, r.inner.clone()))
-            .collect();
-        let mut top = routes.remove(0);
-        top.pools = Some(shared);
-        top._pool_routes = routes;
-        Ok(top)
-    }
-
-    /// A router among the instances of node `target`, not shown in `dyn inspect` on its own
-    /// (kinds that route a pool of their own, like `remote_prefill`, show it through themselves).
-    pub async fn start(&self, cx: &BuildCx, target: &str) -> Result<Route, BuildError> {
-        let prefix = Instance::prefix(&cx.namespace, target, ENDPOINT);
-        let workers =
-            cx.planes.live(&prefix).await.map_err(|e| {
-                BuildError::new(format!("cannot watch the workers of '{target}': {e}"))
-            })?;
-        // A router that starts after its workers learns their block size from discovery, before
-        // any load metrics arrive.
-        let announced = workers.read().iter().find_map(|i| i.metadata.block_size);
-        let kv = (self.policy == Policy::Kv)
-            .then(|| Arc::new(KvAware::new(self.block_size.or(announced), self.pricing())));
-        let policy: Arc<dyn RoutingPolicy> = match &kv {
-            Some(kv) => kv.clone(),
-            None => self.policy.build_load_only().into(),
-        };
-        let inner = Arc::new_cyclic(|me: &std::sync::Weak<Inner>| Inner {
-            // Room is per live worker, as the router sees them.
-            admission: self.admission.clone().map(|a| {
-                let me = me.clone();
-                admission::Admission::new(a, &cx.node, move || {
-                    me.upgrade()
-                        .map_or_else(Vec::new, |inner| inner.live_places())
-                })
-            }),
-            target: target.to_owned(),
-            workers,
-            config: self.clone(),
-            active: Arc::default(),
-            policy,
-            kv,
-            metrics: Mutex::new(HashMap::new()),
-            planes: cx.planes.clone(),
-            quality: quality::Quality::new(&cx.node),
-            sessions: self.session_affinity.as_ref().map(|a| {
-                let ttl = std::time::Duration::from_secs_f64(a.ttl_s);
-                sessions::Sessions::new(ttl, rand::random())
-            }),
-            sessions_subject: sessions::sessions_subject(&cx.namespace, target),
-            loras_held: Mutex::new(HashMap::new()),
-            health: Arc::default(),
-            avoid: Arc::default(),
-        });
-        let follow = follow::follow_workers(
-            inner.clone(),
-            cx.planes.events.clone(),
-            cx.namespace.clone(),
-            self.policy == Policy::Kv && self.kv_events,
-        )
-        .await
-        .map_err(|e| BuildError::new(format!("cannot follow the workers' events: {e}")))?;
-        let task = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(follow));
-        // Workers that join make room for waiting requests without one finishing; the tenants'
-        // charges go to the node's other routers.
-        let charges = admission::charges_subject(&cx.namespace, target);
-        let tick = inner.admission.clone().map(|a| {
-            let (events, subject) = (cx.planes.events.clone(), charges.clone());
-            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-                let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
-                loop {
-                    every.tick().await;
-                    a.tick();
-                    let Some(c) = a.take_charges() else { continue };
-                    let Ok(payload) = serde_json::to_vec(&c) else {
-                        continue;
-                    };
-                    if let Err(e) = events.publish(&subject, payload.into()).await {
-                        tracing::warn!(error = %e, "Cannot share tenants' charges");
-                    }
-                }
-            }))
-        });
-        let heard = match &inner.admission {
-            Some(a) => {
-                let mut sub =
-                    cx.planes.events.subscribe(&charges).await.map_err(|e| {
-                        BuildError::new(format!("cannot follow tenants' charges: {e}"))
-                    })?;
-                let a = Arc::downgrade(a);
-                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                    async move {
-                        while let Some(ev) = sub.next().await {
-                            let Some(a) = a.upgrade() else { return };
-                            match serde_json::from_slice::<admission::Charges>(&ev.payload) {
-                                Ok(c) => a.apply_charges(c),
-                                Err(e) => tracing::warn!(error = %e, "Bad tenant charges"),
-                            }
-                        }
-                    },
-                )))
-            }
-            None => None,
-        };
-        // Other routers' session bindings.
-        let shared = match &inner.sessions {
-            Some(_) => {
-                let mut sub = cx
-                    .planes
-                    .events
-                    .subscribe(&inner.sessions_subject)
-                    .await
-                    .map_err(|e| BuildError::new(format!("cannot follow session bindings: {e}")))?;
-                let me = Arc::downgrade(&inner);
-                Some(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-                    async move {
-                        while let Some(ev) = sub.next().await {
-                            let Some(inner) = me.upgrade() else { return };
-                            match serde_json::from_slice::<sessions::Binding>(&ev.payload) {
-                                Ok(b) => {
-                                    if let Some(s) = &inner.sessions {
-                                        s.apply(b, std::time::Instant::now());
-                                    }
-                                }
-                                Err(e) => tracing::warn!(error = %e, "Bad session binding"),
-                            }
-                        }
-                    },
-                )))
-            }
-            None => None,
-        };
-        Ok(Route {
-            inner,
-            _task: task,
-            _tick: tick,
-            _sessions: shared,
-            _charges: heard,
-            pools: None,
-            _pool_routes: Vec::new(),
-        })
-    }
-}
+pub use config::RouteConfig;
 
 /// Each pool's rule and router, in the order they are tried.
 type Pools = Arc<[(pools::PoolRule, Arc<Inner>)]>;
@@ -601,34 +114,19 @@ impl Route {
 
     /// Live workers, less those the request plane saw fail.
     pub fn live(&self) -> Vec<u64> {
-        self.inner.live()
+        self.inner.workers.live()
     }
 
     /// Worker `id`'s discovery record, while it is registered.
     pub fn instance(&self, id: u64) -> Option<Instance> {
-        self.inner
-            .workers
-            .read()
-            .iter()
-            .find(|i| i.instance_id.get() == id)
-            .cloned()
+        self.inner.workers.instance(id)
     }
 
     /// Requests on the live workers: per worker, what its load metrics last said (running +
     /// waiting, from every router) or what this router has sent it and not seen finish,
     /// whichever is more (metrics lag a burst by up to their publishing interval).
     pub fn busy(&self) -> u64 {
-        let metrics = self.inner.metrics.lock();
-        self.inner
-            .live()
-            .into_iter()
-            .map(|w| {
-                let reported = metrics.get(&w).map_or(0, |r| {
-                    u64::from(r.metrics.requests_running) + u64::from(r.metrics.requests_waiting)
-                });
-                reported.max(u64::from(self.inner.active.load(w).requests))
-            })
-            .sum()
+        self.inner.loads.busy(self.inner.workers.live())
     }
 
     /// What `dyn inspect workers` shows of this router.
@@ -651,105 +149,47 @@ impl Route {
     }
 }
 
+/// One router among the instances of one worker node, in parts (see the crate's doc).
 pub(crate) struct Inner {
+    config: RouteConfig,
+    /// The node's instances, live or not.
+    workers: Workers,
     /// Requests wait here for room when the graph says so.
     admission: Option<Arc<admission::Admission>>,
-    target: String,
-    workers: Arc<LiveInstances>,
-    config: RouteConfig,
-    active: Arc<ActiveSequences>,
-    policy: Arc<dyn RoutingPolicy>,
-    /// The `kv` policy's index (the same object as `policy`), for feeding and inspection.
-    kv: Option<Arc<KvAware>>,
-    /// The latest load metrics per worker.
-    metrics: Mutex<HashMap<u64, Reported>>,
-    /// For the request plane's view of unreachable workers and the event plane's health.
-    planes: Planes,
-    /// How well the `kv` policy uses the caches.
-    quality: quality::Quality,
+    /// Each worker's load, as this router counts it and as the worker reports it.
+    loads: Loads,
+    /// The policy (for `kv`, its index) that chooses, and how well it used the caches.
+    placement: Placement,
     /// Sessions bound to workers (`session_affinity`).
-    sessions: Option<sessions::Sessions>,
-    /// Each worker's circuit breaker.
-    health: Arc<health::Health>,
-    /// The worker each failed request last went to (by request id), left out of its resend.
-    avoid: Arc<Mutex<HashMap<String, u64>>>,
-    sessions_subject: String,
-    /// The LoRA adapters (keys) this router sent to each worker lately, most recent last, at
-    /// most `lora_slots`: what it takes the worker to hold.
-    loras_held: Mutex<HashMap<u64, std::collections::VecDeque<String>>>,
+    sessions: Option<Affinity>,
+    /// Workers left out of routing: open breakers, and a resent request's last worker.
+    avoidance: Avoidance,
+    /// The LoRA adapters each worker holds.
+    adapters: Adapters,
 }
+
 impl Inner {
-    fn unavailable(&self) -> OpError {
-        OpError::unavailable(format!("no worker of '{}' is available", self.target))
-    }
-
-    /// Workers in discovery, less those the request plane just saw fail (their lease has
-    /// not run out yet, but a request sent there would be lost).
-    fn live(&self) -> Vec<u64> {
-        self.workers
-            .read()
-            .iter()
-            .map(|i| i.instance_id)
-            .filter(|id| !self.planes.is_down(*id))
-            .map(InstanceId::get)
-            .collect()
-    }
-
-    /// Whether any worker is live (without collecting them, on every request).
-    fn any_live(&self) -> bool {
-        self.workers
-            .read()
-            .iter()
-            .any(|i| !self.planes.is_down(i.instance_id))
-    }
-
-    /// With admission, the requests each worker takes from this router before others wait
-    /// (`per_worker`, or the batch size it advertises), for the live ones or all: one pass.
-    fn places_of(&self, live_only: bool) -> Vec<(u64, u32)> {
-        let Some(a) = &self.config.admission else {
-            return Vec::new();
-        };
-        self.workers
-            .read()
-            .iter()
-            .filter(|i| !live_only || !self.planes.is_down(i.instance_id))
-            .map(|i| (i.instance_id.get(), a.places(i.metadata.max_num_seqs)))
-            .collect()
-    }
-
     /// Each live worker's places, for every admission step.
     fn live_places(&self) -> Vec<u32> {
-        self.places_of(true).into_iter().map(|(_, p)| p).collect()
+        self.workers
+            .places_of(self.config.admission.as_ref(), true)
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
     }
 
     /// `worker`'s places, with admission.
     fn places(&self, worker: u64) -> Option<u32> {
-        self.places_of(false)
+        self.workers
+            .places_of(self.config.admission.as_ref(), false)
             .into_iter()
             .find_map(|(w, p)| (w == worker).then_some(p))
-    }
-
-    /// Remember that `worker` got a request of adapter `key` (and so holds it, while it is
-    /// among the last `lora_slots` adapters sent there).
-    fn hold_lora(&self, worker: u64, key: &str) {
-        let mut held = self.loras_held.lock();
-        if held.len() > 2 * self.workers.read().len() + 8 {
-            // Workers gone (scaled down, restarted under new ids) are forgotten.
-            let live = self.live();
-            held.retain(|w, _| live.contains(w));
-        }
-        let h = held.entry(worker).or_default();
-        h.retain(|k| k != key);
-        h.push_back(key.to_owned());
-        while h.len() > self.config.lora_slots.max(1) {
-            h.pop_front();
-        }
     }
 
     /// True while the KV index cannot follow the workers' events: with `kv_events: false`,
     /// or while the event plane is down. The router then records its own decisions.
     fn approximate(&self) -> bool {
-        !self.config.kv_events || !self.planes.events.connected()
+        !self.config.kv_events || !self.workers.planes.events.connected()
     }
 
     /// Decide where `tokens` (unsalted) would go, without recording anything.
@@ -768,30 +208,25 @@ impl Inner {
         lora: Option<&str>,
         left_out: &(dyn Fn(u64) -> bool + Sync),
     ) -> Result<Decision, OpError> {
-        let all = self.live();
+        let all = self.workers.live();
         if all.is_empty() {
-            return Err(self.unavailable());
+            return Err(self.workers.unavailable());
         }
         let kept: Vec<u64> = all.iter().copied().filter(|w| !left_out(*w)).collect();
         let live = if kept.is_empty() { all } else { kept };
-        let holders: Option<Vec<u64>> = lora.map(|key| {
-            let held = self.loras_held.lock();
-            live.iter()
-                .copied()
-                .filter(|w| held.get(w).is_some_and(|h| h.iter().any(|k| k == key)))
-                .collect()
-        });
-        let reported = self.metrics.lock();
+        let holders: Option<Vec<u64>> = lora.map(|key| self.adapters.holders(key, &live));
+        let reported = self.loads.reported.lock();
         let view = View {
             live: &live,
-            instances: &self.workers,
-            active: &self.active,
+            instances: &self.workers.instances,
+            active: &self.loads.active,
             reported: &reported,
             lora_holders: holders.as_deref(),
         };
-        self.policy
+        self.placement
+            .policy
             .decide(tokens, salt, &view)
-            .ok_or_else(|| self.unavailable())
+            .ok_or_else(|| self.workers.unavailable())
     }
 
     /// The predicted time to first token of `tokens` on the worker this router would choose,
@@ -817,8 +252,8 @@ impl Inner {
     /// (`admission.preempt`), else all.
     fn before(&self, worker: u64, precedence: Precedence) -> u32 {
         match &self.admission {
-            Some(a) if a.preempts() => self.active.ahead(worker, precedence),
-            _ => self.active.load(worker).requests,
+            Some(a) if a.preempts() => self.loads.active.ahead(worker, precedence),
+            _ => self.loads.active.load(worker).requests,
         }
     }
 
@@ -832,7 +267,7 @@ impl Inner {
         now: std::time::Instant,
     ) -> Option<u64> {
         let sessions = self.sessions.as_ref()?;
-        let w = sessions.get(session, now)?;
+        let w = sessions.table.get(session, now)?;
         let bound = self
             .config
             .session_affinity
@@ -840,8 +275,8 @@ impl Inner {
             .and_then(|a| a.max_active)
             .or_else(|| self.places(w));
         let room = bound.is_none_or(|b| self.before(w, precedence) < b);
-        let healthy = self.health.usable(w, now);
-        (room && healthy && self.live().contains(&w)).then_some(w)
+        let healthy = self.avoidance.health.usable(w, now);
+        (room && healthy && self.workers.live().contains(&w)).then_some(w)
     }
 
     /// Decide, and count the request against its worker until it is over; the worker and
@@ -860,12 +295,16 @@ impl Inner {
         // A resent request (its last worker failed) goes elsewhere; workers whose breaker is
         // open are left out, and with admission, workers where it would not start at once
         // (as many requests as places come before it or level with it).
-        let failed_here = self.avoid.lock().get(ctx.id().as_str()).copied();
+        let failed_here = self.avoidance.failed_here(ctx.id().as_str());
         // Each worker's places, read once (not once per candidate).
-        let places: HashMap<u64, u32> = self.places_of(false).into_iter().collect();
+        let places: HashMap<u64, u32> = self
+            .workers
+            .places_of(self.config.admission.as_ref(), false)
+            .into_iter()
+            .collect();
         let left_out = |w: u64| {
             Some(w) == failed_here
-                || !self.health.usable(w, now)
+                || !self.avoidance.health.usable(w, now)
                 || places
                     .get(&w)
                     .is_some_and(|&n| self.before(w, precedence) >= n)
@@ -879,81 +318,31 @@ impl Inner {
             {
                 d.worker = w;
             }
-            if let Some(b) = sessions.bind(s, d.worker, now)
-                && let Ok(payload) = serde_json::to_vec(&b)
-            {
-                let (events, subject) = (self.planes.events.clone(), self.sessions_subject.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = events.publish(&subject, payload.into()).await {
-                        tracing::warn!(error = %e, "Cannot share a session binding");
-                    }
-                });
-            }
+            sessions.bind(s, d.worker, now, &self.workers.planes.events);
         }
-        self.quality.record(&d);
+        self.placement.quality.record(&d);
         if let Some(key) = lora {
-            self.hold_lora(d.worker, key);
+            self.adapters.hold(d.worker, key, &self.workers);
         }
         let cached = d.cached_tokens(tokens.len());
         let prefill = (tokens.len() - cached) as u64;
-        if let Some(kv) = &self.kv
+        if let Some(kv) = &self.placement.kv
             && self.approximate()
         {
             kv.record_own_decision(d.worker, &d.blocks);
         }
         let hashes = d.blocks.iter().map(|b| b.block_hash).collect();
-        let active = Arc::new(self.active.start(d.worker, prefill, hashes, precedence));
+        let active = Arc::new(
+            self.loads
+                .active
+                .start(d.worker, prefill, hashes, precedence),
+        );
         let first = active.clone();
         ctx.on_first_output(move || first.first_token());
         ctx.on_done(move || drop(active));
-        self.watch_outcome(ctx, d.worker, now);
+        self.avoidance
+            .watch(ctx, d.worker, now, &self.workers.target);
         Ok((d.worker, cached))
-    }
-
-    /// Feeds the request's outcome on `worker` to its breaker: its first token closes it,
-    /// a failure of the worker counts toward opening it (and leaves the worker out of the
-    /// request's resend).
-    fn watch_outcome(&self, ctx: &Ctx, worker: u64, now: std::time::Instant) {
-        use std::sync::atomic::{AtomicU8, Ordering};
-        const PENDING: u8 = 0;
-        const ANSWERED: u8 = 1;
-        const FAILED: u8 = 2;
-        self.health.taken(worker, now);
-        let outcome = Arc::new(AtomicU8::new(PENDING));
-        let id = ctx.id().to_string();
-        let (health, avoid, node) = (self.health.clone(), self.avoid.clone(), self.target.clone());
-        let (failed_id, o) = (id.clone(), outcome.clone());
-        ctx.on_failure(move |e| {
-            // A refusal for want of room, or the client's doing, says nothing of its health.
-            if !matches!(e.kind, ErrorKind::Internal | ErrorKind::InstanceLost) {
-                return;
-            }
-            o.store(FAILED, Ordering::Relaxed);
-            avoid.lock().insert(failed_id, worker);
-            if health.failed(worker, std::time::Instant::now()) {
-                metrics::ROUTER.breaker_trips.with_label_values(&[&node]).inc();
-                tracing::warn!(worker_id = format_args!("{worker:x}"), node = %node, error = %e.message, "Worker left out of routing for a while: its requests keep failing");
-            }
-        });
-        // A request resent after its client got tokens has had its first output: the hook
-        // would run at once, before this worker answered anything, which proves nothing.
-        if !ctx.output_started() {
-            let (health, o) = (self.health.clone(), outcome.clone());
-            ctx.on_first_output(move || {
-                if o.compare_exchange(PENDING, ANSWERED, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    health.ok(worker);
-                }
-            });
-        }
-        let (health, avoid) = (self.health.clone(), self.avoid.clone());
-        ctx.on_done(move || {
-            avoid.lock().remove(&id);
-            if outcome.load(Ordering::Relaxed) == PENDING {
-                health.abandoned(worker);
-            }
-        });
     }
 }
 
@@ -977,7 +366,7 @@ impl Operator for Route {
                     // With no live worker there is nothing to wait for a place on: the request
                     // is refused at once below (503 `no_worker_available`), as without
                     // admission, rather than after `max_wait_s` as if the node were busy.
-                    if let Some(a) = inner.admission.as_ref().filter(|_| inner.any_live()) {
+                    if let Some(a) = inner.admission.as_ref().filter(|_| inner.workers.any_live()) {
                         let ask = admission::Ask {
                             priority: req.sampling.priority,
                             tenant: req.sampling.tenant.as_deref().unwrap_or_default(),
@@ -1018,477 +407,17 @@ fn pick_pool(
         &rules,
         req.token_ids.len(),
         &req.sampling.targets,
-        |i| !pools[i].1.live().is_empty(),
+        |i| !pools[i].1.workers.live().is_empty(),
         |i| pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora),
     );
     let (rule, inner) = &pools[i];
     metrics::ROUTER
         .pool_requests
-        .with_label_values(&[inner.quality.node(), rule.node.as_str()])
+        .with_label_values(&[inner.placement.quality.node(), rule.node.as_str()])
         .inc();
     tracing::debug!(request_id = %ctx.id(), pool = %rule.node, why = ?why, prompt_tokens = req.token_ids.len(), "Pool chosen");
     inner.clone()
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use dyn_core::planes::{Planes, Transport};
-    use dyn_protocol::kv::{KvEventData, RouterEvent, block_hashes};
-    use futures::stream;
-    use std::time::Duration;
-
-    fn cx(planes: &Planes) -> BuildCx {
-        dyn_protocol::testing::cx("route", 1, &["decode"], planes)
-    }
-
-    async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
-        let mut out = r.call(
-            Ctx::new(),
-            stream::iter([dyn_protocol::testing::preprocessed(vec![1], 1)]).boxed(),
-        );
-        out.next().await.expect("one item")
-    }
-
-    #[tokio::test]
-    async fn cycles_through_live_workers_and_is_unavailable_without_any() {
-        let planes = Planes::embedded();
-        let r = RouteConfig::default()
-            .build(&cx(&planes))
-            .await
-            .expect("builds");
-        let e = route_once(&r).await.expect_err("no workers");
-        assert_eq!(e.kind, dyn_core::ErrorKind::Unavailable);
-
-        register(&planes, &[10, 11]).await;
-        // The watch applies registrations asynchronously.
-        until("both workers live", || r.inner.live().len() == 2).await;
-        let mut picked = Vec::new();
-        for _ in 0..4 {
-            picked.push(
-                route_once(&r)
-                    .await
-                    .expect("routed")
-                    .target
-                    .expect("target")
-                    .get(),
-            );
-        }
-        picked.sort_unstable();
-        assert_eq!(picked, [10, 10, 11, 11]);
-    }
-
-    async fn register(planes: &Planes, ids: &[u64]) {
-        for &id in ids {
-            let i = Instance {
-                namespace: "ns".into(),
-                component: "decode".into(),
-                endpoint: ENDPOINT.into(),
-                instance_id: id.into(),
-                transport: Transport::InProcess,
-                metadata: Default::default(),
-            };
-            planes.discovery.register(i).await.expect("register");
-        }
-    }
-
-    // The route's watch and event task run asynchronously: poll until a condition holds.
-    use dyn_tests::until;
-
-    #[tokio::test]
-    async fn a_session_sticks_to_its_worker_until_that_one_is_over_its_bound_and_routers_share_it()
-    {
-        let planes = Planes::embedded();
-        let config = RouteConfig {
-            session_affinity: Some(sessions::AffinityConfig {
-                ttl_s: 60.0,
-                max_active: Some(1),
-            }),
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config.clone(), &[10, 11]).await;
-        let go = |r: &Route, s: Option<&str>| {
-            let ctx = Ctx::new();
-            let w = r
-                .inner
-                .route(&ctx, &[1, 2, 3], None, None, s, Precedence::default())
-                .expect("routed")
-                .0;
-            (w, ctx)
-        };
-        // Round robin alone alternates; a session stays.
-        let first = go(&r, Some("conv")).0;
-        for _ in 0..4 {
-            assert_eq!(go(&r, Some("conv")).0, first);
-        }
-        let a = go(&r, None).0;
-        assert_ne!(go(&r, None).0, a, "round robin without a session");
-        // While a request of the session holds its worker at the bound, the policy decides
-        // (round robin: the other worker within two requests), and the session moves there.
-        let (held, _busy) = go(&r, Some("conv"));
-        assert_eq!(held, first);
-        go(&r, Some("conv"));
-        let moved = go(&r, Some("conv")).0;
-        assert_ne!(moved, first);
-        for _ in 0..3 {
-            assert_eq!(go(&r, Some("conv")).0, moved);
-        }
-        // A second router of the same node hears of the binding over the event plane.
-        let other = started(&planes, config, &[10, 11]).await;
-        go(&r, Some("shared"));
-        let bound = r
-            .inner
-            .sessions
-            .as_ref()
-            .and_then(|s| s.get("shared", std::time::Instant::now()))
-            .expect("bound");
-        until("the other router has the binding", || {
-            other
-                .inner
-                .sessions
-                .as_ref()
-                .and_then(|s| s.get("shared", std::time::Instant::now()))
-                == Some(bound)
-        })
-        .await;
-        for _ in 0..3 {
-            assert_eq!(go(&other, Some("shared")).0, bound);
-        }
-    }
-
-    /// A route with `policy` (and `config`'s other settings) over live workers `ids`.
-    async fn started(planes: &Planes, config: RouteConfig, ids: &[u64]) -> Route {
-        let r = config.build(&cx(planes)).await.expect("builds");
-        register(planes, ids).await;
-        until("the workers live", || r.inner.live().len() == ids.len()).await;
-        r
-    }
-
-    /// Publish worker `worker`'s first KV event: it stored the full blocks of `tokens`.
-    /// A `kv` router over workers `ids`.
-    async fn kv_router(planes: &Planes, ids: &[u64]) -> Route {
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            ..RouteConfig::default()
-        };
-        started(planes, config, ids).await
-    }
-
-    async fn publish_stored(planes: &Planes, worker: u64, tokens: &[u32]) {
-        publish_blocks(planes, worker, 0, block_hashes(tokens, 16)).await
-    }
-
-    /// Publish worker `worker`'s KV event `event_id`: it stored `blocks`, a chain from the
-    /// root.
-    async fn publish_blocks(
-        planes: &Planes,
-        worker: u64,
-        event_id: u64,
-        blocks: Vec<dyn_protocol::kv::BlockHash>,
-    ) {
-        let ev = RouterEvent {
-            worker_id: worker,
-            event: dyn_protocol::kv::KvCacheEvent {
-                event_id,
-                dp_rank: 0,
-                medium: Default::default(),
-                data: KvEventData::Stored {
-                    parent_hash: None,
-                    blocks,
-                },
-            },
-        };
-        let payload = serde_json::to_vec(&ev).expect("json");
-        planes
-            .events
-            .publish("dyn.ns.decode.kv_events", payload.into())
-            .await
-            .expect("publish");
-    }
-
-    async fn route_with(r: &Route, ctx: Ctx, tokens: Vec<u32>) -> u64 {
-        let mut out = r.call(
-            ctx,
-            stream::iter([dyn_protocol::testing::preprocessed(tokens, 1)]).boxed(),
-        );
-        out.next()
-            .await
-            .expect("item")
-            .expect("routed")
-            .target
-            .expect("target")
-            .get()
-    }
-
-    #[tokio::test]
-    async fn kv_policy_follows_the_cached_prefix() {
-        let planes = Planes::embedded();
-        let r = kv_router(&planes, &[10, 11]).await;
-        let prompt: Vec<u32> = (0..64).collect();
-        publish_stored(&planes, 11, &prompt).await;
-        let kv = r.inner.kv.as_ref().expect("kv state");
-        until("the stored blocks indexed", || {
-            kv.index.read().worker_blocks(11) == 4
-        })
-        .await;
-        let d = r.inner.decide(&prompt).expect("decides");
-        assert_eq!(d.worker, 11);
-        let c11 = d.candidates.iter().find(|c| c.worker == 11).expect("11");
-        assert_eq!(
-            (c11.matched_blocks, c11.prefill_blocks, c11.prefill_tokens),
-            (4, 0, 0)
-        );
-        // While the request is active its blocks count against worker 11; once it is over
-        // they are released.
-        let ctx = Ctx::new();
-        assert_eq!(route_with(&r, ctx.clone(), prompt.clone()).await, 11);
-        assert_eq!(r.inner.active.load(11).decode_blocks, 4);
-        assert_eq!(r.inner.active.load(11).prefill_tokens, 0, "fully cached");
-        drop(ctx);
-        until("the load released", || {
-            r.inner.active.load(11) == sequences::Load::default()
-        })
-        .await;
-    }
-
-    /// A salted prompt matches the blocks a worker stored under the same salt only: not the
-    /// unsalted prompt's, not another salt's (and an unsalted prompt not the salted ones).
-    #[tokio::test]
-    async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
-        use dyn_protocol::kv::{block_hashes_salted, salt_hash};
-        let planes = Planes::embedded();
-        let r = kv_router(&planes, &[10, 11]).await;
-        let prompt: Vec<u32> = (0..64).collect();
-        let a = Some(salt_hash("a"));
-        // Worker 11 caches the prompt under salt "a", worker 10 unsalted.
-        publish_blocks(&planes, 11, 0, block_hashes_salted(&prompt, 16, a)).await;
-        publish_stored(&planes, 10, &prompt).await;
-        let kv = r.inner.kv.as_ref().expect("kv state");
-        until("the stored blocks indexed", || {
-            let ix = kv.index.read();
-            ix.worker_blocks(11) == 4 && ix.worker_blocks(10) == 4
-        })
-        .await;
-        let matched = |salt: Option<u64>| -> Vec<(u64, usize)> {
-            let d = r
-                .inner
-                .decide_without(&prompt, salt, None, &|_| false)
-                .expect("decides");
-            let mut m: Vec<(u64, usize)> = d
-                .candidates
-                .iter()
-                .map(|c| (c.worker, c.matched_blocks))
-                .collect();
-            m.sort();
-            m
-        };
-        assert_eq!(matched(a), vec![(10, 0), (11, 4)]);
-        assert_eq!(matched(None), vec![(10, 4), (11, 0)]);
-        assert_eq!(matched(Some(salt_hash("b"))), vec![(10, 0), (11, 0)]);
-        // Through the operator: the request's `cache_salt` decides.
-        let mut req = dyn_protocol::testing::preprocessed(prompt.clone(), 1);
-        req.sampling.cache_salt = Some("a".into());
-        let mut out = r.call(Ctx::new(), stream::iter([req]).boxed());
-        let routed = out.next().await.expect("item").expect("routed");
-        assert_eq!(
-            (routed.target.map(|t| t.get()), routed.cached_tokens),
-            (Some(11), 64)
-        );
-    }
-
-    #[tokio::test]
-    async fn a_departed_worker_leaves_the_index() {
-        let planes = Planes::embedded();
-        let r = kv_router(&planes, &[10, 11]).await;
-        publish_stored(&planes, 11, &(0..32).collect::<Vec<_>>()).await;
-        let kv = r.inner.kv.as_ref().expect("kv state");
-        until("the blocks indexed", || {
-            kv.index.read().worker_blocks(11) == 2
-        })
-        .await;
-        let key = Instance {
-            namespace: "ns".into(),
-            component: "decode".into(),
-            endpoint: ENDPOINT.into(),
-            instance_id: 11.into(),
-            transport: Transport::InProcess,
-            metadata: Default::default(),
-        }
-        .key();
-        planes.discovery.deregister(&key).await.expect("deregister");
-        // Reconciled on the router's once-a-second tick.
-        until("the index emptied", || kv.index.read().stats().nodes == 0).await;
-        assert_eq!(
-            kv.index.read().worker_ids().collect::<Vec<_>>(),
-            Vec::<u64>::new()
-        );
-    }
-
-    #[tokio::test]
-    async fn least_loaded_counts_active_requests_until_they_finish() {
-        let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::LeastLoaded,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[1, 2]).await;
-        let a = Ctx::new();
-        let first = route_with(&r, a.clone(), vec![1, 2, 3]).await;
-        let b = Ctx::new();
-        let second = route_with(&r, b.clone(), vec![1, 2, 3]).await;
-        assert_ne!(first, second, "the busy worker is avoided");
-        a.first_output();
-        assert_eq!(r.inner.active.load(first).prefill_tokens, 0);
-        assert_eq!(r.inner.active.load(first).requests, 1);
-        drop(a);
-        assert_eq!(r.inner.active.load(first).requests, 0);
-        assert_eq!(route_with(&r, Ctx::new(), vec![1]).await, first);
-        drop(b);
-        assert!(r.inner.active.snapshot().is_empty());
-    }
-
-    #[tokio::test]
-    async fn approximate_kv_remembers_its_own_decisions_until_the_ttl() {
-        let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            kv_events: false,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[1, 2, 3]).await;
-        let prompt: Vec<u32> = (100..164).collect();
-        let w = route_with(&r, Ctx::new(), prompt.clone()).await;
-        let kv = r.inner.kv.as_ref().expect("kv");
-        assert_eq!(r.inner.decide(&prompt).expect("decides").worker, w);
-        // Not yet expired with a long TTL; gone with a zero one.
-        kv.expire(Duration::from_secs(3600));
-        assert_eq!(kv.index.read().worker_blocks(w), 4);
-        kv.expire(Duration::ZERO);
-        assert_eq!(kv.index.read().worker_blocks(w), 0);
-        assert_eq!(kv.own_decisions(), 0);
-    }
-
-    #[test]
-    fn bad_settings_are_reported() {
-        let c = RouteConfig {
-            overlap_weight: Some(-1.0),
-            miss_weight: -1.0,
-            overlap_credit: 1.5,
-            load_bound: 0.5,
-            busy_threshold: Some(2.0),
-            temperature: f64::NAN,
-            approx_ttl_s: 0.0,
-            block_size: Some(0),
-            ..RouteConfig::default()
-        };
-        let fields = c.validate();
-        // overlap_weight twice: negative, and given with `cost: time`.
-        assert_eq!(fields.len(), 9, "{fields:#?}");
-        assert!(RouteConfig::default().validate().is_empty());
-        let blocks = RouteConfig {
-            cost: CostModel::Blocks,
-            overlap_weight: Some(2.0),
-            ..RouteConfig::default()
-        };
-        assert!(blocks.validate().is_empty());
-    }
-
-    #[test]
-    fn dynamo_router_settings_carry_over_under_their_names() {
-        let c: RouteConfig = serde_json::from_value(serde_json::json!({
-            "policy": "kv",
-            "router_temperature": 0.5,
-            "kv_overlap_score_credit": 0.25,
-            "busy_threshold": 0.9,
-            "router_ttl_secs": 60.0,
-            "kv_cache_block_size": 32,
-            "use_kv_events": false,
-        }))
-        .expect("Dynamo's names parse");
-        assert_eq!(
-            (c.temperature, c.overlap_credit, c.busy_threshold),
-            (0.5, 0.25, Some(0.9))
-        );
-        assert_eq!(
-            (c.approx_ttl_s, c.block_size, c.kv_events),
-            (60.0, Some(32), false)
-        );
-        assert!(c.validate().is_empty());
-        // Dynamo's overlap weight is the blocks cost's.
-        let c: RouteConfig = serde_json::from_value(serde_json::json!({
-            "policy": "kv", "cost": "blocks", "overlap_score_weight": 2.0,
-        }))
-        .expect("parses");
-        assert_eq!(c.pricing().overlap_weight, 2.0);
-        assert!(c.validate().is_empty());
-        // A Dynamo knob with no counterpart is an unknown field, as any other.
-        let e = serde_json::from_value::<RouteConfig>(serde_json::json!({
-            "policy": "kv", "router_replica_sync": true,
-        }))
-        .expect_err("unknown");
-        assert!(e.to_string().contains("router_replica_sync"), "{e}");
-    }
-
-    #[tokio::test]
-    async fn needs_exactly_one_consumer() {
-        let planes = Planes::embedded();
-        let mut c = cx(&planes);
-        c.consumers.clear();
-        assert!(RouteConfig::default().build(&c).await.is_err());
-    }
-
-    /// An adapter's requests stay with the worker that got its first one (it holds the
-    /// adapter) while the load allows; another adapter's may go elsewhere; a worker that has
-    /// not seen an adapter for `lora_slots` others no longer counts as holding it.
-    #[tokio::test]
-    async fn an_adapter_s_requests_go_where_it_is_held_until_the_load_says_otherwise() {
-        let planes = Planes::embedded();
-        let config = RouteConfig {
-            policy: Policy::Kv,
-            lora_slots: 2,
-            // Ten queued 40-token prompts at the default 0.02 ms a token.
-            lora_load_ms: 8.0,
-            ..RouteConfig::default()
-        };
-        let r = started(&planes, config, &[10, 11]).await;
-        let mut prompt = 0u32;
-        let mut go = |lora: Option<&str>| {
-            let ctx = Ctx::new();
-            prompt += 100;
-            let tokens: Vec<u32> = (prompt..prompt + 40).collect();
-            let w = r
-                .inner
-                .route(&ctx, &tokens, None, lora, None, Precedence::default())
-                .expect("routed")
-                .0;
-            (w, ctx)
-        };
-        // One at a time (each done before the next): the holder every time.
-        let home = go(Some("a")).0;
-        for _ in 0..8 {
-            assert_eq!(go(Some("a")).0, home);
-        }
-        // Held open, they pile up on the holder until its queue outweighs a read elsewhere:
-        // a hot adapter spreads.
-        let busy: Vec<(u64, Ctx)> = (0..40).map(|_| go(Some("a"))).collect();
-        let away = busy.iter().filter(|(w, _)| *w != home).count();
-        assert!(
-            away > 0 && away < 40,
-            "{away} of 40 went away from the holder"
-        );
-        drop(busy);
-        // Both hold `a` now; the other worker forgets it after two other adapters.
-        let other = if home == 10 { 11 } else { 10 };
-        r.inner.hold_lora(other, "b");
-        r.inner.hold_lora(other, "c");
-        let d = r
-            .inner
-            .decide_without(&[1, 2, 3], None, Some("a"), &|_| false)
-            .expect("decides");
-        let lora_ms: Vec<(u64, f64)> = d.candidates.iter().map(|c| (c.worker, c.lora_ms)).collect();
-        assert!(
-            lora_ms.contains(&(home, 0.0)) && lora_ms.contains(&(other, 8.0)),
-            "{lora_ms:?}"
-        );
-    }
-}
+mod tests;
