@@ -266,7 +266,8 @@ impl Preprocess {
         with.strip_prefix(&without).map(str::to_owned)
     }
 
-    fn render_with(
+    /// The chat prompt's text: the messages and tools through the model's chat template.
+    pub fn render_with(
         &self,
         messages: &[dyn_protocol::types::ChatMessage],
         tools: &[serde_json::Value],
