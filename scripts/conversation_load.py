@@ -2,12 +2,12 @@
 """Long conversations against an OpenAI-compatible server, as a stateless chat API sees an
 agent: every turn resends the whole history plus one new user message, and asks for one token.
 
-Usage: conversation_load.py PORT CONVERSATIONS TURNS WORDS PID...
+Usage: [SEED=N] conversation_load.py PORT CONVERSATIONS TURNS WORDS PID...
 
 CONVERSATIONS conversations of TURNS turns run interleaved (turn t of every conversation, then
 turn t + 1), so a server's cache of one conversation sees the others in between. Each turn adds
-a user message and, after the answer, an assistant message of WORDS words each (fixed, seeded
-text: the same in every run). The server's CPU (user + system of the PIDs' process trees, from
+a user message and, after the answer, an assistant message of WORDS words each (seeded text:
+the same for the same SEED, new conversations for another). The server's CPU (user + system of the PIDs' process trees, from
 /proc) is read before the last half of the turns and after them; one JSON line goes to stdout:
 CPU per turn over the last half, the last turn's prompt tokens, and any failures.
 """
@@ -19,24 +19,8 @@ import random
 import sys
 import time
 
-
-def tree_cpu(roots):
-    """CPU seconds (user + system) of `roots` and all their descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                rest = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(p)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        total += stats.get(pid, (0, 0))[1]
-        todo += [c for c, (ppid, _) in stats.items() if ppid == pid]
-    return total / tick
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proc_cpu import tree_cpu  # noqa: E402
 
 
 def main():
@@ -47,6 +31,7 @@ def main():
         "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
         for _ in range(2000)
     ]
+    rng = random.Random(int(os.environ.get("SEED", "1")))
 
     def text(n):
         return " ".join(rng.choice(vocab) for _ in range(n)) + "."
