@@ -13,29 +13,36 @@
 //!
 //! Why cutting after an added token gives the tokens a full encode would: tokenizers split
 //! the text at added tokens before anything else and encode the pieces between them on their
-//! own, so the tokens before the cut do not depend on the text after it. A tokenizer for which
-//! that does not hold (a normalizer or pre-tokenizer that looks across pieces, such as a
-//! Metaspace that prefixes only the first piece) is found when the cache is made, by encoding
-//! probe texts whole and in two parts; the cache is then off for that model
+//! own, so the tokens before the cut do not depend on the text after it. Only added tokens
+//! for which that holds are cut points: none that strips the whitespace around it or matches
+//! only a single word (its match depends on the text after it), none matched after
+//! normalization, none whose text begins another added token's. And each cut point is probed
+//! when the cache is made, by encoding texts around it whole and in two parts; a tokenizer
+//! that fails (a Metaspace that prefixes only the first piece, say) gets no cache
 //! ([`PrefixCache::new`] returns `None`).
 //!
-//! Bounded by entries and by tokens held, least recently used first out.
+//! Keys and text hashes are seeded per process, so no client can aim a collision. Bounded by
+//! entries and by tokens held, least recently used first out.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use dyn_protocol::types::ChatMessage;
 use lru::LruCache;
 use parking_lot::Mutex;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use tokenizers::AddedToken;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
 
 use crate::encoder::Encoder;
 
 /// The cache of one model and chat template.
 pub struct PrefixCache {
-    /// Added tokens' ids and their text: where a tokenization may be cut.
+    /// The added tokens a tokenization may be cut after: their ids and text.
     added: HashMap<u32, String>,
+    /// Seeds every hash: random per process.
+    seed: u64,
     max_tokens: usize,
     inner: Mutex<Entries>,
 }
@@ -62,20 +69,24 @@ pub struct Hit {
 
 impl PrefixCache {
     /// A cache of at most `max_entries` prefixes and `max_tokens` tokens for the tokenizer
-    /// behind `encoder` (whose added tokens are `added`), or `None` when that tokenizer cannot
-    /// be cut after an added token (see the module docs).
+    /// behind `encoder`, whose added tokens are `added`; `None` when none of them is a safe
+    /// cut point, or the tokenizer cannot be cut after one (see the module docs).
     pub fn new(
         encoder: &Encoder,
-        added: HashMap<u32, String>,
+        added: impl IntoIterator<Item = (u32, AddedToken)>,
         max_entries: usize,
         max_tokens: usize,
     ) -> Option<Self> {
         let cap = NonZeroUsize::new(max_entries)?;
+        let added = cut_points(added);
         if added.is_empty() || max_tokens == 0 || !splits_at_added_tokens(encoder, &added) {
             return None;
         }
         Some(Self {
             added,
+            seed: std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish(),
             max_tokens,
             inner: Mutex::new(Entries {
                 lru: LruCache::new(cap),
@@ -86,8 +97,8 @@ impl PrefixCache {
 
     /// The key of each prefix of `messages` (`keys[k]`: the first `k` messages) within
     /// `scope`. One pass over the messages' bytes.
-    pub fn keys(scope: &[&[u8]], messages: &[ChatMessage]) -> Vec<u64> {
-        let mut h = Xxh3::new();
+    pub fn keys(&self, scope: &[&[u8]], messages: &[ChatMessage]) -> Vec<u64> {
+        let mut h = Xxh3::with_seed(self.seed);
         for part in scope {
             feed(&mut h, part);
         }
@@ -115,17 +126,23 @@ impl PrefixCache {
     /// The longest cached prefix of the conversation whose prefix keys are `keys` (its whole
     /// self excluded) and whose rendered prompt is `text`.
     pub fn lookup(&self, keys: &[u64], text: &str) -> Option<Hit> {
-        let found = {
+        let found: Vec<Arc<Entry>> = {
             let mut inner = self.inner.lock();
-            keys.iter()
+            let last = keys.len().saturating_sub(1);
+            keys[..last]
+                .iter()
                 .rev()
-                .skip(1)
-                .find_map(|k| inner.lru.get(k).cloned())
-        }?;
-        let prefix = text.as_bytes().get(..found.cut)?;
-        (xxh3_64(prefix) == found.text_hash).then(|| Hit {
-            cut: found.cut,
-            tokens: found.tokens.clone(),
+                .filter_map(|k| inner.lru.get(k).cloned())
+                .collect()
+        };
+        // Hashed outside the lock; a prefix the template rendered otherwise this time is passed
+        // over for a shorter one.
+        found.into_iter().find_map(|e| {
+            let prefix = text.as_bytes().get(..e.cut)?;
+            (xxh3_64_with_seed(prefix, self.seed) == e.text_hash).then(|| Hit {
+                cut: e.cut,
+                tokens: e.tokens.clone(),
+            })
         })
     }
 
@@ -153,7 +170,7 @@ impl PrefixCache {
         let cut = start + content.len();
         let entry = Arc::new(Entry {
             cut,
-            text_hash: xxh3_64(&text.as_bytes()[..cut]),
+            text_hash: xxh3_64_with_seed(&text.as_bytes()[..cut], self.seed),
             tokens: tokens[..=i].into(),
         });
         let held = entry.tokens.len();
@@ -186,8 +203,28 @@ fn feed(h: &mut Xxh3, bytes: &[u8]) {
     h.update(bytes);
 }
 
+/// The added tokens after which a text may be cut: matched as they are (not normalized),
+/// whatever stands next to them (no whitespace stripping, not a single word only), and not
+/// the beginning of another added token's text.
+fn cut_points(added: impl IntoIterator<Item = (u32, AddedToken)>) -> HashMap<u32, String> {
+    let added: Vec<(u32, AddedToken)> = added.into_iter().collect();
+    let contents: Vec<String> = added.iter().map(|(_, t)| t.content.clone()).collect();
+    added
+        .into_iter()
+        .filter(|(_, t)| {
+            let plain =
+                !(t.content.is_empty() || t.normalized || t.lstrip || t.rstrip || t.single_word);
+            let begins_another = contents
+                .iter()
+                .any(|c| c.len() > t.content.len() && c.starts_with(&t.content));
+            plain && !begins_another
+        })
+        .map(|(id, t)| (id, t.content))
+        .collect()
+}
+
 /// Whether encoding a text in two parts cut right after an added token gives the tokens of
-/// encoding it whole, on probe texts around each added token (the first 16).
+/// encoding it whole, on probe texts around every cut point.
 fn splits_at_added_tokens(encoder: &Encoder, added: &HashMap<u32, String>) -> bool {
     const AROUND: &[(&str, &str)] = &[
         ("Hello there.", " How are you?"),
@@ -197,9 +234,7 @@ fn splits_at_added_tokens(encoder: &Encoder, added: &HashMap<u32, String>) -> bo
         ("", "Start"),
         ("end", ""),
     ];
-    let mut contents: Vec<&String> = added.values().collect();
-    contents.sort();
-    contents.iter().take(16).all(|tok| {
+    added.values().all(|tok| {
         AROUND.iter().all(|(before, after)| {
             let head = format!("{before}{tok}");
             let whole = format!("{head}{after}");
@@ -216,4 +251,30 @@ fn splits_at_added_tokens(encoder: &Encoder, added: &HashMap<u32, String>) -> bo
             }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A token whose match depends on what follows it (stripping, single word, normalized,
+    /// or the beginning of a longer token) is never a cut point.
+    #[test]
+    fn only_tokens_matched_whatever_follows_are_cut_points() {
+        let t = |s: &str| AddedToken::from(s, true);
+        let added = [
+            (1, t("<|eot_id|>")),
+            (2, t("<|end|>").rstrip(true)),
+            (3, t("<|start|>").lstrip(true)),
+            (4, t("word").single_word(true)),
+            (5, t("<n>").normalized(true)),
+            (6, t("  ")),
+            (7, t("   ")),
+            (8, t("")),
+        ];
+        let cuts = cut_points(added);
+        let mut kept: Vec<&str> = cuts.values().map(String::as_str).collect();
+        kept.sort();
+        assert_eq!(kept, ["   ", "<|eot_id|>"]);
+    }
 }

@@ -187,13 +187,7 @@ impl Preprocess {
     /// With a cache of tokenized conversation prefixes of at most `max_tokens` tokens (none
     /// for 0, or where the tokenizer cannot be cut after an added token).
     pub fn with_prefix_cache(mut self, max_tokens: usize) -> Self {
-        let added = self
-            .model
-            .tokenizer
-            .get_added_tokens_decoder()
-            .into_iter()
-            .map(|(id, t)| (id, t.content))
-            .collect();
+        let added = self.model.tokenizer.get_added_tokens_decoder();
         self.prefixes =
             PrefixCache::new(&self.encoder, added, PREFIX_CACHE_ENTRIES, max_tokens).map(Arc::new);
         self
@@ -395,13 +389,18 @@ impl Preprocess {
         messages: &[dyn_protocol::types::ChatMessage],
         text: String,
     ) -> Result<Vec<u32>, OpError> {
-        let keys = PrefixCache::keys(scope, messages);
-        let tokens = match cache.lookup(&keys, &text) {
-            Some(hit) => {
+        let keys = cache.keys(scope, messages);
+        // `get`, not indexing: equal bytes before the cut make it a char boundary here too,
+        // but a hash collision must not be a panic.
+        let hit = cache
+            .lookup(&keys, &text)
+            .and_then(|hit| Some((text.get(hit.cut..)?.to_owned(), hit.tokens)));
+        let tokens = match hit {
+            Some((rest, prefix)) => {
                 PREFIX_CACHE.with_label_values(&["hit"]).inc();
-                let rest = self.encode(text[hit.cut..].to_owned(), false).await?;
-                let mut tokens = Vec::with_capacity(hit.tokens.len() + rest.len());
-                tokens.extend_from_slice(&hit.tokens);
+                let rest = self.encode(rest, false).await?;
+                let mut tokens = Vec::with_capacity(prefix.len() + rest.len());
+                tokens.extend_from_slice(&prefix);
                 tokens.extend(rest);
                 tokens
             }
@@ -410,7 +409,10 @@ impl Preprocess {
                 self.encode(text.clone(), false).await?
             }
         };
-        if let Some(&key) = keys.last() {
+        // A prompt too long to run is not kept: it would only push out conversations that run.
+        if let Some(&key) = keys.last()
+            && tokens.len() < self.model.context_length as usize
+        {
             cache.insert(key, &text, &tokens);
         }
         Ok(tokens)
@@ -779,13 +781,12 @@ mod tests {
                 path.display()
             );
             // Another tenant's conversation does not start from this one's prefix.
-            let keys = PrefixCache::keys(&[b"other", b"[]", &[1]], &messages[..messages.len() - 1]);
+            let keys = cache.keys(&[b"other", b"[]", &[1]], &messages[..messages.len() - 1]);
             let text = cached
                 .render_with(&messages[..messages.len() - 1], &[], true)
                 .unwrap();
             assert!(cache.lookup(&keys, &text).is_none());
-            let keys =
-                PrefixCache::keys(&[b"tenant", b"[]", &[1]], &messages[..messages.len() - 1]);
+            let keys = cache.keys(&[b"tenant", b"[]", &[1]], &messages[..messages.len() - 1]);
             assert!(cache.lookup(&keys, &text).is_some(), "{}", path.display());
         }
     }
