@@ -17,7 +17,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use dyn_protocol::types::FinishReason;
 use futures::{Stream, StreamExt};
@@ -27,41 +27,10 @@ use serde_json::{Value, json};
 use super::answer::{self, Ending, Event, Whole};
 use super::tools::ToolCall;
 use super::{ApiError, KeyTenant, invalid};
-use crate::http::App;
+use crate::app::App;
 use crate::openai::request as openai;
 use crate::pipeline;
-
-/// Anthropic's error types by status.
-fn error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        400 | 422 => "invalid_request_error",
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        504 => "timeout_error",
-        _ => "api_error",
-    }
-}
-
-/// An error's body in Anthropic's shape.
-pub(crate) fn error_body(e: &ApiError) -> Value {
-    let mut message = e.message.clone();
-    if let Some(p) = &e.param {
-        message = format!("{p}: {message}");
-    }
-    json!({"type": "error", "error": {"type": error_type(e.status), "message": message}})
-}
-
-/// An error as Anthropic's clients read it (status, `Retry-After` as OpenAI's routes send it).
-pub(crate) fn error_response(e: ApiError) -> Response {
-    let body = error_body(&e);
-    let mut r = e.into_response();
-    *r.body_mut() = axum::body::Body::from(body.to_string());
-    r
-}
+use crate::{anthropic_error, anthropic_error_body};
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged, expecting = "a string or a list of content blocks")]
@@ -351,7 +320,7 @@ pub(crate) async fn messages(
     let (started, opts) =
         match pipeline::start(&app, "messages", key.as_ref(), &headers, parsed).await {
             Ok(s) => s,
-            Err(e) => return error_response(e),
+            Err(e) => return anthropic_error(e),
         };
     let id = format!("msg_{}", started.id);
     let model = opts.named.to_string();
@@ -360,7 +329,7 @@ pub(crate) async fn messages(
     if !stream {
         return match answer::collect(events).await {
             Ok((whole, end)) => Json(message(&id, &model, whole, &end)).into_response(),
-            Err(e) => error_response(e),
+            Err(e) => anthropic_error(e),
         };
     }
     (
@@ -491,7 +460,7 @@ fn sse(
                     return;
                 }
                 Event::Failed(e) => {
-                    yield event("error", &error_body(&e));
+                    yield event("error", &anthropic_error_body(&e));
                     return;
                 }
             };
@@ -523,7 +492,7 @@ pub(crate) async fn count_tokens(
     };
     match counted.await {
         Ok(n) => Json(json!({"input_tokens": n})).into_response(),
-        Err(e) => error_response(e),
+        Err(e) => anthropic_error(e),
     }
 }
 
@@ -618,7 +587,7 @@ mod tests {
         );
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         // Errors read as Anthropic's.
-        let b = error_body(&e);
+        let b = anthropic_error_body(&e);
         assert_eq!(b["type"], "error");
         assert_eq!(b["error"]["type"], "invalid_request_error");
     }

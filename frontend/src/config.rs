@@ -5,12 +5,14 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use dyn_core::{BuildError, Chain, Invalid, Payload};
 use serde::Deserialize;
 use tokio::net::TcpListener;
 
-use crate::*;
+use crate::error::ApiError;
+use crate::keys::{API_KEYS_ENV, ApiKey, KeyTenant, TENANT_NAME_RULE, parse_keys, tenant_name_ok};
+use crate::traffic::{PRIORITY, REQUEST_TIMEOUT, SESSION, SESSION_MAX, Traffic, request_id};
 
 /// Settings every HTTP ingress accepts (flattened into its config).
 #[derive(Debug, Clone, Deserialize)]
@@ -366,5 +368,108 @@ impl ServerConfig {
             .map_err(|e| BuildError::new(format!("cannot read the bound address: {e}")))?;
         tracing::info!(node, addr = %addr, "HTTP ingress listening");
         Ok(listener)
+    }
+}
+
+impl ServerConfig {
+    /// A request's tenant, priority and session from its headers: a key that names its tenant
+    /// decides (a header cannot move its holder to another tenant's share and limits), else
+    /// the tenant header where configured and present (a gateway's word), else the key's;
+    /// `x-priority` and `x-session-id` where present. A malformed one is a 400 naming the
+    /// header; a tenant header naming another key's tenant is a 403.
+    pub fn traffic(
+        &self,
+        headers: &HeaderMap,
+        key: Option<&KeyTenant>,
+    ) -> Result<Traffic, ApiError> {
+        let bad = |name: &str, why: String| {
+            ApiError::invalid("invalid_header", why).with_param(name.to_string())
+        };
+        let header = match key {
+            Some(KeyTenant(_, true)) => None,
+            _ => self.tenant_header.as_deref(),
+        };
+        let tenant = match header.and_then(|h| Some((h, headers.get(h)?))) {
+            Some((h, v)) => match v.to_str().ok().filter(|t| tenant_name_ok(t)) {
+                // Another key's tenant is that key's holder's alone: naming it would read its
+                // stored responses and spend its limits.
+                Some(t) if key.is_some_and(|k| k.0 != t) && self.key_owns(t) => {
+                    return Err(ApiError::new(
+                        StatusCode::FORBIDDEN,
+                        "invalid_request_error",
+                        "permission_denied",
+                        format!(
+                            "{h} names tenant `{t}`, which belongs to another API key; \
+                             use that tenant's key, or a tenant no key has"
+                        ),
+                    )
+                    .with_param(h));
+                }
+                Some(t) => Some(t.to_string()),
+                None => return Err(bad(h, format!("{h}: {TENANT_NAME_RULE}"))),
+            },
+            None => key.map(|k| k.0.clone()),
+        };
+        let priority = match headers.get(PRIORITY) {
+            None => None,
+            Some(v) => {
+                let v = v.to_str().unwrap_or_default().trim();
+                match v
+                    .parse::<i32>()
+                    .ok()
+                    .or_else(|| self.priority_classes.get(v).copied())
+                {
+                    Some(p) => Some(p),
+                    None => {
+                        let names: Vec<&str> =
+                            self.priority_classes.keys().map(String::as_str).collect();
+                        return Err(bad(
+                            PRIORITY,
+                            format!(
+                                "{PRIORITY} must be an integer or one of the graph's classes ({})",
+                                names.join(", ")
+                            ),
+                        ));
+                    }
+                }
+            }
+        };
+        let session = match headers.get(SESSION) {
+            None => None,
+            Some(v) => match v
+                .to_str()
+                .ok()
+                .filter(|s| (1..=SESSION_MAX).contains(&s.len()))
+            {
+                Some(s) => Some(s.to_string()),
+                None => {
+                    return Err(bad(
+                        SESSION,
+                        format!("{SESSION} must be 1 to {SESSION_MAX} visible ASCII characters"),
+                    ));
+                }
+            },
+        };
+        Ok(Traffic {
+            tenant,
+            priority,
+            session,
+        })
+    }
+}
+
+impl ServerConfig {
+    /// Whether an API key has `tenant` as its own: one naming it, or the bare key whose
+    /// place makes it (`key-N`).
+    fn key_owns(&self, tenant: &str) -> bool {
+        let bare = tenant
+            .strip_prefix("key-")
+            .and_then(|n| n.parse::<usize>().ok())
+            .and_then(|n| self.api_keys.get(n.checked_sub(1)?))
+            .is_some_and(|k| matches!(k, ApiKey::Bare(_)));
+        bare || self
+            .api_keys
+            .iter()
+            .any(|k| matches!(k, ApiKey::Named(n) if n.tenant == tenant))
     }
 }

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{ApiError, KeyTenant, invalid};
-use crate::http::App;
+use crate::app::App;
 use crate::pipeline::{self, Options, Started};
 use dyn_protocol::types::{Endpoint, Limits, LlmRequest, Sampling};
 
@@ -292,7 +292,7 @@ pub(crate) fn embedding_request(
                 embed: Some(pooling),
                 lora,
                 session: user
-                    .filter(|u| !u.is_empty() && u.len() <= super::SESSION_MAX)
+                    .filter(|u| !u.is_empty() && u.len() <= crate::SESSION_MAX)
                     .map(str::to_owned),
                 ..Sampling::default()
             },

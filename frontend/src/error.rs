@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use dyn_core::{ErrorKind, OpError};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// An error response in OpenAI's shape.
 #[derive(Debug)]
@@ -191,4 +191,36 @@ pub fn parse_json<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiErr
         };
         ApiError::invalid(code, format!("invalid request body: {e}"))
     })
+}
+
+/// Anthropic's error types by status.
+fn anthropic_error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        504 => "timeout_error",
+        _ => "api_error",
+    }
+}
+
+/// An error's body in Anthropic's shape.
+pub(crate) fn anthropic_error_body(e: &ApiError) -> Value {
+    let mut message = e.message.clone();
+    if let Some(p) = &e.param {
+        message = format!("{p}: {message}");
+    }
+    json!({"type": "error", "error": {"type": anthropic_error_type(e.status), "message": message}})
+}
+
+/// An error as Anthropic's clients read it (status, `Retry-After` as OpenAI's routes send it).
+pub(crate) fn anthropic_error(e: ApiError) -> Response {
+    let body = anthropic_error_body(&e);
+    let mut r = e.into_response();
+    *r.body_mut() = axum::body::Body::from(body.to_string());
+    r
 }

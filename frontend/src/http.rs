@@ -9,7 +9,6 @@
 //! models and the routes are put together.
 
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::extract::State;
@@ -17,7 +16,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use dyn_core::{
-    BuildCx, BuildError, Chain, Ingress, IngressConfig, Invalid, OpError, ReasoningParserName,
+    BuildCx, BuildError, Ingress, IngressConfig, Invalid, OpError, ReasoningParserName,
     ShutdownSignal,
 };
 use dyn_llm::model::ModelDir;
@@ -36,6 +35,7 @@ use super::admin::Admin;
 use super::lora::{Adapters, Catalog};
 use super::reasoning::ReasoningFormat;
 use super::tools::ToolFormat;
+use crate::app::{App, AppChain, Served, unix_now};
 
 /// Only the shared server settings ([`ServerConfig`]: listen address, body limit, keys, traffic
 /// headers).
@@ -97,7 +97,7 @@ impl IngressConfig for HttpConfig {
             admin,
             stats: cx.service::<FrontendStats>().await?,
             catalog,
-            responses: super::responses::Store {
+            responses: crate::app::Store {
                 kv: cx.planes.store.clone(),
                 // Graphs sharing a NATS server keep apart by namespace.
                 bucket: self.server.responses_store.bucket(format!(
@@ -154,35 +154,7 @@ pub struct Http {
     admin: Admin,
     stats: Arc<FrontendStats>,
     catalog: Arc<Catalog>,
-    responses: super::responses::Store,
-}
-
-/// One base model the ingress serves: how its answers are parsed (configured, or detected
-/// from its chat template).
-pub(crate) struct Served {
-    pub(crate) name: Arc<str>,
-    pub(crate) tool_format: ToolFormat,
-    pub(crate) reasoning: Option<ReasoningFormat>,
-    /// Its tokenizer and template (`/tokenize`, `/detokenize`).
-    pub(crate) preprocess: Arc<Preprocess>,
-}
-
-type AppChain = Chain<LlmRequest, LlmDelta>;
-
-#[derive(Clone)]
-pub(crate) struct App {
-    pub(crate) chain: AppChain,
-    /// The models served, in the catalog's order.
-    pub(crate) served: Arc<[Served]>,
-    pub(crate) created: u64,
-    /// The planner's view of this frontend's traffic.
-    pub(crate) stats: Arc<FrontendStats>,
-    /// The shared server settings (the request deadline's default).
-    pub(crate) server: Arc<ServerConfig>,
-    /// The models and their LoRA adapters: which `model` names run what.
-    pub(crate) catalog: Arc<Catalog>,
-    /// Where the Responses API keeps what it stores.
-    pub(crate) responses: super::responses::Store,
+    responses: crate::app::Store,
 }
 
 impl Ingress for Http {
@@ -230,12 +202,6 @@ impl Ingress for Http {
         let app = super::app(&self.config, api, open);
         super::serve(self.listener, app, shutdown, chain).boxed()
     }
-}
-
-pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 async fn metrics() -> Response {

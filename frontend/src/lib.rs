@@ -1,10 +1,14 @@
-//! dyn-frontend: the HTTP ingresses — the OpenAI-compatible `http` kind ([`openai`]) with its
-//! admin routes ([`admin`]) and `/metrics`, and the debugging `http_text` kind ([`text`]) —
-//! and the frontend's metrics ([`metrics`]). It must not depend on any engine (dyn-engine,
-//! dyn-external): changing an engine must not recompile the frontend.
+//! dyn-frontend: the HTTP ingresses — the `http` kind ([`http`], which mounts every route:
+//! OpenAI's chat and completions, Responses, Anthropic's Messages, embeddings, vLLM's
+//! tokenizer routes, LoRA and the admin routes ([`admin`]), `/metrics`) and the debugging
+//! `http_text` kind ([`text`]) — and the frontend's metrics ([`metrics`]). It must not depend
+//! on any engine (dyn-engine, dyn-external): changing an engine must not recompile the
+//! frontend.
 //!
-//! HTTP ingresses and the plumbing they share: binding, OpenAI-style error objects, API keys,
-//! health endpoints, body limits and graceful shutdown.
+//! What every HTTP ingress shares is split by what it owns: the settings ([`ServerConfig`],
+//! `config.rs`), API keys and tenants (`keys.rs`), the headers a request carries
+//! (`traffic.rs`), the errors clients see (`error.rs`), and serving — request ids, key checks,
+//! health endpoints, body limits, graceful shutdown (`server.rs`).
 //!
 //! Errors that reach a client are OpenAI error objects
 //! (`{"error": {"message", "type", "param", "code"}}`) with a stable `type` and `code`; detail
@@ -13,13 +17,14 @@
 pub mod admin;
 mod answer;
 mod anthropic;
+mod app;
 mod conn;
 mod embeddings;
 pub mod harmony;
 pub mod http;
 pub mod lora;
 pub mod metrics;
-pub mod openai;
+mod openai;
 mod pieces;
 mod pipeline;
 pub mod reasoning;
@@ -30,11 +35,13 @@ pub mod tools;
 
 mod config;
 mod error;
+mod keys;
 mod server;
 mod traffic;
 
 pub use config::*;
 pub use error::*;
+pub use keys::*;
 pub use server::*;
 pub use traffic::*;
 
@@ -175,7 +182,11 @@ mod tests {
 
     #[test]
     fn metadata_is_bounded_as_openai_bounds_it() {
-        let param = |m: serde_json::Value| check_metadata(Some(&m)).err().and_then(|e| e.param);
+        let param = |m: serde_json::Value| {
+            crate::openai::request::check_metadata(Some(&m))
+                .err()
+                .and_then(|e| e.param)
+        };
         assert_eq!(param(json!({"a": "b"})), None);
         assert_eq!(param(json!(null)), None);
         let pairs: serde_json::Map<String, serde_json::Value> =

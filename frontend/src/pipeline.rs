@@ -17,7 +17,7 @@ use futures::StreamExt;
 use super::reasoning::ReasoningFormat;
 use super::tools::ToolFormat;
 use super::{ApiError, KeyTenant};
-use crate::http::App;
+use crate::app::App;
 use crate::metrics::FRONTEND;
 
 impl Options {

@@ -17,33 +17,11 @@ use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tower_http::request_id::{MakeRequestId, PropagateRequestIdLayer, SetRequestIdLayer};
 
-use crate::*;
-
-/// The request's `x-request-id` (the client's, or one [`app`]'s layer generated), if it is
-/// usable as ours.
-pub fn request_id(headers: &HeaderMap) -> Option<dyn_core::RequestId> {
-    headers
-        .get(REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| request_id_ok(v))
-        .map(dyn_core::RequestId::from)
-}
-
-pub(crate) const REQUEST_ID: &str = "x-request-id";
-
-/// The longest client request id taken.
-pub const REQUEST_ID_MAX: usize = 128;
-
-/// Whether a client's request id is taken as it is: 1 to [`REQUEST_ID_MAX`] letters, digits,
-/// `-`, `_`, `.` or `:` (UUIDs, ULIDs, trace ids). Anything else — quotes, `=`, spaces,
-/// control characters — could forge fields or lines in the logs that carry the id, so it is
-/// replaced by a new one.
-pub fn request_id_ok(id: &str) -> bool {
-    (1..=REQUEST_ID_MAX).contains(&id.len())
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
-}
+use crate::config::ServerConfig;
+use crate::error::{ApiError, anthropic_error};
+use crate::keys::{ApiKey, KeyTenant};
+use crate::traffic::{REQUEST_ID, request_id_ok};
+use crate::{conn, metrics};
 
 /// Middleware: drop an `x-request-id` that [`request_id_ok`] refuses, so the id layer makes
 /// a new one (the response then carries that, and the logs never show the client's).
@@ -58,57 +36,6 @@ async fn replace_unsafe_request_id(mut req: Request, next: Next) -> Response {
         req.headers_mut().remove(REQUEST_ID);
     }
     next.run(req).await
-}
-
-/// OpenAI's bounds on `metadata` (Responses, chat completions): at most 16 pairs, keys of at
-/// most 64 characters, values strings of at most 512. A stored response keeps it, so
-/// without them one request could store megabytes.
-pub(crate) fn check_metadata(metadata: Option<&serde_json::Value>) -> Result<(), ApiError> {
-    const PAIRS: usize = 16;
-    const KEY: usize = 64;
-    const VALUE: usize = 512;
-    let bad = |param: String, why: String| invalid(param, why);
-    let m = match metadata {
-        None | Some(serde_json::Value::Null) => return Ok(()),
-        Some(serde_json::Value::Object(m)) => m,
-        Some(_) => {
-            return Err(bad(
-                "metadata".into(),
-                "metadata must be an object of strings".into(),
-            ));
-        }
-    };
-    if m.len() > PAIRS {
-        return Err(bad(
-            "metadata".into(),
-            format!("metadata may have at most {PAIRS} pairs, got {}", m.len()),
-        ));
-    }
-    for (k, v) in m {
-        // The key is not repeated back: it may be the long one.
-        if k.chars().count() > KEY {
-            return Err(bad(
-                "metadata".into(),
-                format!("metadata keys may be at most {KEY} characters"),
-            ));
-        }
-        match v {
-            serde_json::Value::String(v) if v.chars().count() <= VALUE => {}
-            serde_json::Value::String(_) => {
-                return Err(bad(
-                    format!("metadata.{k}"),
-                    format!("metadata values may be at most {VALUE} characters"),
-                ));
-            }
-            _ => {
-                return Err(bad(
-                    format!("metadata.{k}"),
-                    "metadata values must be strings".into(),
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The id of a request that comes without `x-request-id`: dyn's usual form (32 hex digits).
@@ -165,7 +92,7 @@ pub async fn require_api_key(
     );
     // Anthropic's clients read their own error shape.
     if req.uri().path().starts_with("/v1/messages") {
-        return anthropic::error_response(e);
+        return anthropic_error(e);
     }
     e.into_response()
 }

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{ApiError, invalid};
-use crate::http::{App, Served};
+use crate::app::{App, Served};
 use crate::openai::request::{MessageIn, chat_messages, empty};
 
 /// vLLM's `/tokenize` body: a completion's `prompt` or a chat's `messages`.

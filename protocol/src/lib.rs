@@ -4,7 +4,8 @@
 //! ([`transfer`]), and the helpers every crate's Prometheus statics register through
 //! ([`metrics`]).
 //!
-//! It sits just above `dyn-core` and depends on nothing heavier than serde, so an engine, a
+//! It sits just above `dyn-core` and depends on serde and small leaf crates (xxhash, `ring`,
+//! `prometheus`), no tokenizer, kernel or runtime, so an engine, a
 //! router or a planner can speak to the others without compiling them: the router builds and
 //! benchmarks on its own, and a kernel edit rebuilds no protocol user that has no kernel.
 

@@ -21,7 +21,7 @@ use dyn_protocol::types::{Endpoint, FinishReason, LlmDelta, TextLogprob, Usage};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::http::{App, unix_now};
+use crate::app::{App, unix_now};
 use crate::pipeline::{Started, start};
 use crate::{ApiError, KeyTenant};
 use request::{chat_request, completion_request};

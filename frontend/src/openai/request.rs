@@ -12,7 +12,7 @@ use dyn_protocol::types::{
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::http::App;
+use crate::app::App;
 use crate::pipeline::Options;
 use crate::reasoning::ReasoningFormat;
 use crate::tools::{ToolFormat, ToolRequest};
@@ -301,7 +301,7 @@ pub(crate) fn request(
     let (at, lora) = app.catalog.resolve_or_only(c.model.as_deref())?;
     let model = &app.served[at];
     refuse_unsupported(&c.unsupported)?;
-    crate::check_metadata(c.unsupported.get("metadata"))?;
+    check_metadata(c.unsupported.get("metadata"))?;
     let mut constraint = constraint(&c)?;
     // A harmony model answers in channels: the structured answer goes in its `final` channel,
     // after the reasoning the model may write first (a raw Lark grammar stays as written).
@@ -791,3 +791,54 @@ pub(crate) fn completion_request(
 }
 
 // ---- handlers ------------------------------------------------------------------------------
+
+/// OpenAI's bounds on `metadata` (Responses, chat completions): at most 16 pairs, keys of at
+/// most 64 characters, values strings of at most 512. A stored response keeps it, so
+/// without them one request could store megabytes.
+pub(crate) fn check_metadata(metadata: Option<&serde_json::Value>) -> Result<(), ApiError> {
+    const PAIRS: usize = 16;
+    const KEY: usize = 64;
+    const VALUE: usize = 512;
+    let bad = |param: String, why: String| invalid(param, why);
+    let m = match metadata {
+        None | Some(serde_json::Value::Null) => return Ok(()),
+        Some(serde_json::Value::Object(m)) => m,
+        Some(_) => {
+            return Err(bad(
+                "metadata".into(),
+                "metadata must be an object of strings".into(),
+            ));
+        }
+    };
+    if m.len() > PAIRS {
+        return Err(bad(
+            "metadata".into(),
+            format!("metadata may have at most {PAIRS} pairs, got {}", m.len()),
+        ));
+    }
+    for (k, v) in m {
+        // The key is not repeated back: it may be the long one.
+        if k.chars().count() > KEY {
+            return Err(bad(
+                "metadata".into(),
+                format!("metadata keys may be at most {KEY} characters"),
+            ));
+        }
+        match v {
+            serde_json::Value::String(v) if v.chars().count() <= VALUE => {}
+            serde_json::Value::String(_) => {
+                return Err(bad(
+                    format!("metadata.{k}"),
+                    format!("metadata values may be at most {VALUE} characters"),
+                ));
+            }
+            _ => {
+                return Err(bad(
+                    format!("metadata.{k}"),
+                    "metadata values must be strings".into(),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -18,7 +18,6 @@
 //! stored response is visible only to the tenant that made it.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use axum::Json;
 use axum::body::Bytes;
@@ -26,14 +25,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use dyn_core::planes::{Bucket, KeyValue};
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::answer::{self, Event};
 use super::{ApiError, KeyTenant, MAX_STORED_RESPONSE_BYTES, invalid};
-use crate::http::App;
+use crate::app::{App, Store};
 use crate::openai::request as openai;
 use crate::pipeline;
 
@@ -42,13 +40,6 @@ mod translation;
 
 use output::*;
 use translation::*;
-
-/// Where stored responses live.
-#[derive(Clone)]
-pub(crate) struct Store {
-    pub kv: Arc<dyn KeyValue>,
-    pub bucket: Bucket,
-}
 
 /// What is stored per response: the response object, its turn of the conversation (its
 /// input and its answer as chat messages, without `instructions`, which are not carried
@@ -72,8 +63,8 @@ const MAX_TURNS: usize = 1024;
 const MAX_TURN_BYTES: usize = 768 << 10;
 
 /// The longest `user` taken: it is stored and repeated with the response, and it is the
-/// request's session (whose ids are bounded alike, [`super::SESSION_MAX`]).
-const MAX_USER: usize = super::SESSION_MAX;
+/// request's session (whose ids are bounded alike, [`crate::SESSION_MAX`]).
+const MAX_USER: usize = crate::SESSION_MAX;
 
 impl Store {
     async fn load(&self, id: &str, tenant: Option<&str>) -> Result<Stored, ApiError> {

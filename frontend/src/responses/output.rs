@@ -3,23 +3,14 @@
 //! ([`Output`]).
 
 use axum::body::Bytes;
-use dyn_protocol::types::{FinishReason, Usage};
+use dyn_protocol::types::FinishReason;
 use serde_json::{Value, json};
 
-use super::*;
 use crate::ApiError;
 use crate::answer::{Ending, Event};
 use crate::tools::ToolCall;
 
-pub(super) fn usage(u: Usage) -> Value {
-    json!({
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    })
-}
+use super::translation::Meta;
 
 /// A response's status from how its answer ended.
 pub(super) fn status(end: &Ending) -> &'static str {

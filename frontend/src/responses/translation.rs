@@ -2,13 +2,13 @@
 //! items as messages, function tools and `tool_choice` as chat's, `text.format` as
 //! `response_format`, and what the answer must carry back ([`Meta`]).
 
-use dyn_protocol::types::FinishReason;
+use dyn_protocol::types::{FinishReason, Usage};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::*;
+use super::MAX_USER;
 use crate::answer::Ending;
-use crate::http::unix_now;
+use crate::app::unix_now;
 use crate::openai::request as openai;
 use crate::{ApiError, invalid};
 
@@ -265,7 +265,7 @@ pub(super) struct Translated {
 
 pub(super) fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Translated, ApiError> {
     openai::refuse_fields(REFUSED, |name| b.other.get(name))?;
-    crate::check_metadata(b.metadata.as_ref())?;
+    openai::check_metadata(b.metadata.as_ref())?;
     if b.user
         .as_ref()
         .is_some_and(|u| u.chars().count() > MAX_USER)
@@ -376,4 +376,15 @@ impl Meta {
         let hex = self.id.strip_prefix("resp_").unwrap_or(&self.id);
         format!("{kind}_{hex}_{index}")
     }
+}
+
+/// The Responses `usage` object.
+pub(super) fn usage(u: Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
 }
