@@ -20,7 +20,11 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub const HASH_SEED: u64 = 1337;
 
+// The block hashes below are `#[inline]`: the router's index chains them per block on its hot
+// path, and without it a call across the crate boundary is not inlined (no LTO).
+
 /// Local hash of one block's tokens.
+#[inline]
 pub fn local_hash(tokens: &[u32]) -> u64 {
     // Blocks are small (16–64 tokens): serialize on the stack, not the heap.
     const STACK_TOKENS: usize = 64;
@@ -42,6 +46,7 @@ pub fn local_hash(tokens: &[u32]) -> u64 {
 }
 
 /// Sequence hash of a block given its parent's sequence hash.
+#[inline]
 pub fn chain_hash(parent: Option<u64>, local: u64) -> u64 {
     match parent {
         None => local,
@@ -91,6 +96,7 @@ pub fn request_salt(s: &crate::types::Sampling) -> Option<u64> {
 /// The local hash of a prompt's first block under `salt` (a [`salt_hash`]): the salt chained
 /// before the tokens' local hash, as if it were the sequence hash of a parent block; `local`
 /// itself without a salt.
+#[inline]
 pub fn salted_local(salt: Option<u64>, local: u64) -> u64 {
     match salt {
         None => local,

@@ -38,7 +38,7 @@ const NONE: u32 = u32::MAX;
 
 /// Keys are xxh3 outputs already: hashing them again would only cost time.
 #[derive(Default)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -55,7 +55,8 @@ impl Hasher for IdHasher {
     }
 }
 
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+/// A map keyed by block hashes, which are hashes already.
+pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
 /// A prefix in the tree (its membership lives in the [`Slot`] of `by_seq`).
 #[derive(Debug, Clone, Copy)]

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::indexer::IdMap;
 use dyn_protocol::kv::LoadMetrics;
 use dyn_protocol::types::Precedence;
 
@@ -47,8 +48,9 @@ pub struct ActiveSequences {
 struct Active {
     requests: u32,
     prefill_tokens: u64,
-    /// Block hash → active requests holding it.
-    blocks: HashMap<u64, u32>,
+    /// Block hash → how many of the worker's active requests hold it (block hashes are
+    /// hashes already: not hashed again).
+    blocks: IdMap<u32>,
     /// Active requests by precedence: a request has a place there if fewer than the bound
     /// come before it or level with it (the engine preempts the others for it).
     ranks: ByPrecedence,
