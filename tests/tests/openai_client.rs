@@ -98,3 +98,49 @@ fn openai_python_client_lists_and_selects_lora_adapters() {
     assert_eq!(lines[4], json!({"models": ["qv"], "text": true}));
     assert_eq!(lines[5], json!({"error": "NotFoundError", "status": 404}));
 }
+
+/// The client's `completions.create` with every prompt form OpenAI documents — a string,
+/// strings, token ids, lists of token ids — and `n`: one choice per prompt and `n`, indexed
+/// as vLLM does (prompt-major), streamed and not; a mixed list is a 400
+/// (tests/py/completions_prompts.py).
+#[test]
+fn openai_python_client_sends_every_completions_prompt_form() {
+    let Some(python) = std::env::var_os("DYN_TEST_PYTHON") else {
+        dyn_tests::skip(
+            "DYN_TEST_PYTHON is not set (scripts/test sets it up with the openai package)",
+        );
+        return;
+    };
+    let g = Graph::up_with_ingress(
+        "graphs/agg.yaml",
+        "http",
+        &["--set", "decode.mocker.speedup=100"],
+    );
+    let lines = python_lines(&python, "tests/py/completions_prompts.py", &[&g.url("/v1")]);
+    let indexes = |l: &Value| l["indexes"].clone();
+    assert_eq!(indexes(&lines[0]), json!([0]));
+    assert_eq!(indexes(&lines[1]), json!([0, 1]));
+    assert_eq!(indexes(&lines[2]), json!([0]));
+    assert_eq!(indexes(&lines[3]), json!([0, 1, 2, 3]));
+    for l in &lines[..4] {
+        let n = l["indexes"].as_array().unwrap().len();
+        assert_eq!(l["finish"], json!(vec!["length"; n]), "{l}");
+        assert_eq!(l["usage"]["completion_tokens"], json!(3 * n), "{l}");
+        assert!(
+            l["texts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|t| t.as_str().is_some_and(|t| !t.is_empty())),
+            "{l}"
+        );
+    }
+    // Token ids are the prompt as sent: 4 tokens; two prompts of 4 and 3 tokens.
+    assert_eq!(lines[2]["usage"]["prompt_tokens"], 4);
+    assert_eq!(lines[3]["usage"]["prompt_tokens"], 7);
+    assert_eq!(
+        lines[4],
+        json!({"indexes": [0, 1, 2, 3], "finished": [0, 1, 2, 3]})
+    );
+    assert_eq!(lines[5], json!({"error": "BadRequestError", "status": 400}));
+}
