@@ -404,7 +404,7 @@ async fn choices(
         })
     });
     // Choice `i` answers prompt `i / n` (the request's own first, then `more_prompts`).
-    let child = |i: usize| {
+    let child = |i: usize, req: &LlmRequest| {
         let mut r = req.clone();
         let (prompt, j) = (i / n.max(1), i % n.max(1));
         if let Some(p) = prompt.checked_sub(1).and_then(|k| more_prompts.get(k)) {
@@ -419,7 +419,15 @@ async fn choices(
     };
     let n = n * (1 + more_prompts.len());
     let mut guards = vec![ctx.kill_on_drop()];
-    let mut first_out = app.chain.call(ctx.clone(), child(0));
+    // One choice (the usual request) goes down as it came: its messages are not copied.
+    let (first_req, req) = if n == 1 {
+        let mut r = req;
+        r.sampling.seed = seed;
+        (r, None)
+    } else {
+        (child(0, &req), Some(req))
+    };
+    let mut first_out = app.chain.call(ctx.clone(), first_req);
     let first = match first_out.next().await {
         Some(Err(e)) => return Err(ApiError::from(e)),
         // Nothing came back (the request was dropped): no other choice is started.
@@ -427,13 +435,19 @@ async fn choices(
         Some(d) => Some((0, d)),
     };
     let mut streams: Vec<Tagged> = vec![first_out.map(|d| (0, d)).boxed()];
-    for i in 1..n {
+    // The other choices: copies of the request (there are none when `n` is 1).
+    for (i, req) in req.iter().flat_map(|r| (1..n).map(move |i| (i, r))) {
         let mut c = app.chain.ctx(Some(format!("{}-{i}", ctx.id()).into()));
         if let Some(d) = ctx.deadline() {
             c = c.with_deadline(d);
         }
         guards.push(c.kill_on_drop());
-        streams.push(app.chain.call(c, child(i)).map(move |d| (i, d)).boxed());
+        streams.push(
+            app.chain
+                .call(c, child(i, req))
+                .map(move |d| (i, d))
+                .boxed(),
+        );
     }
     Ok((first, futures::stream::select_all(streams).boxed(), guards))
 }
