@@ -132,7 +132,12 @@ impl OperatorConfig for PreprocessConfig {
         if self.tokenizer == TokenizerChoice::Hf {
             p.encoder = Arc::new(p.encoder.without_fast());
         }
-        let p = p.with_prefix_cache(self.prefix_cache_tokens);
+        // Probing the tokenizer's cut points encodes a few texts per added token: off the
+        // runtime, as every long encode is.
+        let tokens = self.prefix_cache_tokens;
+        let p = tokio::task::spawn_blocking(move || p.with_prefix_cache(tokens))
+            .await
+            .map_err(|e| BuildError::new(format!("prefix cache probe failed: {e}")))?;
         tracing::info!(node = %cx.node, fast = p.encoder.is_fast(), prefix_cache = p.prefixes.is_some(), "prompt encoder");
         Ok(p)
     }

@@ -7,19 +7,28 @@
 use dyn_tests::{Graph, python_lines, root};
 use serde_json::{Value, json};
 
-#[test]
-fn openai_python_client_streams_a_chat_completion() {
+/// The test venv's Python and `graphs/agg.yaml` up with a fast mocker; `None` (said as a
+/// skip) without the venv.
+fn python_and_agg() -> Option<(std::ffi::OsString, Graph)> {
     let Some(python) = std::env::var_os("DYN_TEST_PYTHON") else {
         dyn_tests::skip(
             "DYN_TEST_PYTHON is not set (scripts/test sets it up with the openai package)",
         );
-        return;
+        return None;
     };
     let g = Graph::up_with_ingress(
         "graphs/agg.yaml",
         "http",
         &["--set", "decode.mocker.speedup=100"],
     );
+    Some((python, g))
+}
+
+#[test]
+fn openai_python_client_streams_a_chat_completion() {
+    let Some((python, g)) = python_and_agg() else {
+        return;
+    };
     let lines = python_lines(&python, "tests/py/openai_stream.py", &[&g.url("/v1")]);
     let text = lines[0].as_str().unwrap();
     assert!(!text.is_empty());
@@ -105,17 +114,9 @@ fn openai_python_client_lists_and_selects_lora_adapters() {
 /// (tests/py/completions_prompts.py).
 #[test]
 fn openai_python_client_sends_every_completions_prompt_form() {
-    let Some(python) = std::env::var_os("DYN_TEST_PYTHON") else {
-        dyn_tests::skip(
-            "DYN_TEST_PYTHON is not set (scripts/test sets it up with the openai package)",
-        );
+    let Some((python, g)) = python_and_agg() else {
         return;
     };
-    let g = Graph::up_with_ingress(
-        "graphs/agg.yaml",
-        "http",
-        &["--set", "decode.mocker.speedup=100"],
-    );
     let lines = python_lines(&python, "tests/py/completions_prompts.py", &[&g.url("/v1")]);
     let indexes = |l: &Value| l["indexes"].clone();
     assert_eq!(indexes(&lines[0]), json!([0]));
