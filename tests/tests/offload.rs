@@ -41,6 +41,16 @@ async fn evicted_prompts_live_on_per_tier_are_routed_to_and_onboarded() {
             &disk_dir,
             "--set",
             "decode.mocker.speedup=100",
+            // Room in the offload queue for every block the prompts evict: on a loaded machine
+            // the offload thread falls behind the simulated engine, and a full queue drops
+            // blocks (as it should), which would cut the prompt's chain short.
+            "--set",
+            "decode.mocker.offload.queue_blocks=4096",
+            // Prices in blocks, not in the step times the router learns from the workers: a
+            // simulated step at 100× speed measures mostly the machine's noise, and on a busy
+            // machine the holder could price itself out of its own prefix.
+            "--set",
+            "route.cost=blocks",
         ],
     );
     let url = g.url("");
@@ -77,9 +87,11 @@ async fn evicted_prompts_live_on_per_tier_are_routed_to_and_onboarded() {
     );
 
     // The first prompt is gone from every pool, but the router still sees it below one, and
-    // goes where it is. The workers' load reaches the router on its own schedule: until it
-    // has, the holder may still look busy ("its queue outweighs the saved prefill"), so this
-    // waits for the view to settle (a bound that only ends a hang).
+    // goes where it is. The workers' load and their offload events reach the router on their
+    // own schedule: until they have, the holder may still look busy ("its queue outweighs the
+    // saved prefill") or hold only the head of the prompt below its pool (the offload thread
+    // writes the rest), so this waits for the whole prompt to be seen (a bound that only ends
+    // a hang).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let (r, chosen, lower) = loop {
         let r = inspect_json(&url, &["route", "--prompt", &long_prompt(0)])["replicas"][0].clone();
@@ -92,7 +104,10 @@ async fn evicted_prompts_live_on_per_tier_are_routed_to_and_onboarded() {
             .clone();
         let lower =
             chosen["host_blocks"].as_u64().unwrap() + chosen["disk_blocks"].as_u64().unwrap();
-        if lower > 0 || std::time::Instant::now() > deadline {
+        // Every full block of the prompt, in the pool or below it.
+        let whole =
+            chosen["matched_blocks"].as_u64().unwrap() + 1 >= r["prompt_blocks"].as_u64().unwrap();
+        if (lower > 0 && whole) || std::time::Instant::now() > deadline {
             break (r, chosen, lower);
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
