@@ -334,11 +334,11 @@ impl EngineHandle {
         Ok(worker)
     }
 
-    /// The LoRA adapter `req` runs with ([`Sampling::lora`](dyn_protocol::types::Sampling)),
+    /// The LoRA adapter `req` runs with ([`Routing::lora`](dyn_protocol::types::Routing)),
     /// loaded if it is not resident: what [`EngineHandle::submit`] and
     /// [`EngineHandle::submit_prefill`] take with it.
     pub async fn adapter(&self, req: &PreprocessedRequest) -> Result<Option<Lora>, OpError> {
-        let Some(r) = &req.sampling.lora else {
+        let Some(r) = &req.routing.lora else {
             return Ok(None);
         };
         let store = self.settings.loras.as_ref().ok_or_else(|| {
@@ -518,7 +518,7 @@ impl EngineHandle {
         if req.token_ids.is_empty() {
             return Err(OpError::invalid("the prompt has no tokens"));
         }
-        if req.sampling.lora.is_some() != lora.is_some() {
+        if req.routing.lora.is_some() != lora.is_some() {
             // Never the base model's tokens for an adapter's request, nor the reverse.
             return Err(OpError::internal(
                 "a request's LoRA adapter was not resolved before it was queued",
@@ -612,8 +612,8 @@ impl EngineHandle {
             guide,
             offset: u32::try_from(req.token_ids.len() - prompt_len).unwrap_or(u32::MAX),
             role,
-            precedence: s.precedence(),
-            salt: dyn_protocol::kv::request_salt(s),
+            precedence: req.routing.precedence(),
+            salt: dyn_protocol::kv::request_salt(&req.routing),
             lora,
             embed: s.embed,
         };

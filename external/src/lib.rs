@@ -250,7 +250,7 @@ impl ExternalEngine {
             let mut in_use = None;
             let mut applied = None;
             if let Some(listed) = &this.listed {
-                let lora = req.sampling.lora.as_ref();
+                let lora = req.routing.lora.as_ref();
                 if let Some(l) = lora.filter(|l| !is_gguf(&l.path)) {
                     yield Err(OpError::invalid(format!(
                         "model `{}` is a LoRA adapter: llama.cpp reads GGUF LoRA files (its \
@@ -267,7 +267,7 @@ impl ExternalEngine {
                     }
                 }
             }
-            let model = match (&req.sampling.lora, &this.loras) {
+            let model = match (&req.routing.lora, &this.loras) {
                 (None, _) => ep.model.clone(),
                 (Some(_), _) if this.listed.is_some() => ep.model.clone(),
                 (Some(l), Some(loaded)) if !is_gguf(&l.path) => {
@@ -312,7 +312,7 @@ impl ExternalEngine {
     /// server), the server's vector out, normalised as dyn's are. The server pools as it was
     /// started to.
     async fn embed(&self, ep: &Endpoint, req: &PreprocessedRequest) -> Result<Vec<f32>, OpError> {
-        if let Some(l) = &req.sampling.lora {
+        if let Some(l) = &req.routing.lora {
             return Err(OpError::invalid(format!(
                 "model `{}` is a LoRA adapter: external workers embed with their base model only",
                 l.name
@@ -507,7 +507,7 @@ impl ExternalEngine {
             // The server lost an adapter dyn loaded (restarted behind the same URL): load it
             // again when the request is resent.
             if let (reqwest::StatusCode::NOT_FOUND, Some(l), Some(loaded)) =
-                (status, &req.sampling.lora, &self.loras)
+                (status, &req.routing.lora, &self.loras)
             {
                 loaded.forget(ep, l);
                 return Err(OpError::instance_lost(format!(

@@ -123,7 +123,7 @@ pub fn request(
             if kind == ExternalKind::Vllm {
                 put("return_token_ids", json!(true));
                 // vLLM's own field: its prefix cache keeps salted prompts apart too.
-                if let Some(salt) = &s.cache_salt {
+                if let Some(salt) = &req.routing.cache_salt {
                     put("cache_salt", json!(salt));
                 }
                 if let Some(n) = s.logprobs {

@@ -185,6 +185,7 @@ async fn route(State(a): State<Admin>, body: axum::body::Bytes) -> Result<Json<V
         model: model.clone(),
         prompt,
         sampling: Default::default(),
+        routing: Default::default(),
         limits: Default::default(),
         tools: Vec::new(),
     };

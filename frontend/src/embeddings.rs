@@ -27,7 +27,7 @@ use serde_json::Value;
 use super::{ApiError, KeyTenant, invalid};
 use crate::app::App;
 use crate::pipeline::{self, Options, Started};
-use dyn_protocol::types::{Endpoint, Limits, LlmRequest, Sampling};
+use dyn_protocol::types::{Endpoint, Limits, LlmRequest, Routing, Sampling};
 
 /// The most inputs one request may carry (OpenAI's limit).
 const MAX_INPUTS: usize = 2048;
@@ -290,11 +290,14 @@ pub(crate) fn embedding_request(
             prompt,
             sampling: Sampling {
                 embed: Some(pooling),
+                ..Sampling::default()
+            },
+            routing: Routing {
                 lora,
                 session: user
                     .filter(|u| !u.is_empty() && u.len() <= crate::SESSION_MAX)
                     .map(str::to_owned),
-                ..Sampling::default()
+                ..Routing::default()
             },
             limits: Limits::default(),
             tools: Vec::new(),

@@ -225,21 +225,21 @@ pub(crate) async fn start_part(
     // over the body's `priority`).
     let parsed = parsed.and_then(|(mut req, opts)| {
         let t = app.server.traffic(headers, key)?;
-        req.sampling.tenant = t.tenant;
+        req.routing.tenant = t.tenant;
         if let Some(p) = t.priority {
-            req.sampling.priority = p;
+            req.routing.priority = p;
         }
         if t.session.is_some() {
-            req.sampling.session = t.session;
+            req.routing.session = t.session;
         }
         // Behind API keys, a request without a salt of its own caches under its tenant's:
         // tenants share no prefix (nor learn of each other's prompts from its timing) unless
         // they send the same `cache_salt`.
         if key.is_some()
-            && req.sampling.cache_salt.is_none()
-            && let Some(tenant) = &req.sampling.tenant
+            && req.routing.cache_salt.is_none()
+            && let Some(tenant) = &req.routing.tenant
         {
-            req.sampling.cache_salt = Some(dyn_protocol::types::tenant_cache_salt(tenant));
+            req.routing.cache_salt = Some(dyn_protocol::types::tenant_cache_salt(tenant));
         }
         Ok((req, opts))
     });
@@ -253,7 +253,7 @@ pub(crate) async fn start_part(
         }
     };
     let mut track = Track::new(app, req.model.as_str().into(), label, opts.stream);
-    if let Some(l) = &req.sampling.lora {
+    if let Some(l) = &req.routing.lora {
         FRONTEND
             .lora_requests
             .with_label_values(&[req.model.as_str(), &l.name])

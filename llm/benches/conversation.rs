@@ -43,6 +43,7 @@ fn request(messages: Vec<ChatMessage>) -> LlmRequest {
         model: "tiny".into(),
         prompt: Prompt::Messages(messages),
         sampling: Sampling::default(),
+        routing: Default::default(),
         limits: Limits::default(),
         tools: vec![],
     }

@@ -480,8 +480,8 @@ impl Preprocess {
         }
         self.defaults.apply(&mut req.sampling);
         // A conversation's prefix is reused within its tenant and cache salt only.
-        let tenant = req.sampling.tenant.as_deref().unwrap_or_default();
-        let salt = req.sampling.cache_salt.as_deref().unwrap_or_default();
+        let tenant = req.routing.tenant.as_deref().unwrap_or_default();
+        let salt = req.routing.cache_salt.as_deref().unwrap_or_default();
         let scope = [tenant.as_bytes(), salt.as_bytes()];
         let token_ids = self
             .tokenize_in(&scope, req.prompt, &req.tools, None, true)
@@ -528,6 +528,7 @@ impl Preprocess {
             model: req.model,
             token_ids,
             sampling: req.sampling,
+            routing: req.routing,
             output: OutputSpec {
                 prompt_tokens: prompt,
                 min_tokens,
@@ -613,6 +614,7 @@ mod tests {
             model: "tiny".into(),
             prompt: Prompt::Messages(vec![ChatMessage::text("user", content)]),
             sampling: Sampling::default(),
+            routing: Default::default(),
             limits: Limits::default(),
             tools: Vec::new(),
         }

@@ -87,8 +87,8 @@ pub fn salt_of(cache_salt: Option<&str>, lora: Option<&str>) -> Option<u64> {
     }
 }
 
-/// [`salt_of`] a request's sampling parameters: its `cache_salt` and its adapter's key.
-pub fn request_salt(s: &crate::types::Sampling) -> Option<u64> {
+/// [`salt_of`] a request's routing: its `cache_salt` and its adapter's key.
+pub fn request_salt(s: &crate::types::Routing) -> Option<u64> {
     let lora = s.lora.as_ref().map(crate::types::LoraRef::key);
     salt_of(s.cache_salt.as_deref(), lora.as_deref())
 }

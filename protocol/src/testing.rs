@@ -32,6 +32,7 @@ pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
             seed: Some(5),
             ..Sampling::default()
         },
+        routing: Default::default(),
         stop: StopConditions {
             max_tokens,
             min_tokens: 0,

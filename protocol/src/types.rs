@@ -119,9 +119,16 @@ pub struct Sampling {
     /// hidden states pooled this way (normalised), sampling nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub embed: Option<Pooling>,
+}
+
+/// Where and in what order a request runs, and whose cached KV it may share: set by the
+/// ingress (and `yields` by the router's admission), read by admission queues, routers and
+/// engine schedulers, never by a sampler. It travels beside [`Sampling`], which says only how
+/// the output's tokens are drawn, unchanged from the client to the engine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Routing {
     /// Scheduling priority, lower first (vLLM's `priority`; 0 by default): the router's
-    /// admission queue orders waiting requests by it. It travels with the sampling parameters,
-    /// which go unchanged from the client to the engine.
+    /// admission queue orders waiting requests by it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub priority: i32,
     /// Set by the router's admission: the request was sent while its tenant held its share of
@@ -130,7 +137,7 @@ pub struct Sampling {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub yields: bool,
     /// Whose request it is (the API key's tenant, or the ingress's tenant header): the
-    /// admission queue shares capacity between tenants by it. Travels as `priority` does.
+    /// admission queue shares capacity between tenants by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
     /// The conversation it belongs to (`x-session-id`, else OpenAI's `user`): a router with
@@ -140,7 +147,7 @@ pub struct Sampling {
     /// vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same
     /// salt (none: only with unsalted ones). Engines and routers hash the prompt's blocks
     /// with it (`crate::kv::salt_hash`). The client's, else, behind API keys, its
-    /// tenant's ([`tenant_cache_salt`]). Travels as `priority` does.
+    /// tenant's ([`tenant_cache_salt`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
     /// The LoRA adapter it runs with: set by the ingress when the request's `model` names one
@@ -155,7 +162,17 @@ pub struct Sampling {
     pub targets: SlaTargets,
 }
 
-/// A request's latency targets, milliseconds (see [`Sampling::targets`]).
+impl Routing {
+    /// Where the request stands for a place in an engine's batch.
+    pub fn precedence(&self) -> Precedence {
+        Precedence {
+            priority: self.priority,
+            yields: self.yields,
+        }
+    }
+}
+
+/// A request's latency targets, milliseconds (see [`Routing::targets`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SlaTargets {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -185,7 +202,7 @@ pub struct LoraRef {
 }
 
 impl LoraRef {
-    /// What its blocks are hashed with ([`Sampling::lora`]): the name and the version, joined
+    /// What its blocks are hashed with ([`Routing::lora`]): the name and the version, joined
     /// by a NUL, which no model name holds.
     pub fn key(&self) -> String {
         format!("{}\0{:x}", self.name, self.id)
@@ -220,18 +237,8 @@ pub fn tenant_cache_salt(tenant: &str) -> String {
     format!("\u{1}tenant:{tenant}")
 }
 
-impl Sampling {
-    /// Where the request stands for a place in an engine's batch.
-    pub fn precedence(&self) -> Precedence {
-        Precedence {
-            priority: self.priority,
-            yields: self.yields,
-        }
-    }
-}
-
 /// Where a request stands for a place in a batch, lower first: its priority (vLLM's, lower
-/// first), then whether it gives way ([`Sampling::yields`]). Engines with room for no more
+/// first), then whether it gives way ([`Routing::yields`]). Engines with room for no more
 /// preempt a running request for a waiting one that comes strictly before it (vLLM's
 /// priority scheduling), and the router counts a worker's places by it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -309,10 +316,12 @@ pub struct Limits {
 pub struct LlmRequest {
     pub endpoint: Endpoint,
     /// The base model: the ingress names it, for a request of one of its adapters too (the
-    /// adapter travels in `sampling.lora`); it picks the path of graphs with several models.
+    /// adapter travels in `routing.lora`); it picks the path of graphs with several models.
     pub model: String,
     pub prompt: Prompt,
     pub sampling: Sampling,
+    #[serde(default)]
+    pub routing: Routing,
     pub limits: Limits,
     /// The tools offered (OpenAI's `tools`), for the chat template.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -373,6 +382,8 @@ pub struct PreprocessedRequest {
     pub model: String,
     pub token_ids: Vec<u32>,
     pub sampling: Sampling,
+    #[serde(default)]
+    pub routing: Routing,
     pub stop: StopConditions,
     pub output: OutputSpec,
     /// The worker (instance id) a router chose.
@@ -598,11 +609,11 @@ mod tests {
         let json = serde_json::to_string(&req).expect("json");
         assert!(!json.contains("cache_salt"), "{json}");
         let old: PreprocessedRequest = serde_json::from_str(&json).expect("parses");
-        assert_eq!(old.sampling.cache_salt, None);
-        req.sampling.cache_salt = Some("a".into());
+        assert_eq!(old.routing.cache_salt, None);
+        req.routing.cache_salt = Some("a".into());
         let json = serde_json::to_string(&req).expect("json");
         let back: PreprocessedRequest = serde_json::from_str(&json).expect("parses");
-        assert_eq!(back.sampling.cache_salt.as_deref(), Some("a"));
+        assert_eq!(back.routing.cache_salt.as_deref(), Some("a"));
     }
 
     #[test]

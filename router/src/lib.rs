@@ -355,7 +355,7 @@ impl Operator for Route {
         input
             .then(move |mut req| {
                 let (ctx, pools) = (ctx.clone(), pools.clone());
-                let s = &req.sampling;
+                let s = &req.routing;
                 let lora = s.lora.as_ref().map(dyn_protocol::types::LoraRef::key);
                 let salt = dyn_protocol::kv::request_salt(s);
                 let inner = match &pools {
@@ -368,12 +368,12 @@ impl Operator for Route {
                     // admission, rather than after `max_wait_s` as if the node were busy.
                     if let Some(a) = inner.admission.as_ref().filter(|_| inner.workers.any_live()) {
                         let ask = admission::Ask {
-                            priority: req.sampling.priority,
-                            tenant: req.sampling.tenant.as_deref().unwrap_or_default(),
+                            priority: req.routing.priority,
+                            tenant: req.routing.tenant.as_deref().unwrap_or_default(),
                             tokens: req.token_ids.len() as u64 + u64::from(req.stop.max_tokens),
                         };
                         let permit = a.admit(&ctx, ask).await?;
-                        req.sampling.yields = permit.precedence().yields;
+                        req.routing.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
                     let (worker, cached) = inner.route(
@@ -381,10 +381,10 @@ impl Operator for Route {
                         &req.token_ids,
                         salt,
                         lora.as_deref(),
-                        req.sampling.session.as_deref(),
-                        req.sampling.precedence(),
+                        req.routing.session.as_deref(),
+                        req.routing.precedence(),
                     )?;
-                    tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, yields = req.sampling.yields, tenant = req.sampling.tenant.as_deref().unwrap_or_default(), "Routed");
+                    tracing::debug!(request_id = %ctx.id(), worker_id = format_args!("{worker:x}"), cached, yields = req.routing.yields, tenant = req.routing.tenant.as_deref().unwrap_or_default(), "Routed");
                     req.target = Some(worker.into());
                     req.cached_tokens = u32::try_from(cached).unwrap_or(u32::MAX);
                     Ok(req)
@@ -406,7 +406,7 @@ fn pick_pool(
     let (i, why) = pools::choose(
         &rules,
         req.token_ids.len(),
-        &req.sampling.targets,
+        &req.routing.targets,
         |i| !pools[i].1.workers.live().is_empty(),
         |i| pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora),
     );

@@ -395,7 +395,7 @@ impl Inner {
         // The prefill worker's load counts this request until its prefill is over.
         let pctx = ctx.child(format!("{}-prefill", ctx.id()));
         let lora = req
-            .sampling
+            .routing
             .lora
             .as_ref()
             .map(dyn_protocol::types::LoraRef::key);
@@ -404,7 +404,7 @@ impl Inner {
             .choose(
                 &pctx,
                 &req.token_ids,
-                dyn_protocol::kv::request_salt(&req.sampling),
+                dyn_protocol::kv::request_salt(&req.routing),
                 lora.as_deref(),
             )
             .map_err(|e| e.message)?;

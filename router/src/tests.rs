@@ -263,7 +263,7 @@ async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
     assert_eq!(matched(Some(salt_hash("b"))), vec![(10, 0), (11, 0)]);
     // Through the operator: the request's `cache_salt` decides.
     let mut req = dyn_protocol::testing::preprocessed(prompt.clone(), 1);
-    req.sampling.cache_salt = Some("a".into());
+    req.routing.cache_salt = Some("a".into());
     let mut out = r.call(Ctx::new(), stream::iter([req]).boxed());
     let routed = out.next().await.expect("item").expect("routed");
     assert_eq!(

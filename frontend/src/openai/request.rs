@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use dyn_protocol::types::{
-    ChatMessage, Constraint, Endpoint, Limits, LlmRequest, Prompt, Sampling, SlaTargets,
+    ChatMessage, Constraint, Endpoint, Limits, LlmRequest, Prompt, Routing, Sampling, SlaTargets,
 };
 use serde::Deserialize;
 use serde_json::Value;
@@ -417,6 +417,9 @@ pub(crate) fn request(
                 logprobs,
                 prompt_logprobs: None,
                 constraint,
+                embed: None,
+            },
+            routing: Routing {
                 priority: c.priority.unwrap_or(0),
                 // The router's word, never the client's.
                 yields: false,
@@ -427,7 +430,6 @@ pub(crate) fn request(
                 cache_salt,
                 lora,
                 targets: targets(c.nvext)?,
-                embed: None,
             },
             limits: Limits {
                 max_tokens: c.max_completion_tokens.or(c.max_tokens),
