@@ -614,6 +614,7 @@ impl EngineHandle {
             role,
             precedence: req.routing.precedence(),
             salt: dyn_protocol::kv::request_salt(&req.routing),
+            hashes: req.hashes.share(),
             lora,
             embed: s.embed,
         };

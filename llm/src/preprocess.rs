@@ -546,6 +546,7 @@ impl Preprocess {
             target: None,
             cached_tokens: 0,
             prefilled: None,
+            hashes: Default::default(),
         })
     }
 }

@@ -131,6 +131,97 @@ pub fn block_hashes_salted(tokens: &[u32], block_size: usize, salt: Option<u64>)
     out
 }
 
+/// A request's block hashes, computed once and kept with it in this process: with pools, the
+/// router prices the prompt in each pool, routes it, and the engine's scheduler admits it,
+/// and each would otherwise hash the whole prompt again (tens of microseconds at 32k tokens,
+/// each time). Keyed by block size, salt and full blocks: the tokens asked about are always
+/// a prefix of the request's `token_ids`, which only grow (a resumed request appends its
+/// output), so equal keys mean equal hashes. It never crosses a process boundary
+/// (`#[serde(skip)]` where it is carried): 16 bytes a block in JSON cost more to send and
+/// parse than hashing them again on the other side. A clone starts empty: a request's
+/// choices are clones, and each appends its own output to its tokens when resumed, so a
+/// shared memo could answer one choice with another's hashes; [`PromptHashes::share`] hands
+/// the same memo on where the tokens stay the request's (its engine sequence).
+#[derive(Default)]
+pub struct PromptHashes(std::sync::Arc<std::sync::Mutex<Vec<Memo>>>);
+
+impl Clone for PromptHashes {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+struct Memo {
+    block_size: usize,
+    salt: Option<u64>,
+    blocks: usize,
+    hashes: std::sync::Arc<[BlockHash]>,
+}
+
+/// Kinds of hashes one request asks for at most (block sizes × salts); more are not kept.
+const MEMOS: usize = 4;
+
+impl PromptHashes {
+    /// [`block_hashes_salted`] of `tokens` (a prefix of the request's tokens), from the memo
+    /// when this request's were hashed so before.
+    pub fn get(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        salt: Option<u64>,
+    ) -> std::sync::Arc<[BlockHash]> {
+        let blocks = tokens.len() / block_size.max(1);
+        let same = |m: &Memo| m.block_size == block_size && m.salt == salt && m.blocks == blocks;
+        // A poisoned lock only means a panic elsewhere mid-push: the memo is a cache.
+        if let Some(m) = self.lock().iter().find(|m| same(m)) {
+            return m.hashes.clone();
+        }
+        // Hashed outside the lock: two callers racing both hash, and one result is kept.
+        let hashes: std::sync::Arc<[BlockHash]> =
+            block_hashes_salted(tokens, block_size, salt).into();
+        let mut memo = self.lock();
+        if memo.len() < MEMOS && !memo.iter().any(same) {
+            memo.push(Memo {
+                block_size,
+                salt,
+                blocks,
+                hashes: hashes.clone(),
+            });
+        }
+        hashes
+    }
+
+    /// How many kinds of hashes (block size, salt, length) are kept.
+    pub fn kept(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// The same memo, for a holder of the same request's tokens.
+    pub fn share(&self) -> Self {
+        Self(self.0.clone())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Memo>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl std::fmt::Debug for PromptHashes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("PromptHashes").field(&self.kept()).finish()
+    }
+}
+
+/// A memo says nothing about a request's value: two requests are equal whatever each has
+/// hashed so far.
+impl PartialEq for PromptHashes {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// One stored block in a KV event: `block_hash` is the sequence hash, `tokens_hash` the
 /// local one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -319,6 +410,30 @@ pub fn load_metrics_subject(namespace: &str, component: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_requests_hashes_are_kept_per_block_size_salt_and_length() {
+        let tokens: Vec<u32> = (0..100).collect();
+        let memo = PromptHashes::default();
+        let a = memo.get(&tokens, 16, None);
+        assert_eq!(&a[..], &block_hashes(&tokens, 16)[..]);
+        assert!(std::sync::Arc::ptr_eq(
+            &a,
+            &memo.get(&tokens[..96], 16, None)
+        ));
+        let salted = memo.get(&tokens, 16, Some(7));
+        assert_eq!(&salted[..], &block_hashes_salted(&tokens, 16, Some(7))[..]);
+        assert_eq!(
+            &memo.get(&tokens, 32, None)[..],
+            &block_hashes(&tokens, 32)[..]
+        );
+        // The request grew by a block (a resumed request's output): hashed again.
+        let longer: Vec<u32> = (0..120).collect();
+        assert_eq!(memo.get(&longer, 16, None).len(), 7);
+        assert_eq!(memo.kept(), 4);
+        assert_eq!(memo.clone().kept(), 0);
+        assert_eq!(memo.share().kept(), 4);
+    }
 
     #[test]
     fn only_full_blocks_are_hashed_and_hashes_chain() {

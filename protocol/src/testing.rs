@@ -44,5 +44,6 @@ pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
         target: None,
         cached_tokens: 0,
         prefilled: None,
+        hashes: Default::default(),
     }
 }

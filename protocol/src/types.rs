@@ -395,6 +395,9 @@ pub struct PreprocessedRequest {
     /// The prompt was prefilled on another worker: where its KV waits to be pulled.
     #[serde(default)]
     pub prefilled: Option<Prefilled>,
+    /// The prompt's block hashes, as far as this process has hashed them (never sent).
+    #[serde(skip)]
+    pub hashes: crate::kv::PromptHashes,
 }
 
 /// An offer's pull key and its lock (see [`Prefilled::key`]).

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use dyn_core::planes::{LiveInstances, Planes};
 use dyn_protocol::kv::{
-    BlockHash, KvCacheEvent, KvEventData, LoadMetrics, block_hashes, chain_hash,
+    BlockHash, KvCacheEvent, KvEventData, LoadMetrics, PromptHashes, block_hashes, chain_hash,
 };
 use dyn_router::cost::{CostModel, Pricing};
 use dyn_router::indexer::Indexer;
 use dyn_router::kv_aware::KvAware;
-use dyn_router::policy::{Reported, RoutingPolicy, View};
+use dyn_router::policy::{PromptRef, Reported, RoutingPolicy, View};
 use dyn_router::sequences::ActiveSequences;
 
 const BLOCK: usize = 16;
@@ -221,9 +221,14 @@ fn decisions(c: &mut Criterion) {
         g.bench_function(format!("1152_tokens_16_workers_{name}"), |b| {
             b.iter(|| {
                 next = (next + 1) % prompts.len();
-                kv.decide(black_box(&prompts[next]), None, &view)
-                    .unwrap()
-                    .worker
+                // A request's memo of its own, as in the router: hashed once per decide.
+                let memo = PromptHashes::default();
+                kv.decide(
+                    PromptRef::new(black_box(&prompts[next]), None, &memo),
+                    &view,
+                )
+                .unwrap()
+                .worker
             })
         });
     }

@@ -16,7 +16,7 @@ use dyn_core::Inspect;
 
 use super::Inner;
 use super::cost::{Candidate, Pricing};
-use super::policy::Policy;
+use super::policy::{Policy, PromptRef};
 use super::quality::QualityRow;
 
 pub fn hex(id: u64) -> String {
@@ -308,8 +308,9 @@ impl Inner {
         lora: Option<&str>,
     ) -> Result<RouteAnswer, String> {
         let salt = dyn_protocol::kv::salt_of(None, lora);
+        let memo = dyn_protocol::kv::PromptHashes::default();
         let mut d = self
-            .decide_without(tokens, salt, lora, &|_| false)
+            .decide_without(PromptRef::new(tokens, salt, &memo), lora, &|_| false)
             .map_err(|e| e.message)?;
         let now = std::time::Instant::now();
         let session = match (session, &self.sessions) {

@@ -17,8 +17,8 @@ use rand::rngs::StdRng;
 
 use super::cost::{self, Pricing, WorkerView};
 use super::indexer::Indexer;
-use super::policy::{Decision, RoutingPolicy, View};
-use dyn_protocol::kv::{BlockHash, KvEventData, block_hashes_salted};
+use super::policy::{Decision, PromptRef, RoutingPolicy, View};
+use dyn_protocol::kv::{BlockHash, KvEventData};
 
 /// Block size until the workers announce theirs (vLLM's default).
 const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -116,10 +116,11 @@ impl KvAware {
 }
 
 impl RoutingPolicy for KvAware {
-    fn decide(&self, tokens: &[u32], salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision> {
         // Hashing and index lookups run concurrently; the generator is locked only to draw.
         let bs = self.block_size();
-        let blocks = block_hashes_salted(tokens, bs, salt);
+        let tokens = prompt.tokens;
+        let blocks = prompt.blocks(bs);
         let seqs: Vec<u64> = blocks.iter().map(|b| b.block_hash).collect();
         let prompt_blocks = tokens.len().div_ceil(bs);
         let workers: Vec<WorkerView<'_>> = {

@@ -76,7 +76,7 @@ use cost::CostModel;
 use loads::Loads;
 use placement::Placement;
 use policy::View;
-pub use policy::{Decision, Policy};
+pub use policy::{Decision, Policy, PromptRef};
 use workers::Workers;
 
 pub use config::RouteConfig;
@@ -103,12 +103,11 @@ impl Route {
     pub fn choose(
         &self,
         ctx: &Ctx,
-        tokens: &[u32],
-        salt: Option<u64>,
+        prompt: PromptRef<'_>,
         lora: Option<&str>,
     ) -> Result<u64, OpError> {
         self.inner
-            .route(ctx, tokens, salt, lora, None, Precedence::default())
+            .route(ctx, prompt, lora, None, Precedence::default())
             .map(|(w, _)| w)
     }
 
@@ -195,7 +194,8 @@ impl Inner {
     /// Decide where `tokens` (unsalted) would go, without recording anything.
     #[cfg(test)]
     fn decide(&self, tokens: &[u32]) -> Result<Decision, OpError> {
-        self.decide_without(tokens, None, None, &|_| false)
+        let memo = dyn_protocol::kv::PromptHashes::default();
+        self.decide_without(PromptRef::new(tokens, None, &memo), None, &|_| false)
     }
 
     /// Decide among the live workers `left_out` does not name (among all of them when it
@@ -203,8 +203,7 @@ impl Inner {
     /// `lora`: the key of the request's adapter ([`dyn_protocol::types::LoraRef::key`]).
     fn decide_without(
         &self,
-        tokens: &[u32],
-        salt: Option<u64>,
+        prompt: PromptRef<'_>,
         lora: Option<&str>,
         left_out: &(dyn Fn(u64) -> bool + Sync),
     ) -> Result<Decision, OpError> {
@@ -225,22 +224,17 @@ impl Inner {
         };
         self.placement
             .policy
-            .decide(tokens, salt, &view)
+            .decide(prompt, &view)
             .ok_or_else(|| self.workers.unavailable())
     }
 
     /// The predicted time to first token of `tokens` on the worker this router would choose,
     /// milliseconds (the `kv` policy's `time` cost; `None` for the others).
-    fn predicted_ttft_ms(
-        &self,
-        tokens: &[u32],
-        salt: Option<u64>,
-        lora: Option<&str>,
-    ) -> Option<f64> {
+    fn predicted_ttft_ms(&self, prompt: PromptRef<'_>, lora: Option<&str>) -> Option<f64> {
         if self.config.policy != Policy::Kv || self.config.cost != CostModel::Time {
             return None;
         }
-        let d = self.decide_without(tokens, salt, lora, &|_| false).ok()?;
+        let d = self.decide_without(prompt, lora, &|_| false).ok()?;
         d.candidates
             .iter()
             .find(|c| c.worker == d.worker)
@@ -285,8 +279,7 @@ impl Inner {
     fn route(
         &self,
         ctx: &Ctx,
-        tokens: &[u32],
-        salt: Option<u64>,
+        prompt: PromptRef<'_>,
         lora: Option<&str>,
         session: Option<&str>,
         precedence: Precedence,
@@ -309,7 +302,7 @@ impl Inner {
                     .get(&w)
                     .is_some_and(|&n| self.before(w, precedence) >= n)
         };
-        let mut d = self.decide_without(tokens, salt, lora, &left_out)?;
+        let mut d = self.decide_without(prompt, lora, &left_out)?;
         if let (Some(s), Some(sessions)) = (session, &self.sessions) {
             // (Not back to the worker the request just failed on.)
             if let Some(w) = self
@@ -324,8 +317,8 @@ impl Inner {
         if let Some(key) = lora {
             self.adapters.hold(d.worker, key, &self.workers);
         }
-        let cached = d.cached_tokens(tokens.len());
-        let prefill = (tokens.len() - cached) as u64;
+        let cached = d.cached_tokens(prompt.tokens.len());
+        let prefill = (prompt.tokens.len() - cached) as u64;
         if let Some(kv) = &self.placement.kv
             && self.approximate()
         {
@@ -376,10 +369,10 @@ impl Operator for Route {
                         req.routing.yields = permit.precedence().yields;
                         ctx.on_done(move || drop(permit));
                     }
+                    let prompt = PromptRef::new(&req.token_ids, salt, &req.hashes);
                     let (worker, cached) = inner.route(
                         &ctx,
-                        &req.token_ids,
-                        salt,
+                        prompt,
                         lora.as_deref(),
                         req.routing.session.as_deref(),
                         req.routing.precedence(),
@@ -408,7 +401,10 @@ fn pick_pool(
         req.token_ids.len(),
         &req.routing.targets,
         |i| !pools[i].1.workers.live().is_empty(),
-        |i| pools[i].1.predicted_ttft_ms(&req.token_ids, salt, lora),
+        |i| {
+            let prompt = PromptRef::new(&req.token_ids, salt, &req.hashes);
+            pools[i].1.predicted_ttft_ms(prompt, lora)
+        },
     );
     let (rule, inner) = &pools[i];
     metrics::ROUTER

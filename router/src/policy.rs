@@ -18,7 +18,7 @@ use dyn_core::planes::LiveInstances;
 use super::cost::Candidate;
 use super::sequences::ActiveSequences;
 pub use super::sequences::Reported;
-use dyn_protocol::kv::BlockHash;
+use dyn_protocol::kv::{BlockHash, PromptHashes};
 
 /// The policy a `route` node is configured with.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,7 +81,7 @@ pub struct Decision {
     pub prompt_blocks: usize,
     pub block_size: usize,
     /// The prompt's full blocks (`kv` only).
-    pub blocks: Vec<BlockHash>,
+    pub blocks: std::sync::Arc<[BlockHash]>,
 }
 
 impl Decision {
@@ -92,7 +92,7 @@ impl Decision {
             candidates: Vec::new(),
             prompt_blocks: 0,
             block_size: 0,
-            blocks: Vec::new(),
+            blocks: std::sync::Arc::new([]),
         }
     }
 
@@ -116,19 +116,43 @@ impl Decision {
     }
 }
 
+/// The prompt a policy decides for: its tokens, its salt (the request's `cache_salt` and
+/// adapter, [`dyn_protocol::kv::salt_of`]: a salted prompt shares cached blocks only with
+/// prompts of the same salt), and the request's memo of its block hashes, so that pricing it
+/// in several pools, routing it and admitting it in an engine of this process hash it once.
+#[derive(Clone, Copy)]
+pub struct PromptRef<'a> {
+    pub tokens: &'a [u32],
+    pub salt: Option<u64>,
+    pub hashes: &'a PromptHashes,
+}
+
+impl<'a> PromptRef<'a> {
+    pub fn new(tokens: &'a [u32], salt: Option<u64>, hashes: &'a PromptHashes) -> Self {
+        Self {
+            tokens,
+            salt,
+            hashes,
+        }
+    }
+
+    /// The prompt's full blocks hashed for `block_size`.
+    pub fn blocks(&self, block_size: usize) -> std::sync::Arc<[BlockHash]> {
+        self.hashes.get(self.tokens, block_size, self.salt)
+    }
+}
+
 /// How a router picks a worker.
 pub trait RoutingPolicy: Send + Sync {
-    /// Where `tokens` would go; `None` when no worker can take it. Records nothing. `salt`
-    /// is the request's `cache_salt` ([`dyn_protocol::kv::salt_hash`]): a salted prompt shares
-    /// cached blocks only with prompts of the same salt.
-    fn decide(&self, tokens: &[u32], salt: Option<u64>, view: &View<'_>) -> Option<Decision>;
+    /// Where `prompt` would go; `None` when no worker can take it. Records nothing.
+    fn decide(&self, prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision>;
 }
 
 /// In turn, skipping workers it may not choose.
 struct RoundRobin;
 
 impl RoutingPolicy for RoundRobin {
-    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision> {
         view.instances
             .round_robin(|i| view.live.contains(&i.instance_id.get()))
             .map(|i| Decision::plain(i.instance_id.get()))
@@ -139,7 +163,7 @@ impl RoutingPolicy for RoundRobin {
 struct Random(Mutex<StdRng>);
 
 impl RoutingPolicy for Random {
-    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision> {
         let i = self.0.lock().random_range(0..view.live.len());
         Some(Decision::plain(view.live[i]))
     }
@@ -149,7 +173,7 @@ impl RoutingPolicy for Random {
 struct LeastLoaded(Mutex<StdRng>);
 
 impl RoutingPolicy for LeastLoaded {
-    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision> {
         least_loaded(view.live, view.active, &mut self.0.lock()).map(Decision::plain)
     }
 }
@@ -158,7 +182,7 @@ impl RoutingPolicy for LeastLoaded {
 struct PowerOfTwo(Mutex<StdRng>);
 
 impl RoutingPolicy for PowerOfTwo {
-    fn decide(&self, _tokens: &[u32], _salt: Option<u64>, view: &View<'_>) -> Option<Decision> {
+    fn decide(&self, _prompt: PromptRef<'_>, view: &View<'_>) -> Option<Decision> {
         let mut rng = self.0.lock();
         let a = view.live[rng.random_range(0..view.live.len())];
         let b = view.live[rng.random_range(0..view.live.len())];

@@ -403,8 +403,11 @@ impl Inner {
             .pool
             .choose(
                 &pctx,
-                &req.token_ids,
-                dyn_protocol::kv::request_salt(&req.routing),
+                crate::PromptRef::new(
+                    &req.token_ids,
+                    dyn_protocol::kv::request_salt(&req.routing),
+                    &req.hashes,
+                ),
                 lora.as_deref(),
             )
             .map_err(|e| e.message)?;

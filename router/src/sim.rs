@@ -9,7 +9,7 @@ use dyn_core::planes::{LiveInstances, Planes};
 
 use super::cost::Pricing;
 use super::kv_aware::KvAware;
-use super::policy::{Decision, Reported, RoutingPolicy, View};
+use super::policy::{Decision, PromptRef, Reported, RoutingPolicy, View};
 use super::sequences::{ActiveRequest, ActiveSequences, Load};
 use dyn_protocol::kv::{KvEventData, LoadMetrics, block_hashes};
 
@@ -62,7 +62,10 @@ impl Sim {
             reported: &self.reported,
             lora_holders: None,
         };
-        self.kv.decide(tokens, None, &view).expect("a decision")
+        let memo = dyn_protocol::kv::PromptHashes::default();
+        self.kv
+            .decide(PromptRef::new(tokens, None, &memo), &view)
+            .expect("a decision")
     }
 
     /// Worker `m.worker_id` reports its load; this router had `own_then` there at the time.

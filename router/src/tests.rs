@@ -20,6 +20,12 @@ async fn route_once(r: &Route) -> Result<PreprocessedRequest, OpError> {
     out.next().await.expect("one item")
 }
 
+/// A prompt with a memo of its own (a test's request hashes once too). The memo is leaked:
+/// a test lives shorter than the leak matters.
+fn fresh(tokens: &[u32], salt: Option<u64>) -> PromptRef<'_> {
+    PromptRef::new(tokens, salt, Box::leak(Box::default()))
+}
+
 #[tokio::test]
 async fn cycles_through_live_workers_and_is_unavailable_without_any() {
     let planes = Planes::embedded();
@@ -80,7 +86,13 @@ async fn a_session_sticks_to_its_worker_until_that_one_is_over_its_bound_and_rou
         let ctx = Ctx::new();
         let w = r
             .inner
-            .route(&ctx, &[1, 2, 3], None, None, s, Precedence::default())
+            .route(
+                &ctx,
+                fresh(&[1, 2, 3], None),
+                None,
+                s,
+                Precedence::default(),
+            )
             .expect("routed")
             .0;
         (w, ctx)
@@ -248,7 +260,7 @@ async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
     let matched = |salt: Option<u64>| -> Vec<(u64, usize)> {
         let d = r
             .inner
-            .decide_without(&prompt, salt, None, &|_| false)
+            .decide_without(fresh(&prompt, salt), None, &|_| false)
             .expect("decides");
         let mut m: Vec<(u64, usize)> = d
             .candidates
@@ -270,6 +282,21 @@ async fn a_salted_prompt_matches_only_blocks_of_its_own_salt() {
         (routed.target.map(|t| t.get()), routed.cached_tokens),
         (Some(11), 64)
     );
+    // The routed request carries the hashes the router made, for the engine's admission.
+    assert_eq!(routed.hashes.kept(), 1);
+    let salted = dyn_protocol::kv::request_salt(&routed.routing);
+    let carried = routed.hashes.share().get(&prompt, 16, salted);
+    assert_eq!(routed.hashes.kept(), 1, "found, not hashed again");
+    assert_eq!(&carried[..], &block_hashes_salted(&prompt, 16, a)[..]);
+    // Pricing and routing one request hash it once.
+    let memo = dyn_protocol::kv::PromptHashes::default();
+    let d = |r: &Route| {
+        r.inner
+            .decide_without(PromptRef::new(&prompt, a, &memo), None, &|_| false)
+            .expect("decides")
+            .blocks
+    };
+    assert!(std::sync::Arc::ptr_eq(&d(&r), &d(&r)));
 }
 
 #[tokio::test]
@@ -434,7 +461,13 @@ async fn an_adapter_s_requests_go_where_it_is_held_until_the_load_says_otherwise
         let tokens: Vec<u32> = (prompt..prompt + 40).collect();
         let w = r
             .inner
-            .route(&ctx, &tokens, None, lora, None, Precedence::default())
+            .route(
+                &ctx,
+                fresh(&tokens, None),
+                lora,
+                None,
+                Precedence::default(),
+            )
             .expect("routed")
             .0;
         (w, ctx)
@@ -459,7 +492,7 @@ async fn an_adapter_s_requests_go_where_it_is_held_until_the_load_says_otherwise
     r.inner.adapters.hold(other, "c", &r.inner.workers);
     let d = r
         .inner
-        .decide_without(&[1, 2, 3], None, Some("a"), &|_| false)
+        .decide_without(fresh(&[1, 2, 3], None), Some("a"), &|_| false)
         .expect("decides");
     let lora_ms: Vec<(u64, f64)> = d.candidates.iter().map(|c| (c.worker, c.lora_ms)).collect();
     assert!(

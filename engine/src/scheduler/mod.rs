@@ -67,6 +67,9 @@ pub struct SeqSpec {
     /// blocks only with prompts of the same salt (`None`: unsalted ones), the first block's
     /// local hash being salted ([`dyn_protocol::kv::salted_local`]).
     pub salt: Option<u64>,
+    /// The request's memo of its block hashes: in a graph of one process the router hashed
+    /// the prompt already, and admission takes its hashes from there.
+    pub hashes: dyn_protocol::kv::PromptHashes,
     /// The LoRA adapter its tokens run with (the native engine's; `salt` includes its name).
     pub lora: Option<std::sync::Arc<dyn_compute::model::lora::LoraAdapter>>,
     /// An embeddings request: its prompt's final hidden states pooled this way are its
@@ -597,11 +600,10 @@ impl Scheduler {
         } else {
             (seq.tokens.len() - 1) / block_size
         };
-        let hashes = dyn_protocol::kv::block_hashes_salted(
-            &seq.tokens[..full * block_size],
-            block_size,
-            seq.spec.salt,
-        );
+        let hashes =
+            seq.spec
+                .hashes
+                .get(&seq.tokens[..full * block_size], block_size, seq.spec.salt);
         let seq_hashes: Vec<u64> = hashes.iter().map(|h| h.block_hash).collect();
         let hit = self.pool.cached_prefix(&seq_hashes);
         // Imported KV costs no compute, only blocks for the whole prompt.

@@ -27,6 +27,7 @@ fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
         role: SeqRole::Full,
         precedence: Precedence::default(),
         salt: None,
+        hashes: Default::default(),
         lora: None,
         embed: None,
     }
