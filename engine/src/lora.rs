@@ -94,9 +94,14 @@ impl LoraStore {
         Some(held)
     }
 
-    /// Read `r` from its files, on the blocking pool, and make it resident.
+    /// Read `r` from its files, on the blocking pool, and make it resident; or take the copy
+    /// this process's ingress read to check it, when it still holds one.
     async fn read(&self, r: &LoraRef) -> Result<Arc<LoraAdapter>, OpError> {
         let started = Instant::now();
+        let key = r.key();
+        if let Some(a) = dyn_compute::model::lora::handed_over(&key, &self.base) {
+            return Ok(self.loaded(r, a, started, "the ingress's check"));
+        }
         let (path, base) = (PathBuf::from(&r.path), self.base.clone());
         let loaded = tokio::task::spawn_blocking(move || LoraAdapter::load(&path, &base))
             .await
@@ -110,7 +115,17 @@ impl LoraStore {
                 ))
                 .with_param("model")
             })?;
-        let a = Arc::new(loaded);
+        Ok(self.loaded(r, Arc::new(loaded), started, "its files"))
+    }
+
+    /// `a`, just loaded for `r` (from `from`), kept and counted.
+    fn loaded(
+        &self,
+        r: &LoraRef,
+        a: Arc<LoraAdapter>,
+        started: Instant,
+        from: &str,
+    ) -> Arc<LoraAdapter> {
         {
             let mut alive = self.alive.lock();
             alive.retain(|(_, w)| w.strong_count() > 0);
@@ -120,8 +135,8 @@ impl LoraStore {
         LORA.loads
             .with_label_values(&[&self.node, &self.worker])
             .inc();
-        tracing::info!(node = %self.node, lora = %r.name, rank = a.rank, bytes = a.bytes(), seconds = started.elapsed().as_secs_f64(), "LoRA adapter loaded");
-        Ok(a)
+        tracing::info!(node = %self.node, lora = %r.name, rank = a.rank, bytes = a.bytes(), seconds = started.elapsed().as_secs_f64(), from, "LoRA adapter loaded");
+        a
     }
 
     /// Make `a` resident under `r`'s name, evicting the least recently used past the bound.
@@ -163,6 +178,31 @@ mod tests {
 
     fn models() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
+    }
+
+    /// An adapter the ingress of this process read to check it is taken, not read again
+    /// (its path here reads nothing), by a worker whose base has the shape the ingress read.
+    #[tokio::test]
+    async fn an_adapter_the_ingress_checked_is_not_read_again() {
+        let base = ModelConfig::load(&models().join("tiny")).unwrap();
+        // The ingress reads the shape this way (a GGUF's header alike).
+        assert_eq!(
+            dyn_compute::model::shape(&models().join("tiny")).unwrap(),
+            base
+        );
+        let store = LoraStore::new(base.clone(), NonZeroUsize::new(2).unwrap(), "handed", 1);
+        let checked = Arc::new(LoraAdapter::load(&models().join("tiny-lora/qv"), &base).unwrap());
+        let r = LoraRef {
+            name: "qv".into(),
+            path: "/nonexistent/handed-over".into(),
+            id: 7,
+        };
+        dyn_compute::model::lora::hand_over(r.key(), &base, checked.clone());
+        let got = store.get(&r).await.expect("taken over");
+        assert!(Arc::ptr_eq(&got, &checked));
+        // Another version of it is not that copy.
+        let other = LoraRef { id: 8, ..r };
+        assert!(store.get(&other).await.is_err());
     }
 
     /// Sixteen requests missing one adapter together read it once; a bad directory is a 400

@@ -64,7 +64,7 @@ pub struct Lora {
 pub static LORA: LazyLock<Lora> = LazyLock::new(|| Lora {
     loads: counter_vec(
         "dyn_worker_lora_loads_total",
-        "LoRA adapters read from their files (first use, or again after eviction)",
+        "LoRA adapters loaded (read from their files, or taken from the ingress of the same process, which read them to check them): first use, or again after eviction",
         &["node", "worker_id"],
     ),
     resident: gauge(

@@ -101,11 +101,14 @@ async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, St
         // The version is what the files read said of themselves (fstat), not another look
         // at the paths.
         std::hash::Hash::hash(adapter.stamps(), &mut h);
-        Ok(LoraRef {
+        let lora = LoraRef {
             name,
             path: path.display().to_string(),
             id: std::hash::Hasher::finish(&h),
-        })
+        };
+        // A worker of this process takes this copy rather than reading the files again.
+        dyn_compute::model::lora::hand_over(lora.key(), &shape, std::sync::Arc::new(adapter));
+        Ok(lora)
     })
     .await
     .map_err(|e| format!("adapter check failed: {e}"))?

@@ -127,6 +127,55 @@ fn stamp(m: &std::fs::Metadata) -> Stamp {
     (m.len(), m.modified().ok())
 }
 
+/// Adapters an ingress has just read to check them, handed to the workers of the same
+/// process ([`hand_over`], [`handed_over`]), so that a graph in one process reads an
+/// adapter's files once between its ingress and its workers. Keyed by the ingress's version
+/// key (the `LoraRef`'s: name, path and the files' stamps) and the base model's shape. A
+/// worker may start, or see the adapter's first request, long after the check, and an
+/// ingress without workers in its process must not keep adapters, so each is held for
+/// [`HANDOVER_HOLD`], then dropped (a later worker reads the files as before).
+static HANDOVER: parking_lot::Mutex<Vec<Handover>> = parking_lot::Mutex::new(Vec::new());
+
+/// How long a checked adapter waits for a worker of the process.
+pub const HANDOVER_HOLD: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Adapters held for workers at most (the oldest go first).
+const HANDOVER_MAX: usize = 16;
+
+struct Handover {
+    key: String,
+    base: ModelConfig,
+    adapter: std::sync::Arc<LoraAdapter>,
+    until: std::time::Instant,
+}
+
+/// Offer `adapter`, read for `base` and versioned as `key`, to this process's workers.
+pub fn hand_over(key: String, base: &ModelConfig, adapter: std::sync::Arc<LoraAdapter>) {
+    let now = std::time::Instant::now();
+    let mut h = HANDOVER.lock();
+    h.retain(|e| e.until > now && e.key != key);
+    if h.len() >= HANDOVER_MAX {
+        h.remove(0);
+    }
+    h.push(Handover {
+        key,
+        base: base.clone(),
+        adapter,
+        until: now + HANDOVER_HOLD,
+    });
+}
+
+/// The adapter versioned as `key` for `base` that this process's ingress read, if it is
+/// still held.
+pub fn handed_over(key: &str, base: &ModelConfig) -> Option<std::sync::Arc<LoraAdapter>> {
+    let now = std::time::Instant::now();
+    let mut h = HANDOVER.lock();
+    h.retain(|e| e.until > now);
+    h.iter()
+        .find(|e| e.key == key && e.base == *base)
+        .map(|e| e.adapter.clone())
+}
+
 /// Next [`LoraAdapter::id`].
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
