@@ -168,6 +168,9 @@ pub struct BuildCx {
     /// pass-through nodes (by their kinds' [`Role`](crate::registry::Role), like `remote_prefill`) to the workers
     /// behind them: a router watches their instances.
     pub consumers: Vec<String>,
+    /// What the workers of `consumers` can serve between them, as their configs state it
+    /// ([`Capabilities::any_of`]): an ingress or a preprocess refuses what none of them can.
+    pub serves: crate::planes::Capabilities,
     /// The model this node serves, if any: the graph's `model`, or for a graph of several
     /// (`models:`) the one its request path serves.
     pub model: Option<ModelSpec>,
@@ -267,6 +270,7 @@ impl BuildCx {
             replica: 0,
             instance_id: crate::planes::InstanceId(1),
             consumers: Vec::new(),
+            serves: Default::default(),
             model: None,
             models: Vec::new(),
             base_dir: ".".into(),

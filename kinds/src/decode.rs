@@ -25,6 +25,7 @@
 use std::sync::Arc;
 
 use dyn_core::InstanceMeta;
+use dyn_core::planes::Capabilities;
 use dyn_core::registry::Role;
 use dyn_core::{
     BuildCx, BuildError, Ctx, Input, Invalid, OpError, Operator, OperatorConfig, Output,
@@ -175,6 +176,7 @@ impl OperatorConfig for DecodeConfig {
             block_size,
             kv_total_blocks: kv_total_blocks.map(|n| n as u64),
             max_num_seqs,
+            capabilities: Some(self.capabilities()),
             ..InstanceMeta::default()
         }
     }
@@ -191,6 +193,30 @@ impl OperatorConfig for DecodeConfig {
         let broken = matches!(self.engine, EngineKind::Mocker)
             && self.mocker().fail_replicas.contains(&cx.replica);
         Ok(Decode { engine, broken })
+    }
+}
+
+impl DecodeConfig {
+    /// What the engine can serve, as far as the config says: the simulated engine has no
+    /// model outputs (log-probabilities, hidden states) and runs no adapters, but enforces
+    /// grammars with the model's tokenizer; the native engine computes both, and whether it
+    /// runs adapters is its backend's to say; an external server's flags decide for it.
+    fn capabilities(&self) -> Capabilities {
+        match self.engine {
+            EngineKind::Mocker => Capabilities {
+                logprobs: Some(false),
+                embeddings: Some(false),
+                grammars: Some(true),
+                lora: Some(false),
+            },
+            EngineKind::Native => Capabilities {
+                logprobs: Some(true),
+                embeddings: Some(true),
+                grammars: None,
+                lora: None,
+            },
+            EngineKind::Vllm | EngineKind::Llamacpp | EngineKind::Openai => Capabilities::default(),
+        }
     }
 }
 

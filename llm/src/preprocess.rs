@@ -129,6 +129,7 @@ impl OperatorConfig for PreprocessConfig {
     async fn build(&self, cx: &BuildCx) -> Result<Preprocess, BuildError> {
         let mut p = Preprocess::new(ModelDir::shared(cx).await?)?;
         p.defaults = self.defaults.over(&p.model.defaults);
+        p.serves = cx.serves;
         if self.tokenizer == TokenizerChoice::Hf {
             p.encoder = Arc::new(p.encoder.without_fast());
         }
@@ -152,6 +153,9 @@ pub struct Preprocess {
     /// Tokenized conversation prefixes (the `preprocess` node's; none where the tokenizer
     /// cannot be cut after an added token, or the graph turned it off).
     prefixes: Option<Arc<PrefixCache>>,
+    /// What the workers after it can serve: a request for what none of them can is refused
+    /// here, in the one pass that checks it.
+    serves: dyn_core::planes::Capabilities,
 }
 
 const TEMPLATE: &str = "chat";
@@ -190,6 +194,7 @@ impl Preprocess {
             model,
             env,
             prefixes: None,
+            serves: Default::default(),
         })
     }
 
@@ -202,8 +207,48 @@ impl Preprocess {
         self
     }
 
+    /// What the request asks that none of the workers after this node can serve, by their
+    /// configs' word ([`dyn_core::planes::Capabilities`]).
+    fn check_served(&self, req: &LlmRequest) -> Result<(), OpError> {
+        let (s, c) = (&req.sampling, &self.serves);
+        let cannot = |can: Option<bool>| can == Some(false);
+        if (s.logprobs.is_some() || s.prompt_logprobs.is_some()) && cannot(c.logprobs) {
+            return Err(invalid(
+                "logprobs",
+                "log-probabilities are not available from this model's workers: their engine \
+                 computes no model outputs (a simulated one)",
+            ));
+        }
+        if s.embed.is_some() && cannot(c.embeddings) {
+            return Err(invalid(
+                "model",
+                "embeddings are not available from this model's workers: their engine has no \
+                 hidden states (a simulated one)",
+            ));
+        }
+        if s.constraint.is_some() && cannot(c.grammars) {
+            return Err(invalid(
+                "response_format",
+                "structured output is not available from this model's workers",
+            ));
+        }
+        if let Some(l) = &req.routing.lora
+            && cannot(c.lora)
+        {
+            return Err(invalid(
+                "model",
+                format!(
+                    "model `{}` is a LoRA adapter; this model's workers run an engine without adapters",
+                    l.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Everything up to tokenization; pure and fast.
     fn check(&self, req: &LlmRequest) -> Result<(), OpError> {
+        self.check_served(req)?;
         let s = &req.sampling;
         if let Some((field, msg)) = sampling_out_of_range(s.temperature, s.top_p).next() {
             return Err(invalid(field, msg));
@@ -590,6 +635,7 @@ impl Operator for Preprocess {
             defaults: self.defaults,
             env: self.env.clone(),
             prefixes: self.prefixes.clone(),
+            serves: self.serves,
         };
         async_stream::stream! {
             while let Some(req) = input.next().await {
@@ -658,6 +704,40 @@ mod tests {
             fields,
             ["defaults.temperature", "defaults.top_p", "defaults.top_k"]
         );
+    }
+
+    /// A request for what the workers cannot serve is refused in the check, naming the
+    /// parameter; what they may serve (a capability unknown) passes.
+    #[tokio::test]
+    async fn what_no_worker_can_serve_is_refused_where_the_request_is_checked() {
+        let mut p = pre();
+        p.serves = dyn_core::planes::Capabilities {
+            logprobs: Some(false),
+            embeddings: Some(false),
+            grammars: Some(false),
+            lora: Some(false),
+        };
+        let param = |e: OpError| e.param.expect("names its parameter");
+        let mut r = chat("hi");
+        r.sampling.logprobs = Some(2);
+        assert_eq!(param(p.preprocess(r).await.unwrap_err()), "logprobs");
+        let mut r = chat("hi");
+        r.sampling.embed = Some(dyn_protocol::types::Pooling::Mean);
+        assert_eq!(param(p.preprocess(r).await.unwrap_err()), "model");
+        let mut r = chat("hi");
+        r.sampling.constraint = Some(dyn_protocol::types::Constraint::JsonObject);
+        assert_eq!(param(p.preprocess(r).await.unwrap_err()), "response_format");
+        let mut r = chat("hi");
+        r.routing.lora = Some(dyn_protocol::types::LoraRef {
+            name: "a".into(),
+            path: "/a".into(),
+            id: 1,
+        });
+        assert_eq!(param(p.preprocess(r).await.unwrap_err()), "model");
+        p.serves.logprobs = None;
+        let mut r = chat("hi");
+        r.sampling.logprobs = Some(2);
+        assert!(p.preprocess(r).await.is_ok());
     }
 
     #[tokio::test]

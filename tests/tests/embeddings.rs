@@ -155,11 +155,24 @@ async fn an_engine_without_hidden_states_refuses_embeddings() {
     )
     .await;
     assert_eq!(status, 400, "{v}");
+    // Refused where the request is checked (the graph's workers are simulated, as their
+    // config says), not after it reached one.
     assert!(
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("not available from this worker's engine"),
+            .contains("not available from this model's workers"),
+        "{v}"
+    );
+    assert_eq!(v["error"]["param"], "model", "{v}");
+    let (status, v) = post_json(
+        &g.url("/v1/completions"),
+        &json!({"model": "tiny", "prompt": "hello", "logprobs": 2, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (400, &json!("logprobs")),
         "{v}"
     );
     for (body, param) in [

@@ -56,7 +56,52 @@ pub struct InstanceMeta {
     /// Sequences the worker runs at once (its batch size): the room a router's admission
     /// gives it unless told otherwise.
     pub max_num_seqs: Option<u32>,
+    /// What the worker's engine can serve, as far as its config says.
+    pub capabilities: Option<Capabilities>,
     pub extra: JsonMap,
+}
+
+/// What a worker's engine can serve, as its config states it: `Some(false)` where it cannot
+/// (a simulated engine has no log-probabilities), `None` where only the running engine knows
+/// (an external server's flags, a backend's build). An ingress refuses a request that asks
+/// for what none of its path's workers can serve when it checks the request, with the
+/// parameter named, rather than after the request was queued, routed and sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capabilities {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embeddings: Option<bool>,
+    /// Structured output (a grammar the engine enforces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammars: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<bool>,
+}
+
+impl Capabilities {
+    /// What a request may ask of a path whose workers have these capabilities: each thing
+    /// that any of them can, or may, serve (a worker of unknown capabilities may).
+    pub fn any_of(all: impl IntoIterator<Item = Option<Capabilities>>) -> Capabilities {
+        let either = |a: Option<bool>, b: Option<bool>| match (a, b) {
+            (Some(false), Some(false)) => Some(false),
+            (Some(true), _) | (_, Some(true)) => Some(true),
+            _ => None,
+        };
+        let mut all = all.into_iter();
+        let Some(first) = all.next() else {
+            return Capabilities::default();
+        };
+        all.fold(first.unwrap_or_default(), |acc, c| {
+            let c = c.unwrap_or_default();
+            Capabilities {
+                logprobs: either(acc.logprobs, c.logprobs),
+                embeddings: either(acc.embeddings, c.embeddings),
+                grammars: either(acc.grammars, c.grammars),
+                lora: either(acc.lora, c.lora),
+            }
+        })
+    }
 }
 
 type JsonMap = serde_json::Map<String, serde_json::Value>;
@@ -83,6 +128,7 @@ impl From<JsonMap> for InstanceMeta {
             block_size: take(&mut extra, "block_size"),
             kv_total_blocks: take(&mut extra, "kv_total_blocks"),
             max_num_seqs: take(&mut extra, "max_num_seqs"),
+            capabilities: take(&mut extra, "capabilities"),
             extra,
         }
     }
@@ -103,6 +149,10 @@ impl From<InstanceMeta> for JsonMap {
         put("block_size", m.block_size.map(Into::into));
         put("kv_total_blocks", m.kv_total_blocks.map(Into::into));
         put("max_num_seqs", m.max_num_seqs.map(Into::into));
+        put(
+            "capabilities",
+            m.capabilities.and_then(|c| serde_json::to_value(c).ok()),
+        );
         out
     }
 }
@@ -338,6 +388,36 @@ impl Discovery for EmbeddedDiscovery {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_may_ask_what_any_of_its_workers_can_or_may_serve() {
+        let mocker = Capabilities {
+            logprobs: Some(false),
+            embeddings: Some(false),
+            grammars: Some(true),
+            lora: Some(false),
+        };
+        let native = Capabilities {
+            logprobs: Some(true),
+            lora: None,
+            ..mocker
+        };
+        assert_eq!(Capabilities::any_of([Some(mocker)]), mocker);
+        let both = Capabilities::any_of([Some(mocker), Some(native)]);
+        assert_eq!(
+            (both.logprobs, both.embeddings, both.lora),
+            (Some(true), Some(false), None)
+        );
+        // A worker that states nothing may serve anything.
+        assert_eq!(Capabilities::any_of([Some(mocker), None]).logprobs, None);
+        assert_eq!(Capabilities::any_of([]), Capabilities::default());
+        let meta = InstanceMeta {
+            capabilities: Some(mocker),
+            ..InstanceMeta::default()
+        };
+        let text = serde_json::to_string(&meta).unwrap();
+        assert_eq!(serde_json::from_str::<InstanceMeta>(&text).unwrap(), meta);
+    }
 
     #[test]
     fn an_instance_record_keeps_its_wire_form_and_keys_it_does_not_know() {

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
 pub use discovery::{
-    Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, InstanceId, InstanceMeta,
+    Capabilities, Discovery, DiscoveryEvent, EmbeddedDiscovery, Instance, InstanceId, InstanceMeta,
     LiveInstances, Transport,
 };
 pub use events::{EmbeddedEventBus, Event, EventBus};

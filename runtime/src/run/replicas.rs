@@ -103,13 +103,20 @@ impl ReplicaSet {
         if models.is_empty() {
             models.extend(model.clone());
         }
+        let consumers = workers_after(g, node);
         BuildCx {
             graph: g.name.clone(),
             namespace: g.namespace.clone(),
             node: node.to_owned(),
             replica,
             instance_id,
-            consumers: workers_after(g, node),
+            serves: dyn_core::planes::Capabilities::any_of(
+                consumers
+                    .iter()
+                    .filter_map(|c| g.node(c))
+                    .map(|n| n.config.metadata().capabilities),
+            ),
+            consumers,
             model,
             models,
             base_dir: g.base_dir.clone(),
