@@ -109,7 +109,10 @@ fn text_of(content: ContentIn, param: &str) -> Result<String, ApiError> {
 /// The chat completions messages a Messages body's `system` and `messages` mean. A last
 /// assistant message (Anthropic's prefill: the answer goes on from it) is refused: the
 /// template would close that turn and start a new one.
-fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<Value, ApiError> {
+fn chat_messages(
+    system: Option<ContentIn>,
+    messages: Vec<MessageIn>,
+) -> Result<Vec<openai::MessageIn>, ApiError> {
     if let Some(last) = messages.len().checked_sub(1)
         && messages[last].role == "assistant"
     {
@@ -121,7 +124,7 @@ fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<
     }
     let mut out = Vec::with_capacity(messages.len() + 1);
     if let Some(s) = system {
-        out.push(json!({"role": "system", "content": text_of(s, "system")?}));
+        out.push(openai::MessageIn::text("system", text_of(s, "system")?));
     }
     for (i, m) in messages.into_iter().enumerate() {
         let role = m.role.as_str();
@@ -133,7 +136,7 @@ fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<
         }
         let blocks = match m.content {
             ContentIn::Text(t) => {
-                out.push(json!({"role": role, "content": t}));
+                out.push(openai::MessageIn::text(role, t));
                 continue;
             }
             ContentIn::Blocks(b) => b,
@@ -172,7 +175,10 @@ fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<
                         content
                     };
                     // Results answer the calls before them: they go ahead of the turn's text.
-                    out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+                    out.push(openai::MessageIn {
+                        tool_call_id: Some(id.to_owned()),
+                        ..openai::MessageIn::text("tool", content)
+                    });
                 }
                 other => {
                     return Err(invalid(
@@ -186,12 +192,15 @@ fn chat_messages(system: Option<ContentIn>, messages: Vec<MessageIn>) -> Result<
             }
         }
         if !calls.is_empty() {
-            out.push(json!({"role": role, "content": text, "tool_calls": calls}));
+            out.push(openai::MessageIn {
+                tool_calls: Some(Value::Array(calls)),
+                ..openai::MessageIn::text(role, text)
+            });
         } else if !text.is_empty() || role == "assistant" {
-            out.push(json!({"role": role, "content": text}));
+            out.push(openai::MessageIn::text(role, text));
         }
     }
-    Ok(Value::Array(out))
+    Ok(out)
 }
 
 /// Anthropic's tools (`name`, `description`, `input_schema`) as OpenAI's functions.
@@ -242,36 +251,35 @@ fn chat_tool_choice(choice: &Value) -> Result<(Value, Option<bool>), ApiError> {
     Ok((c, parallel))
 }
 
-/// The chat completions body a Messages body means.
-fn chat_body(b: MessagesBody, count_only: bool) -> Result<Value, ApiError> {
+/// The chat completions body a Messages body means, built field by field.
+fn chat_body(b: MessagesBody, count_only: bool) -> Result<openai::ChatBody, ApiError> {
     openai::refuse_fields(REFUSED, |name| b.other.get(name))?;
     if b.max_tokens.is_none() && !count_only {
         return Err(invalid("max_tokens", "max_tokens is required"));
     }
-    let mut chat = json!({
-        "model": b.model,
-        "messages": chat_messages(b.system, b.messages)?,
-        "stream": b.stream,
-        "max_tokens": b.max_tokens,
-        "temperature": b.temperature,
-        "top_p": b.top_p,
-        "top_k": b.top_k,
-        "stop": b.stop_sequences,
-    });
+    let mut common = openai::Common {
+        model: Some(b.model),
+        stream: b.stream,
+        max_tokens: b.max_tokens,
+        temperature: b.temperature,
+        top_p: b.top_p,
+        top_k: b.top_k,
+        stop: b.stop_sequences.map(openai::StopIn::Many),
+        user: metadata_user(b.metadata.as_ref())?.map(str::to_owned),
+        ..openai::Common::default()
+    };
     if let Some(tools) = b.tools.filter(|t| !t.is_empty()) {
-        chat["tools"] = chat_tools(tools)?;
+        common.tools = Some(chat_tools(tools)?);
     }
     if let Some(choice) = b.tool_choice.filter(|c| !c.is_null()) {
         let (c, parallel) = chat_tool_choice(&choice)?;
-        chat["tool_choice"] = c;
-        if let Some(p) = parallel {
-            chat["parallel_tool_calls"] = json!(p);
-        }
+        common.tool_choice = Some(c);
+        common.parallel_tool_calls = parallel;
     }
-    if let Some(user) = metadata_user(b.metadata.as_ref())? {
-        chat["user"] = json!(user);
-    }
-    Ok(chat)
+    Ok(openai::ChatBody {
+        messages: chat_messages(b.system, b.messages)?,
+        common,
+    })
 }
 
 /// The longest `metadata.user_id` taken (Anthropic's bound).
@@ -302,7 +310,10 @@ fn metadata_user(metadata: Option<&Value>) -> Result<Option<&str>, ApiError> {
     }
 }
 
-fn parse(body: Result<Bytes, BytesRejection>, count_only: bool) -> Result<Value, ApiError> {
+fn parse(
+    body: Result<Bytes, BytesRejection>,
+    count_only: bool,
+) -> Result<openai::ChatBody, ApiError> {
     let body = body.map_err(super::body_error)?;
     let b: MessagesBody = super::parse_json(&body)?;
     chat_body(b, count_only)
@@ -315,7 +326,7 @@ pub(crate) async fn messages(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let parsed = parse(body, false).and_then(|chat| openai::chat_from_json(&app, chat));
+    let parsed = parse(body, false).and_then(|chat| openai::chat_from_body(&app, chat));
     let key = key.map(|k| k.0);
     let (started, opts) =
         match pipeline::start(&app, "messages", key.as_ref(), &headers, parsed).await {
@@ -525,25 +536,32 @@ mod tests {
             "metadata": {"user_id": "u1"}
         }));
         let chat = chat_body(b, false).unwrap();
-        assert_eq!(
-            chat["messages"],
-            json!([
+        // The messages the typed translation makes are those the chat dialect reads from the
+        // chat body that means the same.
+        let same: Vec<openai::MessageIn> = serde_json::from_value(json!([
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "toolu_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
                 {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
                 {"role": "user", "content": "And so?"}
-            ])
-        );
+        ]))
+        .unwrap();
         assert_eq!(
-            chat["tools"],
-            json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}}])
+            openai::chat_messages(chat.messages).unwrap(),
+            openai::chat_messages(same).unwrap()
         );
-        assert_eq!(chat["tool_choice"], "required");
-        assert_eq!(chat["parallel_tool_calls"], false);
-        assert_eq!(chat["stop"], json!(["END"]));
-        assert_eq!(chat["user"], "u1");
+        let c = chat.common;
+        assert_eq!(
+            c.tools,
+            Some(
+                json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}}])
+            )
+        );
+        assert_eq!(c.tool_choice, Some(json!("required")));
+        assert_eq!(c.parallel_tool_calls, Some(false));
+        assert!(matches!(c.stop, Some(openai::StopIn::Many(s)) if s == ["END"]));
+        assert_eq!(c.user.as_deref(), Some("u1"));
     }
 
     #[test]

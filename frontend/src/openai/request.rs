@@ -1,7 +1,8 @@
 //! OpenAI's chat completions and completions bodies, read into an [`LlmRequest`] and the
 //! answer's [`Options`]: the fields every generating dialect shares ([`Common`]), the prompt
 //! forms, messages, sampling, log-probabilities, structured output and the fields refused as
-//! unsupported. The other dialects translate into a chat body ([`chat_from_json`]).
+//! unsupported. The other dialects build a typed chat body field by field ([`ChatBody`],
+//! [`chat_from_body`]), never a JSON body parsed again.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -47,7 +48,9 @@ pub(crate) struct RouterHints {
 }
 
 /// Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send many.
-#[derive(Debug, Deserialize)]
+/// What every generating body shares; the other dialects build one field by field (their
+/// translation is typed, never a JSON body parsed again).
+#[derive(Debug, Default, Deserialize)]
 pub(crate) struct Common {
     /// Optional where the server serves one model (vLLM and llama.cpp answer with it too).
     #[serde(default)]
@@ -203,16 +206,29 @@ pub(crate) struct Part {
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct MessageIn {
-    role: String,
-    content: Option<ContentIn>,
+    pub(crate) role: String,
+    pub(crate) content: Option<ContentIn>,
     /// An assistant turn's tool calls.
     #[serde(default)]
-    tool_calls: Option<Value>,
+    pub(crate) tool_calls: Option<Value>,
     /// A tool result's call.
     #[serde(default)]
-    tool_call_id: Option<String>,
+    pub(crate) tool_call_id: Option<String>,
     #[serde(default)]
-    name: Option<String>,
+    pub(crate) name: Option<String>,
+}
+
+impl MessageIn {
+    /// A message of text alone.
+    pub(crate) fn text(role: &str, text: String) -> Self {
+        MessageIn {
+            role: role.to_owned(),
+            content: Some(ContentIn::Text(text)),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
 }
 
 /// An assistant turn's `tool_calls` as chat templates read them: each call's `arguments`
@@ -656,28 +672,21 @@ pub(crate) fn guided(kind: &str, v: &Value, param: &str) -> Result<Constraint, A
 
 /// A chat completions body given as JSON — what the other dialects translate theirs into —
 /// read as `/v1/chat/completions` reads its own.
-pub(crate) fn chat_from_json(app: &App, body: Value) -> Result<(LlmRequest, Options), ApiError> {
-    let b: ChatBody = serde_json::from_value(body)
-        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))?;
+/// The request a chat body (parsed, or built by another dialect's translation) means.
+pub(crate) fn chat_from_body(app: &App, b: ChatBody) -> Result<(LlmRequest, Options), ApiError> {
     let messages = chat_messages(b.messages)?;
     request(app, Endpoint::Chat, Prompt::Messages(messages), b.common)
 }
 
-/// How many tokens the prompt of a chat body given as JSON (its `model`, `messages` and
-/// `tools`) is, the template applied with its generation prompt.
-pub(crate) async fn count_prompt(app: &App, body: Value) -> Result<usize, ApiError> {
-    #[derive(Deserialize)]
-    struct Counted {
-        model: String,
-        messages: Vec<MessageIn>,
-        #[serde(default)]
-        tools: Option<Vec<Value>>,
-    }
-    let b: Counted = serde_json::from_value(body)
-        .map_err(|e| ApiError::invalid("invalid_json", format!("invalid request body: {e}")))?;
-    let served = app.tokenizer_of(Some(&b.model))?;
+/// How many tokens the prompt of a chat body (its `model`, `messages` and `tools`) is, the
+/// template applied with its generation prompt.
+pub(crate) async fn count_prompt(app: &App, b: ChatBody) -> Result<usize, ApiError> {
+    let served = app.tokenizer_of(b.common.model.as_deref())?;
     let prompt = Prompt::Messages(chat_messages(b.messages)?);
-    let tools = b.tools.unwrap_or_default();
+    let tools = match b.common.tools {
+        Some(Value::Array(tools)) => tools,
+        _ => Vec::new(),
+    };
     let ids = served
         .preprocess
         .tokenize(prompt, &tools, None, true)

@@ -224,7 +224,7 @@ pub(crate) async fn create(
     } = t;
     // Stored with the answer: this turn's messages only (the earlier turns are stored).
     let messages = messages.split_off(new_from);
-    let parsed = openai::chat_from_json(&app, chat);
+    let parsed = openai::chat_from_body(&app, chat);
     let (started, opts) =
         match pipeline::start(&app, "responses", key.as_ref(), &headers, parsed).await {
             Ok(s) => s,
@@ -421,9 +421,9 @@ mod tests {
             json!({"role": "assistant", "content": "Hello"}),
         ];
         let t = translate(b, earlier).unwrap();
-        assert_eq!(
-            t.chat["messages"],
-            json!([
+        // The messages the typed translation makes are those the chat dialect reads from the
+        // chat body that means the same.
+        let same: Vec<openai::MessageIn> = serde_json::from_value(json!([
                 {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello"},
@@ -432,23 +432,32 @@ mod tests {
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
                     "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
-            ])
-        );
+        ]))
+        .unwrap();
         // The stored conversation has no instructions (they are not carried over).
         assert_eq!(t.messages.len(), 6);
+        let c = &t.chat.common;
         assert_eq!(
-            t.chat["tools"],
-            json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}, "strict": true}}])
+            c.tools,
+            Some(
+                json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}, "strict": true}}])
+            )
         );
         assert_eq!(
-            t.chat["tool_choice"],
-            json!({"type": "function", "function": {"name": "weather"}})
+            c.tool_choice,
+            Some(json!({"type": "function", "function": {"name": "weather"}}))
         );
         assert_eq!(
-            t.chat["response_format"]["json_schema"]["schema"],
-            json!({"type": "object"})
+            c.response_format
+                .as_ref()
+                .map(|f| &f["json_schema"]["schema"]),
+            Some(&json!({"type": "object"}))
         );
-        assert_eq!(t.chat["max_tokens"], 20);
+        assert_eq!(c.max_tokens, Some(20));
+        assert_eq!(
+            openai::chat_messages(t.chat.messages).unwrap(),
+            openai::chat_messages(same).unwrap()
+        );
         assert!(t.meta.id.starts_with("resp_") && t.meta.store);
     }
 

@@ -256,7 +256,7 @@ pub(super) struct Meta {
 /// A Responses body: the chat body it means, the conversation to store with the answer
 /// (earlier turns and this input), and what the response repeats.
 pub(super) struct Translated {
-    pub(super) chat: Value,
+    pub(super) chat: openai::ChatBody,
     pub(super) messages: Vec<Value>,
     pub(super) meta: Meta,
     /// Where this turn's messages start in `messages` (after the earlier turns').
@@ -290,29 +290,40 @@ pub(super) fn translate(b: ResponsesBody, earlier: Vec<Value>) -> Result<Transla
     input_messages(b.input, &mut messages)?;
     let mut prompt = Vec::with_capacity(messages.len() + 1);
     if let Some(i) = b.instructions.as_ref().filter(|i| !i.is_empty()) {
-        prompt.push(json!({"role": "system", "content": i}));
+        prompt.push(openai::MessageIn::text("system", i.clone()));
     }
-    prompt.extend(messages.iter().cloned());
-    let mut chat = json!({
-        "model": b.model,
-        "messages": prompt,
-        "stream": b.stream,
-        "max_tokens": b.max_output_tokens,
-        "temperature": b.temperature,
-        "top_p": b.top_p,
-        "user": b.user,
-        "parallel_tool_calls": b.parallel_tool_calls,
-    });
+    // The conversation is kept as the store keeps it (chat messages as JSON, earlier turns
+    // read back from it): each message is read into its typed form here, once.
+    for (i, m) in messages.iter().enumerate() {
+        prompt.push(
+            openai::MessageIn::deserialize(m)
+                .map_err(|e| invalid("input", format!("conversation item {i}: {e}")))?,
+        );
+    }
     let tools = b.tools.unwrap_or_default();
-    if !tools.is_empty() {
-        chat["tools"] = chat_tools(&tools)?;
-    }
-    if let Some(c) = b.tool_choice.as_ref().filter(|c| !c.is_null()) {
-        chat["tool_choice"] = chat_tool_choice(c)?;
-    }
-    if let Some(f) = b.text.as_ref().map(response_format).transpose()?.flatten() {
-        chat["response_format"] = f;
-    }
+    let chat = openai::ChatBody {
+        messages: prompt,
+        common: openai::Common {
+            model: Some(b.model.clone()),
+            stream: b.stream,
+            max_tokens: b.max_output_tokens,
+            temperature: b.temperature,
+            top_p: b.top_p,
+            user: b.user.clone(),
+            parallel_tool_calls: b.parallel_tool_calls,
+            tools: (!tools.is_empty())
+                .then(|| chat_tools(&tools))
+                .transpose()?,
+            tool_choice: b
+                .tool_choice
+                .as_ref()
+                .filter(|c| !c.is_null())
+                .map(chat_tool_choice)
+                .transpose()?,
+            response_format: b.text.as_ref().map(response_format).transpose()?.flatten(),
+            ..openai::Common::default()
+        },
+    };
     let hex = dyn_core::RequestId::random();
     let meta = Meta {
         id: format!("resp_{hex}"),
