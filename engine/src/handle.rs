@@ -479,16 +479,18 @@ impl EngineHandle {
     }
 
     /// The grammar state of a structured output (`compiled`) whose output so far is
-    /// `generated` and that may write `max_tokens` more.
+    /// `generated` and that may write `max_tokens` more, fast-forwarding forced text or not.
     fn guide(
         &self,
         compiled: &dyn_llm::grammar::Compiled,
         generated: &[u32],
         max_tokens: u32,
+        fast_forward: bool,
     ) -> Result<crate::scheduler::Guided, OpError> {
         Ok(std::sync::Arc::new(parking_lot::Mutex::new(
             self.grammars()?
-                .guide(compiled, generated.to_vec(), max_tokens),
+                .guide(compiled, generated.to_vec(), max_tokens)
+                .with_fast_forward(fast_forward),
         )))
     }
 
@@ -584,7 +586,13 @@ impl EngineHandle {
                     // The first token counts against max_tokens here too.
                     budget = budget.saturating_sub(1);
                 }
-                Some(self.guide(c, &generated, budget)?)
+                // Forced tokens are not sampled, so they have no log-probability of the
+                // model's: with `logprobs` every token is sampled (masked to the tokenizer's
+                // own first token of forced text), as vLLM does, which has no fast-forward;
+                // SGLang, whose jump-forward has, computes the skipped tokens' log-probabilities
+                // with another pass rather than report made-up ones.
+                let ff = self.settings.fast_forward && s.logprobs.is_none();
+                Some(self.guide(c, &generated, budget, ff)?)
             }
         };
         let spec = SeqSpec {

@@ -29,6 +29,8 @@
 mod command;
 mod engine_loop;
 pub mod events;
+#[cfg(test)]
+mod fast_forward_tests;
 pub mod handle;
 pub mod lora;
 pub mod metrics;

@@ -98,6 +98,7 @@ impl MockerConfig {
             offload: self.offload.clone(),
             offload_model: Some(self.offload_model()),
             model: None,
+            fast_forward: self.fast_forward,
             logprobs: false,
             loras: None,
         }

@@ -109,6 +109,7 @@ impl NativeConfig {
             offload: self.offload.clone(),
             offload_model: None,
             model: None,
+            fast_forward: self.fast_forward,
             logprobs: true,
             loras: None,
         }

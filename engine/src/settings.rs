@@ -73,6 +73,9 @@ pub struct EngineSettings {
     pub logprobs: bool,
     /// The LoRA adapters it runs (requests naming one are refused without it).
     pub loras: Option<std::sync::Arc<crate::lora::LoraStore>>,
+    /// Structured outputs append the tokens their grammar forces without sampling them
+    /// ([`dyn_llm::grammar::Guide::take_forced`]).
+    pub fast_forward: bool,
 }
 
 /// Declares an engine's config section: the [`SchedulerConfig`] fields (with the engine's
@@ -107,6 +110,10 @@ macro_rules! engine_section {
             pub pin_ttl_s: f64,
             /// KV offload tiers below the pool (host memory, disk); off by default.
             pub offload: $crate::offload::OffloadConfig,
+            /// Structured output: text the grammar forces (a forced tool call's opening, a
+            /// schema's keys) is appended in the tokenizer's own tokens without sampling
+            /// them (fast-forward); on by default.
+            pub fast_forward: bool,
             $( $(#[$fmeta])* pub $field: $ty, )*
         }
 
@@ -121,6 +128,7 @@ macro_rules! engine_section {
                     max_queued_requests: d.max_queued_requests,
                     pin_ttl_s: d.pin_ttl_s,
                     offload: Default::default(),
+                    fast_forward: true,
                     $( $field: $default, )*
                 }
             }

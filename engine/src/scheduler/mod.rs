@@ -12,7 +12,10 @@
 //! router's interactive request, or a tenant under its share, starts at once. Prompt blocks
 //! already in the prefix cache are not computed again. The planned [`Work`] goes to the
 //! engine's executor, which computes it and samples a token for each sequence whose KV is
-//! complete; the scheduler then ends sequences on `max_tokens` or a stop token.
+//! complete; the scheduler then ends sequences on `max_tokens` or a stop token. Tokens a
+//! structured output's grammar forces after the sampled one are appended with it (see
+//! [`dyn_llm::grammar::Guide::take_forced`]): the sequence then has several tokens without KV,
+//! computed in its next step as a chunk, as a prompt's are, before it samples again.
 //!
 //! With offload tiers below the pool ([`Lower`]), a prompt's prefix continues past the pool's
 //! hit into host memory: those blocks are onboarded (their bytes ride on the [`Work`] and the
@@ -197,7 +200,8 @@ pub struct Counters {
     pub prompt_blocks_hit: u64,
     /// Prompt blocks onboarded from an offload tier instead of computed.
     pub prompt_blocks_onboarded: u64,
-    /// Prompt tokens computed (recomputation after a preemption included).
+    /// Prompt tokens computed (recomputation after a preemption included, and the chunks of
+    /// tokens a grammar forced, which are computed as a prompt's are).
     pub prefill_tokens: u64,
     pub preemptions: u64,
 }
@@ -755,29 +759,43 @@ impl Scheduler {
                     // Counted by the caller: one per sampling entry.
                     _ => sampled.next().unwrap_or_default(),
                 };
-                seq.tokens.push(t);
-                seq.generated += 1;
-                let stopped = seq.spec.stop_tokens.contains(&t)
-                    && seq.spec.offset + seq.generated > seq.spec.min_tokens;
-                let finish = if stopped {
-                    // A structured output its budget steered to an end was cut by it.
-                    let steered = seq.spec.guide.as_ref().is_some_and(|g| g.lock().steered());
-                    Some(if steered {
-                        FinishReason::Length
-                    } else {
-                        FinishReason::Stop
-                    })
-                } else {
-                    (seq.generated >= seq.spec.max_tokens || seq.spec.role == SeqRole::Prefill)
-                        .then_some(FinishReason::Length)
+                // Then what the grammar forced after it (fast-forward): output as sampled
+                // tokens are, each checked for the end; their KV is computed next step.
+                let forced = match &seq.spec.guide {
+                    Some(g) => g.lock().take_forced(),
+                    None => Vec::new(),
                 };
-                out.tokens.push((seq.id, t, finish));
-                if finish.is_some() {
-                    finished.push(seq.id);
+                for t in std::iter::once(t).chain(forced) {
+                    seq.tokens.push(t);
+                    seq.generated += 1;
+                    let finish = Self::finish(seq, t);
+                    out.tokens.push((seq.id, t, finish));
+                    if finish.is_some() {
+                        finished.push(seq.id);
+                        break;
+                    }
                 }
             }
         }
         finished
+    }
+
+    /// Whether `seq` ends with its latest token `t`, and why.
+    fn finish(seq: &Seq, t: u32) -> Option<FinishReason> {
+        let stopped = seq.spec.stop_tokens.contains(&t)
+            && seq.spec.offset + seq.generated > seq.spec.min_tokens;
+        if stopped {
+            // A structured output its budget steered to an end was cut by it.
+            let steered = seq.spec.guide.as_ref().is_some_and(|g| g.lock().steered());
+            Some(if steered {
+                FinishReason::Length
+            } else {
+                FinishReason::Stop
+            })
+        } else {
+            (seq.generated >= seq.spec.max_tokens || seq.spec.role == SeqRole::Prefill)
+                .then_some(FinishReason::Length)
+        }
     }
 
     /// Finished sequences leave the batch; a prefill-only one keeps its blocks, pinned for the

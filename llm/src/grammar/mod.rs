@@ -12,6 +12,12 @@
 //! per sampled token (the native engine computes them on helper threads while the forward
 //! pass runs).
 //!
+//! Text the grammar forces (a forced tool call's `<tool_call>\n{"name": "`, a schema's keys) is
+//! written in the tokenizer's own tokens ([`canonical`]): after each sampled token the guide
+//! hands the engine the run of tokens the grammar forces next ([`Guide::take_forced`]), which
+//! the engine appends to the output without sampling them (their KV is computed with the next
+//! step, as a short chunk), so a forced call costs about its own length in tokens and steps.
+//!
 //! JSON is generated compactly with Python's separators (`", "`, `": "`) and no free
 //! whitespace: with flexible whitespace a small model can spend its whole budget on newlines
 //! inside an object, and the text a client parses is the same.
@@ -28,7 +34,7 @@
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{self, ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
+use llguidance::toktrie::{self, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 use tokenizers::{DecoderWrapper, Tokenizer};
@@ -36,6 +42,7 @@ use tokenizers::{DecoderWrapper, Tokenizer};
 use dyn_protocol::types::{Calls, Constraint};
 
 pub mod bounds;
+mod canonical;
 mod compile;
 
 pub use compile::{CompileError, Compiled};
@@ -58,8 +65,9 @@ impl std::fmt::Debug for Grammars {
 
 impl Grammars {
     /// The vocabulary of `tokenizer`, `vocab_size` ids long (the model's logits; ids past the
-    /// tokenizer's are never allowed), ending on any of `eos`.
-    pub fn new(tokenizer: &Tokenizer, vocab_size: u32, eos: &[u32]) -> Result<Self, String> {
+    /// tokenizer's are never allowed), ending on any of `eos`. Forced text is tokenized by
+    /// `tokenizer` ([`canonical`]).
+    pub fn new(tokenizer: &Arc<Tokenizer>, vocab_size: u32, eos: &[u32]) -> Result<Self, String> {
         let first = *eos
             .first()
             .ok_or("structured output needs an eos token, and the model has none")?;
@@ -69,7 +77,8 @@ impl Grammars {
         let built = std::panic::catch_unwind(|| {
             let trie =
                 TokTrie::from(&TokRxInfo::new(vocab_size, first), &words).with_eos_tokens(eos);
-            let env: toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+            let env: toktrie::TokEnv =
+                Arc::new(canonical::CanonicalEnv::new(trie, tokenizer.clone()));
             ParserFactory::new_simple(&env)
         })
         .map_err(|_| "the tokenizer's vocabulary could not be compiled for grammars".to_string())?;
@@ -107,7 +116,8 @@ impl Grammars {
 
     /// A guide for one request of the constraint `c` ([`Grammars::compile`]) whose output so
     /// far is `generated` (non-empty when a migrated request resumes) and that may write
-    /// `max_tokens` more.
+    /// `max_tokens` more; it fast-forwards forced text unless told otherwise
+    /// ([`Guide::with_fast_forward`]).
     pub fn guide(self: &Arc<Self>, c: &Compiled, generated: Vec<u32>, max_tokens: u32) -> Guide {
         let mut json = c.json.then(JsonText::default);
         if let Some(j) = &mut json {
@@ -123,6 +133,8 @@ impl Grammars {
             left: max_tokens,
             reserve: closing_reserve(max_tokens),
             steered: false,
+            fast_forward: true,
+            forced: Vec::new(),
         }
     }
 
@@ -436,6 +448,9 @@ pub struct Guide {
     steered: bool,
     /// A JSON answer: where its text stands.
     json: Option<JsonText>,
+    /// After each commit, consume the tokens the grammar forces next into `forced`.
+    fast_forward: bool,
+    forced: Vec<u32>,
 }
 
 impl std::fmt::Debug for Guide {
@@ -502,8 +517,48 @@ impl Guide {
         self.steered
     }
 
-    /// The token sampled under the last mask.
+    /// Whether it fast-forwards forced text (on by default). Off, the mask still allows only
+    /// the tokenizer's own first token of forced text, so such text costs a step per token
+    /// but no more tokens than its normal tokenization.
+    pub fn with_fast_forward(mut self, on: bool) -> Self {
+        self.fast_forward = on;
+        self
+    }
+
+    /// The token sampled under the last mask; with fast-forward, then the tokens the grammar
+    /// forces after it, at most as many as the budget has left, for [`Guide::take_forced`].
     pub fn commit(&mut self, token: u32) {
+        self.forced.clear();
+        self.advance(token);
+        if !self.fast_forward || self.left == 0 {
+            return;
+        }
+        let State::Ready { matcher, .. } = &mut self.state else {
+            return;
+        };
+        // llguidance tokenizes the forced bytes as the tokenizer would (across the token just
+        // taken) and holds back a suffix later text could tokenize differently.
+        let mut forced = matcher.compute_ff_tokens();
+        forced.truncate(self.left as usize);
+        for t in forced {
+            self.advance(t);
+            if !matches!(self.state, State::Ready { .. }) {
+                // Refused (a library limit): the output ends at the next mask.
+                break;
+            }
+            self.forced.push(t);
+        }
+    }
+
+    /// The tokens the grammar forced after the last committed one (empty without
+    /// fast-forward): already taken by the grammar, they go into the output as they are,
+    /// counted against `max_tokens`, without being sampled. Taken once.
+    pub fn take_forced(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.forced)
+    }
+
+    /// The grammar takes `token`.
+    fn advance(&mut self, token: u32) {
         self.left = self.left.saturating_sub(1);
         if let (Some(j), State::Ready { grammars, .. } | State::Broken(grammars)) =
             (&mut self.json, &self.state)
@@ -561,7 +616,7 @@ mod tests {
         let compiled = g.compile_here(&c).expect("compiles");
         let mut guide = g.guide(&compiled, Vec::new(), max_tokens);
         let mut out = Vec::new();
-        for _ in 0..max_tokens {
+        while out.len() < max_tokens as usize {
             let mask = guide.mask(vocab);
             let mut logits: Vec<f32> = (0..vocab).map(&score).collect();
             apply(&mask, &mut logits);
@@ -571,7 +626,10 @@ mod tests {
                 break;
             }
             out.push(tok);
+            // What the grammar forced after it, as the engine appends it.
+            out.extend(guide.take_forced());
         }
+        assert!(out.len() <= max_tokens as usize, "past the budget");
         (t.decode(&out, true).expect("decodes"), guide.steered())
     }
 
