@@ -380,6 +380,8 @@ pub struct OutputSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PreprocessedRequest {
     pub model: String,
+    /// Base64 on the wire ([`crate::wire::token_ids`]).
+    #[serde(with = "crate::wire::token_ids")]
     pub token_ids: Vec<u32>,
     pub sampling: Sampling,
     #[serde(default)]

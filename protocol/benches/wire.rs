@@ -1,0 +1,44 @@
+//! A long prompt's tokenized request on the request plane: written and read as JSON with its
+//! token ids as an array of numbers (before) and as base64 (`dyn_protocol::wire`, now), for
+//! a 32k-token prompt of a 49k-token vocabulary (SmolLM2's).
+//!
+//!   cargo bench -p dyn-protocol --bench wire
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use dyn_protocol::types::PreprocessedRequest;
+
+/// The same request with its ids as numbers, as they travelled before.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Numbers {
+    token_ids: Vec<u32>,
+}
+
+fn bench(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..32_768u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 49_152)
+        .collect();
+    let req = dyn_protocol::testing::preprocessed(tokens.clone(), 1);
+    let numbers = Numbers { token_ids: tokens };
+    let mut g = c.benchmark_group("request_32k_tokens");
+    g.throughput(Throughput::Elements(32_768));
+    g.bench_function("numbers_write", |b| {
+        b.iter(|| serde_json::to_vec(black_box(&numbers)).unwrap())
+    });
+    g.bench_function("base64_write", |b| {
+        b.iter(|| serde_json::to_vec(black_box(&req)).unwrap())
+    });
+    let text = serde_json::to_vec(&numbers).unwrap();
+    g.bench_function("numbers_read", |b| {
+        b.iter(|| serde_json::from_slice::<Numbers>(black_box(&text)).unwrap())
+    });
+    let text = serde_json::to_vec(&req).unwrap();
+    g.bench_function("base64_read", |b| {
+        b.iter(|| serde_json::from_slice::<PreprocessedRequest>(black_box(&text)).unwrap())
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
