@@ -3,6 +3,7 @@
 //! a 32k-token prompt of a 49k-token vocabulary (SmolLM2's).
 //!
 //!   cargo bench -p dyn-protocol --bench wire
+#![allow(clippy::expect_used)] // a bench: a panic is a failure report
 
 use std::hint::black_box;
 
@@ -24,18 +25,18 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("request_32k_tokens");
     g.throughput(Throughput::Elements(32_768));
     g.bench_function("numbers_write", |b| {
-        b.iter(|| serde_json::to_vec(black_box(&numbers)).unwrap())
+        b.iter(|| serde_json::to_vec(black_box(&numbers)).expect("writes"))
     });
     g.bench_function("base64_write", |b| {
-        b.iter(|| serde_json::to_vec(black_box(&req)).unwrap())
+        b.iter(|| serde_json::to_vec(black_box(&req)).expect("writes"))
     });
-    let text = serde_json::to_vec(&numbers).unwrap();
+    let text = serde_json::to_vec(&numbers).expect("writes");
     g.bench_function("numbers_read", |b| {
-        b.iter(|| serde_json::from_slice::<Numbers>(black_box(&text)).unwrap())
+        b.iter(|| serde_json::from_slice::<Numbers>(black_box(&text)).expect("reads"))
     });
-    let text = serde_json::to_vec(&req).unwrap();
+    let text = serde_json::to_vec(&req).expect("writes");
     g.bench_function("base64_read", |b| {
-        b.iter(|| serde_json::from_slice::<PreprocessedRequest>(black_box(&text)).unwrap())
+        b.iter(|| serde_json::from_slice::<PreprocessedRequest>(black_box(&text)).expect("reads"))
     });
     g.finish();
 }
