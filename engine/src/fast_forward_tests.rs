@@ -4,7 +4,7 @@
 
 use dyn_core::planes::Planes;
 use dyn_llm::model::ModelDir;
-use dyn_protocol::types::{CallForm, Calls, Constraint, FinishReason, Generated};
+use dyn_protocol::types::{Constraint, FinishReason, Generated};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -18,24 +18,7 @@ fn tiny() -> ModelDir {
 /// A forced Hermes call of `get_weather` whose city is one of two: only the city's first
 /// token is the model's choice, everything else is forced.
 fn weather_call() -> Constraint {
-    let schema = json!({
-        "type": "object",
-        "properties": {"name": {"const": "get_weather"}, "arguments": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
-            "required": ["city"], "additionalProperties": false}},
-        "required": ["name", "arguments"], "additionalProperties": false,
-    });
-    Constraint::Calls(Calls {
-        open: String::new(),
-        close: String::new(),
-        sep: None,
-        forms: vec![CallForm {
-            before: "<tool_call>\n".into(),
-            schema,
-            after: "\n</tool_call>".into(),
-        }],
-    })
+    dyn_protocol::testing::weather_call(json!({"enum": ["Paris", "Tokyo"]}))
 }
 
 /// What a request came to: its tokens (eos left out), the items they came in (about one a

@@ -47,3 +47,28 @@ pub fn preprocessed(tokens: Vec<u32>, max_tokens: u32) -> PreprocessedRequest {
         hashes: Default::default(),
     }
 }
+
+/// A forced call of `get_weather` in Hermes markup (`<tool_call>\n{…}\n</tool_call>`, as
+/// Qwen's and SmolLM2's templates write calls) whose `city` argument is `city` (a JSON
+/// Schema): everything but the city's value is forced text.
+pub fn weather_call(city: serde_json::Value) -> crate::types::Constraint {
+    use crate::types::{CallForm, Calls, Constraint};
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"name": {"const": "get_weather"}, "arguments": {
+            "type": "object",
+            "properties": {"city": city},
+            "required": ["city"], "additionalProperties": false}},
+        "required": ["name", "arguments"], "additionalProperties": false,
+    });
+    Constraint::Calls(Calls {
+        open: String::new(),
+        close: String::new(),
+        sep: None,
+        forms: vec![CallForm {
+            before: "<tool_call>\n".into(),
+            schema,
+            after: "\n</tool_call>".into(),
+        }],
+    })
+}

@@ -70,7 +70,7 @@ impl TokenizerEnv for CanonicalEnv {
 #[cfg(test)]
 mod tests {
     use super::super::Grammars;
-    use dyn_protocol::types::{CallForm, Calls, Constraint};
+    use dyn_protocol::types::Constraint;
     use serde_json::json;
     use std::sync::Arc;
     use tokenizers::Tokenizer;
@@ -94,24 +94,7 @@ mod tests {
     /// A forced Hermes-style call of one function: `<tool_call>\n{"name": "get_weather",
     /// "arguments": ` is all forced.
     fn weather_call() -> Constraint {
-        let schema = json!({
-            "type": "object",
-            "properties": {"name": {"const": "get_weather"}, "arguments": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 20}},
-                "required": ["city"], "additionalProperties": false}},
-            "required": ["name", "arguments"], "additionalProperties": false,
-        });
-        Constraint::Calls(Calls {
-            open: String::new(),
-            close: String::new(),
-            sep: None,
-            forms: vec![CallForm {
-                before: "<tool_call>\n".into(),
-                schema,
-                after: "\n</tool_call>".into(),
-            }],
-        })
+        dyn_protocol::testing::weather_call(json!({"type": "string", "maxLength": 20}))
     }
 
     #[test]
