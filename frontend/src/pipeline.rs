@@ -417,6 +417,21 @@ async fn choices(
         }
         r
     };
+    // Several prompts (OpenAI's list forms): each of the others is read as its choices will
+    // be (checked and tokenized by the ingress's own preprocess) before the first starts, so
+    // a bad one is a 400 for the whole request, as vLLM answers, not an error after other
+    // prompts' choices have begun to stream. (The first is checked by its own start below.)
+    if !more_prompts.is_empty() {
+        let served = app.tokenizer_of(Some(&req.model))?;
+        for k in 1..=more_prompts.len() {
+            if let Err(mut e) = served.preprocess.preprocess(child(k * n, &req)).await {
+                if e.param.as_deref().is_none_or(|p| p == "prompt") {
+                    e.param = Some(format!("prompt[{k}]"));
+                }
+                return Err(ApiError::from(e));
+            }
+        }
+    }
     let n = n * (1 + more_prompts.len());
     let mut guards = vec![ctx.kill_on_drop()];
     // One choice (the usual request) goes down as it came: its messages are not copied.

@@ -667,6 +667,17 @@ async fn a_request_without_a_model_and_a_prompt_of_token_lists_are_served() {
     seen.sort_unstable();
     seen.dedup();
     assert_eq!(seen, [0, 1, 2, 3]);
+    // A bad prompt after good ones: a 400 naming it before any choice starts, streamed or not.
+    for stream in [false, true] {
+        let mut bad = body(json!([ids.clone(), [9, 10_000_000]]));
+        bad["stream"] = json!(stream);
+        let (status, v) = post(&g, "/v1/completions", bad).await;
+        assert_eq!(
+            (status, &v["error"]["param"]),
+            (400, &json!("prompt[1]")),
+            "{v}"
+        );
+    }
     // More prompts than a request takes: a 400 naming `prompt`.
     let many: Vec<Value> = (0..65).map(|_| ids.clone()).collect();
     let (status, v) = post(&g, "/v1/completions", body(json!(many))).await;
