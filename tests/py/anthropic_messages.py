@@ -76,8 +76,10 @@ with client.messages.stream(model=MODEL, max_tokens=100, messages=WEATHER_ASK, t
                             tool_choice={"type": "any"}) as s:
     final = s.get_final_message()
 uses_streamed = [b for b in final.content if b.type == "tool_use"]
-assert final.stop_reason == "tool_use" and len(uses_streamed) == 1, final
-jsonschema.validate(uses_streamed[0].input, WEATHER)
+# `any` allows parallel calls: the model may make more than one, each valid.
+assert final.stop_reason == "tool_use" and len(uses_streamed) >= 1, final
+for u in uses_streamed:
+    jsonschema.validate(u.input, WEATHER)
 report("tool_use_streamed", input=uses_streamed[0].input)
 
 # The tool's result in the next turn: text back.

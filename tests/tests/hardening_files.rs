@@ -173,8 +173,11 @@ async fn lora_loads_of_what_is_no_adapter_are_refused_alike_and_the_server_keeps
         "{shown:?}"
     );
 
-    // Checked when loaded, swapped for /dev/zero before the worker first reads it: the
-    // request that uses it is refused, and the server goes on.
+    // Checked when loaded, then swapped for /dev/zero: the worker of this one-process graph
+    // runs the copy the ingress read to check it (handed over, so the files are read once),
+    // which is the version the request names, and the swapped files are never read. (A
+    // worker that must read them, elsewhere or once the hand-over lapsed, refuses them as
+    // unreadable: `dyn_engine::lora`'s tests.) The server goes on either way.
     let swapped = d.join("swapped");
     copy_adapter("qv", &swapped);
     let body = json!({"lora_name": "swapped", "lora_path": swapped.display().to_string()});
@@ -188,14 +191,7 @@ async fn lora_loads_of_what_is_no_adapter_are_refused_alike_and_the_server_keeps
         &json!({"model": "swapped", "prompt": "Hello", "max_tokens": 4}),
     )
     .await;
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("cannot be read on this worker"),
-        "{v}"
-    );
+    assert_eq!(status, 200, "{v}");
     chat_answers(&client, &g, "an adapter swapped for /dev/zero").await;
     let _ = std::fs::remove_dir_all(&d);
 }
