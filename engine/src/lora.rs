@@ -38,6 +38,8 @@ pub struct LoraStore {
     alive: Mutex<Vec<(LoraRef, Weak<LoraAdapter>)>>,
     /// A turn per adapter being read (by key), so that it is read once.
     reading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// While it lives, the ingress of this process hands over the adapters it checks.
+    _open: dyn_compute::model::lora::StoreOpen,
 }
 
 impl LoraStore {
@@ -51,6 +53,7 @@ impl LoraStore {
             resident: Mutex::new(LruCache::new(max_resident)),
             alive: Mutex::new(Vec::new()),
             reading: Mutex::new(HashMap::new()),
+            _open: dyn_compute::model::lora::StoreOpen::new(),
         }
     }
 
@@ -190,8 +193,16 @@ mod tests {
             dyn_compute::model::shape(&models().join("tiny")).unwrap(),
             base
         );
-        let store = LoraStore::new(base.clone(), NonZeroUsize::new(2).unwrap(), "handed", 1);
+        // Nothing is handed over while no worker store lives in the process.
         let checked = Arc::new(LoraAdapter::load(&models().join("tiny-lora/qv"), &base).unwrap());
+        let lone = LoraRef {
+            name: "lone".into(),
+            path: "/nonexistent/lone".into(),
+            id: 9,
+        };
+        dyn_compute::model::lora::hand_over(lone.key(), &base, checked.clone());
+        let store = LoraStore::new(base.clone(), NonZeroUsize::new(2).unwrap(), "handed", 1);
+        assert!(store.get(&lone).await.is_err());
         let r = LoraRef {
             name: "qv".into(),
             path: "/nonexistent/handed-over".into(),
@@ -200,6 +211,8 @@ mod tests {
         dyn_compute::model::lora::hand_over(r.key(), &base, checked.clone());
         let got = store.get(&r).await.expect("taken over");
         assert!(Arc::ptr_eq(&got, &checked));
+        // Taken out: the worker's own bound holds it from now on.
+        assert!(dyn_compute::model::lora::handed_over(&r.key(), &base).is_none());
         // Another version of it is not that copy.
         let other = LoraRef { id: 8, ..r };
         assert!(store.get(&other).await.is_err());

@@ -425,7 +425,7 @@ async fn choices(
         let served = app.tokenizer_of(Some(&req.model))?;
         for k in 1..=more_prompts.len() {
             if let Err(mut e) = served.preprocess.preprocess(child(k * n, &req)).await {
-                if e.param.as_deref().is_none_or(|p| p == "prompt") {
+                if e.param.as_deref() == Some("prompt") {
                     e.param = Some(format!("prompt[{k}]"));
                 }
                 return Err(ApiError::from(e));

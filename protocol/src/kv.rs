@@ -173,8 +173,20 @@ impl PromptHashes {
         let blocks = tokens.len() / block_size.max(1);
         let same = |m: &Memo| m.block_size == block_size && m.salt == salt && m.blocks == blocks;
         // A poisoned lock only means a panic elsewhere mid-push: the memo is a cache.
-        if let Some(m) = self.lock().iter().find(|m| same(m)) {
-            return m.hashes.clone();
+        {
+            let memo = self.lock();
+            if let Some(m) = memo.iter().find(|m| same(m)) {
+                return m.hashes.clone();
+            }
+            // Hashes chain, so a longer list's head is this one (an engine admits a prompt
+            // whose length is a whole number of blocks with one block less, its last token
+            // computed): a copy of 16 bytes a block, not a hash of the tokens.
+            if let Some(m) = memo
+                .iter()
+                .find(|m| m.block_size == block_size && m.salt == salt && m.blocks > blocks)
+            {
+                return m.hashes[..blocks].into();
+            }
         }
         // Hashed outside the lock: two callers racing both hash, and one result is kept.
         let hashes: std::sync::Arc<[BlockHash]> =
@@ -427,6 +439,9 @@ mod tests {
             &memo.get(&tokens, 32, None)[..],
             &block_hashes(&tokens, 32)[..]
         );
+        // A shorter head of what is kept: the same hashes, not kept again.
+        assert_eq!(&memo.get(&tokens[..40], 16, None)[..], &a[..2]);
+        assert_eq!(memo.kept(), 3);
         // The request grew by a block (a resumed request's output): hashed again.
         let longer: Vec<u32> = (0..120).collect();
         assert_eq!(memo.get(&longer, 16, None).len(), 7);

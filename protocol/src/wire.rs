@@ -2,8 +2,10 @@
 //! little-endian bytes, not an array of numbers. A 32k-token prompt is then ~170 KB of text
 //! written and read with a table lookup per byte, where an array of numbers is as long and
 //! costs a number's formatting and parsing per token (the largest share of a long prompt's
-//! cost on the request plane). Either form is read, so a payload written as an array (by an
-//! older dyn, a test, a person) still parses; binary serializers get the plain sequence.
+//! cost on the request plane). Either form is read, so a payload whose ids are an array (a
+//! test's, a person's) still parses; binary serializers get the plain sequence. (Payloads of
+//! an older dyn do not: it kept the request's routing in `sampling`. The processes of a graph
+//! run one version.)
 
 use base64::Engine as _;
 use serde::de::{self, SeqAccess, Visitor};
@@ -24,6 +26,10 @@ pub mod token_ids {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        // A binary format wrote the plain sequence, and may not describe itself.
+        if !d.is_human_readable() {
+            return <Vec<u32> as serde::Deserialize>::deserialize(d);
+        }
         d.deserialize_any(Ids)
     }
 }

@@ -130,17 +130,48 @@ fn stamp(m: &std::fs::Metadata) -> Stamp {
 /// Adapters an ingress has just read to check them, handed to the workers of the same
 /// process ([`hand_over`], [`handed_over`]), so that a graph in one process reads an
 /// adapter's files once between its ingress and its workers. Keyed by the ingress's version
-/// key (the `LoraRef`'s: name, path and the files' stamps) and the base model's shape. A
-/// worker may start, or see the adapter's first request, long after the check, and an
-/// ingress without workers in its process must not keep adapters, so each is held for
-/// [`HANDOVER_HOLD`], then dropped (a later worker reads the files as before).
+/// key (the `LoraRef`'s: name, path and the files' stamps) and the base model's shape. Only
+/// while a worker's adapter store lives in the process ([`StoreOpen`]; a graph's workers are
+/// built before its ingress opens), so an ingress of its own keeps nothing. A worker takes
+/// an adapter out on its first request for it; one never asked for is dropped after
+/// [`HANDOVER_HOLD`], and the list is bounded in adapters and bytes (the oldest go first).
 static HANDOVER: parking_lot::Mutex<Vec<Handover>> = parking_lot::Mutex::new(Vec::new());
+
+/// Worker adapter stores alive in this process.
+static STORES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// How long a checked adapter waits for a worker of the process.
 pub const HANDOVER_HOLD: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Adapters held for workers at most (the oldest go first).
+/// Adapters held for workers at most.
 const HANDOVER_MAX: usize = 16;
+
+/// Bytes of adapters held for workers at most.
+const HANDOVER_MAX_BYTES: usize = 1 << 30;
+
+/// A worker's adapter store, alive: while one is, checked adapters are handed over.
+pub struct StoreOpen(());
+
+impl StoreOpen {
+    pub fn new() -> Self {
+        STORES.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        StoreOpen(())
+    }
+}
+
+impl Default for StoreOpen {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for StoreOpen {
+    fn drop(&mut self) {
+        if STORES.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            HANDOVER.lock().clear();
+        }
+    }
+}
 
 struct Handover {
     key: String,
@@ -149,13 +180,24 @@ struct Handover {
     until: std::time::Instant,
 }
 
-/// Offer `adapter`, read for `base` and versioned as `key`, to this process's workers.
+/// Offer `adapter`, read for `base` and versioned as `key`, to this process's workers (none:
+/// dropped).
 pub fn hand_over(key: String, base: &ModelConfig, adapter: std::sync::Arc<LoraAdapter>) {
+    if STORES.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        return;
+    }
     let now = std::time::Instant::now();
     let mut h = HANDOVER.lock();
     h.retain(|e| e.until > now && e.key != key);
-    if h.len() >= HANDOVER_MAX {
+    let bytes = adapter.bytes();
+    while !h.is_empty()
+        && (h.len() >= HANDOVER_MAX
+            || h.iter().map(|e| e.adapter.bytes()).sum::<usize>() + bytes > HANDOVER_MAX_BYTES)
+    {
         h.remove(0);
+    }
+    if bytes > HANDOVER_MAX_BYTES {
+        return;
     }
     h.push(Handover {
         key,
@@ -166,14 +208,13 @@ pub fn hand_over(key: String, base: &ModelConfig, adapter: std::sync::Arc<LoraAd
 }
 
 /// The adapter versioned as `key` for `base` that this process's ingress read, if it is
-/// still held.
+/// still held: taken out (the worker keeps it from now on, within its own bound).
 pub fn handed_over(key: &str, base: &ModelConfig) -> Option<std::sync::Arc<LoraAdapter>> {
     let now = std::time::Instant::now();
     let mut h = HANDOVER.lock();
     h.retain(|e| e.until > now);
-    h.iter()
-        .find(|e| e.key == key && e.base == *base)
-        .map(|e| e.adapter.clone())
+    let i = h.iter().position(|e| e.key == key && e.base == *base)?;
+    Some(h.remove(i).adapter)
 }
 
 /// Next [`LoraAdapter::id`].
