@@ -1,8 +1,9 @@
-//! One generated answer as parsed pieces — reasoning, text, tool calls, then its end — for
-//! the endpoints whose wire forms are not chat completions' (Anthropic's Messages, OpenAI's
-//! Responses). They translate their bodies into a chat request, start it as chat does
-//! ([`start`](crate::pipeline::start)), and render these pieces as their own events; the
-//! reasoning and tool-call parsing is chat's, fed the same way.
+//! One generated answer as parsed pieces — reasoning, text, tool calls, then its end. [`Feed`]
+//! is the one place a choice's text meets the reasoning and tool-call parsers, delta by delta:
+//! chat's and completions' server-sent events, their unary answers, and the endpoints whose
+//! wire forms are not chat completions' (Anthropic's Messages, OpenAI's Responses, through
+//! [`events`]) all feed it. Those translate their bodies into a chat request, start it as chat
+//! does ([`start`](crate::pipeline::start)), and render the pieces as their own events.
 
 use futures::{Stream, StreamExt};
 
@@ -12,6 +13,75 @@ use super::ApiError;
 use super::reasoning::ReasoningParser;
 use super::tools::{Piece, ToolCall, ToolParser};
 use crate::pipeline::{Options, Started};
+
+/// What one choice's text goes through: reasoning split out first, then tool calls parsed
+/// out of the rest, each as the request asked. Without either, text passes as it came.
+pub(crate) struct Feed {
+    reasoning: Option<ReasoningParser>,
+    tools: Option<ToolParser>,
+    /// Calls parsed out so far: the answer's finish reason is `tool_calls` after one.
+    calls: usize,
+}
+
+impl Feed {
+    pub(crate) fn new(opts: &Options) -> Self {
+        Self {
+            reasoning: opts.reasoning.map(ReasoningParser::new),
+            tools: opts.tools.map(ToolParser::new),
+            calls: 0,
+        }
+    }
+
+    /// Whether tool calls are parsed out (text then passes only as the parser releases it).
+    pub(crate) fn parses_tools(&self) -> bool {
+        self.tools.is_some()
+    }
+
+    /// The pieces a delta's text releases, in order; `last` on the choice's final delta
+    /// flushes what the parsers held back. Empty text is no piece.
+    pub(crate) fn feed(&mut self, text: String, last: bool) -> Vec<Piece> {
+        let mut pieces = Vec::new();
+        let text = match &mut self.reasoning {
+            Some(p) => {
+                let split = p.feed(&text, last);
+                if !split.reasoning.is_empty() {
+                    pieces.push(Piece::Reasoning(split.reasoning));
+                }
+                split.content
+            }
+            None => text,
+        };
+        match &mut self.tools {
+            Some(parser) => {
+                pieces.extend(parser.push(&text));
+                if last {
+                    pieces.extend(parser.finish());
+                }
+                self.calls += pieces
+                    .iter()
+                    .filter(|p| matches!(p, Piece::Call(_)))
+                    .count();
+            }
+            None if text.is_empty() => {}
+            None => pieces.push(Piece::Text(text)),
+        }
+        pieces
+    }
+
+    /// Calls parsed out so far.
+    pub(crate) fn calls(&self) -> usize {
+        self.calls
+    }
+
+    /// The choice's finish reason: `tool_calls` once it made a call, else the engine's.
+    pub(crate) fn finish(&self, engine: FinishReason) -> FinishReason {
+        if self.calls > 0 {
+            FinishReason::ToolCalls
+        } else {
+            engine
+        }
+    }
+}
 
 /// A piece of one answer, in the order the client should see them.
 #[derive(Debug)]
@@ -45,11 +115,9 @@ pub(crate) fn events(started: Started, opts: &Options) -> impl Stream<Item = Eve
         mut track,
         ..
     } = started;
-    let mut reasoning = opts.reasoning.map(ReasoningParser::new);
-    let mut tools = opts.tools.map(ToolParser::new);
+    let mut feed = Feed::new(opts);
     async_stream::stream! {
         let mut next = first;
-        let mut calls = 0usize;
         while let Some((_, item)) = next.take() {
             let d = match item {
                 Ok(d) => d,
@@ -60,41 +128,18 @@ pub(crate) fn events(started: Started, opts: &Options) -> impl Stream<Item = Eve
                 }
             };
             track.delta(&d);
-            let last = d.finish.is_some();
-            let mut text = d.text;
-            if let Some(p) = &mut reasoning {
-                let split = p.feed(&text, last);
-                if !split.reasoning.is_empty() {
-                    yield Event::Reasoning(split.reasoning);
-                }
-                text = split.content;
-            }
-            let pieces = match &mut tools {
-                Some(parser) => {
-                    let mut pieces = parser.push(&text);
-                    if last {
-                        pieces.extend(parser.finish());
-                    }
-                    pieces
-                }
-                None if text.is_empty() => Vec::new(),
-                None => vec![Piece::Text(text)],
-            };
-            for piece in pieces {
+            for piece in feed.feed(d.text, d.finish.is_some()) {
                 yield match piece {
                     Piece::Text(t) => Event::Text(t),
                     Piece::Reasoning(r) => Event::Reasoning(r),
-                    Piece::Call(c) => {
-                        calls += 1;
-                        Event::Call(c)
-                    }
+                    Piece::Call(c) => Event::Call(c),
                 };
             }
             if let Some(f) = d.finish {
                 guards.into_iter().for_each(dyn_core::ctx::KillOnDrop::disarm);
                 track.finish("success");
                 yield Event::End(Ending {
-                    finish: if calls > 0 { FinishReason::ToolCalls } else { f },
+                    finish: feed.finish(f),
                     usage: d.usage.unwrap_or_default(),
                     stop_string: d.stop_string,
                 });

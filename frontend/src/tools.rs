@@ -358,6 +358,8 @@ pub struct ToolParser {
     in_call: bool,
     /// Llama 3: the answer's start has been seen to be text.
     decided: bool,
+    /// Hermes: a call just closed, and only whitespace came after it so far (held back).
+    after_call: bool,
     harmony: super::harmony::HarmonyParser,
 }
 
@@ -368,6 +370,7 @@ impl ToolParser {
             buf: String::new(),
             in_call: false,
             decided: false,
+            after_call: false,
             harmony: Default::default(),
         }
     }
@@ -434,16 +437,36 @@ impl ToolParser {
                 self.buf.drain(..close + HERMES_CLOSE.len());
                 self.in_call = false;
                 match calls(ToolFormat::Hermes, &body) {
-                    Some(c) => out.extend(c.into_iter().map(Piece::Call)),
+                    Some(c) => {
+                        out.extend(c.into_iter().map(Piece::Call));
+                        self.after_call = true;
+                    }
                     None => out.push(Piece::Text(format!("{HERMES_OPEN}{body}{HERMES_CLOSE}"))),
                 }
             } else if let Some(open) = self.buf.find(HERMES_OPEN) {
-                self.text(out, open);
+                // The newline a model writes between parallel calls is no text of the answer
+                // (vLLM's parsers drop it too; an empty text block would show in clients).
+                if self.after_call && self.buf[..open].trim().is_empty() {
+                    self.buf.drain(..open);
+                } else {
+                    self.text(out, open);
+                }
+                self.after_call = false;
                 self.buf.drain(..HERMES_OPEN.len());
                 self.in_call = true;
             } else {
                 let keep = if end { 0 } else { held(&self.buf, HERMES_OPEN) };
-                self.text(out, self.buf.len() - keep);
+                let n = self.buf.len() - keep;
+                if self.after_call && self.buf[..n].trim().is_empty() {
+                    // Whitespace after a call waits for what follows it: another call (then
+                    // it is dropped) or text (then it goes out with it); at the end, dropped.
+                    if end {
+                        self.buf.clear();
+                    }
+                    return;
+                }
+                self.after_call = false;
+                self.text(out, n);
                 return;
             }
         }
@@ -816,9 +839,18 @@ pub(crate) mod tests {
                 vec![
                     Piece::Text("Let me check. ".into()),
                     weather("Paris"),
-                    Piece::Text("\n".into()),
                     weather("Oslo"),
                 ],
+            ),
+            (
+                ToolFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\nDone.\n",
+                vec![weather("Paris"), Piece::Text("\n\nDone.\n".into())],
+            ),
+            (
+                ToolFormat::Hermes,
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n ",
+                vec![weather("Paris")],
             ),
             (
                 ToolFormat::Hermes,
@@ -938,7 +970,7 @@ pub(crate) mod tests {
     proptest! {
         #[test]
         fn every_split_gives_the_same_calls_as_the_whole_text(
-            case in 0usize..15,
+            case in 0usize..17,
             cuts in proptest::collection::vec(0usize..400, 0..8),
         ) {
             let (format, text, want) = cases().swap_remove(case);

@@ -12,14 +12,13 @@ use serde_json::{Value, json};
 
 use super::Collected;
 use crate::ApiError;
+use crate::answer::Feed;
 use crate::pipeline::{Options, Tagged, Track};
-use crate::reasoning::ReasoningParser;
-use crate::tools::{Piece, ToolCall, ToolParser};
+use crate::tools::{Piece, ToolCall};
 
 /// What a streamed choice carries between its deltas.
 pub(crate) struct StreamState {
-    reasoning: Option<ReasoningParser>,
-    tools: Option<(ToolParser, usize)>,
+    feed: Feed,
     echo: Option<Option<String>>,
     /// Completions' text offsets of the log-probabilities, counted across chunks.
     offset: usize,
@@ -40,8 +39,7 @@ pub(crate) fn sse(
     let fast = opts.total() == 1 && !opts.logprobs && !opts.token_ids;
     let mut state: Vec<StreamState> = (0..opts.total())
         .map(|i| StreamState {
-            reasoning: opts.reasoning.map(ReasoningParser::new),
-            tools: opts.tools.map(|f| (ToolParser::new(f), 0usize)),
+            feed: Feed::new(&opts),
             echo: opts.echo_of(i),
             offset: 0,
             done: false,
@@ -128,22 +126,16 @@ pub(crate) fn sse(
                 lps.append(&mut d.logprobs);
                 d.logprobs = lps;
             }
-            if let Some(p) = &mut st.reasoning {
-                // Reasoning goes out as `reasoning_content`; the answer goes on as text.
-                let split = p.feed(&d.text, d.finish.is_some());
-                if !split.reasoning.is_empty() {
-                    yield Ok(reasoning_chunk(i, &split.reasoning));
-                }
-                d.text = split.content;
-            }
             let lps = (opts.logprobs && !d.logprobs.is_empty()).then(|| {
                 let l = shape.logprobs(&[], &d.logprobs, st.offset);
                 st.offset += d.logprobs.iter().map(|l| l.token.chars().count()).sum::<usize>();
                 l
             });
-            if let Some((parser, calls)) = &mut st.tools {
-                // The delta's log-probabilities and token ids go ahead of the text and calls
-                // the parser releases from it.
+            let calls_before = st.feed.calls();
+            let pieces = st.feed.feed(std::mem::take(&mut d.text), d.finish.is_some());
+            if st.feed.parses_tools() {
+                // The delta's log-probabilities and token ids go ahead of the text, reasoning
+                // and calls the parsers release from it.
                 let has_ids = opts.token_ids
                     && (d.token_ids.as_ref().is_some_and(|t| !t.is_empty()) || d.prompt_token_ids.is_some());
                 if lps.is_some() || has_ids {
@@ -151,36 +143,42 @@ pub(crate) fn sse(
                     yield Ok(with(i, v, lps));
                 }
                 // Text passes as the parser releases it; each call is one chunk.
-                let mut pieces = parser.push(&d.text);
-                if d.finish.is_some() {
-                    pieces.extend(parser.finish());
-                }
+                let mut call = calls_before;
                 for piece in pieces {
                     match piece {
                         Piece::Text(t) => yield Ok(text_chunk(i, &t, None)),
                         Piece::Reasoning(r) => yield Ok(reasoning_chunk(i, &r)),
                         Piece::Call(c) => {
-                            let v = shape.call_chunk(*calls, &c, include_usage);
-                            *calls += 1;
-                            yield Ok(with(i, v, None));
+                            yield Ok(with(i, shape.call_chunk(call, &c, include_usage), None));
+                            call += 1;
                         }
                     }
                 }
                 if let Some(f) = d.finish {
-                    let f = if *calls > 0 { FinishReason::ToolCalls } else { f };
-                    yield Ok(text_chunk(i, "", Some(f)));
+                    yield Ok(text_chunk(i, "", Some(st.feed.finish(f))));
                 }
-            } else if !d.text.is_empty()
-                || d.finish.is_some()
-                || lps.is_some()
-                || d.token_ids.as_ref().is_some_and(|t| !t.is_empty())
-            {
-                yield Ok(if fast {
-                    chunks.delta(&d.text, d.finish)
-                } else {
-                    let v = shape.delta(&d.text, d.finish, include_usage);
-                    with(i, ids(v, &mut d), lps)
-                });
+            } else {
+                // Reasoning goes out as `reasoning_content`; the answer's text, with the
+                // delta's log-probabilities, ids and finish, as one chunk.
+                for piece in pieces {
+                    match piece {
+                        Piece::Reasoning(r) => yield Ok(reasoning_chunk(i, &r)),
+                        Piece::Text(t) => d.text = t,
+                        Piece::Call(_) => {}
+                    }
+                }
+                if !d.text.is_empty()
+                    || d.finish.is_some()
+                    || lps.is_some()
+                    || d.token_ids.as_ref().is_some_and(|t| !t.is_empty())
+                {
+                    yield Ok(if fast {
+                        chunks.delta(&d.text, d.finish)
+                    } else {
+                        let v = shape.delta(&d.text, d.finish, include_usage);
+                        with(i, ids(v, &mut d), lps)
+                    });
+                }
             }
             if d.finish.is_some() {
                 st.done = true;
@@ -505,21 +503,30 @@ impl Shape {
     /// A unary answer's choice: its text (after the echoed prompt), tool calls parsed out,
     /// and its log-probabilities.
     pub(crate) fn choice(&self, opts: &Options, mut c: Collected) -> Value {
-        let reasoning = opts.reasoning.map(|f| {
-            let split = ReasoningParser::new(f).feed(&c.text, true);
-            c.text = split.content;
-            split.reasoning
+        let mut feed = Feed::new(opts);
+        let pieces = feed.feed(std::mem::take(&mut c.text), true);
+        // Chat's `reasoning_content` (null when the model wrote none) where reasoning is parsed.
+        let reasoning = opts.reasoning.map(|_| {
+            let mut r = String::new();
+            for p in &pieces {
+                if let Piece::Reasoning(t) = p {
+                    r.push_str(t);
+                }
+            }
+            r
         });
-        let mut v = if let Some(format) = opts.tools {
-            let mut p = ToolParser::new(format);
-            let mut pieces = p.push(&c.text);
-            pieces.extend(p.finish());
+        let mut v = if feed.parses_tools() {
             self.full_with_calls(&pieces, c.finish, c.usage)
         } else {
-            let text = match &c.echo {
-                Some(e) => echo_text(e, &c.prompt_logprobs) + &c.text,
-                None => c.text,
-            };
+            let mut text = String::new();
+            for p in &pieces {
+                if let Piece::Text(t) = p {
+                    text.push_str(t);
+                }
+            }
+            if let Some(e) = &c.echo {
+                text = echo_text(e, &c.prompt_logprobs) + &text;
+            }
             self.full(&text, c.finish, c.usage)
         };
         let mut choice = v["choices"][0].take();
