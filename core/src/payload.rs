@@ -22,6 +22,13 @@ pub trait Payload: Send + 'static {
         None
     }
 
+    /// About how many bytes the value's wire form takes, where it is large: the encoder sizes
+    /// its buffer once instead of doubling it (a 32k-token prompt's frame grew through a dozen
+    /// copies into freshly faulted pages, a third of a long turn's CPU).
+    fn wire_size_hint(&self) -> usize {
+        0
+    }
+
     /// The replica that must serve this value, when an upstream operator (a router) chose one.
     fn target_instance(&self) -> Option<crate::ctx::InstanceId> {
         None
@@ -46,6 +53,11 @@ pub trait Payload: Send + 'static {
 pub trait Resumable: Payload + Clone {
     /// What the replica streams back.
     type Output: Payload;
+    /// The copy the runtime keeps to resend (a clone; a request may make room in it for
+    /// what [`absorb`](Self::absorb) will add).
+    fn keep(&self) -> Self {
+        self.clone()
+    }
     /// Account for an output the caller received, so a resent request continues after it.
     fn absorb(&mut self, output: &Self::Output);
     /// True for outputs a resent request repeats and the caller already has (a header).
@@ -69,7 +81,7 @@ impl Resume {
             copy: |v| {
                 v.as_any()
                     .downcast_ref::<T>()
-                    .map(|t| Box::new(t.clone()) as AnyPayload)
+                    .map(|t| Box::new(t.keep()) as AnyPayload)
             },
             absorb: |req, out| {
                 if let (Some(r), Some(o)) = (
@@ -155,7 +167,8 @@ fn unreachable_mismatch<T: Payload>() -> Result<T, AnyPayload> {
 #[derive(Clone, Copy)]
 pub struct Codec {
     pub format: &'static str,
-    pub encode: fn(&dyn ErasedPayload) -> Result<Vec<u8>, CodecError>,
+    /// Appends the value's wire form to the buffer (a frame's header may be in it already).
+    pub encode: fn(&dyn ErasedPayload, &mut Vec<u8>) -> Result<(), CodecError>,
     pub decode: fn(&[u8]) -> Result<AnyPayload, CodecError>,
 }
 
@@ -172,6 +185,12 @@ pub enum CodecError {
         #[source]
         source: serde_json::Error,
     },
+    /// Another format's error, as its text.
+    #[error("{type_name}: {message}")]
+    Other {
+        type_name: &'static str,
+        message: String,
+    },
 }
 
 impl Codec {
@@ -179,7 +198,7 @@ impl Codec {
     pub fn json<T: Payload + Serialize + DeserializeOwned>() -> Codec {
         Codec {
             format: "json",
-            encode: |value| {
+            encode: |value, out| {
                 let v = value
                     .as_any()
                     .downcast_ref::<T>()
@@ -187,7 +206,8 @@ impl Codec {
                         expected: T::NAME,
                         found: value.type_name(),
                     })?;
-                serde_json::to_vec(v).map_err(|source| CodecError::Json {
+                out.reserve(v.wire_size_hint());
+                serde_json::to_writer(out, v).map_err(|source| CodecError::Json {
                     type_name: T::NAME,
                     source,
                 })
@@ -273,11 +293,12 @@ mod tests {
     #[test]
     fn json_codec_roundtrip_and_wrong_type() {
         let codec = PayloadType::of::<Wired>().codec.unwrap();
-        let bytes = (codec.encode)(&Wired("hé".into())).unwrap();
+        let mut bytes = Vec::new();
+        (codec.encode)(&Wired("hé".into()), &mut bytes).unwrap();
         let back = downcast::<Wired>((codec.decode)(&bytes).unwrap()).unwrap();
         assert_eq!(back, Wired("hé".into()));
         assert!(matches!(
-            (codec.encode)(&Local),
+            (codec.encode)(&Local, &mut Vec::new()),
             Err(CodecError::WrongType { .. })
         ));
         assert!((codec.decode)(b"{not json").is_err());

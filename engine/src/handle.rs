@@ -595,23 +595,24 @@ impl EngineHandle {
                 Some(self.guide(c, &generated, budget, ff)?)
             }
         };
+        let drawn = s.drawn();
         let spec = SeqSpec {
             prompt: req.token_ids.clone(),
             max_tokens: req.stop.max_tokens,
             stop_tokens: req.stop.stop_tokens(req.stop.ignore_eos).into(),
             min_tokens: req.stop.min_tokens,
             sampling: dyn_compute::sample::SamplingParams {
-                temperature: s.temperature.unwrap_or(1.0),
-                top_k: s.top_k.unwrap_or(0) as usize,
-                top_p: s.top_p.unwrap_or(1.0),
-                min_p: s.min_p.unwrap_or(0.0),
+                temperature: drawn.temperature,
+                top_k: drawn.top_k as usize,
+                top_p: drawn.top_p,
+                min_p: drawn.min_p,
                 seed,
             },
             penalties: dyn_compute::sample::Penalties {
                 logit_bias: s.logit_bias.clone(),
-                repetition: s.repetition_penalty.unwrap_or(1.0),
-                frequency: s.frequency_penalty.unwrap_or(0.0),
-                presence: s.presence_penalty.unwrap_or(0.0),
+                repetition: drawn.repetition,
+                frequency: drawn.frequency,
+                presence: drawn.presence,
             }
             .any()
             .map(std::sync::Arc::new),

@@ -161,29 +161,24 @@ pub fn request(
             put("ignore_eos", json!(ask.ignore_eos));
             // llama.cpp's own defaults (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8)
             // are not the OpenAI ones: say every parameter.
-            put("temperature", json!(s.temperature.unwrap_or(1.0)));
-            put("top_p", json!(s.top_p.unwrap_or(1.0)));
-            put("top_k", json!(s.top_k.unwrap_or(0)));
-            put("min_p", json!(s.min_p.unwrap_or(0.0)));
+            let drawn = s.drawn();
+            put("temperature", json!(drawn.temperature));
+            put("top_p", json!(drawn.top_p));
+            put("top_k", json!(drawn.top_k));
+            put("min_p", json!(drawn.min_p));
             if let Some(seed) = s.seed {
                 put("seed", json!(seed));
             }
             // Its penalties (off by default there too), over the request's whole context:
             // `repeat_last_n` its prompt and answer (this server refuses -1, "all").
-            if s.repetition_penalty.is_some()
-                || s.presence_penalty.is_some()
-                || s.frequency_penalty.is_some()
-            {
-                put("repeat_penalty", json!(s.repetition_penalty.unwrap_or(1.0)));
+            if s.penalized() {
+                put("repeat_penalty", json!(drawn.repetition));
                 put(
                     "repeat_last_n",
                     json!(req.token_ids.len() as u64 + u64::from(ask.max_tokens)),
                 );
-                put("presence_penalty", json!(s.presence_penalty.unwrap_or(0.0)));
-                put(
-                    "frequency_penalty",
-                    json!(s.frequency_penalty.unwrap_or(0.0)),
-                );
+                put("presence_penalty", json!(drawn.presence));
+                put("frequency_penalty", json!(drawn.frequency));
             }
             if !s.logit_bias.is_empty() {
                 put("logit_bias", json!(s.logit_bias));

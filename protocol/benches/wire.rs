@@ -1,6 +1,7 @@
 //! A long prompt's tokenized request on the request plane: written and read as JSON with its
-//! token ids as an array of numbers (before) and as base64 (`dyn_protocol::wire`, now), for
-//! a 32k-token prompt of a 49k-token vocabulary (SmolLM2's).
+//! token ids as an array of numbers (first), as JSON with base64 ids (`dyn_protocol::wire`,
+//! then), and by the request's codec (MessagePack, the ids one byte string: now), for a
+//! 32k-token prompt of a 49k-token vocabulary (SmolLM2's).
 //!
 //!   cargo bench -p dyn-protocol --bench wire
 #![allow(clippy::expect_used)] // a bench: a panic is a failure report
@@ -8,6 +9,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use dyn_core::Payload;
 use dyn_protocol::types::PreprocessedRequest;
 
 /// The same request with its ids as numbers, as they travelled before.
@@ -37,6 +39,19 @@ fn bench(c: &mut Criterion) {
     let text = serde_json::to_vec(&req).expect("writes");
     g.bench_function("base64_read", |b| {
         b.iter(|| serde_json::from_slice::<PreprocessedRequest>(black_box(&text)).expect("reads"))
+    });
+    let codec = PreprocessedRequest::codec().expect("crosses processes");
+    g.bench_function("codec_write", |b| {
+        b.iter(|| {
+            let mut out = Vec::new();
+            (codec.encode)(black_box(&req), &mut out).expect("writes");
+            out
+        })
+    });
+    let mut bytes = Vec::new();
+    (codec.encode)(&req, &mut bytes).expect("writes");
+    g.bench_function("codec_read", |b| {
+        b.iter(|| (codec.decode)(black_box(&bytes)).expect("reads"))
     });
     g.finish();
 }

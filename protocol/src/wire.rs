@@ -1,15 +1,16 @@
-//! How token ids travel in a JSON payload between processes: as one base64 string of their
-//! little-endian bytes, not an array of numbers. A 32k-token prompt is then ~170 KB of text
-//! written and read with a table lookup per byte, where an array of numbers is as long and
-//! costs a number's formatting and parsing per token (the largest share of a long prompt's
-//! cost on the request plane). Either form is read, so a payload whose ids are an array (a
-//! test's, a person's) still parses; binary serializers get the plain sequence. (Payloads of
-//! an older dyn do not: it kept the request's routing in `sampling`. The processes of a graph
-//! run one version.)
+//! How token ids travel in a payload between processes. A request crosses the request plane
+//! as MessagePack ([`REQUEST_CODEC`](crate::types)), where its ids are one byte string of
+//! their little-endian bytes, written and read as a copy. In JSON (captures, the admin
+//! endpoint, tests) they are base64 of those bytes, not an array of numbers: a 32k-token
+//! prompt is then ~170 KB of text with a table lookup per byte, where an array of numbers is
+//! as long and costs a number's formatting and parsing per token. Every form is read (an
+//! array too, so a payload a person wrote still parses). (Payloads of an older dyn do not: it
+//! kept the request's routing in `sampling` and sent JSON. The processes of a graph run one
+//! version.)
 
 use base64::Engine as _;
 use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserializer, Serialize, Serializer};
+use serde::{Deserializer, Serializer};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -19,18 +20,66 @@ pub mod token_ids {
 
     pub fn serialize<S: Serializer>(ids: &[u32], s: S) -> Result<S::Ok, S::Error> {
         if !s.is_human_readable() {
-            return ids.serialize(s);
+            return s.serialize_bytes(&le_bytes(ids));
         }
-        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-        s.serialize_str(&B64.encode(bytes))
+        s.collect_str(&Base64Ids(ids))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
-        // A binary format wrote the plain sequence, and may not describe itself.
-        if !d.is_human_readable() {
-            return <Vec<u32> as serde::Deserialize>::deserialize(d);
-        }
+        // Whichever form the payload has: base64 or a list in JSON, bytes (or a list) in a
+        // binary format.
         d.deserialize_any(Ids)
+    }
+}
+
+/// The ids' little-endian bytes: the ids themselves on a little-endian machine.
+#[cfg(target_endian = "little")]
+fn le_bytes(ids: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    std::borrow::Cow::Borrowed(bytemuck::cast_slice(ids))
+}
+
+#[cfg(not(target_endian = "little"))]
+fn le_bytes(ids: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    std::borrow::Cow::Owned(ids.iter().flat_map(|t| t.to_le_bytes()).collect())
+}
+
+/// Ids from their little-endian bytes.
+fn from_le_bytes<E: de::Error>(bytes: &[u8]) -> Result<Vec<u32>, E> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(E::custom(format!(
+            "token ids: {} bytes is not a whole number of 4-byte ids",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// The ids' base64, written straight into the serializer's output a few thousand ids at a
+/// time: neither the ids' bytes nor their text is ever a buffer of its own (each was a fresh
+/// allocation of a long prompt's size, faulted in page by page).
+struct Base64Ids<'a>(&'a [u32]);
+
+impl std::fmt::Display for Base64Ids<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // 768 ids are 3,072 bytes, a multiple of 3: each chunk's base64 has no padding but
+        // the last one's, and the chunks' texts join into the whole's.
+        const IDS: usize = 768;
+        let mut bytes = [0u8; IDS * 4];
+        let mut text = [0u8; IDS * 4 / 3 * 4];
+        for chunk in self.0.chunks(IDS) {
+            for (b, t) in bytes.chunks_exact_mut(4).zip(chunk) {
+                b.copy_from_slice(&t.to_le_bytes());
+            }
+            let n = B64
+                .encode_slice(&bytes[..chunk.len() * 4], &mut text)
+                .map_err(|_| std::fmt::Error)?;
+            // Base64's alphabet is ASCII.
+            f.write_str(std::str::from_utf8(&text[..n]).map_err(|_| std::fmt::Error)?)?;
+        }
+        Ok(())
     }
 }
 
@@ -40,23 +89,18 @@ impl<'de> Visitor<'de> for Ids {
     type Value = Vec<u32>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("token ids: a list of integers, or base64 of their little-endian bytes")
+        f.write_str("token ids: a list of integers, or (base64 of) their little-endian bytes")
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Vec<u32>, E> {
         let bytes = B64
             .decode(v)
             .map_err(|e| E::custom(format!("token ids: {e}")))?;
-        if bytes.len() % 4 != 0 {
-            return Err(E::custom(format!(
-                "token ids: {} bytes is not a whole number of 4-byte ids",
-                bytes.len()
-            )));
-        }
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        from_le_bytes(&bytes)
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u32>, E> {
+        from_le_bytes(v)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
@@ -85,6 +129,22 @@ mod tests {
         let text = serde_json::to_string(&p).unwrap();
         assert_eq!(text, r#"{"ids":"AAAAAAEAAAD/vwAA/////w=="}"#);
         assert_eq!(serde_json::from_str::<P>(&text).unwrap(), p);
+        // Across the encoder's chunks, every length's padding as one text would have it.
+        for n in [767, 768, 769, 1536, 2000, 2001, 2002] {
+            let p = P {
+                ids: (0..n).map(|i: u32| i.wrapping_mul(2_654_435_761)).collect(),
+            };
+            let text = serde_json::to_string(&p).unwrap();
+            let bytes: Vec<u8> = p.ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+            assert_eq!(
+                text,
+                format!(
+                    r#"{{"ids":"{}"}}"#,
+                    base64::Engine::encode(&super::B64, bytes)
+                )
+            );
+            assert_eq!(serde_json::from_str::<P>(&text).unwrap(), p);
+        }
         let array: P = serde_json::from_str(r#"{"ids":[0,1,49151,4294967295]}"#).unwrap();
         assert_eq!(array, p);
         assert!(

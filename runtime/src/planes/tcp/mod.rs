@@ -50,7 +50,7 @@ use super::{
 };
 use dyn_core::ctx::Ctx;
 use dyn_core::operator::{DynOperator, ErrorKind, Input, OpError, Output};
-use dyn_core::payload::{AnyPayload, Codec, PayloadType};
+use dyn_core::payload::{AnyPayload, Codec, CodecError, ErasedPayload, PayloadType};
 
 /// Frame tags (first byte of every frame).
 const HEADER: u8 = b'H';
@@ -72,6 +72,11 @@ struct Header {
     request_id: String,
     /// Milliseconds left before the caller's deadline.
     timeout_ms: Option<u64>,
+    /// The input's codec, as the caller writes it (`None`: a caller older than the field,
+    /// which wrote JSON): a worker of another version refuses the call by name rather than
+    /// failing to decode it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    codec: Option<String>,
 }
 
 /// Why a call's input could not go out: the connection failed (the instance is lost), or
@@ -79,6 +84,14 @@ struct Header {
 enum SendFailed {
     Lost(String),
     Invalid(String),
+}
+
+/// A frame of `tag` and the value's encoding, written in place (one buffer, sized by the
+/// payload's hint: a long prompt's frame is not copied again).
+fn encode_frame(tag: u8, codec: Codec, v: &dyn ErasedPayload) -> Result<Bytes, CodecError> {
+    let mut b = vec![tag];
+    (codec.encode)(v, &mut b)?;
+    Ok(b.into())
 }
 
 fn frame(tag: u8, body: &[u8]) -> Bytes {
@@ -445,6 +458,16 @@ async fn serve_one(
         (Ok(i), Ok(o)) => (i, o),
         (Err(e), _) | (_, Err(e)) => return send_error_and_done(writer, &e).await,
     };
+    let sent = header.codec.as_deref().unwrap_or("json");
+    if sent != in_codec.format {
+        // Not the client's fault: a deployment of mixed versions (another instance of the
+        // caller's version may take the request).
+        let e = OpError::internal(format!(
+            "the caller writes `{}` as {sent} and this worker reads {}: the processes of a graph must run one dyn version",
+            types.input.name, in_codec.format
+        ));
+        return send_error_and_done(writer, &e).await;
+    }
     let decode_error: Arc<Mutex<Option<OpError>>> = Arc::default();
     let slot = decode_error.clone();
     let input = tokio_stream::wrappers::ReceiverStream::new(input)
@@ -486,11 +509,11 @@ async fn serve_one(
         };
         let Some(item) = item else { break };
         let frame = match item {
-            Ok(v) => match (out_codec.encode)(v.as_ref()) {
-                Ok(bytes) if bytes.len() < shared.opts.max_message_bytes => frame(ITEM, &bytes),
-                Ok(bytes) => error_frame(&OpError::internal(format!(
+            Ok(v) => match encode_frame(ITEM, out_codec, v.as_ref()) {
+                Ok(f) if f.len() <= shared.opts.max_message_bytes => f,
+                Ok(f) => error_frame(&OpError::internal(format!(
                     "response item of {} bytes exceeds the {}-byte message limit",
-                    bytes.len(),
+                    f.len() - 1,
                     shared.opts.max_message_bytes
                 ))),
                 Err(e) => error_frame(&OpError::internal(format!("cannot encode a response: {e}"))),
@@ -657,8 +680,9 @@ impl RemoteCall {
 
     /// The header frame: which instance, which request, and the time left before the
     /// caller's deadline (relative: the two machines' clocks need not agree).
-    fn header(&self, ctx: &Ctx) -> Bytes {
+    fn header(&self, ctx: &Ctx, codec: &Codec) -> Bytes {
         let header = Header {
+            codec: Some(codec.format.to_string()),
             instance_id: self.instance_id,
             request_id: ctx.id().to_string(),
             timeout_ms: ctx
@@ -740,7 +764,7 @@ impl RemoteCall {
             // Input goes out while outputs come back. The input borrows the writer so that a
             // call whose response ends before its input does (a router keeps its input open
             // until the answer is over) can still hand the connection back.
-            let header = self.header(&ctx);
+            let header = self.header(&ctx, &in_codec);
             let max = self.opts.max_message_bytes;
             let mut send_input = Box::pin(send_input(writer, header, input, in_codec, max));
             let mut sent = false;
@@ -871,15 +895,15 @@ async fn send_input(
             }
         };
         let Some(item) = item else { break };
-        let bytes = (in_codec.encode)(item.as_ref())
+        let f = encode_frame(ITEM, in_codec, item.as_ref())
             .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
-        if bytes.len() >= max {
+        if f.len() > max {
             return Err(SendFailed::Invalid(format!(
                 "request item of {} bytes exceeds the {max}-byte message limit",
-                bytes.len()
+                f.len() - 1
             )));
         }
-        writer.feed(frame(ITEM, &bytes)).await.map_err(lost)?;
+        writer.feed(f).await.map_err(lost)?;
     }
     writer.send(frame(END_INPUT, b"")).await.map_err(lost)
 }

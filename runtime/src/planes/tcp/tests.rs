@@ -436,3 +436,36 @@ async fn heartbeats_tell_a_slow_answer_from_a_frozen_process() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(health.is_down(InstanceId(99)));
 }
+
+#[tokio::test]
+async fn a_caller_writing_another_codec_is_refused_by_name_and_the_worker_stays_up() {
+    let (_server, inst, _) = served(2, Duration::ZERO, TcpOptions::default()).await;
+    let health = Arc::new(InstanceHealth::default());
+    let client = TcpRequestPlane::new(TcpOptions::default(), health.clone());
+    // As a caller of another dyn version would: its input in a format this worker does not
+    // read (the bytes happen to be JSON; the header says what they are).
+    let mut other = types();
+    other.input.codec = Some(Codec {
+        format: "msgpack",
+        ..Codec::json::<Num>()
+    });
+    let out: Vec<_> = client
+        .call(&inst, other, Ctx::new(), nums(&[1]))
+        .collect()
+        .await;
+    let err = collect_nums(out).1.expect("refused");
+    assert_eq!(err.kind, ErrorKind::Internal, "{}", err.message);
+    assert!(
+        err.message.contains("`Num` as msgpack") && err.message.contains("one dyn version"),
+        "{}",
+        err.message
+    );
+    assert!(!health.is_down(inst.instance_id));
+    // The same worker serves a caller of its own version.
+    let out: Vec<_> = client
+        .call(&inst, types(), Ctx::new(), nums(&[1]))
+        .collect()
+        .await;
+    let (ok, err) = collect_nums(out);
+    assert!(err.is_none() && !ok.is_empty(), "{ok:?} {err:?}");
+}
