@@ -830,4 +830,6 @@ enum Admitted {
 }
 
 #[cfg(test)]
+mod fast_forward_tests;
+#[cfg(test)]
 mod tests;
