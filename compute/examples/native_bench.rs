@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::gguf::GgufWeights as _;
 use dyn_compute::model::{DType, ModelWeights};
 use dyn_compute::sample::argmax;
 use indicatif::{ProgressBar, ProgressStyle};

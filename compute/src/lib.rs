@@ -1,7 +1,8 @@
 //! dyn-compute: the native engine's compute, and KV transfer between workers.
 //!
-//! - [`model`] reads a Llama-family checkpoint (Hugging Face `config.json` and safetensors)
-//!   into the weights every backend uses.
+//! - [`model`] reads a Llama-family checkpoint (Hugging Face `config.json` and safetensors, or
+//!   GGUF) into the weights every backend uses; the file formats it reads are `dyn-model`'s,
+//!   re-exported in it.
 //! - [`backend`] is the trait the engine drives: a batch of sequences through the model over
 //!   a paged KV cache. [`cpu`] implements it everywhere; `cuda` (feature `cuda`) on NVIDIA
 //!   GPUs through cudarc, loading the driver at run time.

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use common::{dir, max_diff, reference};
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
 use dyn_compute::cpu::CpuBackend;
-use dyn_compute::model::gguf::Gguf;
+use dyn_compute::model::gguf::{Gguf, GgufWeights as _};
 use dyn_compute::model::{DType, ModelWeights};
 use dyn_compute::sample::argmax;
 
@@ -290,6 +290,36 @@ fn corrupt_files_are_errors_that_name_the_file_and_the_problem() {
     let mut huge = good[..24].to_vec();
     huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(open("huge.gguf", &huge).contains("more than"));
+    std::fs::remove_dir_all(d).ok();
+}
+
+/// A Q8_0 tensor (what llama.cpp's LoRA converter writes with `--outtype q8_0`) read by the
+/// GGUF reader's own widening (`dyn-model`, no kernels) gives what the kernels' dequantization
+/// gives (checked against ggml's in `quant::tests`).
+#[test]
+fn q8_0_tensors_widen_as_the_kernels_dequantize_them() {
+    // Eight blocks: scales of either sign, and every byte as a value.
+    let data: Vec<u8> = (0..8u8)
+        .flat_map(|b| {
+            let d = half::f16::from_f32((f32::from(b) - 3.5) / 64.0);
+            let values = (0..32u8).map(move |i| i.wrapping_mul(8).wrapping_add(b));
+            d.to_le_bytes().into_iter().chain(values)
+        })
+        .collect();
+    let mut w = Writer::default();
+    w.tensors.push((
+        "blk.0.attn_q.weight.lora_a".into(),
+        vec![64, 4],
+        8,
+        data.clone(),
+    ));
+    let d = tmp("q8");
+    let g = Gguf::open(&write(&d, "q8.gguf", &w.bytes())).unwrap();
+    let (dims, got) = g.tensor_f32("blk.0.attn_q.weight.lora_a").unwrap();
+    assert_eq!(dims, [64, 4]);
+    let mut want = vec![0.0; 256];
+    dyn_compute::quant::dequantize(dyn_compute::quant::QType::Q8_0, &data, &mut want);
+    assert_eq!(got, want);
     std::fs::remove_dir_all(d).ok();
 }
 

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use common::{Seq, dir, generate, max_diff};
 use dyn_compute::backend::KvShape;
 use dyn_compute::cpu::CpuBackend;
+use dyn_compute::model::gguf::GgufWeights as _;
 use dyn_compute::model::lora::LoraAdapter;
 use dyn_compute::model::{DType, ModelConfig, ModelWeights};
 

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dyn_compute::backend::{Backend, KvShape, SeqStep};
+use dyn_compute::model::gguf::GgufWeights as _;
 use dyn_compute::model::{DType, ModelConfig, ModelWeights, gguf};
 use dyn_compute::transfer::{BlockFormat, BlockLayout};
 use dyn_core::{BuildCx, BuildError, Invalid};

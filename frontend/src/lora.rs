@@ -31,11 +31,11 @@ use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Extension, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use dyn_compute::model::ModelConfig;
-use dyn_compute::model::files::shown;
-use dyn_compute::model::lora::LoraAdapter;
 use dyn_core::planes::EventBus;
 use dyn_core::{BuildCx, BuildError};
+use dyn_model::ModelConfig;
+use dyn_model::files::shown;
+use dyn_model::lora::LoraAdapter;
 use dyn_protocol::types::LoraRef;
 use futures::StreamExt;
 use parking_lot::RwLock;
@@ -80,8 +80,7 @@ struct Announce {
 async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
     let base = base_path.to_owned();
     tokio::task::spawn_blocking(move || {
-        dyn_compute::model::shape(&base)
-            .map_err(|e| format!("the model's shape ({}): {e}", base.display()))
+        dyn_model::shape(&base).map_err(|e| format!("the model's shape ({}): {e}", base.display()))
     })
     .await
     .map_err(|e| format!("reading the model's shape failed: {e}"))?
@@ -89,7 +88,7 @@ async fn shape_of(base_path: &Path) -> Result<ModelConfig, String> {
 
 /// The adapter `name` at `dir` (a PEFT directory or a GGUF LoRA file), checked against the
 /// model's shapes (on the blocking pool: it reads every file, each bounded and a regular file
-/// only, see `dyn_compute::model::files`): its absolute path, and the version of its files.
+/// only, see `dyn_model::files`): its absolute path, and the version of its files.
 async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, String> {
     let (shape, dir, name) = (shape.clone(), PathBuf::from(dir), name.to_owned());
     tokio::task::spawn_blocking(move || {
@@ -107,7 +106,7 @@ async fn check(shape: &ModelConfig, name: &str, dir: &str) -> Result<LoraRef, St
             id: std::hash::Hasher::finish(&h),
         };
         // A worker of this process takes this copy rather than reading the files again.
-        dyn_compute::model::lora::hand_over(lora.key(), &shape, std::sync::Arc::new(adapter));
+        dyn_model::lora::hand_over(lora.key(), &shape, std::sync::Arc::new(adapter));
         Ok(lora)
     })
     .await

@@ -14,7 +14,7 @@
 //! are matched whole in text and skipped when decoding without specials. The tokenizer is
 //! assembled as `tokenizer.json` and parsed by the library, the format's own definition.
 
-use dyn_compute::model::gguf::{Gguf, Value};
+use dyn_model::gguf::{Gguf, Value};
 use serde_json::{Value as Json, json};
 use tokenizers::Tokenizer;
 

@@ -219,7 +219,7 @@ impl ModelDir {
     }
 
     pub fn load(name: &str, path: &Path) -> Result<ModelDir, BuildError> {
-        if dyn_compute::model::gguf::is_gguf(path) {
+        if dyn_model::gguf::is_gguf(path) {
             return Self::load_gguf(name, path);
         }
         let config = read_json(&path.join("config.json"), true)?.unwrap_or_default();
@@ -292,7 +292,7 @@ impl ModelDir {
 
     /// A GGUF file: tokenizer, template and special tokens from its metadata.
     fn load_gguf(name: &str, path: &Path) -> Result<ModelDir, BuildError> {
-        use dyn_compute::model::gguf::{Gguf, Value as Meta};
+        use dyn_model::gguf::{Gguf, Value as Meta};
         let err = |e: String| BuildError::new(format!("{}: {e}", path.display()));
         let g = Gguf::open(path).map_err(|e| BuildError::new(e.to_string()))?;
         let config = g.config().map_err(|e| BuildError::new(e.to_string()))?;

@@ -3,50 +3,21 @@
 //! projections fused into one matrix, gate and up fused into another, so a layer is four
 //! matrix products. [`lora`] reads LoRA adapters, which backends add to those products,
 //! through [`files`], which bounds what a named file can make the process read.
+//!
+//! The file formats themselves ([`config`], [`files`], [`lora`], GGUF's reader, [`shape`] and
+//! [`ModelError`]) are `dyn-model`'s, so that the serving side reads them without compiling
+//! kernels; they are re-exported here under their old paths. What needs the kernels' types
+//! stays here: [`weights`], and turning a GGUF file's tensors into weights ([`gguf`]).
 
-pub mod config;
-pub mod files;
+pub use dyn_model::{ModelError, config, files, lora, shape};
 pub mod gguf;
-pub mod lora;
 pub mod weights;
 
 use std::path::Path;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
+use gguf::GgufWeights as _;
 pub use weights::{Checkpoint, DType, Host};
-
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("config: {0}")]
-    Config(String),
-    #[error("weights: {0}")]
-    Weights(String),
-}
-
-impl ModelError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        ModelError::Io {
-            // Escaped: a name with a newline must not forge a line where this is logged.
-            path: files::shown(path),
-            source,
-        }
-    }
-}
-
-/// The shape of the model at `path` (a checkpoint directory or a GGUF file), read from its
-/// config or its GGUF header alone: what an adapter is checked against.
-pub fn shape(path: &Path) -> Result<ModelConfig, ModelError> {
-    if gguf::is_gguf(path) {
-        gguf::Gguf::open(path)?.config()
-    } else {
-        ModelConfig::load(path)
-    }
-}
 
 /// A matrix `[rows, cols]` (row-major, as `nn.Linear` stores `[out, in]`) with optional bias.
 #[derive(Debug, Clone)]

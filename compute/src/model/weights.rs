@@ -15,6 +15,8 @@ use half::vec::HalfFloatVecExt;
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
+pub use dyn_model::le_vec;
+
 use super::ModelError;
 use crate::quant::QTensor;
 
@@ -62,18 +64,6 @@ pub enum Host {
     Bf16(Vec<bf16>),
     /// A matrix in GGML's quantized blocks (from a GGUF file), multiplied as it is on CPU.
     Quant(QTensor),
-}
-
-/// Little-endian bytes as numbers (copied, so `bytes` need not be aligned). Casting is the
-/// identity only on a little-endian host, which every target dyn builds for is.
-pub fn le_vec<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-    const {
-        assert!(
-            cfg!(target_endian = "little"),
-            "dyn reads tensors as little-endian"
-        )
-    };
-    bytemuck::pod_collect_to_vec(bytes)
 }
 
 impl Host {

@@ -6,68 +6,9 @@ use half::f16;
 
 use super::CHUNK;
 
-/// The quantized types this engine multiplies without widening.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum QType {
-    Q4_0,
-    Q4_1,
-    Q8_0,
-    Q4K,
-    Q5K,
-    Q6K,
-}
-
-impl QType {
-    /// From ggml's `ggml_type` number, as GGUF stores it.
-    pub fn from_ggml(id: u32) -> Option<QType> {
-        Some(match id {
-            2 => QType::Q4_0,
-            3 => QType::Q4_1,
-            8 => QType::Q8_0,
-            12 => QType::Q4K,
-            13 => QType::Q5K,
-            14 => QType::Q6K,
-            _ => return None,
-        })
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            QType::Q4_0 => "Q4_0",
-            QType::Q4_1 => "Q4_1",
-            QType::Q8_0 => "Q8_0",
-            QType::Q4K => "Q4_K",
-            QType::Q5K => "Q5_K",
-            QType::Q6K => "Q6_K",
-        }
-    }
-
-    /// Values per block.
-    pub fn block(self) -> usize {
-        match self {
-            QType::Q4_0 | QType::Q4_1 | QType::Q8_0 => 32,
-            QType::Q4K | QType::Q5K | QType::Q6K => 256,
-        }
-    }
-
-    /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
-        match self {
-            QType::Q4_0 => Q4_0::BYTES,
-            QType::Q4_1 => Q4_1::BYTES,
-            QType::Q8_0 => Q8_0::BYTES,
-            QType::Q4K => Q4K::BYTES,
-            QType::Q5K => Q5K::BYTES,
-            QType::Q6K => Q6K::BYTES,
-        }
-    }
-
-    /// Bytes of a row of `cols` values, if they are whole blocks.
-    pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        cols.is_multiple_of(self.block())
-            .then(|| cols / self.block() * self.block_bytes())
-    }
-}
+/// The quantized types this engine multiplies without widening: `dyn-model`'s, which sizes a
+/// GGUF tensor's bytes by them (the tests check those sizes against the layouts here).
+pub use dyn_model::gguf::QType;
 
 /// A chunk's scales and offsets, per half of 16 values.
 #[derive(Debug, Clone, Copy)]

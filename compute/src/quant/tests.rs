@@ -158,6 +158,27 @@ fn dequantization_matches_ggml() {
     }
 }
 
+/// The GGUF reader (`dyn-model`, whose `QType` this is) sizes each type's blocks as the
+/// layouts here unpack them: it checks a file's tensor table by those sizes before a matrix
+/// is built here.
+#[test]
+fn block_sizes_agree_with_the_layouts() {
+    fn of<F: Format>() -> (usize, usize) {
+        (F::BLOCK, F::BYTES)
+    }
+    for ty in TYPES {
+        let layout = match ty {
+            QType::Q4_0 => of::<Q4_0>(),
+            QType::Q4_1 => of::<Q4_1>(),
+            QType::Q8_0 => of::<Q8_0>(),
+            QType::Q4K => of::<Q4K>(),
+            QType::Q5K => of::<Q5K>(),
+            QType::Q6K => of::<Q6K>(),
+        };
+        assert_eq!((ty.block(), ty.block_bytes()), layout, "{}", ty.name());
+    }
+}
+
 #[test]
 fn products_match_the_dequantized_reference_at_every_batch_size() {
     // The panels exist where this CPU has AVX2 (the checks below then cover them).

@@ -598,6 +598,18 @@ mod tests {
         (Arc::new(g), (*m.tokenizer).clone())
     }
 
+    /// The highest-scoring token (the first of equals), as greedy sampling picks it.
+    fn argmax(logits: &[f32]) -> u32 {
+        let (best, _) = logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+            );
+        best as u32
+    }
+
     /// Greedy decoding under the mask with a "model" that prefers the highest ids.
     fn run(g: &Arc<Grammars>, t: &Tokenizer, c: Constraint) -> String {
         run_with(g, t, c, 200, |i| (i % 97) as f32).0
@@ -620,7 +632,7 @@ mod tests {
             let mask = guide.mask(vocab);
             let mut logits: Vec<f32> = (0..vocab).map(&score).collect();
             apply(&mask, &mut logits);
-            let tok = dyn_compute::sample::argmax(&logits);
+            let tok = argmax(&logits);
             guide.commit(tok);
             if g.eos.contains(&tok) {
                 break;

@@ -38,7 +38,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
 use super::files::{CONFIG_MAX, open_regular, read_regular, shown};
-use super::weights::le_vec;
+use super::le_vec;
 use super::{ModelConfig, ModelError};
 
 /// The projections an adapter may change, in a layer's order.
