@@ -195,13 +195,6 @@ impl std::error::Error for ConfigError {}
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    // No transparent huge pages for what this process allocates, unless it runs an engine
-    // (the native one and an external server's launcher take them back): mimalloc advises its arenas for them and
-    // purges freed memory, so a long prompt's buffers, freed and allocated again each request,
-    // faulted in whole 2 MiB pages the kernel zeroed — a third of a frontend's CPU on a
-    // 32k-token turn (BENCHMARKS.md, "Frontend cost per turn of a long conversation").
-    #[cfg(target_os = "linux")]
-    let _ = nix::sys::prctl::set_thp_disable(true);
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     raise_open_files_limit();

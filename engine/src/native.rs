@@ -147,13 +147,6 @@ impl NativeConfig {
 /// Load the model (on the blocking pool: it reads and converts every weight) and start a
 /// worker on it.
 pub async fn start(config: &NativeConfig, cx: &BuildCx) -> Result<Arc<EngineHandle>, BuildError> {
-    // The `dyn` binary starts without transparent huge pages (see its main); a process that
-    // computes a model takes them back before it allocates weights and KV: its steps run
-    // 2-9 % faster with them (BENCHMARKS.md, "Frontend cost per turn of a long conversation").
-    #[cfg(target_os = "linux")]
-    if let Err(e) = nix::sys::prctl::set_thp_disable(false) {
-        tracing::debug!(error = %e, "transparent huge pages stay off");
-    }
     let dir = config.model_dir(cx)?;
     let (c, d) = (config.clone(), dir.clone());
     let backend = tokio::task::spawn_blocking(move || load(&c, &d))

@@ -295,12 +295,6 @@ impl Supervisor {
             // core, a shell's children).
             .process_group(0)
             .kill_on_drop(true);
-        // The server inherits this process's setting: a third party's engine gets transparent
-        // huge pages as it would outside dyn (the `dyn` binary starts without them).
-        #[cfg(target_os = "linux")]
-        if let Err(e) = nix::sys::prctl::set_thp_disable(false) {
-            tracing::debug!(error = %e, "transparent huge pages stay off");
-        }
         let mut child = match command.spawn() {
             Ok(c) => c,
             Err(e) => return Err(Down::Wrong(format!("cannot run `sh -c {line}`: {e}"))),

@@ -166,6 +166,9 @@ pub async fn run_attached(
     attach: impl FnOnce(Attach) -> Option<Attached>,
 ) -> Result<(), RuntimeError> {
     let here = nodes_here(graph, &opts)?;
+    if !here.iter().any(|n| n.kind.role == Role::Worker) {
+        without_huge_pages();
+    }
     let planes = connect_planes(graph, &opts).await?;
     let (failed, failures) = mpsc::channel(64);
     let replicas = Arc::new(ReplicaSet {
@@ -205,6 +208,19 @@ pub async fn run_attached(
     };
     drop(attached);
     running.drain(failure).await
+}
+
+/// A process that serves no worker (an ingress, its stages and routers) runs without
+/// transparent huge pages. mimalloc advises its arenas for them and purges freed memory, so a
+/// long prompt's buffers, freed and allocated again each request, faulted in whole 2 MiB pages
+/// the kernel zeroed: a third of a frontend's CPU on a 32k-token turn. An engine keeps them (the
+/// native engine's steps ran ~10 % slower without; BENCHMARKS.md, "Frontend cost per turn of a
+/// long conversation").
+fn without_huge_pages() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
+        tracing::debug!(error = %e, "transparent huge pages stay on");
+    }
 }
 
 /// Phase 1: the nodes this process runs, after checking the planes allow that split.
