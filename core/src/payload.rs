@@ -194,18 +194,23 @@ pub enum CodecError {
 }
 
 impl Codec {
+    /// The value an encoder of `T` was handed, as a `T` (a codec's first step).
+    pub fn typed<T: Payload>(value: &dyn ErasedPayload) -> Result<&T, CodecError> {
+        value
+            .as_any()
+            .downcast_ref::<T>()
+            .ok_or(CodecError::WrongType {
+                expected: T::NAME,
+                found: value.type_name(),
+            })
+    }
+
     /// JSON through serde: the default codec, readable on the wire and in captures.
     pub fn json<T: Payload + Serialize + DeserializeOwned>() -> Codec {
         Codec {
             format: "json",
             encode: |value, out| {
-                let v = value
-                    .as_any()
-                    .downcast_ref::<T>()
-                    .ok_or(CodecError::WrongType {
-                        expected: T::NAME,
-                        found: value.type_name(),
-                    })?;
+                let v = Codec::typed::<T>(value)?;
                 out.reserve(v.wire_size_hint());
                 serde_json::to_writer(out, v).map_err(|source| CodecError::Json {
                     type_name: T::NAME,

@@ -613,13 +613,7 @@ impl Payload for PreprocessedRequest {
         Some(Codec {
             format: "msgpack",
             encode: |value, out| {
-                let r = value
-                    .as_any()
-                    .downcast_ref::<Self>()
-                    .ok_or(CodecError::WrongType {
-                        expected: Self::NAME,
-                        found: value.type_name(),
-                    })?;
+                let r = Codec::typed::<Self>(value)?;
                 out.reserve(r.wire_size_hint());
                 rmp_serde::encode::write_named(out, r).map_err(|e| CodecError::Other {
                     type_name: Self::NAME,

@@ -36,25 +36,13 @@ impl Tiny {
     fn spec(&self, prompt: Vec<u32>, seed: u64, max_tokens: u32) -> SeqSpec {
         let guide = self.grammars.guide(&self.call, Vec::new(), max_tokens);
         SeqSpec {
-            offset: 0,
-            prompt,
-            max_tokens,
             stop_tokens: self.m.eos_token_ids.clone().into(),
-            min_tokens: 0,
             sampling: dyn_compute::sample::SamplingParams {
                 seed,
                 ..Default::default()
             },
-            penalties: None,
-            logprobs: None,
-            prompt_logprobs: None,
             guide: Some(Arc::new(parking_lot::Mutex::new(guide))),
-            role: SeqRole::Full,
-            precedence: Precedence::default(),
-            salt: None,
-            hashes: Default::default(),
-            lora: None,
-            embed: None,
+            ..super::tests::spec(prompt, max_tokens)
         }
     }
 

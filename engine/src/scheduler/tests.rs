@@ -9,7 +9,7 @@ fn vocab() -> Vec<u32> {
     VOCAB.collect()
 }
 
-fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
+pub(super) fn spec(prompt: Vec<u32>, max_tokens: u32) -> SeqSpec {
     SeqSpec {
         offset: 0,
         prompt,
