@@ -23,8 +23,8 @@ pub trait Payload: Send + 'static {
     }
 
     /// About how many bytes the value's wire form takes, where it is large: the encoder sizes
-    /// its buffer once instead of doubling it (a 32k-token prompt's frame grew through a dozen
-    /// copies into freshly faulted pages, a third of a long turn's CPU).
+    /// its buffer for it instead of doubling it from nothing (a 32k-token prompt's frame grew
+    /// through a dozen copies into freshly faulted pages).
     fn wire_size_hint(&self) -> usize {
         0
     }

@@ -421,7 +421,7 @@ pub struct OutputSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PreprocessedRequest {
     pub model: String,
-    /// Base64 on the wire ([`crate::wire::token_ids`]).
+    /// Bytes in the request's codec, base64 in JSON ([`crate::wire::token_ids`]).
     #[serde(with = "crate::wire::token_ids")]
     pub token_ids: Vec<u32>,
     pub sampling: Sampling,
@@ -630,9 +630,16 @@ impl Payload for PreprocessedRequest {
             },
         })
     }
-    /// The prompt's bytes and room for the rest.
+    /// The prompt's bytes, the prompt's ids again where the answer returns them (a
+    /// MessagePack integer each, up to 5 bytes), and room for the rest (a large schema may
+    /// still grow the frame once).
     fn wire_size_hint(&self) -> usize {
-        self.token_ids.len() * 4 + 1024
+        let echoed = self
+            .output
+            .prompt_token_ids
+            .as_ref()
+            .map_or(0, |p| p.len() * 5);
+        self.token_ids.len() * 4 + echoed + 1024
     }
     fn target_instance(&self) -> Option<dyn_core::InstanceId> {
         self.target

@@ -1,5 +1,5 @@
 //! How token ids travel in a payload between processes. A request crosses the request plane
-//! as MessagePack ([`REQUEST_CODEC`](crate::types)), where its ids are one byte string of
+//! as MessagePack (`PreprocessedRequest`'s codec, `crate::types`), where its ids are one byte string of
 //! their little-endian bytes, written and read as a copy. In JSON (captures, the admin
 //! endpoint, tests) they are base64 of those bytes, not an array of numbers: a 32k-token
 //! prompt is then ~170 KB of text with a table lookup per byte, where an array of numbers is

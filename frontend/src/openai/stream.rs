@@ -134,8 +134,16 @@ pub(crate) fn sse(
             let calls_before = st.feed.calls();
             let pieces = st.feed.feed(std::mem::take(&mut d.text), d.finish.is_some());
             if st.feed.parses_tools() {
-                // The delta's log-probabilities and token ids go ahead of the text, reasoning
-                // and calls the parsers release from it.
+                // The reasoning the reasoning parser split off the delta goes first; then its
+                // log-probabilities and token ids, ahead of the text, calls (and a harmony
+                // answer's reasoning) the tool parser releases from it.
+                let split_first = opts.reasoning.is_some();
+                let mut pieces = pieces.into_iter().peekable();
+                while let Some(Piece::Reasoning(r)) =
+                    pieces.next_if(|p| split_first && matches!(p, Piece::Reasoning(_)))
+                {
+                    yield Ok(reasoning_chunk(i, &r));
+                }
                 let has_ids = opts.token_ids
                     && (d.token_ids.as_ref().is_some_and(|t| !t.is_empty()) || d.prompt_token_ids.is_some());
                 if lps.is_some() || has_ids {

@@ -214,8 +214,8 @@ pub async fn run_attached(
 /// transparent huge pages. mimalloc advises its arenas for them and purges freed memory, so a
 /// long prompt's buffers, freed and allocated again each request, faulted in whole 2 MiB pages
 /// the kernel zeroed: a third of a frontend's CPU on a 32k-token turn. An engine keeps them (the
-/// native engine's steps ran ~10 % slower without; BENCHMARKS.md, "Frontend cost per turn of a
-/// long conversation").
+/// native engine's one-process requests took 8–12 % longer without; BENCHMARKS.md, "Frontend
+/// cost per turn of a long conversation").
 fn without_huge_pages() {
     #[cfg(target_os = "linux")]
     if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
