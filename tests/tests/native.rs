@@ -521,12 +521,17 @@ async fn preempted_sequences_recompute_to_the_same_greedy_output() {
             "decode.native.block_size=4",
         ],
     );
-    all_at_once_match(&g.url(""), &reference(), 2).await;
-    let m = g.get("/metrics");
-    assert!(
-        metric(&m, &["dyn_worker_preemptions_total"]) > 0,
-        "the cache was small enough to preempt:\n{m}"
-    );
+    // Requests that arrive apart (a loaded machine) may each finish before the next needs
+    // its blocks: batches go until one preempts, each checked.
+    let mut m = String::new();
+    for _ in 0..10 {
+        all_at_once_match(&g.url(""), &reference(), 2).await;
+        m = g.get("/metrics");
+        if metric(&m, &["dyn_worker_preemptions_total"]) > 0 {
+            return;
+        }
+    }
+    panic!("the cache was small enough to preempt:\n{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,12 +33,11 @@ use std::time::{Duration, Instant};
 use tokio_util::task::TaskTracker;
 
 use async_trait::async_trait;
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use dyn_trust::PlaneStream;
 use futures::stream::{self, StreamExt};
 use futures::{FutureExt, SinkExt, Stream};
 use parking_lot::{Mutex, RwLock};
-use serde::{Deserialize, Serialize};
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -50,72 +49,14 @@ use super::{
 };
 use dyn_core::ctx::Ctx;
 use dyn_core::operator::{DynOperator, ErrorKind, Input, OpError, Output};
-use dyn_core::payload::{AnyPayload, Codec, CodecError, ErasedPayload, PayloadType};
-
-/// Frame tags (first byte of every frame).
-const HEADER: u8 = b'H';
-const ITEM: u8 = b'I';
-const END_INPUT: u8 = b'E';
-const ERROR: u8 = b'X';
-const DONE: u8 = b'D';
-/// Caller to server: the caller no longer wants the current request's output (its consumer
-/// stopped early); the server kills it and ends with a done mark, keeping the connection.
-const CANCEL: u8 = b'C';
-/// Server to caller: still serving, nothing to send yet.
-const PING: u8 = b'P';
-/// A done mark on the wire: the length-delimited codec's 4-byte length, then the tag.
-const DONE_FRAME: &[u8] = &[0, 0, 0, 1, DONE];
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Header {
-    instance_id: InstanceId,
-    request_id: String,
-    /// Milliseconds left before the caller's deadline.
-    timeout_ms: Option<u64>,
-    /// The input's codec, as the caller writes it (`None`: a caller older than the field,
-    /// which wrote JSON): a worker of another version refuses the call by name rather than
-    /// failing to decode it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    codec: Option<String>,
-}
+use dyn_core::payload::{AnyPayload, Codec};
+use frames::*;
 
 /// Why a call's input could not go out: the connection failed (the instance is lost), or
 /// the request itself cannot be sent (the caller's fault).
 enum SendFailed {
     Lost(String),
     Invalid(String),
-}
-
-/// A frame of `tag` and the value's encoding, written in place (one buffer, sized by the
-/// payload's hint: a long prompt's frame is not copied again).
-fn encode_frame(tag: u8, codec: Codec, v: &dyn ErasedPayload) -> Result<Bytes, CodecError> {
-    let mut b = vec![tag];
-    (codec.encode)(v, &mut b)?;
-    Ok(b.into())
-}
-
-fn frame(tag: u8, body: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(body.len() + 1);
-    b.put_u8(tag);
-    b.put_slice(body);
-    b.freeze()
-}
-
-fn codec_of(ty: PayloadType) -> Result<Codec, OpError> {
-    ty.codec.ok_or_else(|| {
-        OpError::internal(format!(
-            "payload `{}` has no wire codec and cannot leave its process",
-            ty.name
-        ))
-    })
-}
-
-fn length_codec(max: usize) -> LengthDelimitedCodec {
-    // Items are checked against `max` before they are sent, with a clear error; the frame
-    // limit adds the tag byte and leaves room for headers and errors under tiny limits.
-    LengthDelimitedCodec::builder()
-        .max_frame_length(max.max(4096) + 1)
-        .new_codec()
 }
 
 struct Served {
@@ -538,10 +479,6 @@ async fn serve_one(
     writer.send(frame(DONE, b"")).await.is_ok()
 }
 
-fn error_frame(e: &OpError) -> Bytes {
-    frame(ERROR, &serde_json::to_vec(e).unwrap_or_default())
-}
-
 async fn send_error_and_done(writer: &mut Writer, e: &OpError) -> bool {
     writer.send(error_frame(e)).await.is_ok() && writer.send(frame(DONE, b"")).await.is_ok()
 }
@@ -908,5 +845,6 @@ async fn send_input(
     writer.send(frame(END_INPUT, b"")).await.map_err(lost)
 }
 
+mod frames;
 #[cfg(test)]
 mod tests;

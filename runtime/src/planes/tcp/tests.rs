@@ -2,7 +2,9 @@
 
 use super::*;
 use dyn_core::operator::{NOT_SERVED, Operator, erase};
+use dyn_core::payload::PayloadType;
 use dyn_core::payload::{Payload, downcast};
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
