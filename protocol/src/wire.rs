@@ -1,12 +1,12 @@
 //! How token ids travel in a payload between processes. A request crosses the request plane
-//! as MessagePack (`PreprocessedRequest`'s codec, `crate::types`), where its ids are one byte string of
-//! their little-endian bytes, written and read as a copy. In JSON (captures, the admin
-//! endpoint, tests) they are base64 of those bytes, not an array of numbers: a 32k-token
-//! prompt is then ~170 KB of text with a table lookup per byte, where an array of numbers is
-//! as long and costs a number's formatting and parsing per token. Every form is read (an
-//! array too, so a payload a person wrote still parses). (Payloads of an older dyn do not: it
-//! kept the request's routing in `sampling` and sent JSON. The processes of a graph run one
-//! version.)
+//! as MessagePack (`PreprocessedRequest`'s codec in `crate::types`), where its ids are one
+//! byte string of their little-endian bytes, written and read as a copy. In JSON (captures,
+//! the admin endpoint, tests) they are base64 of those bytes, not an array of numbers: a
+//! 32k-token prompt is then ~170 KB of text with a table lookup per byte, where an array of
+//! numbers is as long and costs a number's formatting and parsing per token. Every form is
+//! read (an array too, so a payload a person wrote still parses). A worker refuses a caller
+//! of an older dyn, which sent JSON, by name (the call header says its codec): the processes
+//! of a graph run one version.
 
 use base64::Engine as _;
 use serde::de::{self, SeqAccess, Visitor};
