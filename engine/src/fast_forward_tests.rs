@@ -68,7 +68,11 @@ async fn ask(
 
 /// The call in `ids`, parsed: its city.
 fn city(m: &ModelDir, ids: &[u32]) -> String {
-    let text = m.tokenizer.decode(ids, false).expect("decodes");
+    called_city(&m.tokenizer.decode(ids, false).expect("decodes"))
+}
+
+/// The city of the forced `get_weather` call that `text` is (a panic if it is not one).
+pub(crate) fn called_city(text: &str) -> String {
     let body = text
         .strip_prefix("<tool_call>\n")
         .and_then(|t| t.strip_suffix("\n</tool_call>"))

@@ -22,7 +22,8 @@ pub mod token_ids {
         if !s.is_human_readable() {
             return s.serialize_bytes(&le_bytes(ids));
         }
-        s.collect_str(&Base64Ids(ids))
+        // JSON is the cold path now (captures, the admin endpoint, tests): one encode.
+        s.serialize_str(&B64.encode(le_bytes(ids)))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
@@ -55,32 +56,6 @@ fn from_le_bytes<E: de::Error>(bytes: &[u8]) -> Result<Vec<u32>, E> {
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect())
-}
-
-/// The ids' base64, written straight into the serializer's output a few thousand ids at a
-/// time: neither the ids' bytes nor their text is ever a buffer of its own (each was a fresh
-/// allocation of a long prompt's size, faulted in page by page).
-struct Base64Ids<'a>(&'a [u32]);
-
-impl std::fmt::Display for Base64Ids<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // 768 ids are 3,072 bytes, a multiple of 3: each chunk's base64 has no padding but
-        // the last one's, and the chunks' texts join into the whole's.
-        const IDS: usize = 768;
-        let mut bytes = [0u8; IDS * 4];
-        let mut text = [0u8; IDS * 4 / 3 * 4];
-        for chunk in self.0.chunks(IDS) {
-            for (b, t) in bytes.chunks_exact_mut(4).zip(chunk) {
-                b.copy_from_slice(&t.to_le_bytes());
-            }
-            let n = B64
-                .encode_slice(&bytes[..chunk.len() * 4], &mut text)
-                .map_err(|_| std::fmt::Error)?;
-            // Base64's alphabet is ASCII.
-            f.write_str(std::str::from_utf8(&text[..n]).map_err(|_| std::fmt::Error)?)?;
-        }
-        Ok(())
-    }
 }
 
 struct Ids;

@@ -85,15 +85,9 @@ impl Tiny {
             .copied()
             .filter(|t| !self.m.eos_token_ids.contains(t))
             .collect();
-        let text = self.m.tokenizer.decode(&ids, false).expect("decodes");
-        let body = text
-            .strip_prefix("<tool_call>\n")
-            .and_then(|t| t.strip_suffix("\n</tool_call>"))
-            .unwrap_or_else(|| panic!("not a call: {text:?}"));
-        let v: serde_json::Value =
-            serde_json::from_str(body).unwrap_or_else(|e| panic!("{body:?}: {e}"));
-        assert_eq!(v["name"], "get_weather", "{text}");
-        v["arguments"]["city"].as_str().expect("a city").to_string()
+        crate::fast_forward_tests::called_city(
+            &self.m.tokenizer.decode(&ids, false).expect("decodes"),
+        )
     }
 }
 
