@@ -621,7 +621,11 @@ impl Payload for PreprocessedRequest {
                 })
             },
             decode: |bytes| {
-                rmp_serde::from_slice::<Self>(bytes)
+                // Nesting bounded as serde_json bounds it (a schema inside a constraint is
+                // the only nesting a request has): bytes from the network cannot recurse deep.
+                let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+                de.set_max_depth(128);
+                Self::deserialize(&mut de)
                     .map(|v| Box::new(v) as dyn_core::payload::AnyPayload)
                     .map_err(|e| CodecError::Other {
                         type_name: Self::NAME,
@@ -788,6 +792,17 @@ mod tests {
             .expect("a request");
         assert_eq!(back.token_ids, [1, 2, 3]);
         assert!((codec.decode)(b"\x92\x01").is_err());
+        // Nesting past the bound (a schema 200 arrays deep) is an error, not a deep recursion.
+        let mut schema = serde_json::json!(1);
+        for _ in 0..200 {
+            schema = serde_json::json!([schema]);
+        }
+        let mut deep = crate::testing::preprocessed(vec![1], 4);
+        deep.sampling.constraint = Some(Constraint::JsonSchema(schema));
+        let mut bytes = Vec::new();
+        (codec.encode)(&deep, &mut bytes).expect("encodes");
+        let e = (codec.decode)(&bytes).expect_err("too deep");
+        assert!(e.to_string().contains("depth"), "{e}");
     }
 
     #[test]
