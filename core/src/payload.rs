@@ -9,6 +9,7 @@
 use std::any::{Any, TypeId};
 use std::fmt;
 
+use bytes::{BufMut, BytesMut};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -167,8 +168,10 @@ fn unreachable_mismatch<T: Payload>() -> Result<T, AnyPayload> {
 #[derive(Clone, Copy)]
 pub struct Codec {
     pub format: &'static str,
-    /// Appends the value's wire form to the buffer (a frame's header may be in it already).
-    pub encode: fn(&dyn ErasedPayload, &mut Vec<u8>) -> Result<(), CodecError>,
+    /// Appends the value's wire form to the buffer (a frame's header may be in it already:
+    /// the request plane encodes into its connection's write buffer, so a long prompt is
+    /// neither copied again nor given fresh pages per request).
+    pub encode: fn(&dyn ErasedPayload, &mut BytesMut) -> Result<(), CodecError>,
     pub decode: fn(&[u8]) -> Result<AnyPayload, CodecError>,
 }
 
@@ -212,7 +215,7 @@ impl Codec {
             encode: |value, out| {
                 let v = Codec::typed::<T>(value)?;
                 out.reserve(v.wire_size_hint());
-                serde_json::to_writer(out, v).map_err(|source| CodecError::Json {
+                serde_json::to_writer(out.writer(), v).map_err(|source| CodecError::Json {
                     type_name: T::NAME,
                     source,
                 })
@@ -298,12 +301,12 @@ mod tests {
     #[test]
     fn json_codec_roundtrip_and_wrong_type() {
         let codec = PayloadType::of::<Wired>().codec.unwrap();
-        let mut bytes = Vec::new();
+        let mut bytes = BytesMut::new();
         (codec.encode)(&Wired("hé".into()), &mut bytes).unwrap();
         let back = downcast::<Wired>((codec.decode)(&bytes).unwrap()).unwrap();
         assert_eq!(back, Wired("hé".into()));
         assert!(matches!(
-            (codec.encode)(&Local, &mut Vec::new()),
+            (codec.encode)(&Local, &mut BytesMut::new()),
             Err(CodecError::WrongType { .. })
         ));
         assert!((codec.decode)(b"{not json").is_err());

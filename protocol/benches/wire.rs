@@ -43,12 +43,12 @@ fn bench(c: &mut Criterion) {
     let codec = PreprocessedRequest::codec().expect("crosses processes");
     g.bench_function("codec_write", |b| {
         b.iter(|| {
-            let mut out = Vec::new();
+            let mut out = bytes::BytesMut::new();
             (codec.encode)(black_box(&req), &mut out).expect("writes");
             out
         })
     });
-    let mut bytes = Vec::new();
+    let mut bytes = bytes::BytesMut::new();
     (codec.encode)(&req, &mut bytes).expect("writes");
     g.bench_function("codec_read", |b| {
         b.iter(|| (codec.decode)(black_box(&bytes)).expect("reads"))

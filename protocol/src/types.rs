@@ -7,6 +7,7 @@
 //!
 //! All of them have a wire codec, so any edge may cross a process boundary.
 
+use bytes::BufMut;
 use dyn_core::payload::CodecError;
 use dyn_core::{Codec, Payload, Resumable, Resume};
 use serde::{Deserialize, Serialize};
@@ -615,9 +616,11 @@ impl Payload for PreprocessedRequest {
             encode: |value, out| {
                 let r = Codec::typed::<Self>(value)?;
                 out.reserve(r.wire_size_hint());
-                rmp_serde::encode::write_named(out, r).map_err(|e| CodecError::Other {
-                    type_name: Self::NAME,
-                    message: e.to_string(),
+                rmp_serde::encode::write_named(&mut out.writer(), r).map_err(|e| {
+                    CodecError::Other {
+                        type_name: Self::NAME,
+                        message: e.to_string(),
+                    }
                 })
             },
             decode: |bytes| {
@@ -753,7 +756,7 @@ mod tests {
             key: Some(PullKey::random()),
         });
         let codec = PreprocessedRequest::codec().expect("crosses processes");
-        let mut bytes = vec![0xAA];
+        let mut bytes = bytes::BytesMut::from(&[0xAA][..]);
         (codec.encode)(&req, &mut bytes).expect("encodes");
         assert_eq!(bytes[0], 0xAA, "appended after what the buffer held");
         // The ids are one byte string of their little-endian bytes.
@@ -799,7 +802,7 @@ mod tests {
         }
         let mut deep = crate::testing::preprocessed(vec![1], 4);
         deep.sampling.constraint = Some(Constraint::JsonSchema(schema));
-        let mut bytes = Vec::new();
+        let mut bytes = bytes::BytesMut::new();
         (codec.encode)(&deep, &mut bytes).expect("encodes");
         let e = (codec.decode)(&bytes).expect_err("too deep");
         assert!(e.to_string().contains("depth"), "{e}");

@@ -36,16 +36,42 @@ pub(super) struct Header {
     pub(super) codec: Option<String>,
 }
 
-/// A frame of `tag` and the value's encoding, written in place (one buffer, sized by the
-/// payload's hint: a long prompt's frame is not copied again).
-pub(super) fn encode_frame(
+/// Why a payload's frame was not written.
+pub(super) enum Unwritten {
+    Codec(CodecError),
+    /// The body's size (without its tag) over the message limit.
+    TooLarge(usize),
+}
+
+/// Appends a frame of `tag` and the value's encoding to `buf` — the connection's write
+/// buffer, as tokio-util's length-delimited codec frames it (a 4-byte big-endian length, then
+/// the tag and body). Encoded in place: a long prompt is not built in a buffer of its own and
+/// then copied into the connection's. A frame over `max` bytes (with its tag) or that fails to
+/// encode is taken back out.
+pub(super) fn put_frame(
+    buf: &mut BytesMut,
     tag: u8,
     codec: Codec,
     v: &dyn ErasedPayload,
-) -> Result<Bytes, CodecError> {
-    let mut b = vec![tag];
-    (codec.encode)(v, &mut b)?;
-    Ok(b.into())
+    max: usize,
+) -> Result<(), Unwritten> {
+    let start = buf.len();
+    buf.put_u32(0);
+    buf.put_u8(tag);
+    let written = (codec.encode)(v, buf);
+    let len = buf.len() - start - 4;
+    let failed = match written {
+        Err(e) => Unwritten::Codec(e),
+        Ok(()) => match u32::try_from(len) {
+            Ok(n) if len <= max => {
+                buf[start..start + 4].copy_from_slice(&n.to_be_bytes());
+                return Ok(());
+            }
+            _ => Unwritten::TooLarge(len - 1),
+        },
+    };
+    buf.truncate(start);
+    Err(failed)
 }
 
 pub(super) fn frame(tag: u8, body: &[u8]) -> Bytes {

@@ -449,25 +449,26 @@ async fn serve_one(
             }
         };
         let Some(item) = item else { break };
-        let frame = match item {
-            Ok(v) => match encode_frame(ITEM, out_codec, v.as_ref()) {
-                Ok(f) if f.len() <= shared.opts.max_message_bytes => f,
-                Ok(f) => error_frame(&OpError::internal(format!(
-                    "response item of {} bytes exceeds the {}-byte message limit",
-                    f.len() - 1,
-                    shared.opts.max_message_bytes
-                ))),
-                Err(e) => error_frame(&OpError::internal(format!("cannot encode a response: {e}"))),
-            },
-            Err(e) => error_frame(&e),
-        };
-        let last = frame.first() == Some(&ERROR);
-        if writer.feed(frame).await.is_err() {
+        if room(writer).await.is_err() {
             return false;
         }
-        if last {
-            break;
+        let max = shared.opts.max_message_bytes;
+        let failed = match item {
+            Ok(v) => match put_frame(writer.write_buffer_mut(), ITEM, out_codec, v.as_ref(), max) {
+                Ok(()) => continue,
+                Err(Unwritten::TooLarge(n)) => OpError::internal(format!(
+                    "response item of {n} bytes exceeds the {max}-byte message limit"
+                )),
+                Err(Unwritten::Codec(e)) => {
+                    OpError::internal(format!("cannot encode a response: {e}"))
+                }
+            },
+            Err(e) => e,
+        };
+        if writer.feed(error_frame(&failed)).await.is_err() {
+            return false;
         }
+        break;
     }
     drop(out);
     let failed = decode_error.lock().take();
@@ -477,6 +478,15 @@ async fn serve_one(
         return false;
     }
     writer.send(frame(DONE, b"")).await.is_ok()
+}
+
+/// Waits, as the codec's own sink would before taking an item, until the write buffer is
+/// under its back-pressure boundary (frames are encoded into it in place: [`put_frame`]).
+async fn room(writer: &mut Writer) -> std::io::Result<()> {
+    if writer.write_buffer().len() >= writer.backpressure_boundary() {
+        SinkExt::<Bytes>::flush(writer).await?;
+    }
+    Ok(())
 }
 
 async fn send_error_and_done(writer: &mut Writer, e: &OpError) -> bool {
@@ -832,15 +842,20 @@ async fn send_input(
             }
         };
         let Some(item) = item else { break };
-        let f = encode_frame(ITEM, in_codec, item.as_ref())
-            .map_err(|e| SendFailed::Invalid(format!("cannot encode the request: {e}")))?;
-        if f.len() > max {
-            return Err(SendFailed::Invalid(format!(
-                "request item of {} bytes exceeds the {max}-byte message limit",
-                f.len() - 1
-            )));
-        }
-        writer.feed(f).await.map_err(lost)?;
+        room(writer).await.map_err(lost)?;
+        put_frame(
+            writer.write_buffer_mut(),
+            ITEM,
+            in_codec,
+            item.as_ref(),
+            max,
+        )
+        .map_err(|e| match e {
+            Unwritten::Codec(e) => SendFailed::Invalid(format!("cannot encode the request: {e}")),
+            Unwritten::TooLarge(n) => SendFailed::Invalid(format!(
+                "request item of {n} bytes exceeds the {max}-byte message limit"
+            )),
+        })?;
     }
     writer.send(frame(END_INPUT, b"")).await.map_err(lost)
 }
