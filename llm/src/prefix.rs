@@ -21,8 +21,13 @@
 //! that fails (a Metaspace that prefixes only the first piece, say) gets no cache
 //! ([`PrefixCache::new`] returns `None`).
 //!
+//! An entry made from a turn that extended a cached prefix shares that prefix's tokens
+//! ([`Pieces`]): a conversation's turns hold its tokens once, not once per turn, and a turn
+//! copies only what it added into the cache.
+//!
 //! Keys and text hashes are seeded per process, so no client can aim a collision. Bounded by
-//! entries and by tokens held, least recently used first out.
+//! entries and by tokens held (each entry counted whole, shared pieces too), least recently
+//! used first out.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -58,13 +63,73 @@ struct Entries {
 struct Entry {
     cut: usize,
     text_hash: u64,
-    tokens: Arc<[u32]>,
+    tokens: Pieces,
 }
 
 /// What a lookup found: the prompt's first `cut` bytes encode to `tokens`.
 pub struct Hit {
     pub cut: usize,
-    pub tokens: Arc<[u32]>,
+    pub tokens: Pieces,
+}
+
+/// A prefix's tokens, in the pieces successive turns added: shared between the entries of one
+/// conversation.
+#[derive(Clone, Default)]
+pub struct Pieces {
+    parts: Vec<Arc<[u32]>>,
+    len: usize,
+}
+
+/// Pieces past which an entry's tokens are joined into one (a conversation of many short
+/// turns would otherwise make every lookup walk a long list).
+const MAX_PIECES: usize = 64;
+
+impl Pieces {
+    /// Tokens in all pieces.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How many pieces the tokens are kept in.
+    pub fn pieces(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// The tokens, appended to `out`.
+    pub fn extend_into(&self, out: &mut Vec<u32>) {
+        for p in &self.parts {
+            out.extend_from_slice(p);
+        }
+    }
+
+    /// These pieces, then `tail`; `whole` is all of them (these pieces' tokens, then `tail`),
+    /// copied as one piece when there are many.
+    fn then(&self, tail: &[u32], whole: &[u32]) -> Pieces {
+        if self.parts.len() >= MAX_PIECES {
+            return Pieces::from(whole);
+        }
+        let mut parts = self.parts.clone();
+        if !tail.is_empty() {
+            parts.push(tail.into());
+        }
+        Pieces {
+            parts,
+            len: whole.len(),
+        }
+    }
+}
+
+impl From<&[u32]> for Pieces {
+    fn from(tokens: &[u32]) -> Pieces {
+        Pieces {
+            parts: vec![tokens.into()],
+            len: tokens.len(),
+        }
+    }
 }
 
 impl PrefixCache {
@@ -146,8 +211,9 @@ impl PrefixCache {
         })
     }
 
-    /// Keep `tokens`, the encoding of `text`, up to its last added token, under `key`.
-    pub fn insert(&self, key: u64, text: &str, tokens: &[u32]) {
+    /// Keep `tokens`, the encoding of `text`, up to its last added token, under `key`; `base`
+    /// is the hit they were made from (their first tokens), whose pieces the entry shares.
+    pub fn insert(&self, key: u64, text: &str, tokens: &[u32], base: Option<&Pieces>) {
         let Some((i, content)) = tokens
             .iter()
             .enumerate()
@@ -168,10 +234,15 @@ impl PrefixCache {
             return;
         };
         let cut = start + content.len();
+        let kept = &tokens[..=i];
+        let tokens = match base {
+            Some(b) if b.len() <= kept.len() => b.then(&kept[b.len()..], kept),
+            _ => Pieces::from(kept),
+        };
         let entry = Arc::new(Entry {
             cut,
             text_hash: xxh3_64_with_seed(&text.as_bytes()[..cut], self.seed),
-            tokens: tokens[..=i].into(),
+            tokens,
         });
         let held = entry.tokens.len();
         if held > self.max_tokens {

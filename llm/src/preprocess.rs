@@ -451,25 +451,25 @@ impl Preprocess {
         let hit = cache
             .lookup(&keys, &text)
             .and_then(|hit| Some((text.get(hit.cut..)?.to_owned(), hit.tokens)));
-        let tokens = match hit {
+        let (tokens, base) = match hit {
             Some((rest, prefix)) => {
                 PREFIX_CACHE.with_label_values(&["hit"]).inc();
                 let rest = self.encode(rest, false).await?;
                 let mut tokens = Vec::with_capacity(prefix.len() + rest.len());
-                tokens.extend_from_slice(&prefix);
+                prefix.extend_into(&mut tokens);
                 tokens.extend(rest);
-                tokens
+                (tokens, Some(prefix))
             }
             None => {
                 PREFIX_CACHE.with_label_values(&["miss"]).inc();
-                self.encode(text.clone(), false).await?
+                (self.encode(text.clone(), false).await?, None)
             }
         };
         // A prompt too long to run is not kept: it would only push out conversations that run.
         if let Some(&key) = keys.last()
             && tokens.len() < self.model.context_length as usize
         {
-            cache.insert(key, &text, &tokens);
+            cache.insert(key, &text, &tokens, base.as_ref());
         }
         Ok(tokens)
     }
@@ -884,7 +884,11 @@ mod tests {
                 .unwrap();
             assert!(cache.lookup(&keys, &text).is_none());
             let keys = cache.keys(&[b"tenant", b"[]", &[1]], &messages[..messages.len() - 1]);
-            assert!(cache.lookup(&keys, &text).is_some(), "{}", path.display());
+            let hit = cache
+                .lookup(&keys, &text)
+                .expect("the conversation's prefix");
+            // Later turns' entries share the pieces earlier turns kept, not copies of them.
+            assert!(hit.tokens.pieces() > 1, "{}", path.display());
         }
     }
 }
