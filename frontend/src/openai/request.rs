@@ -190,11 +190,38 @@ pub(crate) fn refuse_fields<'a>(
     Ok(())
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string or a list of content parts")]
+#[derive(Debug)]
 pub(crate) enum ContentIn {
     Text(String),
     Parts(Vec<Part>),
+}
+
+/// By the JSON value's kind, not `#[serde(untagged)]`: an untagged enum buffers the value
+/// first and copies a string twice, and a long conversation's contents are most of a body.
+impl<'de> Deserialize<'de> for ContentIn {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Kind;
+        impl<'de> serde::de::Visitor<'de> for Kind {
+            type Value = ContentIn;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of content parts")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ContentIn, E> {
+                Ok(ContentIn::Text(v.to_owned()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<ContentIn, E> {
+                Ok(ContentIn::Text(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<ContentIn, A::Error> {
+                Vec::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(ContentIn::Parts)
+            }
+        }
+        d.deserialize_any(Kind)
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -129,6 +129,27 @@ fn stop_accepts_a_string_or_a_list_and_names_what_it_expected() {
 }
 
 #[test]
+fn content_is_a_string_or_parts_and_names_what_it_expected() {
+    let m: MessageIn =
+        serde_json::from_str(r#"{"role": "user", "content": "h\u00e9 \"q\""}"#).expect("text");
+    assert!(matches!(m.content, Some(ContentIn::Text(t)) if t == "hé \"q\""));
+    let m: MessageIn = serde_json::from_str(
+        r#"{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}"#,
+    )
+    .expect("parts");
+    assert!(matches!(m.content, Some(ContentIn::Parts(p)) if p.len() == 2));
+    let m: MessageIn = serde_json::from_str(r#"{"role": "user", "content": null}"#).expect("none");
+    assert!(m.content.is_none());
+    let e =
+        serde_json::from_str::<MessageIn>(r#"{"role": "user", "content": 3}"#).expect_err("bad");
+    assert!(
+        e.to_string()
+            .contains("a string or a list of content parts"),
+        "{e}"
+    );
+}
+
+#[test]
 fn chunks_have_openai_shapes() {
     let s = Shape {
         id: "chatcmpl-1".into(),
