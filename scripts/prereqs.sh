@@ -5,6 +5,7 @@ install_prereqs() {
   command -v protoc >/dev/null || need+=(protobuf-compiler)   # etcd-client's build script
   [ -e /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
   command -v gcc >/dev/null || need+=(build-essential)
+  command -v make >/dev/null || need+=(make)                  # UCX's build (dyn-ucx)
   local pkg cmd
   for pkg in "$@"; do              # PACKAGE:COMMAND
     cmd=${pkg#*:}; pkg=${pkg%%:*}
