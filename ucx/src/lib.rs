@@ -694,7 +694,14 @@ mod tests {
         };
         assert_eq!(r.to_string(), "0001ab 1099511627776 4096 ff");
         assert_eq!(r.to_string().parse::<Remote>(), Ok(r));
-        for bad in ["", "00 1 2", "0 1 2 ff", "zz 1 2 ff", "00 x 2 ff", "00 1 2 ff 9"] {
+        for bad in [
+            "",
+            "00 1 2",
+            "0 1 2 ff",
+            "zz 1 2 ff",
+            "00 x 2 ff",
+            "00 1 2 ff 9",
+        ] {
             assert!(bad.parse::<Remote>().is_err(), "{bad:?}");
         }
     }
