@@ -337,6 +337,8 @@ struct Progress {
 /// an emulated read served here waits little, an idle agent wakes ~100 times a second.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
 const BUSY_WAIT: Duration = Duration::from_micros(50);
+/// How long the thread looks for a next command without sleeping after activity.
+const SPIN: Duration = Duration::from_micros(50);
 /// How long a cancelled read may take to end before the thread stops waiting for it.
 const GIVE_UP: Duration = Duration::from_secs(1);
 
@@ -433,6 +435,15 @@ impl Progress {
                 continue;
             }
             if !open {
+                continue;
+            }
+            // Just after activity the next command often follows at once (the blocks of one
+            // pull, a reader's next read): look for it a little while before sleeping, as a
+            // sleeping thread's wake-up cost a small read more than the read itself.
+            if wait == BUSY_WAIT
+                && let Some(cmd) = spin_for(&rx, SPIN)
+            {
+                self.handle(cmd);
                 continue;
             }
             match rx.recv_timeout(wait) {
@@ -662,6 +673,20 @@ impl Progress {
             }
             let _ = p.reply.send(r);
         }
+    }
+}
+
+/// A command arriving within `d`, looked for without sleeping.
+fn spin_for(rx: &mpsc::Receiver<Cmd>, d: Duration) -> Option<Cmd> {
+    let until = Instant::now() + d;
+    loop {
+        if let Ok(cmd) = rx.try_recv() {
+            return Some(cmd);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        std::hint::spin_loop();
     }
 }
 
