@@ -353,17 +353,27 @@ impl Progress {
             p.field_mask = sys::ucp_params_field_UCP_PARAM_FIELD_FEATURES as u64;
             // RMA alone: asking for wake-up events too would leave out cross-memory attach.
             p.features = sys::ucp_feature_UCP_FEATURE_RMA as u64;
-            let mut ctx = null_mut();
+            // UCX's TCP transport listens on every network device; unless the environment
+            // names devices (`UCX_NET_DEVICES`), only loopback's, as every dyn listener binds
+            // to loopback unless told otherwise. Shared-memory and attach transports are not
+            // network devices and stay.
+            let mut config = null_mut();
             check(
-                "init",
-                sys::ucp_init_version(
-                    sys::UCP_API_MAJOR,
-                    sys::UCP_API_MINOR,
-                    &p,
-                    std::ptr::null(),
-                    &mut ctx,
-                ),
+                "config_read",
+                sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config),
             )?;
+            if std::env::var_os("UCX_NET_DEVICES").is_none() {
+                let st = sys::ucp_config_modify(config, c"NET_DEVICES".as_ptr(), c"lo".as_ptr());
+                if let Err(e) = check("config_modify", st) {
+                    sys::ucp_config_release(config);
+                    return Err(e);
+                }
+            }
+            let mut ctx = null_mut();
+            let st =
+                sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &p, config, &mut ctx);
+            sys::ucp_config_release(config);
+            check("init", st)?;
             let mut wp: sys::ucp_worker_params_t = MaybeUninit::zeroed().assume_init();
             wp.field_mask = sys::ucp_worker_params_field_UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
             wp.thread_mode = sys::ucs_thread_mode_t_UCS_THREAD_MODE_SINGLE;
