@@ -169,8 +169,8 @@ fn unreachable_mismatch<T: Payload>() -> Result<T, AnyPayload> {
 pub struct Codec {
     pub format: &'static str,
     /// Appends the value's wire form to the buffer (a frame's header may be in it already:
-    /// the request plane encodes into its connection's write buffer, so a long prompt is
-    /// neither copied again nor given fresh pages per request).
+    /// the request plane encodes into its connection's write buffer, so a long prompt is not
+    /// copied again).
     pub encode: fn(&dyn ErasedPayload, &mut BytesMut) -> Result<(), CodecError>,
     pub decode: fn(&[u8]) -> Result<AnyPayload, CodecError>,
 }

@@ -106,13 +106,14 @@ impl Pieces {
         }
     }
 
-    /// These pieces, then `tail`; `whole` is all of them (these pieces' tokens, then `tail`),
-    /// copied as one piece when there are many.
-    fn then(&self, tail: &[u32], whole: &[u32]) -> Pieces {
+    /// `whole`, which starts with these pieces' tokens: these pieces and a new one for the
+    /// rest (all of `whole` as one piece when there are many).
+    fn then(&self, whole: &[u32]) -> Pieces {
         if self.parts.len() >= MAX_PIECES {
             return Pieces::from(whole);
         }
         let mut parts = self.parts.clone();
+        let tail = &whole[self.len..];
         if !tail.is_empty() {
             parts.push(tail.into());
         }
@@ -236,7 +237,7 @@ impl PrefixCache {
         let cut = start + content.len();
         let kept = &tokens[..=i];
         let tokens = match base {
-            Some(b) if b.len() <= kept.len() => b.then(&kept[b.len()..], kept),
+            Some(b) if b.len() <= kept.len() => b.then(kept),
             _ => Pieces::from(kept),
         };
         let entry = Arc::new(Entry {

@@ -137,19 +137,30 @@ async fn another_process_reads_a_region_and_sees_it_end_with_its_owner() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("starts the serving process");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let remote = loop {
-        let mut line = String::new();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "the child ended early"
-        );
-        if let Some(rest) = line.trim().strip_prefix("REMOTE ") {
-            let remote: Remote = rest.parse().expect("a remote");
-            assert_eq!(remote.to_string(), rest, "its line reads back as written");
-            break remote;
+    // The child's line is read on a thread of its own, so a child that never prints is a
+    // failure after a bound (sized for a loaded machine) that says so, not a hung test.
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if let Some(rest) = line.trim().strip_prefix("REMOTE ") {
+                let _ = tx.send(rest.to_owned());
+                break;
+            }
+        }
+    });
+    let rest = match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(rest) => rest,
+        Err(e) => {
+            let _ = child.kill();
+            panic!(
+                "the serving process printed no remote within 120 s ({e}): it ended early or hung starting UCX"
+            );
         }
     };
+    let remote: Remote = rest.parse().expect("a remote");
+    assert_eq!(remote.to_string(), rest, "its line reads back as written");
     let reader = Agent::new("ucx-parent").expect("UCX starts");
     let want = pattern(size, 5);
     let got = reader.get(&remote, 0, size, LIMIT).await.expect("reads");
