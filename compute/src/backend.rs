@@ -67,6 +67,12 @@ pub trait Backend: Send {
         blocks.iter().map(|b| self.export_block(*b)).collect()
     }
 
+    /// Several blocks back to back in one buffer: what a KV transfer registers with UCX where
+    /// it lies (blocks in separate buffers would be copied into one first).
+    fn export_blocks_packed(&mut self, blocks: &[u32]) -> Result<Vec<u8>, ComputeError> {
+        Ok(self.export_blocks(blocks)?.concat())
+    }
+
     fn import_blocks(&mut self, blocks: &[u32], data: &[&[u8]]) -> Result<(), ComputeError> {
         if blocks.len() != data.len() {
             return Err(ComputeError::Invalid(format!(

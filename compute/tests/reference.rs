@@ -162,6 +162,16 @@ fn exported_blocks_continue_the_sequence_on_another_backend() {
         let used = case.prompt.len().div_ceil(4);
         let mut decode = backend("tiny", dtype, 4);
         let mut moved = Seq::new(&case.prompt, 50, 4, 64);
+        // Packed (what a transfer registers): the same bytes as block by block.
+        let packed = prefill.export_blocks_packed(&s[0].blocks[..used]).unwrap();
+        assert_eq!(packed.len(), used * prefill.block_bytes());
+        for (from, bytes) in s[0].blocks[..used]
+            .iter()
+            .zip(packed.chunks_exact(prefill.block_bytes()))
+        {
+            assert!(prefill.export_block(*from).unwrap() == bytes, "{dtype:?}");
+        }
+        assert!(prefill.export_blocks_packed(&[1 << 30]).is_err());
         for (from, to) in s[0].blocks[..used].iter().zip(&moved.blocks) {
             let bytes = prefill.export_block(*from).unwrap();
             assert_eq!(bytes.len(), decode.block_bytes());

@@ -10,7 +10,7 @@ use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dyn_compute::transfer::{BlockFormat, KvTransferAgent};
+use dyn_compute::transfer::{BlockFormat, KvTransferAgent, Pulled};
 use dyn_core::{BuildCx, BuildError, OpError};
 use dyn_protocol::kv::{ResyncRequest, kv_events_subject, kv_resync_subject, load_metrics_subject};
 use dyn_protocol::types::{Generated, Prefilled, PreprocessedRequest};
@@ -423,7 +423,8 @@ impl EngineHandle {
                 )));
             }
             tokio::time::sleep((self.import.delay)(req.token_ids.len())).await;
-            let blocks = self.agent.pull(&p.transfer, p.key).await?;
+            let pulled = self.agent.pull(&p.transfer, p.key).await?;
+            let blocks = &pulled.blocks;
             if blocks.len() != req.token_ids.len().div_ceil(bs) {
                 return Err(EngineError::Mismatch(format!(
                     "{} blocks pulled for a {}-token prompt",
@@ -431,17 +432,42 @@ impl EngineHandle {
                     req.token_ids.len()
                 )));
             }
-            (self.import.verify)(&blocks, &req.token_ids)?;
-            Ok(blocks)
+            (self.import.verify)(blocks, &req.token_ids)?;
+            Ok(pulled)
         }
         .await;
         let id = format!("{:x}", self.worker_id);
         let m = &crate::metrics::TRANSFERS;
         match result {
-            Ok(blocks) => {
+            Ok(Pulled {
+                blocks,
+                via,
+                fallback,
+            }) => {
                 m.count
-                    .with_label_values(&[self.node.as_str(), &id, "pulled"])
+                    .with_label_values(&[self.node.as_str(), &id, "pulled", via.as_str()])
                     .inc();
+                // Which wire the blocks take, said once per wire and process (the metric
+                // counts them; a worker's metrics stay in its own process).
+                static FIRST: [std::sync::Once; 3] = [const { std::sync::Once::new() }; 3];
+                FIRST[via as usize].call_once(|| {
+                    tracing::info!(worker_id = %id, via = via.as_str(), "KV transfer: first blocks pulled over {via}");
+                });
+                if let Some(why) = fallback {
+                    m.fallbacks
+                        .with_label_values(&[self.node.as_str(), &id])
+                        .inc();
+                    // Once per process at warn (a broken wire would say it on every
+                    // request), then at debug.
+                    static TOLD: std::sync::Once = std::sync::Once::new();
+                    let mut first = false;
+                    TOLD.call_once(|| first = true);
+                    if first {
+                        tracing::warn!(worker_id = %id, reason = %why, "KV transfer: the UCX read failed, the blocks came over TCP (said once)");
+                    } else {
+                        tracing::debug!(worker_id = %id, reason = %why, "KV transfer over TCP after a failed UCX read");
+                    }
+                }
                 m.seconds
                     .with_label_values(&[self.node.as_str()])
                     .observe(started.elapsed().as_secs_f64());
@@ -452,7 +478,7 @@ impl EngineHandle {
             }
             Err(e) => {
                 m.count
-                    .with_label_values(&[self.node.as_str(), &id, "failed"])
+                    .with_label_values(&[self.node.as_str(), &id, "failed", "none"])
                     .inc();
                 tracing::warn!(worker_id = %id, prefill_worker = format_args!("{:x}", p.worker_id), error = %e, "KV transfer failed; prefilling locally");
                 None

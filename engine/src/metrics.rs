@@ -13,21 +13,29 @@ use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 /// KV transfers a decode worker pulled from prefill workers: how each went and how long it
 /// took.
 pub struct Transfers {
-    /// `outcome`: pulled, failed (the prompt is then prefilled locally).
+    /// `outcome`: pulled, failed (the prompt is then prefilled locally); `via`: the wire that
+    /// brought the blocks (inproc, tcp, ucx; `none` for a failure).
     pub count: IntCounterVec,
     pub seconds: HistogramVec,
+    /// Pulls whose UCX read failed and were streamed over TCP instead.
+    pub fallbacks: IntCounterVec,
 }
 
 pub static TRANSFERS: LazyLock<Transfers> = LazyLock::new(|| Transfers {
     count: counter_vec(
         "dyn_worker_kv_transfers_total",
-        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed)",
-        &["node", "worker_id", "outcome"],
+        "KV transfers a decode worker pulled from prefill workers, by outcome (pulled|failed) and the wire that brought them (inproc|tcp|ucx)",
+        &["node", "worker_id", "outcome", "via"],
     ),
     seconds: histogram(
         "dyn_worker_kv_transfer_seconds",
         "Time to receive a prompt's KV from a prefill worker (modelled transfer included)",
         &["node"],
+    ),
+    fallbacks: counter_vec(
+        "dyn_transfer_fallbacks_total",
+        "KV transfers whose UCX read failed and whose blocks came over TCP instead",
+        &["node", "worker_id"],
     ),
 });
 

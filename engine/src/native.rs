@@ -604,8 +604,10 @@ impl Executor for NativeExec {
     }
 
     fn export(&mut self, blocks: &[BlockId], _tokens: &[u32]) -> Result<Vec<Bytes>, EngineError> {
-        let data = self.backend.export_blocks(blocks)?;
-        Ok(data.into_iter().map(Bytes::from).collect())
+        // One buffer, split: the blocks lie back to back, as a UCX transfer registers them.
+        let bb = self.backend.block_bytes();
+        let mut all = Bytes::from(self.backend.export_blocks_packed(blocks)?);
+        Ok(blocks.iter().map(|_| all.split_to(bb)).collect())
     }
 
     fn import(&mut self, blocks: &[BlockId], data: Vec<Bytes>) -> Result<(), EngineError> {

@@ -39,11 +39,13 @@ pub struct GraphSpec {
     pub broken: Vec<String>,
 }
 
-/// Where the control and event planes live, as written (`embedded`, `etcd://…`, `nats://…`).
+/// Where the control and event planes live, as written (`embedded`, `etcd://…`, `nats://…`),
+/// and the KV transfer wire (`auto`, `ucx`, `tcp`).
 #[derive(Debug, Clone)]
 pub struct PlanesSpec {
     pub control: (String, Option<Pos>),
     pub events: (String, Option<Pos>),
+    pub transfer: (String, Option<Pos>),
 }
 
 /// The model a graph serves (defined in `dyn-core`: every kind's build context carries it).
@@ -110,6 +112,8 @@ struct PlanesRaw {
     control: Option<Spanned<String>>,
     #[serde(default)]
     events: Option<Spanned<String>>,
+    #[serde(default)]
+    transfer: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -370,6 +374,7 @@ fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> O
     let planes = header.planes.unwrap_or(PlanesRaw {
         control: None,
         events: None,
+        transfer: None,
     });
     let plane = |p: Option<Spanned<String>>| match p {
         Some(s) => (s.to_string(), pos_of(&s)),
@@ -448,6 +453,10 @@ fn header(root: &Node, sections: Vec<SectionSpec>, diags: &mut Diagnostics) -> O
         planes: PlanesSpec {
             control: plane(planes.control),
             events: plane(planes.events),
+            transfer: match planes.transfer {
+                Some(s) => (s.to_string(), pos_of(&s)),
+                None => ("auto".to_owned(), None),
+            },
         },
         models,
         nodes: Vec::new(),

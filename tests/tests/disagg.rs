@@ -129,7 +129,14 @@ async fn native_engine_disaggregated_greedy_output_equals_aggregated() {
     let decisions = "dyn_remote_prefill_decisions_total";
     assert_eq!(metric(&m, &[decisions, "decision=\"remote\""]), 4, "{m}");
     assert_eq!(
-        metric(&m, &["dyn_worker_kv_transfers_total", "outcome=\"pulled\""]),
+        metric(
+            &m,
+            &[
+                "dyn_worker_kv_transfers_total",
+                "outcome=\"pulled\"",
+                "via=\"inproc\""
+            ]
+        ),
         4,
         "{m}"
     );

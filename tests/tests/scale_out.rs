@@ -947,9 +947,56 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
         assert_eq!(got, greedy(agg.url(""), p).await, "prompt {i}");
     }
     assert_eq!(c.remote_decisions(), 4);
-    // Real KV blocks (f32, the CPU backend's layout) went through the TCP transfer agent.
+    // Real KV blocks (f32, the CPU backend's layout) went through UCX (`planes.transfer:
+    // auto`, and UCX starts here): one-sided reads, cross-memory attach on one machine.
     assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over ucx"), 1);
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 0);
+    assert_eq!(logged(&c, "decode", 1, "the UCX read failed"), 0);
     assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
+
+    // The prefill process killed under load: every stream finishes, with the answer one
+    // process gives (its prompt prefilled locally where the transfer failed).
+    let prompts: Vec<String> = (0..6).map(|i| long_prompt(300 + i)).collect();
+    let want = futures::future::join_all(prompts.iter().map(|p| greedy(agg.url(""), p.clone())));
+    let want = want.await;
+    let got = tokio::spawn({
+        let (url, prompts) = (url.clone(), prompts.clone());
+        async move {
+            futures::future::join_all(prompts.into_iter().map(|p| greedy(url.clone(), p))).await
+        }
+    });
+    c.wait_for(
+        |c| logged(c, "frontend", 1, "Prefilled remotely") > 4,
+        "a prompt of the load is prefilled remotely",
+    );
+    signal(c.pid("prefill", 0), "-KILL");
+    assert_eq!(got.await.unwrap(), want);
+}
+
+/// `planes.transfer: tcp`: the same answers, the blocks streamed over the TCP agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
+    let Some(c) = Cluster::disagg_graph(
+        "graphs/disagg_native.yaml",
+        1,
+        &["--set", "planes.transfer=tcp"],
+    ) else {
+        return;
+    };
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    let url = format!("http://{}", c.g.addr);
+    for i in 0..2 {
+        let body = json!({"model": "tiny", "prompt": long_prompt(200 + i), "max_tokens": 10,
+                          "temperature": 0, "ignore_eos": true});
+        let (status, got) = dyn_tests::completion(&url, &body).await;
+        assert_eq!(status, 200, "{got}");
+        let (_, want) = dyn_tests::completion(&agg.url(""), &body).await;
+        assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+    }
+    assert_eq!(c.remote_decisions(), 2);
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over ucx"), 0);
 }
 
 /// The workers the router behind `url` sees live.

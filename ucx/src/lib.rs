@@ -128,13 +128,15 @@ unsafe impl Send for MemH {}
 
 enum Cmd {
     Register {
-        bytes: Bytes,
-        reply: mpsc::SyncSender<Result<(MemH, Vec<u8>), UcxError>>,
+        /// The region: memory its `Registered` keeps alive until the unmap.
+        addr: usize,
+        len: usize,
+        reply: Reply<(MemH, Vec<u8>)>,
     },
     Unmap {
         memh: MemH,
         /// The region's memory, released only once it is unmapped.
-        _keep: Bytes,
+        _keep: Vec<Bytes>,
     },
     Get {
         id: u64,
@@ -149,6 +151,21 @@ enum Cmd {
     Cancel {
         id: u64,
     },
+}
+
+/// Where a command's answer goes: to a thread that blocks for it or to a task that awaits it.
+enum Reply<T> {
+    Blocking(mpsc::SyncSender<Result<T, UcxError>>),
+    Async(tokio::sync::oneshot::Sender<Result<T, UcxError>>),
+}
+
+impl<T> Reply<T> {
+    fn send(self, r: Result<T, UcxError>) {
+        let _ = match self {
+            Reply::Blocking(tx) => tx.send(r).map_err(drop),
+            Reply::Async(tx) => tx.send(r).map_err(drop),
+        };
+    }
 }
 
 /// The command channel to the progress thread.
@@ -207,22 +224,57 @@ impl Agent {
             return Err(UcxError::Empty);
         }
         let (reply, rx) = mpsc::sync_channel(1);
+        let (addr, len) = (bytes.as_ptr() as usize, bytes.len());
         self.cmds.send(Cmd::Register {
-            bytes: bytes.clone(),
-            reply,
+            addr,
+            len,
+            reply: Reply::Blocking(reply),
         })?;
-        let (memh, rkey) = rx.recv().map_err(|_| UcxError::Gone)??;
-        Ok(Registered {
+        let done = rx.recv().map_err(|_| UcxError::Gone)?;
+        Ok(self.registered(done?, addr, len, vec![bytes]))
+    }
+
+    /// Makes `blocks` readable as one region, back to back, without blocking a thread. Blocks
+    /// that already lie back to back in memory (slices of one buffer, as an engine's export
+    /// makes them) are registered where they are; others are first copied into one buffer.
+    pub async fn register_blocks(&self, blocks: Vec<Bytes>) -> Result<Registered, UcxError> {
+        let blocks = if adjacent(&blocks) {
+            blocks
+        } else {
+            vec![Bytes::from(blocks.concat())]
+        };
+        let (addr, len) = match (blocks.first(), blocks.iter().map(Bytes::len).sum()) {
+            (Some(first), len) if len > 0 => (first.as_ptr() as usize, len),
+            _ => return Err(UcxError::Empty),
+        };
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.cmds.send(Cmd::Register {
+            addr,
+            len,
+            reply: Reply::Async(reply),
+        })?;
+        let done = rx.await.map_err(|_| UcxError::Gone)?;
+        Ok(self.registered(done?, addr, len, blocks))
+    }
+
+    fn registered(
+        &self,
+        (memh, rkey): (MemH, Vec<u8>),
+        addr: usize,
+        len: usize,
+        keep: Vec<Bytes>,
+    ) -> Registered {
+        Registered {
             remote: Remote {
                 worker: self.address.clone(),
-                addr: bytes.as_ptr() as u64,
-                len: bytes.len() as u64,
+                addr: addr as u64,
+                len: len as u64,
                 rkey,
             },
             memh: Some(memh),
-            bytes,
+            keep,
             cmds: self.cmds.clone(),
-        })
+        }
     }
 
     /// Reads `len` bytes at `offset` of the region `from` describes, within `limit` (a read
@@ -291,8 +343,17 @@ impl Agent {
 pub struct Registered {
     remote: Remote,
     memh: Option<MemH>,
-    bytes: Bytes,
+    /// The memory it spans (one buffer, or blocks lying back to back).
+    keep: Vec<Bytes>,
     cmds: Commands,
+}
+
+/// True when each block starts where the one before it ends: together they are one span of
+/// memory, every byte of it owned by one of them.
+fn adjacent(blocks: &[Bytes]) -> bool {
+    blocks
+        .windows(2)
+        .all(|w| w[0].as_ptr() as usize + w[0].len() == w[1].as_ptr() as usize)
 }
 
 impl Registered {
@@ -306,7 +367,7 @@ impl Drop for Registered {
         if let Some(memh) = self.memh.take() {
             let _ = self.cmds.send(Cmd::Unmap {
                 memh,
-                _keep: self.bytes.clone(),
+                _keep: std::mem::take(&mut self.keep),
             });
         }
     }
@@ -471,9 +532,7 @@ impl Progress {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Register { bytes, reply } => {
-                let _ = reply.send(self.register(&bytes));
-            }
+            Cmd::Register { addr, len, reply } => reply.send(self.register(addr, len)),
             Cmd::Unmap { memh, _keep } => {
                 // SAFETY: a handle this context mapped, unmapped once (taken from its region).
                 let st = unsafe { sys::ucp_mem_unmap(self.ctx, memh.0) };
@@ -515,16 +574,17 @@ impl Progress {
             .any(|p| p.cancelled.is_none_or(|t| t.elapsed() < GIVE_UP))
     }
 
-    fn register(&mut self, bytes: &Bytes) -> Result<(MemH, Vec<u8>), UcxError> {
-        // SAFETY: the region is `bytes`' memory, kept alive by its `Registered` until the
-        // unmap; UCX reads it for peers and never writes it (peers only get).
+    fn register(&mut self, addr: usize, len: usize) -> Result<(MemH, Vec<u8>), UcxError> {
+        // SAFETY: the region is memory its `Registered` keeps alive until the unmap (one
+        // buffer, or blocks back to back); UCX reads it for peers and never writes it (peers
+        // only get).
         unsafe {
             let mut mp: sys::ucp_mem_map_params_t = MaybeUninit::zeroed().assume_init();
             mp.field_mask = (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
                 | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH)
                 as u64;
-            mp.address = bytes.as_ptr() as *mut _;
-            mp.length = bytes.len();
+            mp.address = addr as *mut _;
+            mp.length = len;
             let mut memh = null_mut();
             check("mem_map", sys::ucp_mem_map(self.ctx, &mp, &mut memh))?;
             let mut packed: *mut std::ffi::c_void = null_mut();

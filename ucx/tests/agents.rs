@@ -20,6 +20,45 @@ fn pattern(n: usize, seed: u8) -> Bytes {
         .into()
 }
 
+/// An offer's blocks: slices of one exported buffer are registered where they lie; blocks
+/// from separate buffers are copied into one first. Either way a reader sees them back to back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_register_as_one_region_in_place_or_copied() {
+    let owner = Agent::new("ucx-owner").expect("UCX starts");
+    let reader = Agent::new("ucx-reader").expect("UCX starts");
+    let all = pattern(8 * 4096, 5);
+    let slices: Vec<Bytes> = (0..8)
+        .map(|i| all.slice(i * 4096..(i + 1) * 4096))
+        .collect();
+    let region = owner.register_blocks(slices).await.expect("registers");
+    assert_eq!(
+        region.remote().addr,
+        all.as_ptr() as u64,
+        "registered in place"
+    );
+    let got = reader
+        .get(region.remote(), 0, all.len(), LIMIT)
+        .await
+        .expect("reads");
+    assert!(got == all[..]);
+
+    let apart: Vec<Bytes> = (0..3).map(|i| pattern(1000, i)).collect();
+    let region = owner
+        .register_blocks(apart.clone())
+        .await
+        .expect("registers");
+    assert_eq!(region.remote().len, 3000);
+    let got = reader
+        .get(region.remote(), 0, 3000, LIMIT)
+        .await
+        .expect("reads");
+    assert!(got == apart.concat());
+    assert!(
+        owner.register_blocks(Vec::new()).await.is_err(),
+        "nothing to register"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registered_region_is_read_whole_and_in_part_by_another_agent() {
     let owner = Agent::new("ucx-owner").expect("UCX starts");

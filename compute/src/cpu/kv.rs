@@ -217,8 +217,15 @@ impl<T: Elem> Cache<T> {
     /// every prefilled block through here (offload tiers use [`Cache::save`]).
     pub fn export(&self, block: usize, geo: Geometry) -> Vec<u8> {
         let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
-        let at = block * n;
         let mut out = vec![0u8; self.k.len() * 2 * n * size];
+        self.export_into(block, geo, &mut out);
+        out
+    }
+
+    /// [`Cache::export`] into `out`, which has exactly a block's bytes.
+    pub fn export_into(&self, block: usize, geo: Geometry, out: &mut [u8]) {
+        let (n, size) = (geo.block_elems(), std::mem::size_of::<T>());
+        let at = block * n;
         for ((k, v), layer) in self
             .k
             .iter()
@@ -242,7 +249,6 @@ impl<T: Elem> Cache<T> {
                 x.write_le(o);
             }
         }
-        out
     }
 
     /// Block `block` from the exchanged layout (`bytes` is a whole block: the backend

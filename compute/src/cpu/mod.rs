@@ -362,6 +362,19 @@ impl Backend for CpuBackend {
         self.cfg.layers * 2 * self.geometry().block_elems() * self.dtype.size()
     }
 
+    fn export_blocks_packed(&mut self, blocks: &[u32]) -> Result<Vec<u8>, ComputeError> {
+        let bb = self.block_bytes();
+        if let Some(b) = blocks.iter().find(|&&b| b as usize >= self.kv.num_blocks) {
+            return Err(ComputeError::Invalid(format!("no block {b}")));
+        }
+        let geo = self.geometry();
+        let mut out = vec![0u8; blocks.len() * bb];
+        for (b, dst) in blocks.iter().zip(out.chunks_exact_mut(bb.max(1))) {
+            on_cache!(&self.cache, c => c.export_into(*b as usize, geo, dst));
+        }
+        Ok(out)
+    }
+
     fn export_block(&self, block: u32) -> Result<Vec<u8>, ComputeError> {
         if block as usize >= self.kv.num_blocks {
             return Err(ComputeError::Invalid(format!("no block {block}")));

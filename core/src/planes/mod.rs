@@ -44,6 +44,29 @@ pub enum PlaneError {
     InvalidSubject(String),
 }
 
+/// Which wire moves KV blocks between processes (the graph's `planes.transfer`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TransferWire {
+    /// UCX when it starts in this process, else TCP.
+    #[default]
+    Auto,
+    /// UCX, or the process does not start.
+    Ucx,
+    Tcp,
+}
+
+impl std::str::FromStr for TransferWire {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "ucx" => Ok(Self::Ucx),
+            "tcp" => Ok(Self::Tcp),
+            _ => Err(format!("transfer `{s}`: expected auto, ucx or tcp")),
+        }
+    }
+}
+
 /// The planes one graph runs on, cheap to clone into every node.
 #[derive(Clone)]
 pub struct Planes {
@@ -56,6 +79,8 @@ pub struct Planes {
     /// services that open their own listeners (the KV transfer agent) bind where the request
     /// plane does.
     pub tcp: Option<TcpOptions>,
+    /// How KV blocks move between processes (used with `tcp`).
+    pub transfer: TransferWire,
     /// One discovery watch per prefix in this process, shared by everyone who follows it.
     watches: Arc<tokio::sync::Mutex<HashMap<String, Weak<LiveInstances>>>>,
 }
@@ -70,6 +95,7 @@ impl Planes {
             queue: Arc::new(EmbeddedWorkQueue::default()),
             store: Arc::new(EmbeddedStore::default()),
             tcp: None,
+            transfer: TransferWire::Auto,
             watches: Arc::default(),
         }
     }

@@ -62,6 +62,8 @@ pub struct CompiledGraph {
     pub namespace: String,
     pub control: PlaneAddr,
     pub events: PlaneAddr,
+    /// How KV blocks move between its processes (`planes.transfer`).
+    pub transfer: dyn_core::planes::TransferWire,
     /// The models the graph serves (`model:`, or `models:`).
     pub models: Vec<ModelSpec>,
     pub base_dir: PathBuf,

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use crate::diag::{Diagnostic, Diagnostics, Pos};
 use crate::spec::{self, GraphSpec, Override};
 use dyn_core::payload::PayloadType;
+use dyn_core::planes::TransferWire;
 use dyn_core::registry::{AnySection, DynConfig, Kind, Ports, Registry};
 
 mod configs;
@@ -70,12 +71,19 @@ pub fn compile(
 ) -> Result<CompiledGraph, Diagnostics> {
     let control = parse_plane(&spec.planes.control, "etcd", "control", &mut diags);
     let events = parse_plane(&spec.planes.events, "nats", "events", &mut diags);
+    let (wire, pos) = &spec.planes.transfer;
+    let transfer = wire.parse().unwrap_or_else(|message: String| {
+        diags.push(Diagnostic::error(*pos, None, message));
+        TransferWire::Auto
+    });
     let mut c = Compiler::new(spec, registry, diags);
     for (name, pass) in Compiler::PASSES {
         tracing::trace!(pass = name, "Compiler pass");
         pass(&mut c);
     }
-    c.finish(control, events, base_dir)
+    let mut graph = c.finish(control, events, base_dir)?;
+    graph.transfer = transfer;
+    Ok(graph)
 }
 
 /// One compiler pass: reads and adds to what the earlier ones found.
@@ -193,6 +201,7 @@ impl<'a> Compiler<'a> {
             namespace: spec.namespace.clone(),
             control,
             events,
+            transfer: TransferWire::Auto,
             models: spec.models.clone(),
             base_dir,
             nodes,

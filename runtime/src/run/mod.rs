@@ -260,13 +260,15 @@ async fn connect_planes(graph: &CompiledGraph, opts: &RunOptions) -> Result<Plan
     if graph.control == PlaneAddr::Embedded && graph.events == PlaneAddr::Embedded {
         return Ok(Planes::embedded());
     }
-    crate::planes::connect(
+    let mut planes = crate::planes::connect(
         &graph.control,
         &graph.events,
         opts.tcp.clone(),
         opts.lease_ttl,
     )
-    .await
+    .await?;
+    planes.transfer = graph.transfer;
+    Ok(planes)
 }
 
 /// `here` with every node after the nodes it calls (those that take it as an input): a node

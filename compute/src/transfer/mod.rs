@@ -11,7 +11,10 @@
 //!   id and reads a header and then every block's bytes back to back, so the transfer is one
 //!   pipelined stream limited by the socket, not by round trips. Pulls of offers made by the
 //!   same agent skip the socket. With a cluster identity the connection is TLS and a stranger
-//!   is refused before it can name an offer.
+//!   is refused before it can name an offer. With UCX on both sides ([`TcpAgent::bind_with`])
+//!   the same connection checks the pull and then hands the puller where to read the blocks
+//!   with one-sided UCX reads (RDMA on a cluster, cross-memory attach on one machine); see
+//!   [`tcp`].
 //!
 //! An offer is a capability: its id is 128 random bits, it can be pulled once, and, when the
 //! router bound it to the decode worker it chose, only with that worker's [`PullKey`]. The
@@ -24,24 +27,21 @@
 //!
 //! A CUDA agent (device↔host staging, peer copies) comes with the native engine's CUDA backend.
 
+pub mod tcp;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use dyn_trust::{PlaneStream, Trust};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-use futures::{SinkExt, StreamExt};
+use bytes::Bytes;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
+
+pub use tcp::TcpAgent;
 
 pub use dyn_protocol::transfer::{
     BlockDType, BlockFormat, BlockLayout, PullKey, PullLock, TransferDescriptor, TransferId,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::codec::{FramedRead, FramedWrite, LengthDelimitedCodec};
 
 impl From<crate::model::DType> for BlockDType {
     fn from(d: crate::model::DType) -> Self {
@@ -72,6 +72,40 @@ pub enum TransferError {
 /// Kept with an offer and dropped when the offer ends (pulled, expired, or its agent gone): an
 /// engine learns there when it may reuse the blocks it pinned for the transfer.
 pub type Hold = Box<dyn std::any::Any + Send + Sync>;
+
+/// Which wire brought a pull's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    InProcess,
+    Tcp,
+    Ucx,
+}
+
+impl Via {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Via::InProcess => "inproc",
+            Via::Tcp => "tcp",
+            Via::Ucx => "ucx",
+        }
+    }
+}
+
+impl std::fmt::Display for Via {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A pull's blocks, in order, and how they came.
+#[derive(Debug)]
+pub struct Pulled {
+    pub blocks: Vec<Bytes>,
+    pub via: Via,
+    /// Why the faster wire both sides have was not the one used (a UCX read that failed and
+    /// was streamed over TCP instead).
+    pub fallback: Option<String>,
+}
 
 /// See the module docs.
 #[async_trait::async_trait]
@@ -105,7 +139,7 @@ pub trait KvTransferAgent: Send + Sync + 'static {
         &self,
         desc: &TransferDescriptor,
         key: Option<PullKey>,
-    ) -> Result<Vec<Bytes>, TransferError>;
+    ) -> Result<Pulled, TransferError>;
 
     /// End an offer of this agent's that nobody will pull (its request was cancelled, or
     /// prefilled elsewhere), so its blocks are free now rather than at the TTL. True when
@@ -258,11 +292,15 @@ impl KvTransferAgent for InProcessAgent {
         &self,
         desc: &TransferDescriptor,
         key: Option<PullKey>,
-    ) -> Result<Vec<Bytes>, TransferError> {
+    ) -> Result<Pulled, TransferError> {
         if desc.agent != self.name {
             return Err(TransferError::Unreachable(desc.agent.clone()));
         }
-        Ok(self.offers.take(desc.transfer_id, key)?.blocks)
+        Ok(Pulled {
+            blocks: self.offers.take(desc.transfer_id, key)?.blocks,
+            via: Via::InProcess,
+            fallback: None,
+        })
     }
 
     fn discard(&self, desc: &TransferDescriptor) -> bool {
@@ -271,287 +309,13 @@ impl KvTransferAgent for InProcessAgent {
     }
 }
 
-/// A TCP pull: which offer, with which key (the connection is TLS with a cluster identity).
-#[derive(Serialize, Deserialize)]
-struct PullRequest {
-    id: TransferId,
-    key: Option<PullKey>,
-}
-
-/// A pull whose bytes stop coming for this long fails (the prefill host went dark).
-const PULL_STALL: Duration = Duration::from_secs(10);
-
-/// The response header of a TCP pull; the blocks' bytes follow it.
-#[derive(Serialize, Deserialize)]
-struct PullHeader {
-    error: Option<String>,
-    blocks: u32,
-    block_bytes: u32,
-}
-
-/// The most one pull may bring: far above any prompt's KV (a 128k-token prompt of a 70B model
-/// in bf16 is 40 GiB), far below what a forged descriptor could ask a process to allocate.
-const MAX_PULL_BYTES: u64 = 64 << 30;
-
-fn stalled() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        format!("no bytes for {PULL_STALL:?}"),
-    )
-}
-
-/// Largest header or request accepted (they are small JSON objects).
-const MAX_CONTROL: usize = 64 << 10;
-
-/// Control messages (a pull's transfer id, its response header) are length-delimited JSON
-/// frames; a response's blocks follow its header raw, back to back.
-fn control_codec() -> LengthDelimitedCodec {
-    LengthDelimitedCodec::builder()
-        .max_frame_length(MAX_CONTROL)
-        .new_codec()
-}
-
-async fn write_control(
-    w: &mut (impl AsyncWrite + Unpin),
-    v: &impl Serialize,
-) -> std::io::Result<()> {
-    let body = serde_json::to_vec(v).map_err(std::io::Error::other)?;
-    let mut framed = FramedWrite::new(w, control_codec());
-    framed.send(Bytes::from(body)).await
-}
-
-/// Read one control message; also returns what was read past it (the first block bytes of a
-/// response), which the caller must use before reading on.
-async fn read_control<T: for<'de> Deserialize<'de>>(
-    r: &mut (impl AsyncRead + Unpin),
-) -> std::io::Result<(T, BytesMut)> {
-    let mut framed = FramedRead::new(r, control_codec());
-    let frame = framed
-        .next()
-        .await
-        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))??;
-    let v = serde_json::from_slice(&frame).map_err(std::io::Error::other)?;
-    Ok((v, framed.into_parts().read_buf))
-}
-
-/// Blocks over TCP. See the module docs.
-pub struct TcpAgent {
-    /// Its offers, and pulls of them from this process, which skip the socket.
-    local: InProcessAgent,
-    trust: Trust,
-    _listener: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for TcpAgent {
-    fn drop(&mut self) {
-        self._listener.abort();
-    }
-}
-
-impl TcpAgent {
-    /// Listen on `bind` (port 0: any); `advertise` is the host peers use (default: the bound
-    /// IP); `trust` says who may pull, and how this agent connects to others.
-    pub async fn bind(bind: &str, advertise: Option<&str>, trust: Trust) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(bind).await?;
-        let local = listener.local_addr()?;
-        let host = advertise.map_or_else(|| local.ip().to_string(), str::to_owned);
-        // `[v6]:PORT`, as the request plane writes it (and as a connect parses it).
-        let host = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]")
-        } else {
-            host
-        };
-        let agent = InProcessAgent::named(format!("tcp://{host}:{}", local.port()));
-        let serving = agent.offers.clone();
-        let accepting = trust.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((s, _)) => {
-                        dyn_trust::tune(&s);
-                        let (offers, trust) = (serving.clone(), accepting.clone());
-                        tokio::spawn(async move {
-                            match trust.accept(s).await {
-                                Ok(s) => serve_pull(s, offers).await,
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "KV transfer: connection refused")
-                                }
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "KV transfer accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        });
-        Ok(Self {
-            local: agent,
-            trust,
-            _listener: task,
-        })
-    }
-
-    /// `tcp://HOST:PORT`.
-    pub fn name(&self) -> &str {
-        &self.local.name
-    }
-}
-
-async fn serve_pull(stream: PlaneStream, offers: Arc<Offers>) {
-    let (mut r, w) = tokio::io::split(stream);
-    // Coalesce small blocks into large writes; large blocks go through in one call each.
-    let mut w = BufWriter::with_capacity(256 << 10, w);
-    let result = async {
-        let (pull, _): (PullRequest, _) = read_control(&mut r).await?;
-        match offers.take(pull.id, pull.key) {
-            Ok(offer) => {
-                let header = PullHeader {
-                    error: None,
-                    blocks: offer.blocks.len() as u32,
-                    block_bytes: offer.block_bytes,
-                };
-                write_control(&mut w, &header).await?;
-                for b in &offer.blocks {
-                    w.write_all(b).await?;
-                }
-            }
-            Err(e) => {
-                let header = PullHeader {
-                    error: Some(e.to_string()),
-                    blocks: 0,
-                    block_bytes: 0,
-                };
-                write_control(&mut w, &header).await?;
-            }
-        }
-        w.flush().await
-    };
-    if let Err(e) = result.await {
-        tracing::debug!(error = %e, "KV transfer pull failed");
-    }
-}
-
-#[async_trait::async_trait]
-impl KvTransferAgent for TcpAgent {
-    fn offer_held(
-        &self,
-        block_ids: Vec<u32>,
-        blocks: Vec<Bytes>,
-        format: BlockFormat,
-        ttl: Duration,
-        hold: Option<Hold>,
-        to: Option<PullLock>,
-    ) -> Result<TransferDescriptor, TransferError> {
-        self.local
-            .offer_held(block_ids, blocks, format, ttl, hold, to)
-    }
-
-    fn discard(&self, desc: &TransferDescriptor) -> bool {
-        self.local.discard(desc)
-    }
-
-    async fn pull(
-        &self,
-        desc: &TransferDescriptor,
-        key: Option<PullKey>,
-    ) -> Result<Vec<Bytes>, TransferError> {
-        if desc.agent == self.local.name {
-            return self.local.pull(desc, key).await;
-        }
-        let addr = desc
-            .agent
-            .strip_prefix("tcp://")
-            .ok_or_else(|| TransferError::Unreachable(desc.agent.clone()))?;
-        let io = |e: std::io::Error| TransferError::Io {
-            agent: desc.agent.clone(),
-            message: e.to_string(),
-        };
-        // Nothing is connected to, nor allocated for, a descriptor that could not be served.
-        let total = (desc.block_ids.len() as u64)
-            .checked_mul(u64::from(desc.block_bytes))
-            .filter(|&t| t <= MAX_PULL_BYTES)
-            .ok_or_else(|| TransferError::Io {
-                agent: desc.agent.clone(),
-                message: format!(
-                    "{} blocks of {} bytes is more than one pull may bring",
-                    desc.block_ids.len(),
-                    desc.block_bytes
-                ),
-            })? as usize;
-        let tcp = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
-            .await
-            .map_err(|_| TransferError::Unreachable(desc.agent.clone()))?
-            .map_err(io)?;
-        dyn_trust::tune(&tcp);
-        let mut s = self
-            .trust
-            .connect(tcp, addr)
-            .await
-            .map_err(|e| TransferError::Io {
-                agent: desc.agent.clone(),
-                message: e.to_string(),
-            })?;
-        let pull = PullRequest {
-            id: desc.transfer_id,
-            key,
-        };
-        write_control(&mut s, &pull).await.map_err(io)?;
-        let (header, read_ahead): (PullHeader, _) =
-            tokio::time::timeout(PULL_STALL, read_control(&mut s))
-                .await
-                .map_err(|_| io(stalled()))?
-                .map_err(io)?;
-        if let Some(e) = header.error {
-            return Err(TransferError::Io {
-                agent: desc.agent.clone(),
-                message: e,
-            });
-        }
-        if header.blocks as usize != desc.block_ids.len() || header.block_bytes != desc.block_bytes
-        {
-            return Err(TransferError::Io {
-                agent: desc.agent.clone(),
-                message: format!(
-                    "sent {} blocks of {} bytes for a descriptor of {} blocks of {}",
-                    header.blocks,
-                    header.block_bytes,
-                    desc.block_ids.len(),
-                    desc.block_bytes
-                ),
-            });
-        }
-        // One buffer for everything, read straight from the socket (after what the header's
-        // read took ahead), then split per block without copying. `total` is the descriptor's
-        // size, which the header matched.
-        if read_ahead.len() > total {
-            return Err(io(std::io::Error::other("bytes past the last block")));
-        }
-        let mut buf = BytesMut::zeroed(total);
-        buf[..read_ahead.len()].copy_from_slice(&read_ahead);
-        let mut at = read_ahead.len();
-        while at < total {
-            let n = tokio::time::timeout(PULL_STALL, s.read(&mut buf[at..]))
-                .await
-                .map_err(|_| io(stalled()))?
-                .map_err(io)?;
-            if n == 0 {
-                return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
-            }
-            at += n;
-        }
-        let mut all = buf.freeze();
-        Ok((0..header.blocks)
-            .map(|_| all.split_to(header.block_bytes as usize))
-            .collect())
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::tcp::{PullHeader, PullRequest, read_control, write_control};
     use super::*;
+    use dyn_trust::Trust;
     use proptest::prelude::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn format(block_bytes: u32) -> BlockFormat {
         BlockFormat {
@@ -598,12 +362,12 @@ mod tests {
                 let ids: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
                 let desc = prefill.offer(ids.clone(), sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
                 assert_eq!(desc.block_ids, ids);
-                let got = decode.pull(&desc, None).await.unwrap();
+                let got = decode.pull(&desc, None).await.unwrap().blocks;
                 assert_eq!(got, sent);
                 // In-process: the same buffers come back.
                 let local = InProcessAgent::default();
                 let desc = local.offer(ids, sent.clone(), format(size as u32), Duration::from_secs(10)).unwrap();
-                assert_eq!(local.pull(&desc, None).await.unwrap(), sent);
+                assert_eq!(local.pull(&desc, None).await.unwrap().blocks, sent);
             });
         }
     }
@@ -659,7 +423,10 @@ mod tests {
         let own = prefill
             .offer(vec![9], blocks(1, 8, 3), format(8), Duration::from_secs(10))
             .unwrap();
-        assert_eq!(prefill.pull(&own, None).await.unwrap(), blocks(1, 8, 3));
+        assert_eq!(
+            prefill.pull(&own, None).await.unwrap().blocks,
+            blocks(1, 8, 3)
+        );
     }
 
     /// The engine learns through the hold when its pinned blocks are free again.
@@ -815,7 +582,7 @@ mod tests {
             assert!(decode.pull(&guess, Some(key)).await.is_err());
         }
         // The intended worker still gets every byte, once.
-        assert_eq!(decode.pull(&desc, Some(key)).await.unwrap(), sent);
+        assert_eq!(decode.pull(&desc, Some(key)).await.unwrap().blocks, sent);
         assert!(decode.pull(&desc, Some(key)).await.is_err());
         // Keys travel as 32 hex digits, and are not shown in logs.
         let json = serde_json::to_value(key).unwrap();
@@ -865,6 +632,7 @@ mod tests {
                 error: None,
                 blocks: 2,
                 block_bytes: 64,
+                ucx: None,
             };
             write_control(&mut s, &header).await.unwrap();
             std::future::pending::<()>().await;
@@ -882,5 +650,147 @@ mod tests {
             .unwrap();
         let e = decode.pull(&desc, None).await.unwrap_err();
         assert!(e.to_string().contains("no bytes for 10s"), "{e}");
+    }
+
+    /// Agents with UCX (each its own UCX context and worker, as in two processes).
+    async fn ucx_agent() -> TcpAgent {
+        let ucx = dyn_ucx::Agent::new("test-ucx").expect("UCX starts");
+        TcpAgent::bind_with("127.0.0.1:0", None, Trust::plain(), Some(Arc::new(ucx)))
+            .await
+            .unwrap()
+    }
+
+    /// Both sides with UCX: the blocks come through it byte for byte, the offer ends with
+    /// the pull (its hold dropped), and a second pull is refused. Either side without UCX:
+    /// the stream, with no fallback to report.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn blocks_move_through_ucx_when_both_sides_have_it_and_over_tcp_otherwise() {
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let (prefill, decode) = (ucx_agent().await, ucx_agent().await);
+        assert_eq!(prefill.wire(), Via::Ucx);
+        let sent = blocks(5, 4096, 9);
+        let ended = Arc::<std::sync::atomic::AtomicBool>::default();
+        let desc = prefill
+            .offer_held(
+                vec![4, 5, 6, 7, 8],
+                sent.clone(),
+                format(4096),
+                Duration::from_secs(10),
+                Some(Box::new(Flag(ended.clone()))),
+                None,
+            )
+            .unwrap();
+        let got = decode.pull(&desc, None).await.unwrap();
+        assert_eq!((got.via, got.fallback), (Via::Ucx, None));
+        assert_eq!(got.blocks, sent);
+        for _ in 0..200 {
+            if ended.load(Ordering::SeqCst) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            ended.load(Ordering::SeqCst),
+            "the offer ends when the puller is done"
+        );
+        assert!(decode.pull(&desc, None).await.is_err(), "pulled once");
+
+        let plain = TcpAgent::bind("127.0.0.1:0", None, Trust::plain())
+            .await
+            .unwrap();
+        for (from, to) in [(&plain, &decode), (&prefill, &plain)] {
+            let desc = from
+                .offer(
+                    vec![1, 2],
+                    sent[..2].to_vec(),
+                    format(4096),
+                    Duration::from_secs(10),
+                )
+                .unwrap();
+            let got = to.pull(&desc, None).await.unwrap();
+            assert_eq!((got.via, got.fallback), (Via::Tcp, None));
+            assert_eq!(got.blocks, sent[..2]);
+        }
+    }
+
+    /// A UCX read that fails falls back to the stream on the same connection, and says why:
+    /// the puller's side against a server whose region cannot be read (its key is not one
+    /// UCX packed), the server's side against a puller that reports its read failed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_ucx_read_falls_back_to_the_stream() {
+        let sent = blocks(3, 1000, 4);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let agent = format!("tcp://{}", listener.local_addr().unwrap());
+        let owner = dyn_ucx::Agent::new("test-ucx-owner").expect("UCX starts");
+        let served = sent.clone();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (pull, _): (PullRequest, _) = read_control(&mut s).await.unwrap();
+            assert!(pull.ucx, "the puller asks for UCX");
+            let bad = dyn_ucx::Remote {
+                worker: owner.address().to_vec(),
+                addr: 4096,
+                len: 3000,
+                rkey: vec![0xEE; 24],
+            };
+            let header = PullHeader {
+                error: None,
+                blocks: 3,
+                block_bytes: 1000,
+                ucx: Some(bad.to_string()),
+            };
+            write_control(&mut s, &header).await.unwrap();
+            let (done, _): (serde_json::Value, _) = read_control(&mut s).await.unwrap();
+            assert_eq!(done, serde_json::json!({"ok": false}));
+            for b in &served {
+                s.write_all(b).await.unwrap();
+            }
+        });
+        let desc = TransferDescriptor {
+            agent,
+            transfer_id: TransferId(7),
+            block_ids: vec![0, 1, 2],
+            block_bytes: 1000,
+            layout: BlockLayout::LayerKvHeadSlotDim,
+            dtype: BlockDType::Bf16,
+        };
+        let decode = ucx_agent().await;
+        let got = decode.pull(&desc, None).await.unwrap();
+        server.await.unwrap();
+        assert_eq!(got.via, Via::Tcp);
+        assert!(got.fallback.is_some(), "the reason is kept");
+        assert_eq!(got.blocks, sent);
+
+        // The serving side: told the read failed, it streams the blocks.
+        let prefill = ucx_agent().await;
+        let desc = prefill
+            .offer(
+                vec![1, 2, 3],
+                sent.clone(),
+                format(1000),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        let addr = desc.agent.strip_prefix("tcp://").unwrap();
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let pull = PullRequest {
+            id: desc.transfer_id,
+            key: None,
+            ucx: true,
+        };
+        write_control(&mut s, &pull).await.unwrap();
+        let (header, ahead): (PullHeader, _) = read_control(&mut s).await.unwrap();
+        assert!(header.ucx.is_some() && ahead.is_empty());
+        write_control(&mut s, &serde_json::json!({"ok": false}))
+            .await
+            .unwrap();
+        let mut all = vec![0u8; 3000];
+        s.read_exact(&mut all).await.unwrap();
+        assert_eq!(all, sent.concat());
     }
 }
