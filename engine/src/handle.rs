@@ -468,9 +468,17 @@ impl EngineHandle {
                         tracing::debug!(worker_id = %id, reason = %why, "KV transfer over TCP after a failed UCX read");
                     }
                 }
+                let took = started.elapsed();
                 m.seconds
                     .with_label_values(&[self.node.as_str()])
-                    .observe(started.elapsed().as_secs_f64());
+                    .observe(took.as_secs_f64());
+                tracing::debug!(
+                    worker_id = %id,
+                    via = via.as_str(),
+                    bytes = blocks.iter().map(|b| b.len()).sum::<usize>(),
+                    ms = took.as_secs_f64() * 1e3,
+                    "KV blocks pulled"
+                );
                 Some(ImportedKv {
                     first_token: p.first_token,
                     blocks,

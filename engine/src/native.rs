@@ -607,6 +607,13 @@ impl Executor for NativeExec {
         // One buffer, split: the blocks lie back to back, as a UCX transfer registers them.
         let bb = self.backend.block_bytes();
         let mut all = Bytes::from(self.backend.export_blocks_packed(blocks)?);
+        if all.len() != blocks.len() * bb {
+            return Err(EngineError::Mismatch(format!(
+                "{} bytes exported for {} blocks of {bb}",
+                all.len(),
+                blocks.len()
+            )));
+        }
         Ok(blocks.iter().map(|_| all.split_to(bb)).collect())
     }
 

@@ -259,7 +259,7 @@ fn top_level_unknown_field_and_missing_name() {
 #[test]
 fn bad_plane_addresses() {
     insta::assert_snapshot!(errors(
-        "name: t\nplanes:\n  control: etcd:/nope\n  events: redis://x:1\nnodes:\n  in: {kind: src}\n  x: {kind: a2b, inputs: [in]}\n"
+        "name: t\nplanes:\n  control: etcd:/nope\n  events: redis://x:1\n  transfer: rdma\nnodes:\n  in: {kind: src}\n  x: {kind: a2b, inputs: [in]}\n"
     ));
 }
 
@@ -271,6 +271,22 @@ fn distributed_plane_addresses_are_accepted() {
     )
     .unwrap();
     assert_eq!(g.control.to_string(), "etcd://127.0.0.1:2379,10.0.0.2:2379");
+    assert_eq!(
+        g.transfer,
+        dyn_core::planes::TransferWire::Auto,
+        "by default"
+    );
+    for (wire, want) in [
+        ("ucx", dyn_core::planes::TransferWire::Ucx),
+        ("tcp", dyn_core::planes::TransferWire::Tcp),
+    ] {
+        let g = check_with(
+            &format!("name: t\nplanes: {{transfer: {wire}}}\nnodes:\n  in: {{kind: src}}\n  x: {{kind: a2b, inputs: [in]}}\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(g.transfer, want);
+    }
 }
 
 #[test]

@@ -160,11 +160,12 @@ enum Reply<T> {
 }
 
 impl<T> Reply<T> {
-    fn send(self, r: Result<T, UcxError>) {
-        let _ = match self {
-            Reply::Blocking(tx) => tx.send(r).map_err(drop),
-            Reply::Async(tx) => tx.send(r).map_err(drop),
-        };
+    /// The answer, or back when nobody waits for it any more.
+    fn send(self, r: Result<T, UcxError>) -> Option<Result<T, UcxError>> {
+        match self {
+            Reply::Blocking(tx) => tx.send(r).err().map(|e| e.0),
+            Reply::Async(tx) => tx.send(r).err(),
+        }
     }
 }
 
@@ -324,12 +325,34 @@ impl Agent {
             len,
             reply,
         })?;
-        match tokio::time::timeout(limit, rx).await {
-            Ok(r) => r.map_err(|_| UcxError::Gone)?,
-            Err(_) => {
-                let _ = self.cmds.send(Cmd::Cancel { id });
-                Err(UcxError::TimedOut { len, after: limit })
+        // A read whose caller stops waiting — past the limit, or its future dropped — is
+        // cancelled, not left running.
+        let mut pending = CancelOnDrop {
+            cmds: &self.cmds,
+            id: Some(id),
+        };
+        let r = match tokio::time::timeout(limit, rx).await {
+            Ok(r) => {
+                pending.id = None;
+                r.map_err(|_| UcxError::Gone)?
             }
+            Err(_) => Err(UcxError::TimedOut { len, after: limit }),
+        };
+        drop(pending);
+        r
+    }
+}
+
+/// Cancels the read `id` when dropped still armed.
+struct CancelOnDrop<'a> {
+    cmds: &'a Commands,
+    id: Option<u64>,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.cmds.send(Cmd::Cancel { id });
         }
     }
 }
@@ -423,11 +446,24 @@ impl Progress {
                 "config_read",
                 sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config),
             )?;
-            if std::env::var_os("UCX_NET_DEVICES").is_none() {
-                let st = sys::ucp_config_modify(config, c"NET_DEVICES".as_ptr(), c"lo".as_ptr());
-                if let Err(e) = check("config_modify", st) {
-                    sys::ucp_config_release(config);
-                    return Err(e);
+            //
+            // And unless the environment names transports (`UCX_TLS`), neither TCP nor System
+            // V shared memory: over a transport that carries messages but cannot read memory
+            // itself, UCX emulates a read by a message the owner answers by copying from
+            // whatever address the message names — registered or not (`rma_sw.c`). TCP would
+            // let anyone who reaches the port do that, SysV segments anyone of the group
+            // (they are created group-readable); POSIX shared memory is the user's alone, as
+            // cross-memory attach is.
+            for (var, name, value) in [
+                ("UCX_NET_DEVICES", c"NET_DEVICES", c"lo"),
+                ("UCX_TLS", c"TLS", c"^tcp,sysv"),
+            ] {
+                if std::env::var_os(var).is_none() {
+                    let st = sys::ucp_config_modify(config, name.as_ptr(), value.as_ptr());
+                    if let Err(e) = check("config_modify", st) {
+                        sys::ucp_config_release(config);
+                        return Err(e);
+                    }
                 }
             }
             let mut ctx = null_mut();
@@ -532,14 +568,14 @@ impl Progress {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Register { addr, len, reply } => reply.send(self.register(addr, len)),
-            Cmd::Unmap { memh, _keep } => {
-                // SAFETY: a handle this context mapped, unmapped once (taken from its region).
-                let st = unsafe { sys::ucp_mem_unmap(self.ctx, memh.0) };
-                if let Err(e) = check("mem_unmap", st) {
-                    tracing::warn!(error = %e, "UCX region not unmapped");
+            Cmd::Register { addr, len, reply } => {
+                // A registration its caller stopped waiting for is undone at once: nothing
+                // else would unmap it.
+                if let Some(Ok((memh, _))) = reply.send(self.register(addr, len)) {
+                    self.unmap(memh);
                 }
             }
+            Cmd::Unmap { memh, _keep } => self.unmap(memh),
             Cmd::Get {
                 id,
                 from,
@@ -572,6 +608,15 @@ impl Progress {
         self.pending
             .values()
             .any(|p| p.cancelled.is_none_or(|t| t.elapsed() < GIVE_UP))
+    }
+
+    fn unmap(&mut self, memh: MemH) {
+        // SAFETY: a handle this context mapped, unmapped once (taken from its region, or from
+        // a registration nobody received).
+        let st = unsafe { sys::ucp_mem_unmap(self.ctx, memh.0) };
+        if let Err(e) = check("mem_unmap", st) {
+            tracing::warn!(error = %e, "UCX region not unmapped");
+        }
     }
 
     fn register(&mut self, addr: usize, len: usize) -> Result<(MemH, Vec<u8>), UcxError> {

@@ -337,6 +337,15 @@ mod tests {
             .collect()
     }
 
+    /// A hold that raises its flag when the offer ends.
+    struct Flag(Arc<std::sync::atomic::AtomicBool>);
+
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
     /// A prefill side's agent and a decode side's, on loopback, without an identity.
     async fn plain_pair() -> (TcpAgent, TcpAgent) {
         let bind = || TcpAgent::bind("127.0.0.1:0", None, Trust::plain());
@@ -432,12 +441,6 @@ mod tests {
     /// The engine learns through the hold when its pinned blocks are free again.
     #[tokio::test]
     async fn the_hold_is_dropped_when_the_offer_ends() {
-        struct Flag(Arc<std::sync::atomic::AtomicBool>);
-        impl Drop for Flag {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
         let (prefill, decode) = plain_pair().await;
         let held = |f: &Arc<std::sync::atomic::AtomicBool>| Some(Box::new(Flag(f.clone())) as Hold);
         let pulled = Arc::default();
@@ -665,12 +668,6 @@ mod tests {
     /// the stream, with no fallback to report.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn blocks_move_through_ucx_when_both_sides_have_it_and_over_tcp_otherwise() {
-        struct Flag(Arc<std::sync::atomic::AtomicBool>);
-        impl Drop for Flag {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
         let (prefill, decode) = (ucx_agent().await, ucx_agent().await);
         assert_eq!(prefill.wire(), Via::Ucx);
         let sent = blocks(5, 4096, 9);
@@ -719,8 +716,9 @@ mod tests {
     }
 
     /// A UCX read that fails falls back to the stream on the same connection, and says why:
-    /// the puller's side against a server whose region cannot be read (its key is not one
-    /// UCX packed), the server's side against a puller that reports its read failed.
+    /// the puller's side against a server whose region does not hold the blocks (a real
+    /// region, one byte short: refused before anything is read), the server's side against a
+    /// puller that reports its read failed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_ucx_read_falls_back_to_the_stream() {
         let sent = blocks(3, 1000, 4);
@@ -732,12 +730,8 @@ mod tests {
             let (mut s, _) = listener.accept().await.unwrap();
             let (pull, _): (PullRequest, _) = read_control(&mut s).await.unwrap();
             assert!(pull.ucx, "the puller asks for UCX");
-            let bad = dyn_ucx::Remote {
-                worker: owner.address().to_vec(),
-                addr: 4096,
-                len: 3000,
-                rkey: vec![0xEE; 24],
-            };
+            let region = owner.register(Bytes::from(vec![7u8; 2999])).unwrap();
+            let bad = region.remote().clone();
             let header = PullHeader {
                 error: None,
                 blocks: 3,

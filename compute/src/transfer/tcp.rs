@@ -219,20 +219,31 @@ async fn serve_pull(stream: PlaneStream, offers: Arc<Offers>, ucx: Option<Arc<dy
                     header.ucx = Some(region.remote().to_string());
                     write_control(&mut w, &header).await?;
                     w.flush().await?;
-                    // The region stays readable until the puller is done, gone, or the offer's
-                    // time is up; then it is unmapped and the offer (its hold) ends.
+                    // The region stays readable until the puller says it is done or goes away,
+                    // or the offer's time is up (but not before the puller's own read limit);
+                    // then it is unmapped and the offer (its hold) ends.
                     let left = offer.expires.saturating_duration_since(Instant::now());
-                    let done = tokio::time::timeout(left.max(PULL_STALL), read_control(&mut r));
-                    match done.await {
-                        Ok(Ok((PullDone { ok: true }, _))) => return Ok(()),
-                        Ok(Ok((PullDone { ok: false }, _))) => {
-                            tracing::debug!("KV transfer: the UCX read failed; streaming instead")
-                        }
-                        Ok(Err(e)) => return Err(e),
-                        Err(_) => return Err(stalled()),
+                    let total = offer.blocks.len() * offer.block_bytes as usize;
+                    let wait = left.max(ucx_limit(total) + PULL_STALL);
+                    let done = tokio::time::timeout(wait, read_control(&mut r)).await;
+                    if let Ok(Ok((PullDone { ok: true }, _))) = done {
+                        return Ok(());
                     }
-                    drop(region);
-                    return stream_blocks(&mut w, &offer).await;
+                    // A puller that gave up on its read, or went away, may have left it in
+                    // flight: the region's memory stays mapped a while longer, so no read is
+                    // ever served from memory freed under it.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(LINGER).await;
+                        drop(region);
+                    });
+                    return match done {
+                        Ok(Ok(_)) => {
+                            tracing::debug!("KV transfer: the UCX read failed; streaming instead");
+                            stream_blocks(&mut w, &offer).await
+                        }
+                        Ok(Err(e)) => Err(e),
+                        Err(_) => Err(stalled()),
+                    };
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "KV transfer: blocks not registered with UCX; streaming them")
@@ -253,6 +264,10 @@ async fn stream_blocks(w: &mut (impl AsyncWrite + Unpin), offer: &Offer) -> std:
     }
     w.flush().await
 }
+
+/// How long a region outlives a UCX pull that did not end in the puller's "done": longer than a
+/// cancelled read takes to end (`dyn_ucx` gives one a second).
+const LINGER: Duration = Duration::from_secs(5);
 
 /// How long a UCX read of `bytes` may take: the stall bound, plus the bytes at 100 MB/s (far
 /// below any wire UCX picks), so only a peer that went away reaches it.
@@ -326,8 +341,14 @@ impl KvTransferAgent for TcpAgent {
             ucx: self.ucx.is_some(),
         };
         write_control(&mut s, &pull).await.map_err(io)?;
+        // Asking for UCX, the header waits for the offer's registration too.
+        let header_wait = if pull.ucx {
+            ucx_limit(total)
+        } else {
+            PULL_STALL
+        };
         let (header, read_ahead): (PullHeader, _) =
-            tokio::time::timeout(PULL_STALL, read_control(&mut s))
+            tokio::time::timeout(header_wait, read_control(&mut s))
                 .await
                 .map_err(|_| io(stalled()))?
                 .map_err(io)?;
