@@ -456,7 +456,7 @@ fn print_workers(r: &WorkersAnswer) {
         );
     }
     println!(
-        "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10}",
+        "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10} {:>8}",
         "worker",
         "live",
         "active",
@@ -467,11 +467,12 @@ fn print_workers(r: &WorkersAnswer) {
         "hit rate",
         "running",
         "waiting",
-        "breaker"
+        "breaker",
+        "transfer"
     );
     for w in &r.workers {
         println!(
-            "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10}",
+            "{:<18} {:>5} {:>7} {:>11} {:>14} {:>8} {:>15} {:>9} {:>8} {:>8} {:>10} {:>8}",
             w.worker_id,
             w.live,
             w.active_requests,
@@ -483,6 +484,7 @@ fn print_workers(r: &WorkersAnswer) {
             opt(w.requests_running),
             opt(w.requests_waiting),
             w.breaker,
+            opt(w.transfer.as_deref()),
         );
     }
 }

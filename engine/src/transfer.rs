@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dyn_compute::transfer::{InProcessAgent, KvTransferAgent, TcpAgent};
+use dyn_compute::transfer::{InProcessAgent, KvTransferAgent, TcpAgent, Via};
 use dyn_core::planes::TransferWire;
 use dyn_core::{BuildCx, BuildError, Service};
 
@@ -15,6 +15,7 @@ pub struct TransferAgent(pub Arc<dyn KvTransferAgent>);
 impl Service for TransferAgent {
     async fn start(cx: &BuildCx) -> Result<Self, BuildError> {
         let Some(tcp) = &cx.planes.tcp else {
+            let _ = cx.planes.transfer_in_use.set(Via::InProcess.as_str());
             return Ok(Self(Arc::new(InProcessAgent::default())));
         };
         let ucx = match cx.planes.transfer {
@@ -43,6 +44,7 @@ impl Service for TransferAgent {
         .await
         .map_err(|e| BuildError::new(format!("cannot listen for KV transfers on {host}: {e}")))?;
         tracing::info!(agent = agent.name(), wire = %agent.wire(), "KV transfer agent listening");
+        let _ = cx.planes.transfer_in_use.set(agent.wire().as_str());
         Ok(Self(Arc::new(agent)))
     }
 }

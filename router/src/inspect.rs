@@ -66,6 +66,9 @@ pub struct WorkerRow {
     /// request is a probe).
     #[serde(default = "closed")]
     pub breaker: String,
+    /// The wire KV blocks take to and from it (`inproc`, `tcp`, `ucx`), as it registered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer: Option<String>,
 }
 
 fn closed() -> String {
@@ -266,27 +269,30 @@ impl Inner {
             ids.extend(ix.worker_ids().filter(|w| !live.contains(w)));
         }
         ids.sort_unstable();
-        let workers = ids
-            .iter()
-            .map(|&w| {
-                let load = self.loads.active.load(w);
-                let m = metrics.get(&w).map(|r| &r.metrics);
-                WorkerRow {
-                    worker_id: hex(w),
-                    live: live.contains(&w),
-                    active_requests: load.requests,
-                    pending_prefill_tokens: load.prefill_tokens,
-                    active_blocks_routed: load.decode_blocks,
-                    indexed_blocks: index.as_ref().map(|ix| ix.worker_blocks(w)),
-                    requests_running: m.map(|m| m.requests_running),
-                    requests_waiting: m.map(|m| m.requests_waiting),
-                    kv_active_blocks: m.map(|m| m.kv_active_blocks),
-                    kv_total_blocks: m.map(|m| m.kv_total_blocks),
-                    prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
-                    breaker: self.avoidance.health.state(w, now).as_str().into(),
-                }
-            })
-            .collect();
+        let workers =
+            ids.iter()
+                .map(|&w| {
+                    let load = self.loads.active.load(w);
+                    let m = metrics.get(&w).map(|r| &r.metrics);
+                    WorkerRow {
+                        worker_id: hex(w),
+                        live: live.contains(&w),
+                        active_requests: load.requests,
+                        pending_prefill_tokens: load.prefill_tokens,
+                        active_blocks_routed: load.decode_blocks,
+                        indexed_blocks: index.as_ref().map(|ix| ix.worker_blocks(w)),
+                        requests_running: m.map(|m| m.requests_running),
+                        requests_waiting: m.map(|m| m.requests_waiting),
+                        kv_active_blocks: m.map(|m| m.kv_active_blocks),
+                        kv_total_blocks: m.map(|m| m.kv_total_blocks),
+                        prefix_cache_hit_rate: m.map(|m| m.prefix_cache_hit_rate),
+                        breaker: self.avoidance.health.state(w, now).as_str().into(),
+                        transfer: self.workers.instance(w).and_then(|i| {
+                            Some(i.metadata.extra.get("transfer")?.as_str()?.to_owned())
+                        }),
+                    }
+                })
+                .collect();
         WorkersAnswer {
             policy: self.config.policy,
             target: self.workers.target.clone(),

@@ -954,6 +954,8 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 0);
     assert_eq!(logged(&c, "decode", 1, "the UCX read failed"), 0);
     assert_eq!(logged(&c, "frontend", 1, "Prefilled remotely"), 4);
+    // `dyn inspect` shows each worker's wire, as it registered.
+    assert_eq!(transfer_wires(&url), ["ucx", "ucx"]);
 
     // The prefill process killed under load: every stream finishes, with the answer one
     // process gives (its prompt prefilled locally where the transfer failed).
@@ -997,6 +999,24 @@ async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
     assert_eq!(c.remote_decisions(), 2);
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over ucx"), 0);
+    assert_eq!(transfer_wires(&url), ["tcp", "tcp"]);
+}
+
+/// The transfer wire of the decode worker (behind `route`) and of the prefill worker (behind
+/// `remote_prefill`), as `dyn inspect workers` shows them.
+fn transfer_wires(url: &str) -> Vec<String> {
+    ["route", "remote_prefill"]
+        .iter()
+        .map(|node| {
+            let out =
+                dyn_tests::run(&["inspect", "--url", url, "--node", node, "--json", "workers"]);
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            v["replicas"][0]["workers"][0]["transfer"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{node}: {v}"))
+                .to_owned()
+        })
+        .collect()
 }
 
 /// The workers the router behind `url` sees live.

@@ -81,6 +81,9 @@ pub struct Planes {
     pub tcp: Option<TcpOptions>,
     /// How KV blocks move between processes (used with `tcp`).
     pub transfer: TransferWire,
+    /// The wire this process's KV transfer agent moves blocks over (`inproc`, `tcp`, `ucx`),
+    /// once an engine started it: workers publish it in their instance metadata.
+    pub transfer_in_use: Arc<std::sync::OnceLock<&'static str>>,
     /// One discovery watch per prefix in this process, shared by everyone who follows it.
     watches: Arc<tokio::sync::Mutex<HashMap<String, Weak<LiveInstances>>>>,
 }
@@ -96,6 +99,7 @@ impl Planes {
             store: Arc::new(EmbeddedStore::default()),
             tcp: None,
             transfer: TransferWire::Auto,
+            transfer_in_use: Arc::default(),
             watches: Arc::default(),
         }
     }

@@ -176,6 +176,12 @@ impl ReplicaSet {
         let mut metadata = n.config.metadata();
         metadata.kind = Some(n.kind.name.into());
         metadata.model = n.model.clone();
+        // The wire KV blocks take to and from it, when its engine started a transfer agent.
+        if let (Role::Worker, Some(wire)) = (n.kind.role, self.planes.transfer_in_use.get()) {
+            metadata
+                .extra
+                .insert("transfer".into(), serde_json::Value::from(*wire));
+        }
         let mut instance = Instance {
             namespace: self.graph.namespace.clone(),
             component: n.id.clone(),
