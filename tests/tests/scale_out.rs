@@ -933,18 +933,11 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
         return;
     };
     let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
-    let greedy = |url: String, p: String| async move {
-        let body = json!({"model": "tiny", "prompt": p, "max_tokens": 10,
-                          "temperature": 0, "ignore_eos": true});
-        let (status, v) = dyn_tests::completion(&url, &body).await;
-        assert_eq!(status, 200, "{v}");
-        v["choices"][0]["text"].to_string()
-    };
     let url = format!("http://{}", c.g.addr);
     for i in 0..4 {
         let p = long_prompt(200 + i);
-        let got = greedy(url.clone(), p.clone()).await;
-        assert_eq!(got, greedy(agg.url(""), p).await, "prompt {i}");
+        let got = greedy_text(&url, &p).await;
+        assert_eq!(got, greedy_text(&agg.url(""), &p).await, "prompt {i}");
     }
     assert_eq!(c.remote_decisions(), 4);
     // Real KV blocks (f32, the CPU backend's layout) went through UCX (`planes.transfer:
@@ -960,13 +953,11 @@ async fn native_kv_crosses_processes_and_greedy_output_equals_one_process() {
     // The prefill process killed under load: every stream finishes, with the answer one
     // process gives (its prompt prefilled locally where the transfer failed).
     let prompts: Vec<String> = (0..6).map(|i| long_prompt(300 + i)).collect();
-    let want = futures::future::join_all(prompts.iter().map(|p| greedy(agg.url(""), p.clone())));
-    let want = want.await;
+    let agg_url = agg.url("");
+    let want = futures::future::join_all(prompts.iter().map(|p| greedy_text(&agg_url, p))).await;
     let got = tokio::spawn({
         let (url, prompts) = (url.clone(), prompts.clone());
-        async move {
-            futures::future::join_all(prompts.into_iter().map(|p| greedy(url.clone(), p))).await
-        }
+        async move { futures::future::join_all(prompts.iter().map(|p| greedy_text(&url, p))).await }
     });
     c.wait_for(
         |c| logged(c, "frontend", 1, "Prefilled remotely") > 4,
@@ -989,17 +980,94 @@ async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
     let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
     let url = format!("http://{}", c.g.addr);
     for i in 0..2 {
-        let body = json!({"model": "tiny", "prompt": long_prompt(200 + i), "max_tokens": 10,
-                          "temperature": 0, "ignore_eos": true});
-        let (status, got) = dyn_tests::completion(&url, &body).await;
-        assert_eq!(status, 200, "{got}");
-        let (_, want) = dyn_tests::completion(&agg.url(""), &body).await;
-        assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+        let p = long_prompt(200 + i);
+        assert_eq!(
+            greedy_text(&url, &p).await,
+            greedy_text(&agg.url(""), &p).await
+        );
     }
     assert_eq!(c.remote_decisions(), 2);
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over ucx"), 0);
     assert_eq!(transfer_wires(&url), ["tcp", "tcp"]);
+}
+
+/// A prefill process whose UCX does not start (`UCX_TLS` names no transport UCX has): with
+/// `planes.transfer: auto` it says so and serves its offers over TCP, and the decode worker,
+/// which has UCX, gets them streamed — the same answers, no failed transfer, no fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
+    let Some(c) = Cluster::up(
+        "graphs/disagg_native.yaml",
+        1,
+        &[
+            "--only",
+            "http,preprocess,route,remote_prefill,decode,postprocess",
+        ],
+    ) else {
+        return;
+    };
+    let dir = scratch_dir(&format!("run-p-{}", c.etcd.address().replace(':', "-")));
+    let log = dir.join("prefill.log");
+    let mut prefill = dyn_cmd()
+        .args([
+            "--log-format",
+            "json",
+            "graph",
+            "up",
+            "graphs/disagg_native.yaml",
+        ])
+        .args(["--only", "prefill", "--lease-ttl", "2"])
+        .args(["--control", &format!("etcd://{}", c.etcd.address())])
+        .args(["--events", &format!("nats://{}", c.nats.address())])
+        .env("DYN_RUN_DIR", &dir)
+        .env("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN)
+        .env("UCX_TLS", "no-such-transport")
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let url = format!("http://{}", c.g.addr);
+    c.wait_for(
+        |_| {
+            let v = dyn_tests::inspect_json(&url, &["--node", "remote_prefill", "workers"]);
+            v["replicas"][0]["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 1)
+        },
+        "the frontend sees the prefill worker",
+    );
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    for i in 0..2 {
+        let p = long_prompt(400 + i);
+        assert_eq!(
+            greedy_text(&url, &p).await,
+            greedy_text(&agg.url(""), &p).await,
+            "prompt {i}"
+        );
+    }
+    assert_eq!(c.remote_decisions(), 2);
+    assert_eq!(transfer_wires(&url), ["ucx", "tcp"]);
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
+    assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
+    assert_eq!(logged(&c, "decode", 1, "the UCX read failed"), 0);
+    signal(prefill.id(), "-TERM");
+    assert!(prefill.wait().unwrap().success());
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains("UCX did not start; KV transfers go over TCP"),
+        "{said}"
+    );
+}
+
+/// A completion's text at temperature 0 (10 tokens, eos ignored).
+async fn greedy_text(url: &str, prompt: &str) -> String {
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                      "temperature": 0, "ignore_eos": true});
+    let (status, v) = dyn_tests::completion(url, &body).await;
+    assert_eq!(status, 200, "{v}");
+    v["choices"][0]["text"].to_string()
 }
 
 /// The transfer wire of the decode worker (behind `route`) and of the prefill worker (behind
@@ -1008,9 +1076,7 @@ fn transfer_wires(url: &str) -> Vec<String> {
     ["route", "remote_prefill"]
         .iter()
         .map(|node| {
-            let out =
-                dyn_tests::run(&["inspect", "--url", url, "--node", node, "--json", "workers"]);
-            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            let v = dyn_tests::inspect_json(url, &["--node", node, "workers"]);
             v["replicas"][0]["workers"][0]["transfer"]
                 .as_str()
                 .unwrap_or_else(|| panic!("{node}: {v}"))
