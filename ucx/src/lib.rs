@@ -423,6 +423,9 @@ struct Progress {
 /// an emulated read served here waits little, an idle agent wakes ~100 times a second.
 pub const IDLE_WAIT: Duration = Duration::from_millis(10);
 const BUSY_WAIT: Duration = Duration::from_micros(50);
+/// Endpoints an agent keeps open to peers it read from.
+const MAX_ENDPOINTS: usize = 1024;
+
 /// How long the thread looks for a next command without sleeping after activity.
 const SPIN: Duration = Duration::from_micros(50);
 /// How long a cancelled read may take to end before the thread stops waiting for it.
@@ -651,6 +654,19 @@ impl Progress {
     fn endpoint(&mut self, peer: &[u8]) -> Result<sys::ucp_ep_h, UcxError> {
         if let Some(&ep) = self.eps.get(peer) {
             return Ok(ep);
+        }
+        // Peers come and go (a restarted process has a new address) and an endpoint to one
+        // that left without a failed read stays: past the bound, one no read is using is
+        // closed first, so the map cannot grow without end.
+        if self.eps.len() >= MAX_ENDPOINTS {
+            let idle = self
+                .eps
+                .keys()
+                .find(|k| !self.pending.values().any(|p| &p.peer == *k))
+                .cloned();
+            if let Some(idle) = idle {
+                self.forget(&idle);
+            }
         }
         // SAFETY: `peer` is a worker address as `ucp_worker_query` wrote it (UCX checks its
         // contents); the zeroed struct is read per `field_mask`.
