@@ -5,7 +5,9 @@
 //! address, the region's address and length, and the packed remote key); another process
 //! *reads* a range of it with one `ucp_get_nbx` ([`Agent::get`]), without the owner's code
 //! running for it. UCX picks the wire: RDMA reads where there is an RDMA device, cross-memory
-//! attach or shared memory between processes of one machine, TCP otherwise.
+//! attach between processes of one machine. Reads UCX *emulates* with messages (over TCP or
+//! System V shared memory) are left out unless `UCX_TLS` asks for them: the owner answers
+//! those from whatever address they name, registered or not.
 //!
 //! An [`Agent`] owns one UCX context and one worker, driven by a progress thread of its own, and
 //! every UCX call happens on that thread (the worker is single-threaded). Callers hand it
@@ -13,7 +15,7 @@
 //! pause; after activity it looks for a next command for 50 µs without sleeping (a sleeping
 //! thread's wake-up cost a small read more than the read); idle, it waits on the channel for
 //! at most [`IDLE_WAIT`], progressing in between —
-//! reads *emulated* over TCP complete only while the serving side progresses its worker too.
+//! emulated reads, where enabled, complete only while the serving side progresses its worker.
 //! The context does not ask for UCX's wake-up events: with them UCX keeps only transports that
 //! can raise one, and cross-memory attach (one machine's true one-sided read) cannot.
 //!
