@@ -997,47 +997,11 @@ async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
 /// which has UCX, gets them streamed — the same answers, no failed transfer, no fallback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
-    let Some(c) = Cluster::up(
-        "graphs/disagg_native.yaml",
-        1,
-        &[
-            "--only",
-            "http,preprocess,route,remote_prefill,decode,postprocess",
-        ],
-    ) else {
+    let (c, mut prefill, log) = disagg_with_prefill_apart(&[("UCX_TLS", "no-such-transport")]);
+    let Some(c) = c else {
         return;
     };
-    let dir = scratch_dir(&format!("run-p-{}", c.etcd.address().replace(':', "-")));
-    let log = dir.join("prefill.log");
-    let mut prefill = dyn_cmd()
-        .args([
-            "--log-format",
-            "json",
-            "graph",
-            "up",
-            "graphs/disagg_native.yaml",
-        ])
-        .args(["--only", "prefill", "--lease-ttl", "2"])
-        .args(["--control", &format!("etcd://{}", c.etcd.address())])
-        .args(["--events", &format!("nats://{}", c.nats.address())])
-        .env("DYN_RUN_DIR", &dir)
-        .env("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN)
-        .env("UCX_TLS", "no-such-transport")
-        .env("RUST_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
     let url = format!("http://{}", c.g.addr);
-    c.wait_for(
-        |_| {
-            let v = dyn_tests::inspect_json(&url, &["--node", "remote_prefill", "workers"]);
-            v["replicas"][0]["workers"]
-                .as_array()
-                .is_some_and(|w| w.len() == 1)
-        },
-        "the frontend sees the prefill worker",
-    );
     let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
     for i in 0..2 {
         let p = long_prompt(400 + i);
@@ -1059,6 +1023,94 @@ async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
         said.contains("UCX did not start; KV transfers go over TCP"),
         "{said}"
     );
+}
+
+/// A prefill process whose UCX the decode worker's cannot reach (`UCX_TLS=self,cma` there:
+/// no transport to set an endpoint up over): each pull's UCX read fails, the blocks come over
+/// TCP on the same connection, and the fallback is counted and said once — the same answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ucx_read_falls_back_to_tcp_across_processes() {
+    let (c, mut prefill, log) = disagg_with_prefill_apart(&[("UCX_TLS", "self,cma")]);
+    let Some(c) = c else {
+        return;
+    };
+    let url = format!("http://{}", c.g.addr);
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    for i in 0..2 {
+        let p = long_prompt(500 + i);
+        assert_eq!(
+            greedy_text(&url, &p).await,
+            greedy_text(&agg.url(""), &p).await,
+            "prompt {i}"
+        );
+    }
+    assert_eq!(c.remote_decisions(), 2);
+    signal(prefill.id(), "-TERM");
+    assert!(prefill.wait().unwrap().success());
+    // The prefill side's UCX started (it is the reads that fail, not its agent).
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("\"wire\":\"ucx\""), "{said}");
+    for l in dyn_tests::process_logs(&c.g.logs(), "decode.0") {
+        if l["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("said once"))
+        {
+            eprintln!("the fallback's reason: {}", l["reason"]);
+        }
+    }
+    assert_eq!(
+        logged(&c, "decode", 1, "the blocks came over TCP (said once)"),
+        1
+    );
+    assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
+    assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
+}
+
+/// `graphs/disagg_native.yaml` across processes, its prefill worker in a process of its own
+/// started apart with `env` (its log in the returned file), once the frontend sees it.
+fn disagg_with_prefill_apart(
+    env: &[(&str, &str)],
+) -> (Option<Cluster>, std::process::Child, PathBuf) {
+    let only = "http,preprocess,route,remote_prefill,decode,postprocess";
+    let Some(c) = Cluster::up("graphs/disagg_native.yaml", 1, &["--only", only]) else {
+        return (
+            None,
+            dyn_cmd().arg("--version").spawn().unwrap(),
+            PathBuf::new(),
+        );
+    };
+    let dir = scratch_dir(&format!("run-p-{}", c.etcd.address().replace(':', "-")));
+    let log = dir.join("prefill.log");
+    let prefill = dyn_cmd()
+        .args([
+            "--log-format",
+            "json",
+            "graph",
+            "up",
+            "graphs/disagg_native.yaml",
+        ])
+        .args(["--only", "prefill", "--lease-ttl", "2"])
+        .args(["--control", &format!("etcd://{}", c.etcd.address())])
+        .args(["--events", &format!("nats://{}", c.nats.address())])
+        .env("DYN_RUN_DIR", &dir)
+        .env("DYN_CLUSTER_TOKEN", CLUSTER_TOKEN)
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let url = format!("http://{}", c.g.addr);
+    c.wait_for(
+        |_| {
+            let v = dyn_tests::inspect_json(&url, &["--node", "remote_prefill", "workers"]);
+            v["replicas"][0]["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 1)
+        },
+        "the frontend sees the prefill worker",
+    );
+    (Some(c), prefill, log)
 }
 
 /// A completion's text at temperature 0 (10 tokens, eos ignored).
