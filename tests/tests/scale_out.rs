@@ -997,20 +997,13 @@ async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
 /// which has UCX, gets them streamed — the same answers, no failed transfer, no fallback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
-    let (c, mut prefill, log) = disagg_with_prefill_apart(&[("UCX_TLS", "no-such-transport")]);
-    let Some(c) = c else {
+    let Some((c, mut prefill, log)) =
+        disagg_with_prefill_apart(&[("UCX_TLS", "no-such-transport")])
+    else {
         return;
     };
+    answers_equal_one_process(&c, 400, 2).await;
     let url = format!("http://{}", c.g.addr);
-    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
-    for i in 0..2 {
-        let p = long_prompt(400 + i);
-        assert_eq!(
-            greedy_text(&url, &p).await,
-            greedy_text(&agg.url(""), &p).await,
-            "prompt {i}"
-        );
-    }
     assert_eq!(c.remote_decisions(), 2);
     assert_eq!(transfer_wires(&url), ["ucx", "tcp"]);
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
@@ -1030,20 +1023,10 @@ async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
 /// TCP on the same connection, and the fallback is counted and said once — the same answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_ucx_read_falls_back_to_tcp_across_processes() {
-    let (c, mut prefill, log) = disagg_with_prefill_apart(&[("UCX_TLS", "self,cma")]);
-    let Some(c) = c else {
+    let Some((c, mut prefill, log)) = disagg_with_prefill_apart(&[("UCX_TLS", "self,cma")]) else {
         return;
     };
-    let url = format!("http://{}", c.g.addr);
-    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
-    for i in 0..2 {
-        let p = long_prompt(500 + i);
-        assert_eq!(
-            greedy_text(&url, &p).await,
-            greedy_text(&agg.url(""), &p).await,
-            "prompt {i}"
-        );
-    }
+    answers_equal_one_process(&c, 500, 2).await;
     assert_eq!(c.remote_decisions(), 2);
     signal(prefill.id(), "-TERM");
     assert!(prefill.wait().unwrap().success());
@@ -1070,15 +1053,9 @@ async fn a_failed_ucx_read_falls_back_to_tcp_across_processes() {
 /// started apart with `env` (its log in the returned file), once the frontend sees it.
 fn disagg_with_prefill_apart(
     env: &[(&str, &str)],
-) -> (Option<Cluster>, std::process::Child, PathBuf) {
+) -> Option<(Cluster, std::process::Child, PathBuf)> {
     let only = "http,preprocess,route,remote_prefill,decode,postprocess";
-    let Some(c) = Cluster::up("graphs/disagg_native.yaml", 1, &["--only", only]) else {
-        return (
-            None,
-            dyn_cmd().arg("--version").spawn().unwrap(),
-            PathBuf::new(),
-        );
-    };
+    let c = Cluster::up("graphs/disagg_native.yaml", 1, &["--only", only])?;
     let dir = scratch_dir(&format!("run-p-{}", c.etcd.address().replace(':', "-")));
     let log = dir.join("prefill.log");
     let prefill = dyn_cmd()
@@ -1110,7 +1087,19 @@ fn disagg_with_prefill_apart(
         },
         "the frontend sees the prefill worker",
     );
-    (Some(c), prefill, log)
+    Some((c, prefill, log))
+}
+
+/// Greedy answers to `n` long prompts (from `seed` on) through the cluster equal those of
+/// `graphs/agg_native.yaml` in one process.
+async fn answers_equal_one_process(c: &Cluster, seed: usize, n: usize) {
+    let url = format!("http://{}", c.g.addr);
+    let agg = Graph::up_with_ingress("graphs/agg_native.yaml", "http", &[]);
+    for i in 0..n {
+        let p = long_prompt(seed + i);
+        let got = greedy_text(&url, &p).await;
+        assert_eq!(got, greedy_text(&agg.url(""), &p).await, "prompt {i}");
+    }
 }
 
 /// A completion's text at temperature 0 (10 tokens, eos ignored).
