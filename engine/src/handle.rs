@@ -459,10 +459,9 @@ impl EngineHandle {
                         .inc();
                     // Once per process at warn (a broken wire would say it on every
                     // request), then at debug.
-                    static TOLD: std::sync::Once = std::sync::Once::new();
-                    let mut first = false;
-                    TOLD.call_once(|| first = true);
-                    if first {
+                    static TOLD: std::sync::atomic::AtomicBool =
+                        std::sync::atomic::AtomicBool::new(false);
+                    if !TOLD.swap(true, std::sync::atomic::Ordering::Relaxed) {
                         tracing::warn!(worker_id = %id, reason = %why, "KV transfer: the UCX read failed, the blocks came over TCP (said once)");
                     } else {
                         tracing::debug!(worker_id = %id, reason = %why, "KV transfer over TCP after a failed UCX read");

@@ -997,8 +997,7 @@ async fn native_kv_goes_over_tcp_when_the_graph_says_so() {
 /// which has UCX, gets them streamed — the same answers, no failed transfer, no fallback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
-    let Some((c, mut prefill, log)) =
-        disagg_with_prefill_apart(&[("UCX_TLS", "no-such-transport")])
+    let Some((c, prefill, log)) = disagg_with_prefill_apart(&[("UCX_TLS", "no-such-transport")])
     else {
         return;
     };
@@ -1009,8 +1008,7 @@ async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
     assert_eq!(logged(&c, "decode", 1, "first blocks pulled over tcp"), 1);
     assert_eq!(logged(&c, "decode", 1, "KV transfer failed"), 0);
     assert_eq!(logged(&c, "decode", 1, "the UCX read failed"), 0);
-    signal(prefill.id(), "-TERM");
-    assert!(prefill.wait().unwrap().success());
+    prefill.stop();
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(
         said.contains("UCX did not start; KV transfers go over TCP"),
@@ -1023,13 +1021,12 @@ async fn a_prefill_process_without_ucx_serves_its_kv_over_tcp() {
 /// TCP on the same connection, and the fallback is counted and said once — the same answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_ucx_read_falls_back_to_tcp_across_processes() {
-    let Some((c, mut prefill, log)) = disagg_with_prefill_apart(&[("UCX_TLS", "self,cma")]) else {
+    let Some((c, prefill, log)) = disagg_with_prefill_apart(&[("UCX_TLS", "self,cma")]) else {
         return;
     };
     answers_equal_one_process(&c, 500, 2).await;
     assert_eq!(c.remote_decisions(), 2);
-    signal(prefill.id(), "-TERM");
-    assert!(prefill.wait().unwrap().success());
+    prefill.stop();
     // The prefill side's UCX started (it is the reads that fail, not its agent).
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(said.contains("\"wire\":\"ucx\""), "{said}");
@@ -1051,9 +1048,7 @@ async fn a_failed_ucx_read_falls_back_to_tcp_across_processes() {
 
 /// `graphs/disagg_native.yaml` across processes, its prefill worker in a process of its own
 /// started apart with `env` (its log in the returned file), once the frontend sees it.
-fn disagg_with_prefill_apart(
-    env: &[(&str, &str)],
-) -> Option<(Cluster, std::process::Child, PathBuf)> {
+fn disagg_with_prefill_apart(env: &[(&str, &str)]) -> Option<(Cluster, Apart, PathBuf)> {
     let only = "http,preprocess,route,remote_prefill,decode,postprocess";
     let c = Cluster::up("graphs/disagg_native.yaml", 1, &["--only", only])?;
     let dir = scratch_dir(&format!("run-p-{}", c.etcd.address().replace(':', "-")));
@@ -1087,7 +1082,43 @@ fn disagg_with_prefill_apart(
         },
         "the frontend sees the prefill worker",
     );
-    Some((c, prefill, log))
+    Some((c, Apart(Some(prefill)), log))
+}
+
+/// A `dyn graph up` started apart from the cluster's: killed if the test fails before it
+/// stops it.
+struct Apart(Option<std::process::Child>);
+
+impl Apart {
+    /// SIGTERM, and a clean exit (its drain) within 60 s.
+    fn stop(mut self) {
+        let mut child = self.0.take().unwrap();
+        signal(child.id(), "-TERM");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the process started apart did not exit within 60 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success(),
+            "the process started apart exited {status}"
+        );
+    }
+}
+
+impl Drop for Apart {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Greedy answers to `n` long prompts (from `seed` on) through the cluster equal those of

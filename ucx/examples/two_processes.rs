@@ -24,7 +24,7 @@ async fn main() {
     if std::env::var_os("DYN_UCX_SERVE").is_some() {
         let owner = Agent::new("ucx-serve").unwrap();
         let data: Vec<u8> = (0..256 * BLOCK).map(|i| (i % 251) as u8).collect();
-        let region = owner.register(Bytes::from(data)).unwrap();
+        let region = owner.register(Bytes::from(data)).await.unwrap();
         let r = region.remote();
         println!("{r}");
         std::io::stdout().flush().unwrap();

@@ -133,7 +133,7 @@ enum Cmd {
         /// The region: memory its `Registered` keeps alive until the unmap.
         addr: usize,
         len: usize,
-        reply: Reply<(MemH, Vec<u8>)>,
+        reply: tokio::sync::oneshot::Sender<Result<(MemH, Vec<u8>), UcxError>>,
     },
     Unmap {
         memh: MemH,
@@ -153,22 +153,6 @@ enum Cmd {
     Cancel {
         id: u64,
     },
-}
-
-/// Where a command's answer goes: to a thread that blocks for it or to a task that awaits it.
-enum Reply<T> {
-    Blocking(mpsc::SyncSender<Result<T, UcxError>>),
-    Async(tokio::sync::oneshot::Sender<Result<T, UcxError>>),
-}
-
-impl<T> Reply<T> {
-    /// The answer, or back when nobody waits for it any more.
-    fn send(self, r: Result<T, UcxError>) -> Option<Result<T, UcxError>> {
-        match self {
-            Reply::Blocking(tx) => tx.send(r).err().map(|e| e.0),
-            Reply::Async(tx) => tx.send(r).err(),
-        }
-    }
 }
 
 /// The command channel to the progress thread.
@@ -221,41 +205,27 @@ impl Agent {
     }
 
     /// Makes `bytes` readable by peers holding the returned region's [`Remote`], until the
-    /// region is dropped. Blocks for the registration (one command to the progress thread).
-    pub fn register(&self, bytes: Bytes) -> Result<Registered, UcxError> {
-        if bytes.is_empty() {
-            return Err(UcxError::Empty);
-        }
-        let (reply, rx) = mpsc::sync_channel(1);
-        let (addr, len) = (bytes.as_ptr() as usize, bytes.len());
-        self.cmds.send(Cmd::Register {
-            addr,
-            len,
-            reply: Reply::Blocking(reply),
-        })?;
-        let done = rx.recv().map_err(|_| UcxError::Gone)?;
-        Ok(self.registered(done?, addr, len, vec![bytes]))
+    /// region is dropped (one command to the progress thread).
+    pub async fn register(&self, bytes: Bytes) -> Result<Registered, UcxError> {
+        self.register_blocks(vec![bytes]).await
     }
 
-    /// Makes `blocks` readable as one region, back to back, without blocking a thread. Blocks
-    /// that already lie back to back in memory (slices of one buffer, as an engine's export
-    /// makes them) are registered where they are; others are first copied into one buffer.
+    /// Makes `blocks` readable as one region, back to back. Blocks that already lie back to
+    /// back in memory (slices of one buffer, as an engine's export makes them) are registered
+    /// where they are; others are first copied into one buffer, on a blocking thread.
     pub async fn register_blocks(&self, blocks: Vec<Bytes>) -> Result<Registered, UcxError> {
         let blocks = if adjacent(&blocks) {
             blocks
         } else {
-            vec![Bytes::from(blocks.concat())]
+            let joined = tokio::task::spawn_blocking(move || Bytes::from(blocks.concat()));
+            vec![joined.await.map_err(|_| UcxError::Gone)?]
         };
         let (addr, len) = match (blocks.first(), blocks.iter().map(Bytes::len).sum()) {
             (Some(first), len) if len > 0 => (first.as_ptr() as usize, len),
             _ => return Err(UcxError::Empty),
         };
         let (reply, rx) = tokio::sync::oneshot::channel();
-        self.cmds.send(Cmd::Register {
-            addr,
-            len,
-            reply: Reply::Async(reply),
-        })?;
+        self.cmds.send(Cmd::Register { addr, len, reply })?;
         let done = rx.await.map_err(|_| UcxError::Gone)?;
         Ok(self.registered(done?, addr, len, blocks))
     }
@@ -576,7 +546,7 @@ impl Progress {
             Cmd::Register { addr, len, reply } => {
                 // A registration its caller stopped waiting for is undone at once: nothing
                 // else would unmap it.
-                if let Some(Ok((memh, _))) = reply.send(self.register(addr, len)) {
+                if let Err(Ok((memh, _))) = reply.send(self.register(addr, len)) {
                     self.unmap(memh);
                 }
             }

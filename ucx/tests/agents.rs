@@ -64,7 +64,7 @@ async fn a_registered_region_is_read_whole_and_in_part_by_another_agent() {
     let owner = Agent::new("ucx-owner").expect("UCX starts");
     let reader = Agent::new("ucx-reader").expect("UCX starts");
     let data = pattern(4 << 20, 7);
-    let region = owner.register(data.clone()).expect("registers");
+    let region = owner.register(data.clone()).await.expect("registers");
     let remote = region.remote().clone();
     assert_eq!(remote.len, data.len() as u64);
     assert_eq!(remote.worker, owner.address());
@@ -109,14 +109,20 @@ async fn a_registered_region_is_read_whole_and_in_part_by_another_agent() {
         .await
         .expect_err("past the end of the address space");
     assert!(e.to_string().contains("outside the region"), "{e}");
-    assert!(owner.register(Bytes::new()).is_err(), "an empty region");
+    assert!(
+        owner.register(Bytes::new()).await.is_err(),
+        "an empty region"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_from_an_agent_that_is_gone_fails_within_its_limit() {
     let owner = Agent::new("ucx-owner").expect("UCX starts");
     let reader = Agent::new("ucx-reader").expect("UCX starts");
-    let region = owner.register(pattern(1 << 20, 3)).expect("registers");
+    let region = owner
+        .register(pattern(1 << 20, 3))
+        .await
+        .expect("registers");
     let remote = region.remote().clone();
     reader
         .get(&remote, 0, 4096, LIMIT)
@@ -137,7 +143,7 @@ async fn a_read_from_an_agent_that_is_gone_fails_within_its_limit() {
     // The reader still works for others.
     let other = Agent::new("ucx-other").expect("UCX starts");
     let data = pattern(8192, 9);
-    let region = other.register(data.clone()).expect("registers");
+    let region = other.register(data.clone()).await.expect("registers");
     let got = reader
         .get(region.remote(), 0, data.len(), LIMIT)
         .await
@@ -154,7 +160,10 @@ fn serve_a_region_for_the_two_process_test() {
     };
     let owner = Agent::new("ucx-child").expect("UCX starts");
     let data = pattern(size.parse().unwrap(), 5);
-    let region = owner.register(data).expect("registers");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let region = rt.block_on(owner.register(data)).expect("registers");
     let r = region.remote();
     println!("REMOTE {r}");
     std::io::stdout().flush().unwrap();

@@ -730,7 +730,7 @@ mod tests {
             let (mut s, _) = listener.accept().await.unwrap();
             let (pull, _): (PullRequest, _) = read_control(&mut s).await.unwrap();
             assert!(pull.ucx, "the puller asks for UCX");
-            let region = owner.register(Bytes::from(vec![7u8; 2999])).unwrap();
+            let region = owner.register(Bytes::from(vec![7u8; 2999])).await.unwrap();
             let bad = region.remote().clone();
             let header = PullHeader {
                 error: None,

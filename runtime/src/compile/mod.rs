@@ -81,9 +81,7 @@ pub fn compile(
         tracing::trace!(pass = name, "Compiler pass");
         pass(&mut c);
     }
-    let mut graph = c.finish(control, events, base_dir)?;
-    graph.transfer = transfer;
-    Ok(graph)
+    c.finish(control, events, transfer, base_dir)
 }
 
 /// One compiler pass: reads and adds to what the earlier ones found.
@@ -169,6 +167,7 @@ impl<'a> Compiler<'a> {
         mut self,
         control: PlaneAddr,
         events: PlaneAddr,
+        transfer: TransferWire,
         base_dir: PathBuf,
     ) -> Result<CompiledGraph, Diagnostics> {
         self.diags.sort();
@@ -201,7 +200,7 @@ impl<'a> Compiler<'a> {
             namespace: spec.namespace.clone(),
             control,
             events,
-            transfer: TransferWire::Auto,
+            transfer,
             models: spec.models.clone(),
             base_dir,
             nodes,
